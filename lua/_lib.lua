@@ -1,0 +1,57 @@
+--[[
+  _lib.lua: helpers prepended by tdstore/_scripts.py to every other script.
+
+  Not a script on its own. Every function is local, so each registered script
+  stays self-contained (EVALSHA needs the whole text) and runs on Lua 5.1 and 5.4
+  without bit operators, string.pack, struct or cmsgpack.
+]]
+local unpack = unpack or table.unpack
+
+-- Decode the little-endian unsigned 64-bit integer at 1-based position p of s.
+-- Offsets stay below 2^53, so a Lua double holds them exactly.
+local function tds_u64(s, p)
+  local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(s, p, p + 7)
+  return ((((((b8 * 256 + b7) * 256 + b6) * 256 + b5) * 256 + b4) * 256 + b3) * 256 + b2) * 256 + b1
+end
+
+-- Encode a non-negative integer below 2^53 as 8 little-endian bytes.
+local function tds_p64(n)
+  local b = {}
+  for k = 1, 8 do
+    local r = n % 256
+    b[k] = r
+    n = (n - r) / 256
+  end
+  return string.char(b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8])
+end
+
+-- The reply that tells a client its cached header is stale: 'STALE' then the header hash.
+local function tds_stale(meta)
+  local r = redis.call('HGETALL', meta)
+  table.insert(r, 1, 'STALE')
+  return r
+end
+
+-- Check that the store exists, is ready, and that the caller planned with the current
+-- schema version. Returns nil when the call may go on, else the reply to send back
+-- ('GONE' for a deleted store, 'STALE' + header for an outdated cache). A version of
+-- '*' skips the version check (used by calls that do not depend on the schema).
+local function tds_check(meta, version)
+  local cur = redis.call('HGET', meta, 'version')
+  if not cur then
+    return {'GONE'}
+  end
+  if version ~= '*' and cur ~= version then
+    return tds_stale(meta)
+  end
+  return nil
+end
+
+-- Read a number from ARGV, raising a script error (before any write) when it is not one.
+local function tds_num(v, what)
+  local n = tonumber(v)
+  if n == nil then
+    error('TDSTORE bad argument: ' .. what .. ' is not a number')
+  end
+  return n
+end

@@ -1,0 +1,28 @@
+--[[
+  clear.lua: delete every key of one store, and nothing else.
+
+  The client lists the keys of every leaf number the store ever used (its header's
+  'next' counter), so keys left by deleted leaves go too. The version check makes a
+  client whose cache misses a newer leaf refresh first instead of leaving it behind.
+  No pattern matching is used, so a prefix or td_id holding glob characters cannot
+  reach another store.
+
+  KEYS[1]     store header hash
+  KEYS[2..]   every data / offset / shape key of the store
+  ARGV[1]     schema version the client planned with, or '*' to delete what is
+              listed without any check (used to abort an upload)
+
+  Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.
+]]
+local meta = KEYS[1]
+if ARGV[1] ~= '*' then
+  local bad = tds_check(meta, ARGV[1])
+  if bad then
+    return bad
+  end
+end
+local n = 0
+for i = 1, #KEYS do
+  n = n + redis.call('DEL', KEYS[i])
+end
+return {'OK', n}

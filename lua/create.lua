@@ -1,0 +1,34 @@
+--[[
+  create.lua: create a store header, or report the one that already exists.
+
+  The constructor calls it with the header it wants. It never overwrites an
+  existing header (other handles rely on it): when the store exists, the client
+  gets the stored header back in the same round trip and attaches to it, or raises
+  when count, stack dim or inner batch size disagree.
+
+  KEYS[1]     store header hash
+  ARGV[1]     time to live of the header in milliseconds, '0' for none (an upload
+              creates its header with a TTL, so an uploader that dies leaves nothing)
+  ARGV[2..]   field, value, field, value, ... of the new header
+
+  Reply       {'OK'} when the header was created;
+              {'EXISTS', field, value, ...} with the stored header otherwise.
+  Errors      'TDSTORE bad argument' when the field list is odd.
+]]
+local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 1 then
+  local r = redis.call('HGETALL', meta)
+  table.insert(r, 1, 'EXISTS')
+  return r
+end
+if (#ARGV - 1) % 2 ~= 0 or #ARGV < 3 then
+  error('TDSTORE bad argument: header fields must come in pairs')
+end
+local ttl = tds_num(ARGV[1], 'ttl')
+for i = 2, #ARGV, 2 do
+  redis.call('HSET', meta, ARGV[i], ARGV[i + 1])
+end
+if ttl > 0 then
+  redis.call('PEXPIRE', meta, ttl)
+end
+return {'OK'}

@@ -1,0 +1,83 @@
+--[[
+  read.lua: read byte ranges and whole heterogeneous elements of several leaves,
+  atomically, after checking the caller's schema version.
+
+  One call serves element reads, slices, step slices, index lists, masks and full
+  reads: the client plans which bytes it needs from its cached header, and this
+  script only checks that the header is still current, so a stale cache can never
+  return the wrong bytes.
+
+  KEYS[1]     store header hash (P:{I}:m)
+  KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
+
+  ARGV[1]     schema version the client planned with ('*' = do not check)
+  ARGV[2]     number of ops, then each op:
+    'R', k, n, start_1, len_1, ..., start_n, len_n
+          byte ranges of KEYS[k] (a homogeneous leaf); len may be 0
+    'E', kd, ko, ks, rec, n, lo_1, hi_1, ..., lo_n, hi_n
+          runs of whole elements lo..hi (0-based, inclusive) of a heterogeneous
+          leaf with data KEYS[kd], offset table KEYS[ko] and shape table KEYS[ks],
+          whose shape records are rec bytes each
+
+  Reply       {'OK', version, pieces...}: for an 'R' op one piece per range; for an
+              'E' op three pieces per run: the raw int64 offsets lo..hi+1, the raw
+              shape records lo..hi, and the data bytes of the run.
+              {'STALE', header field, value, ...} when ARGV[1] is not the current version.
+              {'GONE'} when the store does not exist.
+  Errors      'TDSTORE bad argument' for a malformed op (nothing is read).
+]]
+local meta = KEYS[1]
+local bad = tds_check(meta, ARGV[1])
+if bad then
+  return bad
+end
+local out = {'OK', redis.call('HGET', meta, 'version')}
+local nops = tds_num(ARGV[2], 'op count')
+local a = 3
+for _ = 1, nops do
+  local kind = ARGV[a]
+  if kind == 'R' then
+    local key = KEYS[tds_num(ARGV[a + 1], 'key index')]
+    local n = tds_num(ARGV[a + 2], 'range count')
+    a = a + 3
+    for _ = 1, n do
+      local start = tds_num(ARGV[a], 'start')
+      local len = tds_num(ARGV[a + 1], 'length')
+      if len > 0 then
+        out[#out + 1] = redis.call('GETRANGE', key, start, start + len - 1)
+      else
+        out[#out + 1] = ''
+      end
+      a = a + 2
+    end
+  elseif kind == 'E' then
+    local dkey = KEYS[tds_num(ARGV[a + 1], 'data key index')]
+    local okey = KEYS[tds_num(ARGV[a + 2], 'offset key index')]
+    local skey = KEYS[tds_num(ARGV[a + 3], 'shape key index')]
+    local rec = tds_num(ARGV[a + 4], 'record size')
+    local n = tds_num(ARGV[a + 5], 'run count')
+    a = a + 6
+    for _ = 1, n do
+      local lo = tds_num(ARGV[a], 'lo')
+      local hi = tds_num(ARGV[a + 1], 'hi')
+      a = a + 2
+      local offs = redis.call('GETRANGE', okey, 8 * lo, 8 * (hi + 2) - 1)
+      out[#out + 1] = offs
+      if rec > 0 then
+        out[#out + 1] = redis.call('GETRANGE', skey, lo * rec, (hi + 1) * rec - 1)
+      else
+        out[#out + 1] = ''
+      end
+      local first = tds_u64(offs, 1)
+      local last = tds_u64(offs, 8 * (hi - lo + 1) + 1)
+      if last > first then
+        out[#out + 1] = redis.call('GETRANGE', dkey, first, last - 1)
+      else
+        out[#out + 1] = ''
+      end
+    end
+  else
+    error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
+  end
+end
+return out

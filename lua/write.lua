@@ -1,0 +1,155 @@
+--[[
+  write.lua: write element bytes, whole blobs and tables of several leaves, and
+  optionally swap in a new schema, as one atomic step.
+
+  Serves store[i] = td, store[i].update(td), slice / step / index / mask writes,
+  set() of a new or replaced key, del, rename and shape-changing writes. A
+  heterogeneous element whose size changes is spliced into its blob and the
+  offset table behind it is rewritten here, on the server: the client never reads,
+  patches and writes back. Every argument is parsed before the first write, so a
+  malformed call writes nothing.
+
+  KEYS[1]     store header hash
+  KEYS[2..]   data / offset / shape keys touched, referenced by index
+
+  ARGV[1]     schema version the client planned with
+  ARGV[2]     new schema JSON to store (bumps 'version'), or '' to keep the schema
+  ARGV[3]     number of ops, then each op:
+    'R', k, n, start_1, bytes_1, ..., start_n, bytes_n   SETRANGE into KEYS[k]
+    'S', k, bytes                                        SET KEYS[k] (a new blob or table)
+    'D', k                                               DEL KEYS[k]
+    'E', kd, ko, ks, rec, lo, hi, shapes, data, size_lo, ..., size_hi
+          replace elements lo..hi (0-based, inclusive) of a heterogeneous leaf by
+          'data' (their bytes back to back, sizes given) and their shape records by
+          'shapes' (rec bytes each); when the sizes change, the bytes after the run
+          move and every later offset is shifted: O(count - lo) work.
+
+  Reply       {'OK', version} with the version now current.
+              {'STALE', header field, value, ...} when ARGV[1] is stale: nothing written.
+              {'GONE'} when the store does not exist: nothing written.
+  Errors      'TDSTORE bad argument' for a malformed op (raised before any write).
+]]
+local meta = KEYS[1]
+local bad = tds_check(meta, ARGV[1])
+if bad then
+  return bad
+end
+
+-- pass 1: parse and check every op
+local ops = {}
+local nops = tds_num(ARGV[3], 'op count')
+local a = 4
+local function key(i)
+  local k = KEYS[tds_num(ARGV[i], 'key index')]
+  if k == nil then
+    error('TDSTORE bad argument: key index out of range')
+  end
+  return k
+end
+for _ = 1, nops do
+  local kind = ARGV[a]
+  if kind == 'R' then
+    local op = {kind = 'R', key = key(a + 1), n = tds_num(ARGV[a + 2], 'range count'), at = a + 3}
+    for j = 0, op.n - 1 do
+      tds_num(ARGV[op.at + 2 * j], 'start')
+    end
+    a = a + 3 + 2 * op.n
+    ops[#ops + 1] = op
+  elseif kind == 'S' then
+    ops[#ops + 1] = {kind = 'S', key = key(a + 1), value = ARGV[a + 2]}
+    a = a + 3
+  elseif kind == 'D' then
+    ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
+    a = a + 2
+  elseif kind == 'E' then
+    local op = {kind = 'E', dkey = key(a + 1), okey = key(a + 2), skey = key(a + 3),
+                rec = tds_num(ARGV[a + 4], 'record size'), lo = tds_num(ARGV[a + 5], 'lo'),
+                hi = tds_num(ARGV[a + 6], 'hi'), shapes = ARGV[a + 7], data = ARGV[a + 8], sizes = {}}
+    local total = 0
+    for j = 0, op.hi - op.lo do
+      local s = tds_num(ARGV[a + 9 + j], 'size')
+      op.sizes[j + 1] = s
+      total = total + s
+    end
+    if total ~= #op.data or #op.shapes ~= op.rec * (op.hi - op.lo + 1) then
+      error('TDSTORE bad argument: element sizes do not add up')
+    end
+    a = a + 9 + (op.hi - op.lo + 1)
+    ops[#ops + 1] = op
+  else
+    error('TDSTORE bad argument: unknown write op ' .. tostring(kind))
+  end
+end
+
+-- Replace elements lo..hi of a heterogeneous leaf (see the header).
+local function splice(op)
+  local lo, hi, n = op.lo, op.hi, op.hi - op.lo + 1
+  local offs = redis.call('GETRANGE', op.okey, 8 * lo, 8 * (hi + 2) - 1)
+  local first = tds_u64(offs, 1)
+  local same = true
+  for j = 1, n do
+    if tds_u64(offs, 8 * j + 1) - tds_u64(offs, 8 * (j - 1) + 1) ~= op.sizes[j] then
+      same = false
+      break
+    end
+  end
+  if op.rec > 0 then
+    redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
+  end
+  if same then
+    if #op.data > 0 then
+      redis.call('SETRANGE', op.dkey, first, op.data)
+    end
+    return
+  end
+  local old_end = tds_u64(offs, 8 * n + 1)
+  local olen = redis.call('STRLEN', op.okey)
+  local total_end = tds_u64(redis.call('GETRANGE', op.okey, olen - 8, olen - 1), 1)
+  local tail = ''
+  if total_end > old_end then
+    tail = redis.call('GETRANGE', op.dkey, old_end, total_end - 1)
+  end
+  if #op.data > 0 then
+    redis.call('SETRANGE', op.dkey, first, op.data)
+  end
+  if #tail > 0 then
+    redis.call('SETRANGE', op.dkey, first + #op.data, tail)
+  end
+  local delta = #op.data - (old_end - first)
+  local parts = {}
+  local pos = first
+  for j = 1, n do
+    pos = pos + op.sizes[j]
+    parts[j] = tds_p64(pos)
+  end
+  if olen > 8 * (hi + 2) then
+    local rest = redis.call('GETRANGE', op.okey, 8 * (hi + 2), olen - 1)
+    for p = 1, #rest, 8 do
+      parts[#parts + 1] = tds_p64(tds_u64(rest, p) + delta)
+    end
+  end
+  redis.call('SETRANGE', op.okey, 8 * (lo + 1), table.concat(parts))
+end
+
+-- pass 2: write
+for _, op in ipairs(ops) do
+  if op.kind == 'R' then
+    for j = 0, op.n - 1 do
+      local value = ARGV[op.at + 2 * j + 1]
+      if #value > 0 then
+        redis.call('SETRANGE', op.key, tonumber(ARGV[op.at + 2 * j]), value)
+      end
+    end
+  elseif op.kind == 'S' then
+    redis.call('SET', op.key, op.value)
+  elseif op.kind == 'D' then
+    redis.call('DEL', op.key)
+  else
+    splice(op)
+  end
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', meta, 'schema', ARGV[2])
+  redis.call('HINCRBY', meta, 'version', 1)
+end
+return {'OK', redis.call('HGET', meta, 'version')}

@@ -1,0 +1,136 @@
+"""Tensors to bytes and back, with an allow-list of dtypes.
+
+Bytes travel as raw little-endian memory of the tensor, with no numpy dtype
+round trip, so every torch dtype works (bfloat16 and the float8 types included).
+A dtype name read from the server is only ever looked up in ``DTYPES``: nothing
+read from the server is imported, evaluated or unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import torch
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("tdstore stores raw little-endian tensor bytes; big-endian hosts are unsupported")
+
+_DTYPE_NAMES = [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+]
+
+#: The only dtypes a store accepts, by name.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The allow-listed name of ``dtype``; raises ``TypeError`` for anything else."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be stored; supported dtypes: {sorted(DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Look a dtype name read from the server up in the allow-list."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r} in the store metadata (not one of tdstore's dtypes)") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def nbytes(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * itemsize(dtype)
+
+
+def to_bytes(tensor: torch.Tensor) -> memoryview:
+    """Raw bytes of ``tensor`` (moved to CPU, made contiguous), without a copy when possible.
+
+    redis-py sends a ``memoryview`` as it is, so the bytes are copied only once,
+    into the socket buffer.
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def join_bytes(tensors: list[torch.Tensor]) -> bytes | memoryview:
+    """The bytes of several tensors back to back (one copy)."""
+    if len(tensors) == 1:
+        return to_bytes(tensors[0])
+    return b"".join(to_bytes(t) for t in tensors)
+
+
+def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """A new writable tensor of ``dtype`` and ``shape`` holding ``data``.
+
+    The bytes are copied once into freshly allocated memory (``torch.frombuffer``
+    would share the read-only reply buffer and warn).
+    """
+    expected = nbytes(shape, dtype)
+    if len(data) != expected:
+        raise ValueError(f"expected {expected} bytes for {dtype_name(dtype)}{list(shape)}, got {len(data)}")
+    out = torch.empty(expected, dtype=torch.uint8)
+    if expected:
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return out.view(dtype).reshape(tuple(shape))
+
+
+def from_pieces(pieces: list[bytes], dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """Like :func:`from_bytes` for data that arrives as several pieces, copied straight into place."""
+    if len(pieces) == 1:
+        return from_bytes(pieces[0], dtype, shape)
+    expected = nbytes(shape, dtype)
+    out = torch.empty(expected, dtype=torch.uint8)
+    view = out.numpy()
+    pos = 0
+    for piece in pieces:
+        n = len(piece)
+        if pos + n > expected:
+            break
+        view[pos : pos + n] = np.frombuffer(piece, dtype=np.uint8)
+        pos += n
+    if pos != expected or sum(len(p) for p in pieces) != expected:
+        raise ValueError(f"expected {expected} bytes for {dtype_name(dtype)}{list(shape)}, got {sum(len(p) for p in pieces)}")
+    return out.view(dtype).reshape(tuple(shape))
+
+
+def pack_i64(values: list[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+def unpack_i64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i8")

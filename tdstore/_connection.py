@@ -1,0 +1,137 @@
+"""How a store reaches its server, and how that crosses a process boundary without secrets.
+
+A :class:`ConnectionSpec` is what a store keeps and pickles: host/port/db, a unix
+socket or a URL, and extra keyword arguments, but never a password.  The password
+lives only in the live client.  A store unpickled in another process reconnects
+with the password from ``password_provider`` (a picklable callable the user gave),
+else from the ``TDSTORE_PASSWORD`` environment variable, else without one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+_SECRET_KWARGS = ("password", "credential_provider")
+PASSWORD_ENV = "TDSTORE_PASSWORD"
+
+
+def _strip_password(url: str) -> tuple[str, str | None]:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    netloc = parts.hostname or ""
+    if parts.username:
+        netloc = f"{parts.username}@{netloc}"
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc)), parts.password
+
+
+@dataclass(frozen=True)
+class ConnectionSpec:
+    """Everything needed to open a client, minus secrets (safe to pickle and print)."""
+
+    url: str | None = None
+    host: str = "localhost"
+    port: int = 6379
+    db: int = 0
+    unix_socket_path: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    needs_password: bool = False
+    password_provider: Callable[[], str] | None = None
+
+    def describe(self) -> str:
+        """Where the server is, for messages (never includes a password)."""
+        if self.url:
+            return self.url
+        if self.unix_socket_path:
+            return f"unix://{self.unix_socket_path}?db={self.db}"
+        return f"redis://{self.host}:{self.port}/{self.db}"
+
+    def connect(self, password: str | None = None) -> redis.Redis:
+        """A new client; bytes in and out (``decode_responses`` is forced off)."""
+        kwargs = dict(self.kwargs)
+        kwargs["decode_responses"] = False
+        if password is None and self.needs_password:
+            password = self.password_provider() if self.password_provider else os.environ.get(PASSWORD_ENV)
+        if password is not None:
+            kwargs["password"] = password
+        if self.url:
+            return redis.Redis.from_url(self.url, **kwargs)
+        if self.unix_socket_path:
+            return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
+        return redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
+
+
+def open_client(
+    *,
+    url: str | None,
+    host: str,
+    port: int,
+    db: int,
+    unix_socket_path: str | None,
+    client: Any,
+    redis_kwargs: dict[str, Any],
+) -> tuple[redis.Redis, ConnectionSpec]:
+    """Open (or adopt) a client and describe it without its secrets."""
+    kwargs = dict(redis_kwargs)
+    provider = kwargs.pop("password_provider", None)
+    password = kwargs.pop("password", None)
+    if "credential_provider" in kwargs:
+        raise TypeError("credential_provider is not supported; pass password= or password_provider=")
+    kwargs.pop("decode_responses", None)
+    if client is not None:
+        return _adopt(client, provider)
+    if url is not None:
+        clean, url_password = _strip_password(url)
+        password = password if password is not None else url_password
+        spec = ConnectionSpec(url=clean, db=db, kwargs=kwargs, needs_password=password is not None or provider is not None, password_provider=provider)
+    else:
+        spec = ConnectionSpec(
+            host=host,
+            port=port,
+            db=db,
+            unix_socket_path=unix_socket_path,
+            kwargs=kwargs,
+            needs_password=password is not None or provider is not None,
+            password_provider=provider,
+        )
+    return spec.connect(password), spec
+
+
+def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec]:
+    """Use a caller's client: a sync ``redis.Redis`` as it is, an asyncio one through its settings."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        raise TypeError(f"client must be a redis.Redis or redis.asyncio.Redis, got {type(client).__name__}")
+    ckw = dict(pool.connection_kwargs)
+    password = ckw.pop("password", None)
+    for secret in _SECRET_KWARGS:
+        ckw.pop(secret, None)
+    path = ckw.pop("path", None)
+    kwargs = {k: v for k, v in ckw.items() if k in ("username", "socket_timeout", "socket_connect_timeout", "ssl", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")}
+    if "ssl" not in kwargs and pool.connection_class.__name__.startswith("SSL"):
+        kwargs["ssl"] = True
+    spec = ConnectionSpec(
+        host=ckw.get("host", "localhost"),
+        port=int(ckw.get("port", 6379)),
+        db=int(ckw.get("db", 0) or 0),
+        unix_socket_path=path,
+        kwargs=kwargs,
+        needs_password=password is not None or provider is not None,
+        password_provider=provider,
+    )
+    if isinstance(client, redis.Redis) and not ckw.get("decode_responses", False):
+        return client, spec
+    # an asyncio client, or one that decodes replies: open our own sync client with its settings
+    return spec.connect(password), spec
+
+
+def without_provider(spec: ConnectionSpec) -> ConnectionSpec:
+    return replace(spec, password_provider=None)

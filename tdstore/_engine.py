@@ -1,0 +1,321 @@
+"""The storage engine shared by every front class: plans, one script call, results.
+
+Every public operation of a store ends here as *one* call to a script of
+``lua/`` (one round trip).  The engine plans the call from its cached
+:class:`~tdstore._schema.Header`; the script checks the header version first and,
+when the cache is stale, answers with the current header instead of running.
+The engine then re-plans with the fresh header and calls again.  So the common
+case costs one round trip, and a stale cache costs one more, never wrong data.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from . import _codec, _index, _scripts
+from ._connection import ConnectionSpec
+from ._keys import StoreKeys
+from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
+
+MAX_RETRIES = 8
+
+
+class StaleSchemaError(RuntimeError):
+    """The schema kept changing under this client for ``MAX_RETRIES`` calls in a row."""
+
+
+def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+@dataclass
+class Call:
+    """One planned script call: KEYS, ARGV and how to turn the reply into a result."""
+
+    script: str
+    keys: list[str]
+    args: list[Any]
+    parse: Callable[[list], Any]
+
+
+class _KeyTable:
+    """KEYS of one call: the header first, then each key once, referenced by 1-based index."""
+
+    def __init__(self, meta: str) -> None:
+        self.keys = [meta]
+        self._pos: dict[str, int] = {}
+
+    def ref(self, key: str) -> int:
+        pos = self._pos.get(key)
+        if pos is None:
+            self.keys.append(key)
+            pos = self._pos[key] = len(self.keys)
+        return pos
+
+
+@dataclass
+class DenseResult:
+    """Leaves read as tensors of the indexed batch shape (every leaf homogeneous)."""
+
+    batch_size: torch.Size
+    leaves: dict[NestedPath, torch.Tensor]
+
+
+@dataclass
+class ElementsResult:
+    """Leaves read per element: ``elements[k]`` holds element ``ids[k]``'s tensors."""
+
+    ids: list[int]
+    elements: list[dict[NestedPath, torch.Tensor]]
+
+
+def new_td_id() -> str:
+    """A fresh store id (a UUID4 string)."""
+    return str(uuid.uuid4())
+
+
+class Engine:
+    """Plans and runs the script calls of one store on one server."""
+
+    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None) -> None:
+        self.spec = spec
+        self.keys = keys
+        self._client = client
+        self._header: Header | None = None
+
+    # -- connection and header ----------------------------------------------
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            self._client = self.spec.connect()
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def where(self) -> str:
+        return f"td_id {self.keys.td_id!r} under prefix {self.keys.prefix!r} on {self.spec.describe()}"
+
+    def gone(self) -> KeyError:
+        return KeyError(f"no store with {self.where()} (it was deleted, expired, or never created)")
+
+    @property
+    def header(self) -> Header:
+        if self._header is None:
+            self._header = self.fetch_header()
+        return self._header
+
+    def set_header(self, header: Header) -> None:
+        self._header = header
+
+    def fetch_header(self) -> Header:
+        """Read the header in one round trip (``HGETALL``); never writes."""
+        raw = self.client.hgetall(self.keys.meta)
+        if not raw:
+            raise self.gone()
+        return self._parse_header(raw)
+
+    def _parse_header(self, raw: dict) -> Header:
+        try:
+            header = Header.from_fields(raw)
+        except StoreFormatError as err:
+            raise StoreFormatError(f"{err} ({self.where()})") from None
+        if header.state != "ready":
+            raise KeyError(f"the store with {self.where()} is still being uploaded (state {header.state!r})")
+        return header
+
+    def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
+        """Create the header unless one exists; return the existing header if so (one round trip)."""
+        args: list[Any] = [ttl_ms]
+        for k, v in header.fields().items():
+            args += [k, v]
+        reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+        if reply[0] == b"OK":
+            self._header = header
+            return None
+        return Header.from_fields(_pairs(reply[1:]))
+
+    # -- running calls ---------------------------------------------------------
+    def run(self, plan: Callable[[Header], Call]) -> Any:
+        """Plan with the cached header and call; on STALE refresh from the reply and re-plan."""
+        for _ in range(MAX_RETRIES):
+            header = self.header
+            call = plan(header)
+            reply = _scripts.call(self.client, call.script, call.keys, call.args)
+            status = reply[0]
+            if status == b"OK":
+                return call.parse(reply)
+            if status == b"STALE":
+                self._header = self._parse_header(_pairs(reply[1:]))
+                continue
+            if status == b"GONE":
+                raise self.gone()
+            raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
+        raise StaleSchemaError(f"the schema of the store with {self.where()} changed {MAX_RETRIES} times during one call")
+
+    # -- reads -------------------------------------------------------------------
+    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, per_element: bool = False) -> tuple[_index.Plan, DenseResult | ElementsResult]:
+        """Read the leaves ``paths`` (default: all) at ``index`` in one round trip.
+
+        Returns the plan and either a dense result (tensors of the indexed batch
+        shape) or, when a heterogeneous leaf is read or ``per_element`` is set,
+        the touched elements one by one (to be stacked lazily by the caller).
+        """
+        wanted = None if paths is None else list(paths)
+        result: dict[str, Any] = {}
+
+        def plan_call(h: Header) -> Call:
+            norm = _index.normalize(index, h.batch_size)
+            p = _index.plan(norm, h.batch_size, h.stack_pos)
+            leaves = self._select(h, wanted)
+            result["plan"] = p
+            if per_element or any(leaf.het for leaf in leaves):
+                return self._plan_element_read(h, p, leaves)
+            return self._plan_dense_read(h, p, leaves)
+
+        out = self.run(plan_call)
+        return result["plan"], out
+
+    def _select(self, h: Header, wanted: list[NestedPath] | None) -> list[Leaf]:
+        if wanted is None:
+            return list(h.leaves.values())
+        leaves = []
+        for path in wanted:
+            leaf = h.leaves.get(path)
+            if leaf is None:
+                raise KeyError(f"key {path if len(path) > 1 else path[0]!r} is not in the store ({self.where()})")
+            leaves.append(leaf)
+        return leaves
+
+    def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+        rows = _index.storage_rows(p, h.inner)
+        flat = rows.reshape(-1).numpy()
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        row_runs = _index.runs(uniq)
+        identity = uniq.size == flat.size and (flat.size == 0 or (flat[0] == uniq[0] and bool(np.all(np.diff(flat) == 1))))
+        kt = _KeyTable(self.keys.meta)
+        args: list[Any] = [h.version, len(leaves)]
+        feats = []
+        for leaf in leaves:
+            feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
+            rb = _codec.nbytes(feat, leaf.dtype)
+            feats.append((feat, rb))
+            args += ["R", kt.ref(self.keys.data(leaf.number)), len(row_runs)]
+            for lo, hi in row_runs:
+                args += [lo * rb, (hi - lo + 1) * rb]
+        n_runs = len(row_runs)
+
+        def parse(reply: list) -> DenseResult:
+            pieces = reply[2:]
+            out = {}
+            for k, leaf in enumerate(leaves):
+                feat, _ = feats[k]
+                buf = _codec.from_pieces(pieces[k * n_runs : (k + 1) * n_runs], leaf.dtype, (int(uniq.size), *feat))
+                if not identity:
+                    buf = buf[torch.from_numpy(inverse.astype(np.int64))]
+                out[leaf.path] = buf.reshape(*rows.shape, *feat)
+            return DenseResult(rows.shape, out)
+
+        return Call("read", kt.keys, args, parse)
+
+    def _plan_element_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+        ids = p.elements.numpy()
+        el_runs = _index.runs(ids)
+        kt = _KeyTable(self.keys.meta)
+        args: list[Any] = [h.version, len(leaves)]
+        for leaf in leaves:
+            if leaf.het:
+                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs)]
+                for lo, hi in el_runs:
+                    args += [lo, hi]
+            else:
+                eb = leaf.element_nbytes
+                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs)]
+                for lo, hi in el_runs:
+                    args += [lo * eb, (hi - lo + 1) * eb]
+
+        def parse(reply: list) -> ElementsResult:
+            pieces = reply[2:]
+            elements: list[dict[NestedPath, torch.Tensor]] = [{} for _ in range(ids.size)]
+            pos = 0
+            for leaf in leaves:
+                k = 0
+                if leaf.het:
+                    for lo, hi in el_runs:
+                        offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
+                        pos += 3
+                        o = _codec.unpack_i64(offs)
+                        sh = _codec.unpack_i64(shapes).reshape(hi - lo + 1, leaf.ndim) if leaf.ndim else np.zeros((hi - lo + 1, 0), np.int64)
+                        mv = memoryview(data)
+                        for j in range(hi - lo + 1):
+                            a, b = int(o[j] - o[0]), int(o[j + 1] - o[0])
+                            elements[k][leaf.path] = _codec.from_bytes(mv[a:b], leaf.dtype, tuple(int(x) for x in sh[j]))
+                            k += 1
+                else:
+                    shape = leaf.shape
+                    assert shape is not None
+                    eb = leaf.element_nbytes
+                    for lo, hi in el_runs:
+                        block = _codec.from_bytes(pieces[pos], leaf.dtype, (hi - lo + 1, *shape)) if eb else torch.empty((hi - lo + 1, *shape), dtype=leaf.dtype)
+                        pos += 1
+                        for t in block.unbind(0):
+                            elements[k][leaf.path] = t
+                            k += 1
+            return ElementsResult([int(i) for i in ids], elements)
+
+        return Call("read", kt.keys, args, parse)
+
+    # -- writes ------------------------------------------------------------------
+    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]]]]) -> Header:
+        """Run a write planned as (new header or None, ops); returns the header now current.
+
+        ``plan`` gets the header to plan with and a fresh key table, and returns the
+        ops (each a list: marker then arguments, see ``lua/write.lua``).
+        """
+        state: dict[str, Header] = {}
+
+        def plan_call(h: Header) -> Call:
+            kt = _KeyTable(self.keys.meta)
+            new_header, ops = plan(h, kt)
+            args: list[Any] = [h.version, new_header.schema_json() if new_header is not None else "", len(ops)]
+            for op in ops:
+                args.extend(op)
+            state["new"] = new_header or h
+
+            def parse(reply: list) -> Header:
+                return state["new"]
+
+            return Call("write", kt.keys, args, parse)
+
+        header = self.run(plan_call)
+        self._header = header
+        return header
+
+    # -- whole store ---------------------------------------------------------------
+    def clear(self) -> int:
+        """Delete every key of this store (one round trip); 0 when it is already gone."""
+
+        def plan_call(h: Header) -> Call:
+            return Call("clear", self.keys.all_keys(h.next_leaf), [h.version], lambda r: int(r[1]))
+
+        try:
+            return self.run(plan_call)
+        except KeyError:
+            return 0
+        finally:
+            self._header = None
+
+    def abort_upload(self, next_leaf: int) -> None:
+        _scripts.call(self.client, "clear", self.keys.all_keys(next_leaf), ["*"])
+
+
+__all__ = ["Engine", "DenseResult", "ElementsResult", "Call", "check_paths"]

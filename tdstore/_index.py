@@ -1,0 +1,184 @@
+"""Index planning: from a Python index over the batch size to the elements and rows it touches.
+
+Pure Python, no I/O.  Any index a tensordict accepts on its batch dims (ints,
+slices with steps, lists, index tensors, boolean masks, ``...``) is first put in a
+canonical per-dim form, then split into
+
+* ``elements``: the sorted, unique stack elements the index touches, and
+* ``local``: an index that selects the same things from a local tensor or lazy
+  stack holding only those elements (the stack dim shrunk to ``len(elements)``).
+
+Applying ``local`` to a local copy of just the touched elements gives exactly what
+applying the original index to the whole store would: torch does the indexing
+semantics (advanced-index broadcasting, dim placement), and the server only ever
+sends the touched elements, or the touched rows of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+Component = int | slice | torch.Tensor
+
+
+def _as_tensor_index(idx: Any, size: int, dim: int, batch_size: torch.Size) -> torch.Tensor:
+    t = idx if isinstance(idx, torch.Tensor) else torch.as_tensor(np.asarray(idx))
+    if t.dtype == torch.bool:
+        raise IndexError("boolean masks are handled before this point")  # pragma: no cover
+    if t.is_floating_point() or t.is_complex():
+        raise IndexError(f"index tensors must be integers or booleans, got {t.dtype} for dim {dim}")
+    t = t.to(torch.int64).cpu()
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -size or hi >= size:
+            bad = hi if hi >= size else lo
+            raise IndexError(f"index {bad} is out of range for dim {dim} of size {size} (batch size {list(batch_size)})")
+    return torch.where(t < 0, t + size, t)
+
+
+def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
+    """Canonical per-dim form of ``index``: one int, slice or int64 tensor per batch dim.
+
+    Raises ``IndexError`` (naming the index, dim and size) for anything out of range
+    or not an index of the batch dims, before any I/O.
+    """
+    if not isinstance(index, tuple):
+        index = (index,)
+    ndim = len(batch_size)
+    # expand Ellipsis and masks into per-dim components
+    n_ell = sum(1 for i in index if i is Ellipsis)
+    if n_ell > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    used = 0
+    for i in index:
+        if i is None:
+            raise IndexError("None (a new axis) is not supported when indexing a store; call to_tensordict() first")
+        if isinstance(i, bool):
+            raise IndexError("a Python bool is not a valid store index; use a boolean mask tensor")
+        if i is Ellipsis:
+            continue
+        if isinstance(i, (torch.Tensor, np.ndarray)) and i.dtype in (torch.bool, np.bool_):
+            used += max(i.ndim, 1)
+        else:
+            used += 1
+    if used > ndim:
+        raise IndexError(f"too many indices for a store of batch size {list(batch_size)}: {index!r}")
+    out: list[Component] = []
+    for i in index:
+        dim = len(out)
+        if i is Ellipsis:
+            out.extend(slice(0, batch_size[k], 1) for k in range(dim, dim + ndim - used))
+            continue
+        if isinstance(i, (list, range)):
+            arr = np.asarray(i)
+            i = torch.as_tensor(arr) if arr.dtype != object else i
+        if isinstance(i, np.ndarray):
+            i = torch.as_tensor(i)
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            mask = i.cpu()
+            if mask.ndim == 0:
+                raise IndexError("a 0-dim boolean mask is not supported when indexing a store")
+            want = tuple(batch_size[dim : dim + mask.ndim])
+            if tuple(mask.shape) != want:
+                raise IndexError(
+                    f"boolean mask of shape {list(mask.shape)} does not match dims {dim}..{dim + mask.ndim - 1} "
+                    f"of batch size {list(batch_size)} (expected {list(want)})"
+                )
+            out.extend(mask.nonzero(as_tuple=True))
+            continue
+        size = batch_size[dim]
+        if isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+            v = int(i)
+            if not -size <= v < size:
+                raise IndexError(f"index {v} is out of range for dim {dim} of size {size} (batch size {list(batch_size)})")
+            out.append(v % size)
+        elif isinstance(i, slice):
+            for part in (i.start, i.stop, i.step):
+                if part is not None and not isinstance(part, (int, np.integer)):
+                    raise IndexError(f"slice bounds must be ints, got {i!r}")
+            if i.step == 0:
+                raise ValueError("slice step cannot be zero")
+            out.append(slice(*i.indices(size)))
+        elif isinstance(i, torch.Tensor) or isinstance(i, (list, tuple)):
+            out.append(_as_tensor_index(i, size, dim, batch_size))
+        else:
+            raise IndexError(f"unsupported index {i!r} of type {type(i).__name__} for a store")
+    out.extend(slice(0, batch_size[k], 1) for k in range(len(out), ndim))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where an index lands: the touched elements and the index into a local copy of them."""
+
+    elements: torch.Tensor  # sorted unique int64 element ids
+    local: tuple[Component, ...]
+    stack_pos: int
+    element_int: bool  # the stack dim is indexed by an int (it disappears from the result)
+    inner_full: bool  # every inner dim is a full slice: whole elements are touched
+
+    @property
+    def n(self) -> int:
+        return int(self.elements.numel())
+
+
+def plan(norm: tuple[Component, ...], batch_size: torch.Size, stack_pos: int) -> Plan:
+    """Split a normalized index into touched elements and a local index (see the module doc)."""
+    s = norm[stack_pos]
+    local_s: Component
+    if isinstance(s, int):
+        elements = torch.tensor([s], dtype=torch.int64)
+        local_s = 0
+    elif isinstance(s, slice):
+        picked = range(s.start, s.stop, s.step)
+        elements = torch.tensor(sorted(picked), dtype=torch.int64)
+        # torch has no negative steps: a reversed slice becomes a reversing index tensor
+        local_s = slice(0, len(picked), 1) if s.step > 0 else torch.arange(len(picked) - 1, -1, -1)
+    else:
+        elements, inverse = torch.unique(s, sorted=True, return_inverse=True)
+        local_s = inverse
+    local = tuple(
+        local_s if k == stack_pos else _no_negative_step(c) for k, c in enumerate(norm)
+    )
+    inner_full = all(
+        isinstance(c, slice) and c == slice(0, n, 1) for k, (c, n) in enumerate(zip(norm, batch_size)) if k != stack_pos
+    )
+    return Plan(elements, local, stack_pos, isinstance(s, int), inner_full)
+
+
+def _no_negative_step(c: Component) -> Component:
+    """torch cannot slice with a negative step: use the equivalent index tensor."""
+    if isinstance(c, slice) and c.step < 0:
+        return torch.arange(c.start, c.stop, c.step)
+    return c
+
+
+def is_full(norm: tuple[Component, ...], batch_size: torch.Size) -> bool:
+    """Whether ``norm`` selects every position of every dim, in order."""
+    return all(isinstance(c, slice) and c == slice(0, n, 1) for c, n in zip(norm, batch_size))
+
+
+def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Group sorted unique ids into inclusive ``(lo, hi)`` runs of consecutive values."""
+    if sorted_ids.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [sorted_ids.size - 1]))
+    return [(int(sorted_ids[a]), int(sorted_ids[b])) for a, b in zip(starts, ends)]
+
+
+def storage_rows(p: Plan, inner: tuple[int, ...]) -> torch.Tensor:
+    """Storage row ids (element * prod(inner) + flat inner position) selected by the plan.
+
+    The result has the shape of the indexed batch: row ``P[k]`` of the leaf feeds
+    position ``k`` of the result.
+    """
+    inner_numel = int(np.prod(inner)) if inner else 1
+    grid = (p.elements[:, None] * inner_numel + torch.arange(inner_numel)).reshape(p.n, *inner)
+    grid = grid.movedim(0, p.stack_pos)
+    return grid[p.local]

@@ -1,0 +1,77 @@
+"""Every server key name that tdstore uses is built here, and nowhere else.
+
+Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
+
+    P:{I}:m        hash    the store header: type, version, count, stack dim,
+                           inner batch size, device, state, schema (JSON)
+    P:{I}:d:<n>    string  data blob of leaf number n (all elements, element-major)
+    P:{I}:o:<n>    string  offset table of a heterogeneous leaf: count+1 int64 LE byte offsets
+    P:{I}:s:<n>    string  shape table of a heterogeneous leaf: count records of ndim int64 LE
+
+Leaf *numbers*, never leaf names, appear in key names, so a leaf called ``"x:idx"``
+or ``"a.b"`` cannot collide with another leaf or with an internal key.  The td_id
+sits inside the hash tag ``{...}``, so every key of a store hashes to one Redis
+Cluster slot and every script may touch all of them.  Escaping removes braces from
+the prefix and the id (a brace would move the hash tag) and glob characters (so a
+``SCAN MATCH`` on a prefix can never match another store by accident).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Characters that would change the meaning of a key name: braces move the hash tag,
+# glob characters turn a name into a pattern, '%' is our escape character, and
+# whitespace/control characters make keys unreadable in redis-cli.
+_UNSAFE = set("{}%*?[]\\") | {chr(c) for c in range(33)} | {chr(127)}
+
+
+def escape(part: str) -> str:
+    """Percent-escape the characters of ``part`` that are unsafe in a key name.
+
+    The mapping is injective (``%`` itself is escaped), so two different prefixes
+    or ids never produce the same key.
+    """
+    if not isinstance(part, str):
+        raise TypeError(f"expected a str, got {type(part).__name__}: {part!r}")
+    return "".join(f"%{ord(ch):02X}" if ch in _UNSAFE else ch for ch in part)
+
+
+@dataclass(frozen=True)
+class StoreKeys:
+    """Key names of one store, computed once per handle."""
+
+    prefix: str
+    td_id: str
+
+    @property
+    def base(self) -> str:
+        return f"{escape(self.prefix)}:{{{escape(self.td_id)}}}"
+
+    @property
+    def meta(self) -> str:
+        return f"{self.base}:m"
+
+    def data(self, leaf: int) -> str:
+        return f"{self.base}:d:{leaf}"
+
+    def offsets(self, leaf: int) -> str:
+        return f"{self.base}:o:{leaf}"
+
+    def shapes(self, leaf: int) -> str:
+        return f"{self.base}:s:{leaf}"
+
+    def leaf_keys(self, leaf: int) -> tuple[str, str, str]:
+        """All keys that leaf number ``leaf`` may own (data, offsets, shapes)."""
+        return (self.data(leaf), self.offsets(leaf), self.shapes(leaf))
+
+    def all_keys(self, next_leaf: int) -> list[str]:
+        """Every key the store can own, given the next unused leaf number.
+
+        Deleted leaves keep their numbers, so listing every number below
+        ``next_leaf`` also covers keys a failed or interrupted write may have left.
+        """
+        keys = [self.meta]
+        for n in range(next_leaf):
+            keys.extend(self.leaf_keys(n))
+        return keys

@@ -1,0 +1,189 @@
+"""The versioned store header: what a client caches, and how it is checked.
+
+The header hash holds the fixed facts of a store (type, count, stack dim, inner
+batch size, device) and the *schema*: one record per leaf (path, leaf number,
+dtype, layout, element shape).  Every schema change bumps ``version`` inside the
+script that makes it; every data script is given the version the client planned
+with and refuses to run on a mismatch (see ``lua/_lib.lua``).  So a cached
+:class:`Header` may be stale, but it can never make a script read or write the
+wrong bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import _codec
+
+FORMAT = "1"
+"""Layout version written in every header; a header of another format is refused."""
+
+NestedPath = tuple[str, ...]
+
+
+class StoreFormatError(RuntimeError):
+    """The server holds metadata that this version of tdstore cannot read safely."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One leaf key of the store.
+
+    ``shape`` is the shape of one element's tensor (inner batch dims first) for a
+    homogeneous leaf, and ``None`` for a heterogeneous one, whose per-element shapes
+    live in its shape table on the server.
+    """
+
+    path: NestedPath
+    number: int
+    dtype: torch.dtype
+    ndim: int
+    shape: tuple[int, ...] | None
+
+    @property
+    def het(self) -> bool:
+        return self.shape is None
+
+    @property
+    def element_nbytes(self) -> int:
+        assert self.shape is not None
+        return _codec.nbytes(self.shape, self.dtype)
+
+    def to_json(self) -> dict:
+        rec: dict = {"path": list(self.path), "n": self.number, "dtype": _codec.dtype_name(self.dtype), "ndim": self.ndim}
+        if self.shape is not None:
+            rec["shape"] = list(self.shape)
+        return rec
+
+    @classmethod
+    def from_json(cls, rec: dict) -> Leaf:
+        path = rec["path"]
+        if not isinstance(path, list) or not path or not all(isinstance(p, str) for p in path):
+            raise StoreFormatError(f"bad leaf path {path!r}")
+        number = rec["n"]
+        ndim = rec["ndim"]
+        shape = rec.get("shape")
+        if not isinstance(number, int) or number < 0 or not isinstance(ndim, int) or ndim < 0:
+            raise StoreFormatError(f"bad leaf record {rec!r}")
+        if shape is not None:
+            if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise StoreFormatError(f"bad leaf shape in {rec!r}")
+            shape = tuple(shape)
+        return cls(tuple(path), number, _codec.dtype_from_name(rec["dtype"]), ndim, shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A client's view of a store header (immutable; replaced on refresh)."""
+
+    version: int
+    count: int
+    stack_dim: int
+    inner: tuple[int, ...]
+    device: str
+    kind: str = "lazy"
+    leaves: dict[NestedPath, Leaf] = field(default_factory=dict)
+    next_leaf: int = 0
+    state: str = "ready"
+
+    # -- derived facts ------------------------------------------------------
+    @property
+    def stack_pos(self) -> int:
+        """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
+        return self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim
+
+    @property
+    def batch_size(self) -> torch.Size:
+        bs = list(self.inner)
+        bs.insert(self.stack_pos, self.count)
+        return torch.Size(bs)
+
+    @property
+    def inner_numel(self) -> int:
+        return math.prod(self.inner)
+
+    def schema_json(self) -> str:
+        leaves = sorted(self.leaves.values(), key=lambda leaf: leaf.number)
+        return json.dumps({"next": self.next_leaf, "leaves": [leaf.to_json() for leaf in leaves]}, separators=(",", ":"))
+
+    def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None) -> Header:
+        """The header after a schema change (the server will hold ``version + 1``)."""
+        return replace(self, leaves=leaves, next_leaf=self.next_leaf if next_leaf is None else next_leaf, version=self.version + 1)
+
+    def fields(self) -> dict[str, str]:
+        """The header hash as stored on the server."""
+        return {
+            "format": FORMAT,
+            "type": self.kind,
+            "version": str(self.version),
+            "count": str(self.count),
+            "stack_dim": str(self.stack_dim),
+            "inner": json.dumps(list(self.inner)),
+            "device": self.device,
+            "state": self.state,
+            "schema": self.schema_json(),
+        }
+
+    @classmethod
+    def from_fields(cls, raw: dict[bytes | str, bytes | str]) -> Header:
+        """Parse and check a header hash read from the server.
+
+        Anything unexpected (a field edited by hand, a store written by another
+        tdstore format or by the reference implementation) raises
+        :class:`StoreFormatError` instead of being guessed at.
+        """
+        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        fmt = f.get("format")
+        if fmt != FORMAT:
+            raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads format {FORMAT!r}")
+        try:
+            count = int(f["count"])
+            stack_dim = int(f["stack_dim"])
+            inner = json.loads(f["inner"])
+            version = int(f["version"])
+            schema = json.loads(f["schema"])
+            kind = f["type"]
+            state = f.get("state", "ready")
+        except (KeyError, ValueError, TypeError) as err:
+            raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
+        if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
+            raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
+        if not -(len(inner) + 1) <= stack_dim <= len(inner):
+            raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
+        if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
+            raise StoreFormatError("store header has a corrupt schema")
+        try:
+            leaves = [Leaf.from_json(rec) for rec in schema["leaves"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise StoreFormatError(f"store header has a corrupt leaf record: {err}") from None
+        by_path = {leaf.path: leaf for leaf in leaves}
+        numbers = {leaf.number for leaf in leaves}
+        if len(by_path) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
+            raise StoreFormatError("store header has duplicate leaves or leaf numbers")
+        for leaf in leaves:
+            if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
+                raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+        return cls(
+            version=version,
+            count=count,
+            stack_dim=stack_dim,
+            inner=tuple(inner),
+            device=f.get("device", ""),
+            kind=kind,
+            leaves=by_path,
+            next_leaf=schema["next"],
+            state=state,
+        )
+
+
+def check_paths(paths: list[NestedPath]) -> None:
+    """Raise if a leaf path is also the parent of another leaf (``"a"`` and ``("a", "b")``)."""
+    known = set(paths)
+    for path in paths:
+        for k in range(1, len(path)):
+            if path[:k] in known:
+                raise KeyError(f"key {path[:k]} is both a leaf and the parent of {path}")

@@ -1,0 +1,75 @@
+"""The one place that loads and calls the Lua scripts in ``lua/``.
+
+Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
+call costs no extra round trip when the server already knows the script.  On
+``NOSCRIPT`` (server restart, failover, ``SCRIPT FLUSH``, script-cache eviction)
+the script is loaded with ``SCRIPT LOAD`` and the call is retried once.  redis-py
+``Script`` objects are not used: in pipelines they add a ``SCRIPT EXISTS`` round
+trip on every execute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError, ResponseError
+
+LIBRARY = "_lib"
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear")
+
+
+class ServerScriptError(RuntimeError):
+    """A tdstore script refused a call (a bug or a corrupt store, never user input)."""
+
+
+def _lua_dir() -> Path:
+    """Where the ``.lua`` files are: inside the wheel (``tdstore._lua``) or in a source checkout."""
+    try:
+        packaged = resources.files("tdstore._lua")
+        if packaged.joinpath("read.lua").is_file():
+            return Path(str(packaged))
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parent.parent / "lua"
+
+
+@cache
+def script_source(name: str) -> tuple[str, str]:
+    """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
+    folder = _lua_dir()
+    text = (folder / f"{LIBRARY}.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
+    return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
+
+
+def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> list:
+    """Run script ``name`` in one round trip (two more only after NOSCRIPT)."""
+    text, sha = script_source(name)
+    try:
+        return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(text)
+        return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+    except ResponseError as err:
+        raise translate(err) from None
+
+
+def translate(err: ResponseError) -> Exception:
+    """Turn a server error into the exception a user should see."""
+    msg = str(err)
+    if "TDSTORE" in msg:
+        return ServerScriptError(msg[msg.index("TDSTORE") :])
+    low = msg.lower()
+    if "unknown command" in low and ("evalsha" in low or "script" in low):
+        return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
+    if "oom" in low or "maxmemory" in low:
+        return MemoryError(f"the server is out of memory (maxmemory reached); nothing was written by this call: {msg}")
+    if "noperm" in low or "no permissions" in low:
+        return PermissionError(f"the server's ACL refused the call: {msg}")
+    if "string exceeds maximum allowed size" in low:
+        return ValueError(f"the value is larger than the server allows for one string (proto-max-bulk-len): {msg}")
+    return err

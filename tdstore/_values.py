@@ -1,0 +1,144 @@
+"""Turning what users write into leaves, and what the engine reads into tensordicts.
+
+Writes: a TensorDict, lazy stack, tensorclass, dict or tensor becomes a mapping
+``path -> tensor`` (dense) or ``path -> [tensor per element]`` (a lazy stack whose
+elements differ), with keys present in only some elements of a lazy stack
+reported instead of dropped, and non-tensor leaves refused by name.
+
+Reads: engine results become a ``TensorDict`` when every leaf is homogeneous, or a
+``LazyStackedTensorDict`` along the store's stack dim when elements differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
+
+from ._engine import DenseResult, ElementsResult
+from ._index import Plan
+from ._schema import NestedPath
+
+
+def as_path(key: Any) -> NestedPath:
+    """A NestedKey as a tuple of str (``"a"`` -> ``("a",)``; nested tuples flattened)."""
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, tuple):
+        out: list[str] = []
+        for k in key:
+            out.extend(as_path(k))
+        if not out:
+            raise KeyError("an empty key is not a valid key")
+        return tuple(out)
+    raise TypeError(f"a key must be a str or a tuple of str, got {type(key).__name__}: {key!r}")
+
+
+def display(path: NestedPath) -> str | NestedPath:
+    return path[0] if len(path) == 1 else path
+
+
+def exclusive_keys(stack: LazyStackedTensorDict) -> set:
+    """Leaf keys present in some but not all elements of a lazy stack (recursively)."""
+    members = stack.tensordicts
+    sets = []
+    for td in members:
+        if isinstance(td, LazyStackedTensorDict):
+            extra = exclusive_keys(td)
+            if extra:
+                return extra
+        sets.append({as_path(k) for k in td.keys(include_nested=True, leaves_only=True)})
+    if not sets:
+        return set()
+    return set.union(*sets) - set.intersection(*sets)
+
+
+def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            raise TypeError(f"key {display(path)!r}: nested (jagged) tensors are not supported; write a lazy stack of its elements")
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    raise TypeError(
+        f"key {display(path)!r}: only tensor leaves can be stored, got {type(value).__name__} "
+        "(non-tensor data is not supported by this store)"
+    )
+
+
+def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[NestedPath, torch.Tensor | list[torch.Tensor]]:
+    """The leaves of a value to write, keyed by full path under ``prefix``.
+
+    A lazy stack key whose elements differ in shape comes as a list of element
+    tensors (split along ``stack_pos``); everything else as one dense tensor.
+    """
+    if is_tensorclass(value):
+        value = value._tensordict
+    if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
+        out: dict[NestedPath, Any] = {}
+        for k, v in value.items():
+            out.update(leaves_of(v, stack_pos, prefix + as_path(k)) if isinstance(v, (Mapping, TensorDictBase)) or is_tensorclass(v) else {prefix + as_path(k): _check_tensor(prefix + as_path(k), v)})
+        return out
+    if isinstance(value, TensorDictBase):
+        if getattr(value, "_tdstore_reads_remote", False):
+            value = value.to_tensordict()
+        lazy = isinstance(value, LazyStackedTensorDict)
+        if lazy:
+            extra = exclusive_keys(value)
+            if extra:
+                names = sorted(display(prefix + p) for p in extra)  # type: ignore[type-var]
+                raise ValueError(f"keys {names} are present in only some elements of the lazy stack; every element must hold the same keys")
+        elements: list[TensorDictBase] | None = None
+        out = {}
+        for key in value.keys(include_nested=True, leaves_only=True):
+            path = prefix + as_path(key)
+            try:
+                leaf = value.get(key)
+            except RuntimeError:
+                if not lazy:
+                    raise
+                if elements is None:
+                    elements = list(value.unbind(stack_pos))
+                out[path] = [_check_tensor(path, el.get(key)) for el in elements]
+                continue
+            out[path] = _check_tensor(path, leaf)
+        return out
+    if not prefix:
+        raise TypeError(f"expected a TensorDict, a dict or a tensorclass, got {type(value).__name__}")
+    return {prefix: _check_tensor(prefix, value)}
+
+
+def _nest(leaves: dict[NestedPath, torch.Tensor], under: NestedPath = ()) -> dict:
+    tree: dict = {}
+    cut = len(under)
+    for path, t in leaves.items():
+        if path[:cut] != under:
+            continue
+        node = tree
+        for part in path[cut:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = t
+    return tree
+
+
+def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDict:
+    """A TensorDict of ``leaves`` (the part below ``under``), on ``device``."""
+    return TensorDict(_nest(leaves, under), batch_size=batch_size, device=device)
+
+
+def assemble(plan: Plan, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:
+    """Turn an engine read into the tensordict the index asked for."""
+    if isinstance(result, DenseResult):
+        return build_td(result.leaves, result.batch_size, device, under)
+    tds = [build_td(el, inner, device, under) for el in result.elements]
+    if plan.element_int and plan.inner_full:
+        return tds[0]
+    if not tds:
+        raise IndexError("the index selects no element of a store with heterogeneous keys")
+    stacked = lazy_stack(tds, dim=plan.stack_pos)
+    if all(isinstance(c, slice) and c == slice(0, n, 1) for c, n in zip(plan.local, stacked.batch_size)):
+        return stacked
+    return stacked[plan.local]

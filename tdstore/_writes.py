@@ -1,0 +1,287 @@
+"""Write planning: from (index, values) to the ops of one ``write.lua`` call.
+
+Everything that can be wrong with a write (unknown key, dtype, shape, ndim,
+element count, inner batch size) is found here, before anything is sent, so a bad
+write raises with the key and the shapes in the message and the store is left as
+it was.  Values are never cast or broadcast.
+
+A value arrives per leaf path either *dense* (one tensor whose leading dims are
+the indexed batch shape) or *per element* (a list of tensors, one per element the
+index names along the stack dim, as a lazy stack whose elements differ gives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _codec, _index
+from ._engine import _KeyTable
+from ._keys import StoreKeys
+from ._schema import Header, Leaf, NestedPath, check_paths
+
+Value = torch.Tensor | list[torch.Tensor]
+
+
+def _name(path: NestedPath) -> str:
+    return repr(path[0]) if len(path) == 1 else repr(path)
+
+
+def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[int]:
+    """The element ids along the stack dim in the order the value holds them."""
+    s = norm[p.stack_pos]
+    if isinstance(s, int):
+        return [s]
+    if isinstance(s, slice):
+        return list(range(s.start, s.stop, s.step))
+    if s.ndim != 1:
+        raise NotImplementedError("writing whole elements with a multi-dimensional index tensor; flatten the index first")
+    return [int(i) for i in s.tolist()]
+
+
+def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any]:
+    """SETRANGE ops for ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins."""
+    rb = data.shape[1] if data.ndim == 2 else 0
+    # keep the last occurrence of each row, as sequential assignment would
+    rev_rows = rows[::-1]
+    uniq, first_in_rev = np.unique(rev_rows, return_index=True)
+    take = rows.size - 1 - first_in_rev
+    data = data[take]
+    op: list[Any] = ["R", kt.ref(key), 0]
+    n = 0
+    for lo, hi in _index.runs(uniq):
+        a = int(np.searchsorted(uniq, lo))
+        b = a + (hi - lo + 1)
+        op += [lo * rb, memoryview(np.ascontiguousarray(data[a:b])).cast("B")]
+        n += 1
+    op[2] = n
+    return op
+
+
+def _as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
+    """A (rows, bytes per row) uint8 view of ``t`` whose first ``lead`` dims are rows."""
+    t = t.detach().cpu().contiguous()
+    n = int(np.prod(t.shape[:lead])) if lead else 1
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return raw.reshape(n, -1) if n else np.zeros((0, 0), np.uint8)
+
+
+def _check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"key {_name(path)} holds {_codec.dtype_name(dtype)}, got {t.dtype}; cast the value explicitly (no silent casts)")
+
+
+def _het_tables(inner: tuple[int, ...], elems: list[torch.Tensor]) -> tuple[bytes, bytes, bytes]:
+    """Data, offset table and shape table of a heterogeneous leaf built from element tensors."""
+    sizes = [t.numel() * t.element_size() for t in elems]
+    offsets = np.zeros(len(elems) + 1, dtype="<i8")
+    np.cumsum(sizes, out=offsets[1:])
+    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
+    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
+    return data, offsets.tobytes(), shapes
+
+
+def _element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim: int | None, dtype: torch.dtype | None) -> None:
+    inner = h.inner
+    for k, t in enumerate(elems):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"key {_name(path)}: element {k} is a {type(t).__name__}, not a tensor")
+        if dtype is not None:
+            _check_dtype(path, t, dtype)
+        if tuple(t.shape[: len(inner)]) != inner:
+            raise ValueError(f"key {_name(path)}: element shape {list(t.shape)} does not start with the inner batch size {list(inner)}")
+        if ndim is not None and t.ndim != ndim:
+            raise ValueError(f"key {_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)")
+
+
+def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, number: int, kt: _KeyTable) -> tuple[Leaf, list[list[Any]]]:
+    """Ops that (re)create leaf ``number`` at ``path`` from a value covering every element."""
+    if isinstance(value, torch.Tensor):
+        bs = h.batch_size
+        if tuple(value.shape[: len(bs)]) != tuple(bs):
+            raise ValueError(f"key {_name(path)}: a value of shape {list(value.shape)} does not start with the batch size {list(bs)}")
+        _codec.dtype_name(value.dtype)
+        em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
+        shape = tuple(em.shape[1:])
+        leaf = Leaf(path, number, value.dtype, len(shape), shape)
+        return leaf, [["S", kt.ref(keys.data(number)), _codec.to_bytes(em)], ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
+    if len(value) != h.count:
+        raise ValueError(f"key {_name(path)}: got {len(value)} elements for a store of {h.count}")
+    if not value:
+        raise ValueError(f"key {_name(path)}: cannot infer a dtype and shape from zero elements")
+    dtype = value[0].dtype
+    _codec.dtype_name(dtype)
+    _element_checks(h, path, value, value[0].ndim, dtype)
+    shapes = {tuple(t.shape) for t in value}
+    if len(shapes) == 1:
+        return plan_full_leaf(keys, h, path, torch.stack(value, h.stack_pos), number, kt)
+    data, offsets, shape_table = _het_tables(h.inner, value)
+    leaf = Leaf(path, number, dtype, value[0].ndim, None)
+    return leaf, [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
+
+
+def plan_write(
+    keys: StoreKeys,
+    h: Header,
+    index: Any,
+    items: dict[NestedPath, Value],
+    kt: _KeyTable,
+    *,
+    replace: bool = False,
+) -> tuple[Header | None, list[list[Any]]]:
+    """Plan ``store[index] = items`` (and ``set``/``update``) as one write call.
+
+    ``replace`` (a non-inplace ``set`` covering the whole store) lets a key change
+    dtype or shape by replacing its leaf; otherwise the key keeps its dtype, and a
+    key that is not in the store can only be added by a write that covers every
+    element.
+    """
+    norm = _index.normalize(index, h.batch_size)
+    p = _index.plan(norm, h.batch_size, h.stack_pos)
+    full = _index.is_full(norm, h.batch_size)
+    leaves = dict(h.leaves)
+    next_leaf = h.next_leaf
+    changed = False
+    ops: list[list[Any]] = []
+    rows_cache: dict[str, Any] = {}
+
+    def rows() -> np.ndarray:
+        if "rows" not in rows_cache:
+            r = _index.storage_rows(p, h.inner)
+            rows_cache["shape"] = tuple(r.shape)
+            rows_cache["rows"] = r.reshape(-1).numpy()
+        return rows_cache["rows"]
+
+    def rows_shape() -> tuple[int, ...]:
+        rows()
+        return rows_cache["shape"]
+
+    def per_element(path: NestedPath, value: Value) -> list[torch.Tensor]:
+        order = element_order(p, norm)
+        if not p.inner_full:
+            raise ValueError(
+                f"key {_name(path)}: this write changes element shapes (or the key is heterogeneous), "
+                "which needs whole elements; index the stack dim only (e.g. store[i] = td)"
+            )
+        if isinstance(value, torch.Tensor):
+            want = rows_shape()
+            if p.element_int:
+                elems = [value]
+            else:
+                if value.ndim <= h.stack_pos or value.shape[h.stack_pos] != len(order):
+                    raise ValueError(f"key {_name(path)}: value of shape {list(value.shape)} does not hold {len(order)} elements along dim {h.stack_pos} (indexed batch {list(want)})")
+                elems = list(value.unbind(h.stack_pos))
+        else:
+            elems = list(value)
+        if len(elems) != len(order):
+            raise ValueError(f"key {_name(path)}: got {len(elems)} elements for an index that selects {len(order)}")
+        return elems
+
+    new_paths = []
+    for path, value in items.items():
+        leaf = leaves.get(path)
+        if leaf is None or (replace and full and not _fits(leaf, value, h)):
+            if not full:
+                raise KeyError(
+                    f"key {_name(path)} is not in the store; add it for every element first "
+                    "(store.set(key, value) or store[:] = td), then write single elements"
+                )
+            number = leaf.number if leaf is not None else next_leaf
+            if leaf is None:
+                next_leaf += 1
+                new_paths.append(path)
+            new_leaf, leaf_ops = plan_full_leaf(keys, h, path, value, number, kt)
+            leaves[path] = new_leaf
+            ops += leaf_ops
+            changed = True
+            continue
+        if isinstance(value, torch.Tensor):
+            _check_dtype(path, value, leaf.dtype)
+        else:
+            _element_checks(h, path, value, None, leaf.dtype)
+        if not leaf.het and isinstance(value, torch.Tensor):
+            feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
+            want = rows_shape() + tuple(feat)
+            if tuple(value.shape) == want:
+                ops.append(_rows_op(kt, keys.data(leaf.number), rows(), _as_rows(value, len(rows_shape()))))
+                continue
+            if not p.inner_full or value.ndim != len(want):
+                raise ValueError(f"key {_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
+        elems = per_element(path, value)
+        _element_checks(h, path, elems, leaf.ndim, leaf.dtype)
+        order = element_order(p, norm)
+        if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
+            eb = leaf.element_nbytes
+            data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
+            ops.append(_rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data))
+            continue
+        if not leaf.het:
+            # a homogeneous key gets a new element shape: it becomes heterogeneous,
+            # with tables built from its arithmetic layout, in this same call
+            assert leaf.shape is not None
+            eb = leaf.element_nbytes
+            ops.append(["S", kt.ref(keys.offsets(leaf.number)), (np.arange(h.count + 1, dtype="<i8") * eb).tobytes()])
+            ops.append(["S", kt.ref(keys.shapes(leaf.number)), np.tile(np.asarray(leaf.shape, dtype="<i8"), h.count).tobytes()])
+            leaf = Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None)
+            leaves[path] = leaf
+            changed = True
+        ops += _splice_ops(kt, keys, leaf, order, elems)
+    if new_paths:
+        check_paths(list(leaves))
+    new_header = h.with_leaves(leaves, next_leaf) if changed else None
+    return new_header, ops
+
+
+def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
+    """Whether ``value`` (covering the whole store) can be written into ``leaf`` as it is."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != leaf.dtype:
+            return False
+        if leaf.het:
+            return True
+        em_shape = list(value.shape)
+        em_shape.pop(h.stack_pos)
+        return tuple(em_shape) == leaf.shape
+    return all(t.dtype == leaf.dtype and t.ndim == leaf.ndim for t in value)
+
+
+def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:
+    """'E' ops writing whole elements of a heterogeneous leaf, one op per run of consecutive ids."""
+    last: dict[int, torch.Tensor] = {}
+    for e, t in zip(order, elems):
+        last[e] = t
+    ids = np.array(sorted(last), dtype=np.int64)
+    dk, ok, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
+    ops = []
+    for lo, hi in _index.runs(ids):
+        run = [last[e] for e in range(lo, hi + 1)]
+        data = b"".join(bytes(_codec.to_bytes(t)) for t in run)
+        shapes = _codec.pack_i64([s for t in run for s in t.shape])
+        sizes = [t.numel() * t.element_size() for t in run]
+        ops.append(["E", dk, ok, sk, 8 * leaf.ndim, lo, hi, shapes, data, *sizes])
+    return ops
+
+
+def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: _KeyTable) -> tuple[Header, list[list[Any]]]:
+    """Delete the leaves ``paths`` (their numbers are never reused)."""
+    leaves = dict(h.leaves)
+    ops: list[list[Any]] = []
+    for path in paths:
+        leaf = leaves.pop(path)
+        for key in keys.leaf_keys(leaf.number):
+            ops.append(["D", kt.ref(key)])
+    return h.with_leaves(leaves), ops
+
+
+def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
+    """Rename leaves: a schema-only change (data keys are named by leaf number)."""
+    leaves = {}
+    for path, leaf in h.leaves.items():
+        new = renames.get(path, path)
+        leaves[new] = Leaf(new, leaf.number, leaf.dtype, leaf.ndim, leaf.shape)
+    if len(leaves) != len(h.leaves):
+        raise KeyError(f"renaming {renames} would overwrite an existing key")
+    check_paths(list(leaves))
+    return h.with_leaves(leaves)

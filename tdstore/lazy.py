@@ -1,0 +1,860 @@
+"""``LazyStackedTensorDictStore``: a lazy stack of tensordicts that lives on a Redis-wire server."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
+
+from . import _index, _writes
+from ._connection import open_client
+from ._engine import Engine, new_td_id
+from ._keys import StoreKeys
+from ._schema import Header, NestedPath
+from ._unsupported import StoreUnsupported
+from ._values import as_path, assemble, display, leaves_of
+
+_LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
+
+
+class _KeysView:
+    """Keys of a store or of an element view, read from the cached schema (insertion order)."""
+
+    def __init__(self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool) -> None:
+        self._paths = paths
+        self._under = under
+        self.include_nested = include_nested
+        self.leaves_only = leaves_only
+        self.sort = sort
+
+    def _items(self) -> list[Any]:
+        cut = len(self._under)
+        seen: dict[NestedPath, None] = {}
+        for path in self._paths():
+            if path[:cut] != self._under or len(path) == cut:
+                continue
+            rel = path[cut:]
+            if not self.include_nested:
+                if len(rel) == 1 or not self.leaves_only:
+                    seen.setdefault(rel[:1])
+                continue
+            if not self.leaves_only:
+                for k in range(1, len(rel)):
+                    seen.setdefault(rel[:k])
+            seen.setdefault(rel)
+        keys = [display(p) for p in seen]
+        if self.sort:
+            keys.sort(key=lambda k: ".".join(k) if isinstance(k, tuple) else k)
+        return keys
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            path = as_path(key)
+        except (TypeError, KeyError):
+            return False
+        if len(path) > 1 and not self.include_nested:
+            return False
+        return display(path) in self._items()
+
+    def __repr__(self) -> str:
+        return f"_KeysView({self._items()})"
+
+
+class _StoreFlags:
+    """TensorDictBase class flags shared by the store and its element views (see tensordict.base)."""
+
+    _td_dim_names = None
+    _masking_on_dense_copy = True
+    _masked_select_on_dense_copy = True
+    _masked_select_inplace_unsupported = True
+    _reads_return_copies = True
+    _nested_reads_return_copies = True
+    _update_stores_copy_of_self = True
+    _leaves_built_on_read = True
+    _contiguous_via_to_tensordict = True
+    _pin_memory_unsupported = True
+    _storage_holds_no_gradients = True
+    _copy_shares_storage = True
+    _setitem_key_inplace = BEST_ATTEMPT_INPLACE
+    _get_ignores_kwargs = False
+    _tdstore_reads_remote = True
+
+
+class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
+    """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
+
+    Every read and write of the stack, an element, a slice, a random batch, or a
+    key, is one atomic call of a Lua script on the server (one round trip), so
+    many processes can read and write the same store at once and never see a
+    half-written element.  The handle only caches the store's schema (keys,
+    dtypes, shapes), and the server checks that cache on every call.
+
+    Elements may differ in shape (a *heterogeneous* key), and an element write
+    may change an element's shape: the server rewrites the key's offset table.
+
+    Keyword Args:
+        backend: a label for the server kind ("redis", "dragonfly", "valkey", "keydb").
+        host, port, db, unix_socket_path: where the server is (ignored with ``url`` or ``client``).
+        url: a "redis://", "rediss://" or "unix://" URL.
+        prefix: the key namespace on the server. Defaults to "tensordict".
+        count: the number of elements of the stack.
+        stack_dim: the position of the stack dim in the batch size.
+        inner_batch_size: the batch size of each element.
+        device: where reads land; ``None`` for CPU tensors and no device.
+        client: an existing ``redis.Redis`` (or ``redis.asyncio.Redis``, whose settings are reused).
+        td_id: the store's identifier. An existing store with this id is attached
+            to when count, stack dim and inner batch size agree (its metadata is
+            never overwritten), and a ``ValueError`` is raised when they do not.
+        cache_metadata: keep the schema in the handle (default). With ``False``,
+            ``keys()`` and other metadata queries read the header from the server
+            each time; data calls are validated by the server either way.
+        **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
+            ``ssl``...), plus ``password_provider``: a picklable callable that
+            returns the password in processes this store is pickled into.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        url: str | None = None,
+        prefix: str = "tensordict",
+        count: int,
+        stack_dim: int = 0,
+        inner_batch_size: Sequence[int] = (),
+        device: Any = None,
+        client: Any = None,
+        td_id: str | None = None,
+        cache_metadata: bool = True,
+        **redis_kwargs: Any,
+    ) -> None:
+        count, inner = _check_layout(count, stack_dim, inner_batch_size)
+        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client)
+        dev = torch.device(device) if device is not None else None
+        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
+        existing = engine.create(wanted)
+        if existing is not None:
+            if existing.state != "ready":
+                raise KeyError(f"the store with {engine.where()} is still being uploaded")
+            mismatch = [
+                f"{name} {got!r} != stored {have!r}"
+                for name, got, have in (("count", count, existing.count), ("stack_dim", stack_dim, existing.stack_dim), ("inner_batch_size", inner, existing.inner))
+                if got != have
+            ]
+            if mismatch:
+                raise ValueError(f"a store with {engine.where()} already exists with another layout: {'; '.join(mismatch)}")
+            engine.set_header(existing)
+            if dev is None and existing.device:
+                dev = torch.device(existing.device)
+        self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
+
+    # -- construction helpers ------------------------------------------------------
+    def _init_handle(self, engine: Engine, *, backend: str, device: torch.device | None, cache_metadata: bool) -> None:
+        h = engine.header
+        self._engine = engine
+        self._backend = backend
+        self._device = device
+        self._cache_metadata = cache_metadata
+        self._count = h.count
+        self._stack_dim = h.stack_dim
+        self._inner_batch_size = torch.Size(h.inner)
+        self._batch_size = h.batch_size
+        self._is_locked = False
+        self._lock_id = set()
+        self._locked_tensordicts = []
+        self._is_shared = False
+        self._is_memmap = False
+        self._last_op = None
+
+    @classmethod
+    def _from_engine(cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:
+        self = cls.__new__(cls)
+        h = engine.header
+        dev = torch.device(device) if device is not None else (torch.device(h.device) if h.device else None)
+        self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
+        return self
+
+    @classmethod
+    def from_store(
+        cls,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        url: str | None = None,
+        prefix: str = "tensordict",
+        td_id: str,
+        device: Any = None,
+        client: Any = None,
+        cache_metadata: bool = True,
+        **redis_kwargs: Any,
+    ) -> LazyStackedTensorDictStore:
+        """Reconnect to an existing store in one round trip; never writes.
+
+        Count, stack dim, inner batch size and device are read from the server.
+        An unknown ``td_id`` raises ``KeyError`` naming the id, the prefix and the server.
+        """
+        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id), redis_client)
+        engine.set_header(engine.fetch_header())
+        if engine.header.kind != "lazy":
+            raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
+        return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
+
+    @classmethod
+    def from_lazy_stack(
+        cls,
+        lazy_td: TensorDictBase,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        url: str | None = None,
+        prefix: str = "tensordict",
+        device: Any = None,
+        client: Any = None,
+        td_id: str | None = None,
+        cache_metadata: bool = True,
+        pbar: bool = False,
+        chunk_elements: int = 10_000,
+        chunk_bytes: int = 64 << 20,
+        **redis_kwargs: Any,
+    ) -> LazyStackedTensorDictStore:
+        """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
+
+        The upload streams in chunks of at most ``chunk_elements`` elements and
+        ``chunk_bytes`` bytes per round trip, never building the whole stack in
+        memory.  The store becomes visible to readers only when the upload is
+        complete; a failed upload deletes what it wrote, and an uploader that
+        dies leaves keys that expire by themselves.  Every element must hold the
+        same keys with one dtype per key, checked before anything is written.
+        ``pbar=True`` shows a tqdm progress bar when tqdm is installed.
+        """
+        from ._upload import upload
+
+        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client)
+        upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes)
+        return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
+
+    @classmethod
+    def from_dict(cls, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: a dict has no stack structure. Use :meth:`from_lazy_stack`."""
+        raise NotImplementedError(f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)")
+
+    # -- identity and metadata -----------------------------------------------------------
+    @property
+    def td_id(self) -> str:
+        """The identifier of the store on the server (read-only)."""
+        return self._engine.keys.td_id
+
+    @property
+    def _td_id(self) -> str:
+        return self._engine.keys.td_id
+
+    @property
+    def prefix(self) -> str:
+        return self._engine.keys.prefix
+
+    @property
+    def _header(self) -> Header:
+        if not self._cache_metadata:
+            self._engine.set_header(self._engine.fetch_header())
+        return self._engine.header
+
+    @property
+    def _meta_cache(self) -> dict:
+        """The cached schema: ``{key: (shape or None if heterogeneous, dtype)}`` (reference quirk)."""
+        return {display(p): (leaf.shape, leaf.dtype) for p, leaf in self._engine.header.leaves.items()}
+
+    def _paths(self) -> list[NestedPath]:
+        h = self._header
+        return [leaf.path for leaf in sorted(h.leaves.values(), key=lambda leaf: leaf.number)]
+
+    def _paths_under(self, path: NestedPath) -> list[NestedPath]:
+        return [p for p in self._paths() if p[: len(path)] == path]
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        if torch.Size(value) != self._batch_size:
+            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
+
+    def _change_batch_size(self, new_size: torch.Size) -> None:
+        if torch.Size(new_size) != self._batch_size:
+            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
+
+    def _check_new_batch_size(self, new_size: torch.Size) -> None:
+        self._change_batch_size(new_size)
+
+    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
+        self._change_batch_size(new_batch_size)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        self._device = torch.device(value) if value is not None else None
+
+    @property
+    def names(self) -> list[None]:
+        return [None] * len(self._batch_size)
+
+    def _has_names(self) -> bool:
+        return False
+
+    def _erase_names(self) -> None:
+        return None
+
+    def _rename_subtds(self, value: Any) -> None:
+        if value is not None and any(v is not None for v in value):
+            raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
+
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
+        return _KeysView(self._paths, (), include_nested, leaves_only, sort)
+
+    def __len__(self) -> int:
+        return self._batch_size[0] if len(self._batch_size) else 0
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.keys(include_nested=isinstance(key, tuple))
+
+    def entry_class(self, key: Any) -> type:
+        path = as_path(key)
+        h = self._header
+        if path in h.leaves:
+            return torch.Tensor
+        under = [leaf for p, leaf in h.leaves.items() if p[: len(path)] == path]
+        if not under:
+            raise KeyError(f"key {display(path)!r} is not in the store")
+        return LazyStackedTensorDict if any(leaf.het for leaf in under) else TensorDict
+
+    def _lock_sub_tensordicts(self) -> list:
+        return []
+
+    def __repr__(self) -> str:
+        try:
+            keys = list(self.keys(include_nested=True, leaves_only=True))
+        except Exception as err:  # the repr must not raise, e.g. for a deleted store
+            keys = [f"<unavailable: {type(err).__name__}>"]
+        return (
+            f"{type(self).__name__}(keys={keys}, batch_size={self._batch_size}, count={self._count}, "
+            f"stack_dim={self._stack_dim}, device={self._device}, backend={self._backend!r}, td_id={self.td_id!r})"
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _element_of(self, index: Any) -> int | None:
+        """The element id when ``index`` picks exactly one whole element, else None."""
+        h = self._engine.header
+        if isinstance(index, (str, tuple)) and (isinstance(index, str) or any(isinstance(i, str) for i in index)):
+            return None
+        if h.stack_pos == 0 and isinstance(index, int) and not isinstance(index, bool):
+            if not -h.count <= index < h.count:
+                raise IndexError(f"index {index} is out of range for a store of {h.count} elements")
+            return index % h.count
+        if isinstance(index, tuple) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            norm = _index.normalize(index, h.batch_size)
+            p = _index.plan(norm, h.batch_size, h.stack_pos)
+            if p.element_int and p.inner_full:
+                return int(p.elements[0])
+        return None
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
+            return self._read_key(as_path(index), NO_DEFAULT)
+        if index is Ellipsis or (isinstance(index, tuple) and not index):
+            return self
+        element = self._element_of(index)
+        if element is not None:
+            return _ElementView(self, element)
+        return self._read_index(index)
+
+    __getitems__ = __getitem__
+
+    def _read_index(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = ()) -> TensorDictBase:
+        plan, result = self._engine.read(index, paths)
+        return assemble(plan, result, self._engine.header.inner, self._device, under)
+
+    def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
+        return self._read_index(index)
+
+    def _read_key(self, path: NestedPath, default: Any, **kwargs: Any) -> Any:
+        h = self._header
+        if path in h.leaves:
+            leaf = h.leaves[path]
+            if leaf.het or kwargs:
+                stacked = self._read_index(slice(None), [path])
+                return stacked.get(display(path), **kwargs)
+            plan, result = self._engine.read(slice(None), [path])
+            t = result.leaves[path]  # type: ignore[union-attr]
+            return t.to(self._device) if self._device is not None else t
+        under = self._paths_under(path)
+        if not under:
+            if default is not NO_DEFAULT:
+                return default
+            raise KeyError(f"key {display(path)!r} is not in the store; keys: {list(self.keys(True, True))}")
+        return self._read_index(slice(None), under, under=path)
+
+    def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._read_key((key,), default, **kwargs)
+
+    def _get_tuple(self, key: tuple, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._read_key(as_path(key), default, **kwargs)
+
+    def _get_at_str(self, key: str, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._get_at_tuple((key,), idx, default, **kwargs)
+
+    def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        path = as_path(key)
+        under = self._paths_under(path)
+        if not under:
+            if default is not NO_DEFAULT:
+                return default
+            raise KeyError(f"key {display(path)!r} is not in the store")
+        td = self._read_index(idx, under)
+        return td.get(display(path), **kwargs)
+
+    def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
+        """All of the store in one round trip: a TensorDict, or a lazy stack when elements differ."""
+        return self._read_index(slice(None) if self._batch_size else ())
+
+    def to_local(self) -> TensorDictBase:
+        """Deprecated alias of :meth:`to_tensordict`."""
+        warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
+        return self.to_tensordict()
+
+    def _clone(self, recurse: bool = True) -> TensorDictBase:
+        """``clone()`` is an in-memory copy (``to_tensordict()``); ``clone(False)`` a new handle on the same store."""
+        if recurse:
+            return self.to_tensordict()
+        return type(self)._from_engine(Engine(self._engine.spec, self._engine.keys), backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)
+
+    # -- writes --------------------------------------------------------------------------------
+    def _check_writable(self, path: NestedPath, *, new: bool, ignore_lock: bool = False) -> None:
+        if self.is_locked and not ignore_lock and new:
+            raise RuntimeError(_LOCK_ERROR)
+
+    def _write(self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False) -> None:
+        keys = self._engine.keys
+        self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace))
+
+    def _full_index(self) -> Any:
+        return (slice(None),) * len(self._batch_size) if self._batch_size else ()
+
+    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        path = as_path(key)
+        items = leaves_of(value, self._engine.header.stack_pos, path)
+        exists = all(p in self._engine.header.leaves for p in items)
+        if inplace is True and not exists:
+            raise KeyError(f"key {display(path)!r} is not in the store (set_ writes existing keys only)")
+        self._check_writable(path, new=not exists, ignore_lock=ignore_lock)
+        if self.is_locked and not ignore_lock and inplace is False:
+            raise RuntimeError(_LOCK_ERROR)
+        self._write(self._full_index(), items, replace=inplace is not True)
+        return self
+
+    def _set_str(self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> TensorDictBase:
+        return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
+
+    def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
+        return self._set_at_tuple((key,), value, idx, validated=validated, non_blocking=non_blocking)
+
+    def _set_at_tuple(self, key: tuple, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
+        path = as_path(key)
+        items = leaves_of(value, self._engine.header.stack_pos, path)
+        missing = [p for p in items if p not in self._engine.header.leaves]
+        if missing:
+            raise KeyError(f"key {display(missing[0])!r} is not in the store (set_at_ writes existing keys only)")
+        self._write(idx, items)
+        return self
+
+    def _setitem_index(self, index: Any, value: Any) -> None:
+        if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, TensorDictBase)):
+            value = self._fill_value(index, value)
+        elif isinstance(value, torch.Tensor):
+            raise TypeError("store[index] = tensor is ambiguous; write a TensorDict (or a dict of tensors) or a number")
+        items = leaves_of(value, self._engine.header.stack_pos)
+        new = [p for p in items if p not in self._engine.header.leaves]
+        if new and self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        self._write(index, items)
+
+    def _fill_value(self, index: Any, value: Any) -> dict[NestedPath, torch.Tensor]:
+        """``store[index] = number`` writes the number into every leaf at ``index`` (in each leaf's dtype)."""
+        h = self._engine.header
+        norm = _index.normalize(index, h.batch_size)
+        p = _index.plan(norm, h.batch_size, h.stack_pos)
+        shape = tuple(_index.storage_rows(p, h.inner).shape)
+        out = {}
+        for path, leaf in h.leaves.items():
+            if leaf.het:
+                raise NotImplementedError(f"filling the heterogeneous key {display(path)!r} with a number is not supported; write tensors of each element's shape")
+            out[path] = torch.full(shape + tuple(leaf.shape[len(h.inner) :]), value, dtype=leaf.dtype)  # type: ignore[index]
+        return out
+
+    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        """Write every leaf of ``input_dict_or_td`` (covering the whole stack) in one atomic call."""
+        items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
+        if keys_to_update is not None:
+            wanted = [as_path(k) for k in keys_to_update]
+            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        if not items:
+            return self
+        new = [p for p in items if p not in self._engine.header.leaves]
+        if (new or not inplace) and self.is_locked and not ignore_lock and new:
+            raise RuntimeError(_LOCK_ERROR)
+        if inplace and new:
+            raise KeyError(f"key {display(new[0])!r} is not in the store (update_ writes existing keys only)")
+        self._write(self._full_index(), items, replace=not inplace)
+        return self
+
+    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+        return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
+
+    def update_at_(self, input_dict_or_td: Any, idx: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+        """Write the leaves of ``input_dict_or_td`` at ``idx`` in one atomic call (existing keys only)."""
+        items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
+        if keys_to_update is not None:
+            wanted = [as_path(k) for k in keys_to_update]
+            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        missing = [p for p in items if p not in self._engine.header.leaves]
+        if missing:
+            raise KeyError(f"key {display(missing[0])!r} is not in the store (update_at_ writes existing keys only)")
+        self._write(idx, items)
+        return self
+
+    def _del(self, key: tuple) -> None:
+        path = as_path(key)
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        keys = self._engine.keys
+
+        def plan(h: Header, kt: Any) -> Any:
+            under = [p for p in h.leaves if p[: len(path)] == path]
+            if not under:
+                raise KeyError(f"key {display(path)!r} is not in the store")
+            return _writes.plan_delete(keys, h, under, kt)
+
+        self._engine.run_write(plan)
+
+    def del_(self, key: Any) -> TensorDictBase:
+        self._del(as_path(key))
+        return self
+
+    def __delitem__(self, key: Any) -> None:
+        self._del(as_path(key))
+
+    def _rename_key(self, old_key: Any, new_key: Any) -> None:
+        old, new = as_path(old_key), as_path(new_key)
+
+        def plan(h: Header, kt: Any) -> Any:
+            under = [p for p in h.leaves if p[: len(old)] == old]
+            if not under:
+                raise KeyError(f"key {display(old)!r} is not in the store")
+            renames = {p: new + p[len(old) :] for p in under}
+            clash = [n for n in renames.values() if n in h.leaves and n not in renames]
+            if clash:
+                raise KeyError(f"key {display(clash[0])!r} already exists; delete it first")
+            return _writes.plan_rename(h, renames), []
+
+        self._engine.run_write(plan)
+
+    def _write_back(self, keys: Any, values: Any, method: str) -> None:
+        """In-place methods (``zero_``, ``add_``...) write their results back in one call."""
+        if not keys:
+            return
+        items = {as_path(k): v for k, v in zip(keys, values)}
+        self._write(self._full_index(), items)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection. The data stays on the server (see :meth:`clear_redis`)."""
+        self._engine.close()
+
+    def clear_redis(self) -> int:
+        """Delete every key of this store, and nothing else, in one atomic call. Returns the count deleted."""
+        return self._engine.clear()
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
+        last = self._last_op_queue[-1] if getattr(self, "_last_op_queue", None) else None
+        result = super().__exit__(exc_type, exc_val, exc_tb)
+        if last is None:
+            self.close()
+        return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "spec": self._engine.spec,
+            "prefix": self._engine.keys.prefix,
+            "td_id": self._engine.keys.td_id,
+            "header": self._engine.header.fields(),
+            "backend": self._backend,
+            "device": self._device,
+            "cache_metadata": self._cache_metadata,
+            "is_locked": self._is_locked,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        engine = Engine(state["spec"], StoreKeys(state["prefix"], state["td_id"]))
+        engine.set_header(Header.from_fields(state["header"]))
+        self._init_handle(engine, backend=state["backend"], device=state["device"], cache_metadata=state["cache_metadata"])
+        if state.get("is_locked"):
+            self.lock_()
+
+    def __reduce__(self) -> Any:
+        return (_restore, (type(self), self.__getstate__()))
+
+
+def _restore(cls: type, state: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be a non-negative int, got {count!r}")
+    if count > 2**40:
+        raise ValueError(f"count {count} is too large (at most 2**40 elements)")
+    try:
+        inner = tuple(int(i) for i in inner_batch_size)
+    except TypeError:
+        raise TypeError(f"inner_batch_size must be a sequence of ints, got {inner_batch_size!r}") from None
+    if any(i < 0 for i in inner):
+        raise ValueError(f"inner_batch_size must hold non-negative sizes, got {list(inner)}")
+    if isinstance(stack_dim, bool) or not isinstance(stack_dim, int) or not -(len(inner) + 1) <= stack_dim <= len(inner):
+        raise ValueError(f"stack_dim {stack_dim!r} is out of range for an inner batch size of {len(inner)} dims")
+    return count, inner
+
+
+class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
+    """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
+
+    Each read or write is one atomic call: ``view[key]`` reads one leaf of the
+    element, ``view.to_tensordict()`` all of them, ``view[key] = t`` writes one,
+    ``view.update(td)`` writes all of ``td``'s leaves at once.  On a locked store
+    the view writes existing keys and refuses new ones; the view itself is not
+    locked (as in the reference).
+    """
+
+    def __init__(self, store: LazyStackedTensorDictStore, element: int, under: NestedPath = ()) -> None:
+        self._store = store
+        self._element = element
+        self._under = under
+        self._batch_size = store._inner_batch_size
+        self._device = store._device
+        self._is_locked = False
+        self._lock_id = set()
+        self._locked_tensordicts = []
+        self._is_shared = False
+        self._is_memmap = False
+        self._last_op = None
+
+    # identity / metadata
+    @property
+    def batch_size(self) -> torch.Size:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        if torch.Size(value) != self._batch_size:
+            raise RuntimeError(f"the batch size of a store element is fixed at {list(self._batch_size)}")
+
+    def _change_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _check_new_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
+        self.batch_size = new_batch_size
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        raise RuntimeError("the device of a store element cannot be set; call .to(device) for a local copy")
+
+    @property
+    def names(self) -> list[None]:
+        return [None] * len(self._batch_size)
+
+    def _has_names(self) -> bool:
+        return False
+
+    def _erase_names(self) -> None:
+        return None
+
+    def _rename_subtds(self, value: Any) -> None:
+        if value is not None and any(v is not None for v in value):
+            raise RuntimeError("a store element has no dim names")
+
+    def _paths(self) -> list[NestedPath]:
+        return self._store._paths()
+
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
+        return _KeysView(self._paths, self._under, include_nested, leaves_only, sort)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.keys(include_nested=isinstance(key, tuple))
+
+    def entry_class(self, key: Any) -> type:
+        return self._store.entry_class(self._under + as_path(key))
+
+    def _lock_sub_tensordicts(self) -> list:
+        return []
+
+    def __repr__(self) -> str:
+        keys = list(self.keys(include_nested=True, leaves_only=True))
+        return f"{type(self._store).__name__}[{self._element}](keys={keys}, batch_size={self._batch_size}, td_id={self._store.td_id!r})"
+
+    # index composition
+    def _store_index(self, index: Any = None) -> tuple:
+        h = self._store._engine.header
+        inner = _index.normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
+        return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
+
+    # reads
+    def _read(self, paths: list[NestedPath], index: Any = None, under: NestedPath = ()) -> TensorDictBase:
+        return self._store._read_index(self._store_index(index), paths, under=under)
+
+    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
+        path = self._under + rel
+        paths = self._store._paths_under(path)
+        if not paths:
+            if default is not NO_DEFAULT:
+                return default
+            raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
+        if paths == [path]:
+            return self._read([path]).get(display(path))
+        return _ElementView(self._store, self._element, path)
+
+    def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._read_key((key,), default, **kwargs)
+
+    def _get_tuple(self, key: tuple, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._read_key(as_path(key), default, **kwargs)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
+            return self._read_key(as_path(index), NO_DEFAULT)
+        if index is Ellipsis or (isinstance(index, tuple) and not index):
+            return self
+        return self._index_tensordict(index)
+
+    def _get_at_str(self, key: str, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        return self._get_at_tuple((key,), idx, default, **kwargs)
+
+    def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
+        path = self._under + as_path(key)
+        paths = self._store._paths_under(path)
+        if not paths:
+            if default is not NO_DEFAULT:
+                return default
+            raise KeyError(f"key {display(as_path(key))!r} is not in the store")
+        return self._read(paths, idx).get(display(path))
+
+    def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
+        paths = self._store._paths_under(self._under)
+        return self._read(paths, index, under=self._under)
+
+    def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
+        return self._read(self._store._paths_under(self._under), under=self._under)
+
+    def to_local(self) -> TensorDictBase:
+        warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
+        return self.to_tensordict()
+
+    def _clone(self, recurse: bool = True) -> TensorDictBase:
+        """An in-memory copy of the element (clone(False) gives another view of it)."""
+        if recurse:
+            return self.to_tensordict()
+        return _ElementView(self._store, self._element, self._under)
+
+    # writes
+    def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
+        store = self._store
+        new = [p for p in items if p not in store._engine.header.leaves]
+        if new:
+            raise KeyError(
+                f"key {display(new[0])!r} is not in the store: a key cannot be added to one element; "
+                "add it to every element with store.set(key, value) first"
+            )
+        store._write(self._store_index(index), items)
+
+    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        path = self._under + as_path(key)
+        self._write(leaves_of(value, self._store._engine.header.stack_pos, path))
+        return self
+
+    def _set_str(self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> TensorDictBase:
+        return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
+
+    def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
+        return self._set_at_tuple((key,), value, idx, validated=validated, non_blocking=non_blocking)
+
+    def _set_at_tuple(self, key: tuple, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
+        path = self._under + as_path(key)
+        self._write(leaves_of(value, self._store._engine.header.stack_pos, path), idx)
+        return self
+
+    def _setitem_index(self, index: Any, value: Any) -> None:
+        if not isinstance(value, (TensorDictBase, dict)):
+            raise TypeError("element[index] = value needs a TensorDict or a dict of tensors")
+        self._write(leaves_of(value, self._store._engine.header.stack_pos, self._under), index)
+
+    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
+        items = leaves_of(input_dict_or_td, self._store._engine.header.stack_pos, self._under)
+        if keys_to_update is not None:
+            wanted = [self._under + as_path(k) for k in keys_to_update]
+            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        if items:
+            self._write(items)
+        return self
+
+    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+        return self.update(input_dict_or_td, keys_to_update=keys_to_update)
+
+    def _write_back(self, keys: Any, values: Any, method: str) -> None:
+        if keys:
+            self._write({self._under + as_path(k): v for k, v in zip(keys, values)})
+
+    def _del(self, key: tuple) -> None:
+        raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")
+
+    def _rename_key(self, old_key: Any, new_key: Any) -> None:
+        raise RuntimeError("a key cannot be renamed in one element of a store; use store.rename_key_(old, new)")
+
+    @classmethod
+    def from_dict(cls, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("store elements are made by indexing a store: store[i]")
+
+    def __reduce__(self) -> Any:
+        return (_ElementView, (self._store, self._element, self._under))

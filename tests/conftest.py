@@ -1,0 +1,72 @@
+"""Fixtures: a private redis-server per test session, and fakeredis with Lua.
+
+Every behavioural test runs on both engines (``backend`` fixture), so the Lua
+scripts stay in step on a real server and on fakeredis.  The real server is
+started by the tests on a unix socket in a temporary folder and stopped at the
+end; no test ever connects to a server it did not start.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from tdstore.server import EmbeddedServer, commandstats
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedServer]:
+    with EmbeddedServer() as srv:
+        yield srv
+
+
+class Backend:
+    """How a test reaches one engine: a client factory and store keyword arguments."""
+
+    def __init__(self, name: str, make_client: Callable[[], redis.Redis], server: EmbeddedServer | None) -> None:
+        self.name = name
+        self.make_client = make_client
+        self.server = server
+        self.prefix = f"test-{uuid.uuid4().hex[:8]}"
+
+    def kwargs(self, **extra: Any) -> dict[str, Any]:
+        """Keyword arguments that put a store on this engine under a test-private prefix."""
+        out: dict[str, Any] = {"prefix": self.prefix}
+        if self.server is not None:
+            out["url"] = self.server.url
+        else:
+            out["client"] = self.make_client()
+        out.update(extra)
+        return out
+
+    def client(self) -> redis.Redis:
+        return self.make_client()
+
+    def commandstats(self) -> dict[str, int]:
+        assert self.server is not None, "commandstats needs a real server"
+        return commandstats(self.client())
+
+    def keys(self) -> list[bytes]:
+        """Every key under this test's prefix."""
+        return sorted(self.client().keys(self.prefix + ":*"))
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    if request.param == "redis":
+        srv = request.getfixturevalue("redis_server")
+        yield Backend("redis", srv.client, srv)
+    else:
+        server = fakeredis.FakeServer()
+        yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+
+
+@pytest.fixture
+def real(redis_server: EmbeddedServer) -> Backend:
+    """The real server only (command counting, processes, sizes)."""
+    return Backend("redis", redis_server.client, redis_server)
