@@ -178,6 +178,8 @@ class Engine:
             p = _index.plan(norm, h.batch_size, h.stack_pos)
             leaves = self._select(h, wanted)
             result["plan"] = p
+            if p.n == 0:
+                return self._plan_empty_read(h, p, leaves)
             if per_element or any(leaf.het for leaf in leaves):
                 return self._plan_element_read(h, p, leaves)
             return self._plan_dense_read(h, p, leaves)
@@ -195,6 +197,15 @@ class Engine:
                 raise KeyError(f"key {path if len(path) > 1 else path[0]!r} is not in the store ({self.where()})")
             leaves.append(leaf)
         return leaves
+
+    def _plan_empty_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+        """An index that selects nothing still checks the version (the keys and dtypes must be current)."""
+        shape = tuple(_index.storage_rows(p, h.inner).shape)
+        empty = {}
+        for leaf in leaves:
+            feat = leaf.shape[len(h.inner) :] if leaf.shape is not None else (0,) * (leaf.ndim - len(h.inner))
+            empty[leaf.path] = torch.empty(shape + tuple(feat), dtype=leaf.dtype)
+        return Call("read", [self.keys.meta], [h.version, 0], lambda reply: DenseResult(torch.Size(shape), empty))
 
     def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         rows = _index.storage_rows(p, h.inner)
@@ -222,7 +233,7 @@ class Engine:
                 buf = _codec.from_pieces(pieces[k * n_runs : (k + 1) * n_runs], leaf.dtype, (int(uniq.size), *feat))
                 if not identity:
                     buf = buf[torch.from_numpy(inverse.astype(np.int64))]
-                out[leaf.path] = buf.reshape(*rows.shape, *feat)
+                out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             return DenseResult(rows.shape, out)
 
         return Call("read", kt.keys, args, parse)

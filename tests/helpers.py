@@ -1,0 +1,80 @@
+"""Shared test helpers: reference data and tensordict comparison."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+
+
+def make_stack(n: int = 6, het: bool = True, inner: tuple[int, ...] = (), stack_dim: int = 0) -> LazyStackedTensorDict:
+    """A lazy stack with homogeneous keys, a nested key and (optionally) a heterogeneous one."""
+    tds = []
+    for i in range(n):
+        d = {
+            "obs": torch.arange(4, dtype=torch.float32).expand(*inner, 4) + 10 * i,
+            "done": torch.full((*inner, 1), i % 2 == 0),
+            ("nested", "b"): torch.arange(3, dtype=torch.int64).expand(*inner, 3) + 100 * i,
+        }
+        if het:
+            d["tokens"] = torch.arange(1 + i % 4, dtype=torch.int64).expand(*inner, 1 + i % 4) + 1000 * i
+        td = TensorDict(batch_size=inner)
+        for k, v in d.items():
+            td.set(k, v.clone())
+        tds.append(td)
+    return lazy_stack(tds, dim=stack_dim)
+
+
+def assert_same(a: TensorDictBase, b: TensorDictBase) -> None:
+    """Equal batch sizes, keys and values; lazy stacks compared element by element."""
+    assert a.batch_size == b.batch_size, (a.batch_size, b.batch_size)
+    if a.batch_size.numel() == 0:
+        return
+    ka = sorted(map(str, a.keys(True, True)))
+    kb = sorted(map(str, b.keys(True, True)))
+    assert ka == kb, (ka, kb)
+    if isinstance(a, LazyStackedTensorDict) or isinstance(b, LazyStackedTensorDict):
+        dim = a.stack_dim if isinstance(a, LazyStackedTensorDict) else b.stack_dim
+        if a.batch_size[dim] == 0:
+            return
+        for x, y in zip(a.unbind(dim), b.unbind(dim)):
+            assert_same(x, y)
+        return
+    for key in a.keys(True, True):
+        va, vb = a.get(key), b.get(key)
+        assert va.dtype == vb.dtype, (key, va.dtype, vb.dtype)
+        assert va.shape == vb.shape, (key, va.shape, vb.shape)
+        assert torch.equal(va, vb), (key, va, vb)
+
+
+def top_level_commands(client_factory, fn) -> list[str]:
+    """Names of the commands clients sent to the server while ``fn`` ran, read with MONITOR.
+
+    Commands that scripts issue (MONITOR marks them 'lua') are left out, so the
+    list is exactly the round trips the server received.
+    """
+    import threading
+    import uuid
+
+    sentinel = f"tdstore-sentinel-{uuid.uuid4().hex}"
+    seen: list[str] = []
+    started = threading.Event()
+    poke = client_factory()
+    poke.ping()  # connect now, so its handshake is not counted
+    with client_factory().monitor() as mon:
+
+        def collect() -> None:
+            started.set()
+            for cmd in mon.listen():
+                text = cmd["command"]
+                if sentinel in text:
+                    return
+                if cmd.get("client_type") != "lua":
+                    seen.append(text.split(" ", 1)[0].lower())
+
+        thread = threading.Thread(target=collect, daemon=True)
+        thread.start()
+        started.wait(5)
+        fn()
+        poke.echo(sentinel)
+        thread.join(10)
+    return seen

@@ -1,0 +1,117 @@
+"""Every read of the seed on both engines, compared with the same read of a local lazy stack."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same, make_stack
+from tensordict import LazyStackedTensorDict, TensorDict
+
+from tdstore import LazyStackedTensorDictStore
+
+INDICES = [
+    0,
+    -1,
+    slice(1, 4),
+    slice(None, None, 2),
+    slice(4, 0, -2),
+    slice(3, 3),
+    [4, 0, 4],
+    torch.tensor([1, 3]),
+    torch.tensor([[0, 1], [2, 3]]),
+    torch.tensor([True, False, True, False, True, True]),
+    Ellipsis,
+    (slice(None),),
+]
+
+
+@pytest.fixture(params=[True, False], ids=["het", "homog"])
+def pair(request, backend):
+    local = make_stack(6, het=request.param)
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    yield local, store
+    store.clear_redis()
+
+
+@pytest.mark.parametrize("index", INDICES, ids=repr)
+def test_index_read_matches_local(pair, index):
+    local, store = pair
+    got = store[index]
+    if isinstance(index, int):
+        got = got.to_tensordict()
+    want = local[index]
+    if index is Ellipsis:
+        got = got.to_tensordict()
+    assert_same(got, want)
+
+
+def test_element_view_reads(pair):
+    local, store = pair
+    view = store[2]
+    assert view.batch_size == torch.Size([])
+    assert torch.equal(view["obs"], local[2]["obs"])
+    assert torch.equal(view["nested", "b"], local[2]["nested", "b"])
+    assert torch.equal(view["nested"]["b"], local[2]["nested", "b"])
+    assert_same(view.to_tensordict(), local[2])
+    assert set(view.keys()) == set(local[2].keys())
+
+
+def test_key_reads(pair):
+    local, store = pair
+    assert torch.equal(store["obs"], local["obs"])
+    assert torch.equal(store["nested", "b"], local["nested", "b"])
+    assert torch.equal(store[("nested", "b")], local["nested", "b"])
+    nested = store["nested"]
+    assert torch.equal(nested["b"], local["nested", "b"])
+    assert_same(store.to_tensordict(), local)
+    assert len(store) == len(local) == 6
+    assert "obs" in store and ("nested", "b") in store.keys(include_nested=True) and "missing" not in store
+
+
+def test_heterogeneous_key_reads_like_a_lazy_stack(backend):
+    local = make_stack(5, het=True)
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    with pytest.raises(RuntimeError):
+        local["tokens"]
+    with pytest.raises(RuntimeError):
+        store["tokens"]
+    got = store.get("tokens", as_list=True)
+    assert [t.tolist() for t in got] == [t.tolist() for t in local.get("tokens", as_list=True)]
+    nt = store.get("tokens", as_nested_tensor=True)
+    assert nt.is_nested
+    full = store.to_tensordict()
+    assert isinstance(full, LazyStackedTensorDict)
+    assert_same(full, local)
+    store.clear_redis()
+
+
+def test_keys_views(pair):
+    local, store = pair
+    for nested in (False, True):
+        for leaves in (False, True):
+            assert sorted(map(str, store.keys(nested, leaves))) == sorted(map(str, local.keys(nested, leaves)))
+
+
+def test_missing_key_raises_keyerror(pair):
+    _, store = pair
+    with pytest.raises(KeyError, match="nope"):
+        store["nope"]
+    assert store.get("nope", 3) == 3
+
+
+@pytest.mark.parametrize("index", [6, -7, [0, 6], torch.tensor([True, False])], ids=repr)
+def test_out_of_range_reads_raise(pair, index):
+    _, store = pair
+    with pytest.raises(IndexError):
+        store[index]
+
+
+def test_empty_store_has_count_elements(backend):
+    store = LazyStackedTensorDictStore(count=5, inner_batch_size=[2], **backend.kwargs())
+    assert store.batch_size == torch.Size([5, 2])
+    assert list(store.keys()) == []
+    store.set("x", torch.zeros(5, 2, 3))
+    store[1] = TensorDict(x=torch.ones(2, 3), batch_size=[2])
+    assert torch.equal(store["x"][1], torch.ones(2, 3))
+    assert torch.equal(store["x"][0], torch.zeros(2, 3))
+    store.clear_redis()

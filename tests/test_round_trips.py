@@ -1,0 +1,101 @@
+"""One operation, one round trip: counted with INFO commandstats on a real server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_stack, top_level_commands
+from tensordict import TensorDict, lazy_stack
+
+from tdstore import LazyStackedTensorDictStore
+
+
+def count_commands(backend, fn) -> tuple[int, int]:
+    """(commands clients sent, EVALSHA calls) while ``fn`` ran: MONITOR and INFO commandstats agree."""
+    before = backend.commandstats()
+    cmds = top_level_commands(backend.client, fn)
+    after = backend.commandstats()
+    evalsha = after.get("evalsha", 0) - before.get("evalsha", 0)
+    assert cmds.count("evalsha") == evalsha, (cmds, evalsha)
+    return len(cmds), evalsha
+
+
+@pytest.fixture(params=[True, False], ids=["het", "homog"])
+def store(request, real):
+    s = LazyStackedTensorDictStore.from_lazy_stack(make_stack(8, het=request.param), **real.kwargs())
+    s.prepared = {"el": s[4].to_tensordict(), "pair": s[2:4]}
+    s[0] = s[0].to_tensordict()  # warm: read and write scripts loaded, header cached
+    yield s
+    s.clear_redis()
+
+
+OPS = {
+    "element read": lambda s: s[3].to_tensordict(),
+    "element key read": lambda s: s[3]["obs"],
+    "nested key read": lambda s: s[3]["nested", "b"],
+    "element write": lambda s: s.__setitem__(3, s.prepared["el"]),
+    "shape-changing element write": lambda s: s.__setitem__(2, TensorDict(obs=torch.zeros(9), done=torch.ones(1, dtype=torch.bool), nested=TensorDict(b=torch.zeros(3, dtype=torch.int64)), **({"tokens": torch.zeros(11, dtype=torch.int64)} if "tokens" in s.keys() else {}))),
+    "element key write": lambda s: s[3].__setitem__("done", torch.zeros(1, dtype=torch.bool)),
+    "element update": lambda s: s[3].update(TensorDict(obs=torch.zeros(4), nested=TensorDict(b=torch.ones(3, dtype=torch.int64)))),
+    "slice read": lambda s: s[1:5],
+    "step slice read": lambda s: s[0:8:3],
+    "fancy read": lambda s: s[torch.tensor([7, 1, 1, 4])],
+    "list read": lambda s: s[[0, 5]],
+    "mask read": lambda s: s[torch.arange(8) % 3 == 0],
+    "key read": lambda s: s["obs"],
+    "full key read": lambda s: s["nested", "b"],
+    "nested read": lambda s: s["nested"],
+    "to_tensordict": lambda s: s.to_tensordict(),
+    "slice write": lambda s: s.__setitem__(slice(1, 3), s.prepared["pair"]),
+    "step slice write": lambda s: s.__setitem__(slice(0, 8, 4), s.prepared["pair"]),
+    "index write": lambda s: s.__setitem__(torch.tensor([6, 0]), s.prepared["pair"]),
+    "mask write": lambda s: s.__setitem__(torch.arange(8) < 2, s.prepared["pair"]),
+    "set nested": lambda s: s.set(("nested", "c"), torch.zeros(8, 2)),
+    "update": lambda s: s.update(TensorDict(obs=torch.ones(8, 4), batch_size=[8])) if "tokens" not in s.keys() else s.update(TensorDict(done=torch.ones(8, 1, dtype=torch.bool), batch_size=[8])),
+    "del": lambda s: (s.set("tmp", torch.zeros(8)), s.__delitem__("tmp")),
+    "rename": lambda s: s.rename_key_("done", "finished"),
+    "keys": lambda s: list(s.keys(True, True)),
+    "len and in": lambda s: (len(s), "obs" in s),
+}
+# operations that are two public calls in the lambda
+EXPECTED = {"del": 2, "keys": 0, "len and in": 0}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_one_round_trip(store, real, name):
+    total, evalsha = count_commands(real, lambda: OPS[name](store))
+    want = EXPECTED.get(name, 1)
+    assert total == want, f"{name}: {total} commands"
+    assert evalsha == want
+
+
+def test_from_store_is_one_read_only_round_trip(store, real):
+    client = real.client()
+    client.ping()  # the connection handshake is not part of the operation
+
+    def attach():
+        other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, client=client, prefix=real.prefix)
+        assert other.batch_size == store.batch_size
+
+    assert top_level_commands(real.client, attach) == ["hgetall"]
+
+
+def test_stale_cache_costs_one_extra_round_trip(store, real):
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **real.kwargs())
+    other.set("added", torch.zeros(8))
+    total, _ = count_commands(real, lambda: store[1].to_tensordict())
+    assert total == 2
+    assert "added" in store.keys()
+    total, _ = count_commands(real, lambda: store[1].to_tensordict())
+    assert total == 1
+
+
+def test_upload_round_trips_are_bounded_by_chunks(real):
+    local = lazy_stack([TensorDict(x=torch.zeros(1000)) for _ in range(50)])  # 4000 bytes per element
+    holder = {}
+    cmds = top_level_commands(real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_elements=10, **real.kwargs())))
+    assert cmds.count("setrange") == 5  # one SETRANGE per chunk and leaf
+    holder.pop("s").clear_redis()
+    cmds = top_level_commands(real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_bytes=20_000, **real.kwargs())))
+    assert cmds.count("setrange") == 10  # 5 elements of 4000 bytes per chunk
+    holder.pop("s").clear_redis()
