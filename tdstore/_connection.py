@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -78,8 +78,12 @@ def open_client(
     unix_socket_path: str | None,
     client: Any,
     redis_kwargs: dict[str, Any],
-) -> tuple[redis.Redis, ConnectionSpec]:
-    """Open (or adopt) a client and describe it without its secrets."""
+) -> tuple[redis.Redis, ConnectionSpec, bool]:
+    """Open (or adopt) a client and describe it without its secrets.
+
+    Returns ``(client, spec, owned)``: ``owned`` is False when the caller's own
+    client is used as it is, which a store must then never close.
+    """
     kwargs = dict(redis_kwargs)
     provider = kwargs.pop("password_provider", None)
     password = kwargs.pop("password", None)
@@ -102,10 +106,10 @@ def open_client(
             needs_password=password is not None or provider is not None,
             password_provider=provider,
         )
-    return spec.connect(password), spec
+    return spec.connect(password), spec, True
 
 
-def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec]:
+def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec, bool]:
     """Use a caller's client: a sync ``redis.Redis`` as it is, an asyncio one through its settings."""
     pool = getattr(client, "connection_pool", None)
     if pool is None:
@@ -128,10 +132,7 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         password_provider=provider,
     )
     if isinstance(client, redis.Redis) and not ckw.get("decode_responses", False):
-        return client, spec
+        return client, spec, False
     # an asyncio client, or one that decodes replies: open our own sync client with its settings
-    return spec.connect(password), spec
+    return spec.connect(password), spec, True
 
-
-def without_provider(spec: ConnectionSpec) -> ConnectionSpec:
-    return replace(spec, password_provider=None)

@@ -84,10 +84,11 @@ def new_td_id() -> str:
 class Engine:
     """Plans and runs the script calls of one store on one server."""
 
-    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None) -> None:
+    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True) -> None:
         self.spec = spec
         self.keys = keys
         self._client = client
+        self._owns_client = owns_client
         self._header: Header | None = None
 
     # -- connection and header ----------------------------------------------
@@ -98,7 +99,8 @@ class Engine:
         return self._client
 
     def close(self) -> None:
-        if self._client is not None:
+        """Release our connection; a caller's own client is left open. The next call reconnects."""
+        if self._client is not None and self._owns_client:
             self._client.close()
             self._client = None
 

@@ -235,16 +235,18 @@ def plan_write(
 
 
 def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
-    """Whether ``value`` (covering the whole store) can be written into ``leaf`` as it is."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype != leaf.dtype:
-            return False
-        if leaf.het:
-            return True
-        em_shape = list(value.shape)
-        em_shape.pop(h.stack_pos)
-        return tuple(em_shape) == leaf.shape
-    return all(t.dtype == leaf.dtype and t.ndim == leaf.ndim for t in value)
+    """Whether a value covering the whole store can overwrite ``leaf`` without a schema change.
+
+    Anything else (another dtype or shape, or a heterogeneous leaf) is replaced by a
+    leaf built from the value, as ``set`` on a TensorDict replaces the entry.
+    """
+    if not isinstance(value, torch.Tensor) or leaf.het or value.dtype != leaf.dtype:
+        return False
+    em_shape = list(value.shape)
+    if len(em_shape) <= h.stack_pos:
+        return False
+    em_shape.pop(h.stack_pos)
+    return tuple(em_shape) == leaf.shape
 
 
 def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:

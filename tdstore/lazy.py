@@ -143,8 +143,8 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
-        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client)
+        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
         dev = torch.device(device) if device is not None else None
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
         existing = engine.create(wanted)
@@ -211,8 +211,8 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError`` naming the id, the prefix and the server.
         """
-        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id), redis_client)
+        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned)
         engine.set_header(engine.fetch_header())
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
@@ -251,8 +251,8 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         """
         from ._upload import upload
 
-        redis_client, spec = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client)
+        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 
@@ -442,6 +442,22 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         """All of the store in one round trip: a TensorDict, or a lazy stack when elements differ."""
         return self._read_index(slice(None) if self._batch_size else ())
 
+    def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
+        """An in-memory copy whose nested keys are joined by ``separator`` (read with ``to_tensordict()``).
+
+        ``inplace=True`` raises ``ValueError``: the keys on the server are not renamed
+        (use :meth:`rename_key_` for that).
+        """
+        if inplace:
+            raise ValueError(f"{type(self).__name__}.flatten_keys cannot work in place; it returns an in-memory copy")
+        return self.to_tensordict().flatten_keys(separator, is_leaf=is_leaf)
+
+    def unflatten_keys(self, separator: str = ".", inplace: bool = False) -> TensorDictBase:
+        """An in-memory copy whose keys are split at ``separator`` into nested keys; ``inplace=True`` raises ``ValueError``."""
+        if inplace:
+            raise ValueError(f"{type(self).__name__}.unflatten_keys cannot work in place; it returns an in-memory copy")
+        return self.to_tensordict().unflatten_keys(separator)
+
     def to_local(self) -> TensorDictBase:
         """Deprecated alias of :meth:`to_tensordict`."""
         warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
@@ -451,7 +467,9 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         """``clone()`` is an in-memory copy (``to_tensordict()``); ``clone(False)`` a new handle on the same store."""
         if recurse:
             return self.to_tensordict()
-        return type(self)._from_engine(Engine(self._engine.spec, self._engine.keys), backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)
+        engine = Engine(self._engine.spec, self._engine.keys, self._engine.client, owns_client=False)
+        engine.set_header(self._engine.header)
+        return type(self)._from_engine(engine, backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)
 
     # -- writes --------------------------------------------------------------------------------
     def _check_writable(self, path: NestedPath, *, new: bool, ignore_lock: bool = False) -> None:
@@ -472,8 +490,6 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         if inplace is True and not exists:
             raise KeyError(f"key {display(path)!r} is not in the store (set_ writes existing keys only)")
         self._check_writable(path, new=not exists, ignore_lock=ignore_lock)
-        if self.is_locked and not ignore_lock and inplace is False:
-            raise RuntimeError(_LOCK_ERROR)
         self._write(self._full_index(), items, replace=inplace is not True)
         return self
 
@@ -592,7 +608,12 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close the connection. The data stays on the server (see :meth:`clear_redis`)."""
+        """Close this handle's connection; the data stays on the server (see :meth:`clear_redis`).
+
+        A client passed in with ``client=`` is left open (it is the caller's).
+        Using the handle again opens a new connection.  ``with store: ...``
+        closes it at the end of the block.
+        """
         self._engine.close()
 
     def clear_redis(self) -> int:
@@ -801,6 +822,8 @@ class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
     def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
+        if new and store.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
         if new:
             raise KeyError(
                 f"key {display(new[0])!r} is not in the store: a key cannot be added to one element; "

@@ -1,0 +1,1054 @@
+#!/usr/bin/env python3
+"""Benchmark of tdstore against the reference ``tensordict.store`` and a raw redis-py floor (issue #6).
+
+Three contenders run *interleaved* in one process, on one private redis-server,
+with the same data:
+
+* ``tdstore``: :class:`tdstore.LazyStackedTensorDictStore` (one Lua call per operation);
+* ``reference``: ``tensordict.store.LazyStackedTensorDictStore``, used through its own
+  API (``ref[i] = td``, ``ref[i].to_tensordict()``, ``ref[idx]``...);
+* ``raw``: the floor, one non-transactional redis-py pipeline of plain
+  ``GET``/``GETRANGE``/``SET``/``SETRANGE`` commands that move the same bytes as tdstore
+  (its own copy of the data in tdstore's layout, offsets known client-side), with
+  no TensorDict work and no decoding.
+
+Each repetition draws its arguments once (random element, index tensor, slice
+start, value to write) and runs every contender on them, rotating the order; the
+figures are medians over the repetitions, and the ratios are tdstore / reference
+and tdstore / raw (below 1 means tdstore is faster).  A multi-process case runs
+``--mp-writers`` processes doing ``store[i] = td`` for ``--mp-seconds`` per contender.
+
+Usage::
+
+    python tools/bench.py                       # full run (10,000 elements, 64 MiB leaf, 10 s mp)
+    python tools/bench.py --quick --json out.json   # CI smoke run (1,000 elements, 8 MiB, 1 s mp)
+    python tools/bench.py --large               # also a 1 GiB leaf
+    python tools/bench.py --url redis://127.0.0.1:7000/0   # a server you started yourself
+
+The JSON (``--json``) holds, per case and operation, each contender's median,
+mean, min and p90 in ms (or ``{"status": "raises", "error": ...}``), the number of
+server commands one call executed (scripts' inner commands included), and the
+two ratios; ``mp`` holds element writes per second per contender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+REPO = Path(__file__).resolve().parent.parent
+# Benchmark the checkout this script lives in (also what CI installed from).
+if (REPO / "tdstore" / "__init__.py").is_file() and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+import tensordict  # noqa: E402
+import torch  # noqa: E402
+from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack  # noqa: E402
+
+import tdstore  # noqa: E402
+from tdstore import LazyStackedTensorDictStore  # noqa: E402
+from tdstore.server import EmbeddedServer, commandstats  # noqa: E402
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning, module="tensordict")
+
+try:  # the reference is optional: without it its column reads "unavailable"
+    from tensordict.store import LazyStackedTensorDictStore as RefLazy
+except ImportError:  # pragma: no cover - tensordict 0.15.3 ships it
+    RefLazy = None
+
+CONTENDERS = ("tdstore", "reference", "raw")
+SYSTEM_REDIS = "/usr/bin/redis-server"
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: Operations per case, in the order they run (the shape-changing write last: it
+#: changes element sizes that the other heterogeneous operations rely on).
+OPERATIONS: dict[str, tuple[str, ...]] = {
+    "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"),
+    "heterogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "shape_change_write"),
+    "large": ("large_read", "large_write"),
+}
+
+TOKENS_PERIOD = 17  # element i of the heterogeneous case holds tokens i64[1 + i % 17]
+
+
+# --------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Settings:
+    """What to run and how often; ``--quick`` shrinks everything."""
+
+    count: int = 10_000
+    batch: int = 256
+    reps: dict[str, int] = field(default_factory=dict)
+    warmup: int = 2
+    min_reps: int = 3
+    op_budget_s: float = 30.0
+    large_leaf_bytes: tuple[int, ...] = (64 * MiB,)
+    large_count: int = 16
+    mp_seconds: float = 10.0
+    mp_writers: int = 4
+    seed: int = 0
+    quick: bool = False
+
+    def reps_for(self, op: str) -> int:
+        """Timed repetitions of ``op`` (each runs every contender once)."""
+        return self.reps.get(op, 10)
+
+
+FULL_REPS = {
+    "upload": 5,
+    "element_read": 300,
+    "element_write": 300,
+    "shape_change_write": 300,
+    "batch_read": 60,
+    "slice_read": 100,
+    "full_read": 10,
+    "large_read": 7,
+    "large_write": 7,
+}
+QUICK_REPS = {
+    "upload": 2,
+    "element_read": 30,
+    "element_write": 30,
+    "shape_change_write": 30,
+    "batch_read": 10,
+    "slice_read": 10,
+    "full_read": 3,
+    "large_read": 3,
+    "large_write": 3,
+}
+
+
+def make_settings(args: argparse.Namespace) -> Settings:
+    """Settings from the command line (``--quick`` first, explicit flags override it)."""
+    quick = bool(args.quick)
+    count = args.count if args.count is not None else (1_000 if quick else 10_000)
+    large = (8 * MiB,) if quick else (64 * MiB,)
+    if args.large and not quick:
+        large = (*large, 1 * GiB)
+    mp_seconds = args.mp_seconds if args.mp_seconds is not None else (1.0 if quick else 10.0)
+    reps = dict(QUICK_REPS if quick else FULL_REPS)
+    if args.reps_scale != 1.0:
+        reps = {k: max(1, round(v * args.reps_scale)) for k, v in reps.items()}
+    return Settings(
+        count=count,
+        batch=min(256, count),
+        reps=reps,
+        warmup=1 if quick else 2,
+        min_reps=1 if quick else 3,
+        op_budget_s=4.0 if quick else 30.0,
+        large_leaf_bytes=large,
+        mp_seconds=mp_seconds,
+        mp_writers=args.mp_writers,
+        seed=args.seed,
+        quick=quick,
+    )
+
+
+# --------------------------------------------------------------------------- data
+def make_element(i: int, het: bool, gen: torch.Generator, tokens_len: int | None = None) -> TensorDict:
+    """Element ``i`` of the workload: obs f32[64], action f32[4], reward f32[1], nested.b i64[3] (+ tokens)."""
+    d: dict[str, Any] = {
+        "obs": torch.randn(64, generator=gen),
+        "action": torch.randn(4, generator=gen),
+        "reward": torch.randn(1, generator=gen),
+        "nested": {"b": torch.randint(0, 1 << 30, (3,), generator=gen)},
+    }
+    if het:
+        n = tokens_len if tokens_len is not None else 1 + i % TOKENS_PERIOD
+        d["tokens"] = torch.randint(0, 50_000, (n,), generator=gen)
+    return TensorDict(d, batch_size=[])
+
+
+def make_stack(count: int, het: bool, seed: int) -> LazyStackedTensorDict:
+    """The lazy stack every contender uploads (the same object for all of them)."""
+    gen = torch.Generator().manual_seed(seed)
+    return lazy_stack([make_element(i, het, gen) for i in range(count)])
+
+
+def make_large_stack(count: int, leaf_bytes: int, seed: int) -> LazyStackedTensorDict:
+    """``count`` elements of one f32 leaf ``big``, ``leaf_bytes`` in all."""
+    per = leaf_bytes // count // 4
+    gen = torch.Generator().manual_seed(seed)
+    return lazy_stack([TensorDict(big=torch.randn(per, generator=gen), batch_size=[]) for _ in range(count)])
+
+
+def _path_key(path: tuple[str, ...]) -> str | tuple[str, ...]:
+    return path[0] if len(path) == 1 else path
+
+
+@dataclass
+class RawLeaf:
+    """One leaf of the raw floor, in tdstore's layout: an element-major blob (+ tables if heterogeneous)."""
+
+    path: tuple[str, ...]
+    number: int
+    dtype: torch.dtype
+    ndim: int
+    het: bool
+    offsets: np.ndarray  # count + 1 byte offsets of the elements in the blob
+    blob: bytes
+    offsets_bytes: bytes = b""
+    shapes_bytes: bytes = b""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def raw_layout(stack: LazyStackedTensorDict) -> list[RawLeaf]:
+    """The bytes the raw floor stores, computed once, outside any timing."""
+    elements = stack.tensordicts
+    out = []
+    paths = [k if isinstance(k, tuple) else (k,) for k in elements[0].keys(include_nested=True, leaves_only=True)]
+    for number, path in enumerate(paths):
+        key = _path_key(path)
+        tensors = [el.get(key) for el in elements]
+        shapes = {tuple(t.shape) for t in tensors}
+        sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+        offsets = np.zeros(len(tensors) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        blob = b"".join(bytes(tensor_bytes(t)) for t in tensors)
+        het = len(shapes) > 1
+        leaf = RawLeaf(path, number, tensors[0].dtype, tensors[0].ndim, het, offsets, blob)
+        if het:
+            leaf.offsets_bytes = offsets.astype("<i8").tobytes()
+            leaf.shapes_bytes = np.asarray([s for t in tensors for s in t.shape], dtype="<i8").tobytes()
+        out.append(leaf)
+    return out
+
+
+def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Inclusive ``(lo, hi)`` runs of consecutive ids (as tdstore groups a batch read)."""
+    if sorted_ids.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [sorted_ids.size - 1]))
+    return [(int(sorted_ids[a]), int(sorted_ids[b])) for a, b in zip(starts, ends, strict=True)]
+
+
+# --------------------------------------------------------------------------- raw floor
+class RawFloor:
+    """One pipeline of plain commands per operation, moving the bytes tdstore moves.
+
+    The floor keeps its own copy of the data under its own keys, knows every
+    offset client-side (so a heterogeneous element costs one pipeline, not a
+    lookup first), never decodes what it reads and never builds a TensorDict.
+    """
+
+    def __init__(self, client: redis.Redis, base: str, leaves: list[RawLeaf]) -> None:
+        self.client = client
+        self.base = base
+        self.leaves = leaves
+
+    def key(self, kind: str, leaf: RawLeaf, base: str | None = None) -> str:
+        """Server key of a leaf's data ('d'), offsets ('o') or shapes ('s')."""
+        return f"{base or self.base}:{kind}:{leaf.number}"
+
+    def _pipe(self) -> Any:
+        return self.client.pipeline(transaction=False)
+
+    def upload(self, base: str | None = None) -> list:
+        """SET every blob and table (the bytes ``from_lazy_stack`` sends)."""
+        pipe = self._pipe()
+        for leaf in self.leaves:
+            pipe.set(self.key("d", leaf, base), leaf.blob)
+            if leaf.het:
+                pipe.set(self.key("o", leaf, base), leaf.offsets_bytes)
+                pipe.set(self.key("s", leaf, base), leaf.shapes_bytes)
+        return pipe.execute()
+
+    def drop(self, base: str) -> None:
+        """Delete the keys of an upload made under ``base`` (untimed clean-up)."""
+        keys = [self.key(k, leaf, base) for leaf in self.leaves for k in ("d", "o", "s")]
+        self.client.delete(*keys)
+
+    def _read_runs(self, pipe: Any, lohi: Sequence[tuple[int, int]]) -> None:
+        for leaf in self.leaves:
+            d = self.key("d", leaf)
+            for lo, hi in lohi:
+                a, b = int(leaf.offsets[lo]), int(leaf.offsets[hi + 1])
+                if leaf.het:
+                    pipe.getrange(self.key("o", leaf), 8 * lo, 8 * (hi + 2) - 1)
+                    pipe.getrange(self.key("s", leaf), 8 * leaf.ndim * lo, 8 * leaf.ndim * (hi + 1) - 1)
+                pipe.getrange(d, a, b - 1)
+
+    def read_runs(self, lohi: Sequence[tuple[int, int]]) -> list:
+        """GETRANGE each run of every leaf (plus its offset and shape records when heterogeneous)."""
+        pipe = self._pipe()
+        self._read_runs(pipe, lohi)
+        return pipe.execute()
+
+    def read_element(self, i: int) -> list:
+        return self.read_runs([(i, i)])
+
+    def read_batch(self, idx: np.ndarray) -> list:
+        return self.read_runs(runs(np.unique(idx)))
+
+    def read_all(self) -> list:
+        """GET every blob and table."""
+        pipe = self._pipe()
+        for leaf in self.leaves:
+            pipe.get(self.key("d", leaf))
+            if leaf.het:
+                pipe.get(self.key("o", leaf))
+                pipe.get(self.key("s", leaf))
+        return pipe.execute()
+
+    def write_ops(self, i: int, td: TensorDict) -> list[tuple[str, int, bytes | memoryview]]:
+        """The SETRANGEs that write element ``i`` = ``td`` (computed outside the timing)."""
+        ops: list[tuple[str, int, bytes | memoryview]] = []
+        for leaf in self.leaves:
+            t = td.get(_path_key(leaf.path))
+            ops.append((self.key("d", leaf), int(leaf.offsets[i]), tensor_bytes(t)))
+            if leaf.het and leaf.ndim:
+                ops.append((self.key("s", leaf), 8 * leaf.ndim * i, np.asarray(t.shape, dtype="<i8").tobytes()))
+        return ops
+
+    def write(self, ops: list[tuple[str, int, bytes | memoryview]]) -> list:
+        """One pipeline of SETRANGEs."""
+        pipe = self._pipe()
+        for key, offset, data in ops:
+            pipe.setrange(key, offset, data)
+        return pipe.execute()
+
+
+# --------------------------------------------------------------------------- measuring
+@dataclass
+class Contender:
+    """How one contender runs one operation: ``call(args)``, then ``post(result)`` untimed."""
+
+    name: str
+    call: Callable[[Any], Any]
+    post: Callable[[Any], None] | None = None
+
+
+@dataclass
+class OpOutcome:
+    """What was measured for one contender on one operation."""
+
+    samples_ns: list[int] = field(default_factory=list)
+    error: str | None = None
+    commands: dict[str, int] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON form: timings in ms, or the error it raised."""
+        if self.error is not None:
+            return {"status": "raises", "error": self.error, "commands": self.commands}
+        if not self.samples_ns:
+            return {"status": "not run"}
+        ms = sorted(s / 1e6 for s in self.samples_ns)
+        return {
+            "status": "ok",
+            "n": len(ms),
+            "median_ms": statistics.median(ms),
+            "mean_ms": statistics.fmean(ms),
+            "min_ms": ms[0],
+            "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+            "commands": self.commands,
+        }
+
+
+def _describe(err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first[:200]}"
+
+
+def _command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Commands executed between two ``commandstats`` snapshots, minus the first INFO itself."""
+    out = {}
+    for name, n in after.items():
+        if "|" in name:  # redis 7 lists subcommands both as 'script|load' and 'script'
+            continue
+        d = n - before.get(name, 0) - (1 if name == "info" else 0)
+        if d:
+            out[name] = d
+    return out
+
+
+def measure(
+    contenders: Sequence[Contender],
+    next_args: Callable[[], Any],
+    *,
+    reps: int,
+    settings: Settings,
+    stats_client: redis.Redis | None,
+) -> dict[str, OpOutcome]:
+    """Run warm-up rounds, one command-counting round, then ``reps`` timed rounds.
+
+    Every round draws its arguments once and runs each contender on them, the
+    order rotating from round to round.  A contender that raises is recorded
+    with its error and skipped from then on.  Rounds stop early once
+    ``settings.min_reps`` are done and the operation took ``op_budget_s``.
+    """
+    out = {c.name: OpOutcome() for c in contenders}
+
+    def one(c: Contender, args: Any, timed: bool) -> None:
+        res = out[c.name]
+        if res.error is not None:
+            return
+        try:
+            t0 = time.perf_counter_ns()
+            result = c.call(args)
+            t1 = time.perf_counter_ns()
+        except Exception as err:  # recorded, e.g. the reference on heterogeneous batches
+            res.error = _describe(err)
+            return
+        if c.post is not None:
+            c.post(result)
+        if timed:
+            res.samples_ns.append(t1 - t0)
+
+    for _ in range(settings.warmup):
+        args = next_args()
+        for c in contenders:
+            one(c, args, False)
+    if stats_client is not None:
+        args = next_args()
+        for c in contenders:
+            if out[c.name].error is not None:
+                continue
+            before = commandstats(stats_client)
+            one(c, args, False)
+            out[c.name].commands = _command_delta(before, commandstats(stats_client))
+    start = time.monotonic()
+    for rep in range(reps):
+        args = next_args()
+        k = rep % len(contenders)
+        for c in (*contenders[k:], *contenders[:k]):
+            one(c, args, True)
+        if rep + 1 >= settings.min_reps and time.monotonic() - start > settings.op_budget_s:
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- server
+@dataclass
+class Target:
+    """Where the contenders connect: a URL (tdstore, raw) and the reference's keywords."""
+
+    url: str
+    ref_kwargs: dict[str, Any]
+    server_version: str
+    started_here: bool
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+def reference_kwargs(url: str) -> dict[str, Any]:
+    """``host``/``port``/``db`` or ``unix_socket_path`` for the reference, from a URL."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    kw: dict[str, Any] = {}
+    if parts.scheme == "unix":
+        kw["unix_socket_path"] = unquote(parts.path)
+        kw["db"] = int(query.get("db", ["0"])[0])
+    elif parts.scheme in ("redis", "rediss"):
+        kw["host"] = parts.hostname or "localhost"
+        kw["port"] = parts.port or 6379
+        path_db = parts.path.lstrip("/")
+        kw["db"] = int(path_db) if path_db else int(query.get("db", ["0"])[0])
+        if parts.scheme == "rediss":
+            kw["ssl"] = True
+    else:
+        raise SystemExit(f"--url must be redis://, rediss:// or unix://, got {url!r}")
+    if parts.password:
+        kw["password"] = unquote(parts.password)
+    if parts.username:
+        kw["username"] = unquote(parts.username)
+    return kw
+
+
+@contextlib.contextmanager
+def open_target(args: argparse.Namespace, settings: Settings) -> Iterator[Target]:
+    """Start a private redis-server (or use ``--url``) for the whole run."""
+    if args.url:
+        client = redis.Redis.from_url(args.url)
+        version = str(client.info("server")["redis_version"])
+        client.close()
+        yield Target(args.url, reference_kwargs(args.url), version, False)
+        return
+    binary = SYSTEM_REDIS if os.path.exists(SYSTEM_REDIS) else None
+    extra: list[str] = []
+    if max(settings.large_leaf_bytes) >= 256 * MiB:
+        # one command then carries a whole leaf: raise the 512 MiB / 1 GiB defaults
+        extra += ["--proto-max-bulk-len", "4gb", "--client-query-buffer-limit", "4gb"]
+    with EmbeddedServer(unix_socket=not args.tcp, binary=binary, extra_args=extra) as srv:
+        yield Target(srv.url, reference_kwargs(srv.url), srv.version, True)
+
+
+# --------------------------------------------------------------------------- cases
+def _materialize(x: Any) -> Any:
+    """A slice read's result as local tensors (tdstore and the reference already return them)."""
+    if type(x) in (TensorDict, LazyStackedTensorDict):
+        return x
+    return x.to_tensordict()
+
+
+@dataclass
+class Stores:
+    """The working stores of one case, one per contender."""
+
+    tdstore: LazyStackedTensorDictStore
+    reference: Any
+    raw: RawFloor
+    stack: LazyStackedTensorDict
+    leaves: list[RawLeaf]
+
+
+class Runner:
+    """Runs the cases and collects the report."""
+
+    def __init__(self, target: Target, settings: Settings) -> None:
+        self.target = target
+        self.settings = settings
+        self.run_id = uuid.uuid4().hex[:8]
+        self.prefix = f"tdbench-{self.run_id}"
+        self.client = target.client()
+        self.stats_client: redis.Redis | None = target.client()
+        try:
+            commandstats(self.stats_client)
+        except redis.RedisError:
+            self.stats_client = None
+        self.rng = np.random.default_rng(settings.seed)
+        self.gen = torch.Generator().manual_seed(settings.seed + 1)
+        self.results: list[dict[str, Any]] = []
+        self.problems: list[str] = []
+        self._refs: list[Any] = []
+
+    # -- stores --------------------------------------------------------------
+    def upload_all(self, case: str, stack: LazyStackedTensorDict) -> Stores:
+        """The working stores of a case (untimed), checked against the local data."""
+        td = LazyStackedTensorDictStore.from_lazy_stack(stack, url=self.target.url, prefix=f"{self.prefix}-td-{case}")
+        ref = None
+        if RefLazy is not None:
+            try:
+                ref = RefLazy.from_lazy_stack(stack, prefix=f"{self.prefix}-ref-{case}", **self.target.ref_kwargs)
+                self._refs.append(ref)
+            except Exception as err:  # pragma: no cover - reported, the run goes on
+                self.problems.append(f"{case}: the reference could not upload: {_describe(err)}")
+        leaves = raw_layout(stack)
+        raw = RawFloor(self.client, f"{self.prefix}-raw-{case}", leaves)
+        raw.upload()
+        stores = Stores(td, ref, raw, stack, leaves)
+        self.verify(case, stores)
+        return stores
+
+    def verify(self, case: str, s: Stores) -> None:
+        """Spot-check a few elements of every contender against the local stack (untimed)."""
+        count = len(s.stack.tensordicts)
+        for i in sorted({0, count - 1, int(self.rng.integers(count))}):
+            want = s.stack.tensordicts[i]
+            got = s.tdstore[i].to_tensordict()
+            if not _same(got, want):
+                self.problems.append(f"{case}: tdstore element {i} differs from the uploaded data")
+            if s.reference is not None:
+                with contextlib.suppress(Exception):
+                    if not _same(s.reference[i].to_tensordict(), want):
+                        self.problems.append(f"{case}: reference element {i} differs from the uploaded data")
+            pieces = iter(s.raw.read_element(i))
+            for leaf in s.leaves:
+                if leaf.het:
+                    next(pieces), next(pieces)  # offset and shape records
+                data = next(pieces)
+                if data != bytes(tensor_bytes(want.get(_path_key(leaf.path)))):
+                    self.problems.append(f"{case}: the raw floor's copy of element {i}, leaf {leaf.path}, differs")
+
+    def drop(self, s: Stores) -> None:
+        with contextlib.suppress(Exception):
+            s.tdstore.clear_redis()
+            s.tdstore.close()
+        if s.reference is not None:
+            with contextlib.suppress(Exception):
+                s.reference.clear_redis()
+        keys = [s.raw.key(k, leaf) for leaf in s.leaves for k in ("d", "o", "s")]
+        self.client.delete(*keys)
+
+    def close(self) -> None:
+        for ref in self._refs:
+            with contextlib.suppress(Exception):
+                ref.close()
+        self.client.close()
+        if self.stats_client is not None:
+            self.stats_client.close()
+
+    # -- recording -------------------------------------------------------------
+    def record(self, case: str, op: str, outcomes: dict[str, OpOutcome], extra: dict[str, Any] | None = None) -> None:
+        entry: dict[str, Any] = {"case": case, "op": op}
+        for name in CONTENDERS:
+            entry[name] = outcomes[name].summary() if name in outcomes else {"status": "unavailable"}
+        td = entry["tdstore"].get("median_ms")
+        for name, label in (("reference", "ratio_ref"), ("raw", "ratio_raw")):
+            other = entry[name].get("median_ms")
+            entry[label] = td / other if td and other else None
+        if extra:
+            entry.update(extra)
+        self.results.append(entry)
+        for name in ("tdstore", "raw"):
+            if entry[name].get("status") != "ok":
+                self.problems.append(f"{case}/{op}: {name} {entry[name].get('status')}: {entry[name].get('error', '')}")
+        print(_row(entry), flush=True)
+
+    def run(
+        self, case: str, op: str, contenders: list[Contender], next_args: Callable[[], Any], extra: dict[str, Any] | None = None
+    ) -> None:
+        outcomes = measure(contenders, next_args, reps=self.settings.reps_for(op), settings=self.settings, stats_client=self.stats_client)
+        self.record(case, op, outcomes, extra)
+
+    # -- the element cases -----------------------------------------------------
+    def element_case(self, case: str, het: bool) -> None:
+        """Upload, element/batch/slice/full reads and element writes on count elements."""
+        st = self.settings
+        stack = make_stack(st.count, het, st.seed + (1 if het else 0))
+        s = self.upload_all(case, stack)
+        count, batch = st.count, st.batch
+        lengths = np.array([1 + i % TOKENS_PERIOD for i in range(count)], dtype=np.int64)
+        ref = s.reference
+
+        def with_ref(make: Callable[[Any], Contender]) -> list[Contender]:
+            return [c for c in (make("tdstore"), make("reference") if ref is not None else None, make("raw")) if c is not None]
+
+        # upload: a fresh store per call, deleted untimed
+        def upload_td(_: Any) -> Any:
+            return LazyStackedTensorDictStore.from_lazy_stack(stack, url=self.target.url, prefix=f"{self.prefix}-up")
+
+        def upload_ref(_: Any) -> Any:
+            return RefLazy.from_lazy_stack(stack, prefix=f"{self.prefix}-upref", **self.target.ref_kwargs)
+
+        def drop_td(store: Any) -> None:
+            store.clear_redis()
+            store.close()
+
+        def upload_raw(_: Any) -> str:
+            base = f"{self.prefix}-upraw-{uuid.uuid4().hex[:6]}"
+            s.raw.upload(base)
+            return base
+
+        up = [Contender("tdstore", upload_td, drop_td)]
+        if ref is not None:
+            up.append(Contender("reference", upload_ref, drop_td))
+        up.append(Contender("raw", upload_raw, s.raw.drop))
+        self.run(case, "upload", up, lambda: None)
+
+        def elem_args() -> tuple[int, None]:
+            return int(self.rng.integers(count)), None
+
+        reads = {
+            "tdstore": lambda a: s.tdstore[a[0]].to_tensordict(),
+            "reference": lambda a: ref[a[0]].to_tensordict(),
+            "raw": lambda a: s.raw.read_element(a[0]),
+        }
+        self.run(case, "element_read", with_ref(lambda n: Contender(n, reads[n])), elem_args)
+
+        def write_args() -> tuple[int, TensorDict, list]:
+            i = int(self.rng.integers(count))
+            td = make_element(i, het, self.gen, int(lengths[i]))
+            return i, td, s.raw.write_ops(i, td)
+
+        writes = {
+            "tdstore": lambda a: s.tdstore.__setitem__(a[0], a[1]),
+            "reference": lambda a: ref.__setitem__(a[0], a[1]),
+            "raw": lambda a: s.raw.write(a[2]),
+        }
+        self.run(case, "element_write", with_ref(lambda n: Contender(n, writes[n])), write_args)
+
+        def batch_args() -> tuple[torch.Tensor, np.ndarray]:
+            idx = torch.from_numpy(self.rng.integers(0, count, size=batch, dtype=np.int64))
+            return idx, idx.numpy()
+
+        batches = {
+            "tdstore": lambda a: s.tdstore[a[0]],
+            "reference": lambda a: ref[a[0]],
+            "raw": lambda a: s.raw.read_batch(a[1]),
+        }
+        self.run(case, "batch_read", with_ref(lambda n: Contender(n, batches[n])), batch_args, {"batch": batch})
+
+        def slice_args() -> int:
+            return int(self.rng.integers(0, count - batch + 1))
+
+        slices = {
+            "tdstore": lambda a: _materialize(s.tdstore[a : a + batch]),
+            "reference": lambda a: _materialize(ref[a : a + batch]),
+            "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
+        }
+        self.run(case, "slice_read", with_ref(lambda n: Contender(n, slices[n])), slice_args, {"batch": batch})
+
+        fulls = {
+            "tdstore": lambda a: s.tdstore.to_tensordict(),
+            "reference": lambda a: ref.to_tensordict(),
+            "raw": lambda a: s.raw.read_all(),
+        }
+        self.run(case, "full_read", with_ref(lambda n: Contender(n, fulls[n])), lambda: None)
+
+        if het:
+
+            def change_args() -> tuple[int, TensorDict, list]:
+                i = int(self.rng.integers(count))
+                new = int(lengths[i]) % TOKENS_PERIOD + 1  # always differs from the stored length
+                lengths[i] = new
+                td = make_element(i, het, self.gen, new)
+                return i, td, s.raw.write_ops(i, td)
+
+            self.run(case, "shape_change_write", with_ref(lambda n: Contender(n, writes[n])), change_args)
+
+        self.mp_stores = getattr(self, "mp_stores", {})
+        if not het:
+            self.mp_stores[case] = s  # kept for the multi-process case
+        else:
+            self.drop(s)
+
+    # -- the large leaf ----------------------------------------------------------
+    def large_case(self, leaf_bytes: int) -> None:
+        """A leaf of ``leaf_bytes`` over ``large_count`` elements, read and written whole."""
+        st = self.settings
+        case = "large" if leaf_bytes == min(st.large_leaf_bytes) else f"large_{_size(leaf_bytes)}"
+        stack = make_large_stack(st.large_count, leaf_bytes, st.seed + 7)
+        s = self.upload_all(case, stack)
+        ref = s.reference
+        (leaf,) = s.leaves
+        key = s.raw.key("d", leaf)
+        value = torch.randn(st.large_count, leaf_bytes // st.large_count // 4, generator=self.gen)
+        value_bytes = tensor_bytes(value)
+        extra = {"leaf_bytes": leaf_bytes, "count": st.large_count}
+        reads = [Contender("tdstore", lambda a: s.tdstore["big"])]
+        writes = [Contender("tdstore", lambda a: s.tdstore.__setitem__("big", value))]
+        if ref is not None:
+            reads.append(Contender("reference", lambda a: ref["big"]))
+            writes.append(Contender("reference", lambda a: ref.__setitem__("big", value)))
+        reads.append(Contender("raw", lambda a: self.client.get(key)))
+        writes.append(Contender("raw", lambda a: self.client.setrange(key, 0, value_bytes)))
+        self.run(case, "large_read", reads, lambda: None, extra)
+        self.run(case, "large_write", writes, lambda: None, extra)
+        if not torch.equal(s.tdstore["big"], value):
+            self.problems.append(f"{case}: tdstore does not read back the large leaf it wrote")
+        self.drop(s)
+
+    # -- multi-process ------------------------------------------------------------
+    def mp_case(self) -> dict[str, Any]:
+        """``mp_writers`` processes doing ``store[i] = td`` for ``mp_seconds``, per contender."""
+        st = self.settings
+        s: Stores = self.mp_stores["homogeneous"]
+        jobs: list[tuple[str, Any]] = [("tdstore", s.tdstore)]
+        if s.reference is not None:
+            jobs.append(("reference", s.reference))
+        raw_spec = (self.target.url, [(s.raw.key("d", leaf), _path_key(leaf.path), int(leaf.offsets[1])) for leaf in s.leaves])
+        jobs.append(("raw", raw_spec))
+        report: dict[str, Any] = {"writers": st.mp_writers, "seconds": st.mp_seconds, "count": st.count}
+        with WriterPool(st.mp_writers) as pool:
+            for name, target in jobs:
+                report[name] = pool.run(name, target, st.mp_seconds, st.count, st.seed)
+                line = report[name]
+                if line.get("status") == "ok":
+                    print(
+                        f"  mp {name:<10} {line['writes_per_s']:>12,.0f} element writes/s  ({st.mp_writers} writers, {line['writes']:,} writes)",
+                        flush=True,
+                    )
+                else:
+                    print(f"  mp {name:<10} {line.get('status')}: {line.get('error')}", flush=True)
+        td = report["tdstore"].get("writes_per_s")
+        for name, label in (("reference", "ratio_ref"), ("raw", "ratio_raw")):
+            other = report.get(name, {}).get("writes_per_s")
+            report[label] = td / other if td and other else None
+        for name in ("tdstore", "raw"):
+            if report[name].get("status") != "ok":
+                self.problems.append(f"mp: {name} {report[name].get('status')}: {report[name].get('error')}")
+        self.drop(s)
+        return report
+
+
+def _same(a: Any, b: Any) -> bool:
+    keys_a = {k if isinstance(k, tuple) else (k,) for k in a.keys(True, True)}
+    keys_b = {k if isinstance(k, tuple) else (k,) for k in b.keys(True, True)}
+    return keys_a == keys_b and all(torch.equal(a.get(_path_key(k)), b.get(_path_key(k))) for k in keys_a)
+
+
+# --------------------------------------------------------------------------- writer processes
+def _make_writer(kind: str, target: Any) -> tuple[Callable[[int, TensorDict], Any], Callable[[], None]]:
+    """A ``write(i, td)`` function and a ``close()`` for one contender, inside a worker."""
+    if kind == "raw":
+        url, layout = target
+        client = redis.Redis.from_url(url)
+
+        def write_raw(i: int, td: TensorDict) -> Any:
+            pipe = client.pipeline(transaction=False)
+            for key, path, eb in layout:
+                pipe.setrange(key, i * eb, tensor_bytes(td.get(path)))
+            return pipe.execute()
+
+        return write_raw, client.close
+    store = target
+
+    def write_store(i: int, td: TensorDict) -> None:
+        store[i] = td
+
+    return write_store, getattr(store, "close", lambda: None)
+
+
+def _writer_main(wid: int, jobs: Any, results: Any, barrier: Any) -> None:
+    """A writer process: for each job, connect, wait at the barrier, write for N seconds."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        kind, target, seconds, count, seed = job
+        close: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            write, close = _make_writer(kind, target)
+            gen = torch.Generator().manual_seed(seed + wid)
+            td = make_element(0, False, gen)
+            rnd = random.Random(seed * 1000 + wid)
+            write(rnd.randrange(count), td)  # warm-up: connection, scripts, caches
+            barrier.wait(timeout=300)
+            n = 0
+            t0 = time.perf_counter()
+            deadline = t0 + seconds
+            while time.perf_counter() < deadline:
+                write(rnd.randrange(count), td)
+                n += 1
+            results.put((wid, n, time.perf_counter() - t0, None))
+        except BaseException as err:  # reported to the parent, which records it
+            with contextlib.suppress(Exception):
+                barrier.abort()
+            results.put((wid, 0, 0.0, _describe(err) + "\n" + traceback.format_exc(limit=3)))
+        finally:
+            with contextlib.suppress(Exception):
+                close()
+
+
+class WriterPool:
+    """``n`` spawned writer processes, reused for every contender of the mp case."""
+
+    def __init__(self, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.n = n
+        self.jobs = ctx.Queue()
+        self.results = ctx.Queue()
+        self.barrier = ctx.Barrier(n + 1)
+        self.procs = [ctx.Process(target=_writer_main, args=(w, self.jobs, self.results, self.barrier), daemon=True) for w in range(n)]
+
+    def __enter__(self) -> WriterPool:
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for _ in self.procs:
+            self.jobs.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():  # only our own children, by handle
+                p.terminate()
+                p.join(timeout=5)
+
+    def run(self, kind: str, target: Any, seconds: float, count: int, seed: int) -> dict[str, Any]:
+        """Run one contender on every writer; element writes per second summed over writers."""
+        for _ in range(self.n):
+            self.jobs.put((kind, target, seconds, count, seed))
+        started = True
+        try:
+            self.barrier.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            started = False
+        got = [self.results.get(timeout=seconds + 300) for _ in range(self.n)]
+        if not started:
+            self.barrier.reset()
+        errors = [e for *_, e in got if e]
+        if errors:
+            return {"status": "raises", "error": errors[0]}
+        writes = sum(n for _, n, _, _ in got)
+        rate = sum(n / el for _, n, el, _ in got if el > 0)
+        return {
+            "status": "ok",
+            "writes": writes,
+            "writes_per_s": rate,
+            "per_writer": [{"writes": n, "seconds": el} for _, n, el, _ in sorted(got)],
+        }
+
+
+# --------------------------------------------------------------------------- report
+def _size(n: int) -> str:
+    return f"{n // GiB}GiB" if n >= GiB and n % GiB == 0 else f"{n / MiB:g}MiB"
+
+
+def _cell(summary: dict[str, Any]) -> str:
+    status = summary.get("status")
+    if status == "ok":
+        return f"{summary['median_ms']:.3f}"
+    return str(status)
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.2f}x" if x else "-"
+
+
+def _cmds(summary: dict[str, Any]) -> str:
+    c = summary.get("commands")
+    return str(sum(c.values())) if c else "-"
+
+
+HEADER = (
+    f"{'case':<14} {'op':<19} {'tdstore ms':>11} {'reference ms':>13} {'raw ms':>9} {'td/ref':>8} {'td/raw':>8} {'n':>5}  cmds td/ref/raw"
+)
+
+
+def _row(e: dict[str, Any]) -> str:
+    n = e["tdstore"].get("n", "-")
+    cmds = "/".join(_cmds(e[c]) for c in CONTENDERS)
+    return (
+        f"{e['case']:<14} {e['op']:<19} {_cell(e['tdstore']):>11} {_cell(e['reference']):>13} {_cell(e['raw']):>9} "
+        f"{_ratio(e['ratio_ref']):>8} {_ratio(e['ratio_raw']):>8} {n!s:>5}  {cmds}"
+    )
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The summary table: medians in ms and the two ratios (below 1: tdstore is faster)."""
+    print()
+    print(HEADER)
+    print("-" * len(HEADER))
+    for e in report["results"]:
+        print(_row(e))
+    mp = report.get("mp")
+    if mp:
+        print()
+        print(
+            f"multi-process: {mp['writers']} writers x {mp['seconds']:g} s of store[i] = td on {mp['count']:,} elements (element writes/s, higher is better)"
+        )
+        for name in CONTENDERS:
+            line = mp.get(name, {"status": "unavailable"})
+            value = f"{line['writes_per_s']:,.0f}" if line.get("status") == "ok" else f"{line.get('status')}: {line.get('error', '')}"
+            print(f"  {name:<10} {value}")
+        print(f"  tdstore/reference {_ratio(mp.get('ratio_ref'))}   tdstore/raw {_ratio(mp.get('ratio_raw'))}")
+    for problem in report["problems"]:
+        print(f"PROBLEM: {problem}")
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(target: Target, settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
+    """Versions and settings, so that two JSON files can be compared."""
+    return {
+        "argv": list(argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "tensordict": tensordict.__version__,
+        "tdstore": tdstore.__version__,
+        "redis_py": redis.__version__,
+        "hiredis": bool(getattr(redis.utils, "HIREDIS_AVAILABLE", False)),
+        "server_version": target.server_version,
+        "server": "private redis-server started by the benchmark" if target.started_here else "--url",
+        "transport": urlsplit(target.url).scheme,
+        "quick": settings.quick,
+        "count": settings.count,
+        "batch": settings.batch,
+        "large_leaf_bytes": list(settings.large_leaf_bytes),
+        "reps": settings.reps,
+        "warmup": settings.warmup,
+        "op_budget_s": settings.op_budget_s,
+        "seed": settings.seed,
+        "reference_available": RefLazy is not None,
+        "ratios": "tdstore median / other median (below 1: tdstore is faster); mp: tdstore writes/s / other writes/s",
+        "commands": "server commands one call executed (commandstats delta, commands run inside scripts included)",
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI smoke run: 1,000 elements, few repetitions, 8 MiB leaf, 1 s mp")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--url", help="use this server (redis://, rediss:// or unix://) instead of starting a private one")
+    p.add_argument("--tcp", action="store_true", help="the private server listens on loopback TCP instead of a unix socket")
+    p.add_argument("--count", type=int, help="elements per store (default 10,000; 1,000 with --quick)")
+    p.add_argument("--large", action="store_true", help="also read and write a 1 GiB leaf (not with --quick)")
+    p.add_argument(
+        "--mp-seconds", type=float, help="seconds of writing per contender in the multi-process case (default 10; 1 with --quick)"
+    )
+    p.add_argument("--mp-writers", type=int, default=4, help="writer processes in the multi-process case (default 4)")
+    p.add_argument("--no-mp", action="store_true", help="skip the multi-process case")
+    p.add_argument("--reps-scale", type=float, default=1.0, help="multiply every repetition count by this factor")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.count is not None and args.count < 2:
+        p.error("--count must be at least 2")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; 0 when tdstore and the raw floor ran every operation, else 1."""
+    args = parse_args(argv)
+    settings = make_settings(args)
+    t_start = time.monotonic()
+    with open_target(args, settings) as target:
+        runner = Runner(target, settings)
+        meta = environment(target, settings, sys.argv if argv is None else argv)
+        print(
+            f"tdstore bench: redis {target.server_version} via {meta['transport']}, {settings.count:,} elements, quick={settings.quick}",
+            flush=True,
+        )
+        print(HEADER)
+        print("-" * len(HEADER), flush=True)
+        mp_report = None
+        try:
+            runner.element_case("homogeneous", het=False)
+            runner.element_case("heterogeneous", het=True)
+            for leaf_bytes in settings.large_leaf_bytes:
+                runner.large_case(leaf_bytes)
+            if not args.no_mp and settings.mp_writers > 0:
+                mp_report = runner.mp_case()
+            else:
+                runner.drop(runner.mp_stores["homogeneous"])
+        finally:
+            runner.close()
+    meta["seconds"] = round(time.monotonic() - t_start, 1)
+    report = {"meta": meta, "results": runner.results, "mp": mp_report, "problems": runner.problems}
+    print_table(report)
+    print(f"\n{meta['seconds']} s in all")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"JSON written to {path}")
+    return 1 if runner.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
