@@ -96,7 +96,7 @@ def test_shape_changing_writes_rewrite_offsets(setup):
 def test_set_nested_update_del_rename(setup):
     het, store, model = setup
     store.set(("nested", "c"), torch.ones(6, 2))
-    for i, m in enumerate(model):
+    for m in model:
         m.set(("nested", "c"), torch.ones(2))
     check(store, model)
     store.update(TensorDict(extra=torch.arange(6.0).unsqueeze(-1), batch_size=[6]))
