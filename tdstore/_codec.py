@@ -65,11 +65,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def nbytes(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * itemsize(dtype)
+    return math.prod(shape) * dtype.itemsize
 
 
 def to_bytes(tensor: torch.Tensor) -> memoryview:
@@ -97,16 +97,15 @@ def join_bytes(tensors: list[torch.Tensor]) -> bytes | memoryview:
 def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
     """A new writable tensor of ``dtype`` and ``shape`` holding ``data``.
 
-    The bytes are copied once into freshly allocated memory (``torch.frombuffer``
-    would share the read-only reply buffer and warn).
+    The bytes are copied once, into a ``bytearray`` that the tensor then owns
+    (``torch.frombuffer`` on the reply itself would share a read-only buffer and warn).
     """
     expected = nbytes(shape, dtype)
     if len(data) != expected:
         raise ValueError(f"expected {expected} bytes for {dtype_name(dtype)}{list(shape)}, got {len(data)}")
-    out = torch.empty(expected, dtype=torch.uint8)
-    if expected:
-        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-    return out.view(dtype).reshape(tuple(shape))
+    if not expected:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 def from_pieces(pieces: list[bytes], dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:

@@ -276,13 +276,16 @@ class Engine:
                 else:
                     shape = leaf.shape
                     assert shape is not None
-                    eb = leaf.element_nbytes
                     for lo, hi in el_runs:
-                        block = _codec.from_bytes(pieces[pos], leaf.dtype, (hi - lo + 1, *shape)) if eb else torch.empty((hi - lo + 1, *shape), dtype=leaf.dtype)
-                        pos += 1
-                        for t in block.unbind(0):
-                            elements[k][leaf.path] = t
+                        if lo == hi:
+                            elements[k][leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, shape)
                             k += 1
+                        else:
+                            block = _codec.from_bytes(pieces[pos], leaf.dtype, (hi - lo + 1, *shape))
+                            for t in block.unbind(0):
+                                elements[k][leaf.path] = t
+                                k += 1
+                        pos += 1
             return ElementsResult([int(i) for i in ids], elements)
 
         return Call("read", kt.keys, args, parse)

@@ -166,6 +166,9 @@ def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
     """Group sorted unique ids into inclusive ``(lo, hi)`` runs of consecutive values."""
     if sorted_ids.size == 0:
         return []
+    if sorted_ids.size == 1:
+        v = int(sorted_ids[0])
+        return [(v, v)]
     breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]
     starts = np.concatenate(([0], breaks + 1))
     ends = np.concatenate((breaks, [sorted_ids.size - 1]))
@@ -179,6 +182,9 @@ def storage_rows(p: Plan, inner: tuple[int, ...]) -> torch.Tensor:
     position ``k`` of the result.
     """
     inner_numel = int(np.prod(inner)) if inner else 1
+    if p.element_int and p.inner_full:  # the common store[i] case: one element, all its rows
+        e = int(p.elements[0])
+        return torch.arange(e * inner_numel, (e + 1) * inner_numel).reshape(inner)
     grid = (p.elements[:, None] * inner_numel + torch.arange(inner_numel)).reshape(p.n, *inner)
     grid = grid.movedim(0, p.stack_pos)
     return grid[p.local]

@@ -18,7 +18,7 @@ the prefix and the id (a brace would move the hash tag) and glob characters (so 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Characters that would change the meaning of a key name: braces move the hash tag,
 # glob characters turn a name into a pattern, '%' is our escape character, and
@@ -43,14 +43,13 @@ class StoreKeys:
 
     prefix: str
     td_id: str
+    base: str = field(init=False, repr=False, compare=False)
+    meta: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def base(self) -> str:
-        return f"{escape(self.prefix)}:{{{escape(self.td_id)}}}"
-
-    @property
-    def meta(self) -> str:
-        return f"{self.base}:m"
+    def __post_init__(self) -> None:
+        base = f"{escape(self.prefix)}:{{{escape(self.td_id)}}}"
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "meta", f"{base}:m")
 
     def data(self, leaf: int) -> str:
         return f"{self.base}:d:{leaf}"

@@ -90,17 +90,17 @@ class Header:
     next_leaf: int = 0
     state: str = "ready"
 
-    # -- derived facts ------------------------------------------------------
-    @property
-    def stack_pos(self) -> int:
-        """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
-        return self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim
+    # -- derived facts (computed once: headers are immutable) -----------------
+    stack_pos: int = field(init=False, repr=False, compare=False)
+    """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
+    batch_size: torch.Size = field(init=False, repr=False, compare=False)
 
-    @property
-    def batch_size(self) -> torch.Size:
+    def __post_init__(self) -> None:
+        pos = self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim
         bs = list(self.inner)
-        bs.insert(self.stack_pos, self.count)
-        return torch.Size(bs)
+        bs.insert(pos, self.count)
+        object.__setattr__(self, "stack_pos", pos)
+        object.__setattr__(self, "batch_size", torch.Size(bs))
 
     @property
     def inner_numel(self) -> int:
@@ -113,6 +113,10 @@ class Header:
     def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None) -> Header:
         """The header after a schema change (the server will hold ``version + 1``)."""
         return replace(self, leaves=leaves, next_leaf=self.next_leaf if next_leaf is None else next_leaf, version=self.version + 1)
+
+    def ready(self) -> Header:
+        """The same header in state ``ready`` (after an upload commits)."""
+        return replace(self, state="ready")
 
     def fields(self) -> dict[str, str]:
         """The header hash as stored on the server."""

@@ -166,7 +166,7 @@ def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_eleme
         finally:
             engine.set_header(None)  # type: ignore[arg-type]
         raise
-    header = Header(**{**header.__dict__, "state": "ready"})
+    header = header.ready()
     engine.set_header(header)
     return header
 

@@ -111,7 +111,14 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
     return {prefix: _check_tensor(prefix, value)}
 
 
-def _nest(leaves: dict[NestedPath, torch.Tensor], under: NestedPath = ()) -> dict:
+def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDict:
+    """A TensorDict of ``leaves`` (the part below ``under``), on ``device``.
+
+    The tensors were just made from server bytes with the right batch dims, so the
+    TensorDict is built without re-validating them (``_new_unsafe``).
+    """
+    bs = torch.Size(batch_size)
+    move = device is not None and device.type != "cpu"
     tree: dict = {}
     cut = len(under)
     for path, t in leaves.items():
@@ -120,13 +127,13 @@ def _nest(leaves: dict[NestedPath, torch.Tensor], under: NestedPath = ()) -> dic
         node = tree
         for part in path[cut:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = t
-    return tree
+        node[path[-1]] = t.to(device, non_blocking=True) if move else t
 
+    def make(node: dict) -> TensorDict:
+        source = {k: make(v) if isinstance(v, dict) else v for k, v in node.items()}
+        return TensorDict._new_unsafe(source=source, batch_size=bs, device=device)
 
-def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDict:
-    """A TensorDict of ``leaves`` (the part below ``under``), on ``device``."""
-    return TensorDict(_nest(leaves, under), batch_size=batch_size, device=device)
+    return make(tree)
 
 
 def assemble(plan: Plan, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:

@@ -44,6 +44,9 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
 def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any]:
     """SETRANGE ops for ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins."""
     rb = data.shape[1] if data.ndim == 2 else 0
+    if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
+        # one contiguous ascending run (an element, a slice): a single SETRANGE
+        return ["R", kt.ref(key), 1, int(rows[0]) * rb, memoryview(np.ascontiguousarray(data)).cast("B")]
     # keep the last occurrence of each row, as sequential assignment would
     rev_rows = rows[::-1]
     uniq, first_in_rev = np.unique(rev_rows, return_index=True)

@@ -74,7 +74,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand; a function so tests and docs can inspect it."""
-    parser = argparse.ArgumentParser(prog="tdstore", description="TensorDicts shared between processes and machines through a Redis-wire server.")
+    parser = argparse.ArgumentParser(
+        prog="tdstore", description="TensorDicts shared between processes and machines through a Redis-wire server."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(

@@ -36,6 +36,7 @@ import contextlib
 import multiprocessing as mp
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -258,8 +259,8 @@ def check_batch(td: TensorDictBase, indices: Any, *, count: int, actors: int) ->
     return out
 
 
-def lost_writes(td: TensorDictBase, last_seq: np.ndarray) -> dict[int, str]:
-    """Elements of the final content that are not the last write some actor made to them.
+def lost_writes(td: TensorDictBase, indices: np.ndarray, last_seq: np.ndarray) -> dict[int, str]:
+    """Elements (``td[k]`` is element ``indices[k]``) that are not the last write an actor made to them.
 
     ``last_seq[a, i]`` is the seq of actor ``a``'s last write to element ``i`` (-1 if
     none).  Each actor writes sequentially, so if element ``i`` finally holds
@@ -267,17 +268,21 @@ def lost_writes(td: TensorDictBase, last_seq: np.ndarray) -> dict[int, str]:
     If it still holds the initial content, no actor may have written it at all.
     Call this only on elements that passed :func:`check_batch`.
     """
-    count = last_seq.shape[1]
-    a = td.get("actor").reshape(count).numpy()
-    s = td.get("seq").reshape(count).numpy()
+    n = len(indices)
+    a = td.get("actor").reshape(n).numpy()
+    s = td.get("seq").reshape(n).numpy()
     out: dict[int, str] = {}
-    for i in range(count):
-        if a[i] == INITIAL_ACTOR:
+    for k, i in enumerate(indices.tolist()):
+        if a[k] == INITIAL_ACTOR:
             writers = np.flatnonzero(last_seq[:, i] >= 0)
             if writers.size:
-                out[i] = f"element {i} still holds its initial content, but actor {int(writers[0])} wrote it (seq {int(last_seq[writers[0], i])})"
-        elif last_seq[a[i], i] != s[i]:
-            out[i] = f"element {i} holds (actor {int(a[i])}, seq {int(s[i])}), but that actor's last write there was seq {int(last_seq[a[i], i])}"
+                out[i] = (
+                    f"element {i} still holds its initial content, but actor {int(writers[0])} wrote it (seq {int(last_seq[writers[0], i])})"
+                )
+        elif last_seq[a[k], i] != s[k]:
+            out[i] = (
+                f"element {i} holds (actor {int(a[k])}, seq {int(s[k])}), but that actor's last write there was seq {int(last_seq[a[k], i])}"
+            )
     return out
 
 
@@ -295,11 +300,11 @@ def _actor_main(
 ) -> None:
     """One actor process: overwrite elements for ``seconds``, then report what it wrote where.
 
-    It ignores SIGINT so that Ctrl-C reaches only the main process, which stops
-    everyone through ``stop`` and still cleans the server up.  ``counter`` is a
-    shared int the main process reads for live progress.
+    It ignores SIGINT (see :func:`_start_ignoring_sigint`): Ctrl-C reaches only
+    the main process, which stops everyone through ``stop`` and still cleans the
+    server up.  ``counter`` is a shared int the main process reads for live progress.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also when started from another thread
     try:
         count = len(store)
         store[actor % count].to_tensordict()  # connect and load the scripts before the clock starts
@@ -406,7 +411,13 @@ class _Progress:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=round(seconds, 1), unit="s", desc="demo", file=stream, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f}s{postfix}")
+        self._bar = tqdm(
+            total=round(seconds, 1),
+            unit="s",
+            desc="demo",
+            file=stream,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f}s{postfix}",
+        )
 
     def update(self, elapsed: float, writes: int, reads: int, torn: int) -> None:
         if not self._enabled:
@@ -419,7 +430,11 @@ class _Progress:
             self._bar.refresh()
         elif elapsed >= self._next_line:
             self._next_line += 1.0
-            print(f"[{elapsed:5.1f}s] writes {writes} ({rate_w:.0f}/s)  batch reads {reads} ({rate_r:.0f}/s)  torn {torn}", file=self._stream, flush=True)
+            print(
+                f"[{elapsed:5.1f}s] writes {writes} ({rate_w:.0f}/s)  batch reads {reads} ({rate_r:.0f}/s)  torn {torn}",
+                file=self._stream,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -480,7 +495,9 @@ def run_demo(
     """
     _check_args(actors, count, seconds, batch)
     if cluster and url is not None:
-        raise ValueError("cluster=True runs an embedded single-node cluster; tdstore has no Redis Cluster client, so it cannot be combined with a url")
+        raise ValueError(
+            "cluster=True runs an embedded single-node cluster; tdstore has no Redis Cluster client, so it cannot be combined with a url"
+        )
     out = sys.stdout if out is None else out
     with contextlib.ExitStack() as stack:
         if url is None:
@@ -510,20 +527,23 @@ def _quietly_clear(store: LazyStackedTensorDictStore) -> None:
         store.close()
 
 
-def _run(store: LazyStackedTensorDictStore, *, where: str, actors: int, count: int, seconds: float, batch: int, progress: bool, seed: int) -> dict[str, Any]:
+def _run(
+    store: LazyStackedTensorDictStore, *, where: str, actors: int, count: int, seconds: float, batch: int, progress: bool, seed: int
+) -> dict[str, Any]:
     """Start the actors, sample as the learner, collect and verify; always stops the actors."""
     ctx = mp.get_context("spawn")
     start, stop = ctx.Event(), ctx.Event()
     results = ctx.Queue()
     counters = [ctx.RawValue("q", 0) for _ in range(actors)]
     procs = [
-        ctx.Process(target=_actor_main, args=(store, a, seconds, start, stop, counters[a], results), name=f"tdstore-demo-actor-{a}", daemon=True)
+        ctx.Process(
+            target=_actor_main, args=(store, a, seconds, start, stop, counters[a], results), name=f"tdstore-demo-actor-{a}", daemon=True
+        )
         for a in range(actors)
     ]
     bar = _Progress(seconds, progress, sys.stderr)
     try:
-        for p in procs:
-            p.start()
+        _start_ignoring_sigint(procs)
         _await_ready(procs, results)
         gen = torch.Generator().manual_seed(seed)
         reads = torn = 0
@@ -531,7 +551,7 @@ def _run(store: LazyStackedTensorDictStore, *, where: str, actors: int, count: i
         start.set()
         t0 = time.monotonic()
         end = t0 + seconds
-        next_tick = t0
+        next_tick = t0 + _TICK
         while (now := time.monotonic()) < end:
             idx = torch.randint(count, (batch,), generator=gen)
             sampled = store[idx]
@@ -549,6 +569,8 @@ def _run(store: LazyStackedTensorDictStore, *, where: str, actors: int, count: i
         stop.set()
         done = _collect(procs, results)
         bar.update(read_time, sum(d[0] for d in done.values()), reads, torn)
+        # Verify while the actors exit (tearing down torch takes them a moment).
+        final = _verify_final(store, done, count=count, actors=actors)
     finally:
         stop.set()
         start.set()  # release actors still waiting, so they can exit
@@ -556,13 +578,6 @@ def _run(store: LazyStackedTensorDictStore, *, where: str, actors: int, count: i
         _reap(procs)
     writes = [done[a][0] for a in range(actors)]
     rates = [done[a][0] / done[a][1] if done[a][1] > 0 else 0.0 for a in range(actors)]
-    last_seq = np.stack([done[a][2] for a in range(actors)])
-    final = store.to_tensordict()
-    final_bad = check_batch(final, np.arange(count), count=count, actors=actors)
-    good = np.setdiff1d(np.arange(count), np.fromiter(final_bad, dtype=np.int64, count=len(final_bad)))
-    lost = lost_writes(final[torch.from_numpy(good)], last_seq[:, good]) if good.size else {}
-    lost = {int(good[k]): msg for k, msg in lost.items()}
-    final_examples = ["; ".join(p) for p in list(final_bad.values())[:MAX_EXAMPLES]] + list(lost.values())[:MAX_EXAMPLES]
     return {
         "server": where,
         "actors": actors,
@@ -578,12 +593,44 @@ def _run(store: LazyStackedTensorDictStore, *, where: str, actors: int, count: i
         "elements_read_per_s": round(reads * batch / read_time, 1),
         "torn": torn,
         "torn_examples": examples,
-        "verified": count - len(final_bad) - len(lost),
-        "inconsistent": len(final_bad),
-        "lost_writes": len(lost),
-        "final_examples": final_examples,
-        "ok": torn == 0 and not final_bad and not lost,
+        **final,
+        "ok": torn == 0 and final["verified"] == count,
     }
+
+
+def _verify_final(
+    store: LazyStackedTensorDictStore, done: dict[int, tuple[int, float, np.ndarray]], *, count: int, actors: int
+) -> dict[str, Any]:
+    """Read the whole store in one call and check every element, and that no write was lost."""
+    final = store.to_tensordict()
+    bad = check_batch(final, np.arange(count), count=count, actors=actors)
+    good = np.array([i for i in range(count) if i not in bad], dtype=np.int64)
+    lost: dict[int, str] = {}
+    if good.size:
+        last_seq = np.stack([done[a][2] for a in range(actors)])
+        lost = lost_writes(final[torch.from_numpy(good)], good, last_seq)
+    examples = ["; ".join(p) for p in list(bad.values())[:MAX_EXAMPLES]] + list(lost.values())[:MAX_EXAMPLES]
+    return {"verified": count - len(bad) - len(lost), "inconsistent": len(bad), "lost_writes": len(lost), "final_examples": examples}
+
+
+def _start_ignoring_sigint(procs: list[Any]) -> None:
+    """Start the actors with SIGINT ignored from birth.
+
+    Ctrl-C goes to the whole process group; actors still importing torch would
+    each print a KeyboardInterrupt traceback.  A spawned child inherits an
+    ignored SIGINT through exec, and Python then leaves it ignored, so only the
+    main process sees Ctrl-C and stops everyone through the ``stop`` event.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        for p in procs:
+            p.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _await_ready(procs: list[Any], results: Any) -> None:

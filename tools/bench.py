@@ -619,8 +619,9 @@ class Runner:
     def run(
         self, case: str, op: str, contenders: list[Contender], next_args: Callable[[], Any], extra: dict[str, Any] | None = None
     ) -> None:
+        t0 = time.monotonic()
         outcomes = measure(contenders, next_args, reps=self.settings.reps_for(op), settings=self.settings, stats_client=self.stats_client)
-        self.record(case, op, outcomes, extra)
+        self.record(case, op, outcomes, {**(extra or {}), "seconds": round(time.monotonic() - t0, 2)})
 
     # -- the element cases -----------------------------------------------------
     def element_case(self, case: str, het: bool) -> None:
