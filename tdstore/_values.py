@@ -56,6 +56,17 @@ def exclusive_keys(stack: LazyStackedTensorDict) -> set:
     return set.union(*sets) - set.intersection(*sets)
 
 
+def _check_member_dtypes(stack: LazyStackedTensorDict, key: Any, path: NestedPath) -> None:
+    """Stacking a lazy stack's members would silently promote mixed dtypes: refuse them by name."""
+    dtypes = set()
+    for member in stack.tensordicts:
+        t = member.get(key)
+        if isinstance(t, torch.Tensor):
+            dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise TypeError(f"key {display(path)!r} has several dtypes across the elements ({sorted(map(str, dtypes))}); every element must use one dtype")
+
+
 def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.is_nested:
@@ -95,6 +106,8 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
         out = {}
         for key in value.keys(include_nested=True, leaves_only=True):
             path = prefix + as_path(key)
+            if lazy:
+                _check_member_dtypes(value, key, path)
             try:
                 leaf = value.get(key)
             except RuntimeError:

@@ -657,8 +657,8 @@ def _restore(cls: type, state: dict[str, Any]) -> Any:
 
 
 def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"count must be a non-negative int, got {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int (a lazy stack has at least one element), got {count!r}")
     if count > 2**40:
         raise ValueError(f"count {count} is too large (at most 2**40 elements)")
     try:

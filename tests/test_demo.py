@@ -1,0 +1,156 @@
+"""The demo end to end, its consistency checker, and the CLI around it.
+
+The demo is the project's proof that concurrent writers never tear an element
+for a concurrent reader, so the tests check both that it runs clean and that its
+checker really catches torn elements (a checker that sees nothing would also
+report 0).  Every server here is one the tests start themselves: the demo's own
+embedded server, or the session's private server from ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+
+from tdstore.cli import main
+from tdstore.demo import check_batch, initial_stack, lost_writes, make_element, redact_url, run_demo, slot_of
+from tdstore.server import EmbeddedServer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _assert_clean(figures: dict, *, actors: int, count: int, batch: int) -> None:
+    """What every successful demo run must report."""
+    assert figures["actors"] == actors and figures["count"] == count and figures["batch"] == batch
+    assert figures["writes"] > 0 and all(w > 0 for w in figures["writes_per_actor"])
+    assert figures["writes"] == sum(figures["writes_per_actor"])
+    assert figures["reads"] > 0 and figures["elements_read"] == figures["reads"] * batch
+    assert figures["writes_per_s"] > 0 and figures["reads_per_s"] > 0 and figures["elements_read_per_s"] > 0
+    assert figures["torn"] == 0, figures["torn_examples"]
+    assert figures["verified"] == count, figures["final_examples"]
+    assert figures["inconsistent"] == 0 and figures["lost_writes"] == 0
+    assert figures["keys_deleted"] > 0
+    assert figures["ok"] is True
+
+
+# -- the checker ---------------------------------------------------------------------------------
+
+
+def _written(pairs: list[tuple[int, int]], count: int) -> tuple[list[TensorDict], list[int]]:
+    """Elements written as (actor, seq) and the slots those writes went to."""
+    return [make_element(a, s) for a, s in pairs], [int(slot_of(a, s, count)) for a, s in pairs]
+
+
+def test_checker_accepts_consistent_batches() -> None:
+    count = 64
+    els, idx = _written([(0, s) for s in range(20)] + [(1, s) for s in range(20)], count)
+    assert check_batch(lazy_stack(els), idx, count=count, actors=2) == {}
+    # equal token lengths come back from the store as a dense TensorDict: same verdict
+    same = [(a, s) for a in range(3) for s in range(200) if len(make_element(a, s)["tokens"]) == 5][:8]
+    els, idx = _written(same, count)
+    assert check_batch(torch.stack(els), idx, count=count, actors=3) == {}
+    # and the initial content sits at its own index
+    assert check_batch(initial_stack(count), np.arange(count), count=count, actors=1) == {}
+
+
+def test_checker_flags_torn_elements() -> None:
+    count = 64
+    els, idx = _written([(0, 5), (1, 7), (0, 6), (1, 8), (0, 9)], count)
+    # position 0: tokens of another write (length and values disagree with actor/seq)
+    els[0]["tokens"] = make_element(1, 7)["tokens"]
+    # position 1: obs of another write
+    els[1]["obs"] = make_element(1, 6)["obs"]
+    # position 2: the nested check leaf from another write
+    els[2]["meta", "check"] = make_element(0, 7)["meta", "check"]
+    # position 3: a consistent element read at the wrong index (misplaced write)
+    idx[3] = (idx[3] + 1) % count
+    bad = check_batch(lazy_stack(els), idx, count=count, actors=2)
+    assert sorted(bad) == [0, 1, 2, 3]
+    assert "tokens" in bad[0][0] and "obs" in bad[1][0] and "check" in bad[2][0] and "went to element" in bad[3][0]
+    # an unknown writer is torn too
+    els, idx = _written([(0, 1)], count)
+    assert list(check_batch(lazy_stack(els), idx, count=count, actors=0)) == [0]
+
+
+def test_lost_writes_are_found() -> None:
+    count = 8
+    final = initial_stack(count)
+    last_seq = np.full((2, count), -1, dtype=np.int64)
+    assert lost_writes(final, np.arange(count), last_seq) == {}
+    last_seq[1, 3] = 12  # actor 1 wrote element 3, yet it still holds the initial content
+    assert list(lost_writes(final, np.arange(count), last_seq)) == [3]
+
+
+def test_redact_url_hides_passwords() -> None:
+    assert redact_url("redis://user:secret@host:7000/0") == "redis://user:***@host:7000/0"
+    assert redact_url("redis://:secret@host") == "redis://:***@host"
+    assert redact_url("unix:///tmp/x.sock") == "unix:///tmp/x.sock"
+
+
+# -- the demo end to end -----------------------------------------------------------------------------
+
+
+def test_run_demo_in_process_on_embedded_server() -> None:
+    out = io.StringIO()
+    figures = run_demo(actors=2, count=64, seconds=1.5, batch=16, progress=False, out=out)
+    _assert_clean(figures, actors=2, count=64, batch=16)
+    assert figures["server"].startswith("embedded redis-server")
+    assert 1.4 < figures["seconds"] < 10
+    text = out.getvalue()
+    assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
+
+
+def test_run_demo_on_a_given_url_leaves_no_keys(redis_server: EmbeddedServer) -> None:
+    prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
+    figures = run_demo(url=redis_server.url, actors=1, count=16, seconds=0.5, batch=8, prefix=prefix, progress=False, out=io.StringIO())
+    _assert_clean(figures, actors=1, count=16, batch=8)
+    assert redis_server.unix_socket_path in figures["server"]
+    assert redis_server.client().keys(f"{prefix}:*") == []
+
+
+def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tdstore", "demo", "--seconds", "1", "--actors", "2", "--count", "32", "--json"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout)  # stdout holds only the JSON
+    _assert_clean(figures, actors=2, count=32, batch=32)
+    assert "32/32 elements verified" in proc.stderr  # the human summary went to stderr
+
+
+# -- the CLI's errors ----------------------------------------------------------------------------------
+
+
+def test_cli_unreachable_url_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    # port 1 on loopback: nothing listens there, and nothing is started
+    assert main(["demo", "--url", "redis://127.0.0.1:1", "--seconds", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach a Redis server at redis://127.0.0.1:1" in err
+    assert "Traceback" not in err
+
+
+def test_cli_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in ([], ["demo", "--count", "0"], ["demo", "--seconds", "-1"], ["demo", "--url", "foo://x", "--no-progress"]):
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's own usage errors
+            code = stop.code
+        assert code == 2, argv
+    assert "invalid server url 'foo://x'" in capsys.readouterr().err
