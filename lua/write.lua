@@ -123,9 +123,30 @@ local function splice(op)
     parts[j] = tds_p64(pos)
   end
   if olen > 8 * (hi + 2) then
+    -- shift every later offset by delta: the O(count - hi) part, inlined because it
+    -- dominates a shape-changing write (about 1 us per entry on Redis 7)
     local rest = redis.call('GETRANGE', op.okey, 8 * (hi + 2), olen - 1)
+    local byte, char = string.byte, string.char
+    local m = #parts
     for p = 1, #rest, 8 do
-      parts[#parts + 1] = tds_p64(tds_u64(rest, p) + delta)
+      local b1, b2, b3, b4, b5, b6, b7, b8 = byte(rest, p, p + 7)
+      local v = ((((((b8 * 256 + b7) * 256 + b6) * 256 + b5) * 256 + b4) * 256 + b3) * 256 + b2) * 256 + b1 + delta
+      local r1 = v % 256
+      v = (v - r1) / 256
+      local r2 = v % 256
+      v = (v - r2) / 256
+      local r3 = v % 256
+      v = (v - r3) / 256
+      local r4 = v % 256
+      v = (v - r4) / 256
+      local r5 = v % 256
+      v = (v - r5) / 256
+      local r6 = v % 256
+      v = (v - r6) / 256
+      local r7 = v % 256
+      v = (v - r7) / 256
+      m = m + 1
+      parts[m] = char(r1, r2, r3, r4, r5, r6, r7, v)
     end
   end
   redis.call('SETRANGE', op.okey, 8 * (lo + 1), table.concat(parts))

@@ -99,3 +99,17 @@ def test_upload_round_trips_are_bounded_by_chunks(real):
     cmds = top_level_commands(real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_bytes=20_000, **real.kwargs())))
     assert cmds.count("setrange") == 10  # 5 elements of 4000 bytes per chunk
     holder.pop("s").clear_redis()
+
+
+def test_cache_metadata_false_reads_keys_from_the_server(store, real):
+    fresh = LazyStackedTensorDictStore.from_store(td_id=store.td_id, cache_metadata=False, **real.kwargs())
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **real.kwargs())
+    other.set("late", torch.zeros(8))
+    assert top_level_commands(real.client, lambda: list(fresh.keys())).count("hgetall") == 1
+    assert "late" in fresh.keys()
+    cached = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **real.kwargs())
+    other.set("later", torch.zeros(8))
+    assert top_level_commands(real.client, lambda: list(cached.keys())) == []
+    assert "later" not in cached.keys()  # a cached view: refreshed by the next data call
+    cached[0].to_tensordict()
+    assert "later" in cached.keys()
