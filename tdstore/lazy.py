@@ -22,10 +22,15 @@ _LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consi
 
 
 class _KeysView:
-    """Keys of a store or of an element view, read from the cached schema (insertion order)."""
+    """Keys of a store or of an element view (insertion order).
+
+    A snapshot of the schema taken when ``keys()`` is called: from the cached
+    header, or from the server (one round trip) with ``cache_metadata=False``.
+    """
 
     def __init__(self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool) -> None:
-        self._paths = paths
+        snapshot = paths()
+        self._paths = lambda: snapshot
         self._under = under
         self.include_nested = include_nested
         self.leaves_only = leaves_only
