@@ -44,7 +44,9 @@ def _positive_float(text: str) -> float:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; with --json, stdout holds only the JSON (the summary goes to stderr)."""
-    # Imported here so that `tdstore --help` does not pay for importing torch.
+    # Each subcommand imports what it needs when it runs, so adding subcommands keeps the others as quick to start.
+    import redis
+
     from .demo import DemoError, ServerUnreachable, run_demo
 
     try:
@@ -54,7 +56,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             count=args.count,
             seconds=args.seconds,
             batch=args.batch,
-            cluster=args.cluster,
             progress=not args.no_progress,
             out=sys.stderr if args.json else sys.stdout,
         )
@@ -66,6 +67,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except DemoError as err:
         print(f"tdstore demo: failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except redis.RedisError as err:  # e.g. the server went away during the run
+        print(f"tdstore demo: failed: the server stopped answering: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         print(json.dumps(figures, indent=2))
@@ -93,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")
     demo.add_argument("--seconds", type=_positive_float, default=5.0, help="duration of the run (default: 5)")
     demo.add_argument("--batch", type=_positive_int, default=32, help="elements per sampled batch (default: 32)")
-    demo.add_argument("--cluster", action="store_true", help="run the embedded server in single-node cluster mode (not with --url)")
     demo.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (the summary goes to stderr)")
     demo.add_argument("--no-progress", action="store_true", help="do not show live progress on stderr")
     demo.set_defaults(handler=_cmd_demo)

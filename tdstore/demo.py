@@ -13,13 +13,13 @@ and when, so each sampled element can be checked on its own.
 The encoding of element ``(actor, seq)`` (``actor == -1`` for the initial content,
 whose ``seq`` is the element's index):
 
-==================  =================================================================
-``actor``           i64[1], the writer's id
-``seq``             i64[1], the writer's sequence number (its count of earlier writes)
-``obs``             f32[8], every entry ``actor * 1e6 + seq`` (rounded to float32)
-``tokens``          i64[L], ``arange(L) + seq`` with ``L = token_length(actor, seq)``
-``("meta","check")`` f32[1], ``check_value(actor, seq)``, another function of both
-==================  =================================================================
+======================  =================================================================
+``actor``               i64[1], the writer's id
+``seq``                 i64[1], the writer's sequence number (its count of earlier writes)
+``obs``                 f32[8], every entry ``actor * 1e6 + seq`` (rounded to float32)
+``tokens``              i64[L], ``arange(L) + seq`` with ``L = token_length(actor, seq)``
+``("meta","check")``    f32[1], ``check_value(actor, seq)``, another function of both
+======================  =================================================================
 
 The slot an actor writes is a hash of ``(actor, seq)`` too, so a reader can also
 check that an element sits where its writer put it, and at the end the final
@@ -78,7 +78,6 @@ ACTOR_START_TIMEOUT = 120.0
 #: Seconds an actor may take to report after the run ends (one write is milliseconds).
 ACTOR_STOP_TIMEOUT = 30.0
 _TICK = 0.2
-_CLUSTER_SLOTS = 16384
 _U64 = np.uint64
 
 
@@ -359,7 +358,10 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
     try:
         with client:
             client.ping()
-            return str(client.info("server").get("redis_version", "unknown"))
+            try:
+                return str(client.info("server").get("redis_version", "unknown"))
+            except redis.ResponseError:  # INFO may be forbidden by an ACL; PING was enough
+                return "unknown"
     except redis.AuthenticationError as err:
         raise ServerUnreachable(f"the Redis server at {shown} refused the credentials: {err}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
@@ -369,26 +371,11 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
 
 
 @contextlib.contextmanager
-def _embedded_server(cluster: bool) -> Iterator[EmbeddedServer]:
-    """A private redis-server on a unix socket, stopped on exit whatever happens.
-
-    With ``cluster`` it runs in cluster mode as a single node that owns every
-    slot: a plain client then needs no redirections, but the server enforces the
-    cluster rules (all keys of one script call in one hash slot), which shows the
-    store's key layout is cluster-ready.
-    """
-    extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"] if cluster else []
-    server = EmbeddedServer(extra_args=extra)
+def _embedded_server() -> Iterator[EmbeddedServer]:
+    """A private redis-server on a unix socket, stopped on exit whatever happens."""
+    server = EmbeddedServer()
     server.start()
     try:
-        if cluster:
-            with server.client() as client:
-                client.execute_command("CLUSTER", "ADDSLOTS", *range(_CLUSTER_SLOTS))
-                deadline = time.monotonic() + 10
-                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
-                    if time.monotonic() > deadline:
-                        raise DemoError("the embedded cluster-mode server did not reach cluster_state:ok")
-                    time.sleep(0.02)
         yield server
     finally:
         server.stop()
@@ -460,7 +447,6 @@ def run_demo(
     count: int = 256,
     seconds: float = 5.0,
     batch: int = 32,
-    cluster: bool = False,
     *,
     prefix: str = DEFAULT_PREFIX,
     progress: bool = True,
@@ -476,8 +462,6 @@ def run_demo(
         count: elements in the store.
         seconds: how long actors write and the learner samples.
         batch: elements per sampled batch.
-        cluster: run the embedded server in (single-node) cluster mode; not
-            available with ``url``, because tdstore talks to one node.
         prefix: key namespace on the server; the store's keys are deleted at the end.
         progress: show live progress on stderr.
         out: where the human-readable summary goes (default stdout).
@@ -494,16 +478,12 @@ def run_demo(
         DemoError: an actor failed or did not start.
     """
     _check_args(actors, count, seconds, batch)
-    if cluster and url is not None:
-        raise ValueError(
-            "cluster=True runs an embedded single-node cluster; tdstore has no Redis Cluster client, so it cannot be combined with a url"
-        )
     out = sys.stdout if out is None else out
     with contextlib.ExitStack() as stack:
         if url is None:
-            server = stack.enter_context(_embedded_server(cluster))
+            server = stack.enter_context(_embedded_server())
             url = server.url
-            where = f"embedded redis-server {server.version}{' (cluster mode)' if cluster else ''} at {url}"
+            where = f"embedded redis-server {server.version} at {url}"
         else:
             where = f"redis {check_reachable(url)} at {redact_url(url)}"
         uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix)
@@ -513,7 +493,6 @@ def run_demo(
         store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id)
         stack.callback(store.close)
         figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed)
-        figures["cluster"] = cluster
         figures["keys_deleted"] = store.clear_redis()
     _print_summary(figures, out)
     return figures
@@ -709,7 +688,7 @@ def _print_summary(f: dict[str, Any], out: TextIO) -> None:
     per_actor = ", ".join(str(w) for w in f["writes_per_actor"])
     lines = [
         f"tdstore demo on {f['server']}",
-        f"  {f['actors']} actors, {f['count']} elements, batches of {f['batch']}, {f['seconds']:.2f} s",
+        f"  {_plural(f['actors'], 'actor')}, {_plural(f['count'], 'element')}, batches of {f['batch']}, {f['seconds']:.2f} s",
         f"  writes : {f['writes']} element writes, {f['writes_per_s']:.0f}/s in total (per actor: {per_actor})",
         f"  reads  : {f['reads']} batch reads, {f['reads_per_s']:.0f}/s; {f['elements_read']} elements, {f['elements_read_per_s']:.0f}/s",
         f"  torn   : {f['torn']} torn elements seen while sampling",
@@ -720,3 +699,7 @@ def _print_summary(f: dict[str, Any], out: TextIO) -> None:
     lines += [f"  final example: {e}" for e in f["final_examples"]]
     lines.append("  OK: no torn or inconsistent element" if f["ok"] else "  FAILED: torn or inconsistent elements (see above)")
     print("\n".join(lines), file=out, flush=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

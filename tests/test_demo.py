@@ -100,22 +100,21 @@ def test_redact_url_hides_passwords() -> None:
 # -- the demo end to end -----------------------------------------------------------------------------
 
 
-def test_run_demo_in_process_on_embedded_server() -> None:
+def test_run_demo_in_process(redis_server: EmbeddedServer) -> None:
+    """On the session's private server (a given url), so the test can also see that no key is left.
+
+    The path without a url (the demo starts its own server) is run by the CLI test below;
+    each run spawns actors that import torch, so the two paths share the work.
+    """
+    prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
     out = io.StringIO()
-    figures = run_demo(actors=2, count=64, seconds=1.5, batch=16, progress=False, out=out)
+    figures = run_demo(url=redis_server.url, actors=2, count=64, seconds=1.5, batch=16, prefix=prefix, progress=False, out=out)
     _assert_clean(figures, actors=2, count=64, batch=16)
-    assert figures["server"].startswith("embedded redis-server")
+    assert redis_server.unix_socket_path in figures["server"]
     assert 1.4 < figures["seconds"] < 10
+    assert redis_server.client().keys(f"{prefix}:*") == []
     text = out.getvalue()
     assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
-
-
-def test_run_demo_on_a_given_url_leaves_no_keys(redis_server: EmbeddedServer) -> None:
-    prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
-    figures = run_demo(url=redis_server.url, actors=1, count=16, seconds=0.5, batch=8, prefix=prefix, progress=False, out=io.StringIO())
-    _assert_clean(figures, actors=1, count=16, batch=8)
-    assert redis_server.unix_socket_path in figures["server"]
-    assert redis_server.client().keys(f"{prefix}:*") == []
 
 
 def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
@@ -132,6 +131,7 @@ def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout)  # stdout holds only the JSON
     _assert_clean(figures, actors=2, count=32, batch=32)
+    assert figures["server"].startswith("embedded redis-server")  # no --url: the demo started its own
     assert "32/32 elements verified" in proc.stderr  # the human summary went to stderr
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 import uuid
@@ -62,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--counts", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--binary", help="redis-server binary for the private server (default: /usr/bin/redis-server if present)")
     args = ap.parse_args(argv)
-    server = None if args.url else EmbeddedServer().start()
+    binary = args.binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    server = None if args.url else EmbeddedServer(binary=binary).start()
     url = args.url or server.url  # type: ignore[union-attr]
+    if server is not None:
+        print(f"private redis-server {server.version} ({server.binary})")
     rows = {}
     try:
         print(f"{'count':>8} {'first ms':>9} {'middle ms':>10} {'last ms':>8} {'same-size ms':>13} {'us per later element':>21}")
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"server": "private redis-server" if server else args.url, "rows": rows}, f, indent=2)
+            json.dump({"server": server.version if server else args.url, "rows": rows}, f, indent=2)
     return 0
 
 
