@@ -15,7 +15,9 @@
   ARGV[1]     schema version the client planned with
   ARGV[2]     new schema JSON to store (bumps 'version'), or '' to keep the schema
   ARGV[3]     number of ops, then each op:
-    'R', k, n, start_1, bytes_1, ..., start_n, bytes_n   SETRANGE into KEYS[k]
+    'R', k, n, ranges, data
+          n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
+          little-endian int64, 'data' holds the n values back to back
     'S', k, bytes                                        SET KEYS[k] (a new blob or table)
     'D', k                                               DEL KEYS[k]
     'E', kd, ko, ks, rec, lo, hi, shapes, data, size_lo, ..., size_hi
@@ -49,11 +51,18 @@ end
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
-    local op = {kind = 'R', key = key(a + 1), n = tds_num(ARGV[a + 2], 'range count'), at = a + 3}
-    for j = 0, op.n - 1 do
-      tds_num(ARGV[op.at + 2 * j], 'start')
+    local op = {kind = 'R', key = key(a + 1), n = tds_num(ARGV[a + 2], 'range count'), ranges = ARGV[a + 3], data = ARGV[a + 4]}
+    if #op.ranges ~= 16 * op.n then
+      error('TDSTORE bad argument: range table size')
     end
-    a = a + 3 + 2 * op.n
+    local total = 0
+    for j = 0, op.n - 1 do
+      total = total + tds_u64(op.ranges, 16 * j + 9)
+    end
+    if total ~= #op.data then
+      error('TDSTORE bad argument: range lengths do not add up to the data')
+    end
+    a = a + 5
     ops[#ops + 1] = op
   elseif kind == 'S' then
     ops[#ops + 1] = {kind = 'S', key = key(a + 1), value = ARGV[a + 2]}
@@ -155,10 +164,18 @@ end
 -- pass 2: write
 for _, op in ipairs(ops) do
   if op.kind == 'R' then
-    for j = 0, op.n - 1 do
-      local value = ARGV[op.at + 2 * j + 1]
-      if #value > 0 then
-        redis.call('SETRANGE', op.key, tonumber(ARGV[op.at + 2 * j]), value)
+    if op.n == 1 then
+      if #op.data > 0 then
+        redis.call('SETRANGE', op.key, tds_u64(op.ranges, 1), op.data)
+      end
+    else
+      local pos = 1
+      for j = 0, op.n - 1 do
+        local len = tds_u64(op.ranges, 16 * j + 9)
+        if len > 0 then
+          redis.call('SETRANGE', op.key, tds_u64(op.ranges, 16 * j + 1), string.sub(op.data, pos, pos + len - 1))
+        end
+        pos = pos + len
       end
     end
   elseif op.kind == 'S' then

@@ -25,6 +25,8 @@ from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 8
+#: Replies of many small ranges are joined on the server up to this many bytes per leaf.
+JOIN_LIMIT = 4 << 20
 
 
 class StaleSchemaError(RuntimeError):
@@ -212,29 +214,35 @@ class Engine:
     def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         rows = _index.storage_rows(p, h.inner)
         flat = rows.reshape(-1).numpy()
-        uniq, inverse = np.unique(flat, return_inverse=True)
-        row_runs = _index.runs(uniq)
-        identity = uniq.size == flat.size and (flat.size == 0 or (flat[0] == uniq[0] and bool(np.all(np.diff(flat) == 1))))
+        if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
+            uniq, inverse = flat, None  # one contiguous run, already in order
+        else:
+            uniq, inverse = np.unique(flat, return_inverse=True)
+        lo, hi = _index.run_bounds(uniq)
+        n_runs = int(lo.size)
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [h.version, len(leaves)]
         feats = []
         for leaf in leaves:
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             rb = _codec.nbytes(feat, leaf.dtype)
-            feats.append((feat, rb))
-            args += ["R", kt.ref(self.keys.data(leaf.number)), len(row_runs)]
-            for lo, hi in row_runs:
-                args += [lo * rb, (hi - lo + 1) * rb]
-        n_runs = len(row_runs)
+            join = n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
+            feats.append((feat, join))
+            args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
 
         def parse(reply: list) -> DenseResult:
-            pieces = reply[2:]
+            pos = 2
             out = {}
-            for k, leaf in enumerate(leaves):
-                feat, _ = feats[k]
-                buf = _codec.from_pieces(pieces[k * n_runs : (k + 1) * n_runs], leaf.dtype, (int(uniq.size), *feat))
-                if not identity:
-                    buf = buf[torch.from_numpy(inverse.astype(np.int64))]
+            shape = (int(uniq.size),)
+            for leaf, (feat, join) in zip(leaves, feats):
+                if join or n_runs == 1:
+                    buf = _codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
+                    pos += 1
+                else:
+                    buf = _codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
+                    pos += n_runs
+                if inverse is not None:
+                    buf = buf.index_select(0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
                 out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             return DenseResult(rows.shape, out)
 
@@ -242,19 +250,17 @@ class Engine:
 
     def _plan_element_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         ids = p.elements.numpy()
-        el_runs = _index.runs(ids)
+        lo, hi = _index.run_bounds(ids)
+        el_runs = list(zip(lo.tolist(), hi.tolist()))
+        packed_runs = _index.pack_pairs(lo, hi)
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [h.version, len(leaves)]
         for leaf in leaves:
             if leaf.het:
-                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs)]
-                for lo, hi in el_runs:
-                    args += [lo, hi]
+                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs), packed_runs]
             else:
                 eb = leaf.element_nbytes
-                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs)]
-                for lo, hi in el_runs:
-                    args += [lo * eb, (hi - lo + 1) * eb]
+                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs), _index.pack_pairs(lo * eb, (hi - lo + 1) * eb), "0"]
 
         def parse(reply: list) -> ElementsResult:
             pieces = reply[2:]
@@ -263,25 +269,26 @@ class Engine:
             for leaf in leaves:
                 k = 0
                 if leaf.het:
-                    for lo, hi in el_runs:
+                    for rlo, rhi in el_runs:
                         offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
                         pos += 3
-                        o = _codec.unpack_i64(offs)
-                        sh = _codec.unpack_i64(shapes).reshape(hi - lo + 1, leaf.ndim) if leaf.ndim else np.zeros((hi - lo + 1, 0), np.int64)
-                        mv = memoryview(data)
-                        for j in range(hi - lo + 1):
-                            a, b = int(o[j] - o[0]), int(o[j + 1] - o[0])
-                            elements[k][leaf.path] = _codec.from_bytes(mv[a:b], leaf.dtype, tuple(int(x) for x in sh[j]))
+                        n = rhi - rlo + 1
+                        o = (_codec.unpack_i64(offs) - int.from_bytes(offs[:8], "little")).tolist()
+                        dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
+                        # one buffer per run; each element is a view of its slice
+                        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                        for j in range(n):
+                            elements[k][leaf.path] = buf[o[j] : o[j + 1]].view(leaf.dtype).reshape(dims[j])
                             k += 1
                 else:
                     shape = leaf.shape
                     assert shape is not None
-                    for lo, hi in el_runs:
-                        if lo == hi:
+                    for rlo, rhi in el_runs:
+                        if rlo == rhi:
                             elements[k][leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, shape)
                             k += 1
                         else:
-                            block = _codec.from_bytes(pieces[pos], leaf.dtype, (hi - lo + 1, *shape))
+                            block = _codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
                             for t in block.unbind(0):
                                 elements[k][leaf.path] = t
                                 k += 1

@@ -162,17 +162,31 @@ def is_full(norm: tuple[Component, ...], batch_size: torch.Size) -> bool:
     return all(isinstance(c, slice) and c == slice(0, n, 1) for c, n in zip(norm, batch_size))
 
 
+def run_bounds(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inclusive ``(lo, hi)`` bounds of the runs of consecutive values in sorted unique ids."""
+    if sorted_ids.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]
+    lo = sorted_ids[np.concatenate(([0], breaks + 1))]
+    hi = sorted_ids[np.concatenate((breaks, [sorted_ids.size - 1]))]
+    return lo.astype(np.int64), hi.astype(np.int64)
+
+
 def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
     """Group sorted unique ids into inclusive ``(lo, hi)`` runs of consecutive values."""
-    if sorted_ids.size == 0:
-        return []
     if sorted_ids.size == 1:
         v = int(sorted_ids[0])
         return [(v, v)]
-    breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]
-    starts = np.concatenate(([0], breaks + 1))
-    ends = np.concatenate((breaks, [sorted_ids.size - 1]))
-    return [(int(sorted_ids[a]), int(sorted_ids[b])) for a, b in zip(starts, ends)]
+    lo, hi = run_bounds(sorted_ids)
+    return list(zip(lo.tolist(), hi.tolist()))
+
+
+def pack_pairs(a: np.ndarray, b: np.ndarray) -> bytes:
+    """Interleave two int64 arrays as little-endian (a0, b0, a1, b1, ...) for a script argument."""
+    out = np.empty(2 * a.size, dtype="<i8")
+    out[0::2] = a
+    out[1::2] = b
+    return out.tobytes()
 
 
 def storage_rows(p: Plan, inner: tuple[int, ...]) -> torch.Tensor:

@@ -42,25 +42,21 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
 
 
 def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any]:
-    """SETRANGE ops for ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins."""
+    """One 'R' op writing ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins.
+
+    Rows are grouped into runs of consecutive rows, one SETRANGE each on the server;
+    the ranges travel packed in one argument and the bytes back to back in another.
+    """
     rb = data.shape[1] if data.ndim == 2 else 0
     if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
         # one contiguous ascending run (an element, a slice): a single SETRANGE
-        return ["R", kt.ref(key), 1, int(rows[0]) * rb, memoryview(np.ascontiguousarray(data)).cast("B")]
+        ranges = _index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
+        return ["R", kt.ref(key), 1, ranges, memoryview(np.ascontiguousarray(data)).cast("B")]
     # keep the last occurrence of each row, as sequential assignment would
-    rev_rows = rows[::-1]
-    uniq, first_in_rev = np.unique(rev_rows, return_index=True)
-    take = rows.size - 1 - first_in_rev
-    data = data[take]
-    op: list[Any] = ["R", kt.ref(key), 0]
-    n = 0
-    for lo, hi in _index.runs(uniq):
-        a = int(np.searchsorted(uniq, lo))
-        b = a + (hi - lo + 1)
-        op += [lo * rb, memoryview(np.ascontiguousarray(data[a:b])).cast("B")]
-        n += 1
-    op[2] = n
-    return op
+    uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
+    data = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
+    lo, hi = _index.run_bounds(uniq)
+    return ["R", kt.ref(key), int(lo.size), _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), memoryview(data).cast("B")]
 
 
 def _as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
