@@ -32,17 +32,34 @@ local function tds_stale(meta)
   return r
 end
 
--- Check that the store exists, is ready, and that the caller planned with the current
--- schema version. Returns nil when the call may go on, else the reply to send back
--- ('GONE' for a deleted store, 'STALE' + header for an outdated cache). A version of
--- '*' skips the version check (used by calls that do not depend on the schema).
-local function tds_check(meta, version)
+-- Check that the store exists and that the caller's cached header still describes
+-- what it is about to touch. 'spec' is 'V<n>' (the whole schema must be at version n:
+-- used by schema changes), 'K<n>' (the key set must be at version n: used by reads
+-- that select keys by prefix) or '*' (no global check). 'leaves' lists the leaves the
+-- call touches as 'number:version' words; each must still carry that leaf version.
+-- Returns nil when the call may go on, else the reply to send back: 'GONE' for a
+-- deleted store, 'STALE' + header for an outdated cache.
+local function tds_check(meta, spec, leaves)
   local cur = redis.call('HGET', meta, 'version')
   if not cur then
     return {'GONE'}
   end
-  if version ~= '*' and cur ~= version then
-    return tds_stale(meta)
+  local kind = string.sub(spec, 1, 1)
+  if kind == 'V' then
+    if cur ~= string.sub(spec, 2) then
+      return tds_stale(meta)
+    end
+  elseif kind == 'K' then
+    if redis.call('HGET', meta, 'kv') ~= string.sub(spec, 2) then
+      return tds_stale(meta)
+    end
+  elseif spec ~= '*' then
+    error('TDSTORE bad argument: version check ' .. spec)
+  end
+  for n, v in string.gmatch(leaves, '(%d+):(%d+)') do
+    if redis.call('HGET', meta, 'lv:' .. n) ~= v then
+      return tds_stale(meta)
+    end
   end
   return nil
 end

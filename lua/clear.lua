@@ -9,14 +9,14 @@
 
   KEYS[1]     store header hash
   KEYS[2..]   every data / offset / shape key of the store
-  ARGV[1]     schema version the client planned with, or '*' to delete what is
-              listed without any check (used to abort an upload)
+  ARGV[1]     'V<version>': the schema version the client listed the keys from, or
+              '*' to delete what is listed without any check (used to abort an upload)
 
   Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.
 ]]
 local meta = KEYS[1]
 if ARGV[1] ~= '*' then
-  local bad = tds_check(meta, ARGV[1])
+  local bad = tds_check(meta, ARGV[1], '')
   if bad then
     return bad
   end

@@ -12,8 +12,10 @@
   KEYS[1]     store header hash (P:{I}:m)
   KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
 
-  ARGV[1]     schema version the client planned with ('*' = do not check)
-  ARGV[2]     number of ops, then each op:
+  ARGV[1]     global check: 'K<key-set version>' when the leaves were chosen by prefix,
+              '*' otherwise (see tds_check in _lib.lua)
+  ARGV[2]     'number:version' of every leaf read
+  ARGV[3]     number of ops, then each op:
     'R', k, n, ranges, join
           n byte ranges of KEYS[k] (a homogeneous leaf); 'ranges' packs n pairs
           (start, length) as little-endian int64; join = '1' returns them as one
@@ -26,18 +28,18 @@
   Reply       {'OK', version, pieces...}: for an 'R' op one piece (join) or n pieces;
               for an 'E' op three pieces per run: the raw int64 offsets lo..hi+1, the
               raw shape records lo..hi, and the data bytes of the run.
-              {'STALE', header field, value, ...} when ARGV[1] is not the current version.
+              {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
   Errors      'TDSTORE bad argument' for a malformed op (nothing is read).
 ]]
 local meta = KEYS[1]
-local bad = tds_check(meta, ARGV[1])
+local bad = tds_check(meta, ARGV[1], ARGV[2])
 if bad then
   return bad
 end
 local out = {'OK', redis.call('HGET', meta, 'version')}
-local nops = tds_num(ARGV[2], 'op count')
-local a = 3
+local nops = tds_num(ARGV[3], 'op count')
+local a = 4
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then

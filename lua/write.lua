@@ -12,9 +12,13 @@
   KEYS[1]     store header hash
   KEYS[2..]   data / offset / shape keys touched, referenced by index
 
-  ARGV[1]     schema version the client planned with
-  ARGV[2]     new schema JSON to store (bumps 'version'), or '' to keep the schema
-  ARGV[3]     number of ops, then each op:
+  ARGV[1]     global check: 'V<version>' for a schema change (it rewrites the whole
+              schema, so it must be planned from the current one), else '*'
+  ARGV[2]     'number:version' of every leaf written (see tds_check in _lib.lua)
+  ARGV[3]     new schema JSON to store (bumps 'version'), or '' to keep the schema
+  ARGV[4]     with a new schema: the guard fields it sets, 'name=value' words
+              ('kv=7 lv:3=7 lv:5=-'; '-' deletes the field)
+  ARGV[5]     number of ops, then each op:
     'R', k, n, ranges, data
           n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
           little-endian int64, 'data' holds the n values back to back
@@ -27,20 +31,23 @@
           move and every later offset is shifted: O(count - lo) work.
 
   Reply       {'OK', version} with the version now current.
-              {'STALE', header field, value, ...} when ARGV[1] is stale: nothing written.
+              {'STALE', header field, value, ...} when a checked version moved: nothing written.
               {'GONE'} when the store does not exist: nothing written.
   Errors      'TDSTORE bad argument' for a malformed op (raised before any write).
 ]]
 local meta = KEYS[1]
-local bad = tds_check(meta, ARGV[1])
+local bad = tds_check(meta, ARGV[1], ARGV[2])
 if bad then
   return bad
+end
+if ARGV[3] ~= '' and string.sub(ARGV[1], 1, 1) ~= 'V' then
+  error('TDSTORE bad argument: a schema change must check the exact version')
 end
 
 -- pass 1: parse and check every op
 local ops = {}
-local nops = tds_num(ARGV[3], 'op count')
-local a = 4
+local nops = tds_num(ARGV[5], 'op count')
+local a = 6
 local function key(i)
   local k = KEYS[tds_num(ARGV[i], 'key index')]
   if k == nil then
@@ -186,8 +193,15 @@ for _, op in ipairs(ops) do
     splice(op)
   end
 end
-if ARGV[2] ~= '' then
-  redis.call('HSET', meta, 'schema', ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('HSET', meta, 'schema', ARGV[3])
+  for name, value in string.gmatch(ARGV[4], '([%w:]+)=([%d%-]+)') do
+    if value == '-' then
+      redis.call('HDEL', meta, name)
+    else
+      redis.call('HSET', meta, name, value)
+    end
+  end
   redis.call('HINCRBY', meta, 'version', 1)
 end
 return {'OK', redis.call('HGET', meta, 'version')}

@@ -10,6 +10,8 @@ case costs one round trip, and a stale cache costs one more, never wrong data.
 
 from __future__ import annotations
 
+import random
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from ._connection import ConnectionSpec
 from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
-MAX_RETRIES = 8
+MAX_RETRIES = 24
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 
@@ -76,6 +78,11 @@ class ElementsResult:
 
     ids: list[int]
     elements: list[dict[NestedPath, torch.Tensor]]
+
+
+def leaf_checks(leaves: Iterable[Leaf]) -> str:
+    """The 'number:version' words that make a script refuse a call planned with stale leaves."""
+    return " ".join(f"{leaf.number}:{leaf.version}" for leaf in leaves)
 
 
 def new_td_id() -> str:
@@ -150,8 +157,13 @@ class Engine:
 
     # -- running calls ---------------------------------------------------------
     def run(self, plan: Callable[[Header], Call]) -> Any:
-        """Plan with the cached header and call; on STALE refresh from the reply and re-plan."""
-        for _ in range(MAX_RETRIES):
+        """Plan with the cached header and call; on STALE refresh from the reply and re-plan.
+
+        Under a storm of schema changes a call may see STALE several times in a
+        row; it backs off a little (up to ~50 ms) between tries, so it gets through
+        instead of failing after a burst.
+        """
+        for attempt in range(MAX_RETRIES):
             header = self.header
             call = plan(header)
             reply = _scripts.call(self.client, call.script, call.keys, call.args)
@@ -160,19 +172,24 @@ class Engine:
                 return call.parse(reply)
             if status == b"STALE":
                 self._header = self._parse_header(_pairs(reply[1:]))
+                if attempt >= 2:
+                    time.sleep(min(0.05, 0.001 * 2 ** (attempt - 2)) * random.random())
                 continue
             if status == b"GONE":
                 raise self.gone()
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
-        raise StaleSchemaError(f"the schema of the store with {self.where()} changed {MAX_RETRIES} times during one call")
+        raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
     # -- reads -------------------------------------------------------------------
-    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, per_element: bool = False) -> tuple[_index.Plan, DenseResult | ElementsResult]:
-        """Read the leaves ``paths`` (default: all) at ``index`` in one round trip.
+    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan, DenseResult | ElementsResult]:
+        """Read leaves at ``index`` in one round trip.
 
-        Returns the plan and either a dense result (tensors of the indexed batch
-        shape) or, when a heterogeneous leaf is read or ``per_element`` is set,
-        the touched elements one by one (to be stacked lazily by the caller).
+        ``paths`` names the leaves; ``None`` reads every leaf below ``under`` (all
+        of them by default), chosen from the header the call is planned with, so a
+        refresh after STALE picks up added, renamed or deleted keys.  Returns the
+        plan and either a dense result (tensors of the indexed batch shape) or, when
+        a heterogeneous leaf is read or ``per_element`` is set, the touched elements
+        one by one (to be stacked lazily by the caller).
         """
         wanted = None if paths is None else list(paths)
         result: dict[str, Any] = {}
@@ -180,20 +197,28 @@ class Engine:
         def plan_call(h: Header) -> Call:
             norm = _index.normalize(index, h.batch_size)
             p = _index.plan(norm, h.batch_size, h.stack_pos)
-            leaves = self._select(h, wanted)
+            if wanted is None:
+                leaves = [leaf for path, leaf in h.leaves.items() if path[: len(under)] == under]
+                if under and not leaves:
+                    raise KeyError(f"key {under if len(under) > 1 else under[0]!r} is not in the store ({self.where()})")
+                check = [f"K{h.keyset_version}", leaf_checks(leaves)]
+            else:
+                leaves = self._select(h, wanted)
+                check = ["*", leaf_checks(leaves)]
             result["plan"] = p
             if p.n == 0:
-                return self._plan_empty_read(h, p, leaves)
-            if per_element or any(leaf.het for leaf in leaves):
-                return self._plan_element_read(h, p, leaves)
-            return self._plan_dense_read(h, p, leaves)
+                call = self._plan_empty_read(h, p, leaves)
+            elif per_element or any(leaf.het for leaf in leaves):
+                call = self._plan_element_read(h, p, leaves)
+            else:
+                call = self._plan_dense_read(h, p, leaves)
+            call.args[:0] = check
+            return call
 
         out = self.run(plan_call)
         return result["plan"], out
 
-    def _select(self, h: Header, wanted: list[NestedPath] | None) -> list[Leaf]:
-        if wanted is None:
-            return list(h.leaves.values())
+    def _select(self, h: Header, wanted: list[NestedPath]) -> list[Leaf]:
         leaves = []
         for path in wanted:
             leaf = h.leaves.get(path)
@@ -209,7 +234,7 @@ class Engine:
         for leaf in leaves:
             feat = leaf.shape[len(h.inner) :] if leaf.shape is not None else (0,) * (leaf.ndim - len(h.inner))
             empty[leaf.path] = torch.empty(shape + tuple(feat), dtype=leaf.dtype)
-        return Call("read", [self.keys.meta], [h.version, 0], lambda reply: DenseResult(torch.Size(shape), empty))
+        return Call("read", [self.keys.meta], [0], lambda reply: DenseResult(torch.Size(shape), empty))
 
     def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         rows = _index.storage_rows(p, h.inner)
@@ -221,7 +246,7 @@ class Engine:
         lo, hi = _index.run_bounds(uniq)
         n_runs = int(lo.size)
         kt = _KeyTable(self.keys.meta)
-        args: list[Any] = [h.version, len(leaves)]
+        args: list[Any] = [len(leaves)]
         feats = []
         for leaf in leaves:
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
@@ -254,7 +279,7 @@ class Engine:
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
         kt = _KeyTable(self.keys.meta)
-        args: list[Any] = [h.version, len(leaves)]
+        args: list[Any] = [len(leaves)]
         for leaf in leaves:
             if leaf.het:
                 args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs), packed_runs]
@@ -298,18 +323,23 @@ class Engine:
         return Call("read", kt.keys, args, parse)
 
     # -- writes ------------------------------------------------------------------
-    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]]]]) -> Header:
-        """Run a write planned as (new header or None, ops); returns the header now current.
+    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]]) -> Header:
+        """Run a write planned as (new header or None, ops, leaves touched); returns the header now current.
 
         ``plan`` gets the header to plan with and a fresh key table, and returns the
-        ops (each a list: marker then arguments, see ``lua/write.lua``).
+        ops (each a list: marker then arguments, see ``lua/write.lua``).  A schema
+        change is checked against the exact version it was planned from; a plain
+        data write only against the versions of the leaves it touches.
         """
         state: dict[str, Header] = {}
 
         def plan_call(h: Header) -> Call:
             kt = _KeyTable(self.keys.meta)
-            new_header, ops = plan(h, kt)
-            args: list[Any] = [h.version, new_header.schema_json() if new_header is not None else "", len(ops)]
+            new_header, ops, touched = plan(h, kt)
+            if new_header is not None:
+                args: list[Any] = [f"V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), len(ops)]
+            else:
+                args = ["*", leaf_checks(touched), "", "", len(ops)]
             for op in ops:
                 args.extend(op)
             state["new"] = new_header or h
@@ -328,7 +358,7 @@ class Engine:
         """Delete every key of this store (one round trip); 0 when it is already gone."""
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self.keys.all_keys(h.next_leaf), [h.version], lambda r: int(r[1]))
+            return Call("clear", self.keys.all_keys(h.next_leaf), [f"V{h.version}"], lambda r: int(r[1]))
 
         try:
             return self.run(plan_call)

@@ -2,11 +2,20 @@
 
 The header hash holds the fixed facts of a store (type, count, stack dim, inner
 batch size, device) and the *schema*: one record per leaf (path, leaf number,
-dtype, layout, element shape).  Every schema change bumps ``version`` inside the
-script that makes it; every data script is given the version the client planned
-with and refuses to run on a mismatch (see ``lua/_lib.lua``).  So a cached
-:class:`Header` may be stale, but it can never make a script read or write the
-wrong bytes.
+dtype, layout, element shape).  Three kinds of version guard it, all bumped inside
+the script that changes the schema:
+
+* ``version``: every schema change.  A schema change itself (which rewrites the
+  whole schema) is only applied on the exact version it was planned from.
+* ``kv`` (key-set version): adds, deletes and renames.  Reads that select leaves
+  by prefix ("all keys", ``store["nested"]``) check it, so they never miss a key.
+* ``lv:<n>`` (leaf version): any change of leaf ``n`` (rename, dtype, shape,
+  layout, delete).  Every data call checks the leaves it touches.
+
+Every data script is given the versions the client planned with and refuses to
+run on a mismatch (see ``lua/_lib.lua``).  So a cached :class:`Header` may be
+stale, but it can never make a script read or write the wrong bytes, and a call
+that touches only unchanged leaves is not disturbed by changes to other keys.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ class Leaf:
     dtype: torch.dtype
     ndim: int
     shape: tuple[int, ...] | None
+    version: int = 0
 
     @property
     def het(self) -> bool:
@@ -54,7 +64,7 @@ class Leaf:
         return _codec.nbytes(self.shape, self.dtype)
 
     def to_json(self) -> dict:
-        rec: dict = {"path": list(self.path), "n": self.number, "dtype": _codec.dtype_name(self.dtype), "ndim": self.ndim}
+        rec: dict = {"path": list(self.path), "n": self.number, "dtype": _codec.dtype_name(self.dtype), "ndim": self.ndim, "v": self.version}
         if self.shape is not None:
             rec["shape"] = list(self.shape)
         return rec
@@ -67,13 +77,18 @@ class Leaf:
         number = rec["n"]
         ndim = rec["ndim"]
         shape = rec.get("shape")
-        if not isinstance(number, int) or number < 0 or not isinstance(ndim, int) or ndim < 0:
+        version = rec.get("v", 0)
+        if not isinstance(number, int) or number < 0 or not isinstance(ndim, int) or ndim < 0 or not isinstance(version, int):
             raise StoreFormatError(f"bad leaf record {rec!r}")
         if shape is not None:
             if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(s, int) and s >= 0 for s in shape):
                 raise StoreFormatError(f"bad leaf shape in {rec!r}")
             shape = tuple(shape)
-        return cls(tuple(path), number, _codec.dtype_from_name(rec["dtype"]), ndim, shape)
+        return cls(tuple(path), number, _codec.dtype_from_name(rec["dtype"]), ndim, shape, version)
+
+    def same_layout(self, other: Leaf) -> bool:
+        """Same name, number, dtype and layout: a data call planned with one is right for the other."""
+        return (self.path, self.number, self.dtype, self.ndim, self.shape) == (other.path, other.number, other.dtype, other.ndim, other.shape)
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class Header:
     leaves: dict[NestedPath, Leaf] = field(default_factory=dict)
     next_leaf: int = 0
     state: str = "ready"
+    keyset_version: int = 1
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
@@ -111,8 +127,37 @@ class Header:
         return json.dumps({"next": self.next_leaf, "leaves": [leaf.to_json() for leaf in leaves]}, separators=(",", ":"))
 
     def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None) -> Header:
-        """The header after a schema change (the server will hold ``version + 1``)."""
-        return replace(self, leaves=leaves, next_leaf=self.next_leaf if next_leaf is None else next_leaf, version=self.version + 1)
+        """The header after a schema change (the server will hold ``version + 1``).
+
+        Leaves whose name or layout changed get the new version as their leaf
+        version; the key-set version moves when keys were added, deleted or renamed.
+        """
+        new_version = self.version + 1
+        old_by_number = {leaf.number: leaf for leaf in self.leaves.values()}
+        stamped = {}
+        for path, leaf in leaves.items():
+            old = old_by_number.get(leaf.number)
+            keep = old is not None and old.same_layout(leaf)
+            stamped[path] = replace(leaf, version=old.version if keep else new_version)  # type: ignore[union-attr]
+        names = {(p, leaf.number) for p, leaf in self.leaves.items()}
+        new_names = {(p, leaf.number) for p, leaf in stamped.items()}
+        return replace(
+            self,
+            leaves=stamped,
+            next_leaf=self.next_leaf if next_leaf is None else next_leaf,
+            version=new_version,
+            keyset_version=new_version if names != new_names else self.keyset_version,
+        )
+
+    def version_fields(self, old: Header | None) -> str:
+        """The guard fields a schema change sets, for ``write.lua``: ``name=value`` pairs, ``-`` deletes."""
+        parts = [f"kv={self.keyset_version}"]
+        for leaf in self.leaves.values():
+            parts.append(f"lv:{leaf.number}={leaf.version}")
+        if old is not None:
+            gone = {leaf.number for leaf in old.leaves.values()} - {leaf.number for leaf in self.leaves.values()}
+            parts.extend(f"lv:{n}=-" for n in sorted(gone))
+        return " ".join(parts)
 
     def ready(self) -> Header:
         """The same header in state ``ready`` (after an upload commits)."""
@@ -120,7 +165,9 @@ class Header:
 
     def fields(self) -> dict[str, str]:
         """The header hash as stored on the server."""
+        guards = {"kv": str(self.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in self.leaves.values()}}
         return {
+            **guards,
             "format": FORMAT,
             "type": self.kind,
             "version": str(self.version),
@@ -152,6 +199,7 @@ class Header:
             schema = json.loads(f["schema"])
             kind = f["type"]
             state = f.get("state", "ready")
+            keyset_version = int(f.get("kv", "1"))
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
@@ -181,6 +229,7 @@ class Header:
             leaves=by_path,
             next_leaf=schema["next"],
             state=state,
+            keyset_version=keyset_version,
         )
 
 

@@ -129,7 +129,7 @@ def plan_write(
     kt: _KeyTable,
     *,
     replace: bool = False,
-) -> tuple[Header | None, list[list[Any]]]:
+) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """Plan ``store[index] = items`` (and ``set``/``update``) as one write call.
 
     ``replace`` (a non-inplace ``set`` covering the whole store) lets a key change
@@ -230,7 +230,8 @@ def plan_write(
     if new_paths:
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
-    return new_header, ops
+    touched = [h.leaves[p] for p in items if p in h.leaves]
+    return new_header, ops, touched
 
 
 def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
@@ -265,7 +266,7 @@ def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], el
     return ops
 
 
-def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: _KeyTable) -> tuple[Header, list[list[Any]]]:
+def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: _KeyTable) -> tuple[Header, list[list[Any]], list[Leaf]]:
     """Delete the leaves ``paths`` (their numbers are never reused)."""
     leaves = dict(h.leaves)
     ops: list[list[Any]] = []
@@ -273,7 +274,7 @@ def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: _KeyTab
         leaf = leaves.pop(path)
         for key in keys.leaf_keys(leaf.number):
             ops.append(["D", kt.ref(key)])
-    return h.with_leaves(leaves), ops
+    return h.with_leaves(leaves), ops, []
 
 
 def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:

