@@ -26,7 +26,7 @@ from ._connection import ConnectionSpec
 from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
-MAX_RETRIES = 24
+MAX_RETRIES = 64
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 
@@ -159,9 +159,9 @@ class Engine:
     def run(self, plan: Callable[[Header], Call]) -> Any:
         """Plan with the cached header and call; on STALE refresh from the reply and re-plan.
 
-        Under a storm of schema changes a call may see STALE several times in a
-        row; it backs off a little (up to ~50 ms) between tries, so it gets through
-        instead of failing after a burst.
+        The fresh header comes with the STALE reply, so the retry is immediate; only
+        a call that keeps losing the race against a storm of schema changes starts to
+        wait a little (random, up to 20 ms) between tries.
         """
         for attempt in range(MAX_RETRIES):
             header = self.header
@@ -172,8 +172,8 @@ class Engine:
                 return call.parse(reply)
             if status == b"STALE":
                 self._header = self._parse_header(_pairs(reply[1:]))
-                if attempt >= 2:
-                    time.sleep(min(0.05, 0.001 * 2 ** (attempt - 2)) * random.random())
+                if attempt >= 8:
+                    time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
                 continue
             if status == b"GONE":
                 raise self.gone()
