@@ -10,7 +10,13 @@ with the same data:
 * ``raw``: the floor, one non-transactional redis-py pipeline of plain
   ``GET``/``GETRANGE``/``SET``/``SETRANGE`` commands that move the same bytes as tdstore
   (its own copy of the data in tdstore's layout, offsets known client-side), with
-  no TensorDict work and no decoding.
+  no TensorDict work and no decoding.  Whole values (upload, the large leaf write)
+  go with ``SET``, parts of values with ``SETRANGE``/``GETRANGE``.  A shape-changing
+  element write moves the same bytes over the wire but not the tail of the blob
+  that tdstore shifts on the server, so there the floor is a wire floor only.
+  A scattered batch read is one GETRANGE per run of consecutive elements per
+  leaf: there the floor pays redis-py's per-command cost, and a store that joins
+  the ranges on the server can beat it.
 
 Each repetition draws its arguments once (random element, index tensor, slice
 start, value to write) and runs every contender on them, rotating the order; the
@@ -157,7 +163,7 @@ def make_settings(args: argparse.Namespace) -> Settings:
         reps=reps,
         warmup=1 if quick else 2,
         min_reps=1 if quick else 3,
-        op_budget_s=4.0 if quick else 30.0,
+        op_budget_s=1.5 if quick else 30.0,
         large_leaf_bytes=large,
         mp_seconds=mp_seconds,
         mp_writers=args.mp_writers,
@@ -306,9 +312,11 @@ class RawFloor:
         return pipe.execute()
 
     def read_element(self, i: int) -> list:
+        """Element ``i`` of every leaf."""
         return self.read_runs([(i, i)])
 
     def read_batch(self, idx: np.ndarray) -> list:
+        """The distinct elements of ``idx``, grouped in runs of consecutive ids as tdstore does."""
         return self.read_runs(runs(np.unique(idx)))
 
     def read_all(self) -> list:
@@ -409,10 +417,11 @@ def measure(
     """
     out = {c.name: OpOutcome() for c in contenders}
 
-    def one(c: Contender, args: Any, timed: bool) -> None:
+    def one(c: Contender, args: Any, timed: bool, count_commands: bool = False) -> None:
         res = out[c.name]
         if res.error is not None:
             return
+        before = commandstats(stats_client) if count_commands and stats_client is not None else None
         try:
             t0 = time.perf_counter_ns()
             result = c.call(args)
@@ -420,6 +429,9 @@ def measure(
         except Exception as err:  # recorded, e.g. the reference on heterogeneous batches
             res.error = _describe(err)
             return
+        finally:
+            if before is not None:
+                res.commands = _command_delta(before, commandstats(stats_client))
         if c.post is not None:
             c.post(result)
         if timed:
@@ -432,11 +444,7 @@ def measure(
     if stats_client is not None:
         args = next_args()
         for c in contenders:
-            if out[c.name].error is not None:
-                continue
-            before = commandstats(stats_client)
-            one(c, args, False)
-            out[c.name].commands = _command_delta(before, commandstats(stats_client))
+            one(c, args, False, count_commands=True)
     start = time.monotonic()
     for rep in range(reps):
         args = next_args()
@@ -540,7 +548,9 @@ class Runner:
         self.rng = np.random.default_rng(settings.seed)
         self.gen = torch.Generator().manual_seed(settings.seed + 1)
         self.results: list[dict[str, Any]] = []
-        self.problems: list[str] = []
+        self.problems: list[str] = []  # tdstore or the raw floor failed: the run exits 1
+        self.notes: list[str] = []  # the reference misbehaved: reported only
+        self.mp_stores: dict[str, Stores] = {}
         self._refs: list[Any] = []
 
     # -- stores --------------------------------------------------------------
@@ -553,7 +563,7 @@ class Runner:
                 ref = RefLazy.from_lazy_stack(stack, prefix=f"{self.prefix}-ref-{case}", **self.target.ref_kwargs)
                 self._refs.append(ref)
             except Exception as err:  # pragma: no cover - reported, the run goes on
-                self.problems.append(f"{case}: the reference could not upload: {_describe(err)}")
+                self.notes.append(f"{case}: the reference could not upload: {_describe(err)}")
         leaves = raw_layout(stack)
         raw = RawFloor(self.client, f"{self.prefix}-raw-{case}", leaves)
         raw.upload()
@@ -572,7 +582,7 @@ class Runner:
             if s.reference is not None:
                 with contextlib.suppress(Exception):
                     if not _same(s.reference[i].to_tensordict(), want):
-                        self.problems.append(f"{case}: reference element {i} differs from the uploaded data")
+                        self.notes.append(f"{case}: reference element {i} differs from the uploaded data")
             pieces = iter(s.raw.read_element(i))
             for leaf in s.leaves:
                 if leaf.het:
@@ -580,6 +590,12 @@ class Runner:
                 data = next(pieces)
                 if data != bytes(tensor_bytes(want.get(_path_key(leaf.path)))):
                     self.problems.append(f"{case}: the raw floor's copy of element {i}, leaf {leaf.path}, differs")
+
+    def check_written(self, case: str, op: str, s: Stores, written: tuple[int, TensorDict]) -> None:
+        """The element written last (by every contender, in the last round) reads back from tdstore."""
+        i, td = written
+        if not _same(s.tdstore[i].to_tensordict(), td):
+            self.problems.append(f"{case}/{op}: tdstore element {i} does not read back what was written")
 
     def drop(self, s: Stores) -> None:
         with contextlib.suppress(Exception):
@@ -668,9 +684,12 @@ class Runner:
         }
         self.run(case, "element_read", with_ref(lambda n: Contender(n, reads[n])), elem_args)
 
+        last: dict[str, Any] = {}
+
         def write_args() -> tuple[int, TensorDict, list]:
             i = int(self.rng.integers(count))
             td = make_element(i, het, self.gen, int(lengths[i]))
+            last["write"] = (i, td)
             return i, td, s.raw.write_ops(i, td)
 
         writes = {
@@ -679,6 +698,7 @@ class Runner:
             "raw": lambda a: s.raw.write(a[2]),
         }
         self.run(case, "element_write", with_ref(lambda n: Contender(n, writes[n])), write_args)
+        self.check_written(case, "element_write", s, last["write"])
 
         def batch_args() -> tuple[torch.Tensor, np.ndarray]:
             idx = torch.from_numpy(self.rng.integers(0, count, size=batch, dtype=np.int64))
@@ -715,11 +735,12 @@ class Runner:
                 new = int(lengths[i]) % TOKENS_PERIOD + 1  # always differs from the stored length
                 lengths[i] = new
                 td = make_element(i, het, self.gen, new)
+                last["write"] = (i, td)
                 return i, td, s.raw.write_ops(i, td)
 
             self.run(case, "shape_change_write", with_ref(lambda n: Contender(n, writes[n])), change_args)
+            self.check_written(case, "shape_change_write", s, last["write"])
 
-        self.mp_stores = getattr(self, "mp_stores", {})
         if not het:
             self.mp_stores[case] = s  # kept for the multi-process case
         else:
@@ -744,7 +765,8 @@ class Runner:
             reads.append(Contender("reference", lambda a: ref["big"]))
             writes.append(Contender("reference", lambda a: ref.__setitem__("big", value)))
         reads.append(Contender("raw", lambda a: self.client.get(key)))
-        writes.append(Contender("raw", lambda a: self.client.setrange(key, 0, value_bytes)))
+        # the whole value is replaced: SET is the cheaper plain command for the same bytes
+        writes.append(Contender("raw", lambda a: self.client.set(key, value_bytes)))
         self.run(case, "large_read", reads, lambda: None, extra)
         self.run(case, "large_write", writes, lambda: None, extra)
         if not torch.equal(s.tdstore["big"], value):
@@ -845,11 +867,30 @@ def _writer_main(wid: int, jobs: Any, results: Any, barrier: Any) -> None:
                 close()
 
 
+#: Imported once by the fork server, so that each writer starts in a fraction of a
+#: second (tdstore is left out: a writer imports it like this script does).  The
+#: module names are explicit because Python 3.11's fork server ignores "__main__".
+_PRELOAD = ["numpy", "torch", "redis", "tensordict", "tensordict.store"]
+
+
+def _mp_context() -> Any:
+    """A fork server with the heavy imports done once, else spawn.
+
+    Plain fork is avoided: the reference keeps an event-loop thread per store.
+    """
+    try:
+        ctx = multiprocessing.get_context("forkserver")
+    except ValueError:  # pragma: no cover - platforms without fork
+        return multiprocessing.get_context("spawn")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class WriterPool:
     """``n`` spawned writer processes, reused for every contender of the mp case."""
 
     def __init__(self, n: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _mp_context()
         self.n = n
         self.jobs = ctx.Queue()
         self.results = ctx.Queue()
@@ -950,15 +991,22 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"  tdstore/reference {_ratio(mp.get('ratio_ref'))}   tdstore/raw {_ratio(mp.get('ratio_raw'))}")
     for problem in report["problems"]:
         print(f"PROBLEM: {problem}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit, with "-dirty" when tdstore/ or lua/ differ from it (None outside git)."""
     try:
-        return subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "tdstore", "lua")
     except (OSError, subprocess.SubprocessError):
         return None
+    return head + ("-dirty" if dirty else "")
 
 
 def environment(target: Target, settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
@@ -986,7 +1034,9 @@ def environment(target: Target, settings: Settings, argv: Sequence[str]) -> dict
         "warmup": settings.warmup,
         "op_budget_s": settings.op_budget_s,
         "seed": settings.seed,
+        "loadavg_start": list(os.getloadavg()),
         "reference_available": RefLazy is not None,
+        "operations": {case: list(ops) for case, ops in OPERATIONS.items()},
         "ratios": "tdstore median / other median (below 1: tdstore is faster); mp: tdstore writes/s / other writes/s",
         "commands": "server commands one call executed (commandstats delta, commands run inside scripts included)",
     }
@@ -1040,7 +1090,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             runner.close()
     meta["seconds"] = round(time.monotonic() - t_start, 1)
-    report = {"meta": meta, "results": runner.results, "mp": mp_report, "problems": runner.problems}
+    meta["loadavg_end"] = list(os.getloadavg())
+    meta["git_end"] = _git_commit()  # differs from "git" when the code changed during the run
+    report = {"meta": meta, "results": runner.results, "mp": mp_report, "problems": runner.problems, "notes": runner.notes}
     print_table(report)
     print(f"\n{meta['seconds']} s in all")
     if args.json:
