@@ -56,9 +56,17 @@ local function tds_check(meta, spec, leaves)
   elseif spec ~= '*' then
     error('TDSTORE bad argument: version check ' .. spec)
   end
+  local fields, want = {}, {}
   for n, v in string.gmatch(leaves, '(%d+):(%d+)') do
-    if redis.call('HGET', meta, 'lv:' .. n) ~= v then
-      return tds_stale(meta)
+    fields[#fields + 1] = 'lv:' .. n
+    want[#want + 1] = v
+  end
+  if #fields > 0 then
+    local got = redis.call('HMGET', meta, unpack(fields))
+    for i = 1, #want do
+      if got[i] ~= want[i] then
+        return tds_stale(meta)
+      end
     end
   end
   return nil

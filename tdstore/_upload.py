@@ -15,6 +15,8 @@ that expire within ``UPLOAD_TTL_MS``.  Readers never see a half-uploaded store.
 
 from __future__ import annotations
 
+import functools
+import math
 import uuid
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -35,13 +37,17 @@ UPLOAD_TTL_MS = 120_000
 
 @dataclass
 class _LeafScan:
+    """One leaf across the stack: its dtype and every element's tensor (references, no copies)."""
+
     path: NestedPath
     dtype: torch.dtype
-    shapes: list[tuple[int, ...]]
+    tensors: list[torch.Tensor]
+    shapes: list[torch.Size]
 
-    @property
+    @functools.cached_property
     def homogeneous(self) -> bool:
-        return all(s == self.shapes[0] for s in self.shapes)
+        first = self.shapes[0]
+        return all(s == first for s in self.shapes)
 
 
 def _elements(td: Any) -> tuple[list[TensorDictBase], int]:
@@ -58,47 +64,53 @@ def _elements(td: Any) -> tuple[list[TensorDictBase], int]:
 
 
 def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafScan]]:
-    """Check every element's keys, dtypes and shapes; nothing is copied."""
+    """Check every element's keys, dtypes and shapes, and collect each leaf's tensors; nothing is copied."""
     if not elements:
         raise ValueError("cannot upload an empty stack (no elements)")
-    inner = tuple(elements[0].batch_size)
+    inner = elements[0].batch_size
     leaves: dict[NestedPath, _LeafScan] = {}
-    key_sets = []
+    paths: dict[Any, NestedPath] = {}
     for i, el in enumerate(elements):
-        if tuple(el.batch_size) != inner:
+        if el.batch_size != inner:
             raise ValueError(f"element {i} has batch size {list(el.batch_size)}, element 0 has {list(inner)}")
-        keys = []
         for key, value in el.items(include_nested=True, leaves_only=True):
-            path = as_path(key)
-            keys.append(path)
+            path = paths.get(key)
+            if path is None:
+                path = paths[key] = as_path(key)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"key {display(path)!r} of element {i} is a {type(value).__name__}; only tensor leaves can be stored")
             scan_ = leaves.get(path)
             if scan_ is None:
                 _codec.dtype_name(value.dtype)
-                leaves[path] = _LeafScan(path, value.dtype, [tuple(value.shape)])
+                leaves[path] = _LeafScan(path, value.dtype, [value], [value.shape])
                 continue
             if value.dtype != scan_.dtype:
                 raise TypeError(f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; every element must use one dtype per key")
-            if value.ndim != len(scan_.shapes[0]):
-                raise ValueError(f"key {display(path)!r} has {len(scan_.shapes[0])} dims in element 0 but shape {list(value.shape)} in element {i}")
-            scan_.shapes.append(tuple(value.shape))
-        key_sets.append(set(keys))
-    everywhere = set.intersection(*key_sets)
-    partial = set.union(*key_sets) - everywhere
+            shape = value.shape
+            if len(shape) != len(scan_.shapes[0]):
+                raise ValueError(f"key {display(path)!r} has {len(scan_.shapes[0])} dims in element 0 but shape {list(shape)} in element {i}")
+            scan_.tensors.append(value)
+            scan_.shapes.append(shape)
+    partial = [path for path, s in leaves.items() if len(s.tensors) != len(elements)]
     if partial:
-        where = {display(p): [i for i, s in enumerate(key_sets) if p not in s][:5] for p in sorted(partial)}
-        raise ValueError(f"keys present in only some elements (missing from elements {where}); every element must hold the same keys")
+        missing = {}
+        for path in partial:
+            key = path if len(path) > 1 else path[0]
+            missing[display(path)] = [i for i, el in enumerate(elements) if key not in el.keys(include_nested=True, leaves_only=True)][:5]
+        raise ValueError(f"keys present in only some elements (missing from elements {missing}); every element must hold the same keys")
     check_paths(list(leaves))
-    return inner, list(leaves.values())
+    return tuple(inner), list(leaves.values())
 
 
 def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:
     """Ranges [lo, hi) of elements, each at most ``max_elements`` long and ``max_bytes`` big (or one element)."""
     sizes = np.zeros(len(elements), dtype=np.int64)
     for s in scans:
-        item = _codec.itemsize(s.dtype)
-        sizes += np.array([int(np.prod(shape)) * item for shape in s.shapes], dtype=np.int64)
+        item = s.dtype.itemsize
+        if s.homogeneous:
+            sizes += math.prod(s.shapes[0]) * item
+        else:
+            sizes += np.array([math.prod(shape) for shape in s.shapes], dtype=np.int64) * item
     lo = 0
     while lo < len(elements):
         hi, total = lo, 0
@@ -119,7 +131,7 @@ def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_eleme
     leaves = {}
     for n, s in enumerate(scans):
         shape = s.shapes[0] if s.homogeneous else None
-        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), shape)
+        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None)
     token = uuid.uuid4().hex
     header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}")
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
@@ -135,20 +147,20 @@ def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_eleme
                 pipe = engine.client.pipeline(transaction=False)
                 for s in scans:
                     leaf = leaves[s.path]
-                    tensors = [elements[i].get(s.path if len(s.path) > 1 else s.path[0]) for i in range(lo, hi)]
+                    tensors = s.tensors[lo:hi]
                     if leaf.shape is not None:
                         data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
                         if len(data):
                             pipe.setrange(keys.data(leaf.number), lo * leaf.element_nbytes, data)
                         continue
-                    sizes = [t.numel() * t.element_size() for t in tensors]
+                    sizes = [math.prod(shape) * leaf.dtype.itemsize for shape in s.shapes[lo:hi]]
                     ends = het_pos[s.path] + np.cumsum(sizes, dtype=np.int64)
-                    data = b"".join(bytes(_codec.to_bytes(t)) for t in tensors)
-                    if data:
+                    data = _codec.to_bytes(torch.cat([t.reshape(-1) for t in tensors]))
+                    if len(data):
                         pipe.setrange(keys.data(leaf.number), het_pos[s.path], data)
                     table = ends.astype("<i8").tobytes() if lo else np.concatenate(([0], ends)).astype("<i8").tobytes()
                     pipe.setrange(keys.offsets(leaf.number), 8 * (lo + 1) if lo else 0, table)
-                    pipe.setrange(keys.shapes(leaf.number), lo * 8 * leaf.ndim, _codec.pack_i64([d for t in tensors for d in t.shape]))
+                    pipe.setrange(keys.shapes(leaf.number), lo * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape]))
                     het_pos[s.path] = int(ends[-1]) if len(ends) else het_pos[s.path]
                 for k in all_keys:
                     pipe.pexpire(k, UPLOAD_TTL_MS)
