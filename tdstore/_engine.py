@@ -11,6 +11,7 @@ case costs one round trip, and a stale cache costs one more, never wrong data.
 from __future__ import annotations
 
 import random
+import struct
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,7 @@ from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
+_PAIR = struct.Struct("<qq")
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 
@@ -236,7 +238,22 @@ class Engine:
             empty[leaf.path] = torch.empty(shape + tuple(feat), dtype=leaf.dtype)
         return Call("read", [self.keys.meta], [0], lambda reply: DenseResult(torch.Size(shape), empty))
 
+    def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
+        """``store[i]`` of homogeneous leaves: one byte range per leaf, no planning arrays."""
+        kt = _KeyTable(self.keys.meta)
+        args: list[Any] = [len(leaves)]
+        for leaf in leaves:
+            eb = leaf.element_nbytes
+            args += ["R", kt.ref(self.keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), "0"]
+
+        def parse(reply: list) -> DenseResult:
+            return DenseResult(torch.Size(h.inner), {leaf.path: _codec.from_bytes(reply[2 + k], leaf.dtype, leaf.shape) for k, leaf in enumerate(leaves)})  # type: ignore[arg-type]
+
+        return Call("read", kt.keys, args, parse)
+
     def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+        if p.element_int and p.inner_full:
+            return self._plan_one_element_read(h, int(p.elements[0]), leaves)
         rows = _index.storage_rows(p, h.inner)
         flat = rows.reshape(-1).numpy()
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):

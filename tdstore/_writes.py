@@ -12,6 +12,7 @@ index names along the stack dim, as a lazy stack whose elements differ gives).
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, check_paths
 
 Value = torch.Tensor | list[torch.Tensor]
+_PAIR = struct.Struct("<qq")
 
 
 def _name(path: NestedPath) -> str:
@@ -200,6 +202,12 @@ def plan_write(
             _check_dtype(path, value, leaf.dtype)
         else:
             _element_checks(h, path, value, None, leaf.dtype)
+        if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
+            # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
+            eb = leaf.element_nbytes
+            e = int(p.elements[0])
+            ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), _codec.to_bytes(value)])
+            continue
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             want = rows_shape() + tuple(feat)
