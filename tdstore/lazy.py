@@ -75,8 +75,10 @@ class _KeysView:
         return f"_KeysView({self._items()})"
 
 
-class _StoreFlags:
-    """TensorDictBase class flags shared by the store and its element views (see tensordict.base)."""
+class _StoreCommon:
+    """What the store and its element views share: TensorDictBase class flags (see
+    tensordict.base for each), a fixed batch size, no dim names, no sub-tensordicts to lock.
+    """
 
     _td_dim_names = None
     _masking_on_dense_copy = True
@@ -93,9 +95,48 @@ class _StoreFlags:
     _setitem_key_inplace = BEST_ATTEMPT_INPLACE
     _get_ignores_kwargs = False
     _tdstore_reads_remote = True
+    _batch_size: torch.Size
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        if torch.Size(value) != self._batch_size:
+            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
+
+    def _change_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _check_new_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
+        self.batch_size = new_batch_size
+
+    @property
+    def names(self) -> list[None]:
+        return [None] * len(self._batch_size)
+
+    def _has_names(self) -> bool:
+        return False
+
+    def _erase_names(self) -> None:
+        return None
+
+    def _rename_subtds(self, value: Any) -> None:
+        if value is not None and any(v is not None for v in value):
+            raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.keys(include_nested=isinstance(key, tuple))  # type: ignore[attr-defined]
+
+    def _lock_sub_tensordicts(self) -> list:
+        return []
 
 
-class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
+class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -299,25 +340,6 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         return [p for p in self._paths() if p[: len(path)] == path]
 
     @property
-    def batch_size(self) -> torch.Size:
-        return self._batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: Any) -> None:
-        if torch.Size(value) != self._batch_size:
-            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
-
-    def _change_batch_size(self, new_size: torch.Size) -> None:
-        if torch.Size(new_size) != self._batch_size:
-            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
-
-    def _check_new_batch_size(self, new_size: torch.Size) -> None:
-        self._change_batch_size(new_size)
-
-    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
-        self._change_batch_size(new_batch_size)
-
-    @property
     def device(self) -> torch.device | None:
         return self._device
 
@@ -325,28 +347,11 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
     def device(self, value: Any) -> None:
         self._device = torch.device(value) if value is not None else None
 
-    @property
-    def names(self) -> list[None]:
-        return [None] * len(self._batch_size)
-
-    def _has_names(self) -> bool:
-        return False
-
-    def _erase_names(self) -> None:
-        return None
-
-    def _rename_subtds(self, value: Any) -> None:
-        if value is not None and any(v is not None for v in value):
-            raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
-
     def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
         return _KeysView(self._paths, (), include_nested, leaves_only, sort)
 
     def __len__(self) -> int:
         return self._batch_size[0] if len(self._batch_size) else 0
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self.keys(include_nested=isinstance(key, tuple))
 
     def entry_class(self, key: Any) -> type:
         path = as_path(key)
@@ -357,9 +362,6 @@ class LazyStackedTensorDictStore(_StoreFlags, StoreUnsupported, TensorDictBase):
         if not under:
             raise KeyError(f"key {display(path)!r} is not in the store")
         return LazyStackedTensorDict if any(leaf.het for leaf in under) else TensorDict
-
-    def _lock_sub_tensordicts(self) -> list:
-        return []
 
     def __repr__(self) -> str:
         try:
@@ -683,7 +685,7 @@ def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[in
     return count, inner
 
 
-class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
+class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -708,24 +710,6 @@ class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
 
     # identity / metadata
     @property
-    def batch_size(self) -> torch.Size:
-        return self._batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: Any) -> None:
-        if torch.Size(value) != self._batch_size:
-            raise RuntimeError(f"the batch size of a store element is fixed at {list(self._batch_size)}")
-
-    def _change_batch_size(self, new_size: torch.Size) -> None:
-        self.batch_size = new_size
-
-    def _check_new_batch_size(self, new_size: torch.Size) -> None:
-        self.batch_size = new_size
-
-    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
-        self.batch_size = new_batch_size
-
-    @property
     def device(self) -> torch.device | None:
         return self._device
 
@@ -733,34 +717,14 @@ class _ElementView(_StoreFlags, StoreUnsupported, TensorDictBase):
     def device(self, value: Any) -> None:
         raise RuntimeError("the device of a store element cannot be set; call .to(device) for a local copy")
 
-    @property
-    def names(self) -> list[None]:
-        return [None] * len(self._batch_size)
-
-    def _has_names(self) -> bool:
-        return False
-
-    def _erase_names(self) -> None:
-        return None
-
-    def _rename_subtds(self, value: Any) -> None:
-        if value is not None and any(v is not None for v in value):
-            raise RuntimeError("a store element has no dim names")
-
     def _paths(self) -> list[NestedPath]:
         return self._store._paths()
 
     def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
         return _KeysView(self._paths, self._under, include_nested, leaves_only, sort)
 
-    def __contains__(self, key: Any) -> bool:
-        return key in self.keys(include_nested=isinstance(key, tuple))
-
     def entry_class(self, key: Any) -> type:
         return self._store.entry_class(self._under + as_path(key))
-
-    def _lock_sub_tensordicts(self) -> list:
-        return []
 
     def __repr__(self) -> str:
         keys = list(self.keys(include_nested=True, leaves_only=True))
