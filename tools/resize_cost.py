@@ -15,14 +15,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore
-from tdstore.server import EmbeddedServer
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
+    sys.path.insert(0, str(_REPO))
+
+from tdstore import LazyStackedTensorDictStore  # noqa: E402
+from tdstore.server import EmbeddedServer  # noqa: E402
 
 
 def element(i: int, length: int) -> TensorDict:
@@ -68,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     binary = args.binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
     server = None if args.url else EmbeddedServer(binary=binary).start()
     url = args.url or server.url  # type: ignore[union-attr]
-    if server is not None:
-        print(f"private redis-server {server.version} ({server.binary})")
+    where = f"private redis-server {server.version} ({server.binary})" if server is not None else args.url
+    print(where)
     rows = {}
     try:
         print(f"{'count':>8} {'first ms':>9} {'middle ms':>10} {'last ms':>8} {'same-size ms':>13} {'us per later element':>21}")
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"server": server.version if server else args.url, "rows": rows}, f, indent=2)
+            json.dump({"server": where, "rows": rows}, f, indent=2)
     return 0
 
 
