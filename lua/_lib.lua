@@ -33,27 +33,37 @@ local function tds_stale(meta)
 end
 
 -- Check that the store exists and that the caller's cached header still describes
--- what it is about to touch. 'spec' is 'V<n>' (the whole schema must be at version n:
--- used by schema changes), 'K<n>' (the key set must be at version n: used by reads
--- that select keys by prefix) or '*' (no global check). 'leaves' lists the leaves the
--- call touches as 'number:version' words; each must still carry that leaf version.
--- Returns nil when the call may go on, else the reply to send back: 'GONE' for a
--- deleted store, 'STALE' + header for an outdated cache.
+-- what it is about to touch. 'spec' is '<epoch>:<check>'. The epoch is a random token
+-- written when the store was created, so a handle on a store that was deleted and
+-- created again under the same id is refused. <check> is 'V<n>' (the whole schema must
+-- be at version n: used by schema changes), 'K<n>' (the key set must be at version n:
+-- used by reads that select keys by prefix) or '*' (no global check). 'leaves' lists
+-- the leaves the call touches as 'number:version' words; each must still carry that
+-- leaf version. Returns nil when the call may go on, else the reply to send back:
+-- 'GONE' for a deleted store, 'STALE' + header for an outdated cache.
 local function tds_check(meta, spec, leaves)
-  local cur = redis.call('HGET', meta, 'version')
+  local head = redis.call('HMGET', meta, 'version', 'epoch', 'kv')
+  local cur = head[1]
   if not cur then
     return {'GONE'}
   end
-  local kind = string.sub(spec, 1, 1)
+  local epoch, check = string.match(spec, '^(%x+):(.+)$')
+  if epoch == nil then
+    error('TDSTORE bad argument: version check ' .. spec)
+  end
+  if head[2] ~= epoch then
+    return tds_stale(meta)
+  end
+  local kind = string.sub(check, 1, 1)
   if kind == 'V' then
-    if cur ~= string.sub(spec, 2) then
+    if cur ~= string.sub(check, 2) then
       return tds_stale(meta)
     end
   elseif kind == 'K' then
-    if redis.call('HGET', meta, 'kv') ~= string.sub(spec, 2) then
+    if head[3] ~= string.sub(check, 2) then
       return tds_stale(meta)
     end
-  elseif spec ~= '*' then
+  elseif check ~= '*' then
     error('TDSTORE bad argument: version check ' .. spec)
   end
   local fields, want = {}, {}
@@ -61,12 +71,9 @@ local function tds_check(meta, spec, leaves)
     fields[#fields + 1] = 'lv:' .. n
     want[#want + 1] = v
   end
-  if #fields > 0 then
-    local got = redis.call('HMGET', meta, unpack(fields))
-    for i = 1, #want do
-      if got[i] ~= want[i] then
-        return tds_stale(meta)
-      end
+  for i = 1, #fields do
+    if redis.call('HGET', meta, fields[i]) ~= want[i] then
+      return tds_stale(meta)
     end
   end
   return nil

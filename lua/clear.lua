@@ -9,7 +9,7 @@
 
   KEYS[1]     store header hash
   KEYS[2..]   every data / offset / shape key of the store
-  ARGV[1]     'V<version>': the schema version the client listed the keys from, or
+  ARGV[1]     '<epoch>:V<version>': the schema version the client listed the keys from, or
               '*' to delete what is listed without any check (used to abort an upload)
 
   Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.

@@ -12,8 +12,8 @@
   KEYS[1]     store header hash (P:{I}:m)
   KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
 
-  ARGV[1]     global check: 'K<key-set version>' when the leaves were chosen by prefix,
-              '*' otherwise (see tds_check in _lib.lua)
+  ARGV[1]     '<epoch>:K<key-set version>' when the leaves were chosen by prefix,
+              '<epoch>:*' otherwise (see tds_check in _lib.lua)
   ARGV[2]     'number:version' of every leaf read
   ARGV[3]     number of ops, then each op:
     'R', k, n, ranges, join

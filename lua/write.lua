@@ -12,8 +12,8 @@
   KEYS[1]     store header hash
   KEYS[2..]   data / offset / shape keys touched, referenced by index
 
-  ARGV[1]     global check: 'V<version>' for a schema change (it rewrites the whole
-              schema, so it must be planned from the current one), else '*'
+  ARGV[1]     '<epoch>:V<version>' for a schema change (it rewrites the whole schema,
+              so it must be planned from the current one), else '<epoch>:*'
   ARGV[2]     'number:version' of every leaf written (see tds_check in _lib.lua)
   ARGV[3]     new schema JSON to store (bumps 'version'), or '' to keep the schema
   ARGV[4]     with a new schema: the guard fields it sets, 'name=value' words
@@ -40,7 +40,7 @@ local bad = tds_check(meta, ARGV[1], ARGV[2])
 if bad then
   return bad
 end
-if ARGV[3] ~= '' and string.sub(ARGV[1], 1, 1) ~= 'V' then
+if ARGV[3] ~= '' and not string.find(ARGV[1], ':V', 1, true) then
   error('TDSTORE bad argument: a schema change must check the exact version')
 end
 

@@ -101,6 +101,7 @@ class Engine:
         self._client = client
         self._owns_client = owns_client
         self._header: Header | None = None
+        self._epoch: str | None = None  # the creation this handle belongs to
 
     # -- connection and header ----------------------------------------------
     @property
@@ -124,10 +125,17 @@ class Engine:
     @property
     def header(self) -> Header:
         if self._header is None:
-            self._header = self.fetch_header()
-        return self._header
+            self.set_header(self.fetch_header())
+        return self._header  # type: ignore[return-value]
 
-    def set_header(self, header: Header) -> None:
+    def set_header(self, header: Header | None) -> None:
+        """Adopt ``header``; refuse one of another creation of the store (same id, recreated)."""
+        if header is not None:
+            if self._epoch is None:
+                self._epoch = header.epoch
+            elif header.epoch != self._epoch:
+                self._header = None
+                raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
         self._header = header
 
     def fetch_header(self) -> Header:
@@ -153,7 +161,7 @@ class Engine:
             args += [k, v]
         reply = _scripts.call(self.client, "create", [self.keys.meta], args)
         if reply[0] == b"OK":
-            self._header = header
+            self.set_header(header)
             return None
         return Header.from_fields(_pairs(reply[1:]))
 
@@ -173,7 +181,7 @@ class Engine:
             if status == b"OK":
                 return call.parse(reply)
             if status == b"STALE":
-                self._header = self._parse_header(_pairs(reply[1:]))
+                self.set_header(self._parse_header(_pairs(reply[1:])))
                 if attempt >= 8:
                     time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
                 continue
@@ -203,10 +211,10 @@ class Engine:
                 leaves = [leaf for path, leaf in h.leaves.items() if path[: len(under)] == under]
                 if under and not leaves:
                     raise KeyError(f"key {under if len(under) > 1 else under[0]!r} is not in the store ({self.where()})")
-                check = [f"K{h.keyset_version}", leaf_checks(leaves)]
+                check = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(leaves)]
             else:
                 leaves = self._select(h, wanted)
-                check = ["*", leaf_checks(leaves)]
+                check = [f"{h.epoch}:*", leaf_checks(leaves)]
             result["plan"] = p
             if p.n == 0:
                 call = self._plan_empty_read(h, p, leaves)
@@ -354,9 +362,9 @@ class Engine:
             kt = _KeyTable(self.keys.meta)
             new_header, ops, touched = plan(h, kt)
             if new_header is not None:
-                args: list[Any] = [f"V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), len(ops)]
+                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), len(ops)]
             else:
-                args = ["*", leaf_checks(touched), "", "", len(ops)]
+                args = [f"{h.epoch}:*", leaf_checks(touched), "", "", len(ops)]
             for op in ops:
                 args.extend(op)
             state["new"] = new_header or h
@@ -367,7 +375,7 @@ class Engine:
             return Call("write", kt.keys, args, parse)
 
         header = self.run(plan_call)
-        self._header = header
+        self.set_header(header)
         return header
 
     # -- whole store ---------------------------------------------------------------
@@ -375,7 +383,7 @@ class Engine:
         """Delete every key of this store (one round trip); 0 when it is already gone."""
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self.keys.all_keys(h.next_leaf), [f"V{h.version}"], lambda r: int(r[1]))
+            return Call("clear", self.keys.all_keys(h.next_leaf), [f"{h.epoch}:V{h.version}"], lambda r: int(r[1]))
 
         try:
             return self.run(plan_call)

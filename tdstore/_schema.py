@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -105,6 +106,9 @@ class Header:
     next_leaf: int = 0
     state: str = "ready"
     keyset_version: int = 1
+    epoch: str = field(default_factory=lambda: secrets.token_hex(8))
+    """Random token of this creation of the store: a store deleted and created again
+    under the same id has another, so handles on the old one are refused."""
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
@@ -169,6 +173,7 @@ class Header:
         return {
             **guards,
             "format": FORMAT,
+            "epoch": self.epoch,
             "type": self.kind,
             "version": str(self.version),
             "count": str(self.count),
@@ -199,9 +204,12 @@ class Header:
             schema = json.loads(f["schema"])
             kind = f["type"]
             state = f.get("state", "ready")
-            keyset_version = int(f.get("kv", "1"))
+            keyset_version = int(f["kv"])
+            epoch = f["epoch"]
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
+        if not epoch or any(c not in "0123456789abcdef" for c in epoch):
+            raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
         if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
             raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
         if not -(len(inner) + 1) <= stack_dim <= len(inner):
@@ -230,6 +238,7 @@ class Header:
             next_leaf=schema["next"],
             state=state,
             keyset_version=keyset_version,
+            epoch=epoch,
         )
 
 

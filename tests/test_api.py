@@ -295,3 +295,18 @@ def test_lazy_results_are_lazy_stacks(backend):
     store.set("tokens", torch.zeros(4, 2, dtype=torch.int64))  # now homogeneous everywhere: dense reads
     assert isinstance(store[0:3], TensorDict)
     store.clear_redis()
+
+
+def test_handle_on_a_recreated_store_is_refused(backend):
+    a = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.full((4,), 1.5))] * 3), td_id="replay", **backend.kwargs())
+    b = LazyStackedTensorDictStore.from_store(td_id="replay", **backend.kwargs())
+    b.clear_redis()
+    b2 = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.arange(4, dtype=torch.int32))] * 3), td_id="replay", **backend.kwargs())
+    with pytest.raises(KeyError, match="created again"):
+        a[0]["obs"]
+    with pytest.raises(KeyError, match="created again"):
+        a[1] = TensorDict(obs=torch.zeros(4))
+    assert b2[1]["obs"].tolist() == [0, 1, 2, 3]
+    again = LazyStackedTensorDictStore.from_store(td_id="replay", **backend.kwargs())
+    assert again[0]["obs"].dtype == torch.int32
+    b2.clear_redis()
