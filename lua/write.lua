@@ -6,8 +6,9 @@
   set() of a new or replaced key, del, rename and shape-changing writes. A
   heterogeneous element whose size changes is spliced into its blob and the
   offset table behind it is rewritten here, on the server: the client never reads,
-  patches and writes back. Every argument is parsed before the first write, so a
-  malformed call writes nothing.
+  patches and writes back. Every argument is parsed, and the size every string
+  will have is checked against the server's limit, before the first write: a call
+  either writes everything or nothing.
 
   KEYS[1]     store header hash
   KEYS[2..]   data / offset / shape keys touched, referenced by index
@@ -18,7 +19,9 @@
   ARGV[3]     new schema JSON to store (bumps 'version'), or '' to keep the schema
   ARGV[4]     with a new schema: the guard fields it sets, 'name=value' words
               ('kv=7 lv:3=7 lv:5=-'; '-' deletes the field)
-  ARGV[5]     number of ops, then each op:
+  ARGV[5]     the largest string the server accepts, in bytes (proto-max-bulk-len,
+              or less on servers with a lower SETRANGE cap)
+  ARGV[6]     number of ops, then each op:
     'R', k, n, ranges, data
           n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
           little-endian int64, 'data' holds the n values back to back
@@ -33,7 +36,8 @@
   Reply       {'OK', version} with the version now current.
               {'STALE', header field, value, ...} when a checked version moved: nothing written.
               {'GONE'} when the store does not exist: nothing written.
-  Errors      'TDSTORE bad argument' for a malformed op (raised before any write).
+  Errors      'TDSTORE bad argument' for a malformed op, 'TDSTORE too large' when a
+              string would outgrow ARGV[5] (both raised before any write).
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -46,8 +50,29 @@ end
 
 -- pass 1: parse and check every op
 local ops = {}
-local nops = tds_num(ARGV[5], 'op count')
-local a = 6
+local limit = tds_num(ARGV[5], 'size limit')
+local nops = tds_num(ARGV[6], 'op count')
+local a = 7
+local grow = {}  -- data key -> bytes its heterogeneous splices add (checked below)
+local pending = {}  -- key -> value an earlier 'S' op of this call will set
+-- GETRANGE as it will read once the earlier 'S' ops of this call have run
+local function peek(k, from, to)
+  local v = pending[k]
+  if v ~= nil then
+    return string.sub(v, from + 1, to + 1)
+  end
+  return redis.call('GETRANGE', k, from, to)
+end
+local function peek_len(k)
+  local v = pending[k]
+  if v ~= nil then
+    return #v
+  end
+  return redis.call('STRLEN', k)
+end
+local function too_large(key, size)
+  error('TDSTORE too large: ' .. key .. ' would hold ' .. string.format('%.0f', size) .. ' bytes, more than the server accepts (' .. string.format('%.0f', limit) .. ')')
+end
 local function key(i)
   local k = KEYS[tds_num(ARGV[i], 'key index')]
   if k == nil then
@@ -64,7 +89,11 @@ for _ = 1, nops do
     end
     local total = 0
     for j = 0, op.n - 1 do
-      total = total + tds_u64(op.ranges, 16 * j + 9)
+      local len = tds_u64(op.ranges, 16 * j + 9)
+      total = total + len
+      if tds_u64(op.ranges, 16 * j + 1) + len > limit then
+        too_large(op.key, tds_u64(op.ranges, 16 * j + 1) + len)
+      end
     end
     if total ~= #op.data then
       error('TDSTORE bad argument: range lengths do not add up to the data')
@@ -73,6 +102,7 @@ for _ = 1, nops do
     ops[#ops + 1] = op
   elseif kind == 'S' then
     ops[#ops + 1] = {kind = 'S', key = key(a + 1), value = ARGV[a + 2]}
+    pending[ops[#ops].key] = ARGV[a + 2]
     a = a + 3
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
@@ -89,6 +119,22 @@ for _ = 1, nops do
     end
     if total ~= #op.data or #op.shapes ~= op.rec * (op.hi - op.lo + 1) then
       error('TDSTORE bad argument: element sizes do not add up')
+    end
+    -- the blob grows by the new run's size minus the old one's: read (not write) the
+    -- offsets now, so a blob that would outgrow the limit stops the call before any write
+    local offs = peek(op.okey, 8 * op.lo, 8 * (op.hi + 2) - 1)
+    if #offs ~= 8 * (op.hi - op.lo + 2) then
+      error('TDSTORE bad argument: elements out of range of the offset table')
+    end
+    local g = grow[op.dkey]
+    if g == nil then
+      local olen = peek_len(op.okey)
+      g = {end_ = tds_u64(peek(op.okey, olen - 8, olen - 1), 1), delta = 0}
+      grow[op.dkey] = g
+    end
+    g.delta = g.delta + total - (tds_u64(offs, 8 * (op.hi - op.lo + 1) + 1) - tds_u64(offs, 1))
+    if g.end_ + g.delta > limit then
+      too_large(op.dkey, g.end_ + g.delta)
     end
     a = a + 9 + (op.hi - op.lo + 1)
     ops[#ops + 1] = op
@@ -109,12 +155,12 @@ local function splice(op)
       break
     end
   end
-  if op.rec > 0 then
-    redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
-  end
   if same then
     if #op.data > 0 then
       redis.call('SETRANGE', op.dkey, first, op.data)
+    end
+    if op.rec > 0 then
+      redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
     end
     return
   end
@@ -166,6 +212,9 @@ local function splice(op)
     end
   end
   redis.call('SETRANGE', op.okey, 8 * (lo + 1), table.concat(parts))
+  if op.rec > 0 then
+    redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
+  end
 end
 
 -- pass 2: write

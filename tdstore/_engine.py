@@ -102,6 +102,8 @@ class Engine:
         self._owns_client = owns_client
         self._header: Header | None = None
         self._epoch: str | None = None  # the creation this handle belongs to
+        self._max_value_bytes: int | None = None
+        self.value_limit = 512 << 20
 
     # -- connection and header ----------------------------------------------
     @property
@@ -115,6 +117,27 @@ class Engine:
         if self._client is not None and self._owns_client:
             self._client.close()
             self._client = None
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest string the server accepts (``proto-max-bulk-len``), read once per handle.
+
+        ``write.lua`` refuses a call that would grow a string past it before writing
+        anything. Servers that do not answer ``CONFIG GET`` (an ACL, a managed
+        service) are assumed to allow 512 MiB; set ``engine.value_limit`` lower for
+        Dragonfly (256 MiB).
+        """
+        if self._max_value_bytes is None:
+            limit = self.value_limit
+            try:
+                reply = self.client.config_get("proto-max-bulk-len")
+                value = reply.get(b"proto-max-bulk-len") or reply.get("proto-max-bulk-len")
+                if value is not None:
+                    limit = min(limit, int(value))
+            except redis.exceptions.ResponseError:
+                pass
+            self._max_value_bytes = limit
+        return self._max_value_bytes
 
     def where(self) -> str:
         return f"td_id {self.keys.td_id!r} under prefix {self.keys.prefix!r} on {self.spec.describe()}"
@@ -362,9 +385,9 @@ class Engine:
             kt = _KeyTable(self.keys.meta)
             new_header, ops, touched = plan(h, kt)
             if new_header is not None:
-                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), len(ops)]
+                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes, len(ops)]
             else:
-                args = [f"{h.epoch}:*", leaf_checks(touched), "", "", len(ops)]
+                args = [f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
             for op in ops:
                 args.extend(op)
             state["new"] = new_header or h

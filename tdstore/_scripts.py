@@ -50,10 +50,11 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> li
     """Run script ``name`` in one round trip (two more only after NOSCRIPT)."""
     text, sha = script_source(name)
     try:
-        return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-    except NoScriptError:
-        client.script_load(text)
-        return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        try:
+            return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(text)
+            return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
     except ResponseError as err:
         raise translate(err) from None
 
@@ -61,6 +62,8 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> li
 def translate(err: ResponseError) -> Exception:
     """Turn a server error into the exception a user should see."""
     msg = str(err)
+    if "TDSTORE too large" in msg:
+        return ValueError(f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}")
     if "TDSTORE" in msg:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()

@@ -310,3 +310,20 @@ def test_handle_on_a_recreated_store_is_refused(backend):
     again = LazyStackedTensorDictStore.from_store(td_id="replay", **backend.kwargs())
     assert again[0]["obs"].dtype == torch.int32
     b2.clear_redis()
+
+
+def test_write_that_would_outgrow_the_server_limit_writes_nothing():
+    from tdstore.server import EmbeddedServer
+
+    with EmbeddedServer(extra_args=["--proto-max-bulk-len", "1mb"]) as srv:
+        local = lazy_stack([TensorDict(a=torch.zeros(2), tok=torch.zeros(60_000 + i, dtype=torch.int32)) for i in range(3)])
+        s = LazyStackedTensorDictStore.from_lazy_stack(local, url=srv.url, prefix="limit")
+        before = s.to_tensordict()
+        client = srv.client()
+        raw = {k: client.get(k) for k in client.keys("limit:*") if client.type(k) == b"string"}
+        with pytest.raises(ValueError, match="too large"):
+            s[0] = TensorDict(a=torch.ones(2), tok=torch.ones(200_000, dtype=torch.int32))
+        assert {k: client.get(k) for k in raw} == raw
+        assert_same(s.to_tensordict(), before)
+        s[0] = TensorDict(a=torch.ones(2), tok=torch.ones(10, dtype=torch.int32))  # still usable
+        assert s[0]["tok"].tolist() == [1] * 10
