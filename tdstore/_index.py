@@ -120,6 +120,7 @@ class Plan:
     stack_pos: int
     element_int: bool  # the stack dim is indexed by an int (it disappears from the result)
     inner_full: bool  # every inner dim is a full slice: whole elements are touched
+    flips: tuple[int, ...] = ()  # dims of the local copy to reverse before applying ``local``
 
     @property
     def n(self) -> int:
@@ -127,34 +128,42 @@ class Plan:
 
 
 def plan(norm: tuple[Component, ...], batch_size: torch.Size, stack_pos: int) -> Plan:
-    """Split a normalized index into touched elements and a local index (see the module doc)."""
+    """Split a normalized index into touched elements and a local index (see the module doc).
+
+    torch has no negative slice steps. A reversed slice keeps its meaning (a basic
+    index that keeps its dim in place, whatever advanced indices stand beside it) by
+    flipping that dim of the local copy first and slicing it forward: ``flips`` lists
+    those dims.
+    """
     s = norm[stack_pos]
     local_s: Component
+    flips: list[int] = []
     if isinstance(s, int):
         elements = torch.tensor([s], dtype=torch.int64)
         local_s = 0
     elif isinstance(s, slice):
         picked = range(s.start, s.stop, s.step)
         elements = torch.tensor(sorted(picked), dtype=torch.int64)
-        # torch has no negative steps: a reversed slice becomes a reversing index tensor
-        local_s = slice(0, len(picked), 1) if s.step > 0 else torch.arange(len(picked) - 1, -1, -1)
+        local_s = slice(0, len(picked), 1)
+        if s.step < 0:
+            flips.append(stack_pos)
     else:
         elements, inverse = torch.unique(s, sorted=True, return_inverse=True)
         local_s = inverse
-    local = tuple(
-        local_s if k == stack_pos else _no_negative_step(c) for k, c in enumerate(norm)
-    )
+    local: list[Component] = []
+    for k, c in enumerate(norm):
+        if k == stack_pos:
+            local.append(local_s)
+        elif isinstance(c, slice) and c.step < 0:
+            n = batch_size[k]
+            flips.append(k)
+            local.append(slice(n - 1 - c.start, n - 1 - c.stop, -c.step))
+        else:
+            local.append(c)
     inner_full = all(
         isinstance(c, slice) and c == slice(0, n, 1) for k, (c, n) in enumerate(zip(norm, batch_size)) if k != stack_pos
     )
-    return Plan(elements, local, stack_pos, isinstance(s, int), inner_full)
-
-
-def _no_negative_step(c: Component) -> Component:
-    """torch cannot slice with a negative step: use the equivalent index tensor."""
-    if isinstance(c, slice) and c.step < 0:
-        return torch.arange(c.start, c.stop, c.step)
-    return c
+    return Plan(elements, tuple(local), stack_pos, isinstance(s, int), inner_full, tuple(flips))
 
 
 def is_full(norm: tuple[Component, ...], batch_size: torch.Size) -> bool:
@@ -201,4 +210,6 @@ def storage_rows(p: Plan, inner: tuple[int, ...]) -> torch.Tensor:
         return torch.arange(e * inner_numel, (e + 1) * inner_numel).reshape(inner)
     grid = (p.elements[:, None] * inner_numel + torch.arange(inner_numel)).reshape(p.n, *inner)
     grid = grid.movedim(0, p.stack_pos)
+    if p.flips:
+        grid = grid.flip(p.flips)
     return grid[p.local]

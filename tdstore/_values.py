@@ -158,7 +158,14 @@ def assemble(plan: Plan, result: DenseResult | ElementsResult, inner: tuple[int,
         return tds[0]
     if not tds:
         raise IndexError("the index selects no element of a store with heterogeneous keys")
-    stacked = lazy_stack(tds, dim=plan.stack_pos)
+    sp = plan.stack_pos
+    for d in plan.flips:  # reversed slices: flip the local copy, then slice forward
+        if d == sp:
+            tds = tds[::-1]
+        else:
+            el_dim = d if d < sp else d - 1
+            tds = [td.apply(lambda t, el_dim=el_dim: t.flip(el_dim)) for td in tds]
+    stacked = lazy_stack(tds, dim=sp)
     if all(isinstance(c, slice) and c == slice(0, n, 1) for c, n in zip(plan.local, stacked.batch_size)):
         return stacked
     return stacked[plan.local]

@@ -32,19 +32,13 @@ def random_component(rng: random.Random, size: int):
 
 
 def reference(grid: torch.Tensor, index) -> torch.Tensor:
-    """torch semantics, with negative steps (which torch lacks) done by flipping first."""
+    """numpy semantics (torch's, plus negative steps, which torch lacks)."""
     comps = index if isinstance(index, tuple) else (index,)
-    out = grid
-    fixed = []
-    for d, c in enumerate(comps):
-        if isinstance(c, slice) and c.step is not None and c.step < 0:
-            fixed.append(torch.tensor(list(range(grid.shape[d]))[c]))
-        else:
-            fixed.append(c)
-    return out[tuple(fixed)]
+    np_index = tuple(c.numpy() if isinstance(c, torch.Tensor) else np.asarray(c) if isinstance(c, list) else c for c in comps)
+    return torch.from_numpy(np.array(grid.numpy()[np_index]))
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(200))
 def test_plan_matches_torch_indexing(seed):
     rng = random.Random(seed)
     inner = tuple(rng.randrange(1, 4) for _ in range(rng.randrange(0, 3)))
@@ -59,7 +53,9 @@ def test_plan_matches_torch_indexing(seed):
     n = rng.randrange(1, len(batch) + 1)
     index = tuple(random_component(rng, batch[d]) for d in range(n))
     if sum(1 for c in index if not isinstance(c, (int, slice))) > 1:
-        index = index[:1]  # keep to one advanced index: torch's multi-advanced rules are covered below
+        sizes = {len(c) if isinstance(c, list) else int(c.sum()) if c.dtype == torch.bool else c.numel() for c in index if not isinstance(c, (int, slice))}
+        if len(sizes - {1}) > 1:
+            index = index[:1]  # index arrays that cannot broadcast together: an error in numpy too
     norm = _index.normalize(index, batch)
     plan = _index.plan(norm, batch, stack_pos)
     got = _index.storage_rows(plan, inner)

@@ -115,3 +115,34 @@ def test_empty_store_has_count_elements(backend):
     assert torch.equal(store["x"][1], torch.ones(2, 3))
     assert torch.equal(store["x"][0], torch.zeros(2, 3))
     store.clear_redis()
+
+
+@pytest.mark.parametrize("het", [True, False], ids=["het", "homog"])
+@pytest.mark.parametrize("stack_dim", [0, 1])
+@pytest.mark.parametrize(
+    "index",
+    [(slice(None, None, -1), slice(None, None, -1)), (slice(None, None, -1), [0, 2]), ([1, 2], slice(None, None, -1)), (slice(2, None, -2), 1), (torch.tensor([2, 0]), slice(None, None, -2))],
+    ids=repr,
+)
+def test_reversed_slices_beside_other_indices(backend, het, stack_dim, index):
+    local = make_stack(3, het=het, inner=(3,), stack_dim=stack_dim)
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    # the local lazy stack cannot take negative steps either: compare with numpy-style flips
+    flipped = local
+    fixed = []
+    for d, c in enumerate(index):
+        if isinstance(c, slice) and c.step is not None and c.step < 0:
+            n = local.batch_size[d]
+            start, stop, step = c.indices(n)
+            fixed.append(torch.tensor(list(range(start, stop, step))))
+        else:
+            fixed.append(c)
+    got = store[index]
+    if sum(isinstance(c, torch.Tensor) or isinstance(c, list) for c in fixed) <= 1:
+        want = flipped[tuple(fixed)]
+        assert_same(got, want)
+    else:
+        # several index tensors would broadcast together; the store must keep slices as slices
+        want_shape = list(local.get("obs").numpy()[tuple(c.numpy() if isinstance(c, torch.Tensor) else c for c in index)].shape[:-1])
+        assert list(got.batch_size) == want_shape
+    store.clear_redis()
