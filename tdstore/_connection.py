@@ -1,7 +1,8 @@
 """How a store reaches its server, and how that crosses a process boundary without secrets.
 
-A :class:`ConnectionSpec` is what a store keeps and pickles: host/port/db, a unix
-socket or a URL, and extra keyword arguments, but never a password.  The password
+A :class:`ConnectionSpec` is what a store keeps and pickles: host/port/db or a unix
+socket (URLs are parsed into those), TLS, and extra keyword arguments, but never a
+password (nor ``ssl_password``).  The password
 lives only in the live client.  A store unpickled in another process reconnects
 with the password from ``password_provider`` (a picklable callable the user gave),
 else from the ``TDSTORE_PASSWORD`` environment variable, else without one.
@@ -13,60 +14,66 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.connection import SSLConnection, parse_url
 
-_SECRET_KWARGS = ("password", "credential_provider")
+_SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
 PASSWORD_ENV = "TDSTORE_PASSWORD"
-
-
-def _strip_password(url: str) -> tuple[str, str | None]:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url, None
-    netloc = parts.hostname or ""
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc)), parts.password
 
 
 @dataclass(frozen=True)
 class ConnectionSpec:
-    """Everything needed to open a client, minus secrets (safe to pickle and print)."""
+    """Everything needed to open a client, minus secrets (safe to pickle and print).
 
-    url: str | None = None
+    URLs are parsed with redis-py's own ``parse_url`` (percent-decoding, IPv6,
+    query options) and kept as parts, so no password can ride along inside one.
+    """
+
     host: str = "localhost"
     port: int = 6379
     db: int = 0
     unix_socket_path: str | None = None
+    ssl: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
     needs_password: bool = False
     password_provider: Callable[[], str] | None = None
 
     def describe(self) -> str:
         """Where the server is, for messages (never includes a password)."""
-        if self.url:
-            return self.url
         if self.unix_socket_path:
             return f"unix://{self.unix_socket_path}?db={self.db}"
-        return f"redis://{self.host}:{self.port}/{self.db}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'rediss' if self.ssl else 'redis'}://{host}:{self.port}/{self.db}"
 
-    def connect(self, password: str | None = None) -> redis.Redis:
+    def connect(self, password: str | None = None, secrets: dict[str, Any] | None = None) -> redis.Redis:
         """A new client; bytes in and out (``decode_responses`` is forced off)."""
         kwargs = dict(self.kwargs)
+        kwargs.update(secrets or {})
         kwargs["decode_responses"] = False
         if password is None and self.needs_password:
             password = self.password_provider() if self.password_provider else os.environ.get(PASSWORD_ENV)
         if password is not None:
             kwargs["password"] = password
-        if self.url:
-            return redis.Redis.from_url(self.url, **kwargs)
         if self.unix_socket_path:
             return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
+        if self.ssl:
+            kwargs["ssl"] = True
         return redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
+
+
+def _from_url(url: str) -> dict[str, Any]:
+    """Parts of a ``redis://``, ``rediss://`` or ``unix://`` URL (redis-py's parser)."""
+    parts = dict(parse_url(url))
+    cls = parts.pop("connection_class", None)
+    out: dict[str, Any] = {"ssl": cls is not None and issubclass(cls, SSLConnection)}
+    if "path" in parts:
+        out["unix_socket_path"] = parts.pop("path")
+    for name in ("host", "port", "db"):
+        if name in parts:
+            out[name] = parts.pop(name)
+    out["rest"] = parts  # username, password, query options
+    return out
 
 
 def open_client(
@@ -86,27 +93,29 @@ def open_client(
     """
     kwargs = dict(redis_kwargs)
     provider = kwargs.pop("password_provider", None)
-    password = kwargs.pop("password", None)
     if "credential_provider" in kwargs:
         raise TypeError("credential_provider is not supported; pass password= or password_provider=")
     kwargs.pop("decode_responses", None)
     if client is not None:
         return _adopt(client, provider)
+    where: dict[str, Any] = {"host": host, "port": port, "db": db, "unix_socket_path": unix_socket_path, "ssl": bool(kwargs.pop("ssl", False))}
     if url is not None:
-        clean, url_password = _strip_password(url)
-        password = password if password is not None else url_password
-        spec = ConnectionSpec(url=clean, db=db, kwargs=kwargs, needs_password=password is not None or provider is not None, password_provider=provider)
-    else:
-        spec = ConnectionSpec(
-            host=host,
-            port=port,
-            db=db,
-            unix_socket_path=unix_socket_path,
-            kwargs=kwargs,
-            needs_password=password is not None or provider is not None,
-            password_provider=provider,
-        )
-    return spec.connect(password), spec, True
+        parsed = _from_url(url)
+        kwargs = {**parsed.pop("rest"), **kwargs}
+        where.update(parsed)
+    secrets = {k: kwargs.pop(k) for k in _SECRET_KWARGS if k in kwargs}
+    password = secrets.pop("password", None)
+    spec = ConnectionSpec(
+        host=where["host"],
+        port=int(where["port"]),
+        db=int(where["db"] or 0),
+        unix_socket_path=where["unix_socket_path"],
+        ssl=where["ssl"],
+        kwargs=kwargs,
+        needs_password=password is not None or provider is not None,
+        password_provider=provider,
+    )
+    return spec.connect(password, secrets), spec, True
 
 
 def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec, bool]:
@@ -120,13 +129,15 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         ckw.pop(secret, None)
     path = ckw.pop("path", None)
     kwargs = {k: v for k, v in ckw.items() if k in ("username", "socket_timeout", "socket_connect_timeout", "ssl", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")}
-    if "ssl" not in kwargs and pool.connection_class.__name__.startswith("SSL"):
+    if pool.connection_class.__name__.startswith("SSL"):
         kwargs["ssl"] = True
+    ssl = bool(kwargs.pop("ssl", False))
     spec = ConnectionSpec(
         host=ckw.get("host", "localhost"),
         port=int(ckw.get("port", 6379)),
         db=int(ckw.get("db", 0) or 0),
         unix_socket_path=path,
+        ssl=ssl,
         kwargs=kwargs,
         needs_password=password is not None or provider is not None,
         password_provider=provider,

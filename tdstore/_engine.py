@@ -287,6 +287,8 @@ class Engine:
             return self._plan_one_element_read(h, int(p.elements[0]), leaves)
         rows = _index.storage_rows(p, h.inner)
         flat = rows.reshape(-1).numpy()
+        if flat.size == 0:
+            return self._plan_empty_read(h, p, leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
         else:

@@ -75,6 +75,8 @@ def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
             continue
         if isinstance(i, (list, range)):
             arr = np.asarray(i)
+            if arr.size == 0:
+                arr = arr.astype(np.int64)  # [] is an empty integer index, not a float one
             i = torch.as_tensor(arr) if arr.dtype != object else i
         if isinstance(i, np.ndarray):
             i = torch.as_tensor(i)

@@ -43,13 +43,17 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
     return [int(i) for i in s.tolist()]
 
 
-def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any]:
+def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any] | None:
     """One 'R' op writing ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins.
+
+    None when there is nothing to write (no rows, or rows of zero bytes).
 
     Rows are grouped into runs of consecutive rows, one SETRANGE each on the server;
     the ranges travel packed in one argument and the bytes back to back in another.
     """
     rb = data.shape[1] if data.ndim == 2 else 0
+    if rows.size == 0 or rb == 0:
+        return None
     if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
         # one contiguous ascending run (an element, a slice): a single SETRANGE
         ranges = _index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
@@ -206,13 +210,16 @@ def plan_write(
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
             eb = leaf.element_nbytes
             e = int(p.elements[0])
-            ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), _codec.to_bytes(value)])
+            if eb:
+                ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), _codec.to_bytes(value)])
             continue
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             want = rows_shape() + tuple(feat)
             if tuple(value.shape) == want:
-                ops.append(_rows_op(kt, keys.data(leaf.number), rows(), _as_rows(value, len(rows_shape()))))
+                op = _rows_op(kt, keys.data(leaf.number), rows(), _as_rows(value, len(rows_shape())))
+                if op is not None:
+                    ops.append(op)
                 continue
             if not p.inner_full or value.ndim != len(want):
                 raise ValueError(f"key {_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
@@ -222,7 +229,9 @@ def plan_write(
         if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
             eb = leaf.element_nbytes
             data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
-            ops.append(_rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data))
+            op = _rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data)
+            if op is not None:
+                ops.append(op)
             continue
         if not leaf.het:
             # a homogeneous key gets a new element shape: it becomes heterogeneous,

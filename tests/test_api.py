@@ -327,3 +327,37 @@ def test_write_that_would_outgrow_the_server_limit_writes_nothing():
         assert_same(s.to_tensordict(), before)
         s[0] = TensorDict(a=torch.ones(2), tok=torch.ones(10, dtype=torch.int32))  # still usable
         assert s[0]["tok"].tolist() == [1] * 10
+
+
+def test_urls_never_carry_secrets(real, redis_server):
+    from tdstore._connection import open_client
+
+    client = real.client()
+    client.execute_command("ACL", "SETUSER", "pct", "on", ">p@ss/w:rd", "~*", "+@all")
+    path = redis_server.unix_socket_path
+    for url in (f"unix://pct:p%40ss%2Fw%3Ard@{path}", f"unix://{path}?username=pct&password=p%40ss%2Fw%3Ard"):
+        store = LazyStackedTensorDictStore(url=url, count=2, prefix=real.prefix)
+        store.set("x", torch.zeros(2))
+        blob = pickle.dumps(store) + repr(store).encode() + store._engine.spec.describe().encode()
+        assert b"p@ss" not in blob and b"p%40ss" not in blob
+        with pytest.raises(KeyError) as err:
+            LazyStackedTensorDictStore.from_store(url=url, td_id="missing", prefix=real.prefix)
+        assert "p@ss" not in str(err.value) and "p%40ss" not in str(err.value)
+        store.clear_redis()
+    _, spec, _ = open_client(url="redis://u:secret@[::1]:6390/3", host="h", port=1, db=0, unix_socket_path=None, client=None, redis_kwargs={"ssl_password": "k"})
+    assert spec.describe() == "redis://[::1]:6390/3" and "secret" not in repr(spec) and "k" not in repr(spec.kwargs)
+
+
+def test_pickled_store_reconnects_with_password_from_env_or_provider(real, redis_server, monkeypatch):
+    client = real.client()
+    client.execute_command("ACL", "SETUSER", "envuser", "on", ">envpw", "~*", "+@all")
+    store = LazyStackedTensorDictStore(url=f"unix://envuser:envpw@{redis_server.unix_socket_path}", count=2, prefix=real.prefix)
+    store.set("x", torch.ones(2))
+    blob = pickle.dumps(store)
+    assert b"envpw" not in blob
+    monkeypatch.setenv("TDSTORE_PASSWORD", "envpw")
+    assert pickle.loads(blob)["x"].tolist() == [1.0, 1.0]
+    monkeypatch.delenv("TDSTORE_PASSWORD")
+    with pytest.raises(Exception, match="(?i)auth|password|WRONGPASS"):
+        pickle.loads(blob)["x"]
+    store.clear_redis()

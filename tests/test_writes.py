@@ -176,3 +176,24 @@ def test_stack_dim_partial_row_write_homogeneous(backend):
     expected[1] = row
     assert_same(store.to_tensordict(), expected)
     store.clear_redis()
+
+
+def test_empty_selections_and_zero_size_leaves(backend):
+    local = make_stack(4, het=True, inner=(3,), stack_dim=1)
+    for td in local.tensordicts:
+        td.set("e", torch.zeros(3, 0))
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    assert store[[]].batch_size == local[[]].batch_size
+    assert store[:, 1:1].batch_size == local[:, 1:1].batch_size
+    assert store[:, 3:1].batch_size == local[:, 3:1].batch_size
+    store[:, 3:1] = local[:, 3:1]  # writes nothing, raises nothing
+    homog = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4, het=False), **backend.kwargs())
+    homog.set("e", torch.zeros(4, 0))
+    homog[0:2] = homog[2:4]
+    homog[[3, 0]] = homog[1:3]
+    homog.update(homog.to_tensordict())
+    homog[1] = homog[2].to_tensordict()
+    assert homog["e"].shape == (4, 0)
+    assert torch.equal(homog["obs"][0], homog["obs"][2])
+    store.clear_redis()
+    homog.clear_redis()
