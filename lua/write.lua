@@ -27,6 +27,11 @@
           little-endian int64, 'data' holds the n values back to back
     'S', k, bytes                                        SET KEYS[k] (a new blob or table)
     'D', k                                               DEL KEYS[k]
+    'F', kd, ko, a, b, pattern
+          fill with 'pattern' repeated: bytes a..b-1 of KEYS[kd] when ko = 0 (a
+          homogeneous leaf), else the bytes of elements a..b (0-based, inclusive) of
+          the heterogeneous leaf whose offset table is KEYS[ko]: zero_ and fill_
+          without reading or sending the data
     'E', kd, ko, ks, rec, lo, hi, shapes, data, size_lo, ..., size_hi
           replace elements lo..hi (0-based, inclusive) of a heterogeneous leaf by
           'data' (their bytes back to back, sizes given) and their shape records by
@@ -107,6 +112,25 @@ for _ = 1, nops do
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
     a = a + 2
+  elseif kind == 'F' then
+    local op = {kind = 'F', dkey = key(a + 1), a = tds_num(ARGV[a + 3], 'start'), b = tds_num(ARGV[a + 4], 'end'), pattern = ARGV[a + 5]}
+    local ko = tds_num(ARGV[a + 2], 'offset key index')
+    if ko > 0 then
+      local okey = key(a + 2)
+      local offs = peek(okey, 8 * op.a, 8 * (op.b + 2) - 1)
+      if #offs ~= 8 * (op.b - op.a + 2) then
+        error('TDSTORE bad argument: elements out of range of the offset table')
+      end
+      op.a, op.b = tds_u64(offs, 1), tds_u64(offs, #offs - 7)
+    end
+    if #op.pattern == 0 or (op.b - op.a) % #op.pattern ~= 0 then
+      error('TDSTORE bad argument: the fill pattern does not tile the range')
+    end
+    if op.b > limit then
+      too_large(op.dkey, op.b)
+    end
+    a = a + 6
+    ops[#ops + 1] = op
   elseif kind == 'E' then
     local op = {kind = 'E', dkey = key(a + 1), okey = key(a + 2), skey = key(a + 3),
                 rec = tds_num(ARGV[a + 4], 'record size'), lo = tds_num(ARGV[a + 5], 'lo'),
@@ -238,6 +262,10 @@ for _, op in ipairs(ops) do
     redis.call('SET', op.key, op.value)
   elseif op.kind == 'D' then
     redis.call('DEL', op.key)
+  elseif op.kind == 'F' then
+    if op.b > op.a then
+      redis.call('SETRANGE', op.dkey, op.a, string.rep(op.pattern, (op.b - op.a) / #op.pattern))
+    end
   else
     splice(op)
   end

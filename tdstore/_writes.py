@@ -304,3 +304,28 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
         raise KeyError(f"renaming {renames} would overwrite an existing key")
     check_paths(list(leaves))
     return h.with_leaves(leaves)
+
+
+def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: _KeyTable, element: int | None = None) -> tuple[None, list[list[Any]], list[Leaf]]:
+    """``fill_``/``zero_`` of the leaves ``paths`` (of one element, or of the whole store).
+
+    The value is cast to each leaf's dtype, as ``Tensor.fill_`` does, and sent as one
+    element-sized pattern that the server repeats: nothing is read, and the data
+    never crosses the network.
+    """
+    ops: list[list[Any]] = []
+    touched = []
+    for path in paths:
+        leaf = h.leaves[path]
+        touched.append(leaf)
+        pattern = bytes(_codec.to_bytes(torch.full((), value, dtype=leaf.dtype)))
+        dk = kt.ref(keys.data(leaf.number))
+        if leaf.het:
+            lo, hi = (0, h.count - 1) if element is None else (element, element)
+            ops.append(["F", dk, kt.ref(keys.offsets(leaf.number)), lo, hi, pattern])
+        else:
+            eb = leaf.element_nbytes
+            a, b = (0, h.count * eb) if element is None else (element * eb, (element + 1) * eb)
+            if b > a:
+                ops.append(["F", dk, 0, a, b, pattern])
+    return None, ops, touched

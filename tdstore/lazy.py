@@ -135,6 +135,41 @@ class _StoreCommon:
     def _lock_sub_tensordicts(self) -> list:
         return []
 
+    # in-place methods
+    _fills_without_reading = True
+
+    def zero_(self) -> Any:
+        """Zero every leaf on the server in one atomic call, without reading or sending the data."""
+        self._fill_paths((), 0)
+        return self
+
+    def _fill_(self, key: tuple, value: Any) -> None:
+        """``fill_(key, value)``: one atomic call on the server; the value is cast to each leaf's dtype, as ``Tensor.fill_`` does."""
+        self._fill_paths(as_path(key), value)
+
+    def _inplace_on_copies(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Other in-place methods (``add_``, ``apply_``, ``clamp_``...): one read, a local update, one write.
+
+        Two round trips, each atomic, but not atomic together: a write by another
+        process between them is overwritten. ``zero_`` and ``fill_`` run on the server.
+        """
+        local = self.to_tensordict()  # type: ignore[attr-defined]
+        result = method(local, *args, **kwargs)
+        if result is not local:
+            return result
+        self._write_local(local)
+        return self
+
+    def apply_(self, fn: Any, *others: Any, **kwargs: Any) -> Any:
+        """``fn`` on every leaf of a local copy, written back (one read, one write; see ``_inplace_on_copies``)."""
+        return self._inplace_on_copies(lambda local: local.apply_(fn, *others, **kwargs))
+
+    def _fill_paths(self, under: NestedPath, value: Any) -> None:
+        raise NotImplementedError
+
+    def _write_local(self, local: TensorDictBase) -> None:
+        raise NotImplementedError
+
 
 class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
@@ -613,11 +648,25 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         self._engine.run_write(plan)
 
     def _write_back(self, keys: Any, values: Any, method: str) -> None:
-        """In-place methods (``zero_``, ``add_``...) write their results back in one call."""
+        """Results of in-place methods written back in one call."""
         if not keys:
             return
         items = {as_path(k): v for k, v in zip(keys, values)}
         self._write(self._full_index(), items)
+
+    def _write_local(self, local: TensorDictBase) -> None:
+        self._write(self._full_index(), leaves_of(local, self._engine.header.stack_pos))
+
+    def _fill_paths(self, under: NestedPath, value: Any) -> None:
+        keys = self._engine.keys
+
+        def plan(h: Header, kt: Any) -> Any:
+            paths = [p for p in h.leaves if p[: len(under)] == under]
+            if not paths:
+                raise KeyError(f"key {display(under)!r} is not in the store")
+            return _writes.plan_fill(keys, h, paths, value, kt)
+
+        self._engine.run_write(plan)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -849,6 +898,22 @@ class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
     def _write_back(self, keys: Any, values: Any, method: str) -> None:
         if keys:
             self._write({self._under + as_path(k): v for k, v in zip(keys, values)})
+
+    def _write_local(self, local: TensorDictBase) -> None:
+        self._write(leaves_of(local, self._store._engine.header.stack_pos, self._under))
+
+    def _fill_paths(self, under: NestedPath, value: Any) -> None:
+        store = self._store
+        keys = store._engine.keys
+        full = self._under + under
+
+        def plan(h: Header, kt: Any) -> Any:
+            paths = [p for p in h.leaves if p[: len(full)] == full]
+            if not paths:
+                raise KeyError(f"key {display(under) if under else display(self._under)!r} is not in the store")
+            return _writes.plan_fill(keys, h, paths, value, kt, element=self._element)
+
+        store._engine.run_write(plan)
 
     def _del(self, key: tuple) -> None:
         raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")

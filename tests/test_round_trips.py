@@ -54,11 +54,16 @@ OPS = {
     "update": lambda s: s.update(TensorDict(obs=torch.ones(8, 4), batch_size=[8])) if "tokens" not in s.keys() else s.update(TensorDict(done=torch.ones(8, 1, dtype=torch.bool), batch_size=[8])),
     "del": lambda s: (s.set("tmp", torch.zeros(8)), s.__delitem__("tmp")),
     "rename": lambda s: s.rename_key_("done", "finished"),
+    "zero_": lambda s: s.zero_(),
+    "fill_": lambda s: s.fill_("obs", 1.5),
+    "element zero_": lambda s: s[2].zero_(),
+    "element fill_ of a heterogeneous key": lambda s: s[2].fill_("tokens" if "tokens" in s.keys() else "obs", 3),
+    "apply_ (read, then write)": lambda s: s.apply_(lambda t: t.clone()),
     "keys": lambda s: list(s.keys(True, True)),
     "len and in": lambda s: (len(s), "obs" in s),
 }
 # operations that are two public calls in the lambda
-EXPECTED = {"del": 2, "keys": 0, "len and in": 0}
+EXPECTED = {"del": 2, "keys": 0, "len and in": 0, "apply_ (read, then write)": 2}
 
 
 @pytest.mark.parametrize("name", list(OPS))

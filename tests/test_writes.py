@@ -197,3 +197,38 @@ def test_empty_selections_and_zero_size_leaves(backend):
     assert torch.equal(homog["obs"][0], homog["obs"][2])
     store.clear_redis()
     homog.clear_redis()
+
+
+def test_zero_and_fill_run_on_the_server(backend):
+    local = make_stack(4, het=True)
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    store[2].zero_()
+    assert store[2]["tokens"].tolist() == [0, 0, 0] and store[2]["obs"].eq(0).all()
+    assert store[1]["tokens"].tolist() == local[1]["tokens"].tolist()
+    store.fill_("tokens", 7)
+    assert [t.tolist() for t in store.get("tokens", as_list=True)] == [[7] * (1 + i % 4) for i in range(4)]
+    store.fill_("nested", -1)
+    assert store["nested", "b"].eq(-1).all()
+    store[3].fill_("obs", 2.5)
+    assert store[3]["obs"].tolist() == [2.5] * 4 and store[0]["obs"].ne(2.5).all()
+    store.zero_()
+    full = store.to_tensordict()
+    for td in full.unbind(0):
+        for v in td.values(True, True):
+            assert not v.any()
+    with pytest.raises(KeyError, match="nope"):
+        store.fill_("nope", 1)
+    store.clear_redis()
+
+
+def test_other_in_place_methods_read_once_and_write_once(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4, het=True), **backend.kwargs())
+    before = store.to_tensordict()
+    store.apply_(lambda t: t + 1 if t.dtype != torch.bool else t)
+    after = store.to_tensordict()
+    for a, b in zip(before.unbind(0), after.unbind(0)):
+        assert torch.equal(a["tokens"] + 1, b["tokens"])
+    store[1]["nested"].add_(1)  # a write-through view of one element's sub-tree
+    assert torch.equal(store[1]["nested", "b"], after[1]["nested", "b"] + 1)
+    assert torch.equal(store[2]["nested", "b"], after[2]["nested", "b"])
+    store.clear_redis()
