@@ -78,7 +78,7 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
     redis-py sends a ``memoryview`` as it is, so the bytes are copied only once,
     into the socket buffer.
     """
-    t = tensor.detach()
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)

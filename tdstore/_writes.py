@@ -67,7 +67,7 @@ def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> lis
 
 def _as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
     """A (rows, bytes per row) uint8 view of ``t`` whose first ``lead`` dims are rows."""
-    t = t.detach().cpu().contiguous()
+    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
     n = int(np.prod(t.shape[:lead])) if lead else 1
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
     return raw.reshape(n, -1) if n else np.zeros((0, 0), np.uint8)

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
@@ -227,6 +228,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
         dev = torch.device(device) if device is not None else None
+        stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
         existing = engine.create(wanted)
         if existing is not None:
@@ -414,6 +416,9 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         h = self._engine.header
         if isinstance(index, (str, tuple)) and (isinstance(index, str) or any(isinstance(i, str) for i in index)):
             return None
+        if isinstance(index, (np.integer, torch.Tensor)) and not isinstance(index, bool) and getattr(index, "ndim", 0) == 0:
+            if not (isinstance(index, torch.Tensor) and (index.dtype == torch.bool or index.is_floating_point())):
+                index = int(index)
         if h.stack_pos == 0 and isinstance(index, int) and not isinstance(index, bool):
             if not -h.count <= index < h.count:
                 raise IndexError(f"index {index} is out of range for a store of {h.count} elements")
@@ -538,7 +543,9 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         if inplace is True and not exists:
             raise KeyError(f"key {display(path)!r} is not in the store (set_ writes existing keys only)")
         self._check_writable(path, new=not exists, ignore_lock=ignore_lock)
-        self._write(self._full_index(), items, replace=inplace is not True)
+        # a locked store keeps its schema: existing keys are written in place (same dtype and shape)
+        locked = self.is_locked and not ignore_lock
+        self._write(self._full_index(), items, replace=inplace is not True and not locked)
         return self
 
     def _set_str(self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> TensorDictBase:

@@ -361,3 +361,27 @@ def test_pickled_store_reconnects_with_password_from_env_or_provider(real, redis
     with pytest.raises(Exception, match="(?i)auth|password|WRONGPASS"):
         pickle.loads(blob)["x"]
     store.clear_redis()
+
+
+def test_review_edge_cases(backend):
+    import numpy as np
+
+    local = make_stack(3, het=False, inner=(2,), stack_dim=1)
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    # an equivalent negative stack_dim attaches
+    again = LazyStackedTensorDictStore(count=3, stack_dim=-1, inner_batch_size=[2], td_id=store.td_id, **backend.kwargs())
+    assert again.batch_size == store.batch_size
+    flat = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3, het=False), **backend.kwargs())
+    # numpy and 0-d tensor ints give the element view
+    assert type(flat[np.int64(1)]).__name__ == "_ElementView" and type(flat[torch.tensor(2)]).__name__ == "_ElementView"
+    # a locked store keeps its schema: no dtype change through set
+    flat.lock_()
+    with pytest.raises(TypeError, match="obs"):
+        flat.set("obs", torch.zeros(3, 4, dtype=torch.float64))
+    flat.unlock_()
+    # conjugate views are written as their values
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    flat.set("z", torch.stack([z, z, z]).conj())
+    assert torch.equal(flat[1]["z"], z.conj().resolve_conj())
+    store.clear_redis()
+    flat.clear_redis()
