@@ -95,11 +95,12 @@ def new_td_id() -> str:
 class Engine:
     """Plans and runs the script calls of one store on one server."""
 
-    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True) -> None:
+    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True, readonly: bool = False) -> None:
         self.spec = spec
         self.keys = keys
         self._client = client
         self._owns_client = owns_client
+        self.readonly = readonly
         self._header: Header | None = None
         self._epoch: str | None = None  # the creation this handle belongs to
         self._max_value_bytes: int | None = None
@@ -381,6 +382,7 @@ class Engine:
         change is checked against the exact version it was planned from; a plain
         data write only against the versions of the leaves it touches.
         """
+        self.refuse_if_readonly()
         state: dict[str, Header] = {}
 
         def plan_call(h: Header) -> Call:
@@ -404,8 +406,13 @@ class Engine:
         return header
 
     # -- whole store ---------------------------------------------------------------
+    def refuse_if_readonly(self) -> None:
+        if self.readonly:
+            raise PermissionError(f"the store with {self.where()} is open read-only (readonly=True); open another handle to write")
+
     def clear(self) -> int:
         """Delete every key of this store (one round trip); 0 when it is already gone."""
+        self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
             return Call("clear", self.keys.all_keys(h.next_leaf), [f"{h.epoch}:V{h.version}"], lambda r: int(r[1]))

@@ -71,7 +71,7 @@ def translate(err: ResponseError) -> Exception:
         return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
     if "oom" in low or "maxmemory" in low:
         return MemoryError(f"the server is out of memory (maxmemory reached); nothing was written by this call: {msg}")
-    if "noperm" in low or "no permissions" in low:
+    if "noperm" in low or "no permissions" in low or "can't run this command" in low:
         return PermissionError(f"the server's ACL refused the call: {msg}")
     if "string exceeds maximum allowed size" in low:
         return ValueError(f"the value is larger than the server allows for one string (proto-max-bulk-len): {msg}")

@@ -222,15 +222,18 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         client: Any = None,
         td_id: str | None = None,
         cache_metadata: bool = True,
+        readonly: bool = False,
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
+        if readonly and td_id is None:
+            raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
-        existing = engine.create(wanted)
+        existing = engine.fetch_header() if readonly else engine.create(wanted)
         if existing is not None:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
@@ -287,15 +290,19 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         device: Any = None,
         client: Any = None,
         cache_metadata: bool = True,
+        readonly: bool = False,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Reconnect to an existing store in one round trip; never writes.
 
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError`` naming the id, the prefix and the server.
+        ``readonly=True`` gives a handle that refuses every write with
+        ``PermissionError`` before sending anything (a learner that must not write
+        by mistake); it only needs read commands and ``EVALSHA`` on the server.
         """
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned)
+        engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
         engine.set_header(engine.fetch_header())
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
@@ -357,6 +364,11 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
     @property
     def prefix(self) -> str:
         return self._engine.keys.prefix
+
+    @property
+    def readonly(self) -> bool:
+        """Whether this handle refuses writes (``readonly=True``)."""
+        return self._engine.readonly
 
     @property
     def _header(self) -> Header:
@@ -520,7 +532,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         """``clone()`` is an in-memory copy (``to_tensordict()``); ``clone(False)`` a new handle on the same store."""
         if recurse:
             return self.to_tensordict()
-        engine = Engine(self._engine.spec, self._engine.keys, self._engine.client, owns_client=False)
+        engine = Engine(self._engine.spec, self._engine.keys, self._engine.client, owns_client=False, readonly=self._engine.readonly)
         engine.set_header(self._engine.header)
         return type(self)._from_engine(engine, backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)
 
@@ -706,10 +718,11 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
             "device": self._device,
             "cache_metadata": self._cache_metadata,
             "is_locked": self._is_locked,
+            "readonly": self._engine.readonly,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        engine = Engine(state["spec"], StoreKeys(state["prefix"], state["td_id"]))
+        engine = Engine(state["spec"], StoreKeys(state["prefix"], state["td_id"]), readonly=state.get("readonly", False))
         engine.set_header(Header.from_fields(state["header"]))
         self._init_handle(engine, backend=state["backend"], device=state["device"], cache_metadata=state["cache_metadata"])
         if state.get("is_locked"):

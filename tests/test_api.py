@@ -385,3 +385,53 @@ def test_review_edge_cases(backend):
     assert torch.equal(flat[1]["z"], z.conj().resolve_conj())
     store.clear_redis()
     flat.clear_redis()
+
+
+READ_ONLY_ACL = ["on", ">readpw", "~*", "resetchannels", "-@all", "+@read", "+@connection", "+evalsha", "+script|load", "+client|setinfo"]
+
+
+def test_readonly_handle_refuses_every_write(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3), **backend.kwargs())
+    ro = LazyStackedTensorDictStore.from_store(td_id=store.td_id, readonly=True, **backend.kwargs())
+    assert ro.readonly and not store.readonly
+    before = ro.to_tensordict()
+    writes = [
+        lambda: ro.__setitem__(0, before[1]),
+        lambda: ro[0].__setitem__("obs", torch.zeros(4)),
+        lambda: ro[0].update(before[1]),
+        lambda: ro.set("new", torch.zeros(3)),
+        lambda: ro.__setitem__(slice(0, 2), before[1:3]),
+        lambda: ro.__delitem__("obs"),
+        lambda: ro.rename_key_("obs", "o"),
+        lambda: ro.zero_(),
+        lambda: ro.fill_("obs", 1.0),
+        lambda: ro.apply_(lambda t: t),
+        lambda: ro.clear_redis(),
+    ]
+    for write in writes:
+        with pytest.raises(PermissionError, match="read-only"):
+            write()
+    assert_same(store.to_tensordict(), before)
+    assert pickle.loads(pickle.dumps(ro)).readonly
+    with pytest.raises(ValueError, match="td_id"):
+        LazyStackedTensorDictStore(count=3, readonly=True, **backend.kwargs())
+    attached = LazyStackedTensorDictStore(count=3, td_id=store.td_id, readonly=True, **backend.kwargs())
+    assert_same(attached[1].to_tensordict(), before[1])
+    store.clear_redis()
+
+
+def test_read_only_acl_user(real, redis_server):
+    admin = real.client()
+    admin.execute_command("ACL", "SETUSER", "learner", *READ_ONLY_ACL)
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4), **real.kwargs())
+    admin.script_flush()  # the read-only user must be able to load the read script itself
+    url = f"unix://learner:readpw@{redis_server.unix_socket_path}"
+    ro = LazyStackedTensorDictStore.from_store(url=url, td_id=store.td_id, prefix=real.prefix, readonly=True)
+    assert_same(ro.to_tensordict(), make_stack(4))
+    assert_same(ro[torch.tensor([3, 1])], make_stack(4)[torch.tensor([3, 1])])
+    # without readonly=True, the server's ACL refuses the write script: a clear PermissionError, nothing written
+    rw = LazyStackedTensorDictStore.from_store(url=url, td_id=store.td_id, prefix=real.prefix)
+    with pytest.raises(PermissionError, match="ACL"):
+        rw[0] = make_stack(4)[2]
+    assert_same(store.to_tensordict(), make_stack(4))
+    store.clear_redis()
