@@ -192,7 +192,8 @@ class Header:
         tdstore format or by the reference implementation) raises
         :class:`StoreFormatError` instead of being guessed at.
         """
-        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        # fields tdstore does not know are ignored, whatever bytes they hold
+        f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in raw.items()}
         fmt = f.get("format")
         if fmt != FORMAT:
             raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads format {FORMAT!r}")
