@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_stack
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, StoreFormatError
 
 
 class _Boom:
@@ -39,7 +39,7 @@ def test_planted_bytes_and_names_run_nothing(backend, tmp_path):
     # a dtype name outside the allow-list is refused, not looked up with getattr
     schema = client.hget(keys.meta, "schema").decode().replace('"float32"', '"__import__"')
     client.hset(keys.meta, "schema", schema)
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(StoreFormatError, match="unknown dtype"):
         LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
     assert not marker.exists()
     store._engine.set_header(None)
