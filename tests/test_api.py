@@ -435,3 +435,21 @@ def test_read_only_acl_user(real, redis_server):
         rw[0] = make_stack(4)[2]
     assert_same(store.to_tensordict(), make_stack(4))
     store.clear_redis()
+
+
+def provide_password() -> str:
+    """A picklable password provider (module level), as a user would write one."""
+    return "providedpw"
+
+
+def test_password_provider_reconnects_pickled_stores(real, redis_server, monkeypatch):
+    monkeypatch.delenv("TDSTORE_PASSWORD", raising=False)
+    real.client().execute_command("ACL", "SETUSER", "provided", "on", ">providedpw", "~*", "+@all")
+    store = LazyStackedTensorDictStore(
+        unix_socket_path=redis_server.unix_socket_path, username="provided", password_provider=provide_password, count=2, prefix=real.prefix
+    )
+    store.set("x", torch.full((2,), 3.0))
+    blob = pickle.dumps(store)
+    assert b"providedpw" not in blob
+    assert pickle.loads(blob)["x"].tolist() == [3.0, 3.0]
+    store.clear_redis()
