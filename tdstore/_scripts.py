@@ -27,12 +27,16 @@ class ServerScriptError(RuntimeError):
     """A tdstore script refused a call (a bug or a corrupt store, never user input)."""
 
 
-def _lua_dir() -> Path:
-    """Where the ``.lua`` files are: inside the wheel (``tdstore._lua``) or in a source checkout."""
+def _lua_dir() -> Any:
+    """Where the ``.lua`` files are: inside the installed package (``tdstore._lua``) or in a source checkout.
+
+    Returns a ``Traversable`` (a namespace package gives a ``MultiplexedPath``, which
+    is not a ``Path``), so files are only read through ``joinpath(...).read_text()``.
+    """
     try:
         packaged = resources.files("tdstore._lua")
         if packaged.joinpath("read.lua").is_file():
-            return Path(str(packaged))
+            return packaged
     except ModuleNotFoundError:
         pass
     return Path(__file__).resolve().parent.parent / "lua"
@@ -42,7 +46,7 @@ def _lua_dir() -> Path:
 def script_source(name: str) -> tuple[str, str]:
     """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
     folder = _lua_dir()
-    text = (folder / f"{LIBRARY}.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
+    text = folder.joinpath(f"{LIBRARY}.lua").read_text() + "\n" + folder.joinpath(f"{name}.lua").read_text()
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
