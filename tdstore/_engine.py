@@ -31,6 +31,10 @@ MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
+#: Dense reads of at least this many bytes go through MULTI/EXEC of plain GETRANGE (see Call).
+BULK_READ_BYTES = 4 << 20
+#: Chunk size of those GETRANGEs.
+BULK_CHUNK = 1 << 20
 
 
 class StaleSchemaError(RuntimeError):
@@ -43,12 +47,21 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 
 @dataclass
 class Call:
-    """One planned script call: KEYS, ARGV and how to turn the reply into a result."""
+    """One planned script call: KEYS, ARGV and how to turn the reply into a result.
+
+    A bulk read (``script == "tx"``) is sent instead as one MULTI/EXEC transaction of
+    plain ``GETRANGE`` commands in ~1 MiB chunks (``ranges``: key, start, length),
+    preceded by an ``HMGET`` of the header guards; the client compares them with
+    ``guards`` and, on a mismatch, refreshes and plans again. Atomic and one round
+    trip like a script, without pushing megabytes through Lua.
+    """
 
     script: str
     keys: list[str]
     args: list[Any]
     parse: Callable[[list], Any]
+    ranges: list[tuple[str, int, int]] | None = None
+    guards: dict[str, str] | None = None
 
 
 class _KeyTable:
@@ -200,6 +213,12 @@ class Engine:
         for attempt in range(MAX_RETRIES):
             header = self.header
             call = plan(header)
+            if call.script == "tx":
+                reply = self._transaction(call)
+                if reply is None:  # the header moved: refresh, plan again
+                    self.set_header(self.fetch_header())
+                    continue
+                return call.parse(reply)
             reply = _scripts.call(self.client, call.script, call.keys, call.args)
             status = reply[0]
             if status == b"OK":
@@ -213,6 +232,33 @@ class Engine:
                 raise self.gone()
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
+
+    def _transaction(self, call: Call) -> list | None:
+        """Run a bulk read as MULTI/EXEC; None when a guard no longer matches (see Call)."""
+        assert call.ranges is not None and call.guards is not None
+        names = list(call.guards)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hmget(self.keys.meta, ["version", *names])
+        counts = []
+        for key, start, length in call.ranges:
+            n = 0
+            for a in range(start, start + length, BULK_CHUNK):
+                pipe.getrange(key, a, min(a + BULK_CHUNK, start + length) - 1)
+                n += 1
+            counts.append(n)
+        results = pipe.execute()
+        head = results[0]
+        if head[0] is None:
+            raise self.gone()
+        if [v.decode() if v is not None else None for v in head[1:]] != [call.guards[n] for n in names]:
+            return None
+        pieces: list[Any] = [b"OK", head[0]]
+        pos = 1
+        for n in counts:
+            chunks = results[pos : pos + n]
+            pos += n
+            pieces.append(chunks[0] if n == 1 else b"".join(chunks) if n else b"")
+        return pieces
 
     # -- reads -------------------------------------------------------------------
     def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan, DenseResult | ElementsResult]:
@@ -246,7 +292,10 @@ class Engine:
                 call = self._plan_element_read(h, p, leaves)
             else:
                 call = self._plan_dense_read(h, p, leaves)
-            call.args[:0] = check
+            if call.script == "tx":
+                call.guards = {"epoch": h.epoch, **({"kv": str(h.keyset_version)} if wanted is None else {}), **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves}}
+            else:
+                call.args[:0] = check
             return call
 
         out = self.run(plan_call)
@@ -299,12 +348,17 @@ class Engine:
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
         feats = []
-        for leaf in leaves:
+        row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
+        bulk = int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
+        ranges: list[tuple[str, int, int]] = []
+        for leaf, rb in zip(leaves, row_bytes):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
-            rb = _codec.nbytes(feat, leaf.dtype)
-            join = n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
+            join = not bulk and n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
             feats.append((feat, join))
-            args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
+            if bulk:
+                ranges.extend((self.keys.data(leaf.number), int(a) * rb, int(b - a + 1) * rb) for a, b in zip(lo, hi))
+            else:
+                args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
 
         def parse(reply: list) -> DenseResult:
             pos = 2
@@ -322,6 +376,8 @@ class Engine:
                 out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             return DenseResult(rows.shape, out)
 
+        if bulk:
+            return Call("tx", kt.keys, [], parse, ranges=ranges)
         return Call("read", kt.keys, args, parse)
 
     def _plan_element_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:

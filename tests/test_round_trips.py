@@ -150,3 +150,22 @@ def test_stale_handle_sees_renames_and_deletes(backend):
         c[0]["keep"] = torch.full((1,), 5.0)
     assert a["kept"].tolist() == [[1.0]] * 4
     a.clear_redis()
+
+
+def test_bulk_reads_are_one_transaction_of_plain_getrange(real):
+    big = lazy_stack([TensorDict(x=torch.full((300_000,), float(i)), y=torch.arange(3) + i) for i in range(4)])  # 4.8 MB
+    s = LazyStackedTensorDictStore.from_lazy_stack(big, **real.kwargs())
+    s["y"]
+    cmds = top_level_commands(real.client, lambda: s.to_tensordict())
+    assert cmds[0] == "multi" and cmds[-1] == "exec" and "evalsha" not in cmds and cmds.count("exec") == 1
+    assert set(cmds[1:-1]) == {"hmget", "getrange"}
+    got = s.to_tensordict()
+    assert torch.equal(got["x"], big.get("x")) and torch.equal(got["y"], big.get("y"))
+    assert torch.equal(s["x"][2], big[2]["x"])
+    # a schema change between plan and read: the guards catch it, the handle refreshes
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **real.kwargs())
+    other.set("y", torch.zeros(4, 3, dtype=torch.float64))
+    assert s.to_tensordict()["y"].dtype == torch.float64
+    other.clear_redis()
+    with pytest.raises(KeyError, match=s.td_id):
+        s.to_tensordict()
