@@ -105,7 +105,9 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: 
         raise ValueError(f"expected {expected} bytes for {dtype_name(dtype)}{list(shape)}, got {len(data)}")
     if not expected:
         return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+    # a bytearray is taken over as it is (callers hand over a buffer they built); anything else is copied once
+    owned = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(owned, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
 
 def from_pieces(pieces: list[bytes], dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:

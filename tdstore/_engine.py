@@ -255,9 +255,14 @@ class Engine:
         pieces: list[Any] = [b"OK", head[0]]
         pos = 1
         for n in counts:
-            chunks = results[pos : pos + n]
+            # one copy of the chunks into a buffer the result tensor then owns (see from_bytes)
+            buf = bytearray(sum(len(c) for c in results[pos : pos + n]))
+            at = 0
+            for chunk in results[pos : pos + n]:
+                buf[at : at + len(chunk)] = chunk
+                at += len(chunk)
             pos += n
-            pieces.append(chunks[0] if n == 1 else b"".join(chunks) if n else b"")
+            pieces.append(buf)
         return pieces
 
     # -- reads -------------------------------------------------------------------
