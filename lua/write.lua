@@ -27,6 +27,10 @@
           little-endian int64, 'data' holds the n values back to back
     'S', k, bytes                                        SET KEYS[k] (a new blob or table)
     'D', k                                               DEL KEYS[k]
+    'M', ks, kt, n
+          move the staging key KEYS[ks] (filled with plain SETRANGEs in the same
+          pipeline, n bytes) onto KEYS[kt] (RENAME, then PERSIST): a large blob is
+          replaced without pushing its bytes through Lua
     'F', kd, ko, a, b, pattern
           fill with 'pattern' repeated: bytes a..b-1 of KEYS[kd] when ko = 0 (a
           homogeneous leaf), else the bytes of elements a..b (0-based, inclusive) of
@@ -109,6 +113,16 @@ for _ = 1, nops do
     ops[#ops + 1] = {kind = 'S', key = key(a + 1), value = ARGV[a + 2]}
     pending[ops[#ops].key] = ARGV[a + 2]
     a = a + 3
+  elseif kind == 'M' then
+    local op = {kind = 'M', src = key(a + 1), dst = key(a + 2), n = tds_num(ARGV[a + 3], 'staged size')}
+    if redis.call('STRLEN', op.src) ~= op.n then
+      error('TDSTORE bad argument: the staged value is missing or incomplete')
+    end
+    if op.n > limit then
+      too_large(op.dst, op.n)
+    end
+    a = a + 4
+    ops[#ops + 1] = op
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
     a = a + 2
@@ -262,6 +276,9 @@ for _, op in ipairs(ops) do
     redis.call('SET', op.key, op.value)
   elseif op.kind == 'D' then
     redis.call('DEL', op.key)
+  elseif op.kind == 'M' then
+    redis.call('RENAME', op.src, op.dst)
+    redis.call('PERSIST', op.dst)
   elseif op.kind == 'F' then
     if op.b > op.a then
       redis.call('SETRANGE', op.dkey, op.a, string.rep(op.pattern, (op.b - op.a) / #op.pattern))

@@ -35,6 +35,9 @@ JOIN_LIMIT = 4 << 20
 BULK_READ_BYTES = 4 << 20
 #: Chunk size of those GETRANGEs.
 BULK_CHUNK = 1 << 20
+#: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script.
+BULK_WRITE_BYTES = 4 << 20
+STAGING_TTL_MS = 60_000
 
 
 class StaleSchemaError(RuntimeError):
@@ -62,6 +65,7 @@ class Call:
     parse: Callable[[list], Any]
     ranges: list[tuple[str, int, int]] | None = None
     guards: dict[str, str] | None = None
+    staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
 
 
 class _KeyTable:
@@ -219,10 +223,12 @@ class Engine:
                     self.set_header(self.fetch_header())
                     continue
                 return call.parse(reply)
-            reply = _scripts.call(self.client, call.script, call.keys, call.args)
+            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args)
             status = reply[0]
             if status == b"OK":
                 return call.parse(reply)
+            if status != b"OK" and call.staged:
+                self.client.delete(*(k for k, _ in call.staged))
             if status == b"STALE":
                 self.set_header(self._parse_header(_pairs(reply[1:])))
                 if attempt >= 8:
@@ -232,6 +238,30 @@ class Engine:
                 raise self.gone()
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
+
+    def _staged_call(self, call: Call) -> list:
+        """One pipeline: the staged blobs as plain ~1 MiB SETRANGEs (with a TTL), then the script."""
+        assert call.staged is not None
+        text, sha = _scripts.script_source(call.script)
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for key, data in call.staged:
+                view = memoryview(data).cast("B")
+                for a in range(0, len(view), BULK_CHUNK):
+                    pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+                pipe.pexpire(key, STAGING_TTL_MS)
+            pipe.execute_command("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+            results = pipe.execute(raise_on_error=False)
+            last = results[-1]
+            if isinstance(last, redis.exceptions.NoScriptError) and attempt == 0:
+                self.client.script_load(text)
+                continue
+            for r in results:
+                if isinstance(r, redis.exceptions.ResponseError):
+                    self.client.delete(*(k for k, _ in call.staged))
+                    raise _scripts.translate(r)
+            return last
+        raise _scripts.ServerScriptError("the write script could not be loaded")
 
     def _transaction(self, call: Call) -> list | None:
         """Run a bulk read as MULTI/EXEC; None when a guard no longer matches (see Call)."""
@@ -453,14 +483,21 @@ class Engine:
                 args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes, len(ops)]
             else:
                 args = [f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
+            staged: list[tuple[str, Any]] = []
             for op in ops:
+                if op[0] == "S" and len(op[2]) >= BULK_WRITE_BYTES:
+                    # a large new blob: staged by plain SETRANGE in the same round trip, moved by the script
+                    target = kt.keys[op[1] - 1]
+                    stage = self.keys.staging(target, uuid.uuid4().hex[:12])
+                    staged.append((stage, op[2]))
+                    op = ["M", kt.ref(stage), op[1], len(op[2])]
                 args.extend(op)
             state["new"] = new_header or h
 
             def parse(reply: list) -> Header:
                 return state["new"]
 
-            return Call("write", kt.keys, args, parse)
+            return Call("write", kt.keys, args, parse, staged=staged or None)
 
         header = self.run(plan_call)
         self.set_header(header)

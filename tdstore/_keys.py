@@ -7,6 +7,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:d:<n>    string  data blob of leaf number n (all elements, element-major)
     P:{I}:o:<n>    string  offset table of a heterogeneous leaf: count+1 int64 LE byte offsets
     P:{I}:s:<n>    string  shape table of a heterogeneous leaf: count records of ndim int64 LE
+    <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
+                           place by write.lua (RENAME); expires on its own if not
 
 Leaf *numbers*, never leaf names, appear in key names, so a leaf called ``"x:idx"``
 or ``"a.b"`` cannot collide with another leaf or with an internal key.  The td_id
@@ -59,6 +61,14 @@ class StoreKeys:
 
     def shapes(self, leaf: int) -> str:
         return f"{self.base}:s:{leaf}"
+
+    def staging(self, target: str, token: str) -> str:
+        """A temporary key that a bulk write fills with plain SETRANGEs before a script moves it onto ``target``.
+
+        It carries a short TTL, so one left behind by a refused or interrupted write expires.
+        """
+        assert target.startswith(self.base + ":")
+        return f"{target}:stage:{token}"
 
     def leaf_keys(self, leaf: int) -> tuple[str, str, str]:
         """All keys that leaf number ``leaf`` may own (data, offsets, shapes)."""

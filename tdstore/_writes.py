@@ -216,6 +216,11 @@ def plan_write(
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             want = rows_shape() + tuple(feat)
+            if tuple(value.shape) == want and full and not p.flips:
+                # the whole leaf, in order: replace the blob (large ones are staged, see Engine.run_write)
+                em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
+                ops.append(["S", kt.ref(keys.data(leaf.number)), _codec.to_bytes(em)])
+                continue
             if tuple(value.shape) == want:
                 op = _rows_op(kt, keys.data(leaf.number), rows(), _as_rows(value, len(rows_shape())))
                 if op is not None:

@@ -169,3 +169,40 @@ def test_bulk_reads_are_one_transaction_of_plain_getrange(real):
     other.clear_redis()
     with pytest.raises(KeyError, match=s.td_id):
         s.to_tensordict()
+
+
+def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real):
+    big = lazy_stack([TensorDict(x=torch.full((300_000,), float(i)), y=torch.arange(3) + i) for i in range(4)])  # 4.8 MB
+    s = LazyStackedTensorDictStore.from_lazy_stack(big, **real.kwargs())
+    s["y"]
+    s.set("x", torch.zeros(4, 300_000))  # warm the write script
+    new = torch.randn(4, 300_000)
+    cmds = top_level_commands(real.client, lambda: s.set("x", new))
+    assert cmds[-1] == "evalsha" and cmds.count("evalsha") == 1 and set(cmds[:-1]) == {"setrange", "pexpire"}
+    assert torch.equal(s["x"], new)
+    assert not real.client().keys("*:stage:*")
+    # a new large key goes the same way
+    s.set("z", torch.ones(4, 300_000, dtype=torch.float64))
+    assert s["z"].sum().item() == 4 * 300_000
+    # a stale handle: the script refuses, the staging key is deleted, the retry succeeds
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **real.kwargs())
+    other.rename_key_("y", "w")
+    import tdstore._engine as engine_module
+
+    deleted = []
+    real_call = engine_module.Engine._staged_call
+
+    def spy(self, call):
+        reply = real_call(self, call)
+        deleted.append(reply[0])
+        return reply
+
+    engine_module.Engine._staged_call = spy
+    try:
+        s.set("x", (new + 1).double())  # a schema change planned from a stale header: STALE, then retried
+    finally:
+        engine_module.Engine._staged_call = real_call
+    assert deleted == [b"STALE", b"OK"]
+    assert torch.equal(other["x"], (new + 1).double())
+    assert not real.client().keys("*:stage:*")
+    s.clear_redis()
