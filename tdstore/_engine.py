@@ -422,17 +422,21 @@ class Engine:
         packed_runs = _index.pack_pairs(lo, hi)
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
+        joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
         for leaf in leaves:
             if leaf.het:
                 args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs), packed_runs]
             else:
                 eb = leaf.element_nbytes
-                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs), _index.pack_pairs(lo * eb, (hi - lo + 1) * eb), "0"]
+                join = len(el_runs) > 1 and int(ids.size) * eb <= JOIN_LIMIT
+                joined.append(join)
+                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs), _index.pack_pairs(lo * eb, (hi - lo + 1) * eb), "1" if join else "0"]
 
         def parse(reply: list) -> ElementsResult:
             pieces = reply[2:]
             elements: list[dict[NestedPath, torch.Tensor]] = [{} for _ in range(ids.size)]
             pos = 0
+            homog_seen = 0
             for leaf in leaves:
                 k = 0
                 if leaf.het:
@@ -447,7 +451,15 @@ class Engine:
                         for j in range(n):
                             elements[k][leaf.path] = buf[o[j] : o[j + 1]].view(leaf.dtype).reshape(dims[j])
                             k += 1
+                elif joined[homog_seen]:
+                    # every touched element of this leaf in one buffer: one view per element
+                    homog_seen += 1
+                    block = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *leaf.shape))  # type: ignore[misc]
+                    pos += 1
+                    for k, t in enumerate(block.unbind(0)):
+                        elements[k][leaf.path] = t
                 else:
+                    homog_seen += 1
                     shape = leaf.shape
                     assert shape is not None
                     for rlo, rhi in el_runs:
