@@ -122,6 +122,7 @@ class Engine:
         self._epoch: str | None = None  # the creation this handle belongs to
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
+        self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
 
     # -- connection and header ----------------------------------------------
     @property
@@ -218,11 +219,20 @@ class Engine:
             header = self.header
             call = plan(header)
             if call.script == "tx":
-                reply = self._transaction(call)
+                try:
+                    reply = self._transaction(call)
+                except redis.exceptions.ResponseError:
+                    # e.g. at maxmemory, Redis refuses to queue commands in MULTI: read through the script
+                    self.bulk_reads = False
+                    try:
+                        return self.run(plan)
+                    finally:
+                        self.bulk_reads = True
                 if reply is None:  # the header moved: refresh, plan again
                     self.set_header(self.fetch_header())
                     continue
                 return call.parse(reply)
+            self._check_argument_sizes(call)
             reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args)
             status = reply[0]
             if status == b"OK":
@@ -239,6 +249,20 @@ class Engine:
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
+    def _check_argument_sizes(self, call: Call) -> None:
+        """Refuse, before sending, an argument the server would not accept as one string.
+
+        Otherwise the server drops the connection mid-request and redis-py retries for
+        seconds before a bare ``ConnectionError``. Every server accepts 1 MiB, so the
+        limit is only looked up when an argument is larger.
+        """
+        big = max((len(a) for a in call.args if isinstance(a, (bytes, bytearray, memoryview))), default=0)
+        if big > 1 << 20 and big > self.max_value_bytes:
+            raise ValueError(
+                f"a value of {big} bytes is larger than the server accepts in one piece "
+                f"(proto-max-bulk-len {self.max_value_bytes}); nothing was sent ({self.where()})"
+            )
+
     def _staged_call(self, call: Call) -> list:
         """One pipeline: the staged blobs as plain ~1 MiB SETRANGEs (with a TTL), then the script."""
         assert call.staged is not None
@@ -250,11 +274,12 @@ class Engine:
                 for a in range(0, len(view), BULK_CHUNK):
                     pipe.setrange(key, a, view[a : a + BULK_CHUNK])
                 pipe.pexpire(key, STAGING_TTL_MS)
-            pipe.execute_command("EVALSHA", sha, len(call.keys), *call.keys, *call.args)
+            # after a NOSCRIPT, send the text itself (EVAL): a second flush cannot get in between
+            script = ("EVALSHA", sha) if attempt == 0 else ("EVAL", text)
+            pipe.execute_command(*script, len(call.keys), *call.keys, *call.args)
             results = pipe.execute(raise_on_error=False)
             last = results[-1]
             if isinstance(last, redis.exceptions.NoScriptError) and attempt == 0:
-                self.client.script_load(text)
                 continue
             for r in results:
                 if isinstance(r, redis.exceptions.ResponseError):
@@ -384,7 +409,7 @@ class Engine:
         args: list[Any] = [len(leaves)]
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
-        bulk = int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
+        bulk = self.bulk_reads and int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
         ranges: list[tuple[str, int, int]] = []
         for leaf, rb in zip(leaves, row_bytes):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]

@@ -3,7 +3,8 @@
 Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
 call costs no extra round trip when the server already knows the script.  On
 ``NOSCRIPT`` (server restart, failover, ``SCRIPT FLUSH``, script-cache eviction)
-the script is loaded with ``SCRIPT LOAD`` and the call is retried once.  redis-py
+the script is loaded with ``SCRIPT LOAD`` and the call is retried once; if the
+cache was flushed again in between, the call is sent as ``EVAL`` with the text.  redis-py
 ``Script`` objects are not used: in pipelines they add a ``SCRIPT EXISTS`` round
 trip on every execute.
 """
@@ -58,7 +59,11 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> li
             return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
             client.script_load(text)
+        try:
             return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # flushed again between our load and the retry: send the text itself
+            return client.execute_command("EVAL", text, len(keys), *keys, *args)
     except ResponseError as err:
         raise translate(err) from None
 

@@ -162,6 +162,17 @@ def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_eleme
         leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None)
     token = uuid.uuid4().hex
     header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}")
+    # every leaf is one string on the server: refuse, before writing anything, a leaf the
+    # server cannot hold, and never send a piece larger than it accepts in one request
+    limit = engine.max_value_bytes
+    for s in scans:
+        total = sum(math.prod(shape) for shape in s.shapes) * s.dtype.itemsize
+        if total > limit:
+            raise ValueError(
+                f"key {display(s.path)!r} needs {total} bytes, more than the server accepts for one string "
+                f"({limit}, proto-max-bulk-len); nothing was written"
+            )
+    chunk_bytes = max(1, min(chunk_bytes, limit))
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
     if existing is not None:
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")

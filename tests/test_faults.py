@@ -2,9 +2,7 @@
 
 The cases start their own embedded redis-server (unix socket, no persistence, the
 ``--maxmemory`` / ``--proto-max-bulk-len`` arguments they need) and never touch a
-server they did not start.  A check that fails because of a tdstore bug already
-reported (``KNOWN_BUGS``) turns its case into an expected failure; any other
-failing check fails the test.
+server they did not start.  Every check of every case must pass.
 """
 
 from __future__ import annotations
@@ -34,31 +32,17 @@ def _load_tool() -> ModuleType:
 
 faults = _load_tool()
 
-#: (case, check) -> the tdstore bug that makes that check fail today (see the fault report).
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("script-flush", "concurrent flushes"): (
-        "a second SCRIPT FLUSH between tdstore's SCRIPT LOAD and its single EVALSHA retry raises a raw redis NoScriptError"
-    ),
-    ("proto-max-bulk-len", "set a 2 MB leaf"): (
-        "an argument larger than proto-max-bulk-len is sent anyway: redis.ConnectionError (Broken pipe) after "
-        "redis-py's retries instead of a ValueError raised before sending"
-    ),
-}
 QUICK = faults.Options(quick=True, seed=1)
 
 
 @pytest.mark.parametrize("name", faults.CASE_NAMES)
 def test_fault_case(name: str) -> None:
-    """Each case passes on its own private server (known tdstore bugs excepted, as xfail)."""
+    """Each case passes on its own private server, every check of it."""
     res = faults.run_case(name, QUICK)
     report = faults.format_line(res) + "\n" + faults.format_checks(res)
     assert res.status != "SKIP", report
     assert res.checks, report
-    failing = [c.name for c in res.checks if not c.ok]
-    unexpected = [c for c in failing if (name, c) not in KNOWN_BUGS]
-    assert not unexpected, report
-    if failing:
-        pytest.xfail("known tdstore bug: " + "; ".join(KNOWN_BUGS[(name, c)] for c in failing))
+    assert all(c.ok for c in res.checks), report
     assert res.status == "PASS", report
 
 
