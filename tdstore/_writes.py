@@ -127,6 +127,27 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
     return leaf, [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
 
 
+def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: _KeyTable) -> tuple[None, list[list[Any]], list[Leaf]] | None:
+    """``store[i] = td`` when every leaf is homogeneous and keeps its dtype and shape: one SETRANGE each.
+
+    The common actor write skips the general planner; None hands anything else
+    (new keys, shape changes, heterogeneous leaves, bad input) to :func:`plan_write`.
+    """
+    if h.stack_pos != 0 or h.inner or not 0 <= element < h.count:
+        return None
+    ops: list[list[Any]] = []
+    touched = []
+    for path, value in items.items():
+        leaf = h.leaves.get(path)
+        if leaf is None or leaf.shape is None or type(value) is list or value.dtype != leaf.dtype or value.shape != leaf.shape:
+            return None
+        eb = leaf.element_nbytes
+        if eb:
+            ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(element * eb, eb), _codec.to_bytes(value)])
+        touched.append(leaf)
+    return None, ops, touched
+
+
 def plan_write(
     keys: StoreKeys,
     h: Header,

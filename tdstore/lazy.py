@@ -584,6 +584,16 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         new = [p for p in items if p not in self._engine.header.leaves]
         if new and self.is_locked:
             raise RuntimeError(_LOCK_ERROR)
+        if isinstance(index, int) and not isinstance(index, bool) and not new:
+            keys = self._engine.keys
+            e = index % self._count if -self._count <= index < self._count else index
+
+            def plan(h: Header, kt: Any) -> Any:
+                fast = _writes.plan_element_write(keys, h, e, items, kt)
+                return fast if fast is not None else _writes.plan_write(keys, h, index, items, kt)
+
+            self._engine.run_write(plan)
+            return
         self._write(index, items)
 
     def _fill_value(self, index: Any, value: Any) -> dict[NestedPath, torch.Tensor]:
