@@ -27,11 +27,11 @@ kinds so that every kind runs.  Reader kinds: ``element``
 (``store[torch.randint(...)]``) and ``column`` (``store["stamp"]``).
 
 ``--schema-races`` adds one process that keeps changing the schema (adds and
-deletes ``extra_k``, renames ``aux`` back and forth, changes the dtype of
-``spare``) while the others read and write with cached metadata.  Readers also
+deletes ``extra_k``, renames ``aux`` back and forth, changes the dtype and the shape
+of ``spare``) while the others read and write with cached metadata.  Readers also
 check those keys loosely (a present ``extra_k`` holds 7.0, exactly one of
 ``aux``/``aux_renamed`` is present and holds [42, 43], ``spare`` holds the value
-of its current dtype), since every read is one atomic call.
+of its current dtype in one of its widths), since every read is one atomic call.
 
 Usage::
 
@@ -105,6 +105,8 @@ CHECKED: tuple[tuple[str, ...], ...] = (
 )
 EXTRA_VALUE = 7.0
 AUX_VALUE = (42, 43)
+#: The widths ``spare`` takes as the schema racer retypes it: each change of dtype changes its shape too.
+SPARE_WIDTHS = (2, 3)
 #: The values ``spare`` holds in each dtype the schema racer gives it (cycled in this order).
 SPARE_VALUES: tuple[tuple[torch.dtype, float], ...] = ((torch.float32, 1.5), (torch.float64, 2.5), (torch.int64, 3))
 MAX_EXAMPLES = 5
@@ -221,7 +223,7 @@ def _check_racer_keys(td: TensorDictBase, row: int) -> str | None:
     if present[0].dtype != torch.int64 or present[0].tolist() != list(AUX_VALUE):
         return f"row {row}: aux holds {_describe(present[0])}"
     spare = td.get("spare", None)
-    ok = spare is not None and spare.shape == (2,) and any(spare.dtype == d and bool((spare == v).all()) for d, v in SPARE_VALUES)
+    ok = spare is not None and tuple(spare.shape) in {(w,) for w in SPARE_WIDTHS} and any(spare.dtype == d and bool((spare == v).all()) for d, v in SPARE_VALUES)
     if not ok:
         return f"row {row}: spare holds {_describe(spare)}"
     return None
@@ -507,7 +509,8 @@ class _SchemaRacer:
             else:
                 nxt = (self.spare + 1) % len(SPARE_VALUES)
                 dtype, value = SPARE_VALUES[nxt]
-                tally.timed("schema.dtype", lambda: store.set("spare", torch.full((n, 2), value, dtype=dtype)))
+                width = SPARE_WIDTHS[nxt % len(SPARE_WIDTHS)]  # the dtype and the shape change together
+                tally.timed("schema.dtype", lambda: store.set("spare", torch.full((n, width), value, dtype=dtype)))
                 self.spare = nxt
         except Exception:
             tally.error(f"schema.{kind}")
