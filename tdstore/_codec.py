@@ -87,13 +87,6 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def join_bytes(tensors: list[torch.Tensor]) -> bytes | memoryview:
-    """The bytes of several tensors back to back (one copy)."""
-    if len(tensors) == 1:
-        return to_bytes(tensors[0])
-    return b"".join(to_bytes(t) for t in tensors)
-
-
 def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
     """A new writable tensor of ``dtype`` and ``shape`` holding ``data``.
 

@@ -385,9 +385,6 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         h = self._header
         return [leaf.path for leaf in sorted(h.leaves.values(), key=lambda leaf: leaf.number)]
 
-    def _paths_under(self, path: NestedPath) -> list[NestedPath]:
-        return [p for p in self._paths() if p[: len(path)] == path]
-
     @property
     def device(self) -> torch.device | None:
         return self._device
