@@ -469,12 +469,12 @@ class Engine:
                         offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
                         pos += 3
                         n = rhi - rlo + 1
-                        o = (_codec.unpack_i64(offs) - int.from_bytes(offs[:8], "little")).tolist()
+                        sizes = np.diff(_codec.unpack_i64(offs)).tolist()
                         dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
-                        # one buffer per run; each element is a view of its slice
+                        # one buffer per run, split into one view per element in a single call
                         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                        for j in range(n):
-                            elements[k][leaf.path] = buf[o[j] : o[j + 1]].view(leaf.dtype).reshape(dims[j])
+                        for piece, dim in zip(buf.split(sizes), dims):
+                            elements[k][leaf.path] = piece.view(leaf.dtype).reshape(dim)
                             k += 1
                 elif joined[homog_seen]:
                     # every touched element of this leaf in one buffer: one view per element

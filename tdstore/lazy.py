@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,6 +20,19 @@ from ._keys import StoreKeys
 from ._schema import Header, NestedPath
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, leaves_of
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one read (reference counting still frees everything)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 _LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
 
@@ -457,8 +472,11 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         With ``strip`` the result is the sub-tree below ``under``; without it, the
         leaves keep their full paths.
         """
-        plan, result = self._engine.read(index, paths, under=under)
-        return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
+        # a large read makes many small objects (views, TensorDicts): with the cyclic GC paused
+        # meanwhile, it does not walk every live object of the program several times over
+        with _gc_paused():
+            plan, result = self._engine.read(index, paths, under=under)
+            return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
         return self._read_index(index)
