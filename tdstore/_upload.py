@@ -30,7 +30,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 from . import _codec, _scripts
 from ._engine import Engine
 from ._schema import Header, Leaf, NestedPath, check_paths
-from ._values import as_path, display
+from ._values import as_path, display, gc_paused
 
 UPLOAD_TTL_MS = 120_000
 
@@ -150,6 +150,11 @@ def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements
 
 
 def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int) -> Header:
+    with gc_paused():
+        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes)
+
+
+def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int) -> Header:
     elements, stack_dim = _elements(lazy_td)
     inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
     count = len(elements)

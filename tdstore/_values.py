@@ -11,7 +11,9 @@ Reads: engine results become a ``TensorDict`` when every leaf is homogeneous, or
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import gc
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,22 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from ._engine import DenseResult, ElementsResult
 from ._index import Plan
 from ._schema import NestedPath
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a read or an upload makes many small objects.
+
+    Reference counting still frees everything; the pause only spares the collector
+    from walking every live object of the program several times over.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def as_path(key: Any) -> NestedPath:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,20 +17,7 @@ from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import Header, NestedPath
 from ._unsupported import StoreUnsupported
-from ._values import as_path, assemble, display, leaves_of
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one read (reference counting still frees everything)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
+from ._values import as_path, assemble, display, gc_paused, leaves_of
 
 _LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
 
@@ -474,7 +459,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         """
         # a large read makes many small objects (views, TensorDicts): with the cyclic GC paused
         # meanwhile, it does not walk every live object of the program several times over
-        with _gc_paused():
+        with gc_paused():
             plan, result = self._engine.read(index, paths, under=under)
             return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
 
