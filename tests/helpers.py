@@ -78,3 +78,18 @@ def top_level_commands(client_factory, fn) -> list[str]:
         poke.echo(sentinel)
         thread.join(10)
     return seen
+
+
+def load_tool(name: str):
+    """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tdstore_{name}_tool", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module

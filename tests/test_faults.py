@@ -7,30 +7,20 @@ server they did not start.  Every check of every case must pass.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "faults.py"
 
 
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tdstore_faults_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-faults = _load_tool()
+faults = load_tool("faults")
 
 QUICK = faults.Options(quick=True, seed=1)
 

@@ -6,31 +6,21 @@ never one they did not start.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "stress.py"
 
 
-def _load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tdstore_stress_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-stress = _load_tool()
+stress = load_tool("stress")
 
 
 def run_tool(tmp_path: Path, *args: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
