@@ -237,7 +237,7 @@ class Engine:
             status = reply[0]
             if status == b"OK":
                 return call.parse(reply)
-            if status != b"OK" and call.staged:
+            if call.staged:  # refused: the staged blobs will not be moved anywhere
                 self.client.delete(*(k for k, _ in call.staged))
             if status == b"STALE":
                 self.set_header(self._parse_header(_pairs(reply[1:])))

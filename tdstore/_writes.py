@@ -141,11 +141,17 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
         leaf = h.leaves.get(path)
         if leaf is None or leaf.shape is None or type(value) is list or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
-        eb = leaf.element_nbytes
-        if eb:
-            ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(element * eb, eb), _codec.to_bytes(value)])
+        ops.extend(_element_op(kt, keys, leaf, element, value))
         touched.append(leaf)
     return None, ops, touched
+
+
+def _element_op(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor) -> list[list[Any]]:
+    """The one SETRANGE that writes a whole element of a homogeneous leaf (none for zero bytes)."""
+    eb = leaf.element_nbytes
+    if not eb:
+        return []
+    return [["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(element * eb, eb), _codec.to_bytes(value)]]
 
 
 def plan_write(
@@ -184,7 +190,8 @@ def plan_write(
         rows()
         return rows_cache["shape"]
 
-    def per_element(path: NestedPath, value: Value) -> list[torch.Tensor]:
+    def per_element(path: NestedPath, value: Value) -> tuple[list[int], list[torch.Tensor]]:
+        """The element ids along the stack dim, in the value's order, and the value split per element."""
         order = element_order(p, norm)
         if not p.inner_full:
             raise ValueError(
@@ -203,7 +210,7 @@ def plan_write(
             elems = list(value)
         if len(elems) != len(order):
             raise ValueError(f"key {_name(path)}: got {len(elems)} elements for an index that selects {len(order)}")
-        return elems
+        return order, elems
 
     new_paths = []
     for path, value in items.items():
@@ -229,10 +236,7 @@ def plan_write(
             _element_checks(h, path, value, None, leaf.dtype)
         if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
-            eb = leaf.element_nbytes
-            e = int(p.elements[0])
-            if eb:
-                ops.append(["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), _codec.to_bytes(value)])
+            ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value))
             continue
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
@@ -249,9 +253,8 @@ def plan_write(
                 continue
             if not p.inner_full or value.ndim != len(want):
                 raise ValueError(f"key {_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
-        elems = per_element(path, value)
+        order, elems = per_element(path, value)
         _element_checks(h, path, elems, leaf.ndim, leaf.dtype)
-        order = element_order(p, norm)
         if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
             eb = leaf.element_nbytes
             data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)

@@ -612,9 +612,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
     def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` (covering the whole stack) in one atomic call."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
-        if keys_to_update is not None:
-            wanted = [as_path(k) for k in keys_to_update]
-            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        items = _only_keys(items, keys_to_update)
         if not items:
             return self
         new = [p for p in items if p not in self._engine.header.leaves]
@@ -631,9 +629,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
     def update_at_(self, input_dict_or_td: Any, idx: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
         """Write the leaves of ``input_dict_or_td`` at ``idx`` in one atomic call (existing keys only)."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
-        if keys_to_update is not None:
-            wanted = [as_path(k) for k in keys_to_update]
-            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        items = _only_keys(items, keys_to_update)
         missing = [p for p in items if p not in self._engine.header.leaves]
         if missing:
             raise KeyError(f"key {display(missing[0])!r} is not in the store (update_at_ writes existing keys only)")
@@ -740,6 +736,14 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
 
     def __reduce__(self) -> Any:
         return (_restore, (type(self), self.__getstate__()))
+
+
+def _only_keys(items: dict[NestedPath, Any], keys_to_update: Any, under: NestedPath = ()) -> dict[NestedPath, Any]:
+    """The leaves of ``items`` at or below one of ``keys_to_update`` (all of them when it is None)."""
+    if keys_to_update is None:
+        return items
+    wanted = [under + as_path(k) for k in keys_to_update]
+    return {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
 
 
 def _restore(cls: type, state: dict[str, Any]) -> Any:
@@ -915,9 +919,7 @@ class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
     def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
         items = leaves_of(input_dict_or_td, self._store._engine.header.stack_pos, self._under)
-        if keys_to_update is not None:
-            wanted = [self._under + as_path(k) for k in keys_to_update]
-            items = {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+        items = _only_keys(items, keys_to_update, self._under)
         if items:
             self._write(items)
         return self

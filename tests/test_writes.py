@@ -232,3 +232,18 @@ def test_other_in_place_methods_read_once_and_write_once(backend):
     assert torch.equal(store[1]["nested", "b"], after[1]["nested", "b"] + 1)
     assert torch.equal(store[2]["nested", "b"], after[2]["nested", "b"])
     store.clear_redis()
+
+
+def test_update_keys_to_update(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3, het=False), **backend.kwargs())
+    before = store.to_tensordict()
+    new = before.clone()
+    new["obs"] += 1
+    new["nested", "b"] += 1
+    store.update(new, keys_to_update=["nested"])
+    assert torch.equal(store["nested", "b"], before["nested", "b"] + 1) and torch.equal(store["obs"], before["obs"])
+    store.update_at_(new[1], 1, keys_to_update=["obs"])
+    assert torch.equal(store["obs"][1], before["obs"][1] + 1) and torch.equal(store["obs"][0], before["obs"][0])
+    store[2].update(new[2], keys_to_update=[("nested", "b")])
+    assert torch.equal(store[2]["nested", "b"], before[2]["nested", "b"] + 1) and torch.equal(store[2]["obs"], before[2]["obs"])
+    store.clear_redis()
