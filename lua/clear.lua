@@ -8,9 +8,12 @@
   reach another store.
 
   KEYS[1]     store header hash
-  KEYS[2..]   every data / offset / shape key of the store
+  KEYS[2]     registry set of the prefix (the td_id is removed from it)
+  KEYS[3..]   every data / offset / shape key of the store
   ARGV[1]     '<epoch>:V<version>': the schema version the client listed the keys from, or
-              '*' to delete what is listed without any check (used to abort an upload)
+              '*' to delete what is listed without any check (used to abort an upload,
+              and by 'tdstore rm' for a store whose header is gone or unreadable)
+  ARGV[2]     the td_id
 
   Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.
 ]]
@@ -21,8 +24,9 @@ if ARGV[1] ~= '*' then
     return bad
   end
 end
-local n = 0
-for i = 1, #KEYS do
+local n = redis.call('DEL', meta)
+for i = 3, #KEYS do
   n = n + redis.call('DEL', KEYS[i])
 end
+redis.call('SREM', KEYS[2], ARGV[2])
 return {'OK', n}

@@ -4,12 +4,14 @@
   from_lazy_stack writes a new store under a header in state 'uploading:<token>'
   with every key on a short TTL that each chunk renews, so an uploader that dies
   leaves no keys behind once the TTL runs out. This script checks that the upload
-  is still the caller's, marks the store ready and removes every TTL, atomically:
-  readers either see no store or the whole store.
+  is still the caller's, marks the store ready and removes every TTL (or sets the
+  store's own, the same on every key), atomically: readers either see no store or
+  the whole store.
 
   KEYS[1]     store header hash
   KEYS[2..]   every data / offset / shape key of the store
   ARGV[1]     the upload token
+  ARGV[2]     the store's time to live in milliseconds, '0' for none
 
   Reply       {'OK'}; {'GONE'} when the header expired or was deleted meanwhile.
   Errors      'TDSTORE upload lost' when the header is not this upload's.
@@ -23,7 +25,12 @@ if state ~= 'uploading:' .. ARGV[1] then
   error('TDSTORE upload lost: the store header is not in this upload\'s state')
 end
 redis.call('HSET', meta, 'state', 'ready')
+local ttl = tds_num(ARGV[2], 'ttl')
 for i = 1, #KEYS do
-  redis.call('PERSIST', KEYS[i])
+  if ttl > 0 then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  else
+    redis.call('PERSIST', KEYS[i])
+  end
 end
 return {'OK'}

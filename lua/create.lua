@@ -6,10 +6,17 @@
   gets the stored header back in the same round trip and attaches to it, or raises
   when count, stack dim or inner batch size disagree.
 
+  A new store is added to the registry of its prefix (a set of td_ids), so that
+  stores can be listed without knowing their ids; 'tdstore ls' reads each
+  listed header for the rest, so the registry never holds facts that go stale.
+
   KEYS[1]     store header hash
+  KEYS[2]     registry set of the prefix
   ARGV[1]     time to live of the header in milliseconds, '0' for none (an upload
-              creates its header with a TTL, so an uploader that dies leaves nothing)
-  ARGV[2..]   field, value, field, value, ... of the new header
+              creates its header with a TTL, so an uploader that dies leaves nothing;
+              a store made with ttl= gets its TTL here)
+  ARGV[2]     the td_id, as added to the registry
+  ARGV[3..]   field, value, field, value, ... of the new header
 
   Reply       {'OK'} when the header was created;
               {'EXISTS', field, value, ...} with the stored header otherwise.
@@ -21,14 +28,15 @@ if redis.call('EXISTS', meta) == 1 then
   table.insert(r, 1, 'EXISTS')
   return r
 end
-if (#ARGV - 1) % 2 ~= 0 or #ARGV < 3 then
+if (#ARGV - 2) % 2 ~= 0 or #ARGV < 4 then
   error('TDSTORE bad argument: header fields must come in pairs')
 end
 local ttl = tds_num(ARGV[1], 'ttl')
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   redis.call('HSET', meta, ARGV[i], ARGV[i + 1])
 end
 if ttl > 0 then
   redis.call('PEXPIRE', meta, ttl)
 end
+redis.call('SADD', KEYS[2], ARGV[2])
 return {'OK'}

@@ -25,12 +25,25 @@
           offset table KEYS[ko] and shape table KEYS[ks] (rec bytes per shape
           record); 'runs' packs n pairs (lo, hi), 0-based inclusive, as int64
 
-  Reply       {'OK', version, pieces...}: for an 'R' op one piece (join) or n pieces;
+    'U', n, draws
+          sample n rows uniformly from the written slots of the ring: 'draws' packs
+          n int64 values drawn by the client in [0, 2^53) (so a seeded generator
+          gives the same rows), and row j is draw_j % min(rw, count), where rw is
+          the header's ring write counter. Must come before its 'X'/'Y' ops.
+    'X', k, nb
+          the nb-byte element of each sampled row of a homogeneous leaf, joined
+    'Y', kd, ko, ks, rec
+          each sampled row of a heterogeneous leaf: three pieces, the packed
+          (start, end) byte offsets of every row, their shape records, their data
+
+  Reply       {'OK', version, pieces...}; a 'U' op adds two pieces where it stands:
+              the sampled slots packed as int64, and rw (as a decimal string).: for an 'R' op one piece (join) or n pieces;
               for an 'E' op three pieces per run: the raw int64 offsets lo..hi+1, the
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
-  Errors      'TDSTORE bad argument' for a malformed op (nothing is read).
+  Errors      'TDSTORE bad argument' for a malformed op (nothing is read);
+              'TDSTORE empty' when a 'U' op finds no written slot.
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -40,6 +53,7 @@ end
 local out = {'OK', redis.call('HGET', meta, 'version')}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
+local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -95,6 +109,66 @@ for _ = 1, nops do
         out[#out + 1] = ''
       end
     end
+  elseif kind == 'U' then
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U op per call')
+    end
+    local n = tds_num(ARGV[a + 1], 'row count')
+    local draws = ARGV[a + 2]
+    a = a + 3
+    if #draws ~= 8 * n then
+      error('TDSTORE bad argument: draw table size')
+    end
+    local count = tds_num(redis.call('HGET', meta, 'count'), 'count')
+    local rw = tonumber(redis.call('HGET', meta, 'rw') or '0')
+    local written = math.min(rw, count)
+    if written == 0 then
+      error('TDSTORE empty: no slot of the ring has been written yet')
+    end
+    rows = {}
+    local packed = {}
+    for j = 1, n do
+      rows[j] = tds_u64(draws, 8 * j - 7) % written
+      packed[j] = tds_p64(rows[j])
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'X' then
+    if rows == nil then
+      error('TDSTORE bad argument: X op before its U op')
+    end
+    local key = KEYS[tds_num(ARGV[a + 1], 'key index')]
+    local nb = tds_num(ARGV[a + 2], 'element size')
+    a = a + 3
+    local pieces = {}
+    if nb > 0 then
+      for j = 1, #rows do
+        pieces[j] = redis.call('GETRANGE', key, rows[j] * nb, (rows[j] + 1) * nb - 1)
+      end
+    end
+    out[#out + 1] = table.concat(pieces)
+  elseif kind == 'Y' then
+    if rows == nil then
+      error('TDSTORE bad argument: Y op before its U op')
+    end
+    local dkey = KEYS[tds_num(ARGV[a + 1], 'data key index')]
+    local okey = KEYS[tds_num(ARGV[a + 2], 'offset key index')]
+    local skey = KEYS[tds_num(ARGV[a + 3], 'shape key index')]
+    local rec = tds_num(ARGV[a + 4], 'record size')
+    a = a + 5
+    local bounds, shapes, data = {}, {}, {}
+    for j = 1, #rows do
+      local offs = redis.call('GETRANGE', okey, 8 * rows[j], 8 * rows[j] + 15)
+      bounds[j] = offs
+      if rec > 0 then
+        shapes[j] = redis.call('GETRANGE', skey, rows[j] * rec, (rows[j] + 1) * rec - 1)
+      end
+      local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
+      data[j] = last > first and redis.call('GETRANGE', dkey, first, last - 1) or ''
+    end
+    out[#out + 1] = table.concat(bounds)
+    out[#out + 1] = table.concat(shapes)
+    out[#out + 1] = table.concat(data)
   else
     error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
   end

@@ -42,7 +42,30 @@
           'shapes' (rec bytes each); when the sizes change, the bytes after the run
           move and every later offset is shifted: O(count - lo) work.
 
-  Reply       {'OK', version} with the version now current.
+    'W', n
+          reserve the next n slots of the ring (the store's count is its capacity):
+          value row j goes to slot (rw + j) % count, where rw is the header's ring
+          write counter, which grows by n. Must come before the 'X'/'Y' ops it
+          addresses; n may not exceed the count (no slot twice in one call).
+    'G', n, pairs
+          conditional rows: 'pairs' packs n (slot, generation) int64 pairs; value
+          row j goes to its slot only when the slot's generation (see below) still
+          equals the one given, else row j is skipped.
+    'X', k, nb, data
+          a homogeneous leaf, addressed by the rows of 'W' or 'G': 'data' holds one
+          nb-byte element per row; consecutive slots become one SETRANGE.
+    'Y', kd, ko, ks, rec, shapes, data, size_1, ..., size_n
+          a heterogeneous leaf addressed by rows: one element per row (its bytes in
+          'data', its shape record in 'shapes'), spliced like 'E' per run of
+          consecutive slots.
+          The generation of slot s is the number of ring writes ('W') it received:
+          0 when s >= rw, else floor((rw - 1 - s) / count) + 1.
+
+  Reply       {'OK', version} with the version now current; with a 'W' op
+              {'OK', version, rw before the call}; with a 'G' op
+              {'OK', version, applied} where 'applied' has one '1' or '0' per row.
+              When the store has a time to live, every key the call creates
+              gets the header's expiry, so the keys of a store expire together.
               {'STALE', header field, value, ...} when a checked version moved: nothing written.
               {'GONE'} when the store does not exist: nothing written.
   Errors      'TDSTORE bad argument' for a malformed op, 'TDSTORE too large' when a
@@ -88,6 +111,35 @@ local function key(i)
     error('TDSTORE bad argument: key index out of range')
   end
   return k
+end
+-- rows of this call's 'X'/'Y' ops, set by its 'W' or 'G' op
+local rows, applied, ring_n, extra = nil, nil, 0, nil
+-- Check an 'E' op (sizes, range, the size its blob will have) and queue it.
+local function add_splice(op)
+  local total = 0
+  for j = 1, #op.sizes do
+    total = total + op.sizes[j]
+  end
+  if #op.sizes ~= op.hi - op.lo + 1 or total ~= #op.data or #op.shapes ~= op.rec * (op.hi - op.lo + 1) then
+    error('TDSTORE bad argument: element sizes do not add up')
+  end
+  -- the blob grows by the new run's size minus the old one's: read (not write) the
+  -- offsets now, so a blob that would outgrow the limit stops the call before any write
+  local offs = peek(op.okey, 8 * op.lo, 8 * (op.hi + 2) - 1)
+  if #offs ~= 8 * (op.hi - op.lo + 2) then
+    error('TDSTORE bad argument: elements out of range of the offset table')
+  end
+  local g = grow[op.dkey]
+  if g == nil then
+    local olen = peek_len(op.okey)
+    g = {end_ = tds_u64(peek(op.okey, olen - 8, olen - 1), 1), delta = 0}
+    grow[op.dkey] = g
+  end
+  g.delta = g.delta + total - (tds_u64(offs, 8 * (op.hi - op.lo + 1) + 1) - tds_u64(offs, 1))
+  if g.end_ + g.delta > limit then
+    too_large(op.dkey, g.end_ + g.delta)
+  end
+  ops[#ops + 1] = op
 end
 for _ = 1, nops do
   local kind = ARGV[a]
@@ -149,33 +201,119 @@ for _ = 1, nops do
     local op = {kind = 'E', dkey = key(a + 1), okey = key(a + 2), skey = key(a + 3),
                 rec = tds_num(ARGV[a + 4], 'record size'), lo = tds_num(ARGV[a + 5], 'lo'),
                 hi = tds_num(ARGV[a + 6], 'hi'), shapes = ARGV[a + 7], data = ARGV[a + 8], sizes = {}}
-    local total = 0
     for j = 0, op.hi - op.lo do
-      local s = tds_num(ARGV[a + 9 + j], 'size')
-      op.sizes[j + 1] = s
-      total = total + s
-    end
-    if total ~= #op.data or #op.shapes ~= op.rec * (op.hi - op.lo + 1) then
-      error('TDSTORE bad argument: element sizes do not add up')
-    end
-    -- the blob grows by the new run's size minus the old one's: read (not write) the
-    -- offsets now, so a blob that would outgrow the limit stops the call before any write
-    local offs = peek(op.okey, 8 * op.lo, 8 * (op.hi + 2) - 1)
-    if #offs ~= 8 * (op.hi - op.lo + 2) then
-      error('TDSTORE bad argument: elements out of range of the offset table')
-    end
-    local g = grow[op.dkey]
-    if g == nil then
-      local olen = peek_len(op.okey)
-      g = {end_ = tds_u64(peek(op.okey, olen - 8, olen - 1), 1), delta = 0}
-      grow[op.dkey] = g
-    end
-    g.delta = g.delta + total - (tds_u64(offs, 8 * (op.hi - op.lo + 1) + 1) - tds_u64(offs, 1))
-    if g.end_ + g.delta > limit then
-      too_large(op.dkey, g.end_ + g.delta)
+      op.sizes[j + 1] = tds_num(ARGV[a + 9 + j], 'size')
     end
     a = a + 9 + (op.hi - op.lo + 1)
-    ops[#ops + 1] = op
+    add_splice(op)
+  elseif kind == 'W' or kind == 'G' then
+    if rows ~= nil then
+      error('TDSTORE bad argument: one W or G op per call')
+    end
+    local n = tds_num(ARGV[a + 1], 'row count')
+    local count = tds_num(redis.call('HGET', meta, 'count'), 'count')
+    local rw = tonumber(redis.call('HGET', meta, 'rw') or '0')
+    rows, applied = {}, {}
+    if kind == 'W' then
+      if n < 1 or n > count then
+        error('TDSTORE bad argument: a ring write of ' .. n .. ' rows into ' .. count .. ' slots')
+      end
+      for j = 1, n do
+        rows[j] = (rw + j - 1) % count
+        applied[j] = true
+      end
+      ring_n = n
+      extra = string.format('%.0f', rw)
+      a = a + 2
+    else
+      local pairs_ = ARGV[a + 2]
+      if #pairs_ ~= 16 * n then
+        error('TDSTORE bad argument: row table size')
+      end
+      local flags = {}
+      for j = 1, n do
+        local s, want = tds_u64(pairs_, 16 * j - 15), tds_u64(pairs_, 16 * j - 7)
+        if s >= count then
+          error('TDSTORE bad argument: slot ' .. s .. ' out of range of ' .. count)
+        end
+        local gen = 0
+        if s < rw then
+          gen = math.floor((rw - 1 - s) / count) + 1
+        end
+        rows[j] = s
+        applied[j] = gen == want
+        flags[j] = applied[j] and '1' or '0'
+      end
+      extra = table.concat(flags)
+      a = a + 3
+    end
+  elseif kind == 'X' then
+    if rows == nil then
+      error('TDSTORE bad argument: X op before its W or G op')
+    end
+    local k, nb, data = key(a + 1), tds_num(ARGV[a + 2], 'element size'), ARGV[a + 3]
+    if #data ~= nb * #rows then
+      error('TDSTORE bad argument: row data size')
+    end
+    local op = {kind = 'P', key = k, starts = {}, parts = {}}
+    local j = 1
+    while j <= #rows do
+      if applied[j] then
+        local e = j
+        while e < #rows and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
+          e = e + 1
+        end
+        local start = rows[j] * nb
+        if start + (e - j + 1) * nb > limit then
+          too_large(k, start + (e - j + 1) * nb)
+        end
+        op.starts[#op.starts + 1] = start
+        op.parts[#op.parts + 1] = string.sub(data, (j - 1) * nb + 1, e * nb)
+        j = e + 1
+      else
+        j = j + 1
+      end
+    end
+    if nb > 0 then
+      ops[#ops + 1] = op
+    end
+    a = a + 4
+  elseif kind == 'Y' then
+    if rows == nil then
+      error('TDSTORE bad argument: Y op before its W or G op')
+    end
+    local dkey, okey, skey = key(a + 1), key(a + 2), key(a + 3)
+    local rec, shapes, data = tds_num(ARGV[a + 4], 'record size'), ARGV[a + 5], ARGV[a + 6]
+    local n = #rows
+    local sizes, starts, total = {}, {}, 0
+    for j = 1, n do
+      sizes[j] = tds_num(ARGV[a + 6 + j], 'size')
+      starts[j] = total
+      total = total + sizes[j]
+    end
+    if total ~= #data or #shapes ~= rec * n then
+      error('TDSTORE bad argument: element sizes do not add up')
+    end
+    a = a + 7 + n
+    local j = 1
+    while j <= n do
+      if applied[j] then
+        local e = j
+        while e < n and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
+          e = e + 1
+        end
+        local op = {kind = 'E', dkey = dkey, okey = okey, skey = skey, rec = rec, lo = rows[j], hi = rows[e],
+                    shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
+                    data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
+        for m = j, e do
+          op.sizes[m - j + 1] = sizes[m]
+        end
+        add_splice(op)
+        j = e + 1
+      else
+        j = j + 1
+      end
+    end
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))
   end
@@ -272,6 +410,10 @@ for _, op in ipairs(ops) do
         pos = pos + len
       end
     end
+  elseif op.kind == 'P' then
+    for j = 1, #op.starts do
+      redis.call('SETRANGE', op.key, op.starts[j], op.parts[j])
+    end
   elseif op.kind == 'S' then
     redis.call('SET', op.key, op.value)
   elseif op.kind == 'D' then
@@ -297,5 +439,21 @@ if ARGV[3] ~= '' then
     end
   end
   redis.call('HINCRBY', meta, 'version', 1)
+end
+if ring_n > 0 then
+  redis.call('HINCRBY', meta, 'rw', ring_n)
+end
+-- SET and RENAME drop a key's expiry: give new keys the header's, so a store with a
+-- time to live expires as a whole
+local ttl = redis.call('PTTL', meta)
+if ttl > 0 then
+  for _, op in ipairs(ops) do
+    if op.kind == 'S' or op.kind == 'M' then
+      redis.call('PEXPIRE', op.key or op.dst, ttl)
+    end
+  end
+end
+if extra ~= nil then
+  return {'OK', redis.call('HGET', meta, 'version'), extra}
 end
 return {'OK', redis.call('HGET', meta, 'version')}

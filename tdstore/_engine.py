@@ -196,12 +196,21 @@ class Engine:
             raise KeyError(f"the store with {self.where()} is still being uploaded (state {header.state!r})")
         return header
 
+    def ring_writes(self) -> int:
+        """The ring write counter ``rw`` of the header, in one round trip (``HMGET``); never writes."""
+        rw, epoch = self.client.hmget(self.keys.meta, ["rw", "epoch"])
+        if epoch is None:
+            raise self.gone()
+        if self._epoch is not None and epoch.decode() != self._epoch:
+            raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
+        return int(rw) if rw is not None else 0
+
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""
-        args: list[Any] = [ttl_ms]
+        args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
-        reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+        reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
         if reply[0] == b"OK":
             self.set_header(header)
             return None
@@ -502,14 +511,20 @@ class Engine:
         return Call("read", kt.keys, args, parse)
 
     # -- writes ------------------------------------------------------------------
-    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]]) -> Header:
+    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> Header:
         """Run a write planned as (new header or None, ops, leaves touched); returns the header now current.
 
         ``plan`` gets the header to plan with and a fresh key table, and returns the
         ops (each a list: marker then arguments, see ``lua/write.lua``).  A schema
         change is checked against the exact version it was planned from; a plain
-        data write only against the versions of the leaves it touches.
+        data write only against the versions of the leaves it touches, and also
+        against the key-set version with ``keyset`` (a ring write that must cover
+        every key of the store, so a key added meanwhile makes it plan again).
         """
+        return self.run_write_reply(plan, keyset=keyset)[0]
+
+    def run_write_reply(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> tuple[Header, bytes | None]:
+        """:meth:`run_write`, also returning the third reply item of ``write.lua`` (ring cursor or applied rows), if any."""
         self.refuse_if_readonly()
         state: dict[str, Header] = {}
 
@@ -519,7 +534,7 @@ class Engine:
             if new_header is not None:
                 args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes, len(ops)]
             else:
-                args = [f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
+                args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
             staged: list[tuple[str, Any]] = []
             for op in ops:
                 if op[0] == "S" and len(op[2]) >= BULK_WRITE_BYTES:
@@ -531,14 +546,14 @@ class Engine:
                 args.extend(op)
             state["new"] = new_header or h
 
-            def parse(reply: list) -> Header:
-                return state["new"]
+            def parse(reply: list) -> tuple[Header, bytes | None]:
+                return state["new"], reply[2] if len(reply) > 2 else None
 
             return Call("write", kt.keys, args, parse, staged=staged or None)
 
-        header = self.run(plan_call)
+        header, extra = self.run(plan_call)
         self.set_header(header)
-        return header
+        return header, extra
 
     # -- whole store ---------------------------------------------------------------
     def refuse_if_readonly(self) -> None:
@@ -550,7 +565,7 @@ class Engine:
         self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self.keys.all_keys(h.next_leaf), [f"{h.epoch}:V{h.version}"], lambda r: int(r[1]))
+            return Call("clear", self._clear_keys(h.next_leaf), [f"{h.epoch}:V{h.version}", self.keys.td_id], lambda r: int(r[1]))
 
         try:
             return self.run(plan_call)
@@ -560,7 +575,27 @@ class Engine:
             self._header = None
 
     def abort_upload(self, next_leaf: int) -> None:
-        _scripts.call(self.client, "clear", self.keys.all_keys(next_leaf), ["*"])
+        _scripts.call(self.client, "clear", self._clear_keys(next_leaf), ["*", self.keys.td_id])
+
+    def _clear_keys(self, next_leaf: int) -> list[str]:
+        keys = self.keys.all_keys(next_leaf)
+        return [keys[0], self.keys.registry, *keys[1:]]
+
+    def expire(self, ttl_ms: int) -> None:
+        """Give every key of the store a time to live of ``ttl_ms`` (0: none), in one atomic call."""
+        self.refuse_if_readonly()
+
+        def plan_call(h: Header) -> Call:
+            return Call("expire", self.keys.all_keys(h.next_leaf), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
+
+        self.run(plan_call)
+
+    def ttl_ms(self) -> int | None:
+        """Milliseconds left before the store expires, ``None`` when it does not (one round trip)."""
+        pttl = self.client.pttl(self.keys.meta)
+        if pttl == -2:
+            raise self.gone()
+        return None if pttl < 0 else int(pttl)
 
 
 __all__ = ["Engine", "DenseResult", "ElementsResult", "Call", "check_paths"]

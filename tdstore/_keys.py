@@ -7,6 +7,7 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:d:<n>    string  data blob of leaf number n (all elements, element-major)
     P:{I}:o:<n>    string  offset table of a heterogeneous leaf: count+1 int64 LE byte offsets
     P:{I}:s:<n>    string  shape table of a heterogeneous leaf: count records of ndim int64 LE
+    P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
 
@@ -39,6 +40,11 @@ def escape(part: str) -> str:
     return "".join(f"%{ord(ch):02X}" if ch in _UNSAFE else ch for ch in part)
 
 
+def registry_key(prefix: str) -> str:
+    """The registry set of ``prefix``; it has no braces, so no store key can be named like it."""
+    return f"{escape(prefix)}:stores"
+
+
 @dataclass(frozen=True)
 class StoreKeys:
     """Key names of one store, computed once per handle."""
@@ -52,6 +58,11 @@ class StoreKeys:
         base = f"{escape(self.prefix)}:{{{escape(self.td_id)}}}"
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "meta", f"{base}:m")
+
+    @property
+    def registry(self) -> str:
+        """The set of td_ids created under this prefix (no hash tag: it belongs to no one store)."""
+        return registry_key(self.prefix)
 
     def data(self, leaf: int) -> str:
         return f"{self.base}:d:{leaf}"

@@ -149,12 +149,12 @@ def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements
         lo = hi
 
 
-def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int) -> Header:
+def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0) -> Header:
     with gc_paused():
-        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes)
+        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
 
 
-def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int) -> Header:
+def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int) -> Header:
     elements, stack_dim = _elements(lazy_td)
     inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
     count = len(elements)
@@ -213,7 +213,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                         raise _scripts.translate(reply)  # type: ignore[arg-type]
                 if bar is not None:
                     bar.update(hi - lo)
-        reply = _scripts.call(engine.client, "commit", all_keys, [token])
+        reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms])
         if reply[0] != b"OK":
             raise KeyError(f"the upload of {engine.where()} expired before it finished")
     except BaseException:

@@ -11,7 +11,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
-from . import _index, _writes
+from . import _index, _ring, _writes
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -200,6 +200,9 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         cache_metadata: keep the schema in the handle (default). With ``False``,
             ``keys()`` and other metadata queries read the header from the server
             each time; data calls are validated by the server either way.
+        readonly: open an existing store (``td_id`` required) for reading only.
+        ttl: seconds after which the whole store expires (a new store only; see
+            :meth:`expire` and :meth:`persist`). ``None``: it never expires.
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
@@ -223,9 +226,11 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         td_id: str | None = None,
         cache_metadata: bool = True,
         readonly: bool = False,
+        ttl: float | None = None,
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
+        ttl_ms = _ttl_ms(ttl)
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
@@ -233,7 +238,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
-        existing = engine.fetch_header() if readonly else engine.create(wanted)
+        existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is not None:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
@@ -327,6 +332,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         pbar: bool = False,
         chunk_elements: int = 10_000,
         chunk_bytes: int = 64 << 20,
+        ttl: float | None = None,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
@@ -338,12 +344,14 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         dies leaves keys that expire by themselves.  Every element must hold the
         same keys with one dtype per key, checked before anything is written.
         ``pbar=True`` shows a tqdm progress bar when tqdm is installed.
+        ``ttl`` (seconds) makes the whole store expire that long after the upload.
         """
         from ._upload import upload
 
+        ttl_ms = _ttl_ms(ttl)
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
-        upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes)
+        upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 
     @classmethod
@@ -693,6 +701,81 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
 
         self._engine.run_write(plan)
 
+    # -- shared ring buffer ------------------------------------------------------------------
+    def extend(self, td: Any) -> _ring.RingWrite:
+        """Write the elements of ``td`` into the next slots of the ring, atomically, in one call.
+
+        The store's ``count`` is the ring's capacity.  The server reserves the slots
+        at its cursor (wrapping around), writes every key of every element, and
+        advances the cursor, in one script call: processes on any number of
+        machines may ``extend`` the same store at once, and no slot is written
+        twice in one lap.  ``td`` has the store's batch size with the element dim
+        (of 1 to ``count`` elements) at the stack dim, and exactly the store's keys;
+        on a store without keys, the first ``extend`` creates them (the other slots
+        hold zeros).  Elements may differ in shape (heterogeneous keys).
+
+        Returns the slots written and their new generations (:class:`RingWrite`).
+        """
+        return _ring.extend(self._writable_engine(), td)
+
+    def append(self, td: Any) -> _ring.RingWrite:
+        """``extend`` with one element (a tensordict of the inner batch size)."""
+        if isinstance(td, dict):
+            td = TensorDict(td, batch_size=self._inner_batch_size)
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
+        if tuple(td.batch_size) != tuple(self._inner_batch_size):
+            raise ValueError(f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches")
+        return self.extend(td.unsqueeze(self._engine.header.stack_pos))
+
+    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> _ring.Sample:
+        """A uniform random batch of written slots (with replacement), in one round trip.
+
+        Only slots the ring has written are drawn (``store.written``).  The random
+        numbers come from ``generator`` (``torch.Generator``; the global one by
+        default), so a seeded generator draws the same batch from the same ring.
+        Returns ``Sample(td, indices, generations)``: ``td`` is a TensorDict, or a
+        lazy stack when keys are heterogeneous; keep the generations to write back
+        with :meth:`update_if`.  Raises ``ValueError`` when nothing was written yet.
+        """
+        return _ring.sample(self._engine, batch_size, generator, self._device)
+
+    def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
+        """Write ``td`` at slots ``index`` only where the slot's generation still equals ``generation``.
+
+        A learner that sampled a batch writes back (new priorities, say) without
+        clobbering slots an actor has overwritten since: rows whose slot was
+        rewritten by a later ``extend`` are skipped.  One atomic call; every row is
+        checked (keys, dtypes, shapes) before anything is written.  ``td`` may hold
+        a subset of the store's keys.  Returns a bool tensor: which rows were applied.
+        """
+        return _ring.update_if(self._writable_engine(), index, generation, td)
+
+    def ring_state(self) -> _ring.RingState:
+        """``(write_count, cursor, written)`` of the ring, read from the server in one round trip."""
+        return _ring.state(self._engine.ring_writes(), self._count)
+
+    @property
+    def written(self) -> range:
+        """The slots the ring has written so far (``range(n)``; ``len(store.written)`` is n), read from the server."""
+        return range(self.ring_state().written)
+
+    @property
+    def cursor(self) -> int:
+        """The slot the next ``extend`` writes first, read from the server."""
+        return self.ring_state().cursor
+
+    @property
+    def write_count(self) -> int:
+        """How many elements ``extend``/``append`` have written in total (all laps), read from the server."""
+        return self._engine.ring_writes()
+
+    def _writable_engine(self) -> Engine:
+        """The engine, for a ring write; a locked store refuses only the first one, which creates keys."""
+        if self.is_locked and not self._engine.header.leaves:
+            raise RuntimeError(_LOCK_ERROR)
+        return self._engine
+
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
         """Close this handle's connection; the data stays on the server (see :meth:`clear_redis`).
@@ -702,6 +785,26 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         closes it at the end of the block.
         """
         self._engine.close()
+
+    def expire(self, seconds: float) -> None:
+        """Make the whole store expire in ``seconds``: every key gets the same deadline, in one atomic call.
+
+        Keys added later (new keys, a key that becomes heterogeneous) take the same
+        deadline, so the store never expires in part.
+        """
+        ms = _ttl_ms(seconds)
+        if ms == 0:
+            raise ValueError(f"expire needs a positive number of seconds, got {seconds!r}; use persist() to remove the time to live")
+        self._engine.expire(ms)
+
+    def persist(self) -> None:
+        """Remove the store's time to live (every key), in one atomic call."""
+        self._engine.expire(0)
+
+    def ttl(self) -> float | None:
+        """Seconds left before the store expires, or ``None`` when it has no time to live."""
+        ms = self._engine.ttl_ms()
+        return None if ms is None else ms / 1000
 
     def clear_redis(self) -> int:
         """Delete every key of this store, and nothing else, in one atomic call. Returns the count deleted."""
@@ -750,6 +853,15 @@ def _restore(cls: type, state: dict[str, Any]) -> Any:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
+
+
+def _ttl_ms(ttl: Any) -> int:
+    """A time to live in seconds as whole milliseconds (at least 1); ``None`` is 0, no expiry."""
+    if ttl is None:
+        return 0
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
+        raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl!r}")
+    return max(1, round(ttl * 1000))
 
 
 def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:

@@ -102,7 +102,7 @@ def snapshot(client, prefix):
     out = {}
     for key in sorted(client.keys(prefix + ":*")):
         kind = client.type(key)
-        out[key] = client.hgetall(key) if kind == b"hash" else client.get(key)
+        out[key] = client.hgetall(key) if kind == b"hash" else client.smembers(key) if kind == b"set" else client.get(key)
     return out
 
 

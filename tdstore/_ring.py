@@ -1,0 +1,313 @@
+"""The shared ring buffer: ``extend``, ``update_if`` and ``sample`` planned as one script call each.
+
+A store of ``count`` elements doubles as a fixed-capacity ring.  The server keeps
+one counter in the store header, ``rw``: how many ring writes the store has had.
+Everything else follows from it, inside the script that reads it, so nothing can
+drift between processes or machines:
+
+* the cursor (next slot to write) is ``rw % count``;
+* the written slots are ``0 .. min(rw, count) - 1``;
+* the *generation* of slot ``s`` (how many ring writes it received) is ``0`` when
+  ``s >= rw``, else ``(rw - 1 - s) // count + 1``.
+
+``extend`` reserves its slots, writes them and bumps ``rw`` in one ``write.lua``
+call, so concurrent writers never get the same slot in one lap.  ``update_if``
+writes only the rows whose generation is still the one the caller read (the slot
+was not overwritten by a later lap).  ``sample`` draws its random numbers on the
+client (a seeded ``torch.Generator`` gives the same batch again) and the script
+maps them onto the written slots it sees, so the batch only holds written slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase, lazy_stack
+
+from . import _codec
+from ._engine import Call, Engine, _KeyTable, leaf_checks
+from ._schema import Header, Leaf, NestedPath, check_paths
+from ._values import build_td, display, leaves_of
+from ._writes import _check_dtype, _element_checks
+
+#: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
+DRAW_HIGH = 1 << 53
+
+
+class RingWrite(NamedTuple):
+    """Where an ``extend``/``append`` wrote: one slot and its new generation per element."""
+
+    indices: torch.Tensor
+    generations: torch.Tensor
+
+
+class Sample(NamedTuple):
+    """A batch drawn by ``sample``: the data, and the slot and generation of each row."""
+
+    td: TensorDictBase
+    indices: torch.Tensor
+    generations: torch.Tensor
+
+
+class RingState(NamedTuple):
+    """The ring's counters as the server holds them."""
+
+    write_count: int
+    cursor: int
+    written: int
+
+
+def generations(slots: torch.Tensor, rw: int, count: int) -> torch.Tensor:
+    """The generation of each slot when the ring has had ``rw`` writes (see the module docstring)."""
+    return torch.where(slots < rw, torch.div(rw - 1 - slots, count, rounding_mode="floor") + 1, torch.zeros_like(slots))
+
+
+def state(rw: int, count: int) -> RingState:
+    return RingState(rw, rw % count if count else 0, min(rw, count))
+
+
+def _rows_of(path: NestedPath, value: Any, h: Header, n: int, what: str) -> list[torch.Tensor] | torch.Tensor:
+    """``value`` as ``n`` rows: a tensor with the rows first, or a list of element tensors."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"key {display(path)!r}: got {len(value)} elements for {what} of {n}")
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"key {display(path)!r}: expected a tensor, got {type(value).__name__}")
+    sp = h.stack_pos
+    if value.ndim <= sp or value.shape[sp] != n:
+        raise ValueError(f"key {display(path)!r}: a value of shape {list(value.shape)} does not hold {n} elements along dim {sp} ({what})")
+    return value.movedim(sp, 0) if sp else value
+
+
+def _batch_len(value: Any, h: Header) -> int:
+    """Number of elements of a batch along the store's stack dim."""
+    bs = getattr(value, "batch_size", None)
+    if bs is not None and len(bs) == len(h.inner) + 1:
+        return int(bs[h.stack_pos])
+    raise ValueError(f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}")
+
+
+def _het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
+    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
+    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
+    return shapes, data, [t.numel() * t.element_size() for t in elems]
+
+
+def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor) -> tuple[Leaf, list[list[Any]], bool]:
+    """Ops writing ``rows`` (one per addressed slot) into leaf ``number``: (leaf after, ops, schema changed).
+
+    A missing leaf is created for the whole ring (zero-filled slots, or empty
+    elements for a heterogeneous one); a homogeneous leaf given another element
+    shape becomes heterogeneous, in the same call, as ``store[i] = td`` does.
+    """
+    keys = engine.keys
+    dk, ok, sk = keys.data(number), keys.offsets(number), keys.shapes(number)
+    ops: list[list[Any]] = []
+    changed = False
+    if isinstance(rows, torch.Tensor):
+        if leaf is not None:
+            _check_dtype(path, rows, leaf.dtype)
+        elem_shape = tuple(rows.shape[1:])
+        if tuple(elem_shape[: len(h.inner)]) != h.inner:
+            raise ValueError(f"key {display(path)!r}: element shape {list(elem_shape)} does not start with the inner batch size {list(h.inner)}")
+        if leaf is None or (not leaf.het and leaf.shape == elem_shape):
+            if leaf is None:
+                _codec.dtype_name(rows.dtype)
+                leaf = Leaf(path, number, rows.dtype, len(elem_shape), elem_shape)
+                ops.append(["S", kt.ref(dk), bytes(h.count * leaf.element_nbytes)])
+                changed = True
+            return leaf, [*ops, ["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(rows)]], changed
+        elems = list(rows.unbind(0))
+    else:
+        elems = rows
+    dtype = leaf.dtype if leaf is not None else (elems[0].dtype if elems else None)
+    _element_checks(h, path, elems, leaf.ndim if leaf is not None else (elems[0].ndim if elems else None), dtype)
+    if leaf is None:
+        assert dtype is not None
+        _codec.dtype_name(dtype)
+        shapes = {tuple(t.shape) for t in elems}
+        if len(shapes) == 1:
+            return _leaf_ops(kt, engine, h, None, number, path, torch.stack(elems))
+        ndim = elems[0].ndim
+        leaf = Leaf(path, number, dtype, ndim, None)
+        empty = list(h.inner) + [0] * (ndim - len(h.inner))
+        ops += [["S", kt.ref(dk), b""], ["S", kt.ref(ok), bytes(8 * (h.count + 1))], ["S", kt.ref(sk), _codec.pack_i64(empty * h.count)]]
+        changed = True
+    elif not leaf.het:
+        if all(tuple(t.shape) == leaf.shape for t in elems):
+            return leaf, [["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(torch.stack(elems))]], False
+        assert leaf.shape is not None
+        eb = leaf.element_nbytes
+        ops.append(["S", kt.ref(ok), (np.arange(h.count + 1, dtype="<i8") * eb).tobytes()])
+        ops.append(["S", kt.ref(sk), np.tile(np.asarray(leaf.shape, dtype="<i8"), h.count).tobytes()])
+        leaf = Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None)
+        changed = True
+    shapes_b, data, sizes = _het_payload(elems)
+    ops.append(["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes])
+    return leaf, ops, changed
+
+
+def _plan_rows(engine: Engine, h: Header, kt: _KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+    """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
+    what = "a ring write" if ring else "update_if"
+    if ring and h.leaves:
+        missing = sorted(display(p) for p in h.leaves if p not in items)  # type: ignore[type-var]
+        extra = sorted(display(p) for p in items if p not in h.leaves)  # type: ignore[type-var]
+        if missing or extra:
+            raise KeyError(
+                f"a ring write must hold exactly the store's keys (each slot is written whole); "
+                f"missing {missing}, not in the store {extra}"
+            )
+    if not ring:
+        unknown = [p for p in items if p not in h.leaves]
+        if unknown:
+            raise KeyError(f"key {display(unknown[0])!r} is not in the store (update_if writes existing keys only)")
+    leaves = dict(h.leaves)
+    next_leaf = h.next_leaf
+    pre: list[list[Any]] = []
+    post: list[list[Any]] = []
+    changed = False
+    for path, value in items.items():
+        leaf = leaves.get(path)
+        number = leaf.number if leaf is not None else next_leaf
+        if leaf is None:
+            next_leaf += 1
+        new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what))
+        leaves[path] = new_leaf
+        changed |= ch
+        pre += [op for op in ops if op[0] == "S"]
+        post += [op for op in ops if op[0] != "S"]
+    if len(leaves) != len(h.leaves):
+        check_paths(list(leaves))
+    new_header = h.with_leaves(leaves, next_leaf) if changed else None
+    touched = [h.leaves[p] for p in items if p in h.leaves]
+    return new_header, [*pre, head, *post], touched
+
+
+def extend(engine: Engine, value: Any) -> RingWrite:
+    """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
+    h0 = engine.header
+    n = _batch_len(value, h0)
+    if not 1 <= n <= h0.count:
+        raise ValueError(f"extend got {n} elements for a ring of {h0.count} slots (1 to {h0.count} per call)")
+    items = leaves_of(value, h0.stack_pos)
+    if not items:
+        raise ValueError("extend got a batch with no keys")
+
+    def plan(h: Header, kt: _KeyTable) -> Any:
+        return _plan_rows(engine, h, kt, items, n, ["W", n], ring=True)
+
+    h, extra = engine.run_write_reply(plan, keyset=True)
+    assert extra is not None
+    start = int(extra)
+    writes = torch.arange(start, start + n, dtype=torch.int64)
+    return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
+
+
+def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
+    """A 1-D int64 tensor of distinct slots from an int, list or tensor (negative ints count from the end)."""
+    t = torch.as_tensor(index)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise IndexError(f"{what} must hold integer slots, got {t.dtype}")
+    t = t.reshape(-1).to(torch.int64)
+    if t.numel():
+        bad = t[(t < -count) | (t >= count)]
+        if bad.numel():
+            raise IndexError(f"slot {int(bad[0])} is out of range for a ring of {count} slots")
+    t = torch.where(t < 0, t + count, t)
+    if t.unique().numel() != t.numel():
+        raise ValueError(f"{what} names a slot twice: {t.tolist()}")
+    return t
+
+
+def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.Tensor:
+    """Write ``value`` at the slots whose generation still matches; returns which rows were applied."""
+    h0 = engine.header
+    scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
+    slots = slots_of(index, h0.count)
+    gens = torch.as_tensor(generation).reshape(-1).to(torch.int64)
+    if gens.shape != slots.shape:
+        raise ValueError(f"update_if got {slots.numel()} slots and {gens.numel()} generations")
+    if bool((gens < 0).any()):
+        raise ValueError(f"generations are never negative, got {gens.tolist()}")
+    n = int(slots.numel())
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    if scalar:
+        # one element: each leaf becomes a batch of one
+        items = {p: v.unsqueeze(h0.stack_pos) if isinstance(v, torch.Tensor) else v for p, v in leaves_of(value, h0.stack_pos).items()}
+    else:
+        if _batch_len(value, h0) != n:
+            raise ValueError(f"update_if got {n} slots and a batch of {_batch_len(value, h0)} elements")
+        items = leaves_of(value, h0.stack_pos)
+    if not items:
+        raise ValueError("update_if got a value with no keys")
+    pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
+
+    def plan(h: Header, kt: _KeyTable) -> Any:
+        return _plan_rows(engine, h, kt, items, n, ["G", n, pairs], ring=False)
+
+    _, extra = engine.run_write_reply(plan)
+    assert extra is not None
+    return torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
+
+
+def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None) -> Sample:
+    """Draw ``batch_size`` written slots uniformly (with replacement) and read them, in one call."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
+    draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
+    packed = _codec.pack_i64(draws.numpy())
+
+    def plan_call(h: Header) -> Call:
+        if not h.leaves:
+            raise KeyError(f"the store with {engine.where()} holds no keys yet: nothing to sample")
+        leaves = list(h.leaves.values())
+        kt = _KeyTable(engine.keys.meta)
+        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(leaves), 1 + len(leaves), "U", batch_size, packed]
+        for leaf in leaves:
+            if leaf.het:
+                args += ["Y", kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
+            else:
+                args += ["X", kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+
+        def parse(reply: list) -> Sample:
+            return _decode_sample(h, leaves, reply, batch_size, device)
+
+        return Call("read", kt.keys, args, parse)
+
+    return engine.run(plan_call)
+
+
+def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None) -> Sample:
+    slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
+    rw = int(reply[3])
+    pieces = reply[4:]
+    pos = 0
+    dense: dict[NestedPath, torch.Tensor] = {}
+    per_el: dict[NestedPath, list[torch.Tensor]] = {}
+    for leaf in leaves:
+        if not leaf.het:
+            assert leaf.shape is not None
+            dense[leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
+            pos += 1
+            continue
+        bounds, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
+        pos += 3
+        b = _codec.unpack_i64(bounds).reshape(n, 2)
+        sizes = (b[:, 1] - b[:, 0]).tolist()
+        dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        per_el[leaf.path] = [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
+    sp = h.stack_pos
+    if not per_el:
+        bs = list(h.inner)
+        bs.insert(sp, n)
+        td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device)
+    else:
+        elements = [{**{p: t[k] for p, t in dense.items()}, **{p: ts[k] for p, ts in per_el.items()}} for k in range(n)]
+        td = lazy_stack([build_td(el, h.inner, device) for el in elements], dim=sp)
+    return Sample(td, slots, generations(slots, rw, h.count))
