@@ -154,8 +154,8 @@ def _plan_rows(engine: Engine, h: Header, kt: _KeyTable, items: dict[NestedPath,
     """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
     what = "a ring write" if ring else "update_if"
     if ring and h.leaves:
-        missing = sorted(display(p) for p in h.leaves if p not in items)  # type: ignore[type-var]
-        extra = sorted(display(p) for p in items if p not in h.leaves)  # type: ignore[type-var]
+        missing = sorted(".".join(p) for p in h.leaves if p not in items)
+        extra = sorted(".".join(p) for p in items if p not in h.leaves)
         if missing or extra:
             raise KeyError(
                 f"a ring write must hold exactly the store's keys (each slot is written whole); "
@@ -207,9 +207,16 @@ def extend(engine: Engine, value: Any) -> RingWrite:
     return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
 
 
+def _int_tensor(value: Any) -> torch.Tensor:
+    """``torch.as_tensor``, except that an empty list is an empty int64 tensor (not float32)."""
+    if isinstance(value, (list, tuple)) and not value:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.as_tensor(value)
+
+
 def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
     """A 1-D int64 tensor of distinct slots from an int, list or tensor (negative ints count from the end)."""
-    t = torch.as_tensor(index)
+    t = _int_tensor(index)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise IndexError(f"{what} must hold integer slots, got {t.dtype}")
     t = t.reshape(-1).to(torch.int64)
@@ -228,7 +235,10 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     h0 = engine.header
     scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
     slots = slots_of(index, h0.count)
-    gens = torch.as_tensor(generation).reshape(-1).to(torch.int64)
+    g = _int_tensor(generation)
+    if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
+        raise TypeError(f"generations must be integers, got {g.dtype}")
+    gens = g.reshape(-1).to(torch.int64)
     if gens.shape != slots.shape:
         raise ValueError(f"update_if got {slots.numel()} slots and {gens.numel()} generations")
     if bool((gens < 0).any()):
@@ -263,8 +273,6 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     packed = _codec.pack_i64(draws.numpy())
 
     def plan_call(h: Header) -> Call:
-        if not h.leaves:
-            raise KeyError(f"the store with {engine.where()} holds no keys yet: nothing to sample")
         leaves = list(h.leaves.values())
         kt = _KeyTable(engine.keys.meta)
         args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(leaves), 1 + len(leaves), "U", batch_size, packed]

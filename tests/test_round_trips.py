@@ -25,6 +25,8 @@ def store(request, real):
     s = LazyStackedTensorDictStore.from_lazy_stack(make_stack(8, het=request.param), **real.kwargs())
     s.prepared = {"el": s[4].to_tensordict(), "pair": s[2:4]}
     s[0] = s[0].to_tensordict()  # warm: read and write scripts loaded, header cached
+    s.extend(s.prepared["pair"])  # the ring has written slots to sample
+    s.persist()  # expire.lua loaded too
     yield s
     s.clear_redis()
 
@@ -59,6 +61,14 @@ OPS = {
     "element zero_": lambda s: s[2].zero_(),
     "element fill_ of a heterogeneous key": lambda s: s[2].fill_("tokens" if "tokens" in s.keys() else "obs", 3),
     "apply_ (read, then write)": lambda s: s.apply_(lambda t: t.clone()),
+    "ring extend": lambda s: s.extend(s.prepared["pair"]),
+    "ring append": lambda s: s.append(s.prepared["el"]),
+    "ring sample": lambda s: s.sample(32),
+    "ring update_if": lambda s: s.update_if([0, 1], [1, 1], s.prepared["pair"]),
+    "ring state (HMGET)": lambda s: s.ring_state(),
+    "expire": lambda s: s.expire(60),
+    "persist": lambda s: s.persist(),
+    "ttl (PTTL)": lambda s: s.ttl(),
     "keys": lambda s: list(s.keys(True, True)),
     "len and in": lambda s: (len(s), "obs" in s),
 }
@@ -71,7 +81,7 @@ def test_one_round_trip(store, real, name):
     total, evalsha = count_commands(real, lambda: OPS[name](store))
     want = EXPECTED.get(name, 1)
     assert total == want, f"{name}: {total} commands"
-    assert evalsha == want
+    assert evalsha == (0 if "(HMGET)" in name or "(PTTL)" in name else want)
 
 
 def test_from_store_is_one_read_only_round_trip(store, real):

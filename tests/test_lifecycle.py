@@ -1,0 +1,115 @@
+"""Store lifecycle: the registry of each prefix, readable ids, and whole-store expiry (ttl, expire, persist)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import make_stack
+
+from tdstore import LazyStackedTensorDictStore
+from tdstore._keys import registry_key
+
+# PTTL of every key read inside one script, where the server's clock stands still,
+# so keys that share a deadline show the very same number
+_PTTLS = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('PTTL', k) end return r"
+
+
+def pttls(backend, store) -> dict[bytes, int]:
+    keys = [k for k in backend.keys() if b"{" in k and store.td_id.encode() in k]
+    client = backend.client()
+    return dict(zip(keys, client.eval(_PTTLS, len(keys), *keys)))
+
+
+def registered(backend) -> set[str]:
+    return {m.decode() for m in backend.client().smembers(registry_key(backend.prefix))}
+
+
+def test_registry_tracks_created_and_deleted_stores(backend):
+    a = LazyStackedTensorDictStore(count=3, td_id="replay-buffer", **backend.kwargs())
+    b = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4), **backend.kwargs())
+    assert registered(backend) == {"replay-buffer", b.td_id}
+    # a readable id is a real id: another handle finds the store by it
+    a.extend(make_stack(2))
+    again = LazyStackedTensorDictStore.from_store(td_id="replay-buffer", **backend.kwargs())
+    assert again.write_count == 2
+    assert b.clear_redis() > 0
+    assert registered(backend) == {"replay-buffer"}
+    a.clear_redis()
+    assert registered(backend) == set() and backend.keys() == []
+
+
+def test_failed_upload_leaves_no_registry_entry(backend):
+    bad = make_stack(4)
+    bad[2]["obs"] = torch.zeros(4, dtype=torch.float64)  # a dtype that differs across elements
+    with pytest.raises(TypeError):
+        LazyStackedTensorDictStore.from_lazy_stack(bad, **backend.kwargs())
+    assert registered(backend) == set()
+
+
+def test_ttl_on_creation_covers_keys_added_later(backend):
+    store = LazyStackedTensorDictStore(count=4, ttl=120, **backend.kwargs())
+    store.extend(make_stack(3))  # creates every leaf: they take the header's deadline
+    store.set("extra", torch.zeros(4, 2))
+    store[1] = make_stack(9)[8].set("extra", torch.ones(2))  # tokens grows: the key gains offset and shape tables
+    ttls = pttls(backend, store)
+    assert len(ttls) >= 6
+    assert len(set(ttls.values())) == 1, ttls
+    assert 110_000 < next(iter(ttls.values())) <= 120_000
+    assert 110 < store.ttl() <= 120
+
+
+def test_expire_and_persist_act_on_every_key_at_once(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), **backend.kwargs())
+    assert store.ttl() is None
+    store.expire(30.5)
+    ttls = pttls(backend, store)
+    assert len(set(ttls.values())) == 1 and 29_000 < next(iter(ttls.values())) <= 30_500
+    store.persist()
+    assert set(pttls(backend, store).values()) == {-1}
+    assert store.ttl() is None
+
+
+def test_upload_with_ttl(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=50, **backend.kwargs())
+    ttls = pttls(backend, store)
+    assert len(set(ttls.values())) == 1 and 40_000 < next(iter(ttls.values())) <= 50_000
+
+
+def test_a_store_expires_as_a_whole(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=0.3, **backend.kwargs())
+    assert store[1]["obs"].tolist() == [10.0, 11.0, 12.0, 13.0]
+    def store_keys() -> list[bytes]:  # the registry entry stays (stale): `tdstore ls` skips it
+        return [k for k in backend.keys() if b"{" in k]
+
+    assert len(store_keys()) >= 4
+    deadline = time.monotonic() + 5
+    while store_keys() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store_keys() == []
+    with pytest.raises(KeyError, match="expired"):
+        store[1].to_tensordict()
+    with pytest.raises(KeyError, match=store.td_id):
+        LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "10", True])
+def test_bad_ttl_values(backend, bad):
+    with pytest.raises(ValueError, match="ttl"):
+        LazyStackedTensorDictStore(count=2, ttl=bad, **backend.kwargs())
+    store = LazyStackedTensorDictStore(count=2, **backend.kwargs())
+    with pytest.raises(ValueError):
+        store.expire(bad)
+    assert store.ttl() is None
+    assert registered(backend) == {store.td_id}  # the refused constructor created nothing
+
+
+def test_readonly_handles_cannot_change_expiry(backend):
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3), **backend.kwargs())
+    ro = LazyStackedTensorDictStore.from_store(td_id=store.td_id, readonly=True, **backend.kwargs())
+    with pytest.raises(PermissionError):
+        ro.expire(10)
+    with pytest.raises(PermissionError):
+        ro.persist()
+    assert ro.ttl() is None
