@@ -19,7 +19,6 @@ import functools
 import math
 import uuid
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 
 from . import _codec, _scripts
 from ._engine import Engine
+from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import as_path, display, gc_paused
 
@@ -185,7 +185,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     all_keys = keys.all_keys(len(leaves))
     try:
         het_pos = {s.path: 0 for s in scans if not s.homogeneous}
-        bar_ctx = _progress(pbar, count)
+        bar_ctx = progress(pbar, count, "upload")
         with bar_ctx as bar:
             for lo, hi in _chunks(elements, scans, chunk_elements, chunk_bytes):
                 pipe = engine.client.pipeline(transaction=False)
@@ -225,13 +225,3 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     header = header.ready()
     engine.set_header(header)
     return header
-
-
-def _progress(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return nullcontext(None)
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return nullcontext(None)
-    return tqdm(total=total, unit="el", desc="upload")

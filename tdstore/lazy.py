@@ -8,13 +8,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
 from . import _index, _ring, _writes
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
+from ._progress import progress
 from ._schema import Header, NestedPath
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, gc_paused, leaves_of
@@ -515,6 +516,44 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         """All of the store in one round trip: a TensorDict, or a lazy stack when elements differ."""
         return self._read_index(slice(None) if self._batch_size else ())
 
+    def to_tensordict(self, *, retain_none: bool | None = None, pbar: bool = False, chunk_elements: int | None = None) -> TensorDictBase:
+        """The whole store in local memory: a TensorDict, or a lazy stack when elements differ.
+
+        By default this is one atomic call: a snapshot of the store at one instant.
+        ``pbar=True`` shows a progress bar (tqdm) and reads instead in chunks of
+        ``chunk_elements`` whole elements (default: about 16 MiB per chunk), each
+        chunk one atomic call: no element is ever torn, but writers may change
+        elements of later chunks while earlier ones are read.
+        """
+        if not pbar and chunk_elements is None:
+            return self._to_tensordict(retain_none=retain_none)
+        return self._read_in_chunks(pbar, chunk_elements)
+
+    def _read_in_chunks(self, pbar: bool, chunk_elements: int | None) -> TensorDictBase:
+        h = self._engine.header
+        if chunk_elements is None:
+            per_element = sum(leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het)
+            chunk_elements = max(1, (16 << 20) // max(1, per_element))
+            if any(leaf.het for leaf in h.leaves.values()):
+                chunk_elements = min(chunk_elements, 4096)
+        if not isinstance(chunk_elements, int) or chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        sp = h.stack_pos
+        parts = []
+        with progress(pbar, h.count, "download") as bar:
+            for lo in range(0, h.count, chunk_elements):
+                hi = min(h.count, lo + chunk_elements)
+                parts.append(self._read_index((slice(None),) * sp + (slice(lo, hi),)))
+                if bar is not None:
+                    bar.update(hi - lo)
+        if not parts:
+            return self._to_tensordict()
+        if len(parts) == 1:
+            return parts[0]
+        if any(isinstance(p, LazyStackedTensorDict) for p in parts):
+            return lazy_stack([td for p in parts for td in p.unbind(sp)], dim=sp)
+        return torch.cat(parts, dim=sp)
+
     def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
         """An in-memory copy whose nested keys are joined by ``separator`` (read with ``to_tensordict()``).
 
@@ -536,10 +575,10 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
         return self.to_tensordict()
 
-    def _clone(self, recurse: bool = True) -> TensorDictBase:
-        """``clone()`` is an in-memory copy (``to_tensordict()``); ``clone(False)`` a new handle on the same store."""
+    def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
+        """``clone()`` is an in-memory copy (``to_tensordict()``, ``pbar=True`` for a progress bar); ``clone(False)`` a new handle on the same store."""
         if recurse:
-            return self.to_tensordict()
+            return self.to_tensordict(pbar=pbar)
         engine = Engine(self._engine.spec, self._engine.keys, self._engine.client, owns_client=False, readonly=self._engine.readonly)
         engine.set_header(self._engine.header)
         return type(self)._from_engine(engine, backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)

@@ -113,3 +113,30 @@ def test_readonly_handles_cannot_change_expiry(backend):
     with pytest.raises(PermissionError):
         ro.persist()
     assert ro.ttl() is None
+
+
+@pytest.mark.parametrize("het", [True, False], ids=["het", "homog"])
+@pytest.mark.parametrize(("stack_dim", "inner"), [(0, ()), (1, (2,))], ids=["dim0", "dim1"])
+def test_downloads_and_clones_with_a_progress_bar(backend, capsys, het, stack_dim, inner):
+    pytest.importorskip("tqdm")
+    from helpers import assert_same
+
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(11, het=het, inner=inner, stack_dim=stack_dim), **backend.kwargs())
+    whole = store.to_tensordict()
+    capsys.readouterr()
+    assert_same(store.to_tensordict(pbar=True, chunk_elements=3), whole)
+    err = capsys.readouterr().err
+    assert "download" in err and "11/11" in err
+    assert_same(store.clone(pbar=True), whole)
+    assert_same(store.to_tensordict(chunk_elements=4), whole)
+    with pytest.raises(ValueError, match="chunk_elements"):
+        store.to_tensordict(chunk_elements=0)
+
+
+def test_chunked_download_is_one_call_per_chunk(real):
+    from helpers import top_level_commands
+
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(10), **real.kwargs())
+    store.to_tensordict()  # warm
+    assert top_level_commands(real.client, lambda: store.to_tensordict(chunk_elements=3)) == ["evalsha"] * 4
+    assert top_level_commands(real.client, lambda: store.to_tensordict()) == ["evalsha"]
