@@ -215,7 +215,7 @@ def _int_tensor(value: Any) -> torch.Tensor:
 
 
 def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
-    """A 1-D int64 tensor of distinct slots from an int, list or tensor (negative ints count from the end)."""
+    """A 1-D int64 tensor of slots from an int, list or tensor (negative ints count from the end)."""
     t = _int_tensor(index)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise IndexError(f"{what} must hold integer slots, got {t.dtype}")
@@ -224,10 +224,25 @@ def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
         bad = t[(t < -count) | (t >= count)]
         if bad.numel():
             raise IndexError(f"slot {int(bad[0])} is out of range for a ring of {count} slots")
-    t = torch.where(t < 0, t + count, t)
-    if t.unique().numel() != t.numel():
-        raise ValueError(f"{what} names a slot twice: {t.tolist()}")
-    return t
+    return torch.where(t < 0, t + count, t)
+
+
+def _last_of_each(slots: torch.Tensor, gens: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Rows to send (the last row naming each slot, as sequential writes would leave it) and, per row, its kept row's position.
+
+    A batch from :meth:`sample` names a slot twice when it drew it twice; both rows
+    then carry the same generation. Rows naming one slot with two generations are a
+    caller's mistake (one of them cannot be current), refused before any write.
+    """
+    last: dict[int, int] = {}
+    gen_of: dict[int, int] = {}
+    for k, (s, g) in enumerate(zip(slots.tolist(), gens.tolist())):
+        if gen_of.setdefault(s, g) != g:
+            raise ValueError(f"update_if names slot {s} with two generations ({gen_of[s]} and {g})")
+        last[s] = k
+    keep = sorted(last.values())
+    pos = {slots[k].item(): j for j, k in enumerate(keep)}
+    return keep, [pos[s] for s in slots.tolist()]
 
 
 def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.Tensor:
@@ -255,14 +270,23 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
         items = leaves_of(value, h0.stack_pos)
     if not items:
         raise ValueError("update_if got a value with no keys")
+    keep, back = _last_of_each(slots, gens)
+    if len(keep) < n:
+        rows = {p: _rows_of(p, v, h0, n, "update_if") for p, v in items.items()}
+        items = {p: [r[k] for k in keep] if isinstance(r, list) else r[torch.tensor(keep)] for p, r in rows.items()}
+        if h0.stack_pos:
+            items = {p: v.movedim(0, h0.stack_pos) if isinstance(v, torch.Tensor) else v for p, v in items.items()}
+        slots, gens = slots[keep], gens[keep]
+    m = len(keep)
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
 
     def plan(h: Header, kt: _KeyTable) -> Any:
-        return _plan_rows(engine, h, kt, items, n, ["G", n, pairs], ring=False)
+        return _plan_rows(engine, h, kt, items, m, ["G", m, pairs], ring=False)
 
     _, extra = engine.run_write_reply(plan)
     assert extra is not None
-    return torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
+    applied = torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
+    return applied[torch.tensor(back)]
 
 
 def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None) -> Sample:

@@ -137,6 +137,11 @@ def test_update_if_applies_only_current_generations(backend, het):
     assert store.update_if(2, 1, TensorDict({"obs": torch.full((4,), -1.0)}, [])).tolist() == [True]
     assert store[2]["obs"].tolist() == [-1.0] * 4 and store[2]["nested", "b"].tolist() == [3, -3]
     assert store.update_if([], [], TensorDict({}, [0])).tolist() == []
+    # a sampled batch names a slot twice when it drew it twice: the last row wins, as sequential writes
+    applied = store.update_if([3, 1, 3], [1, 1, 1], batch([21, 22, 23], het))
+    assert applied.tolist() == [True, True, True]
+    assert tag_of(store[3].to_tensordict(), het) == 23 and tag_of(store[1].to_tensordict(), het) == 22
+    assert store.update_if([0, 0], [1, 1], batch([31, 32], het)).tolist() == [False, False]
 
 
 @pytest.mark.parametrize(
@@ -148,7 +153,7 @@ def test_update_if_applies_only_current_generations(backend, het):
         ("too many", lambda s: s.extend(batch(list(range(1, 7)))), ValueError, "ring of 5"),
         ("not a batch", lambda s: s.extend(element(1)), ValueError, "batch size"),
         ("update_if unknown key", lambda s: s.update_if([0], [1], TensorDict({"zzz": torch.zeros(1, 1)}, [1])), KeyError, "zzz"),
-        ("update_if twice one slot", lambda s: s.update_if([1, 1], [1, 1], batch([1, 2])), ValueError, "twice"),
+        ("update_if one slot, two generations", lambda s: s.update_if([1, 1], [1, 2], batch([1, 2])), ValueError, "two generations"),
         ("update_if slot out of range", lambda s: s.update_if([9], [1], batch([1])), IndexError, "9"),
         ("update_if lengths", lambda s: s.update_if([0, 1], [1], batch([1, 2])), ValueError, "generations"),
         ("update_if ndim", lambda s: s.update_if([0], [1], TensorDict({"obs": torch.zeros(1, 4, 1)}, [1])), ValueError, "obs"),
