@@ -1,18 +1,41 @@
 """The ``tdstore`` command line (``python -m tdstore``).
 
-One subcommand per task, so later ones (listing, inspecting, deleting stores,
-benchmarks) slot in beside ``demo`` without changing how it is called.
+One subcommand per task: ``demo`` (concurrent writers never tear an element),
+``ls``/``info``/``rm`` (the stores of a prefix on a server), ``bench`` (the
+benchmark of the source tree).  This module only parses and formats; what is
+read from the server comes from :mod:`tdstore.inspect_store`.
 
-Exit codes: 0 success, 1 the demo saw a torn or inconsistent element (or an
-actor failed), 2 a usage error or an unreachable server, 130 interrupted.
+``ls``, ``info`` and ``rm`` connect to ``--url``, else ``$TDSTORE_URL``, else
+``redis://localhost:6379/0``.  Server addresses are printed without credentials,
+and names read from the server are printed with control characters escaped.
+
+Exit codes:
+
+* 0 success;
+* 1 the demo saw a torn or inconsistent element (or an actor failed); ``info``
+  or ``rm`` found a header it cannot read; ``rm`` was answered "no" or the store
+  is still being uploaded; the server failed during a command;
+* 2 a usage error, an invalid or unreachable server URL, an unknown store id,
+  ``rm`` without ``--yes`` when stdin is not a terminal, or ``bench`` run from an
+  installed package (the benchmark ships with the source tree only);
+* ``bench`` otherwise exits with the benchmark's own code;
+* 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .inspect_store import ServerConnection, StoreInfo
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -76,6 +99,313 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if figures["ok"] else EXIT_FAILED
 
 
+# -- ls / info / rm --------------------------------------------------------------------------------
+
+DEFAULT_PREFIX = "tensordict"
+
+
+def _safe(text: str) -> str:
+    """``text`` with non-printable characters escaped: ids and key names come from the server,
+    and an escape sequence in one must not reach the terminal as a command."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Aligned columns (columns in ``right`` right-aligned), two spaces apart, no trailing blanks."""
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = []
+    for row in (header, *rows):
+        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _ls_ttl(info: StoreInfo) -> str:
+    """Whole seconds left, rounded up (a store that has 0.4 s left is not shown as 0), or ``-``."""
+    return "-" if info.ttl_ms is None else str(math.ceil(info.ttl_ms / 1000))
+
+
+def _state_text(state: str) -> str:
+    """``uploading:<token>`` is shown as ``uploading``: the token means nothing to a reader."""
+    return "uploading" if state.startswith("uploading") else _safe(state)
+
+
+def _connect(command: str, url: str | None) -> ServerConnection | int:
+    """The connection, or the exit code after printing why there is none."""
+    from .inspect_store import InvalidURL, ServerUnreachable, connect, resolve_url
+
+    try:
+        return connect(resolve_url(url))
+    except InvalidURL as err:
+        print(f"tdstore {command}: error: invalid server url: {err}", file=sys.stderr)
+    except ServerUnreachable as err:
+        print(f"tdstore {command}: error: {err}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _server_failed(command: str, conn: ServerConnection, err: Exception) -> int:
+    print(
+        f"tdstore {command}: failed: the server at {conn.where} answered with an error: {type(err).__name__}: {conn.scrub(str(err))}",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _no_store(command: str, td_id: str, prefix: str, conn: ServerConnection) -> int:
+    print(f"tdstore {command}: error: no store {_safe(td_id)} under prefix {_safe(prefix)!r} on {conn.where}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    """One row per store of the prefix; stale registry entries are noted on stderr, never removed."""
+    import redis
+
+    from .inspect_store import list_stores
+
+    conn = _connect("ls", args.url)
+    if isinstance(conn, int):
+        return conn
+    with conn:
+        try:
+            listing = list_stores(conn.client, args.prefix)
+        except redis.RedisError as err:
+            return _server_failed("ls", conn, err)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "server": conn.where,
+                    "prefix": args.prefix,
+                    "stores": [info.to_json(schema=False) for info in listing.stores],
+                    "unreadable": [bad.to_json() for bad in listing.unreadable],
+                    "stale": listing.stale,
+                },
+                indent=2,
+            )
+        )
+        return EXIT_OK
+    rows = [
+        [
+            _safe(i.td_id),
+            _safe(i.kind),
+            str(i.count),
+            str(len(i.leaves)),
+            str(i.bytes),
+            _ls_ttl(i),
+            _state_text(i.state),
+            f"{i.written}/{i.count}",
+        ]
+        for i in listing.stores
+    ]
+    rows += [[_safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
+    rows.sort(key=lambda row: row[0])
+    total = len(listing.stores) + len(listing.unreadable)
+    if rows:
+        for line in _table(["TD_ID", "TYPE", "COUNT", "KEYS", "BYTES", "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
+            print(line)
+        for bad in listing.unreadable:
+            print(f"unreadable {_safe(bad.td_id)}: {_safe(bad.error)}")
+    noun = "store" if total == 1 else "stores"
+    print(f"{total} {noun} under prefix {_safe(args.prefix)!r} on {conn.where}")
+    if listing.stale:
+        ids = ", ".join(_safe(t) for t in listing.stale)
+        print(
+            f"tdstore ls: note: skipped {len(listing.stale)} registry entr{'y' if len(listing.stale) == 1 else 'ies'} "
+            f"of stores that no longer exist (expired?): {ids}; 'tdstore rm ID' removes an entry",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+def _info_lines(info: StoreInfo, where: str) -> list[str]:
+    """The human form of ``info``: header facts, then one row per key."""
+    table_bytes = sum(leaf.table_bytes for leaf in info.leaves)
+    data_bytes = sum(leaf.data_bytes for leaf in info.leaves)
+    facts = [
+        ("type", _safe(info.kind)),
+        ("count", str(info.count)),
+        ("stack dim", str(info.stack_dim)),
+        ("inner batch size", _shape_text(info.inner)),
+        ("device", _safe(info.device) or "-"),
+        ("version", str(info.version)),
+        ("state", _safe(info.state)),
+        *([("tensorclass", _safe(info.tensorclass))] if info.tensorclass else []),
+        ("ttl", "-" if info.ttl_ms is None else f"{info.ttl_ms / 1000:.1f} s"),
+        ("bytes", f"{info.bytes} (data {data_bytes}, heterogeneous tables {table_bytes})"),
+        ("server keys", str(info.server_keys)),
+        ("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}"),
+        ("segments", "1"),
+    ]
+    width = max(len(name) for name, _ in facts) + 1
+    lines = [f"store {_safe(info.td_id)} under prefix {_safe(info.prefix)!r} on {where}"]
+    lines += [f"  {name + ':':<{width}} {value}" for name, value in facts]
+    lines.append(f"  keys: {len(info.leaves)}")
+    if info.leaves:
+        rows = [
+            [
+                _safe(leaf.name),
+                leaf.dtype,
+                leaf.layout,
+                _shape_text(leaf.shape) if leaf.shape is not None else f"ndim {leaf.ndim}, shapes vary",
+                str(leaf.data_bytes),
+            ]
+            for leaf in info.leaves
+        ]
+        lines += ["    " + line for line in _table(["KEY", "DTYPE", "LAYOUT", "ELEMENT SHAPE", "BYTES"], rows, right={4})]
+    return lines
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import redis
+
+    from .inspect_store import NoSuchStore, UnreadableStore, store_info
+
+    conn = _connect("info", args.url)
+    if isinstance(conn, int):
+        return conn
+    with conn:
+        try:
+            info = store_info(conn.client, args.prefix, args.td_id)
+        except NoSuchStore:
+            return _no_store("info", args.td_id, args.prefix, conn)
+        except UnreadableStore as err:
+            print(
+                f"tdstore info: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr
+            )
+            return EXIT_FAILED
+        except redis.RedisError as err:
+            return _server_failed("info", conn, err)
+    if args.json:
+        print(json.dumps({"server": conn.where, **info.to_json(schema=True)}, indent=2))
+    else:
+        print("\n".join(_info_lines(info, conn.where)))
+    return EXIT_OK
+
+
+def _confirm(question: str) -> bool | None:
+    """Ask on stderr, read one line from stdin; ``None`` when stdin is no terminal (nobody to answer)."""
+    stdin = sys.stdin
+    if stdin is None or not stdin.isatty():
+        return None
+    print(question, end="", file=sys.stderr, flush=True)
+    answer = stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    """Delete one store after confirmation; a registry entry whose store is gone is removed without asking."""
+    import redis
+
+    from .inspect_store import NoSuchStore, StoreBusy, UnreadableStore, delete_store, inspect_for_delete
+
+    conn = _connect("rm", args.url)
+    if isinstance(conn, int):
+        return conn
+    shown = _safe(args.td_id)
+    with conn:
+        try:
+            info, error, registered = inspect_for_delete(conn.client, args.prefix, args.td_id)
+            if info is None and not registered:
+                if error is None:
+                    return _no_store("rm", args.td_id, args.prefix, conn)
+                print(
+                    f"tdstore rm: failed: store {shown} has a header this tdstore cannot read, and is not in the registry; not deleting it: {_safe(error)}",
+                    file=sys.stderr,
+                )
+                return EXIT_FAILED
+            if info is not None and not args.yes:
+                answer = _confirm(f"Delete store {shown} ({len(info.leaves)} keys, {info.bytes} bytes)? [y/N] ")
+                if answer is None:
+                    print(
+                        f"tdstore rm: error: not deleting store {shown}: stdin is not a terminal, so nobody can confirm; pass --yes",
+                        file=sys.stderr,
+                    )
+                    return EXIT_USAGE
+                if not answer:
+                    print(f"tdstore rm: store {shown} not deleted", file=sys.stderr)
+                    return EXIT_FAILED
+            done = delete_store(conn.client, args.prefix, args.td_id)
+        except NoSuchStore:
+            return _no_store("rm", args.td_id, args.prefix, conn)
+        except StoreBusy as err:
+            print(f"tdstore rm: failed: {_safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except UnreadableStore as err:
+            print(f"tdstore rm: failed: cannot delete store {shown}: {_safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except redis.RedisError as err:
+            return _server_failed("rm", conn, err)
+    if done.registry_only:
+        print(f"removed the registry entry of store {shown}: {_safe(done.reason)}")
+    else:
+        print(f"deleted store {shown}: {done.keys_deleted} server keys")
+    return EXIT_OK
+
+
+# -- bench -------------------------------------------------------------------------------------------
+
+
+def bench_script() -> Path | None:
+    """``tools/bench.py`` of the source checkout this package runs from, or ``None`` (an installed wheel has no tools/)."""
+    import tdstore
+
+    path = Path(tdstore.__file__).resolve().parent.parent / "tools" / "bench.py"
+    return path if path.is_file() else None
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark in a child interpreter, so its worker processes and private server behave as when run directly."""
+    script = bench_script()
+    if script is None:
+        print(
+            "tdstore bench: error: the benchmark (tools/bench.py) ships with the source tree, not with the installed package; "
+            "clone the repository (git clone) and run 'tdstore bench' or 'python tools/bench.py' from the checkout",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    proc = subprocess.Popen([sys.executable, str(script), *args.bench_args])
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        _stop_child(proc)
+        raise
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell convention 128 + N
+
+
+def _stop_child(proc: subprocess.Popen[Any]) -> None:
+    """After Ctrl-C, let the benchmark stop its own server; nudge it, then end it, if it does not."""
+    import signal
+
+    deadline = time.monotonic() + 10
+    for step in ("wait", signal.SIGINT, signal.SIGTERM):
+        if step != "wait":
+            proc.send_signal(step)
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            return
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            deadline = time.monotonic() + 10
+    proc.kill()
+    proc.wait()
+
+
+def _add_server_options(parser: argparse.ArgumentParser, *, json_help: str | None) -> None:
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="redis://, rediss:// or unix:// URL of the server (default: $TDSTORE_URL, else redis://localhost:6379/0)",
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"key prefix the stores were created under (default: {DEFAULT_PREFIX})")
+    if json_help is not None:
+        parser.add_argument("--json", action="store_true", help=json_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand; a function so tests and docs can inspect it."""
     parser = argparse.ArgumentParser(
@@ -100,12 +430,64 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (the summary goes to stderr)")
     demo.add_argument("--no-progress", action="store_true", help="do not show live progress on stderr")
     demo.set_defaults(handler=_cmd_demo)
+
+    ls = sub.add_parser(
+        "ls",
+        help="list the stores under a prefix",
+        description=(
+            "One row per store of the prefix: id, type, element count, number of keys, bytes on the server, "
+            "seconds to live, state, and ring slots written / count. Read-only: registry entries of expired stores "
+            "are skipped (and named on stderr), not removed."
+        ),
+    )
+    _add_server_options(ls, json_help="print JSON on stdout instead of the table")
+    ls.set_defaults(handler=_cmd_ls)
+
+    info = sub.add_parser(
+        "info",
+        help="show the header and the schema of one store",
+        description="Header facts (count, stack dim, inner batch size, device, version, state, ttl, bytes, ring) and one row per key.",
+    )
+    info.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(info, json_help="print JSON on stdout instead of text")
+    info.set_defaults(handler=_cmd_info)
+
+    rm = sub.add_parser(
+        "rm",
+        help="delete one store",
+        description=(
+            "Delete every key of one store in one atomic call, after a confirmation read from the terminal "
+            "(or --yes). A registry entry whose store is already gone is removed without asking."
+        ),
+    )
+    rm.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(rm, json_help=None)
+    rm.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    rm.set_defaults(handler=_cmd_rm)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark (tools/bench.py of a source checkout); arguments pass through ('tdstore bench --help')",
+        add_help=False,  # --help belongs to the benchmark
+        description="Runs tools/bench.py of the source tree with the arguments given; see 'tdstore bench --help'.",
+    )
+    bench.set_defaults(handler=_cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit code."""
-    args = build_parser().parse_args(argv)
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit code.
+
+    ``bench`` takes every argument after it unparsed (they belong to the
+    benchmark, ``--help`` included), so the arguments argparse does not know are
+    kept for it; for any other command they are an error, as with ``parse_args``.
+    """
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

@@ -1,0 +1,490 @@
+"""Read what stores a server holds, for ``tdstore ls``, ``info`` and ``rm`` (no printing here).
+
+Everything is read from the store headers and the registry set of a prefix (see
+:mod:`tdstore._keys`); nothing the server names is ever imported or unpickled:
+dtypes go through tdstore's allow-list and leaf paths stay plain strings.  The
+registry may name stores that expired with their TTL; listing skips those
+without changing the server, and only ``tdstore rm`` removes such an entry.
+
+Round trips are batched so a prefix with many stores costs the same few calls:
+one ``SMEMBERS``, one pipeline of ``HGETALL`` (one per store), one pipeline of
+``STRLEN``/``PTTL`` (one per key of every store).  Sizes and TTLs are read just
+after the headers, not atomically with them: an inspection is a snapshot for a
+human, while every data operation is checked by the server itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
+from redis.retry import Retry
+
+from ._codec import dtype_name
+from ._connection import open_client
+from ._keys import StoreKeys, registry_key
+from ._schema import Header, StoreFormatError
+
+__all__ = [
+    "DEFAULT_URL",
+    "URL_ENV",
+    "Deletion",
+    "InvalidURL",
+    "LeafInfo",
+    "Listing",
+    "NoSuchStore",
+    "ServerConnection",
+    "ServerUnreachable",
+    "StoreBusy",
+    "StoreInfo",
+    "Unreadable",
+    "UnreadableStore",
+    "connect",
+    "delete_store",
+    "inspect_for_delete",
+    "list_stores",
+    "resolve_url",
+    "store_info",
+]
+
+URL_ENV = "TDSTORE_URL"
+#: Where ``ls``/``info``/``rm`` look without ``--url`` and without ``$TDSTORE_URL``.
+DEFAULT_URL = "redis://localhost:6379/0"
+#: Seconds to wait for the connection; a wrong address should fail fast, not hang a terminal.
+CONNECT_TIMEOUT = 5.0
+#: Seconds to wait for one reply; inspection commands are O(1) per key, so this is generous.
+REPLY_TIMEOUT = 60.0
+
+
+def resolve_url(url: str | None) -> str:
+    """``url`` if given, else ``$TDSTORE_URL``, else :data:`DEFAULT_URL`."""
+    return url or os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+# -- errors (their messages never hold a password) ---------------------------------------------------
+
+
+class InvalidURL(ValueError):
+    """The URL is not a redis://, rediss:// or unix:// URL redis-py accepts."""
+
+
+class ServerUnreachable(ConnectionError):
+    """No connection, or the server refused it (wrong password, TLS...)."""
+
+
+class NoSuchStore(LookupError):
+    """Neither a header nor a registry entry for this id under this prefix."""
+
+
+class UnreadableStore(RuntimeError):
+    """The header exists but this tdstore cannot read it (corrupt, foreign, or another format)."""
+
+
+class StoreBusy(RuntimeError):
+    """The store is still being uploaded: deleting it would pull the data from under its uploader."""
+
+
+# -- results -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """One key of a store as ``info`` shows it."""
+
+    path: tuple[str, ...]
+    number: int
+    dtype: str
+    ndim: int
+    shape: tuple[int, ...] | None
+    """Shape of one element's tensor (inner batch dims first); ``None`` when it varies (heterogeneous)."""
+    data_bytes: int
+    table_bytes: int
+    """Offset and shape tables of a heterogeneous leaf (0 for a homogeneous one)."""
+
+    @property
+    def name(self) -> str:
+        """Nested keys joined with ``.`` (ambiguous if a key holds a dot: :attr:`path` is exact)."""
+        return ".".join(self.path)
+
+    @property
+    def layout(self) -> str:
+        return "homogeneous" if self.shape is not None else "heterogeneous"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.name,
+            "path": list(self.path),
+            "dtype": self.dtype,
+            "layout": self.layout,
+            "ndim": self.ndim,
+            "shape": None if self.shape is None else list(self.shape),
+            "bytes": self.data_bytes,
+            "table_bytes": self.table_bytes,
+            "segments": 1,
+        }
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """Everything ``ls`` and ``info`` report about one readable store."""
+
+    td_id: str
+    prefix: str
+    kind: str
+    count: int
+    stack_dim: int
+    inner: tuple[int, ...]
+    device: str
+    version: int
+    state: str
+    ttl_ms: int | None
+    """Milliseconds before the store expires; ``None`` when it has no time to live."""
+    bytes: int
+    """Every data, offset and shape string of the store (keys of deleted leaves included)."""
+    write_count: int
+    """Ring writes so far (the header field ``rw``; 0 when absent)."""
+    leaves: tuple[LeafInfo, ...] = field(default_factory=tuple)
+    server_keys: int = 0
+    """Server keys the store owns now (header included): what ``rm`` deletes."""
+    tensorclass: str = ""
+    """Name of the tensorclass the store was uploaded from ("" for none); a name only, never imported."""
+
+    @property
+    def cursor(self) -> int:
+        """The next ring slot ``extend``/``append`` writes."""
+        return self.write_count % self.count if self.count else 0
+
+    @property
+    def written(self) -> int:
+        """Ring slots written at least once."""
+        return min(self.write_count, self.count)
+
+    @property
+    def ttl_seconds(self) -> float | None:
+        return None if self.ttl_ms is None else self.ttl_ms / 1000
+
+    def to_json(self, *, schema: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "td_id": self.td_id,
+            "prefix": self.prefix,
+            "type": self.kind,
+            "count": self.count,
+            "stack_dim": self.stack_dim,
+            "inner_batch_size": list(self.inner),
+            "device": self.device or None,
+            "version": self.version,
+            "state": self.state,
+            "ttl_seconds": self.ttl_seconds,
+            "bytes": self.bytes,
+            "server_keys": self.server_keys,
+            "keys": len(self.leaves),
+            "ring": {"cursor": self.cursor, "write_count": self.write_count, "written": self.written},
+            "segments": 1,
+            "tensorclass": self.tensorclass or None,
+        }
+        if schema:
+            out["schema"] = [leaf.to_json() for leaf in self.leaves]
+        return out
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A registry entry whose header exists but cannot be read (listed, never guessed at)."""
+
+    td_id: str
+    error: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"td_id": self.td_id, "error": self.error}
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The stores of one prefix."""
+
+    stores: list[StoreInfo]
+    unreadable: list[Unreadable]
+    stale: list[str]
+    """Registry entries whose store is gone (expired): skipped, and left for ``tdstore rm``."""
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """What ``rm`` did."""
+
+    td_id: str
+    keys_deleted: int
+    """Server keys deleted (0 when only a stale registry entry was removed)."""
+    registry_only: bool
+    """True when the store was already gone (or unreadable) and only its registry entry was removed."""
+    reason: str = ""
+
+
+# -- connection ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerConnection:
+    """An open client and a description of where it points, safe to print."""
+
+    client: redis.Redis
+    where: str
+    secret: str | None = field(default=None, repr=False)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the password masked, for messages built from server errors."""
+        return _scrub(text, self.secret)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> ServerConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _scrub(text: str, secret: str | None) -> str:
+    """``text`` with ``secret`` masked: a belt on top of messages that should never hold it anyway."""
+    return text.replace(secret, "***") if secret else text
+
+
+def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
+    """Open a client on ``url`` and PING it once, so a wrong address fails here with one clear message.
+
+    The URL is parsed by :func:`tdstore._connection.open_client`, which keeps the
+    password out of the spec, so ``where`` can be printed.  Raises
+    :class:`InvalidURL` or :class:`ServerUnreachable`.
+    """
+    try:
+        secret = parse_url(url).get("password")
+    except ValueError as err:
+        raise InvalidURL(str(err)) from None
+    try:
+        client, spec, _ = open_client(
+            url=url,
+            host="localhost",
+            port=6379,
+            db=0,
+            unix_socket_path=None,
+            client=None,
+            # redis-py retries a refused connection 10 times with backoff (seconds); one quick retry is
+            # enough for a command a person is waiting on, and a wrong --url fails at once
+            redis_kwargs={
+                "socket_connect_timeout": timeout,
+                "socket_timeout": REPLY_TIMEOUT,
+                "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+            },
+        )
+    except (ValueError, TypeError) as err:
+        raise InvalidURL(_scrub(str(err), secret)) from None
+    where = spec.describe()
+    try:
+        client.ping()
+    except redis.RedisError as err:  # refused, timed out, auth failed, NOAUTH...
+        client.close()
+        raise ServerUnreachable(f"cannot reach the server at {where}: {_scrub(str(err), secret)}") from None
+    except OSError as err:  # e.g. a TLS setup problem raised before redis-py wraps it
+        client.close()
+        raise ServerUnreachable(f"cannot reach the server at {where}: {_scrub(str(err), secret)}") from None
+    return ServerConnection(client, where, secret)
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+
+def _decode_id(raw: bytes | str) -> str:
+    return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+
+
+def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[Header, int]:
+    """The header and its ring write counter; :class:`StoreFormatError` for anything unexpected."""
+    try:
+        header = Header.from_fields(dict(raw))
+    except StoreFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:  # from_fields checks most, never trust it all
+        raise StoreFormatError(f"store header is corrupt: {type(err).__name__}: {err}") from None
+    rw_raw = raw.get(b"rw") if b"rw" in raw else raw.get("rw")
+    try:
+        rw = int(rw_raw) if rw_raw is not None else 0
+    except ValueError:
+        raise StoreFormatError(f"store header has a bad ring write counter {rw_raw!r}") from None
+    if rw < 0:
+        raise StoreFormatError(f"store header has a negative ring write counter {rw}")
+    return header, rw
+
+
+def _size_keys(keys: StoreKeys, header: Header) -> list[str]:
+    """The string keys of a store (its ``all_keys`` without the header hash, which has no STRLEN)."""
+    return keys.all_keys(header.next_leaf)[1:]
+
+
+def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:
+    """Combine a parsed header with the ``STRLEN`` of :func:`_size_keys` (in that order) and ``PTTL``."""
+    size = dict(zip(_size_keys(keys, header), lengths, strict=True))
+    leaves = []
+    for leaf in sorted(header.leaves.values(), key=lambda lf: lf.path):
+        leaves.append(
+            LeafInfo(
+                path=leaf.path,
+                number=leaf.number,
+                dtype=dtype_name(leaf.dtype),
+                ndim=leaf.ndim,
+                shape=leaf.shape,
+                data_bytes=size[keys.data(leaf.number)],
+                table_bytes=size[keys.offsets(leaf.number)] + size[keys.shapes(leaf.number)],
+            )
+        )
+    return StoreInfo(
+        td_id=keys.td_id,
+        prefix=keys.prefix,
+        kind=header.kind,
+        count=header.count,
+        stack_dim=header.stack_dim,
+        inner=header.inner,
+        device=header.device,
+        version=header.version,
+        state=header.state,
+        ttl_ms=None if pttl < 0 else pttl,
+        bytes=sum(size.values()),
+        write_count=rw,
+        leaves=tuple(leaves),
+        server_keys=exists,
+        tensorclass=getattr(header, "tensorclass", ""),  # headers of older tdstore versions have none
+    )
+
+
+def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, Header, int]]) -> list[StoreInfo | None]:
+    """Sizes, TTLs and key counts of parsed stores in one pipeline; ``None`` for a store gone meanwhile."""
+    pipe = client.pipeline(transaction=False)
+    for keys, header, _ in parsed:
+        size_keys = _size_keys(keys, header)
+        for key in size_keys:
+            pipe.strlen(key)
+        pipe.pttl(keys.meta)
+        pipe.exists(keys.meta, *size_keys)
+    replies = pipe.execute(raise_on_error=False)
+    out: list[StoreInfo | None] = []
+    pos = 0
+    for keys, header, rw in parsed:
+        n = len(_size_keys(keys, header))
+        lengths, pttl, exists = replies[pos : pos + n], replies[pos + n], replies[pos + n + 1]
+        pos += n + 2
+        if any(isinstance(r, Exception) for r in (*lengths, pttl, exists)) or pttl == -2:
+            out.append(None)  # a key of another type under our name, or the store expired between the calls
+            continue
+        out.append(_summarise(keys, header, rw, lengths, pttl, exists))
+    return out
+
+
+def list_stores(client: redis.Redis, prefix: str) -> Listing:
+    """Every store named in the registry of ``prefix``, sorted by id; reads only."""
+    ids = sorted(_decode_id(m) for m in client.smembers(registry_key(prefix)))
+    pipe = client.pipeline(transaction=False)
+    for td_id in ids:
+        pipe.hgetall(StoreKeys(prefix, td_id).meta)
+    raws = pipe.execute(raise_on_error=False)
+    stale: list[str] = []
+    unreadable: list[Unreadable] = []
+    parsed: list[tuple[StoreKeys, Header, int]] = []
+    for td_id, raw in zip(ids, raws, strict=True):
+        if isinstance(raw, Exception):  # e.g. WRONGTYPE: something that is not a hash sits under the header's name
+            unreadable.append(Unreadable(td_id, f"cannot read the header: {raw}"))
+        elif not raw:
+            stale.append(td_id)
+        else:
+            try:
+                header, rw = _parse(raw)
+            except StoreFormatError as err:
+                unreadable.append(Unreadable(td_id, str(err)))
+            else:
+                parsed.append((StoreKeys(prefix, td_id), header, rw))
+    stores: list[StoreInfo] = []
+    for (keys, _, _), info in zip(parsed, _measure(client, parsed) if parsed else [], strict=True):
+        if info is None:
+            stale.append(keys.td_id)
+        else:
+            stores.append(info)
+    return Listing(stores=stores, unreadable=unreadable, stale=sorted(stale))
+
+
+def _lookup(client: redis.Redis, prefix: str, td_id: str) -> tuple[StoreInfo | None, str | None, bool]:
+    """``(info, error, registered)``: the store, or why its header is unreadable, and whether the registry names it."""
+    keys = StoreKeys(prefix, td_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.meta)
+    pipe.sismember(keys.registry, td_id)
+    raw, registered = pipe.execute(raise_on_error=False)
+    registered = bool(registered) and not isinstance(registered, Exception)
+    if isinstance(raw, Exception):
+        return None, f"cannot read the header: {raw}", registered
+    if not raw:
+        return None, None, registered
+    try:
+        header, rw = _parse(raw)
+    except StoreFormatError as err:
+        return None, str(err), registered
+    (info,) = _measure(client, [(keys, header, rw)])
+    return info, None, registered
+
+
+def store_info(client: redis.Redis, prefix: str, td_id: str) -> StoreInfo:
+    """Header facts and schema of one store; :class:`NoSuchStore` or :class:`UnreadableStore` otherwise."""
+    info, error, _ = _lookup(client, prefix, td_id)
+    if error is not None:
+        raise UnreadableStore(error)
+    if info is None:
+        raise NoSuchStore(td_id)
+    return info
+
+
+def inspect_for_delete(client: redis.Redis, prefix: str, td_id: str) -> tuple[StoreInfo | None, str | None, bool]:
+    """What ``rm`` is about to delete: see :func:`_lookup`."""
+    return _lookup(client, prefix, td_id)
+
+
+def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
+    """Delete one store through the public API, or drop a registry entry whose store is gone or unreadable.
+
+    A readable store is opened with :meth:`tdstore.TensorDictStore.from_store` (the
+    entry point that opens every kind of store) and deleted with its
+    ``clear_redis``: one atomic script, registry entry included.  An unreadable
+    header is *not* deleted: its layout is unknown, so which keys belong to it
+    cannot be listed safely; only its registry entry is removed so ``ls`` stops
+    showing it.
+    """
+    from .store import TensorDictStore
+
+    info, error, registered = _lookup(client, prefix, td_id)
+    if info is None:
+        if not registered:
+            if error is not None:
+                raise UnreadableStore(error)
+            raise NoSuchStore(td_id)
+        client.srem(registry_key(prefix), td_id)
+        reason = (
+            "its header is gone (expired or deleted)"
+            if error is None
+            else f"its header is unreadable ({error}); its keys were left on the server"
+        )
+        return Deletion(td_id, 0, registry_only=True, reason=reason)
+    if info.state != "ready":
+        raise StoreBusy(f"store {td_id!r} is still being uploaded (state {info.state!r}); an abandoned upload expires by itself")
+    try:
+        store = TensorDictStore.from_store(client=client, prefix=prefix, td_id=td_id)
+    except KeyError:  # deleted or expired since it was read
+        raise NoSuchStore(td_id) from None
+    except (TypeError, StoreFormatError) as err:  # e.g. a kind of store this version cannot open
+        raise UnreadableStore(str(err)) from None
+    try:
+        n = store.clear_redis()
+    finally:
+        store.close()  # the client is ours (client=), so this leaves it open
+    return Deletion(td_id, n, registry_only=False)

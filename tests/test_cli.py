@@ -1,0 +1,479 @@
+"""``tdstore ls``, ``info``, ``rm`` and ``bench`` end to end, on the session's private server.
+
+Every command gets ``--url`` of the server ``conftest.py`` started (or a port the
+test just closed), never a default: nothing here may reach a server the tests did
+not start.  Each test works under its own prefix, so stores of other tests never
+show up in a listing.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+
+import tdstore
+from tdstore import LazyStackedTensorDictStore
+from tdstore._keys import StoreKeys, registry_key
+from tdstore.cli import main
+from tdstore.server import EmbeddedServer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def url(redis_server: EmbeddedServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"cli-{uuid.uuid4().hex[:10]}"
+
+
+def _het_stack(n: int = 4) -> TensorDict:
+    """Elements with a homogeneous, a nested and a heterogeneous (varying length) key."""
+    return lazy_stack(
+        [
+            TensorDict(
+                {"obs": torch.full((3,), float(i)), "tokens": torch.arange(i + 1, dtype=torch.int32), "meta": {"step": torch.tensor(i)}},
+                [],
+            )
+            for i in range(n)
+        ]
+    )
+
+
+def _dense_stack(n: int = 5) -> TensorDict:
+    return lazy_stack([TensorDict({"x": torch.zeros(2, 2, dtype=torch.float64), "done": torch.tensor(False)}, []) for _ in range(n)])
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    """The table of ``ls`` by id: between the column names and the summary line, without the error notes."""
+    lines = out.splitlines()
+    assert lines[0].split() == ["TD_ID", "TYPE", "COUNT", "KEYS", "BYTES", "TTL", "STATE", "RING"]
+    assert " stores under prefix " in lines[-1] or " store under prefix " in lines[-1]
+    return {line.split()[0]: line.split() for line in lines[1:-1] if not line.startswith("unreadable ")}
+
+
+def _closed_port() -> int:
+    """A loopback port nobody listens on: bound by us a moment ago, then released."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Terminal(io.StringIO):
+    """Stdin that says it is a terminal, holding the user's answer."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+# -- ls ------------------------------------------------------------------------------------------------
+
+
+def test_ls_lists_homogeneous_heterogeneous_and_ttl_stores(capsys, url, prefix) -> None:
+    het = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(4), url=url, prefix=prefix, td_id="het")
+    dense = LazyStackedTensorDictStore.from_lazy_stack(_dense_stack(5), url=url, prefix=prefix, td_id="dense")
+    ttl = LazyStackedTensorDictStore(url=url, prefix=prefix, count=7, ttl=60, td_id="with-ttl")
+    try:
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        rows = _rows(out)
+        assert set(rows) == {"het", "dense", "with-ttl"}
+        # TD_ID TYPE COUNT KEYS BYTES TTL STATE RING
+        assert rows["het"][1:4] == ["lazy", "4", "3"] and rows["het"][5:] == ["-", "ready", "0/4"]
+        # obs 4*3 float32 + tokens 1+2+3+4 int32 + step 4 int64 + the offset (5 int64) and shape (4x1 int64) tables
+        assert int(rows["het"][4]) == 48 + 40 + 32 + 40 + 32
+        assert rows["dense"][1:] == ["lazy", "5", "2", str(5 * 4 * 8 + 5 * 1), "-", "ready", "0/5"]
+        assert rows["with-ttl"][1:4] == ["lazy", "7", "0"] and rows["with-ttl"][6:] == ["ready", "0/7"]
+        assert 55 <= int(rows["with-ttl"][5]) <= 60
+        assert out.splitlines()[-1] == f"3 stores under prefix {prefix!r} on unix://{Path(url[len('unix://') :])}?db=0"
+        assert err == ""
+    finally:
+        for store in (het, dense, ttl):
+            store.clear_redis()
+
+
+def test_ls_json_is_only_json_with_every_field(capsys, url, prefix) -> None:
+    ring = LazyStackedTensorDictStore(url=url, prefix=prefix, count=4, ttl=60, td_id="ring")
+    for n in (4, 2):  # 6 writes on 4 slots: one and a half laps
+        ring.extend(TensorDict({"x": torch.ones(n, 2)}, [n]))
+    het = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(3), url=url, prefix=prefix, td_id="het")
+    try:
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        doc = json.loads(out)  # the whole of stdout
+        assert doc["prefix"] == prefix and doc["server"].startswith("unix://")
+        assert doc["unreadable"] == [] and doc["stale"] == []
+        by_id = {s["td_id"]: s for s in doc["stores"]}
+        assert set(by_id) == {"ring", "het"}
+        r = by_id["ring"]
+        for name in (
+            "type",
+            "count",
+            "keys",
+            "bytes",
+            "ttl_seconds",
+            "state",
+            "ring",
+            "stack_dim",
+            "inner_batch_size",
+            "device",
+            "version",
+            "server_keys",
+        ):
+            assert name in r, name
+        assert (r["type"], r["count"], r["keys"], r["bytes"], r["state"]) == ("lazy", 4, 1, 4 * 2 * 4, "ready")
+        assert r["ring"] == {"cursor": 2, "write_count": 6, "written": 4}
+        assert 50 < r["ttl_seconds"] <= 60
+        h = by_id["het"]
+        assert h["ttl_seconds"] is None and h["keys"] == 3 and h["ring"] == {"cursor": 0, "write_count": 0, "written": 0}
+        assert h["server_keys"] == 1 + 3 + 2  # header, three data blobs, the tables of the heterogeneous key
+    finally:
+        ring.clear_redis()
+        het.clear_redis()
+
+
+def test_ls_skips_stale_registry_entries_without_touching_them(capsys, url, prefix, redis_server) -> None:
+    live = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="live")
+    LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, ttl=0.05, td_id="expired")
+    admin = redis_server.client()
+    admin.sadd(registry_key(prefix), "never-created")
+    deadline = time.monotonic() + 5
+    while admin.exists(StoreKeys(prefix, "expired").meta) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        assert set(_rows(out)) == {"live"}
+        assert "skipped 2 registry entries" in err and "expired" in err and "never-created" in err
+        # listing reads only: the entries stay for `tdstore rm`
+        assert admin.smembers(registry_key(prefix)) == {b"live", b"expired", b"never-created"}
+        code, out, _ = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--json")
+        assert json.loads(out)["stale"] == ["expired", "never-created"]
+    finally:
+        live.clear_redis()
+        admin.delete(registry_key(prefix))
+
+
+def test_ls_reports_unreadable_headers_and_escapes_names(capsys, url, prefix, redis_server) -> None:
+    admin = redis_server.client()
+    good = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="good")
+    evil = "evil\x1b[2J"
+    admin.hset(StoreKeys(prefix, evil).meta, mapping={"format": "99", "schema": "cos.system"})
+    admin.set(StoreKeys(prefix, "not-a-hash").meta, b"\x80\x04 junk")
+    admin.sadd(registry_key(prefix), evil, "not-a-hash")
+    try:
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        assert "\x1b" not in out + err
+        rows = _rows(out)
+        assert rows["good"][6] == "ready"
+        assert rows["evil\\x1b[2J"][1:] == ["?", "-", "-", "-", "-", "unreadable", "-"]
+        assert rows["not-a-hash"][6] == "unreadable"
+        assert "format '99'" in out and "WRONGTYPE" in out
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert sorted(u["td_id"] for u in doc["unreadable"]) == [evil, "not-a-hash"]
+        # info of an unreadable store says so, and exits 1
+        code, out, err = _run(capsys, "info", evil, "--url", url, "--prefix", prefix)
+        assert code == 1 and "cannot read" in err and "\x1b" not in err
+    finally:
+        good.clear_redis()
+        admin.delete(StoreKeys(prefix, evil).meta, StoreKeys(prefix, "not-a-hash").meta, registry_key(prefix))
+
+
+def test_ls_of_an_empty_prefix(capsys, url, prefix) -> None:
+    code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+    assert code == 0 and err == ""
+    assert out.strip() == f"0 stores under prefix {prefix!r} on unix://{url[len('unix://') :]}?db=0"
+    code, out, _ = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--json")
+    assert json.loads(out)["stores"] == []
+
+
+def test_url_defaults_to_the_environment(capsys, url, prefix, monkeypatch) -> None:
+    monkeypatch.setenv("TDSTORE_URL", url)
+    store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=3, td_id="from-env")
+    try:
+        code, out, err = _run(capsys, "ls", "--prefix", prefix)
+        assert code == 0, err
+        assert set(_rows(out)) == {"from-env"}
+    finally:
+        store.clear_redis()
+
+
+# -- info ----------------------------------------------------------------------------------------------
+
+
+def test_info_shows_header_and_schema(capsys, url, prefix) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(4), url=url, prefix=prefix, td_id="het")
+    try:
+        code, out, err = _run(capsys, "info", "het", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].startswith(f"store het under prefix {prefix!r} on unix://")
+        facts = {
+            line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+            for line in lines[1:]
+            if ":" in line and not line.startswith("    ")
+        }
+        assert facts["type"] == "lazy" and facts["count"] == "4" and facts["stack dim"] == "0"
+        assert facts["inner batch size"] == "[]" and facts["device"] == "-" and facts["state"] == "ready"
+        assert facts["ttl"] == "-" and facts["segments"] == "1" and facts["keys"] == "3"
+        assert facts["ring"] == "cursor 0, write_count 0, written 0/4"
+        assert facts["bytes"] == "192 (data 120, heterogeneous tables 72)"
+        table = [line for line in lines if line.startswith("    ")]
+        assert table[0].split() == ["KEY", "DTYPE", "LAYOUT", "ELEMENT", "SHAPE", "BYTES"]
+        rows = {line.split()[0]: line.split(None, 3) for line in table[1:]}
+        assert rows["obs"][1:3] == ["float32", "homogeneous"] and rows["obs"][3].split() == ["[3]", "48"]
+        assert rows["meta.step"][1:3] == ["int64", "homogeneous"] and rows["meta.step"][3].split() == ["[]", "32"]
+        assert rows["tokens"][1:3] == ["int32", "heterogeneous"] and rows["tokens"][3].split() == ["ndim", "1,", "shapes", "vary", "40"]
+    finally:
+        store.clear_redis()
+
+
+def test_info_json(capsys, url, prefix) -> None:
+    inner = lazy_stack([TensorDict({"img": torch.zeros(2, 5, 5, dtype=torch.uint8), "len": torch.ones(2, i + 1)}, [2]) for i in range(3)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(inner, url=url, prefix=prefix, td_id="inner", ttl=120)
+    try:
+        code, out, err = _run(capsys, "info", "inner", "--url", url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert (doc["td_id"], doc["prefix"], doc["type"], doc["count"], doc["inner_batch_size"]) == ("inner", prefix, "lazy", 3, [2])
+        assert doc["state"] == "ready" and doc["segments"] == 1 and doc["keys"] == 2
+        assert 100 < doc["ttl_seconds"] <= 120
+        assert doc["ring"] == {"cursor": 0, "write_count": 0, "written": 0}
+        schema = {leaf["key"]: leaf for leaf in doc["schema"]}
+        assert schema["img"]["dtype"] == "uint8" and schema["img"]["layout"] == "homogeneous"
+        assert schema["img"]["shape"] == [2, 5, 5] and schema["img"]["bytes"] == 3 * 2 * 25 and schema["img"]["table_bytes"] == 0
+        assert schema["len"]["dtype"] == "float32" and schema["len"]["layout"] == "heterogeneous"
+        assert schema["len"]["shape"] is None and schema["len"]["ndim"] == 2 and schema["len"]["bytes"] == 2 * (1 + 2 + 3) * 4
+        assert doc["bytes"] == sum(leaf["bytes"] + leaf["table_bytes"] for leaf in doc["schema"])
+    finally:
+        store.clear_redis()
+
+
+def test_info_of_a_ring(capsys, url, prefix) -> None:
+    store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=8, td_id="ring")
+    try:
+        for n in (8, 2):  # one lap and two more: the cursor wraps
+            store.extend(TensorDict({"r": torch.arange(float(n))}, [n]))
+        code, out, err = _run(capsys, "info", "ring", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        assert "ring:             cursor 2, write_count 10, written 8/8" in out
+    finally:
+        store.clear_redis()
+
+
+# -- rm ------------------------------------------------------------------------------------------------
+
+
+def test_rm_with_yes_deletes_every_key(capsys, url, prefix, redis_server) -> None:
+    LazyStackedTensorDictStore.from_lazy_stack(_het_stack(3), url=url, prefix=prefix, td_id="doomed")
+    keep = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="kept")
+    try:
+        code, out, err = _run(capsys, "rm", "doomed", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 0, err
+        assert out.strip() == "deleted store doomed: 6 server keys"
+        admin = redis_server.client()
+        assert admin.keys(f"{prefix}:{{doomed}}*") == []
+        assert admin.smembers(registry_key(prefix)) == {b"kept"}
+        code, out, _ = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert set(_rows(out)) == {"kept"}
+    finally:
+        keep.clear_redis()
+
+
+def test_rm_refuses_without_yes_when_stdin_is_not_a_terminal(capsys, url, prefix, monkeypatch) -> None:
+    store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="safe")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # piped input is not a confirmation
+    try:
+        code, out, err = _run(capsys, "rm", "safe", "--url", url, "--prefix", prefix)
+        assert code == 2 and out == ""
+        assert "stdin is not a terminal" in err and "--yes" in err
+        assert LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id="safe").batch_size[0] == 2
+    finally:
+        store.clear_redis()
+
+
+def test_rm_asks_and_honours_the_answer(capsys, url, prefix, monkeypatch) -> None:
+    LazyStackedTensorDictStore.from_lazy_stack(_dense_stack(5), url=url, prefix=prefix, td_id="asked")
+    monkeypatch.setattr(sys, "stdin", _Terminal("n\n"))
+    code, out, err = _run(capsys, "rm", "asked", "--url", url, "--prefix", prefix)
+    assert code == 1 and out == ""
+    assert err.startswith(f"Delete store asked (2 keys, {5 * 32 + 5} bytes)? [y/N] ") and "not deleted" in err
+    monkeypatch.setattr(sys, "stdin", _Terminal(""))  # end of input: no
+    assert main(["rm", "asked", "--url", url, "--prefix", prefix]) == 1
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", _Terminal("y\n"))
+    code, out, err = _run(capsys, "rm", "asked", "--url", url, "--prefix", prefix)
+    assert code == 0, err
+    assert "Delete store asked" in err and out.strip() == "deleted store asked: 3 server keys"
+    with pytest.raises(KeyError):
+        LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id="asked")
+
+
+def test_rm_removes_a_stale_registry_entry(capsys, url, prefix, redis_server, monkeypatch) -> None:
+    admin = redis_server.client()
+    admin.sadd(registry_key(prefix), "ghost")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # nothing to confirm: no data goes
+    code, out, err = _run(capsys, "rm", "ghost", "--url", url, "--prefix", prefix)
+    assert code == 0, err
+    assert "removed the registry entry of store ghost" in out and "gone" in out
+    assert admin.smembers(registry_key(prefix)) == set()
+    code, _, err = _run(capsys, "rm", "ghost", "--url", url, "--prefix", prefix, "--yes")
+    assert code == 2 and "no store ghost" in err
+
+
+def test_rm_of_an_unreadable_header_only_drops_the_registry_entry(capsys, url, prefix, redis_server) -> None:
+    admin = redis_server.client()
+    meta = StoreKeys(prefix, "foreign").meta
+    admin.hset(meta, mapping={"format": "7"})
+    admin.sadd(registry_key(prefix), "foreign")
+    try:
+        code, out, err = _run(capsys, "rm", "foreign", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 0, err
+        assert "unreadable" in out and "left on the server" in out
+        assert admin.exists(meta) == 1 and admin.smembers(registry_key(prefix)) == set()
+        # now neither readable nor registered: refused
+        code, _, err = _run(capsys, "rm", "foreign", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 1 and "cannot read" in err
+        assert admin.exists(meta) == 1
+    finally:
+        admin.delete(meta)
+
+
+def test_unknown_ids(capsys, url, prefix) -> None:
+    for argv in (["info", "nope"], ["rm", "nope", "--yes"], ["info", "nope", "--json"]):
+        code, out, err = _run(capsys, *argv, "--url", url, "--prefix", prefix)
+        assert code == 2 and out == ""
+        assert f"no store nope under prefix {prefix!r}" in err
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+
+def test_unreachable_server(capsys) -> None:
+    port = _closed_port()
+    for argv in (["ls"], ["info", "x"], ["rm", "x", "--yes"], ["ls", "--json"]):
+        code, out, err = _run(capsys, *argv, "--url", f"redis://127.0.0.1:{port}/0")
+        assert code == 2 and out == ""
+        assert err.startswith(f"tdstore {argv[0]}: error: cannot reach the server at redis://127.0.0.1:{port}/0: ")
+
+
+def test_bad_url_and_bad_arguments(capsys) -> None:
+    code, out, err = _run(capsys, "ls", "--url", "http://user:hunter2@example.invalid/")
+    assert code == 2 and "invalid server url" in err and "hunter2" not in err + out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ls", "--bogus", "--url", "redis://127.0.0.1:1/0"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_passwords_are_never_printed(capsys, url, prefix, redis_server) -> None:
+    admin = redis_server.client()
+    user, password = f"cli-{uuid.uuid4().hex[:6]}", f"pw-{uuid.uuid4().hex}"
+    admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "&*", "+@all")
+    sock = url[len("unix://") :]
+    store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="secret-test")
+    try:
+        seen = ""
+        good = f"unix://{user}:{password}@{sock}"
+        for argv in (["ls"], ["ls", "--json"], ["info", "secret-test"], ["info", "secret-test", "--json"], ["info", "missing"]):
+            code, out, err = _run(capsys, *argv, "--url", good, "--prefix", prefix)
+            assert code in (0, 2), err
+            seen += out + err
+        assert "secret-test" in seen and f"unix://{sock}?db=0" in seen
+        # wrong password: refused with a clear error, and the (wrong) password is not echoed either
+        code, out, err = _run(capsys, "ls", "--url", f"unix://{user}:wrong-{password}@{sock}", "--prefix", prefix)
+        assert code == 2 and "cannot reach the server" in err
+        seen += out + err
+        port = _closed_port()
+        code, out, err = _run(capsys, "ls", "--url", f"redis://{user}:{password}@127.0.0.1:{port}/0")
+        assert code == 2 and f"redis://127.0.0.1:{port}/0" in err
+        seen += out + err
+        code, out, err = _run(capsys, "rm", "secret-test", "--url", good, "--prefix", prefix, "--yes")
+        assert code == 0, err
+        seen += out + err
+        assert password not in seen and user + ":" not in seen
+    finally:
+        store.clear_redis()
+        admin.execute_command("ACL", "DELUSER", user)
+
+
+def test_python_dash_m_ls(url, prefix) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(2), url=url, prefix=prefix, td_id="sub")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tdstore", "ls", "--url", url, "--prefix", prefix],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert _rows(proc.stdout)["sub"][1:4] == ["lazy", "2", "3"]
+    finally:
+        store.clear_redis()
+
+
+# -- bench ---------------------------------------------------------------------------------------------
+
+
+def test_bench_passes_arguments_through(capfd) -> None:
+    assert (REPO / "tools" / "bench.py").is_file()
+    assert main(["bench", "--help"]) == 0
+    out, _ = capfd.readouterr()
+    assert "--quick" in out and "--mp-writers" in out
+    # the benchmark's own exit code comes back (argparse: 2 for an unknown option)
+    assert main(["bench", "--no-such-option"]) == 2
+    assert "--no-such-option" in capfd.readouterr().err
+
+
+def test_bench_outside_a_source_checkout(capsys, monkeypatch, tmp_path) -> None:
+    fake = tmp_path / "site-packages" / "tdstore" / "__init__.py"
+    fake.parent.mkdir(parents=True)
+    fake.touch()
+    monkeypatch.setattr(tdstore, "__file__", str(fake))
+    code, out, err = _run(capsys, "bench", "--quick")
+    assert code == 2 and out == ""
+    assert "source tree" in err and "git clone" in err
+
+
+def test_dense_stores_are_listed_and_deleted(capsys, url, prefix) -> None:
+    """A dense store (type "dense") goes through the same commands; skipped where dense stores do not exist yet."""
+    td = TensorDict({"obs": torch.zeros(3, 4), "reward": torch.ones(3)}, [3])
+    try:
+        dense = tdstore.TensorDictStore.from_tensordict(td, url=url, prefix=prefix, td_id="dense")
+    except NotImplementedError:
+        pytest.skip("this tdstore has no dense TensorDictStore")
+    try:
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        assert _rows(out)["dense"][1] == "dense"
+        code, out, err = _run(capsys, "info", "dense", "--url", url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["type"] == "dense" and {leaf["key"] for leaf in doc["schema"]} == {"obs", "reward"}
+        code, out, err = _run(capsys, "rm", "dense", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 0, err
+        assert out.startswith("deleted store dense: ")
+    finally:
+        dense.clear_redis()
