@@ -27,6 +27,8 @@
           little-endian int64, 'data' holds the n values back to back
     'S', k, bytes                                        SET KEYS[k] (a new blob or table)
     'D', k                                               DEL KEYS[k]
+    'Z', k, n                                            KEYS[k] becomes n zero bytes, allocated
+                                                         by the server (nothing sent)
     'M', ks, kt, n
           move the staging key KEYS[ks] (filled with plain SETRANGEs in the same
           pipeline, n bytes) onto KEYS[kt] (RENAME, then PERSIST): a large blob is
@@ -178,6 +180,14 @@ for _ = 1, nops do
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
     a = a + 2
+  elseif kind == 'Z' then
+    local op = {kind = 'Z', key = key(a + 1), n = tds_num(ARGV[a + 2], 'size')}
+    if op.n > limit then
+      too_large(op.key, op.n)
+    end
+    pending[op.key] = nil
+    ops[#ops + 1] = op
+    a = a + 3
   elseif kind == 'F' then
     local op = {kind = 'F', dkey = key(a + 1), a = tds_num(ARGV[a + 3], 'start'), b = tds_num(ARGV[a + 4], 'end'), pattern = ARGV[a + 5]}
     local ko = tds_num(ARGV[a + 2], 'offset key index')
@@ -418,6 +428,13 @@ for _, op in ipairs(ops) do
     redis.call('SET', op.key, op.value)
   elseif op.kind == 'D' then
     redis.call('DEL', op.key)
+  elseif op.kind == 'Z' then
+    redis.call('DEL', op.key)
+    if op.n > 0 then
+      redis.call('SETRANGE', op.key, op.n - 1, '\0')
+    else
+      redis.call('SET', op.key, '')
+    end
   elseif op.kind == 'M' then
     redis.call('RENAME', op.src, op.dst)
     redis.call('PERSIST', op.dst)
@@ -448,7 +465,7 @@ end
 local ttl = redis.call('PTTL', meta)
 if ttl > 0 then
   for _, op in ipairs(ops) do
-    if op.kind == 'S' or op.kind == 'M' then
+    if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' then
       redis.call('PEXPIRE', op.key or op.dst, ttl)
     end
   end

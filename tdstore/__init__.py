@@ -6,7 +6,7 @@ keep a cached, server-validated view of the schema.
 
 from ._schema import StoreFormatError
 from .lazy import LazyStackedTensorDictStore
-from .store import TensorDictStore
+from .store import TensorDictStore, register_tensorclass
 
-__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreFormatError"]
+__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreFormatError", "register_tensorclass"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ case costs one round trip, and a stale cache costs one more, never wrong data.
 from __future__ import annotations
 
 import random
+import secrets
 import struct
 import time
 import uuid
@@ -576,6 +577,16 @@ class Engine:
 
     def abort_upload(self, next_leaf: int) -> None:
         _scripts.call(self.client, "clear", self._clear_keys(next_leaf), ["*", self.keys.td_id])
+
+    def copy_to(self, keys: StoreKeys) -> None:
+        """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``)."""
+
+        def plan_call(h: Header) -> Call:
+            src = self.keys.all_keys(h.next_leaf)[1:]
+            dst = keys.all_keys(h.next_leaf)[1:]
+            return Call("copy", [self.keys.meta, keys.meta, keys.registry, *src, *dst], [f"{h.epoch}:V{h.version}", keys.td_id, secrets.token_hex(8)], lambda r: None)
+
+        self.run(plan_call)
 
     def _clear_keys(self, next_leaf: int) -> list[str]:
         keys = self.keys.all_keys(next_leaf)

@@ -117,7 +117,7 @@ def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, numbe
             if leaf is None:
                 _codec.dtype_name(rows.dtype)
                 leaf = Leaf(path, number, rows.dtype, len(elem_shape), elem_shape)
-                ops.append(["S", kt.ref(dk), bytes(h.count * leaf.element_nbytes)])
+                ops.append(["Z", kt.ref(dk), h.count * leaf.element_nbytes])
                 changed = True
             return leaf, [*ops, ["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(rows)]], changed
         elems = list(rows.unbind(0))
@@ -178,8 +178,8 @@ def _plan_rows(engine: Engine, h: Header, kt: _KeyTable, items: dict[NestedPath,
         new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what))
         leaves[path] = new_leaf
         changed |= ch
-        pre += [op for op in ops if op[0] == "S"]
-        post += [op for op in ops if op[0] != "S"]
+        pre += [op for op in ops if op[0] in ("S", "Z")]
+        post += [op for op in ops if op[0] not in ("S", "Z")]
     if len(leaves) != len(h.leaves):
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf) if changed else None

@@ -109,6 +109,9 @@ class Header:
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     """Random token of this creation of the store: a store deleted and created again
     under the same id has another, so handles on the old one are refused."""
+    tensorclass: str = ""
+    """``module.QualName`` of the tensorclass the store was uploaded from: a name only,
+    matched against classes the program gives or registers, never imported."""
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
@@ -182,6 +185,7 @@ class Header:
             "device": self.device,
             "state": self.state,
             "schema": self.schema_json(),
+            **({"tensorclass": self.tensorclass} if self.tensorclass else {}),
         }
 
     @classmethod
@@ -207,6 +211,7 @@ class Header:
             state = f.get("state", "ready")
             keyset_version = int(f["kv"])
             epoch = f["epoch"]
+            tensorclass = f.get("tensorclass", "")
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         if not epoch or any(c not in "0123456789abcdef" for c in epoch):
@@ -240,6 +245,7 @@ class Header:
             state=state,
             keyset_version=keyset_version,
             epoch=epoch,
+            tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
         )
 
 

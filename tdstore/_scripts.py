@@ -21,7 +21,7 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire")
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy")
 
 
 class ServerScriptError(RuntimeError):
@@ -73,6 +73,8 @@ def translate(err: ResponseError) -> Exception:
     msg = str(err)
     if "TDSTORE too large" in msg:
         return ValueError(f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}")
+    if "TDSTORE exists" in msg:
+        return ValueError(msg[msg.index("TDSTORE exists") + 16 :])
     if "TDSTORE empty" in msg:
         return ValueError(f"cannot sample: {msg[msg.index('TDSTORE empty') + 14 :]}")
     if "TDSTORE" in msg:

@@ -149,12 +149,12 @@ def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements
         lo = hi
 
 
-def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0) -> Header:
+def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0, kind: str = "lazy", tensorclass: str = "") -> Header:
     with gc_paused():
-        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
+        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms, kind=kind, tensorclass=tensorclass)
 
 
-def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int) -> Header:
+def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int, kind: str, tensorclass: str) -> Header:
     elements, stack_dim = _elements(lazy_td)
     inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
     count = len(elements)
@@ -166,7 +166,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
         shape = s.shapes[0] if s.homogeneous else None
         leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None)
     token = uuid.uuid4().hex
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}")
+    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass)
     # every leaf is one string on the server: refuse, before writing anything, a leaf the
     # server cannot hold, and never send a piece larger than it accepts in one request
     limit = engine.max_value_bytes

@@ -16,7 +16,7 @@ from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._progress import progress
-from ._schema import Header, NestedPath
+from ._schema import Header, Leaf, NestedPath, check_paths
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, gc_paused, leaves_of
 
@@ -228,6 +228,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         cache_metadata: bool = True,
         readonly: bool = False,
         ttl: float | None = None,
+        _kind: str = "lazy",
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
@@ -238,11 +239,13 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
-        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "")
+        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind)
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is not None:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
+            if existing.kind != _kind:
+                raise TypeError(f"the store with {engine.where()} is a {existing.kind!r} store, not a {_kind!r} one")
             mismatch = [
                 f"{name} {got!r} != stored {have!r}"
                 for name, got, have in (("count", count, existing.count), ("stack_dim", stack_dim, existing.stack_dim), ("inner_batch_size", inner, existing.inner))
@@ -716,6 +719,29 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
             if clash:
                 raise KeyError(f"key {display(clash[0])!r} already exists; delete it first")
             return _writes.plan_rename(h, renames), [], []
+
+        self._engine.run_write(plan)
+
+    def _allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Add (or replace) homogeneous keys of zeros, ``{path: (feature_shape, dtype)}``, allocated by the server in one call."""
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        keys = self._engine.keys
+
+        def plan(h: Header, kt: Any) -> Any:
+            leaves = dict(h.leaves)
+            next_leaf = h.next_leaf
+            ops: list[list[Any]] = []
+            for path, (feat, dtype) in specs.items():
+                old = leaves.get(path)
+                number = old.number if old is not None else next_leaf
+                next_leaf += old is None
+                shape = (*h.inner, *feat)
+                leaf = Leaf(path, number, dtype, len(shape), shape)
+                leaves[path] = leaf
+                ops += [["Z", kt.ref(keys.data(number)), h.count * leaf.element_nbytes], ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
+            check_paths(list(leaves))
+            return h.with_leaves(leaves, next_leaf), ops, []
 
         self._engine.run_write(plan)
 

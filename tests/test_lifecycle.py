@@ -22,6 +22,13 @@ def pttls(backend, store) -> dict[bytes, int]:
     return dict(zip(keys, client.eval(_PTTLS, len(keys), *keys)))
 
 
+def same_deadline(backend, ttls: dict[bytes, int]) -> bool:
+    """One deadline for every key: exactly on redis-server (its clock stands still in a script);
+    fakeredis reads its clock on each command, so there a millisecond or two may pass."""
+    values = set(ttls.values())
+    return len(values) == 1 if backend.server is not None else max(values) - min(values) <= 5
+
+
 def registered(backend) -> set[str]:
     return {m.decode() for m in backend.client().smembers(registry_key(backend.prefix))}
 
@@ -55,7 +62,7 @@ def test_ttl_on_creation_covers_keys_added_later(backend):
     store[1] = make_stack(9)[8].set("extra", torch.ones(2))  # tokens grows: the key gains offset and shape tables
     ttls = pttls(backend, store)
     assert len(ttls) >= 6
-    assert len(set(ttls.values())) == 1, ttls
+    assert same_deadline(backend, ttls), ttls
     assert 110_000 < next(iter(ttls.values())) <= 120_000
     assert 110 < store.ttl() <= 120
 
@@ -65,7 +72,7 @@ def test_expire_and_persist_act_on_every_key_at_once(backend):
     assert store.ttl() is None
     store.expire(30.5)
     ttls = pttls(backend, store)
-    assert len(set(ttls.values())) == 1 and 29_000 < next(iter(ttls.values())) <= 30_500
+    assert same_deadline(backend, ttls) and 29_000 < next(iter(ttls.values())) <= 30_500
     store.persist()
     assert set(pttls(backend, store).values()) == {-1}
     assert store.ttl() is None
@@ -74,7 +81,7 @@ def test_expire_and_persist_act_on_every_key_at_once(backend):
 def test_upload_with_ttl(backend):
     store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=50, **backend.kwargs())
     ttls = pttls(backend, store)
-    assert len(set(ttls.values())) == 1 and 40_000 < next(iter(ttls.values())) <= 50_000
+    assert same_deadline(backend, ttls) and 40_000 < next(iter(ttls.values())) <= 50_000
 
 
 def test_a_store_expires_as_a_whole(backend):

@@ -1,0 +1,393 @@
+"""``TensorDictStore``: a dense tensordict whose entries live on the server.
+
+A dense tensordict of batch size ``B`` is stored as a stack of *one* element of
+inner batch size ``B``: the same header, scripts, versioning and planning as a
+:class:`~tdstore.LazyStackedTensorDictStore`, with no second copy of the storage
+logic.  Element 0 of that stack holds every entry whole, so ``store["obs"]`` is
+one blob, ``store[idx]`` reads only the rows ``idx`` touches, and every read and
+write stays one atomic script call.  The header says ``type: dense``, so a lazy
+handle never opens a dense store by mistake, nor the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
+from tensordict.base import NO_DEFAULT
+
+from ._connection import open_client
+from ._engine import Engine, new_td_id
+from ._keys import StoreKeys
+from ._schema import NestedPath
+from ._values import as_path, display, leaves_of
+from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _KeysView, _only_keys, _ttl_ms
+
+
+def _check_batch_size(batch_size: Any) -> torch.Size:
+    if batch_size is None:
+        return torch.Size(())
+    try:
+        bs = torch.Size([int(b) for b in batch_size])
+    except (TypeError, ValueError):
+        raise TypeError(f"batch_size must be a sequence of ints, got {batch_size!r}") from None
+    if any(b < 0 for b in bs):
+        raise ValueError(f"batch_size must hold non-negative sizes, got {list(bs)}")
+    return bs
+
+
+def _whole(items: dict[NestedPath, Any]) -> dict[NestedPath, torch.Tensor]:
+    """Values covering the whole dense store, as the one-element stack holds them (a leading dim of 1)."""
+    out = {}
+    for path, value in items.items():
+        if isinstance(value, list):
+            raise TypeError(f"key {display(path)!r} differs in shape across the lazy stack it comes from; a dense store holds one tensor per key")
+        out[path] = value.unsqueeze(0)
+    return out
+
+
+class TensorDictStore(_ElementView):
+    """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
+
+    Every read and write is one atomic script call, as for the lazy store:
+    ``store["obs"]`` reads a whole entry, ``store[idx]`` (ints, slices, steps,
+    index tensors, lists, masks) reads only the touched rows of every entry into
+    a local :class:`~tensordict.TensorDict`, ``store[idx] = td`` writes them,
+    ``store["nested"]`` is a write-through view of a sub-tree, and entries can be
+    added, replaced (another dtype or shape), deleted and renamed at any time.
+
+    Keyword Args:
+        batch_size: the batch size of the store (default ``[]``).
+        backend, host, port, db, unix_socket_path, url, prefix, device, client,
+        td_id, cache_metadata, readonly, ttl, **redis_kwargs: as for
+        :class:`~tdstore.LazyStackedTensorDictStore`.  An existing ``td_id`` is
+        attached to when its batch size agrees (``ValueError`` when it does not).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "redis",
+        host: str = "localhost",
+        port: int = 6379,
+        db: int = 0,
+        unix_socket_path: str | None = None,
+        url: str | None = None,
+        prefix: str = "tensordict",
+        batch_size: Sequence[int] | torch.Size | None = None,
+        device: Any = None,
+        client: Any = None,
+        td_id: str | None = None,
+        cache_metadata: bool = True,
+        readonly: bool = False,
+        ttl: float | None = None,
+        **redis_kwargs: Any,
+    ) -> None:
+        bs = _check_batch_size(batch_size)
+        try:
+            store = LazyStackedTensorDictStore(
+                backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path, url=url, prefix=prefix,
+                count=1, inner_batch_size=bs, device=device, client=client, td_id=td_id, cache_metadata=cache_metadata,
+                readonly=readonly, ttl=ttl, _kind="dense", **redis_kwargs,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(str(err).replace("inner_batch_size", "batch_size")) from None
+        self._init_view(store, ())
+
+    def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
+        _ElementView.__init__(self, store, 0, under)
+        if locked:
+            self.lock_()
+
+    @classmethod
+    def _view(cls, store: LazyStackedTensorDictStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
+        self = cls.__new__(cls)
+        self._init_view(store, under, locked)
+        return self
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_tensordict(cls, td: Any, *, pbar: bool = False, ttl: float | None = None, device: Any = None, td_id: str | None = None, **kwargs: Any) -> Any:
+        """Upload ``td`` as a new store; a lazy stack becomes a :class:`LazyStackedTensorDictStore`.
+
+        A tensorclass instance is uploaded as its tensordict and remembered by class
+        name (see :meth:`from_store`). The store appears on the server only when the
+        upload is complete (one atomic commit), as for lazy uploads.
+        """
+        from . import _tensorclass
+        from ._upload import upload
+
+        tc_name = _tensorclass.name_of(td)
+        if is_tensorclass(td):
+            td = td._tensordict
+        if isinstance(td, LazyStackedTensorDict):
+            return LazyStackedTensorDictStore.from_lazy_stack(td, pbar=pbar, ttl=ttl, device=device, td_id=td_id, **kwargs)
+        if isinstance(td, TensorDictStore):
+            td = td.to_tensordict()
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"from_tensordict expects a tensordict or a tensorclass, got {type(td).__name__}")
+        redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
+        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned)
+        upload(engine, lazy_stack([td]), device=device, pbar=pbar, chunk_elements=1, chunk_bytes=64 << 20, ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name)
+        store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
+        out = cls._view(store)
+        return _tensorclass.wrap(out, tc_name, None)
+
+    @classmethod
+    def from_dict(cls, input_dict: Any, *, batch_size: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None, device: Any = None, **kwargs: Any) -> TensorDictStore:
+        """A new store holding the entries of a dict (nested dicts become nested keys), uploaded in one commit."""
+        if isinstance(input_dict, TensorDictBase):
+            td = input_dict
+        else:
+            td = TensorDict.from_dict(input_dict, batch_size=batch_size, auto_batch_size=auto_batch_size, batch_dims=batch_dims)
+        return cls.from_tensordict(td, device=device, **kwargs)
+
+    @classmethod
+    def from_schema(cls, schema: dict[Any, tuple[Sequence[int], torch.dtype]], *, batch_size: Any = None, **kwargs: Any) -> TensorDictStore:
+        """A new store with zero-filled entries of the given feature shapes and dtypes, allocated by the server.
+
+        ``schema`` maps each key (a str or a tuple for a nested key) to
+        ``(feature_shape, dtype)``; the entry has shape ``[*batch_size, *feature_shape]``.
+        No data is built in local memory or sent: one atomic call makes the server
+        allocate every entry as zero bytes.
+        """
+        from ._codec import dtype_name
+
+        store = cls(batch_size=batch_size, **kwargs)
+        specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]] = {}
+        for key, spec in schema.items():
+            try:
+                shape, dtype = spec
+                shape = tuple(int(s) for s in shape)
+            except (TypeError, ValueError):
+                raise TypeError(f"schema entry {key!r} must be (feature_shape, dtype), got {spec!r}") from None
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"schema entry {key!r}: {dtype!r} is not a torch.dtype")
+            dtype_name(dtype)
+            if any(s < 0 for s in shape):
+                raise ValueError(f"schema entry {key!r}: negative size in {list(shape)}")
+            specs[as_path(key)] = (shape, dtype)
+        store._store._allocate(specs)
+        return store
+
+    @classmethod
+    def from_store(
+        cls,
+        *,
+        td_id: str,
+        tensorclass_cls: type | None = None,
+        backend: str = "redis",
+        device: Any = None,
+        cache_metadata: bool = True,
+        readonly: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Reconnect to a store by ``td_id`` (one read-only round trip).
+
+        A lazy store comes back as a :class:`LazyStackedTensorDictStore`.  A store
+        uploaded from a tensorclass comes back as an instance of ``tensorclass_cls``
+        when given, or of a class registered with :func:`tdstore.register_tensorclass`
+        under the name the server holds; a name the program did not give or register is
+        never imported, and the plain store is returned.
+        """
+        from . import _tensorclass
+
+        redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
+        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
+        engine.set_header(engine.fetch_header())
+        store = LazyStackedTensorDictStore._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
+        if engine.header.kind == "lazy":
+            return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
+        if engine.header.kind != "dense":
+            raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store")
+        return _tensorclass.wrap(cls._view(store), engine.header.tensorclass, tensorclass_cls)
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def td_id(self) -> str:
+        return self._store.td_id
+
+    @property
+    def _td_id(self) -> str:
+        return self._store.td_id
+
+    @property
+    def prefix(self) -> str:
+        return self._store.prefix
+
+    @property
+    def readonly(self) -> bool:
+        return self._store.readonly
+
+    @property
+    def _backend(self) -> str:
+        return self._store._backend
+
+    @property
+    def _meta_cache(self) -> dict:
+        """The cached schema: ``{key: (shape, dtype)}`` with the store's batch dims (reference quirk)."""
+        return {display(p): ((*leaf.shape,) if leaf.shape is not None else None, leaf.dtype) for p, leaf in self._store._engine.header.leaves.items() if p[: len(self._under)] == self._under}
+
+    @property
+    def _engine(self) -> Engine:
+        return self._store._engine
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._store._device
+
+    @device.setter
+    def device(self, value: Any) -> None:
+        self._store.device = value
+        self._device = self._store._device
+
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
+        return _KeysView(self._paths, self._under, include_nested, leaves_only, sort)
+
+    def __len__(self) -> int:
+        return self._batch_size[0] if len(self._batch_size) else 0
+
+    def entry_class(self, key: Any) -> type:
+        cls = self._store.entry_class(self._under + as_path(key))
+        return TensorDict if cls is LazyStackedTensorDict else cls
+
+    def __repr__(self) -> str:
+        try:
+            keys = list(self.keys(include_nested=True, leaves_only=True))
+        except Exception as err:  # the repr must not raise, e.g. for a deleted store
+            keys = [f"<unavailable: {type(err).__name__}>"]
+        where = f", under={display(self._under)!r}" if self._under else ""
+        return f"TensorDictStore(keys={keys}, batch_size={self._batch_size}, device={self.device}, backend={self._backend!r}, td_id={self.td_id!r}{where})"
+
+    # -- reads -------------------------------------------------------------------------------
+    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
+        path = self._under + rel
+        h = self._store._header
+        if path in h.leaves:
+            try:
+                value = self._read([path]).get(display(path))
+            except KeyError:
+                if default is not NO_DEFAULT:
+                    return default
+                raise
+            return value
+        if any(p[: len(path)] == path for p in h.leaves):
+            return type(self)._view(self._store, path, self.is_locked)
+        if default is not NO_DEFAULT:
+            return default
+        raise KeyError(f"key {display(rel)!r} is not in the store ({self._store._engine.where()})")
+
+    def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
+        """``clone()`` copies the store into a new td_id on the server (one atomic call); ``clone(False)`` is another handle on it.
+
+        A view of a nested key (``store["nested"]``) clones into a local
+        TensorDict, as it is not a store of its own.
+        """
+        if not recurse:
+            return type(self)._view(self._store, self._under)
+        if self._under:
+            return self.to_tensordict()
+        src = self._store
+        keys = StoreKeys(src.prefix, new_td_id())
+        src._engine.copy_to(keys)
+        engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)
+        engine.set_header(engine.fetch_header())
+        return type(self)._view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
+
+    # -- writes ------------------------------------------------------------------------------
+    def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
+        store = self._store
+        new = [p for p in items if p not in store._engine.header.leaves]
+        if new and self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        if index is None:
+            # whole entries: new keys are added, and a key may change dtype or shape (as set() replaces)
+            store._write(store._full_index(), _whole(items), replace=not self.is_locked)
+            return
+        if new:
+            raise KeyError(f"key {display(new[0])!r} is not in the store; add it for the whole batch first (store[key] = tensor)")
+        store._write(self._store_index(index), items)
+
+    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        path = self._under + as_path(key)
+        items = leaves_of(value, 0, path)
+        if inplace is True:
+            missing = [p for p in items if p not in self._store._engine.header.leaves]
+            if missing:
+                raise KeyError(f"key {display(missing[0])!r} is not in the store (set_ writes existing keys only)")
+        self._write(items)
+        return self
+
+    def _setitem_index(self, index: Any, value: Any) -> None:
+        if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            self._store._setitem_index(self._store_index(index), value)
+            return
+        if not isinstance(value, (TensorDictBase, dict)):
+            raise TypeError("store[index] = value needs a TensorDict, a dict of tensors or a number")
+        self._write(leaves_of(value, 0, self._under), index)
+
+    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+        """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""
+        items = _only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
+        if inplace:
+            missing = [p for p in items if p not in self._store._engine.header.leaves]
+            if missing:
+                raise KeyError(f"key {display(missing[0])!r} is not in the store (update_ writes existing keys only)")
+        if items:
+            self._write(items)
+        return self
+
+    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+        return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
+
+    def _del(self, key: tuple) -> None:
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        self._store._del(self._under + as_path(key))
+
+    def _rename_key(self, old_key: Any, new_key: Any) -> None:
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        self._store._rename_key(self._under + as_path(old_key), self._under + as_path(new_key))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection; the data stays on the server (see :meth:`clear_redis`)."""
+        self._store.close()
+
+    def clear_redis(self) -> int:
+        """Delete every key of this store, and nothing else, in one atomic call."""
+        return self._store.clear_redis()
+
+    def expire(self, seconds: float) -> None:
+        """Make the whole store expire in ``seconds`` (see :meth:`LazyStackedTensorDictStore.expire`)."""
+        self._store.expire(seconds)
+
+    def persist(self) -> None:
+        """Remove the store's time to live."""
+        self._store.persist()
+
+    def ttl(self) -> float | None:
+        """Seconds left before the store expires, or ``None``."""
+        return self._store.ttl()
+
+    def __enter__(self) -> TensorDictStore:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
+        self.close()
+        return False
+
+    def __reduce__(self) -> Any:
+        return (TensorDictStore._view, (self._store, self._under, self.is_locked))
+
+
+def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``open_client`` arguments among a constructor's keyword arguments (the rest go to redis-py)."""
+    known = {"url": None, "host": "localhost", "port": 6379, "db": 0, "unix_socket_path": None, "client": None}
+    out = {k: kwargs.get(k, v) for k, v in known.items()}
+    skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly"}
+    out["redis_kwargs"] = {k: v for k, v in kwargs.items() if k not in skip}
+    return out
