@@ -23,7 +23,7 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _scripts
+from . import _codec, _index, _nontensor, _scripts
 from ._connection import ConnectionSpec
 from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
@@ -482,6 +482,13 @@ class Engine:
                         sizes = np.diff(_codec.unpack_i64(offs)).tolist()
                         dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
                         # one buffer per run, split into one view per element in a single call
+                        if leaf.json:
+                            pos_b = 0
+                            for size in sizes:
+                                elements[k][leaf.path] = _nontensor.decode(data[pos_b : pos_b + size], h.inner)
+                                pos_b += size
+                                k += 1
+                            continue
                         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
                         for piece, dim in zip(buf.split(sizes), dims):
                             elements[k][leaf.path] = piece.view(leaf.dtype).reshape(dim)

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from . import _codec
+from . import _codec, _nontensor
 from ._engine import Call, Engine, _KeyTable, leaf_checks
+from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import build_td, display, leaves_of
 from ._writes import _check_dtype, _element_checks
@@ -69,7 +70,9 @@ def state(rw: int, count: int) -> RingState:
 
 
 def _rows_of(path: NestedPath, value: Any, h: Header, n: int, what: str) -> list[torch.Tensor] | torch.Tensor:
-    """``value`` as ``n`` rows: a tensor with the rows first, or a list of element tensors."""
+    """``value`` as ``n`` rows: a tensor with the rows first, or a list of element tensors (JSON documents for non-tensor data)."""
+    if isinstance(value, NonTensor):
+        return element_docs(path, value, n, h.stack_pos)
     if isinstance(value, list):
         if len(value) != n:
             raise ValueError(f"key {display(path)!r}: got {len(value)} elements for {what} of {n}")
@@ -96,7 +99,7 @@ def _het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
     return shapes, data, [t.numel() * t.element_size() for t in elems]
 
 
-def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor) -> tuple[Leaf, list[list[Any]], bool]:
+def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor, json: bool = False) -> tuple[Leaf, list[list[Any]], bool]:
     """Ops writing ``rows`` (one per addressed slot) into leaf ``number``: (leaf after, ops, schema changed).
 
     A missing leaf is created for the whole ring (zero-filled slots, or empty
@@ -107,6 +110,23 @@ def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, numbe
     dk, ok, sk = keys.data(number), keys.offsets(number), keys.shapes(number)
     ops: list[list[Any]] = []
     changed = False
+    if json or (leaf is not None and leaf.json):
+        if not json or (leaf is not None and not leaf.json):
+            raise TypeError(f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds")
+        assert isinstance(rows, list)
+        if leaf is None:
+            # slots not written yet hold None, so every slot is a valid document
+            empty = element_docs(path, NonTensor(None), None, 0)[0]
+            ne = int(empty.numel())
+            ops += [
+                ["S", kt.ref(dk), empty.numpy().tobytes() * h.count],
+                ["S", kt.ref(ok), (np.arange(h.count + 1, dtype="<i8") * ne).tobytes()],
+                ["S", kt.ref(sk), np.full(h.count, ne, dtype="<i8").tobytes()],
+            ]
+            leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
+            changed = True
+        shapes_b, data, sizes = _het_payload(rows)
+        return leaf, [*ops, ["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes]], changed
     if isinstance(rows, torch.Tensor):
         if leaf is not None:
             _check_dtype(path, rows, leaf.dtype)
@@ -175,7 +195,7 @@ def _plan_rows(engine: Engine, h: Header, kt: _KeyTable, items: dict[NestedPath,
         number = leaf.number if leaf is not None else next_leaf
         if leaf is None:
             next_leaf += 1
-        new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what))
+        new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what), isinstance(value, NonTensor))
         leaves[path] = new_leaf
         changed |= ch
         pre += [op for op in ops if op[0] in ("S", "Z")]
@@ -332,6 +352,10 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
         b = _codec.unpack_i64(bounds).reshape(n, 2)
         sizes = (b[:, 1] - b[:, 0]).tolist()
         dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
+        if leaf.json:
+            ends = np.cumsum([0, *sizes]).tolist()
+            per_el[leaf.path] = [_nontensor.decode(data[ends[k] : ends[k + 1]], h.inner) for k in range(n)]
+            continue
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         per_el[leaf.path] = [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
     sp = h.stack_pos

@@ -54,6 +54,8 @@ class Leaf:
     ndim: int
     shape: tuple[int, ...] | None
     version: int = 0
+    json: bool = False
+    """A non-tensor key: element ``i`` holds the UTF-8 JSON of its value (see ``_nontensor``)."""
 
     @property
     def het(self) -> bool:
@@ -68,6 +70,8 @@ class Leaf:
         rec: dict = {"path": list(self.path), "n": self.number, "dtype": _codec.dtype_name(self.dtype), "ndim": self.ndim, "v": self.version}
         if self.shape is not None:
             rec["shape"] = list(self.shape)
+        if self.json:
+            rec["nt"] = 1
         return rec
 
     @classmethod
@@ -85,11 +89,15 @@ class Leaf:
             if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(s, int) and s >= 0 for s in shape):
                 raise StoreFormatError(f"bad leaf shape in {rec!r}")
             shape = tuple(shape)
-        return cls(tuple(path), number, _codec.dtype_from_name(rec["dtype"]), ndim, shape, version)
+        json_leaf = rec.get("nt", 0) == 1
+        dtype = _codec.dtype_from_name(rec["dtype"])
+        if json_leaf and (dtype != torch.uint8 or ndim != 1 or shape is not None):
+            raise StoreFormatError(f"bad non-tensor leaf record {rec!r}")
+        return cls(tuple(path), number, dtype, ndim, shape, version, json_leaf)
 
     def same_layout(self, other: Leaf) -> bool:
         """Same name, number, dtype and layout: a data call planned with one is right for the other."""
-        return (self.path, self.number, self.dtype, self.ndim, self.shape) == (other.path, other.number, other.dtype, other.ndim, other.shape)
+        return (self.path, self.number, self.dtype, self.ndim, self.shape, self.json) == (other.path, other.number, other.dtype, other.ndim, other.shape, other.json)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,9 @@ class Header:
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     """Random token of this creation of the store: a store deleted and created again
     under the same id has another, so handles on the old one are refused."""
+    batchless: bool = False
+    """A dense store of batch size ``[]``, kept as a stack of one element whose stack dim
+    its front class hides."""
     tensorclass: str = ""
     """``module.QualName`` of the tensorclass the store was uploaded from: a name only,
     matched against classes the program gives or registers, never imported."""
@@ -186,6 +197,7 @@ class Header:
             "state": self.state,
             "schema": self.schema_json(),
             **({"tensorclass": self.tensorclass} if self.tensorclass else {}),
+            **({"batchless": "1"} if self.batchless else {}),
         }
 
     @classmethod
@@ -231,6 +243,8 @@ class Header:
         if len(by_path) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
             raise StoreFormatError("store header has duplicate leaves or leaf numbers")
         for leaf in leaves:
+            if leaf.json:
+                continue
             if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
                 raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
         return cls(
@@ -245,6 +259,7 @@ class Header:
             state=state,
             keyset_version=keyset_version,
             epoch=epoch,
+            batchless=f.get("batchless") == "1",
             tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
         )
 

@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
+from tensordict import LazyStackedTensorDict, TensorDictBase, is_non_tensor, is_tensorclass
+from tensordict.base import _is_leaf_nontensor
 
 from . import _codec, _scripts
 from ._engine import Engine
+from ._nontensor import NonTensor, element_docs
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import as_path, display, gc_paused
@@ -43,9 +45,12 @@ class _LeafScan:
     dtype: torch.dtype
     tensors: list[torch.Tensor]
     shapes: list[torch.Size]
+    json: bool = False  # a non-tensor key: each tensor is an element's JSON document
 
     @functools.cached_property
     def homogeneous(self) -> bool:
+        if self.json:
+            return False
         first = self.shapes[0]
         return all(s == first for s in self.shapes)
 
@@ -73,13 +78,25 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
     for i, el in enumerate(elements):
         if el.batch_size != inner:
             raise ValueError(f"element {i} has batch size {list(el.batch_size)}, element 0 has {list(inner)}")
-        for key, value in el.items(include_nested=True, leaves_only=True):
+        for key, value in el.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
             path = paths.get(key)
             if path is None:
                 path = paths[key] = as_path(key)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"key {display(path)!r} of element {i} is a {type(value).__name__}; only tensor leaves can be stored")
             scan_ = leaves.get(path)
+            if is_non_tensor(value):
+                if scan_ is not None and not scan_.json:
+                    raise TypeError(f"key {display(path)!r} holds a tensor in element 0 but non-tensor data in element {i}")
+                doc = element_docs(path, NonTensor(value), None, 0)[0]
+                if scan_ is None:
+                    leaves[path] = _LeafScan(path, torch.uint8, [doc], [doc.shape], json=True)
+                else:
+                    scan_.tensors.append(doc)
+                    scan_.shapes.append(doc.shape)
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"key {display(path)!r} of element {i} is a {type(value).__name__}; a store holds tensors and NonTensorData")
+            if scan_ is not None and scan_.json:
+                raise TypeError(f"key {display(path)!r} holds non-tensor data in element 0 but a tensor in element {i}")
             if scan_ is None:
                 _codec.dtype_name(value.dtype)
                 leaves[path] = _LeafScan(path, value.dtype, [value], [value.shape])
@@ -112,7 +129,7 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
     if not elements or any(isinstance(el, LazyStackedTensorDict) for el in elements) or stack._has_exclusive_keys:
         return scan(elements)
     leaves = []
-    for key in stack.keys(include_nested=True, leaves_only=True):
+    for key in stack.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
         path = as_path(key)
         tensors = stack.get(key, as_list=True)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -149,12 +166,12 @@ def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements
         lo = hi
 
 
-def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0, kind: str = "lazy", tensorclass: str = "") -> Header:
+def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0, kind: str = "lazy", tensorclass: str = "", batchless: bool = False) -> Header:
     with gc_paused():
-        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms, kind=kind, tensorclass=tensorclass)
+        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms, kind=kind, tensorclass=tensorclass, batchless=batchless)
 
 
-def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int, kind: str, tensorclass: str) -> Header:
+def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int, kind: str, tensorclass: str, batchless: bool) -> Header:
     elements, stack_dim = _elements(lazy_td)
     inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
     count = len(elements)
@@ -164,9 +181,9 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     leaves = {}
     for n, s in enumerate(scans):
         shape = s.shapes[0] if s.homogeneous else None
-        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None)
+        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None, json=s.json)
     token = uuid.uuid4().hex
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass)
+    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless)
     # every leaf is one string on the server: refuse, before writing anything, a leaf the
     # server cannot hold, and never send a piece larger than it accepts in one request
     limit = engine.max_value_bytes

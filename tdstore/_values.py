@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass, lazy_stack
+from tensordict.base import _is_leaf_nontensor
 
 from ._engine import DenseResult, ElementsResult
 from ._index import Plan
+from ._nontensor import NonTensor
 from ._schema import NestedPath
 
 
@@ -85,7 +87,11 @@ def _check_member_dtypes(stack: LazyStackedTensorDict, key: Any, path: NestedPat
         raise TypeError(f"key {display(path)!r} has several dtypes across the elements ({sorted(map(str, dtypes))}); every element must use one dtype")
 
 
-def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor:
+def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor | NonTensor:
+    if is_non_tensor(value):
+        return NonTensor(value)
+    if isinstance(value, str):
+        return NonTensor(NonTensorData(value))
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             raise TypeError(f"key {display(path)!r}: nested (jagged) tensors are not supported; write a lazy stack of its elements")
@@ -93,23 +99,29 @@ def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     raise TypeError(
-        f"key {display(path)!r}: only tensor leaves can be stored, got {type(value).__name__} "
-        "(non-tensor data is not supported by this store)"
+        f"key {display(path)!r}: got a {type(value).__name__}; a store holds tensors, and non-tensor values "
+        "wrapped as NonTensorData / NonTensorStack (or plain str)"
     )
 
 
-def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[NestedPath, torch.Tensor | list[torch.Tensor]]:
+def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[NestedPath, Any]:
     """The leaves of a value to write, keyed by full path under ``prefix``.
 
     A lazy stack key whose elements differ in shape comes as a list of element
-    tensors (split along ``stack_pos``); everything else as one dense tensor.
+    tensors (split along ``stack_pos``); a non-tensor value (``NonTensorData``,
+    ``NonTensorStack``, a str) as a :class:`~tdstore._nontensor.NonTensor`;
+    everything else as one dense tensor.
     """
+    if is_non_tensor(value) or isinstance(value, str):
+        if not prefix:
+            raise TypeError(f"expected a TensorDict, a dict or a tensorclass, got {type(value).__name__}")
+        return {prefix: _check_tensor(prefix, value)}
     if is_tensorclass(value):
         value = value._tensordict
     if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
         out: dict[NestedPath, Any] = {}
         for k, v in value.items():
-            out.update(leaves_of(v, stack_pos, prefix + as_path(k)) if isinstance(v, (Mapping, TensorDictBase)) or is_tensorclass(v) else {prefix + as_path(k): _check_tensor(prefix + as_path(k), v)})
+            out.update(leaves_of(v, stack_pos, prefix + as_path(k)) if (isinstance(v, (Mapping, TensorDictBase)) or is_tensorclass(v)) and not is_non_tensor(v) else {prefix + as_path(k): _check_tensor(prefix + as_path(k), v)})
         return out
     if isinstance(value, TensorDictBase):
         if getattr(value, "_tdstore_reads_remote", False):
@@ -122,7 +134,7 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
                 raise ValueError(f"keys {names} are present in only some elements of the lazy stack; every element must hold the same keys")
         elements: list[TensorDictBase] | None = None
         out = {}
-        for key in value.keys(include_nested=True, leaves_only=True):
+        for key in value.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
             path = prefix + as_path(key)
             if lazy:
                 _check_member_dtypes(value, key, path)

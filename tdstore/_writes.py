@@ -21,6 +21,7 @@ import torch
 from . import _codec, _index
 from ._engine import _KeyTable
 from ._keys import StoreKeys
+from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 
 Value = torch.Tensor | list[torch.Tensor]
@@ -139,7 +140,7 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
     touched = []
     for path, value in items.items():
         leaf = h.leaves.get(path)
-        if leaf is None or leaf.shape is None or type(value) is list or value.dtype != leaf.dtype or value.shape != leaf.shape:
+        if leaf is None or leaf.shape is None or not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         ops.extend(_element_op(kt, keys, leaf, element, value))
         touched.append(leaf)
@@ -215,7 +216,31 @@ def plan_write(
     new_paths = []
     for path, value in items.items():
         leaf = leaves.get(path)
-        if leaf is None or (replace and full and not _fits(leaf, value, h)):
+        if isinstance(value, NonTensor):
+            if not p.inner_full:
+                raise ValueError(f"key {_name(path)} holds non-tensor data, written per whole element; index the stack dim only")
+            order = element_order(p, norm)
+            docs = element_docs(path, value, None if p.element_int else len(order), h.stack_pos)
+            if leaf is not None and leaf.json:
+                ops += _splice_ops(kt, keys, leaf, order, docs)
+                continue
+            if leaf is not None and not (replace and full):
+                raise TypeError(f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data")
+            if not full:
+                raise KeyError(f"key {_name(path)} is not in the store; add it for every element first (store.set(key, value))")
+            by_element = dict(zip(order, docs))
+            number = leaf.number if leaf is not None else next_leaf
+            if leaf is None:
+                next_leaf += 1
+                new_paths.append(path)
+            data, offsets, shape_table = _het_tables(h.inner, [by_element[e] for e in range(h.count)])
+            leaves[path] = Leaf(path, number, torch.uint8, 1, None, json=True)
+            ops += [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
+            changed = True
+            continue
+        if leaf is not None and leaf.json and not (replace and full):
+            raise TypeError(f"key {_name(path)} holds non-tensor data; write NonTensorData or a str, or set() the whole key to replace it with a tensor")
+        if leaf is None or (replace and full and (leaf.json or not _fits(leaf, value, h))):
             if not full:
                 raise KeyError(
                     f"key {_name(path)} is not in the store; add it for every element first "
@@ -262,6 +287,12 @@ def plan_write(
             if op is not None:
                 ops.append(op)
             continue
+        if not leaf.het and h.kind == "dense":
+            shapes = sorted({tuple(t.shape) for t in elems} - {leaf.shape})
+            raise ValueError(
+                f"key {_name(path)} has shape {list(leaf.shape)} per row in this dense store, got {list(shapes[0])}; "  # type: ignore[arg-type]
+                "a dense store keeps one shape per key: replace the whole key (store[key] = tensor) to change it"
+            )
         if not leaf.het:
             # a homogeneous key gets a new element shape: it becomes heterogeneous,
             # with tables built from its arithmetic layout, in this same call
@@ -328,7 +359,7 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
     leaves = {}
     for path, leaf in h.leaves.items():
         new = renames.get(path, path)
-        leaves[new] = Leaf(new, leaf.number, leaf.dtype, leaf.ndim, leaf.shape)
+        leaves[new] = Leaf(new, leaf.number, leaf.dtype, leaf.ndim, leaf.shape, json=leaf.json)
     if len(leaves) != len(h.leaves):
         raise KeyError(f"renaming {renames} would overwrite an existing key")
     check_paths(list(leaves))
@@ -344,8 +375,12 @@ def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, k
     """
     ops: list[list[Any]] = []
     touched = []
+    if all(h.leaves[p].json for p in paths) and len(paths) == 1:
+        raise TypeError(f"key {_name(paths[0])} holds non-tensor data, which cannot be filled with a number")
     for path in paths:
         leaf = h.leaves[path]
+        if leaf.json:  # zero_() and fill_ of a sub-tree leave non-tensor data alone, as on a TensorDict
+            continue
         touched.append(leaf)
         pattern = bytes(_codec.to_bytes(torch.full((), value, dtype=leaf.dtype)))
         dk = kt.ref(keys.data(leaf.number))

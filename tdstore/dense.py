@@ -1,12 +1,15 @@
 """``TensorDictStore``: a dense tensordict whose entries live on the server.
 
-A dense tensordict of batch size ``B`` is stored as a stack of *one* element of
-inner batch size ``B``: the same header, scripts, versioning and planning as a
+A dense tensordict of batch size ``[n, *rest]`` is stored exactly as a stack of
+``n`` elements of inner batch size ``rest`` whose keys are all homogeneous: the same
+header, scripts, versioning and planning as a
 :class:`~tdstore.LazyStackedTensorDictStore`, with no second copy of the storage
-logic.  Element 0 of that stack holds every entry whole, so ``store["obs"]`` is
-one blob, ``store[idx]`` reads only the rows ``idx`` touches, and every read and
-write stays one atomic script call.  The header says ``type: dense``, so a lazy
-handle never opens a dense store by mistake, nor the other way round.
+logic.  ``store["obs"]`` is one blob, ``store[idx]`` reads only the rows ``idx``
+touches, a non-tensor value of row ``i`` is its own JSON document, and every read
+and write stays one atomic script call.  A batch size of ``[]`` is a stack of one
+element whose stack dim the class hides (the header says ``batchless``).  The
+header says ``type: dense``, so a lazy handle never opens a dense store by
+mistake, nor the other way round.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tensordict.base import NO_DEFAULT
 
+from . import _index, _nontensor
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -38,13 +42,13 @@ def _check_batch_size(batch_size: Any) -> torch.Size:
     return bs
 
 
-def _whole(items: dict[NestedPath, Any]) -> dict[NestedPath, torch.Tensor]:
-    """Values covering the whole dense store, as the one-element stack holds them (a leading dim of 1)."""
+def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedPath, Any]:
+    """Values as the underlying stack holds them: one tensor per key (a leading dim of 1 when batchless)."""
     out = {}
     for path, value in items.items():
         if isinstance(value, list):
-            raise TypeError(f"key {display(path)!r} differs in shape across the lazy stack it comes from; a dense store holds one tensor per key")
-        out[path] = value.unsqueeze(0)
+            raise TypeError(f"key {display(path)!r} differs in shape across the lazy stack it comes from; a dense store holds one shape per key")
+        out[path] = value.unsqueeze(0) if batchless and isinstance(value, torch.Tensor) else value
     return out
 
 
@@ -86,20 +90,40 @@ class TensorDictStore(_ElementView):
         **redis_kwargs: Any,
     ) -> None:
         bs = _check_batch_size(batch_size)
+        if bs and bs[0] == 0:
+            raise ValueError(f"batch_size {list(bs)}: a store needs at least one row along its first dim")
         try:
             store = LazyStackedTensorDictStore(
                 backend=backend, host=host, port=port, db=db, unix_socket_path=unix_socket_path, url=url, prefix=prefix,
-                count=1, inner_batch_size=bs, device=device, client=client, td_id=td_id, cache_metadata=cache_metadata,
-                readonly=readonly, ttl=ttl, _kind="dense", **redis_kwargs,
+                count=bs[0] if bs else 1, inner_batch_size=bs[1:], device=device, client=client, td_id=td_id,
+                cache_metadata=cache_metadata, readonly=readonly, ttl=ttl, _kind="dense", _batchless=not bs, **redis_kwargs,
             )  # fmt: skip
         except ValueError as err:
-            raise ValueError(str(err).replace("inner_batch_size", "batch_size")) from None
+            raise ValueError(f"{err} (a dense store of batch size {list(bs)} is kept as count {bs[0] if bs else 1}, inner batch size {list(bs[1:])})") from None
         self._init_view(store, ())
 
     def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
         _ElementView.__init__(self, store, 0, under)
+        self._batchless = store._engine.header.batchless
+        self._batch_size = torch.Size([]) if self._batchless else store._batch_size
+        self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
         if locked:
             self.lock_()
+
+    def _store_index(self, index: Any = None) -> tuple:
+        """The index of the underlying stack: the same index, or element 0 and nothing else when batchless."""
+        if self._batchless:
+            return (0, *_index.normalize(index, torch.Size([]))) if index is not None else (0,)
+        bs = self._store._engine.header.batch_size
+        return _index.normalize(index, bs) if index is not None else tuple(slice(0, n, 1) for n in bs)
+
+    def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        out = self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
+        if isinstance(out, LazyStackedTensorDict):
+            # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
+            # value repeated over the rows as one NonTensorData (what TensorDict.set(key, value) holds)
+            out = _nontensor.collapse(torch.stack(list(out.tensordicts), out.stack_dim))
+        return out
 
     @classmethod
     def _view(cls, store: LazyStackedTensorDictStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
@@ -128,9 +152,15 @@ class TensorDictStore(_ElementView):
             td = td.to_tensordict()
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"from_tensordict expects a tensordict or a tensorclass, got {type(td).__name__}")
+        if td.batch_size and td.batch_size[0] == 0:
+            raise ValueError(f"batch_size {list(td.batch_size)}: a store needs at least one row along its first dim")
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned)
-        upload(engine, lazy_stack([td]), device=device, pbar=pbar, chunk_elements=1, chunk_bytes=64 << 20, ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name)
+        batchless = not td.batch_size
+        upload(
+            engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
+            ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
+        )  # fmt: skip
         store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
         out = cls._view(store)
         return _tensorclass.wrap(out, tc_name, None)
@@ -304,11 +334,11 @@ class TensorDictStore(_ElementView):
             raise RuntimeError(_LOCK_ERROR)
         if index is None:
             # whole entries: new keys are added, and a key may change dtype or shape (as set() replaces)
-            store._write(store._full_index(), _whole(items), replace=not self.is_locked)
+            store._write(store._full_index(), _dense_values(items, self._batchless), replace=not self.is_locked)
             return
         if new:
             raise KeyError(f"key {display(new[0])!r} is not in the store; add it for the whole batch first (store[key] = tensor)")
-        store._write(self._store_index(index), items)
+        store._write(self._store_index(index), _dense_values(items, False))
 
     def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
         path = self._under + as_path(key)

@@ -11,7 +11,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
-from . import _index, _ring, _writes
+from . import _index, _nontensor, _ring, _writes
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -229,6 +229,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         readonly: bool = False,
         ttl: float | None = None,
         _kind: str = "lazy",
+        _batchless: bool = False,
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
@@ -239,7 +240,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
-        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind)
+        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is not None:
             if existing.state != "ready":
@@ -453,7 +454,7 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return self._read_key(as_path(index), NO_DEFAULT)
+            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
         if index is Ellipsis or (isinstance(index, tuple) and not index):
             return self
         element = self._element_of(index)
@@ -654,6 +655,8 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         shape = tuple(_index.storage_rows(p, h.inner).shape)
         out = {}
         for path, leaf in h.leaves.items():
+            if leaf.json:  # non-tensor keys are left as they are, as on a TensorDict
+                continue
             if leaf.het:
                 raise NotImplementedError(f"filling the heterogeneous key {display(path)!r} with a number is not supported; write tensors of each element's shape")
             out[path] = torch.full(shape + tuple(leaf.shape[len(h.inner) :]), value, dtype=leaf.dtype)  # type: ignore[index]
@@ -1025,7 +1028,7 @@ class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return self._read_key(as_path(index), NO_DEFAULT)
+            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
         if index is Ellipsis or (isinstance(index, tuple) and not index):
             return self
         return self._index_tensordict(index)
