@@ -114,8 +114,9 @@ class TensorDictStore(_ElementView):
         """The index of the underlying stack: the same index, or element 0 and nothing else when batchless."""
         if self._batchless:
             return (0, *_index.normalize(index, torch.Size([]))) if index is not None else (0,)
-        bs = self._store._engine.header.batch_size
-        return _index.normalize(index, bs) if index is not None else tuple(slice(0, n, 1) for n in bs)
+        if index is None:
+            return tuple(slice(0, n, 1) for n in self._store._engine.header.batch_size)
+        return index if isinstance(index, tuple) else (index,)
 
     def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         out = self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
@@ -144,6 +145,7 @@ class TensorDictStore(_ElementView):
         from ._upload import upload
 
         tc_name = _tensorclass.name_of(td)
+        tc_cls = type(td) if tc_name else None
         if is_tensorclass(td):
             td = td._tensordict
         if isinstance(td, LazyStackedTensorDict):
@@ -162,8 +164,7 @@ class TensorDictStore(_ElementView):
             ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
         store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
-        out = cls._view(store)
-        return _tensorclass.wrap(out, tc_name, None)
+        return _tensorclass.wrap(cls._view(store), tc_name, tc_cls)
 
     @classmethod
     def from_dict(cls, input_dict: Any, *, batch_size: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None, device: Any = None, **kwargs: Any) -> TensorDictStore:
@@ -327,14 +328,14 @@ class TensorDictStore(_ElementView):
         return type(self)._view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
 
     # -- writes ------------------------------------------------------------------------------
-    def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
+    def _write(self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True) -> None:
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and self.is_locked:
             raise RuntimeError(_LOCK_ERROR)
         if index is None:
-            # whole entries: new keys are added, and a key may change dtype or shape (as set() replaces)
-            store._write(store._full_index(), _dense_values(items, self._batchless), replace=not self.is_locked)
+            # whole entries: new keys are added, and (unless in place) a key may change dtype or shape, as set() replaces
+            store._write(store._full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
             return
         if new:
             raise KeyError(f"key {display(new[0])!r} is not in the store; add it for the whole batch first (store[key] = tensor)")
@@ -347,7 +348,7 @@ class TensorDictStore(_ElementView):
             missing = [p for p in items if p not in self._store._engine.header.leaves]
             if missing:
                 raise KeyError(f"key {display(missing[0])!r} is not in the store (set_ writes existing keys only)")
-        self._write(items)
+        self._write(items, replace=inplace is not True)
         return self
 
     def _setitem_index(self, index: Any, value: Any) -> None:
@@ -366,7 +367,7 @@ class TensorDictStore(_ElementView):
             if missing:
                 raise KeyError(f"key {display(missing[0])!r} is not in the store (update_ writes existing keys only)")
         if items:
-            self._write(items)
+            self._write(items, replace=not inplace)
         return self
 
     def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:

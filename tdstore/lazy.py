@@ -137,6 +137,10 @@ class _StoreCommon:
     def _lock_sub_tensordicts(self) -> list:
         return []
 
+    def _popped_value(self, value: Any) -> Any:
+        """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""
+        return value.to_tensordict() if getattr(value, "_tdstore_reads_remote", False) else value
+
     # in-place methods
     _fills_without_reading = True
 
