@@ -378,6 +378,16 @@ class TensorDictStore(_ElementView):
             raise RuntimeError(_LOCK_ERROR)
         self._store._del(self._under + as_path(key))
 
+    def _delete_keys(self, keys: Sequence[Any]) -> TensorDictStore:
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        self._store._delete_keys([self._under + as_path(k) for k in keys])
+        return self
+
+    def unbind(self, dim: int) -> tuple[TensorDictBase, ...]:
+        """Local copies of the slices along ``dim`` (read in one call)."""
+        return self.to_tensordict().unbind(dim)
+
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
         if self.is_locked:
             raise RuntimeError(_LOCK_ERROR)

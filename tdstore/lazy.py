@@ -17,6 +17,7 @@ from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
+from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, gc_paused, leaves_of
 
@@ -121,6 +122,14 @@ class _StoreCommon:
     def names(self) -> list[None]:
         return [None] * len(self._batch_size)
 
+    @names.setter
+    def names(self, value: Any) -> None:
+        self._rename_subtds(value)
+
+    def rename(self, *names: Any, **rename_map: Any) -> Any:
+        """Dim names are not stored: name a local copy instead (``to_tensordict().rename(...)``)."""
+        raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().rename(...)")
+
     def _has_names(self) -> bool:
         return False
 
@@ -177,7 +186,7 @@ class _StoreCommon:
         raise NotImplementedError
 
 
-class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase):
+class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -711,6 +720,31 @@ class LazyStackedTensorDictStore(_StoreCommon, StoreUnsupported, TensorDictBase)
         self._del(as_path(key))
         return self
 
+    def _delete_keys(self, keys: Sequence[Any]) -> LazyStackedTensorDictStore:
+        """Delete several keys (and everything below them) in one atomic call."""
+        paths = [as_path(k) for k in keys]
+        if not paths:
+            return self
+        if self.is_locked:
+            raise RuntimeError(_LOCK_ERROR)
+        store_keys = self._engine.keys
+
+        def plan(h: Header, kt: Any) -> Any:
+            doomed = [p for p in h.leaves if any(p[: len(q)] == q for q in paths)]
+            return _writes.plan_delete(store_keys, h, doomed, kt)
+
+        self._engine.run_write(plan)
+        return self
+
+    def unbind(self, dim: int) -> tuple[TensorDictBase, ...]:
+        """Along the stack dim: write-through views of every element (as a lazy stack gives its members); other dims: local copies."""
+        nd = len(self._batch_size)
+        if not -nd <= dim < nd:
+            raise IndexError(f"dim {dim} is out of range for a batch size of {nd} dims")
+        if dim % nd == self._engine.header.stack_pos:
+            return tuple(_ElementView(self, e) for e in range(self._count))
+        return self.to_tensordict().unbind(dim)
+
     def __delitem__(self, key: Any) -> None:
         self._del(as_path(key))
 
@@ -952,7 +986,7 @@ def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[in
     return count, inner
 
 
-class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
+class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -1133,6 +1167,9 @@ class _ElementView(_StoreCommon, StoreUnsupported, TensorDictBase):
 
     def _del(self, key: tuple) -> None:
         raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")
+
+    def _delete_keys(self, keys: Sequence[Any]) -> Any:
+        raise RuntimeError("keys cannot be deleted from one element of a store; delete them from the store (store.exclude(..., inplace=True))")
 
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
         raise RuntimeError("a key cannot be renamed in one element of a store; use store.rename_key_(old, new)")
