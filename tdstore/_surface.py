@@ -115,7 +115,10 @@ def _local(name: str) -> Callable[..., Any]:
 def _through_copy(name: str) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = materialize(args), materialize(kwargs)
-        return self._inplace_on_copies(lambda local: getattr(local, name)(*args, **kwargs))
+        local = self.to_tensordict()
+        getattr(local, name)(*args, **kwargs)
+        self._write_local(local)
+        return self
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"Through a copy: reads the store, applies ``TensorDict.{name}`` locally and writes the result back (two atomic calls, not atomic together)."

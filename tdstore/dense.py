@@ -127,7 +127,7 @@ class TensorDictStore(_ElementView):
         return out
 
     @classmethod
-    def _view(cls, store: LazyStackedTensorDictStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
+    def _open_view(cls, store: LazyStackedTensorDictStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
         self = cls.__new__(cls)
         self._init_view(store, under, locked)
         return self
@@ -164,7 +164,7 @@ class TensorDictStore(_ElementView):
             ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
         store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
-        return _tensorclass.wrap(cls._view(store), tc_name, tc_cls)
+        return _tensorclass.wrap(cls._open_view(store), tc_name, tc_cls)
 
     @classmethod
     def from_dict(cls, input_dict: Any, *, batch_size: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None, device: Any = None, **kwargs: Any) -> TensorDictStore:
@@ -233,7 +233,7 @@ class TensorDictStore(_ElementView):
             return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
         if engine.header.kind != "dense":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store")
-        return _tensorclass.wrap(cls._view(store), engine.header.tensorclass, tensorclass_cls)
+        return _tensorclass.wrap(cls._open_view(store), engine.header.tensorclass, tensorclass_cls)
 
     # -- identity --------------------------------------------------------------------------
     @property
@@ -305,7 +305,7 @@ class TensorDictStore(_ElementView):
                 raise
             return value
         if any(p[: len(path)] == path for p in h.leaves):
-            return type(self)._view(self._store, path, self.is_locked)
+            return type(self)._open_view(self._store, path, self.is_locked)
         if default is not NO_DEFAULT:
             return default
         raise KeyError(f"key {display(rel)!r} is not in the store ({self._store._engine.where()})")
@@ -317,7 +317,7 @@ class TensorDictStore(_ElementView):
         TensorDict, as it is not a store of its own.
         """
         if not recurse:
-            return type(self)._view(self._store, self._under)
+            return type(self)._open_view(self._store, self._under)
         if self._under:
             return self.to_tensordict()
         src = self._store
@@ -325,7 +325,7 @@ class TensorDictStore(_ElementView):
         src._engine.copy_to(keys)
         engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)
         engine.set_header(engine.fetch_header())
-        return type(self)._view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
+        return type(self)._open_view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
 
     # -- writes ------------------------------------------------------------------------------
     def _write(self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True) -> None:
@@ -422,7 +422,7 @@ class TensorDictStore(_ElementView):
         return False
 
     def __reduce__(self) -> Any:
-        return (TensorDictStore._view, (self._store, self._under, self.is_locked))
+        return (TensorDictStore._open_view, (self._store, self._under, self.is_locked))
 
 
 def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
