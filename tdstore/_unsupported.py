@@ -42,9 +42,6 @@ class StoreUnsupported:
     def _maybe_remove_batch_dim(self, funcname: str, vmap_level: int, batch_size: Any, out_dim: int) -> Any:
         raise RuntimeError(_msg(self, "vmap"))
 
-    def _set_non_tensor(self, key: Any, value: Any) -> Any:
-        raise NotImplementedError(_msg(self, "set_non_tensor", "Only tensor leaves can be stored."))
-
     def _select(self, *keys: Any, inplace: bool = False, strict: bool = True, set_shared: bool = True) -> Any:
         raise NotImplementedError(_msg(self, "select", "Call to_tensordict().select(...) for a local copy."))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
 from . import _index, _nontensor, _ring, _writes
@@ -145,6 +145,10 @@ class _StoreCommon:
 
     def _lock_sub_tensordicts(self) -> list:
         return []
+
+    def _set_non_tensor(self, key: Any, value: Any) -> Any:
+        """``set_non_tensor(key, value)``: ``value`` (JSON-able) for every element, in one atomic call."""
+        return self.set(key, NonTensorData(value, batch_size=self.batch_size))  # type: ignore[attr-defined]
 
     def _popped_value(self, value: Any) -> Any:
         """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""

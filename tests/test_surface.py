@@ -195,6 +195,7 @@ INPLACE_ROWS = {
     "rename_key_": lambda t: t.rename_key_("obs", "observation"),
     "exclude inplace": lambda t: t.exclude("obs", inplace=True),
     "select inplace": lambda t: t.select("obs", inplace=True),
+    "set_non_tensor": lambda t: t.set_non_tensor("label", "x"),
 }
 
 
