@@ -42,7 +42,19 @@ end
 -- leaf version. Returns nil when the call may go on, else the reply to send back:
 -- 'GONE' for a deleted store, 'STALE' + header for an outdated cache.
 local function tds_check(meta, spec, leaves)
-  local head = redis.call('HMGET', meta, 'version', 'epoch', 'kv')
+  -- one HMGET for the store guards and every leaf version the call names
+  local fields, want = {'version', 'epoch', 'kv'}, {}
+  for n, v in string.gmatch(leaves, '(%d+):(%d+)') do
+    fields[#fields + 1] = 'lv:' .. n
+    want[#want + 1] = v
+  end
+  local head = redis.call('HMGET', meta, unpack(fields, 1, math.min(#fields, 512)))
+  for i = 513, #fields, 512 do  -- many leaves: more HMGETs, within Lua's stack for unpack
+    local part = redis.call('HMGET', meta, unpack(fields, i, math.min(i + 511, #fields)))
+    for j = 1, #part do
+      head[i + j - 1] = part[j]
+    end
+  end
   local cur = head[1]
   if not cur then
     return {'GONE'}
@@ -66,13 +78,8 @@ local function tds_check(meta, spec, leaves)
   elseif check ~= '*' then
     error('TDSTORE bad argument: version check ' .. spec)
   end
-  local fields, want = {}, {}
-  for n, v in string.gmatch(leaves, '(%d+):(%d+)') do
-    fields[#fields + 1] = 'lv:' .. n
-    want[#want + 1] = v
-  end
-  for i = 1, #fields do
-    if redis.call('HGET', meta, fields[i]) ~= want[i] then
+  for i = 1, #want do
+    if head[3 + i] ~= want[i] then
       return tds_stale(meta)
     end
   end

@@ -11,6 +11,7 @@ else from the ``TDSTORE_PASSWORD`` environment variable, else without one.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,3 +148,69 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
     # an asyncio client, or one that decodes replies: open our own sync client with its settings
     return spec.connect(password), spec, True
 
+
+
+class HeldConnection:
+    """One connection taken from a client's pool and kept for a handle's script calls.
+
+    redis-py checks a connection out of its pool and back in on every command,
+    which costs about as much as the round trip itself on a local socket (measured:
+    109 us per ``execute_command`` against 52 us on a held connection).  A handle
+    keeps one connection for its calls instead.  Anything unusual falls back to
+    ``execute_command`` and its retries: another thread using the handle at the same
+    time, a forked child (the parent's socket is never used), fakeredis, or a
+    connection error (the connection is dropped and, if the client's retry policy
+    retries at all, the command is sent again by redis-py, as its own retry would).
+    """
+
+    def __init__(self) -> None:
+        self._conn: Any = None
+        self._pool: Any = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def execute(self, client: Any, *args: Any) -> Any:
+        if type(client).__module__.startswith("fakeredis") or not hasattr(client, "connection_pool") or not self._lock.acquire(blocking=False):
+            return client.execute_command(*args)
+        try:
+            pool = client.connection_pool
+            if self._conn is None or self._pid != os.getpid() or self._pool is not pool:
+                self._forget()
+                self._conn, self._pool, self._pid = pool.get_connection(), pool, os.getpid()
+            conn = self._conn
+            try:
+                # as redis-py does on checkout: a socket the server closed while idle (EOF) or
+                # with stray data is replaced before use, since this handle never leaves a reply unread
+                if conn.can_read(timeout=0):
+                    conn.disconnect()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                conn.disconnect()
+            try:
+                conn.send_packed_command(conn.pack_command(*args), check_health=False)
+                return conn.read_response()
+            except redis.ResponseError:
+                raise
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                self._forget(disconnect=True)
+                if getattr(getattr(conn, "retry", None), "_retries", 0) <= 0:
+                    raise  # the client retries nothing: neither do we
+                return client.execute_command(*args)
+            except BaseException:
+                self._forget(disconnect=True)  # interrupted mid-reply: the connection's state is unknown
+                raise
+        finally:
+            self._lock.release()
+
+    def _forget(self, disconnect: bool = False) -> None:
+        conn, pool, pid = self._conn, self._pool, self._pid
+        self._conn = self._pool = None
+        if conn is None or pid != os.getpid():
+            return  # a forked child never touches its parent's socket
+        if disconnect:
+            conn.disconnect()
+        pool.release(conn)
+
+    def release(self) -> None:
+        """Give the connection back to its pool (``close()`` of the handle)."""
+        with self._lock:
+            self._forget()

@@ -24,7 +24,7 @@ import redis
 import torch
 
 from . import _codec, _index, _nontensor, _scripts
-from ._connection import ConnectionSpec
+from ._connection import ConnectionSpec, HeldConnection
 from ._keys import StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
@@ -39,6 +39,7 @@ BULK_CHUNK = 1 << 20
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script.
 BULK_WRITE_BYTES = 4 << 20
 STAGING_TTL_MS = 60_000
+_BINARY = frozenset({bytes, bytearray, memoryview})
 
 
 class StaleSchemaError(RuntimeError):
@@ -124,6 +125,7 @@ class Engine:
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
         self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
+        self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
 
     # -- connection and header ----------------------------------------------
     @property
@@ -134,6 +136,7 @@ class Engine:
 
     def close(self) -> None:
         """Release our connection; a caller's own client is left open. The next call reconnects."""
+        self._held.release()
         if self._client is not None and self._owns_client:
             self._client.close()
             self._client = None
@@ -181,12 +184,16 @@ class Engine:
                 raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
         self._header = header
 
+    def command(self, *args: Any) -> Any:
+        """One plain command on the handle's held connection (the raw reply, no redis-py callbacks)."""
+        return self._held.execute(self.client, *args)
+
     def fetch_header(self) -> Header:
         """Read the header in one round trip (``HGETALL``); never writes."""
-        raw = self.client.hgetall(self.keys.meta)
+        raw = self.command("HGETALL", self.keys.meta)
         if not raw:
             raise self.gone()
-        return self._parse_header(raw)
+        return self._parse_header(raw if isinstance(raw, dict) else _pairs(raw))
 
     def _parse_header(self, raw: dict) -> Header:
         try:
@@ -199,7 +206,7 @@ class Engine:
 
     def ring_writes(self) -> int:
         """The ring write counter ``rw`` of the header, in one round trip (``HMGET``); never writes."""
-        rw, epoch = self.client.hmget(self.keys.meta, ["rw", "epoch"])
+        rw, epoch = self.command("HMGET", self.keys.meta, "rw", "epoch")
         if epoch is None:
             raise self.gone()
         if self._epoch is not None and epoch.decode() != self._epoch:
@@ -243,7 +250,7 @@ class Engine:
                     continue
                 return call.parse(reply)
             self._check_argument_sizes(call)
-            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args)
+            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self._held.execute)
             status = reply[0]
             if status == b"OK":
                 return call.parse(reply)
@@ -266,7 +273,12 @@ class Engine:
         seconds before a bare ``ConnectionError``. Every server accepts 1 MiB, so the
         limit is only looked up when an argument is larger.
         """
-        big = max((len(a) for a in call.args if isinstance(a, (bytes, bytearray, memoryview))), default=0)
+        big = 0
+        for a in call.args:  # a plain loop: this runs on every call
+            if a.__class__ in _BINARY:
+                n = len(a)
+                if n > big:
+                    big = n
         if big > 1 << 20 and big > self.max_value_bytes:
             raise ValueError(
                 f"a value of {big} bytes is larger than the server accepts in one piece "
@@ -358,6 +370,8 @@ class Engine:
             result["plan"] = p
             if p.n == 0:
                 call = self._plan_empty_read(h, p, leaves)
+            elif p.element_int and p.inner_full and not per_element:
+                call = self._plan_one_element_read(h, int(p.elements[0]), leaves)
             elif per_element or any(leaf.het for leaf in leaves):
                 call = self._plan_element_read(h, p, leaves)
             else:
@@ -390,21 +404,36 @@ class Engine:
         return Call("read", [self.keys.meta], [0], lambda reply: DenseResult(torch.Size(shape), empty))
 
     def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
-        """``store[i]`` of homogeneous leaves: one byte range per leaf, no planning arrays."""
+        """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
+        run = _PAIR.pack(e, e)
         for leaf in leaves:
-            eb = leaf.element_nbytes
-            args += ["R", kt.ref(self.keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), "0"]
+            if leaf.het:
+                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, 1, run]
+            else:
+                eb = leaf.element_nbytes
+                args += ["R", kt.ref(self.keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), "0"]
 
         def parse(reply: list) -> DenseResult:
-            return DenseResult(torch.Size(h.inner), {leaf.path: _codec.from_bytes(reply[2 + k], leaf.dtype, leaf.shape) for k, leaf in enumerate(leaves)})  # type: ignore[arg-type]
+            out: dict[NestedPath, Any] = {}
+            pos = 2
+            for leaf in leaves:
+                if not leaf.het:
+                    out[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, leaf.shape)  # type: ignore[arg-type]
+                    pos += 1
+                    continue
+                shape_rec, data = reply[pos + 1], reply[pos + 2]
+                pos += 3
+                if leaf.json:
+                    out[leaf.path] = _nontensor.decode(data, h.inner)
+                else:
+                    out[leaf.path] = _codec.from_bytes(data, leaf.dtype, _codec.unpack_i64(shape_rec).tolist() if leaf.ndim else [])
+            return DenseResult(torch.Size(h.inner), out)
 
         return Call("read", kt.keys, args, parse)
 
     def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
-        if p.element_int and p.inner_full:
-            return self._plan_one_element_read(h, int(p.elements[0]), leaves)
         rows = _index.storage_rows(p, h.inner)
         flat = rows.reshape(-1).numpy()
         if flat.size == 0:
@@ -610,7 +639,7 @@ class Engine:
 
     def ttl_ms(self) -> int | None:
         """Milliseconds left before the store expires, ``None`` when it does not (one round trip)."""
-        pttl = self.client.pttl(self.keys.meta)
+        pttl = self.command("PTTL", self.keys.meta)
         if pttl == -2:
             raise self.gone()
         return None if pttl < 0 else int(pttl)

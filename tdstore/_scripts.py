@@ -12,6 +12,7 @@ trip on every execute.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -51,19 +52,24 @@ def script_source(name: str) -> tuple[str, str]:
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
-def call(client: redis.Redis, name: str, keys: list[str], args: list[Any]) -> list:
-    """Run script ``name`` in one round trip (two more only after NOSCRIPT)."""
+def call(client: redis.Redis, name: str, keys: list[str], args: list[Any], execute: Callable[..., Any] | None = None) -> list:
+    """Run script ``name`` in one round trip (two more only after NOSCRIPT).
+
+    ``execute(client, *command)`` sends one command (a handle's held connection,
+    see ``_connection.HeldConnection``); by default ``client.execute_command``.
+    """
     text, sha = script_source(name)
+    run = execute or (lambda c, *command: c.execute_command(*command))
     try:
         try:
-            return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            return run(client, "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
-            client.script_load(text)
+            run(client, "SCRIPT", "LOAD", text)  # on the same connection as the call
         try:
-            return client.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            return run(client, "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
             # flushed again between our load and the retry: send the text itself
-            return client.execute_command("EVAL", text, len(keys), *keys, *args)
+            return run(client, "EVAL", text, len(keys), *keys, *args)
     except ResponseError as err:
         raise translate(err) from None
 

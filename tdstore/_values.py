@@ -132,6 +132,13 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
             if extra:
                 names = sorted(display(prefix + p) for p in extra)  # type: ignore[type-var]
                 raise ValueError(f"keys {names} are present in only some elements of the lazy stack; every element must hold the same keys")
+        if not lazy and type(value) is TensorDict:
+            # the common case (store[i] = td): one pass over the items
+            out = {}
+            for key, leaf in value.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
+                path = prefix + ((key,) if isinstance(key, str) else key)
+                out[path] = _check_tensor(path, leaf)
+            return out
         elements: list[TensorDictBase] | None = None
         out = {}
         for key in value.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):

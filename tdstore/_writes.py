@@ -129,10 +129,10 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
 
 
 def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: _KeyTable) -> tuple[None, list[list[Any]], list[Leaf]] | None:
-    """``store[i] = td`` when every leaf is homogeneous and keeps its dtype and shape: one SETRANGE each.
+    """``store[i] = td`` of existing keys: one SETRANGE per homogeneous leaf that keeps its shape, one splice per heterogeneous one.
 
     The common actor write skips the general planner; None hands anything else
-    (new keys, shape changes, heterogeneous leaves, bad input) to :func:`plan_write`.
+    (new keys, a homogeneous key changing shape, bad input) to :func:`plan_write`.
     """
     if h.stack_pos != 0 or h.inner or not 0 <= element < h.count:
         return None
@@ -140,9 +140,21 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
     touched = []
     for path, value in items.items():
         leaf = h.leaves.get(path)
-        if leaf is None or leaf.shape is None or not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
+        if leaf is None:
             return None
-        ops.extend(_element_op(kt, keys, leaf, element, value))
+        if leaf.het:
+            # one element of a heterogeneous (or non-tensor) key: one splice, sized on the server
+            if leaf.json and isinstance(value, NonTensor):
+                elems = element_docs(path, value, None, 0)
+            elif not leaf.json and isinstance(value, torch.Tensor) and value.dtype == leaf.dtype and value.ndim == leaf.ndim:
+                elems = [value]
+            else:
+                return None
+            ops += _splice_ops(kt, keys, leaf, [element], elems)
+        elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
+            return None
+        else:
+            ops.extend(_element_op(kt, keys, leaf, element, value))
         touched.append(leaf)
     return None, ops, touched
 

@@ -162,7 +162,8 @@ def test_clone_is_one_atomic_call(real):
     store = TensorDictStore.from_tensordict(local_td(), **real.kwargs())
     store.clone().clear_redis()  # warm: copy.lua loaded
     cmds = top_level_commands(real.client, lambda: store.clone())
-    assert cmds[0] == "evalsha" and cmds[1:] == ["hgetall"]  # the copy, then the new handle reads its header
+    # the copy, then the new handle reads its header (on a pool connection, which may be opened first)
+    assert cmds[0] == "evalsha" and [c for c in cmds[1:] if c not in ("hello", "client")] == ["hgetall"]
 
 
 def test_constructor_attaches_and_refuses_other_layouts(backend):

@@ -166,6 +166,7 @@ def test_bulk_reads_are_one_transaction_of_plain_getrange(real):
     big = lazy_stack([TensorDict(x=torch.full((300_000,), float(i)), y=torch.arange(3) + i) for i in range(4)])  # 4.8 MB
     s = LazyStackedTensorDictStore.from_lazy_stack(big, **real.kwargs())
     s["y"]
+    s.to_tensordict()  # warm: transactions take a pool connection (scripts go on the handle's held one)
     cmds = top_level_commands(real.client, lambda: s.to_tensordict())
     assert cmds[0] == "multi" and cmds[-1] == "exec" and "evalsha" not in cmds and cmds.count("exec") == 1
     assert set(cmds[1:-1]) == {"hmget", "getrange"}

@@ -613,9 +613,10 @@ def case_script_flush(env: Env) -> list[Check]:
 def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[], Any], delays: Sequence[float]) -> tuple[str, Any, BaseException | None, str]:
     """Drop ``handle``'s connection while ``call`` is on the wire; retry with other delays until it lands mid-call.
 
-    The kill is timed from the moment the call takes a connection from redis-py's
-    pool (the handle's ``get_connection`` is wrapped to signal it: scripts and
-    pipelines alike), so it hits the round trip, not the planning before it.  Returns (outcome, result, exception, detail)
+    The kill is timed from the moment the call goes on the wire: it takes a connection
+    from redis-py's pool (pipelines; ``get_connection`` is wrapped to signal it) or
+    sends on the handle's held connection (scripts; its ``execute`` is wrapped), so it
+    hits the round trip, not the planning before it.  Returns (outcome, result, exception, detail)
     where outcome is ``ConnectionError`` (the user saw it), ``retried`` (redis-py
     reconnected and the call succeeded), ``other`` (another exception) or
     ``missed`` (the call had its reply before the kill).
@@ -625,6 +626,7 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
     pool = client.connection_pool
     for delay in delays:
         client_id = client.client_id()  # connects now; the call reuses this connection
+        handle._engine._held.execute(client, "PING")  # the held connection too (an earlier kill closed it)
         conns0 = connections_received(env.client)
         killed: list[float] = []
         sent = threading.Event()
@@ -644,14 +646,24 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
                 env.client.client_kill_filter(_id=client_id)
             killed.append(time.perf_counter())
 
+        # script calls go out on the handle's held connection (no pool checkout): signal there too
+        held = handle._engine._held
+        original_exec = held.execute
+
+        def signalling_exec(*args: Any, original_exec: Callable[..., Any] = original_exec, sent: threading.Event = sent, **kwargs: Any) -> Any:
+            sent.set()
+            return original_exec(*args, **kwargs)
+
         thread = threading.Thread(target=kill, daemon=True)
         pool.get_connection = signalling  # type: ignore[method-assign]
+        held.execute = signalling_exec  # type: ignore[method-assign]
         try:
             thread.start()
             result, exc, seconds = attempt(call)
             ended = time.perf_counter()
         finally:
             del pool.get_connection
+            del held.execute
             sent.set()
         thread.join(10)
         reconnects = connections_received(env.client) - conns0
