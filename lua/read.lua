@@ -30,8 +30,12 @@
           n int64 values drawn by the client in [0, 2^53) (so a seeded generator
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
           the header's ring write counter. Must come before its 'X'/'Y' ops.
+    'I', n, rows
+          the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
+          batch read decodes its ids once, instead of one range per row and leaf)
     'X', k, nb
-          the nb-byte element of each sampled row of a homogeneous leaf, joined
+          the nb-byte element of each row (sampled by 'U' or named by 'I') of a
+          homogeneous leaf, joined
     'Y', kd, ko, ks, rec
           each sampled row of a heterogeneous leaf: three pieces, the packed
           (start, end) byte offsets of every row, their shape records, their data
@@ -133,9 +137,21 @@ for _ = 1, nops do
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'I' then
+    -- rows named by the client (a scattered batch): decoded once, then read by each 'X' op
+    local n = tds_num(ARGV[a + 1], 'row count')
+    local packed = ARGV[a + 2]
+    a = a + 3
+    if #packed ~= 8 * n then
+      error('TDSTORE bad argument: row table size')
+    end
+    rows = {}
+    for j = 1, n do
+      rows[j] = tds_u64(packed, 8 * j - 7)
+    end
   elseif kind == 'X' then
     if rows == nil then
-      error('TDSTORE bad argument: X op before its U op')
+      error('TDSTORE bad argument: X op before its U or I op')
     end
     local key = KEYS[tds_num(ARGV[a + 1], 'key index')]
     local nb = tds_num(ARGV[a + 2], 'element size')

@@ -107,7 +107,8 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: 
         return torch.empty(tuple(shape), dtype=dtype)
     # a bytearray is taken over as it is (callers hand over a buffer they built); anything else is copied once
     owned = data if isinstance(data, bytearray) else bytearray(data)
-    return torch.frombuffer(owned, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+    flat = torch.frombuffer(owned, dtype=dtype) if dtype in _NUMPY_NATIVE else torch.frombuffer(owned, dtype=torch.uint8).view(dtype)
+    return flat if len(shape) == 1 else flat.reshape(tuple(shape))
 
 
 def from_pieces(pieces: list[bytes], dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:

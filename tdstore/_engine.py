@@ -343,13 +343,13 @@ class Engine:
         return pieces
 
     # -- reads -------------------------------------------------------------------
-    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan, DenseResult | ElementsResult]:
+    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
         """Read leaves at ``index`` in one round trip.
 
         ``paths`` names the leaves; ``None`` reads every leaf below ``under`` (all
         of them by default), chosen from the header the call is planned with, so a
         refresh after STALE picks up added, renamed or deleted keys.  Returns the
-        plan and either a dense result (tensors of the indexed batch shape) or, when
+        plan (None for one whole element, read without planning) and either a dense result (tensors of the indexed batch shape) or, when
         a heterogeneous leaf is read or ``per_element`` is set, the touched elements
         one by one (to be stacked lazily by the caller).
         """
@@ -357,8 +357,6 @@ class Engine:
         result: dict[str, Any] = {}
 
         def plan_call(h: Header) -> Call:
-            norm = _index.normalize(index, h.batch_size)
-            p = _index.plan(norm, h.batch_size, h.stack_pos)
             if wanted is None:
                 leaves = [leaf for path, leaf in h.leaves.items() if path[: len(under)] == under]
                 if under and not leaves:
@@ -367,6 +365,15 @@ class Engine:
             else:
                 leaves = self._select(h, wanted)
                 check = [f"{h.epoch}:*", leaf_checks(leaves)]
+            e = None if per_element else _index.whole_element(index, h.batch_size, h.stack_pos)
+            if e is not None:
+                # store[i] and element views: no index planning at all
+                result["plan"] = None
+                call = self._plan_one_element_read(h, e, leaves)
+                call.args[:0] = check
+                return call
+            norm = _index.normalize(index, h.batch_size)
+            p = _index.plan(norm, h.batch_size, h.stack_pos)
             result["plan"] = p
             if p.n == 0:
                 call = self._plan_empty_read(h, p, leaves)
@@ -450,8 +457,16 @@ class Engine:
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
         bulk = self.bulk_reads and int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
         ranges: list[tuple[str, int, int]] = []
+        # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
+        by_rows = not bulk and not h.inner and n_runs == int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        if by_rows:
+            args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
         for leaf, rb in zip(leaves, row_bytes):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
+            if by_rows:
+                feats.append((feat, True))
+                args += ["X", kt.ref(self.keys.data(leaf.number)), rb]
+                continue
             join = not bulk and n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
             feats.append((feat, join))
             if bulk:

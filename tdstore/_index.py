@@ -215,3 +215,27 @@ def storage_rows(p: Plan, inner: tuple[int, ...]) -> torch.Tensor:
     if p.flips:
         grid = grid.flip(p.flips)
     return grid[p.local]
+
+
+def whole_element(index: Any, batch_size: torch.Size, stack_pos: int) -> int | None:
+    """The element id when ``index`` selects exactly one whole element (``i``, or ``i`` at the stack dim and ``:`` elsewhere), else None.
+
+    The hot path of ``store[i]``: recognised without normalising or planning.
+    """
+    if type(index) is int:
+        if stack_pos != 0:
+            return None
+        comp: Any = index
+    elif type(index) is tuple and len(index) == len(batch_size):
+        comp = index[stack_pos]
+        if type(comp) is not int:
+            return None
+        for d, c in enumerate(index):
+            if d != stack_pos and not (type(c) is slice and c.step in (None, 1) and c.start in (None, 0) and (c.stop is None or c.stop >= batch_size[d])):
+                return None
+    else:
+        return None
+    n = batch_size[stack_pos]
+    if not -n <= comp < n:
+        return None  # out of range: the general path raises the IndexError
+    return comp % n

@@ -186,11 +186,12 @@ def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tu
     return make(tree)
 
 
-def assemble(plan: Plan, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:
+def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:
     """Turn an engine read into the tensordict the index asked for."""
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under)
     tds = [build_td(el, inner, device, under) for el in result.elements]
+    assert plan is not None
     if plan.element_int and plan.inner_full:
         return tds[0]
     if not tds:
