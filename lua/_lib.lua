@@ -94,3 +94,15 @@ local function tds_num(v, what)
   end
   return n
 end
+
+-- Give KEYS[first..last] a time to live of ttl milliseconds, or none when ttl is 0: every key
+-- of a store gets the same deadline in one script (the server's clock stands still inside it).
+local function tds_expire_keys(first, last, ttl)
+  for i = first, last do
+    if ttl > 0 then
+      redis.call('PEXPIRE', KEYS[i], ttl)
+    else
+      redis.call('PERSIST', KEYS[i])
+    end
+  end
+end

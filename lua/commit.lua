@@ -25,12 +25,5 @@ if state ~= 'uploading:' .. ARGV[1] then
   error('TDSTORE upload lost: the store header is not in this upload\'s state')
 end
 redis.call('HSET', meta, 'state', 'ready')
-local ttl = tds_num(ARGV[2], 'ttl')
-for i = 1, #KEYS do
-  if ttl > 0 then
-    redis.call('PEXPIRE', KEYS[i], ttl)
-  else
-    redis.call('PERSIST', KEYS[i])
-  end
-end
+tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'))
 return {'OK'}

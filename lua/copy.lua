@@ -42,15 +42,7 @@ redis.call('COPY', src, dst)
 redis.call('HSET', dst, 'epoch', ARGV[3])
 redis.call('PERSIST', dst)
 redis.call('SADD', KEYS[3], ARGV[2])
-local ttl = redis.call('PTTL', src)
-for i = 4 + half, #KEYS do
-  if ttl > 0 then
-    redis.call('PEXPIRE', KEYS[i], ttl)
-  else
-    redis.call('PERSIST', KEYS[i])
-  end
-end
-if ttl > 0 then
-  redis.call('PEXPIRE', dst, ttl)
-end
+local ttl = math.max(redis.call('PTTL', src), 0)
+tds_expire_keys(4 + half, #KEYS, ttl)
+tds_expire_keys(2, 2, ttl)
 return {'OK', n + 1}

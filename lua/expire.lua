@@ -20,12 +20,5 @@ local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
 end
-local ttl = tds_num(ARGV[2], 'ttl')
-for i = 1, #KEYS do
-  if ttl > 0 then
-    redis.call('PEXPIRE', KEYS[i], ttl)
-  else
-    redis.call('PERSIST', KEYS[i])
-  end
-end
+tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'))
 return {'OK'}

@@ -145,12 +145,15 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
         if leaf.het:
             # one element of a heterogeneous (or non-tensor) key: one splice, sized on the server
             if leaf.json and isinstance(value, NonTensor):
-                elems = element_docs(path, value, None, 0)
+                t = element_docs(path, value, None, 0)[0]
             elif not leaf.json and isinstance(value, torch.Tensor) and value.dtype == leaf.dtype and value.ndim == leaf.ndim:
-                elems = [value]
+                t = value
             else:
                 return None
-            ops += _splice_ops(kt, keys, leaf, [element], elems)
+            data = _codec.to_bytes(t)
+            shape_rec = struct.pack(f"<{t.ndim}q", *t.shape)
+            n = leaf.number
+            ops.append(["E", kt.ref(keys.data(n)), kt.ref(keys.offsets(n)), kt.ref(keys.shapes(n)), 8 * leaf.ndim, element, element, shape_rec, data, len(data)])
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         else:
