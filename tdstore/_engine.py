@@ -16,7 +16,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -629,15 +629,20 @@ class Engine:
     def abort_upload(self, next_leaf: int) -> None:
         _scripts.call(self.client, "clear", self._clear_keys(next_leaf), ["*", self.keys.td_id])
 
-    def copy_to(self, keys: StoreKeys) -> None:
-        """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``)."""
+    def copy_to(self, keys: StoreKeys) -> Header:
+        """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``).
+
+        Returns the copy's header: the one the call was checked against, with the new
+        epoch, so the new handle needs no round trip of its own.
+        """
 
         def plan_call(h: Header) -> Call:
             src = self.keys.all_keys(h.next_leaf)[1:]
             dst = keys.all_keys(h.next_leaf)[1:]
-            return Call("copy", [self.keys.meta, keys.meta, keys.registry, *src, *dst], [f"{h.epoch}:V{h.version}", keys.td_id, secrets.token_hex(8)], lambda r: None)
+            epoch = secrets.token_hex(8)
+            return Call("copy", [self.keys.meta, keys.meta, keys.registry, *src, *dst], [f"{h.epoch}:V{h.version}", keys.td_id, epoch], lambda r: replace(h, epoch=epoch))
 
-        self.run(plan_call)
+        return self.run(plan_call)
 
     def _clear_keys(self, next_leaf: int) -> list[str]:
         keys = self.keys.all_keys(next_leaf)

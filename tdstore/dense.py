@@ -322,9 +322,9 @@ class TensorDictStore(_ElementView):
             return self.to_tensordict()
         src = self._store
         keys = StoreKeys(src.prefix, new_td_id())
-        src._engine.copy_to(keys)
+        header = src._engine.copy_to(keys)
         engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)
-        engine.set_header(engine.fetch_header())
+        engine.set_header(header)
         return type(self)._open_view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
 
     # -- writes ------------------------------------------------------------------------------
