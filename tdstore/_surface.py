@@ -85,9 +85,11 @@ def materialize(obj: Any) -> Any:
     """``obj`` with every store or element view (in lists, tuples and dicts too) replaced by its local copy."""
     if getattr(obj, "_tdstore_reads_remote", False):
         return obj.to_tensordict()
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, list):
+        return [materialize(o) for o in obj]
+    if isinstance(obj, tuple):
         out = [materialize(o) for o in obj]
-        return type(obj)(out) if isinstance(obj, tuple) and not hasattr(obj, "_fields") else out if isinstance(obj, list) else type(obj)(*out)
+        return type(obj)(*out) if hasattr(obj, "_fields") else tuple(out)  # namedtuples take fields
     if isinstance(obj, dict):
         return {k: materialize(v) for k, v in obj.items()}
     return obj

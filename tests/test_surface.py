@@ -15,7 +15,7 @@ from numbers import Number
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, top_level_commands
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -292,3 +292,21 @@ def test_every_generated_answer_reaches_both_classes(cls):
         method = getattr(cls, name)
         assert getattr(SurfaceMixin, name) is method, f"{cls.__name__}.{name} is shadowed"
         assert any(w in (method.__doc__ or "") for w in ("local copy", "Through a copy", "Not supported")), name
+
+
+@pytest.mark.parametrize(
+    ("call", "reads"),
+    [
+        (lambda s: s + 1, 1),
+        (lambda s: s.sum(), 1),
+        (lambda s: s.apply(lambda x: x * 2), 1),
+        (lambda s: s.select("obs"), 1),
+        (lambda s: torch.stack([s[0], s[1]]), 2),  # one read per element given
+        (lambda s: s == s.to_tensordict(), 2),  # the lambda's own to_tensordict(), then eq's copy
+    ],
+    ids=["add", "sum", "apply", "select", "torch.stack of two elements", "eq"],
+)
+def test_local_copies_read_the_store_once(real, call, reads):
+    store = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(_elements(False)), **real.kwargs())
+    store[0].to_tensordict()  # warm
+    assert top_level_commands(real.client, lambda: call(store)) == ["evalsha"] * reads
