@@ -15,6 +15,7 @@ import secrets
 import struct
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -126,6 +127,8 @@ class Engine:
         self.value_limit = 512 << 20
         self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
+        # a handle dropped without close() gives its connection back to a caller's shared pool
+        weakref.finalize(self, self._held.release)
 
     # -- connection and header ----------------------------------------------
     @property

@@ -147,3 +147,18 @@ def test_chunked_download_is_one_call_per_chunk(real):
     store.to_tensordict()  # warm
     assert top_level_commands(real.client, lambda: store.to_tensordict(chunk_elements=3)) == ["evalsha"] * 4
     assert top_level_commands(real.client, lambda: store.to_tensordict()) == ["evalsha"]
+
+
+def test_dropped_handles_give_their_connection_back(real):
+    """Each handle sends its script calls on a connection it holds; dropping the handle returns it to a shared pool."""
+    import gc
+
+    client = real.client()
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3), client=client, prefix=real.prefix)
+    for _ in range(30):
+        handle = LazyStackedTensorDictStore.from_store(td_id=store.td_id, client=client, prefix=real.prefix)
+        handle[0].to_tensordict()
+        del handle
+    gc.collect()
+    assert len(client.connection_pool._in_use_connections) == 0
+    assert len(client.connection_pool._available_connections) <= 2
