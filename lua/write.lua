@@ -114,8 +114,26 @@ local function key(i)
   end
   return k
 end
--- rows of this call's 'X'/'Y' ops, set by its 'W' or 'G' op
-local rows, applied, ring_n, extra = nil, nil, 0, nil
+-- rows of this call's 'X'/'Y' ops, set by its 'W' or 'G' op, and the runs {first, last} of
+-- consecutive row positions whose rows are applied and sit in consecutive slots: each run is
+-- one SETRANGE ('X') or one splice ('Y')
+local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
+local function row_runs()
+  local out, j = {}, 1
+  while j <= #rows do
+    if applied[j] then
+      local e = j
+      while e < #rows and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
+        e = e + 1
+      end
+      out[#out + 1] = {j, e}
+      j = e + 1
+    else
+      j = j + 1
+    end
+  end
+  return out
+end
 -- Check an 'E' op (sizes, range, the size its blob will have) and queue it.
 local function add_splice(op)
   local total = 0
@@ -257,6 +275,7 @@ for _ = 1, nops do
       extra = table.concat(flags)
       a = a + 3
     end
+    runs = row_runs()
   elseif kind == 'X' then
     if rows == nil then
       error('TDSTORE bad argument: X op before its W or G op')
@@ -266,23 +285,14 @@ for _ = 1, nops do
       error('TDSTORE bad argument: row data size')
     end
     local op = {kind = 'P', key = k, starts = {}, parts = {}}
-    local j = 1
-    while j <= #rows do
-      if applied[j] then
-        local e = j
-        while e < #rows and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
-          e = e + 1
-        end
-        local start = rows[j] * nb
-        if start + (e - j + 1) * nb > limit then
-          too_large(k, start + (e - j + 1) * nb)
-        end
-        op.starts[#op.starts + 1] = start
-        op.parts[#op.parts + 1] = string.sub(data, (j - 1) * nb + 1, e * nb)
-        j = e + 1
-      else
-        j = j + 1
+    for _, run in ipairs(runs) do
+      local j, e = run[1], run[2]
+      local start = rows[j] * nb
+      if start + (e - j + 1) * nb > limit then
+        too_large(k, start + (e - j + 1) * nb)
       end
+      op.starts[#op.starts + 1] = start
+      op.parts[#op.parts + 1] = string.sub(data, (j - 1) * nb + 1, e * nb)
     end
     if nb > 0 then
       ops[#ops + 1] = op
@@ -305,24 +315,15 @@ for _ = 1, nops do
       error('TDSTORE bad argument: element sizes do not add up')
     end
     a = a + 7 + n
-    local j = 1
-    while j <= n do
-      if applied[j] then
-        local e = j
-        while e < n and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
-          e = e + 1
-        end
-        local op = {kind = 'E', dkey = dkey, okey = okey, skey = skey, rec = rec, lo = rows[j], hi = rows[e],
-                    shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
-                    data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
-        for m = j, e do
-          op.sizes[m - j + 1] = sizes[m]
-        end
-        add_splice(op)
-        j = e + 1
-      else
-        j = j + 1
+    for _, run in ipairs(runs) do
+      local j, e = run[1], run[2]
+      local op = {kind = 'E', dkey = dkey, okey = okey, skey = skey, rec = rec, lo = rows[j], hi = rows[e],
+                  shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
+                  data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
+      for m = j, e do
+        op.sizes[m - j + 1] = sizes[m]
       end
+      add_splice(op)
     end
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))

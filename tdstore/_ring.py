@@ -31,7 +31,7 @@ from ._engine import Call, Engine, _KeyTable, leaf_checks
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import build_td, display, leaves_of
-from ._writes import _check_dtype, _element_checks
+from ._writes import _check_dtype, _element_checks, het_payload, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
 DRAW_HIGH = 1 << 53
@@ -93,12 +93,6 @@ def _batch_len(value: Any, h: Header) -> int:
     raise ValueError(f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}")
 
 
-def _het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
-    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
-    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
-    return shapes, data, [t.numel() * t.element_size() for t in elems]
-
-
 def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor, json: bool = False) -> tuple[Leaf, list[list[Any]], bool]:
     """Ops writing ``rows`` (one per addressed slot) into leaf ``number``: (leaf after, ops, schema changed).
 
@@ -125,7 +119,7 @@ def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, numbe
             ]
             leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
             changed = True
-        shapes_b, data, sizes = _het_payload(rows)
+        shapes_b, data, sizes = het_payload(rows)
         return leaf, [*ops, ["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes]], changed
     if isinstance(rows, torch.Tensor):
         if leaf is not None:
@@ -159,13 +153,10 @@ def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, numbe
     elif not leaf.het:
         if all(tuple(t.shape) == leaf.shape for t in elems):
             return leaf, [["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(torch.stack(elems))]], False
-        assert leaf.shape is not None
-        eb = leaf.element_nbytes
-        ops.append(["S", kt.ref(ok), (np.arange(h.count + 1, dtype="<i8") * eb).tobytes()])
-        ops.append(["S", kt.ref(sk), np.tile(np.asarray(leaf.shape, dtype="<i8"), h.count).tobytes()])
-        leaf = Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None)
+        leaf, table_ops = to_heterogeneous(kt, keys, leaf, h.count)
+        ops += table_ops
         changed = True
-    shapes_b, data, sizes = _het_payload(elems)
+    shapes_b, data, sizes = het_payload(elems)
     ops.append(["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes])
     return leaf, ops, changed
 

@@ -81,11 +81,9 @@ def _check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
 
 def _het_tables(inner: tuple[int, ...], elems: list[torch.Tensor]) -> tuple[bytes, bytes, bytes]:
     """Data, offset table and shape table of a heterogeneous leaf built from element tensors."""
-    sizes = [t.numel() * t.element_size() for t in elems]
+    shapes, data, sizes = het_payload(elems)
     offsets = np.zeros(len(elems) + 1, dtype="<i8")
     np.cumsum(sizes, out=offsets[1:])
-    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
-    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
     return data, offsets.tobytes(), shapes
 
 
@@ -309,13 +307,9 @@ def plan_write(
                 "a dense store keeps one shape per key: replace the whole key (store[key] = tensor) to change it"
             )
         if not leaf.het:
-            # a homogeneous key gets a new element shape: it becomes heterogeneous,
-            # with tables built from its arithmetic layout, in this same call
-            assert leaf.shape is not None
-            eb = leaf.element_nbytes
-            ops.append(["S", kt.ref(keys.offsets(leaf.number)), (np.arange(h.count + 1, dtype="<i8") * eb).tobytes()])
-            ops.append(["S", kt.ref(keys.shapes(leaf.number)), np.tile(np.asarray(leaf.shape, dtype="<i8"), h.count).tobytes()])
-            leaf = Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None)
+            # a homogeneous key gets a new element shape: it becomes heterogeneous, in this same call
+            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h.count)
+            ops += table_ops
             leaves[path] = leaf
             changed = True
         ops += _splice_ops(kt, keys, leaf, order, elems)
@@ -341,6 +335,24 @@ def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
     return tuple(em_shape) == leaf.shape
 
 
+def to_heterogeneous(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, count: int) -> tuple[Leaf, list[list[Any]]]:
+    """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout."""
+    assert leaf.shape is not None
+    eb = leaf.element_nbytes
+    ops = [
+        ["S", kt.ref(keys.offsets(leaf.number)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],
+        ["S", kt.ref(keys.shapes(leaf.number)), np.tile(np.asarray(leaf.shape, dtype="<i8"), count).tobytes()],
+    ]
+    return Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None), ops
+
+
+def het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
+    """Shape records, data and byte sizes of whole elements of a heterogeneous leaf, as 'E' and 'Y' ops take them."""
+    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
+    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
+    return shapes, data, [t.numel() * t.element_size() for t in elems]
+
+
 def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:
     """'E' ops writing whole elements of a heterogeneous leaf, one op per run of consecutive ids."""
     last: dict[int, torch.Tensor] = {}
@@ -350,10 +362,7 @@ def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], el
     dk, ok, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
     ops = []
     for lo, hi in _index.runs(ids):
-        run = [last[e] for e in range(lo, hi + 1)]
-        data = b"".join(bytes(_codec.to_bytes(t)) for t in run)
-        shapes = _codec.pack_i64([s for t in run for s in t.shape])
-        sizes = [t.numel() * t.element_size() for t in run]
+        shapes, data, sizes = het_payload([last[e] for e in range(lo, hi + 1)])
         ops.append(["E", dk, ok, sk, 8 * leaf.ndim, lo, hi, shapes, data, *sizes])
     return ops
 

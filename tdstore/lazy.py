@@ -707,25 +707,14 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         return self
 
     def _del(self, key: tuple) -> None:
-        path = as_path(key)
-        if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
-        keys = self._engine.keys
-
-        def plan(h: Header, kt: Any) -> Any:
-            under = [p for p in h.leaves if p[: len(path)] == path]
-            if not under:
-                raise KeyError(f"key {display(path)!r} is not in the store")
-            return _writes.plan_delete(keys, h, under, kt)
-
-        self._engine.run_write(plan)
+        self._delete_keys([key], missing_ok=False)
 
     def del_(self, key: Any) -> TensorDictBase:
         self._del(as_path(key))
         return self
 
-    def _delete_keys(self, keys: Sequence[Any]) -> LazyStackedTensorDictStore:
-        """Delete several keys (and everything below them) in one atomic call."""
+    def _delete_keys(self, keys: Sequence[Any], *, missing_ok: bool = True) -> LazyStackedTensorDictStore:
+        """Delete several keys (and everything below them) in one atomic call; ``KeyError`` for a missing one unless ``missing_ok``."""
         paths = [as_path(k) for k in keys]
         if not paths:
             return self
@@ -734,6 +723,10 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         store_keys = self._engine.keys
 
         def plan(h: Header, kt: Any) -> Any:
+            if not missing_ok:
+                for q in paths:
+                    if not any(p[: len(q)] == q for p in h.leaves):
+                        raise KeyError(f"key {display(q)!r} is not in the store")
             doomed = [p for p in h.leaves if any(p[: len(q)] == q for q in paths)]
             return _writes.plan_delete(store_keys, h, doomed, kt)
 
