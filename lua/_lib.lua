@@ -106,3 +106,22 @@ local function tds_expire_keys(first, last, ttl)
     end
   end
 end
+
+-- The segment of element 'row' and its index inside that segment, for ops addressed by
+-- rows: a 'Q' op gives 'per', the elements per segment (nil: the store has one segment).
+local function tds_locate(row, per)
+  if per == nil then
+    return 0, row
+  end
+  local seg = math.floor(row / per)
+  return seg, row - seg * per
+end
+
+-- KEYS[first + seg]: the key of segment 'seg' in a block of one key per segment.
+local function tds_segkey(first, seg)
+  local k = KEYS[first + seg]
+  if k == nil then
+    error('TDSTORE bad argument: no key for segment ' .. seg)
+  end
+  return k
+end

@@ -39,6 +39,12 @@
     'Y', kd, ko, ks, rec
           each sampled row of a heterogeneous leaf: three pieces, the packed
           (start, end) byte offsets of every row, their shape records, their data
+    'Q', per
+          the store is cut into segments of 'per' elements (must come before 'U'/'I'):
+          the key indices of the 'X'/'Y' ops after it each name the first of a block
+          of consecutive KEYS, one per segment; row r is read from segment
+          floor(r / per) at index r % per (the (start, end) offsets of 'Y' are then
+          local to the row's segment)
 
   Reply       {'OK', version, pieces...}; a 'U' op adds two pieces where it stands:
               the sampled slots packed as int64, and rw (as a decimal string).: for an 'R' op one piece (join) or n pieces;
@@ -58,6 +64,7 @@ local out = {'OK', redis.call('HGET', meta, 'version')}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
+local seg_per = nil  -- elements per segment, set by a 'Q' op
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -153,13 +160,14 @@ for _ = 1, nops do
     if rows == nil then
       error('TDSTORE bad argument: X op before its U or I op')
     end
-    local key = KEYS[tds_num(ARGV[a + 1], 'key index')]
+    local ki = tds_num(ARGV[a + 1], 'key index')
     local nb = tds_num(ARGV[a + 2], 'element size')
     a = a + 3
     local pieces = {}
     if nb > 0 then
       for j = 1, #rows do
-        pieces[j] = redis.call('GETRANGE', key, rows[j] * nb, (rows[j] + 1) * nb - 1)
+        local seg, row = tds_locate(rows[j], seg_per)
+        pieces[j] = redis.call('GETRANGE', tds_segkey(ki, seg), row * nb, (row + 1) * nb - 1)
       end
     end
     out[#out + 1] = table.concat(pieces)
@@ -167,24 +175,31 @@ for _ = 1, nops do
     if rows == nil then
       error('TDSTORE bad argument: Y op before its U op')
     end
-    local dkey = KEYS[tds_num(ARGV[a + 1], 'data key index')]
-    local okey = KEYS[tds_num(ARGV[a + 2], 'offset key index')]
-    local skey = KEYS[tds_num(ARGV[a + 3], 'shape key index')]
+    local dk = tds_num(ARGV[a + 1], 'data key index')
+    local ok = tds_num(ARGV[a + 2], 'offset key index')
+    local sk = tds_num(ARGV[a + 3], 'shape key index')
     local rec = tds_num(ARGV[a + 4], 'record size')
     a = a + 5
     local bounds, shapes, data = {}, {}, {}
     for j = 1, #rows do
-      local offs = redis.call('GETRANGE', okey, 8 * rows[j], 8 * rows[j] + 15)
+      local seg, row = tds_locate(rows[j], seg_per)
+      local offs = redis.call('GETRANGE', tds_segkey(ok, seg), 8 * row, 8 * row + 15)
       bounds[j] = offs
       if rec > 0 then
-        shapes[j] = redis.call('GETRANGE', skey, rows[j] * rec, (rows[j] + 1) * rec - 1)
+        shapes[j] = redis.call('GETRANGE', tds_segkey(sk, seg), row * rec, (row + 1) * rec - 1)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
-      data[j] = last > first and redis.call('GETRANGE', dkey, first, last - 1) or ''
+      data[j] = last > first and redis.call('GETRANGE', tds_segkey(dk, seg), first, last - 1) or ''
     end
     out[#out + 1] = table.concat(bounds)
     out[#out + 1] = table.concat(shapes)
     out[#out + 1] = table.concat(data)
+  elseif kind == 'Q' then
+    if rows ~= nil then
+      error('TDSTORE bad argument: Q op after its U or I op')
+    end
+    seg_per = tds_num(ARGV[a + 1], 'segment length')
+    a = a + 2
   else
     error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
   end

@@ -60,6 +60,11 @@
           a heterogeneous leaf addressed by rows: one element per row (its bytes in
           'data', its shape record in 'shapes'), spliced like 'E' per run of
           consecutive slots.
+    'Q', per
+          the store is cut into segments of 'per' elements (must come before 'W'/'G'):
+          the key indices of the 'X'/'Y' ops after it each name the first of a block
+          of consecutive KEYS, one per segment, and row r goes to segment
+          floor(r / per) at index r % per; a run of slots never crosses a segment.
           The generation of slot s is the number of ring writes ('W') it received:
           0 when s >= rw, else floor((rw - 1 - s) / count) + 1.
 
@@ -118,12 +123,13 @@ end
 -- consecutive row positions whose rows are applied and sit in consecutive slots: each run is
 -- one SETRANGE ('X') or one splice ('Y')
 local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
+local seg_per = nil  -- elements per segment, set by a 'Q' op
 local function row_runs()
   local out, j = {}, 1
   while j <= #rows do
     if applied[j] then
       local e = j
-      while e < #rows and applied[e + 1] and rows[e + 1] == rows[e] + 1 do
+      while e < #rows and applied[e + 1] and rows[e + 1] == rows[e] + 1 and (seg_per == nil or rows[e + 1] % seg_per ~= 0) do
         e = e + 1
       end
       out[#out + 1] = {j, e}
@@ -280,29 +286,28 @@ for _ = 1, nops do
     if rows == nil then
       error('TDSTORE bad argument: X op before its W or G op')
     end
-    local k, nb, data = key(a + 1), tds_num(ARGV[a + 2], 'element size'), ARGV[a + 3]
+    local ki, nb, data = tds_num(ARGV[a + 1], 'key index'), tds_num(ARGV[a + 2], 'element size'), ARGV[a + 3]
     if #data ~= nb * #rows then
       error('TDSTORE bad argument: row data size')
     end
-    local op = {kind = 'P', key = k, starts = {}, parts = {}}
     for _, run in ipairs(runs) do
       local j, e = run[1], run[2]
-      local start = rows[j] * nb
+      local seg, row = tds_locate(rows[j], seg_per)
+      local k = tds_segkey(ki, seg)
+      local start = row * nb
       if start + (e - j + 1) * nb > limit then
         too_large(k, start + (e - j + 1) * nb)
       end
-      op.starts[#op.starts + 1] = start
-      op.parts[#op.parts + 1] = string.sub(data, (j - 1) * nb + 1, e * nb)
-    end
-    if nb > 0 then
-      ops[#ops + 1] = op
+      if nb > 0 then
+        ops[#ops + 1] = {kind = 'P', key = k, start = start, part = string.sub(data, (j - 1) * nb + 1, e * nb)}
+      end
     end
     a = a + 4
   elseif kind == 'Y' then
     if rows == nil then
       error('TDSTORE bad argument: Y op before its W or G op')
     end
-    local dkey, okey, skey = key(a + 1), key(a + 2), key(a + 3)
+    local dk, ok, sk = tds_num(ARGV[a + 1], 'key index'), tds_num(ARGV[a + 2], 'key index'), tds_num(ARGV[a + 3], 'key index')
     local rec, shapes, data = tds_num(ARGV[a + 4], 'record size'), ARGV[a + 5], ARGV[a + 6]
     local n = #rows
     local sizes, starts, total = {}, {}, 0
@@ -317,7 +322,8 @@ for _ = 1, nops do
     a = a + 7 + n
     for _, run in ipairs(runs) do
       local j, e = run[1], run[2]
-      local op = {kind = 'E', dkey = dkey, okey = okey, skey = skey, rec = rec, lo = rows[j], hi = rows[e],
+      local seg, lo = tds_locate(rows[j], seg_per)
+      local op = {kind = 'E', dkey = tds_segkey(dk, seg), okey = tds_segkey(ok, seg), skey = tds_segkey(sk, seg), rec = rec, lo = lo, hi = lo + e - j,
                   shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
                   data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
       for m = j, e do
@@ -325,6 +331,12 @@ for _ = 1, nops do
       end
       add_splice(op)
     end
+  elseif kind == 'Q' then
+    if rows ~= nil then
+      error('TDSTORE bad argument: Q op after its W or G op')
+    end
+    seg_per = tds_num(ARGV[a + 1], 'segment length')
+    a = a + 2
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))
   end
@@ -422,9 +434,7 @@ for _, op in ipairs(ops) do
       end
     end
   elseif op.kind == 'P' then
-    for j = 1, #op.starts do
-      redis.call('SETRANGE', op.key, op.starts[j], op.parts[j])
-    end
+    redis.call('SETRANGE', op.key, op.start, op.part)
   elseif op.kind == 'S' then
     redis.call('SET', op.key, op.value)
   elseif op.kind == 'D' then

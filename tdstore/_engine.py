@@ -24,9 +24,9 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _nontensor, _scripts
+from . import _codec, _index, _nontensor, _scripts, _segments
 from ._connection import ConnectionSpec, HeldConnection
-from ._keys import StoreKeys
+from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
@@ -71,19 +71,7 @@ class Call:
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
 
 
-class _KeyTable:
-    """KEYS of one call: the header first, then each key once, referenced by 1-based index."""
-
-    def __init__(self, meta: str) -> None:
-        self.keys = [meta]
-        self._pos: dict[str, int] = {}
-
-    def ref(self, key: str) -> int:
-        pos = self._pos.get(key)
-        if pos is None:
-            self.keys.append(key)
-            pos = self._pos[key] = len(self.keys)
-        return pos
+_KeyTable = KeyTable  # the planners' name for it
 
 
 @dataclass
@@ -107,6 +95,29 @@ def leaf_checks(leaves: Iterable[Leaf]) -> str:
     return " ".join(f"{leaf.number}:{leaf.version}" for leaf in leaves)
 
 
+def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
+    """Leaf number -> what localizing its ops needs; the first header that knows the number wins."""
+    table = {}
+    for h in reversed(headers):
+        for leaf in h.leaves.values():
+            table[leaf.number] = _segments.LeafShape(leaf.het, 0 if leaf.het else leaf.element_nbytes, 8 * leaf.ndim)
+    return table.__getitem__
+
+
+def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> int:
+    """Bytes per element of the largest leaf that the first write of an empty store sets.
+
+    Homogeneous leaves give it exactly; a heterogeneous one gives its mean (its
+    blob's size over the count), read from the op that sets the blob.
+    """
+    sizes = [leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het]
+    data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
+    for op in ops:
+        if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
+            sizes.append(-(-len(op[2]) // max(1, h.count)))
+    return max(sizes, default=1)
+
+
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
@@ -126,6 +137,7 @@ class Engine:
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
         self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
+        self.segment_bytes = _segments.DEFAULT_SEGMENT_BYTES
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         # a handle dropped without close() gives its connection back to a caller's shared pool
         weakref.finalize(self, self._held.release)
@@ -164,6 +176,11 @@ class Engine:
                 pass
             self._max_value_bytes = limit
         return self._max_value_bytes
+
+    @property
+    def segment_size(self) -> int:
+        """Target bytes of one segment's blob of one leaf: ``segment_bytes``, within what the server accepts."""
+        return min(self.segment_bytes, self.max_value_bytes)
 
     def where(self) -> str:
         return f"td_id {self.keys.td_id!r} under prefix {self.keys.prefix!r} on {self.spec.describe()}"
@@ -238,6 +255,8 @@ class Engine:
         for attempt in range(MAX_RETRIES):
             header = self.header
             call = plan(header)
+            if header.segments.n > 1 and call.script in ("read", "tx"):
+                self._localize_read(header, call)
             if call.script == "tx":
                 try:
                     reply = self._transaction(call)
@@ -395,6 +414,19 @@ class Engine:
         out = self.run(plan_call)
         return result["plan"], out
 
+    def _localize_read(self, h: Header, call: Call) -> None:
+        """Turn a read planned on whole leaves into segment-local ops (see ``_segments``), in place."""
+        planned = call.parse
+        if call.script == "tx":
+            assert call.ranges is not None
+            call.ranges, merge = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
+        elif call.args[2]:  # after the two version checks: the op count
+            call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.keys, call.args[2:])
+            call.args[2:] = ops
+        else:
+            return
+        call.parse = lambda reply: planned(merge(reply))
+
     def _select(self, h: Header, wanted: list[NestedPath]) -> list[Leaf]:
         leaves = []
         for path in wanted:
@@ -417,13 +449,16 @@ class Engine:
         """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
         kt = _KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
+        seg = h.segments.of(e)
+        e -= h.segments.start(seg)  # the element lives in one segment: address it there
         run = _PAIR.pack(e, e)
+        keys = self.keys
         for leaf in leaves:
             if leaf.het:
-                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, 1, run]
+                args += ["E", kt.ref(keys.data(leaf.number, seg)), kt.ref(keys.offsets(leaf.number, seg)), kt.ref(keys.shapes(leaf.number, seg)), 8 * leaf.ndim, 1, run]
             else:
                 eb = leaf.element_nbytes
-                args += ["R", kt.ref(self.keys.data(leaf.number)), 1, _PAIR.pack(e * eb, eb), "0"]
+                args += ["R", kt.ref(keys.data(leaf.number, seg)), 1, _PAIR.pack(e * eb, eb), "0"]
 
         def parse(reply: list) -> DenseResult:
             out: dict[NestedPath, Any] = {}
@@ -586,6 +621,12 @@ class Engine:
         def plan_call(h: Header) -> Call:
             kt = _KeyTable(self.keys.meta)
             new_header, ops, touched = plan(h, kt)
+            if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
+                # the first keys of a store created empty fix its segment length
+                new_header = replace(new_header, seg=_segments.segment_length(h.count, _largest_element(self.keys, new_header, ops, kt), self.segment_size))
+            after = new_header or h
+            if after.segments.n > 1:
+                kt, ops = _segments.localize_write(after.segments, self.keys, max(h.next_leaf, after.next_leaf), leaf_shapes(after, h), kt, ops)
             if new_header is not None:
                 args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes, len(ops)]
             else:
@@ -620,7 +661,7 @@ class Engine:
         self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self._clear_keys(h.next_leaf), [f"{h.epoch}:V{h.version}", self.keys.td_id], lambda r: int(r[1]))
+            return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", self.keys.td_id], lambda r: int(r[1]))
 
         try:
             return self.run(plan_call)
@@ -629,8 +670,8 @@ class Engine:
         finally:
             self._header = None
 
-    def abort_upload(self, next_leaf: int) -> None:
-        _scripts.call(self.client, "clear", self._clear_keys(next_leaf), ["*", self.keys.td_id])
+    def abort_upload(self, next_leaf: int, segments: int) -> None:
+        _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", self.keys.td_id])
 
     def copy_to(self, keys: StoreKeys) -> Header:
         """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``).
@@ -640,15 +681,15 @@ class Engine:
         """
 
         def plan_call(h: Header) -> Call:
-            src = self.keys.all_keys(h.next_leaf)[1:]
-            dst = keys.all_keys(h.next_leaf)[1:]
+            src = self.keys.all_keys(h.next_leaf, h.segments.n)[1:]
+            dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
             epoch = secrets.token_hex(8)
             return Call("copy", [self.keys.meta, keys.meta, keys.registry, *src, *dst], [f"{h.epoch}:V{h.version}", keys.td_id, epoch], lambda r: replace(h, epoch=epoch))
 
         return self.run(plan_call)
 
-    def _clear_keys(self, next_leaf: int) -> list[str]:
-        keys = self.keys.all_keys(next_leaf)
+    def _clear_keys(self, next_leaf: int, segments: int) -> list[str]:
+        keys = self.keys.all_keys(next_leaf, segments)
         return [keys[0], self.keys.registry, *keys[1:]]
 
     def expire(self, ttl_ms: int) -> None:
@@ -656,7 +697,7 @@ class Engine:
         self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
-            return Call("expire", self.keys.all_keys(h.next_leaf), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
+            return Call("expire", self.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
         self.run(plan_call)
 

@@ -3,18 +3,27 @@
 Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
 
     P:{I}:m        hash    the store header: type, version, count, stack dim,
-                           inner batch size, device, state, schema (JSON)
-    P:{I}:d:<n>    string  data blob of leaf number n (all elements, element-major)
-    P:{I}:o:<n>    string  offset table of a heterogeneous leaf: count+1 int64 LE byte offsets
-    P:{I}:s:<n>    string  shape table of a heterogeneous leaf: count records of ndim int64 LE
+                           inner batch size, device, state, segment length, schema (JSON)
+    T:d:<n>        string  data blob of leaf number n in one segment (its elements, element-major)
+    T:o:<n>        string  offset table of a heterogeneous leaf in one segment: one int64 LE
+                           byte offset per element of the segment, plus one (starts at 0)
+    T:s:<n>        string  shape table of a heterogeneous leaf in one segment: one record of
+                           ndim int64 LE per element
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
 
+``T`` is the segment's own hash-tagged base: ``P:{I}`` for segment 0 (so a store of
+one segment has exactly the keys above, O(K) for K leaves) and ``P:{I%s<k>}`` for
+segment k > 0.  Segments are ranges of elements of the stack (see ``_segments``);
+each has its own hash tag, so on Redis Cluster they spread over the primaries.  The
+``%s`` cannot come out of :func:`escape` (which writes ``%`` followed by two upper-case
+hex digits), so no id's segment 0 can be named like another id's segment k.
+
 Leaf *numbers*, never leaf names, appear in key names, so a leaf called ``"x:idx"``
 or ``"a.b"`` cannot collide with another leaf or with an internal key.  The td_id
-sits inside the hash tag ``{...}``, so every key of a store hashes to one Redis
-Cluster slot and every script may touch all of them.  Escaping removes braces from
+sits inside the hash tag ``{...}``, so every key of one segment hashes to one Redis
+Cluster slot and a script on one segment may touch all of them.  Escaping removes braces from
 the prefix and the id (a brace would move the hash tag) and glob characters (so a
 ``SCAN MATCH`` on a prefix can never match another store by accident).
 """
@@ -64,34 +73,69 @@ class StoreKeys:
         """The set of td_ids created under this prefix (no hash tag: it belongs to no one store)."""
         return registry_key(self.prefix)
 
-    def data(self, leaf: int) -> str:
-        return f"{self.base}:d:{leaf}"
+    def segment_base(self, seg: int) -> str:
+        """The hash-tagged base of segment ``seg`` (segment 0 shares the header's tag)."""
+        if seg == 0:
+            return self.base
+        return f"{escape(self.prefix)}:{{{escape(self.td_id)}%s{seg}}}"
 
-    def offsets(self, leaf: int) -> str:
-        return f"{self.base}:o:{leaf}"
+    def data(self, leaf: int, seg: int = 0) -> str:
+        return f"{self.segment_base(seg) if seg else self.base}:d:{leaf}"
 
-    def shapes(self, leaf: int) -> str:
-        return f"{self.base}:s:{leaf}"
+    def offsets(self, leaf: int, seg: int = 0) -> str:
+        return f"{self.segment_base(seg) if seg else self.base}:o:{leaf}"
+
+    def shapes(self, leaf: int, seg: int = 0) -> str:
+        return f"{self.segment_base(seg) if seg else self.base}:s:{leaf}"
 
     def staging(self, target: str, token: str) -> str:
         """A temporary key that a bulk write fills with plain SETRANGEs before a script moves it onto ``target``.
 
         It carries a short TTL, so one left behind by a refused or interrupted write expires.
         """
-        assert target.startswith(self.base + ":")
+        assert target.startswith(f"{escape(self.prefix)}:{{{escape(self.td_id)}")
         return f"{target}:stage:{token}"
 
-    def leaf_keys(self, leaf: int) -> tuple[str, str, str]:
-        """All keys that leaf number ``leaf`` may own (data, offsets, shapes)."""
-        return (self.data(leaf), self.offsets(leaf), self.shapes(leaf))
+    def leaf_keys(self, leaf: int, seg: int = 0) -> tuple[str, str, str]:
+        """All keys that leaf number ``leaf`` may own in segment ``seg`` (data, offsets, shapes)."""
+        return (self.data(leaf, seg), self.offsets(leaf, seg), self.shapes(leaf, seg))
 
-    def all_keys(self, next_leaf: int) -> list[str]:
-        """Every key the store can own, given the next unused leaf number.
+    def all_keys(self, next_leaf: int, segments: int = 1) -> list[str]:
+        """Every key the store can own, given the next unused leaf number and its segment count.
 
         Deleted leaves keep their numbers, so listing every number below
         ``next_leaf`` also covers keys a failed or interrupted write may have left.
         """
         keys = [self.meta]
-        for n in range(next_leaf):
-            keys.extend(self.leaf_keys(n))
+        for seg in range(segments):
+            for n in range(next_leaf):
+                keys.extend(self.leaf_keys(n, seg))
         return keys
+
+    def segment_keys(self, next_leaf: int, seg: int) -> list[str]:
+        """The data and table keys of segment ``seg`` (no header)."""
+        keys: list[str] = []
+        for n in range(next_leaf):
+            keys.extend(self.leaf_keys(n, seg))
+        return keys
+
+
+class KeyTable:
+    """KEYS of one script call: the header first, then each key once, referenced by 1-based index."""
+
+    def __init__(self, meta: str) -> None:
+        self.keys = [meta]
+        self._pos: dict[str, int] = {}
+
+    def ref(self, key: str) -> int:
+        pos = self._pos.get(key)
+        if pos is None:
+            self.keys.append(key)
+            pos = self._pos[key] = len(self.keys)
+        return pos
+
+    def block(self, keys: list[str]) -> int:
+        """Append ``keys`` as consecutive KEYS (a script adds a segment number to the first index)."""
+        first = len(self.keys) + 1
+        self.keys.extend(keys)
+        return first

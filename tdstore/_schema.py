@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import _codec
+from ._segments import Segments
 
 FORMAT = "1"
 """Layout version written in every header; a header of another format is refused."""
@@ -123,11 +124,15 @@ class Header:
     tensorclass: str = ""
     """``module.QualName`` of the tensorclass the store was uploaded from: a name only,
     matched against classes the program gives or registers, never imported."""
+    seg: int = 0
+    """Elements per segment (see ``_segments``); 0 keeps every element in one segment.
+    Fixed once the store holds data: the element-to-key mapping depends on it."""
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
     """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
     batch_size: torch.Size = field(init=False, repr=False, compare=False)
+    segments: Segments = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         pos = self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim
@@ -135,6 +140,7 @@ class Header:
         bs.insert(pos, self.count)
         object.__setattr__(self, "stack_pos", pos)
         object.__setattr__(self, "batch_size", torch.Size(bs))
+        object.__setattr__(self, "segments", Segments(self.count, self.seg or max(self.count, 1)))
 
     @property
     def inner_numel(self) -> int:
@@ -175,6 +181,8 @@ class Header:
         if old is not None:
             gone = {leaf.number for leaf in old.leaves.values()} - {leaf.number for leaf in self.leaves.values()}
             parts.extend(f"lv:{n}=-" for n in sorted(gone))
+        if self.seg and (old is None or old.seg != self.seg):
+            parts.append(f"seg={self.seg}")
         return " ".join(parts)
 
     def ready(self) -> Header:
@@ -198,6 +206,7 @@ class Header:
             "schema": self.schema_json(),
             **({"tensorclass": self.tensorclass} if self.tensorclass else {}),
             **({"batchless": "1"} if self.batchless else {}),
+            **({"seg": str(self.seg)} if self.seg else {}),
         }
 
     @classmethod
@@ -224,12 +233,15 @@ class Header:
             keyset_version = int(f["kv"])
             epoch = f["epoch"]
             tensorclass = f.get("tensorclass", "")
+            seg = int(f.get("seg", "0"))
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         if not epoch or any(c not in "0123456789abcdef" for c in epoch):
             raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
         if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
             raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
+        if seg < 0:
+            raise StoreFormatError(f"store header has a bad segment length {seg}")
         if not -(len(inner) + 1) <= stack_dim <= len(inner):
             raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
         if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
@@ -261,6 +273,7 @@ class Header:
             epoch=epoch,
             batchless=f.get("batchless") == "1",
             tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
+            seg=seg,
         )
 
 

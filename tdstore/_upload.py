@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,9 +33,11 @@ from ._engine import Engine
 from ._nontensor import NonTensor, element_docs
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
+from ._segments import Segments, segment_length
 from ._values import as_path, display, gc_paused
 
 UPLOAD_TTL_MS = 120_000
+RENEW_S = 10.0
 
 
 @dataclass
@@ -147,19 +150,24 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
     return tuple(elements[0].batch_size), leaves
 
 
-def _chunks(elements: list[TensorDictBase], scans: list[_LeafScan], max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:
-    """Ranges [lo, hi) of elements, each at most ``max_elements`` long and ``max_bytes`` big (or one element)."""
-    sizes = np.zeros(len(elements), dtype=np.int64)
+def _leaf_sizes(s: _LeafScan) -> np.ndarray:
+    """Bytes of each element of one leaf."""
+    item = s.dtype.itemsize
+    if s.homogeneous:
+        return np.full(len(s.shapes), math.prod(s.shapes[0]) * item, dtype=np.int64)
+    return np.array([math.prod(shape) for shape in s.shapes], dtype=np.int64) * item
+
+
+def _chunks(count: int, scans: list[_LeafScan], segs: Segments, max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:
+    """Ranges [lo, hi) of elements inside one segment, each at most ``max_elements`` long and ``max_bytes`` big (or one element)."""
+    sizes = np.zeros(count, dtype=np.int64)
     for s in scans:
-        item = s.dtype.itemsize
-        if s.homogeneous:
-            sizes += math.prod(s.shapes[0]) * item
-        else:
-            sizes += np.array([math.prod(shape) for shape in s.shapes], dtype=np.int64) * item
+        sizes += _leaf_sizes(s)
     lo = 0
-    while lo < len(elements):
+    while lo < count:
         hi, total = lo, 0
-        while hi < len(elements) and hi - lo < max_elements and (hi == lo or total + sizes[hi] <= max_bytes):
+        end = min(count, segs.start(segs.of(lo) + 1))
+        while hi < end and hi - lo < max_elements and (hi == lo or total + sizes[hi] <= max_bytes):
             total += int(sizes[hi])
             hi += 1
         yield lo, hi
@@ -183,48 +191,64 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
         shape = s.shapes[0] if s.homogeneous else None
         leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None, json=s.json)
     token = uuid.uuid4().hex
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless)
-    # every leaf is one string on the server: refuse, before writing anything, a leaf the
-    # server cannot hold, and never send a piece larger than it accepts in one request
+    sizes = {s.path: _leaf_sizes(s) for s in scans}
+    seg = segment_length(count, max((int(v.max()) for v in sizes.values() if v.size), default=1), engine.segment_size)
+    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless, seg=seg)
+    segs = header.segments
+    # a leaf is one string per segment: refuse, before writing anything, a segment the
+    # server cannot hold (one element larger than a string), and never send a piece larger
+    # than the server accepts in one request
     limit = engine.max_value_bytes
     for s in scans:
-        total = sum(math.prod(shape) for shape in s.shapes) * s.dtype.itemsize
-        if total > limit:
-            raise ValueError(
-                f"key {display(s.path)!r} needs {total} bytes, more than the server accepts for one string "
-                f"({limit}, proto-max-bulk-len); nothing was written"
-            )
+        for k in range(segs.n):
+            total = int(sizes[s.path][segs.start(k) : segs.start(k) + segs.size(k)].sum())
+            if total > limit:
+                raise ValueError(
+                    f"key {display(s.path)!r} needs {total} bytes for elements {segs.start(k)}..{segs.start(k) + segs.size(k) - 1}, "
+                    f"more than the server accepts for one string ({limit}, proto-max-bulk-len); nothing was written"
+                )
     chunk_bytes = max(1, min(chunk_bytes, limit))
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
     if existing is not None:
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     keys = engine.keys
-    all_keys = keys.all_keys(len(leaves))
+    all_keys = keys.all_keys(len(leaves), segs.n)
     try:
-        het_pos = {s.path: 0 for s in scans if not s.homogeneous}
+        het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
+        renewed = time.monotonic()
         bar_ctx = progress(pbar, count, "upload")
         with bar_ctx as bar:
-            for lo, hi in _chunks(elements, scans, chunk_elements, chunk_bytes):
+            for lo, hi in _chunks(count, scans, segs, chunk_elements, chunk_bytes):
                 pipe = engine.client.pipeline(transaction=False)
+                k = segs.of(lo)
+                local = lo - segs.start(k)  # the chunk's first element within its segment
                 for s in scans:
                     leaf = leaves[s.path]
                     tensors = s.tensors[lo:hi]
                     if leaf.shape is not None:
                         data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
                         if len(data):
-                            pipe.setrange(keys.data(leaf.number), lo * leaf.element_nbytes, data)
+                            pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, data)
                         continue
-                    sizes = [math.prod(shape) * leaf.dtype.itemsize for shape in s.shapes[lo:hi]]
-                    ends = het_pos[s.path] + np.cumsum(sizes, dtype=np.int64)
+                    if not local:
+                        het_pos[s.path] = 0
+                    ends = het_pos[s.path] + np.cumsum(sizes[s.path][lo:hi], dtype=np.int64)
                     data = _codec.to_bytes(torch.cat([t.reshape(-1) for t in tensors]))
                     if len(data):
-                        pipe.setrange(keys.data(leaf.number), het_pos[s.path], data)
-                    table = ends.astype("<i8").tobytes() if lo else np.concatenate(([0], ends)).astype("<i8").tobytes()
-                    pipe.setrange(keys.offsets(leaf.number), 8 * (lo + 1) if lo else 0, table)
-                    pipe.setrange(keys.shapes(leaf.number), lo * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape]))
+                        pipe.setrange(keys.data(leaf.number, k), het_pos[s.path], data)
+                    table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
+                    pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
+                    pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape]))
                     het_pos[s.path] = int(ends[-1]) if len(ends) else het_pos[s.path]
-                for k in all_keys:
-                    pipe.pexpire(k, UPLOAD_TTL_MS)
+                # the keys this chunk wrote get the upload's TTL; all of them again every
+                # few seconds, so a long upload of many segments does not lose its first ones
+                if time.monotonic() - renewed > RENEW_S:
+                    renew = all_keys
+                    renewed = time.monotonic()
+                else:
+                    renew = [keys.meta, *keys.segment_keys(len(leaves), k)]
+                for key in renew:
+                    pipe.pexpire(key, UPLOAD_TTL_MS)
                 for reply in pipe.execute(raise_on_error=False):
                     if isinstance(reply, Exception):
                         raise _scripts.translate(reply)  # type: ignore[arg-type]
@@ -235,7 +259,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
             raise KeyError(f"the upload of {engine.where()} expired before it finished")
     except BaseException:
         try:
-            engine.abort_upload(len(leaves))
+            engine.abort_upload(len(leaves), segs.n)
         finally:
             engine.set_header(None)  # type: ignore[arg-type]
         raise

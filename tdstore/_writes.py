@@ -136,6 +136,8 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
         return None
     ops: list[list[Any]] = []
     touched = []
+    seg = h.segments.of(element)
+    local = element - h.segments.start(seg)  # the element lives in one segment: address it there
     for path, value in items.items():
         leaf = h.leaves.get(path)
         if leaf is None:
@@ -151,21 +153,23 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
             data = _codec.to_bytes(t)
             shape_rec = struct.pack(f"<{t.ndim}q", *t.shape)
             n = leaf.number
-            ops.append(["E", kt.ref(keys.data(n)), kt.ref(keys.offsets(n)), kt.ref(keys.shapes(n)), 8 * leaf.ndim, element, element, shape_rec, data, len(data)])
+            ops.append(["E", kt.ref(keys.data(n, seg)), kt.ref(keys.offsets(n, seg)), kt.ref(keys.shapes(n, seg)), 8 * leaf.ndim, local, local, shape_rec, data, len(data)])
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         else:
-            ops.extend(_element_op(kt, keys, leaf, element, value))
+            ops.extend(_element_op(kt, keys, leaf, element, value, h))
         touched.append(leaf)
     return None, ops, touched
 
 
-def _element_op(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor) -> list[list[Any]]:
-    """The one SETRANGE that writes a whole element of a homogeneous leaf (none for zero bytes)."""
+def _element_op(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor, h: Header) -> list[list[Any]]:
+    """The one SETRANGE that writes a whole element of a homogeneous leaf (none for zero bytes), in its segment."""
     eb = leaf.element_nbytes
     if not eb:
         return []
-    return [["R", kt.ref(keys.data(leaf.number)), 1, _PAIR.pack(element * eb, eb), _codec.to_bytes(value)]]
+    seg = h.segments.of(element)
+    local = element - h.segments.start(seg)
+    return [["R", kt.ref(keys.data(leaf.number, seg)), 1, _PAIR.pack(local * eb, eb), _codec.to_bytes(value)]]
 
 
 def plan_write(
@@ -274,7 +278,7 @@ def plan_write(
             _element_checks(h, path, value, None, leaf.dtype)
         if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
-            ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value))
+            ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value, h))
             continue
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]

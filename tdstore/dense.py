@@ -26,6 +26,7 @@ from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import NestedPath
+from ._segments import check_segment_bytes
 from ._values import as_path, display, leaves_of
 from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _KeysView, _only_keys, _ttl_ms
 
@@ -158,6 +159,7 @@ class TensorDictStore(_ElementView):
             raise ValueError(f"batch_size {list(td.batch_size)}: a store needs at least one row along its first dim")
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned)
+        engine.segment_bytes = check_segment_bytes(kwargs.get("segment_bytes"))
         batchless = not td.batch_size
         upload(
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
@@ -429,6 +431,6 @@ def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The ``open_client`` arguments among a constructor's keyword arguments (the rest go to redis-py)."""
     known = {"url": None, "host": "localhost", "port": 6379, "db": 0, "unix_socket_path": None, "client": None}
     out = {k: kwargs.get(k, v) for k, v in known.items()}
-    skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly"}
+    skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly", "segment_bytes"}
     out["redis_kwargs"] = {k: v for k, v in kwargs.items() if k not in skip}
     return out

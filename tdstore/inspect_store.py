@@ -323,7 +323,7 @@ def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[Header, int]:
 
 def _size_keys(keys: StoreKeys, header: Header) -> list[str]:
     """The string keys of a store (its ``all_keys`` without the header hash, which has no STRLEN)."""
-    return keys.all_keys(header.next_leaf)[1:]
+    return keys.all_keys(header.next_leaf, header.segments.n)[1:]
 
 
 def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:
@@ -338,8 +338,8 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
                 dtype=dtype_name(leaf.dtype),
                 ndim=leaf.ndim,
                 shape=leaf.shape,
-                data_bytes=size[keys.data(leaf.number)],
-                table_bytes=size[keys.offsets(leaf.number)] + size[keys.shapes(leaf.number)],
+                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments.n)),
+                table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments.n)),
             )
         )
     return StoreInfo(

@@ -17,6 +17,7 @@ from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
+from ._segments import check_segment_bytes
 from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, gc_paused, leaves_of
@@ -221,6 +222,9 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         readonly: open an existing store (``td_id`` required) for reading only.
         ttl: seconds after which the whole store expires (a new store only; see
             :meth:`expire` and :meth:`persist`). ``None``: it never expires.
+        segment_bytes: target size of one segment's blob of one key (default 4
+            MiB). A new store fixes its segment length (elements per segment) from
+            the first keys written to it; see "Segments" in the README.
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
@@ -245,6 +249,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         cache_metadata: bool = True,
         readonly: bool = False,
         ttl: float | None = None,
+        segment_bytes: int | None = None,
         _kind: str = "lazy",
         _batchless: bool = False,
         **redis_kwargs: Any,
@@ -255,6 +260,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly)
+        engine.segment_bytes = check_segment_bytes(segment_bytes)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
@@ -355,6 +361,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         chunk_elements: int = 10_000,
         chunk_bytes: int = 64 << 20,
         ttl: float | None = None,
+        segment_bytes: int | None = None,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
@@ -367,12 +374,16 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         same keys with one dtype per key, checked before anything is written.
         ``pbar=True`` shows a tqdm progress bar when tqdm is installed.
         ``ttl`` (seconds) makes the whole store expire that long after the upload.
+        ``segment_bytes`` is the target size of one segment's blob of one key
+        (default 4 MiB, see "Segments" in the README): the stack is cut into
+        ranges of elements that each fit it.
         """
         from ._upload import upload
 
         ttl_ms = _ttl_ms(ttl)
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
+        engine.segment_bytes = check_segment_bytes(segment_bytes)
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 

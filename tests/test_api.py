@@ -317,7 +317,7 @@ def test_write_that_would_outgrow_the_server_limit_writes_nothing():
 
     with EmbeddedServer(extra_args=["--proto-max-bulk-len", "1mb"]) as srv:
         local = lazy_stack([TensorDict(a=torch.zeros(2), tok=torch.zeros(60_000 + i, dtype=torch.int32)) for i in range(3)])
-        s = LazyStackedTensorDictStore.from_lazy_stack(local, url=srv.url, prefix="limit")
+        s = LazyStackedTensorDictStore.from_lazy_stack(local, url=srv.url, prefix="limit", segment_bytes=1 << 30)  # one segment
         before = s.to_tensordict()
         client = srv.client()
         raw = {k: client.get(k) for k in client.keys("limit:*") if client.type(k) == b"string"}

@@ -314,6 +314,7 @@ def test_rm_refuses_without_yes_when_stdin_is_not_a_terminal(capsys, url, prefix
         store.clear_redis()
 
 
+@pytest.mark.layout
 def test_rm_asks_and_honours_the_answer(capsys, url, prefix, monkeypatch) -> None:
     LazyStackedTensorDictStore.from_lazy_stack(_dense_stack(5), url=url, prefix=prefix, td_id="asked")
     monkeypatch.setattr(sys, "stdin", _Terminal("n\n"))

@@ -25,6 +25,7 @@ faults = load_tool("faults")
 QUICK = faults.Options(quick=True, seed=1)
 
 
+@pytest.mark.layout
 @pytest.mark.parametrize("name", faults.CASE_NAMES)
 def test_fault_case(name: str) -> None:
     """Each case passes on its own private server, every check of it."""

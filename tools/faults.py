@@ -38,9 +38,11 @@ Cases (issue #4):
     working while it is full; once memory is freed, writes work again.
 ``proto-max-bulk-len``
     A server with ``--proto-max-bulk-len 1mb``: a 2 MB leaf (one argument), a 5 MB
-    leaf (staged in 1 MiB pieces), an element write that would grow a
-    heterogeneous blob past 1 MB and uploads past the limit must fail clearly and
-    write nothing (raw keys compared with ``GET`` before and after).
+    leaf (staged in 1 MiB pieces) added to a store whose segments were sized for
+    smaller keys, an element write that would grow a heterogeneous blob past 1 MB
+    and an upload of one element past the limit must fail clearly and write
+    nothing (raw keys compared with ``GET`` before and after); an upload of a
+    1.3 MB leaf of smaller elements is cut into segments and reads back equal.
 ``store-deleted`` / ``store-recreated``
     Another process deletes the store (``clear_redis()``), or deletes it and
     creates it again under the same ``td_id`` with another dtype, while this handle
@@ -1026,15 +1028,23 @@ def case_proto_max_bulk_len(env: Env) -> list[Check]:
     checks.append(nothing_written("element write growing the blob past 1 MB", lambda: store.__setitem__(0, wide_element(1, 0, 50_000))))
     if not env.opts.quick:  # the same root cause as the 2 MB leaf: one argument larger than the limit
         checks.append(nothing_written("element write of a 2 MB element", lambda: store.__setitem__(1, wide_element(1, 1, 262_144))))
-    # uploads past the limit leave nothing behind
+    # a leaf larger than one string is cut into segments that each fit: it uploads and reads back
     sizes = [("upload of a 1.3 MB leaf, 256 KiB chunks", 256 << 10)]
     if not env.opts.quick:
         sizes.append(("upload of a 1.3 MB leaf, default chunks", 64 << 20))
     for label, chunk in sizes:
         prefix = f"{env.prefix}-up{chunk}"
-        _, exc, secs = attempt(lambda prefix=prefix, chunk=chunk: upload(env, [wide_element(0, i, 20_000) for i in range(8)], env.td_id("bulkup"), prefix=prefix, chunk_bytes=chunk))
-        left = raw_snapshot(env.client, prefix)
-        checks.append(Check(label, is_clear_size_error(exc) and not left, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {len(left)} keys left"))
+        elements = [wide_element(0, i, 20_000) for i in range(8)]
+        big, exc, secs = attempt(lambda prefix=prefix, chunk=chunk, elements=elements: upload(env, elements, env.td_id("bulkup"), prefix=prefix, chunk_bytes=chunk))
+        same = big is not None and all(torch.equal(big[i]["tokens"], el["tokens"]) for i, el in enumerate(elements))
+        segs = big._engine.header.segments.n if big is not None else 0
+        checks.append(Check(label, exc is None and same and segs > 1, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {segs} segments, read back {'equal' if same else 'DIFFERENT'}"))
+    # one element larger than a string cannot be cut: refused, nothing left behind
+    prefix = f"{env.prefix}-up-one"
+    label = "upload of one 1.3 MB element"
+    _, exc, secs = attempt(lambda: upload(env, [wide_element(0, 0, 170_000)], env.td_id("bulkone"), prefix=prefix))
+    left = raw_snapshot(env.client, prefix)
+    checks.append(Check(label, is_clear_size_error(exc) and not left, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {len(left)} keys left"))
     # the store still works and holds its old content
     seqs, problems = read_seqs(store, make)
     intact = seqs == [0] * n and not problems

@@ -1,0 +1,41 @@
+"""The behavioural suite again, with stores cut into many tiny segments.
+
+Test stores are small, so by default they keep one segment.  This runs the modules
+that exercise reads, writes, schema changes, the ring buffer, dense stores and the
+TensorDictBase surface with a default segment size of 64 bytes (``--segment-bytes``,
+see conftest.py), where nearly every element sits in a segment of its own and every
+slice, batch, fill, rename and upload crosses segment boundaries, on both engines.
+Tests that assert the default layout itself (key counts, round trips per chunk) are
+marked ``layout`` and skipped there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODULES = [
+    "test_api.py",
+    "test_reads.py",
+    "test_writes.py",
+    "test_round_trips.py",
+    "test_ring.py",
+    "test_dense.py",
+    "test_nontensor.py",
+    "test_surface.py",
+    "test_lifecycle.py",
+    "test_bad_input.py",
+    "test_segments.py",
+]
+
+
+@pytest.mark.slow
+def test_behavioural_suite_with_tiny_segments() -> None:
+    here = Path(__file__).parent
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", "--segment-bytes", "64", *(str(here / m) for m in MODULES)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=here.parent, timeout=1200)
+    assert proc.returncode == 0, f"segmented suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
