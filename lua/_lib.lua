@@ -96,11 +96,17 @@ local function tds_num(v, what)
 end
 
 -- Give KEYS[first..last] a time to live of ttl milliseconds, or none when ttl is 0: every key
--- of a store gets the same deadline in one script (the server's clock stands still inside it).
+-- of a store gets the same absolute deadline (read from TIME once: Redis 6 does not stop its
+-- clock inside a script, so relative PEXPIREs a millisecond apart would differ).
 local function tds_expire_keys(first, last, ttl)
+  local deadline = nil
+  if ttl > 0 then
+    local now = redis.call('TIME')
+    deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl
+  end
   for i = first, last do
-    if ttl > 0 then
-      redis.call('PEXPIRE', KEYS[i], ttl)
+    if deadline then
+      redis.call('PEXPIREAT', KEYS[i], deadline)
     else
       redis.call('PERSIST', KEYS[i])
     end
