@@ -8,12 +8,15 @@
   reach another store.
 
   KEYS[1]     store header hash
-  KEYS[2]     registry set of the prefix (the td_id is removed from it)
-  KEYS[3..]   every data / offset / shape key of the store
+  KEYS[2]     registry set of the prefix (the td_id is removed from it), unless ARGV[3]
+              is 'noreg' (Redis Cluster: the registry lives in another slot and the
+              client removes the entry itself)
+  KEYS[3..]   every data / offset / shape key of the store (KEYS[2..] with 'noreg')
   ARGV[1]     '<epoch>:V<version>': the schema version the client listed the keys from, or
               '*' to delete what is listed without any check (used to abort an upload,
               and by 'tdstore rm' for a store whose header is gone or unreadable)
   ARGV[2]     the td_id
+  ARGV[3]     optional: 'noreg' when KEYS holds no registry
 
   Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.
 ]]
@@ -25,8 +28,13 @@ if ARGV[1] ~= '*' then
   end
 end
 local n = redis.call('DEL', meta)
-for i = 3, #KEYS do
+local first = 3
+if ARGV[3] == 'noreg' then
+  first = 2
+else
+  redis.call('SREM', KEYS[2], ARGV[2])
+end
+for i = first, #KEYS do
   n = n + redis.call('DEL', KEYS[i])
 end
-redis.call('SREM', KEYS[2], ARGV[2])
 return {'OK', n}

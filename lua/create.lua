@@ -11,7 +11,8 @@
   listed header for the rest, so the registry never holds facts that go stale.
 
   KEYS[1]     store header hash
-  KEYS[2]     registry set of the prefix
+  KEYS[2]     registry set of the prefix; absent on Redis Cluster, where it lives in
+              another slot and the client adds the entry itself
   ARGV[1]     time to live of the header in milliseconds, '0' for none (an upload
               creates its header with a TTL, so an uploader that dies leaves nothing;
               a store made with ttl= gets its TTL here)
@@ -38,5 +39,7 @@ end
 if ttl > 0 then
   redis.call('PEXPIRE', meta, ttl)
 end
-redis.call('SADD', KEYS[2], ARGV[2])
+if KEYS[2] then
+  redis.call('SADD', KEYS[2], ARGV[2])
+end
 return {'OK'}

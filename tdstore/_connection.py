@@ -39,9 +39,14 @@ class ConnectionSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     needs_password: bool = False
     password_provider: Callable[[], str] | None = None
+    cluster: bool = False
+    """A Redis Cluster, reached through ``redis.cluster.RedisCluster`` from this seed node."""
 
     def describe(self) -> str:
         """Where the server is, for messages (never includes a password)."""
+        if self.cluster:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"{'rediss' if self.ssl else 'redis'}+cluster://{host}:{self.port}"
         if self.unix_socket_path:
             return f"unix://{self.unix_socket_path}?db={self.db}"
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -56,6 +61,12 @@ class ConnectionSpec:
             password = self.password_provider() if self.password_provider else os.environ.get(PASSWORD_ENV)
         if password is not None:
             kwargs["password"] = password
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            if self.ssl:
+                kwargs["ssl"] = True
+            return RedisCluster(host=self.host, port=self.port, **kwargs)  # type: ignore[return-value]
         if self.unix_socket_path:
             return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
         if self.ssl:
@@ -64,13 +75,24 @@ class ConnectionSpec:
 
 
 def _from_url(url: str) -> dict[str, Any]:
-    """Parts of a ``redis://``, ``rediss://`` or ``unix://`` URL (redis-py's parser)."""
+    """Parts of a ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URL (redis-py's parser)."""
+    cluster = False
+    for scheme in ("redis+cluster://", "rediss+cluster://"):
+        if url.lower().startswith(scheme):
+            url = scheme.replace("+cluster", "") + url[len(scheme) :]
+            cluster = True
     parts = dict(parse_url(url))
+    if cluster:
+        if "path" in parts:
+            raise ValueError("a Redis Cluster is reached over TCP: redis+cluster://host:port")
+        if parts.pop("db", 0):
+            raise ValueError("Redis Cluster has only database 0")
+        parts["cluster"] = True
     cls = parts.pop("connection_class", None)
     out: dict[str, Any] = {"ssl": cls is not None and issubclass(cls, SSLConnection)}
     if "path" in parts:
         out["unix_socket_path"] = parts.pop("path")
-    for name in ("host", "port", "db"):
+    for name in ("host", "port", "db", "cluster"):
         if name in parts:
             out[name] = parts.pop(name)
     out["rest"] = parts  # username, password, query options
@@ -99,7 +121,7 @@ def open_client(
     kwargs.pop("decode_responses", None)
     if client is not None:
         return _adopt(client, provider)
-    where: dict[str, Any] = {"host": host, "port": port, "db": db, "unix_socket_path": unix_socket_path, "ssl": bool(kwargs.pop("ssl", False))}
+    where: dict[str, Any] = {"host": host, "port": port, "db": db, "unix_socket_path": unix_socket_path, "ssl": bool(kwargs.pop("ssl", False)), "cluster": bool(kwargs.pop("cluster", False))}
     if url is not None:
         parsed = _from_url(url)
         kwargs = {**parsed.pop("rest"), **kwargs}
@@ -115,12 +137,24 @@ def open_client(
         kwargs=kwargs,
         needs_password=password is not None or provider is not None,
         password_provider=provider,
+        cluster=where["cluster"],
     )
+    if spec.cluster and (spec.unix_socket_path or spec.db):
+        raise ValueError("a Redis Cluster is reached over TCP, database 0")
     return spec.connect(password, secrets), spec, True
 
 
 def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec, bool]:
-    """Use a caller's client: a sync ``redis.Redis`` as it is, an asyncio one through its settings."""
+    """Use a caller's client: a sync ``redis.Redis`` or ``RedisCluster`` as it is, an asyncio one through its settings."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        node = client.get_default_node()
+        ckw = dict(client.nodes_manager.connection_kwargs)
+        password = ckw.get("password")
+        kwargs = {k: v for k, v in ckw.items() if k in ("username", "socket_timeout", "socket_connect_timeout", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")}
+        spec = ConnectionSpec(host=node.host, port=int(node.port), ssl=bool(ckw.get("ssl", False)), kwargs=kwargs, needs_password=password is not None or provider is not None, password_provider=provider, cluster=True)
+        return client, spec, False  # type: ignore[return-value]
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         raise TypeError(f"client must be a redis.Redis or redis.asyncio.Redis, got {type(client).__name__}")

@@ -128,7 +128,9 @@ class Engine:
 
     def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True, readonly: bool = False) -> None:
         self.spec = spec
-        self.keys = keys
+        # on Redis Cluster every key of a store shares the header's hash tag (one slot), so a
+        # call may still touch the header and any segment; see StoreKeys.spread
+        self.keys = replace(keys, spread=False) if spec.cluster else keys
         self._client = client
         self._owns_client = owns_client
         self.readonly = readonly
@@ -238,7 +240,12 @@ class Engine:
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
-        reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+        if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
+            reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+            if reply[0] == b"OK":
+                self.client.sadd(self.keys.registry, self.keys.td_id)
+        else:
+            reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
         if reply[0] == b"OK":
             self.set_header(header)
             return None
@@ -252,6 +259,15 @@ class Engine:
         a call that keeps losing the race against a storm of schema changes starts to
         wait a little (random, up to 20 ms) between tries.
         """
+        try:
+            return self._run(plan)
+        except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
+            if not self.spec.cluster:
+                raise
+            # same exception type (retry policies keep working), with the store named
+            raise type(err)(f"the cluster node that holds the store with {self.where()} cannot be reached: {err}") from err
+
+    def _run(self, plan: Callable[[Header], Call]) -> Any:
         for attempt in range(MAX_RETRIES):
             header = self.header
             call = plan(header)
@@ -264,7 +280,7 @@ class Engine:
                     # e.g. at maxmemory, Redis refuses to queue commands in MULTI: read through the script
                     self.bulk_reads = False
                     try:
-                        return self.run(plan)
+                        return self._run(plan)
                     finally:
                         self.bulk_reads = True
                 if reply is None:  # the header moved: refresh, plan again
@@ -661,7 +677,7 @@ class Engine:
         self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", self.keys.td_id], lambda r: int(r[1]))
+            return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1]))
 
         try:
             return self.run(plan_call)
@@ -669,9 +685,17 @@ class Engine:
             return 0
         finally:
             self._header = None
+            if self.spec.cluster:
+                self.client.srem(self.keys.registry, self.keys.td_id)
+
+    def _clear_args(self) -> list[str]:
+        """ARGV after the version check of ``clear.lua``: the td_id, and on Cluster no registry key."""
+        return [self.keys.td_id, "noreg"] if self.spec.cluster else [self.keys.td_id]
 
     def abort_upload(self, next_leaf: int, segments: int) -> None:
-        _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", self.keys.td_id])
+        _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", *self._clear_args()])
+        if self.spec.cluster:
+            self.client.srem(self.keys.registry, self.keys.td_id)
 
     def copy_to(self, keys: StoreKeys) -> Header:
         """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``).
@@ -690,6 +714,8 @@ class Engine:
 
     def _clear_keys(self, next_leaf: int, segments: int) -> list[str]:
         keys = self.keys.all_keys(next_leaf, segments)
+        if self.spec.cluster:
+            return keys
         return [keys[0], self.keys.registry, *keys[1:]]
 
     def expire(self, ttl_ms: int) -> None:

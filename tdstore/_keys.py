@@ -16,7 +16,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
 ``T`` is the segment's own hash-tagged base: ``P:{I}`` for segment 0 (so a store of
 one segment has exactly the keys above, O(K) for K leaves) and ``P:{I%s<k>}`` for
 segment k > 0.  Segments are ranges of elements of the stack (see ``_segments``);
-each has its own hash tag, so on Redis Cluster they spread over the primaries.  The
+each has its own hash tag (on Redis Cluster, for now, they share the header's: see
+``StoreKeys.spread``).  The
 ``%s`` cannot come out of :func:`escape` (which writes ``%`` followed by two upper-case
 hex digits), so no id's segment 0 can be named like another id's segment k.
 
@@ -56,10 +57,16 @@ def registry_key(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class StoreKeys:
-    """Key names of one store, computed once per handle."""
+    """Key names of one store, computed once per handle.
+
+    ``spread=False`` (stores on Redis Cluster, for now) keeps every segment under the
+    header's hash tag, as ``P:{I}%s<k>:d:<n>``, so that a call may still touch the
+    header and several segments in one slot.
+    """
 
     prefix: str
     td_id: str
+    spread: bool = True
     base: str = field(init=False, repr=False, compare=False)
     meta: str = field(init=False, repr=False, compare=False)
 
@@ -77,6 +84,8 @@ class StoreKeys:
         """The hash-tagged base of segment ``seg`` (segment 0 shares the header's tag)."""
         if seg == 0:
             return self.base
+        if not self.spread:
+            return f"{self.base}%s{seg}"
         return f"{escape(self.prefix)}:{{{escape(self.td_id)}%s{seg}}}"
 
     def data(self, leaf: int, seg: int = 0) -> str:

@@ -3,7 +3,8 @@
 Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
 call costs no extra round trip when the server already knows the script.  On
 ``NOSCRIPT`` (server restart, failover, ``SCRIPT FLUSH``, script-cache eviction)
-the script is loaded with ``SCRIPT LOAD`` and the call is retried once; if the
+the script is loaded with ``SCRIPT LOAD`` (on Redis Cluster, on the primary that serves
+the call's slot) and the call is retried once; if the
 cache was flushed again in between, the call is sent as ``EVAL`` with the text.  redis-py
 ``Script`` objects are not used: in pipelines they add a ``SCRIPT EXISTS`` round
 trip on every execute.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 LIBRARY = "_lib"
@@ -64,7 +66,12 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any], execu
         try:
             return run(client, "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
-            run(client, "SCRIPT", "LOAD", text)  # on the same connection as the call
+            if isinstance(client, RedisCluster):
+                # on the primary that serves the call's slot (after a failover, the new one):
+                # a plain SCRIPT LOAD would go to every primary and fail while any one is down
+                client.execute_command("SCRIPT", "LOAD", text, target_nodes=client.get_node_from_key(keys[0]))
+            else:
+                run(client, "SCRIPT", "LOAD", text)  # on the same connection as the call
         try:
             return run(client, "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:

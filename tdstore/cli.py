@@ -81,6 +81,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             batch=args.batch,
             progress=not args.no_progress,
             out=sys.stderr if args.json else sys.stdout,
+            cluster=args.cluster,
         )
     except ServerUnreachable as err:
         print(f"tdstore demo: error: {err}", file=sys.stderr)
@@ -422,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
             "started for the run. The store is deleted at the end. Exit code 1 if a torn or inconsistent element was seen."
         ),
     )
-    demo.add_argument("--url", default=None, help="redis://, rediss:// or unix:// URL of the server (default: start an embedded one)")
+    demo.add_argument("--url", default=None, help="redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: start an embedded one)")
+    demo.add_argument("--cluster", action="store_true", help="without --url: start an embedded three-primary Redis Cluster instead of one server")
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")
     demo.add_argument("--seconds", type=_positive_float, default=5.0, help="duration of the run (default: 5)")

@@ -48,6 +48,7 @@ import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
+from .cluster_server import EmbeddedCluster
 from .lazy import LazyStackedTensorDictStore
 from .server import EmbeddedServer
 
@@ -352,7 +353,13 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
     """
     shown = redact_url(url)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        if url.lower().startswith(("redis+cluster://", "rediss+cluster://")):
+            from redis.cluster import RedisCluster
+
+            plain = url.replace("+cluster", "", 1)
+            client = RedisCluster.from_url(plain, socket_connect_timeout=timeout, socket_timeout=timeout)
+        else:
+            client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     except ValueError as err:
         raise ServerUnreachable(f"invalid server url {shown!r}: {err}") from None
     try:
@@ -368,6 +375,17 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
         raise ServerUnreachable(f"cannot reach a Redis server at {shown}: {err}") from None
     except redis.ResponseError as err:
         raise ServerUnreachable(f"the server at {shown} does not accept commands: {err}") from None
+
+
+@contextlib.contextmanager
+def _embedded_cluster() -> Iterator[EmbeddedCluster]:
+    """A private three-primary Redis Cluster on loopback, stopped on exit whatever happens."""
+    cluster = EmbeddedCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @contextlib.contextmanager
@@ -452,12 +470,15 @@ def run_demo(
     progress: bool = True,
     out: TextIO | None = None,
     seed: int = 0,
+    cluster: bool = False,
 ) -> dict[str, Any]:
     """Run the concurrent write/sample demo and return its figures.
 
     Args:
-        url: a ``redis://``, ``rediss://`` or ``unix://`` URL; ``None`` starts a
-            private embedded redis-server for the run (and stops it afterwards).
+        url: a ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URL;
+            ``None`` starts a private embedded redis-server for the run (and stops it
+            afterwards).
+        cluster: with no ``url``, start a private three-primary Redis Cluster instead.
         actors: writer processes (spawned, each gets the pickled store).
         count: elements in the store.
         seconds: how long actors write and the learner samples.
@@ -480,7 +501,11 @@ def run_demo(
     _check_args(actors, count, seconds, batch)
     out = sys.stdout if out is None else out
     with contextlib.ExitStack() as stack:
-        if url is None:
+        if url is None and cluster:
+            local = stack.enter_context(_embedded_cluster())
+            url = local.url
+            where = f"embedded Redis Cluster of {len(local.ports)} primaries (redis-server {local.version}) at {url}"
+        elif url is None:
             server = stack.enter_context(_embedded_server())
             url = server.url
             where = f"embedded redis-server {server.version} at {url}"

@@ -323,6 +323,12 @@ class TensorDictStore(_ElementView):
         if self._under:
             return self.to_tensordict()
         src = self._store
+        if src._engine.spec.cluster:
+            # the copy's hash tag may map to another node, which one script cannot reach:
+            # read it whole (one atomic call) and upload it (one atomic commit)
+            return type(self).from_tensordict(
+                self.to_tensordict(), client=src._engine.client, prefix=src.prefix, backend=src._backend, device=src._device, segment_bytes=src._engine.segment_bytes
+            )
         keys = StoreKeys(src.prefix, new_td_id())
         header = src._engine.copy_to(keys)
         engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)

@@ -15,7 +15,9 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
+from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer, commandstats
 
 
@@ -56,11 +58,46 @@ class Backend:
         return sorted(self.client().keys(self.prefix + ":*"))
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
+class _WholeCluster(RedisCluster):
+    """A test's raw view of the cluster: ``KEYS`` and ``DBSIZE`` ask every primary, not one."""
+
+    def keys(self, pattern: Any = "*", **kwargs: Any) -> Any:
+        return super().keys(pattern, target_nodes=RedisCluster.PRIMARIES, **kwargs)
+
+
+class ClusterBackend(Backend):
+    """A three-primary Redis Cluster: stores reached with ``url="redis+cluster://..."``."""
+
+    def __init__(self, cluster: EmbeddedCluster) -> None:
+        super().__init__("cluster", lambda: _WholeCluster(host="127.0.0.1", port=cluster.ports[0]), None)
+        self.cluster = cluster
+
+    def kwargs(self, **extra: Any) -> dict[str, Any]:
+        return {"prefix": self.prefix, "url": self.cluster.url, **extra}
+
+    def keys(self) -> list[bytes]:
+        """Every key under this test's prefix, on every node."""
+        out: list[bytes] = []
+        for i in range(len(self.cluster.ports)):
+            node = self.cluster.node_client(i)
+            out += node.keys(self.prefix + ":*")
+            node.close()
+        return sorted(out)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[EmbeddedCluster]:
+    with EmbeddedCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=["redis", "fakeredis", "cluster"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "redis":
         srv = request.getfixturevalue("redis_server")
         yield Backend("redis", srv.client, srv)
+    elif request.param == "cluster":
+        yield ClusterBackend(request.getfixturevalue("redis_cluster"))
     else:
         server = fakeredis.FakeServer()
         yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)

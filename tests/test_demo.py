@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import torch
 from tensordict import TensorDict, lazy_stack
 
@@ -133,6 +134,35 @@ def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
     _assert_clean(figures, actors=2, count=32, batch=32)
     assert figures["server"].startswith("embedded redis-server")  # no --url: the demo started its own
     assert "32/32 elements verified" in proc.stderr  # the human summary went to stderr
+
+
+@pytest.mark.slow
+def test_cli_demo_on_its_own_cluster(tmp_path: Path) -> None:
+    """``demo --cluster``: the demo starts a three-primary Redis Cluster and runs on it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tdstore", "demo", "--cluster", "--seconds", "1", "--actors", "2", "--count", "32", "--json", "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout)
+    _assert_clean(figures, actors=2, count=32, batch=32)
+    assert figures["server"].startswith("embedded Redis Cluster of 3 primaries") and "redis+cluster://" in figures["server"]
+
+
+def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "cluster.py"), "--seconds", "0.5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    url = next(line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("url: "))
+    assert url.startswith("redis+cluster://127.0.0.1:") and proc.stdout.rstrip().endswith("stopped")
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(redis.ConnectionError):  # stopped: nothing listens there any more
+        redis.Redis(port=port, socket_connect_timeout=1).ping()
 
 
 # -- the CLI's errors ----------------------------------------------------------------------------------

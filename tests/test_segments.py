@@ -100,7 +100,8 @@ def test_segments_spread_keys_over_hash_tags(backend):
     assert h.seg == 1 and h.segments.n == 10
     keys = store_keys(backend)
     tags = {tag(k) for k in keys}
-    assert len(tags) == 10  # segment 0 shares the header's tag
+    # segment 0 shares the header's tag; on Redis Cluster every segment does, for now (StoreKeys.spread)
+    assert len(tags) == (1 if backend.name == "cluster" else 10)
     assert len(keys) == 1 + 10 * (2 + 3)
     assert_same(s.to_tensordict(), stack(10))
 

