@@ -123,6 +123,15 @@ local function tds_locate(row, per)
   return seg, row - seg * per
 end
 
+-- The 'Q' op at ARGV[a]: elements per segment for the row-addressed ops after it, which
+-- must not have picked their rows yet ('rows' is nil until a 'U', 'I', 'W' or 'G' op).
+local function tds_segment_length(a, rows)
+  if rows ~= nil then
+    error('TDSTORE bad argument: Q op after the op that picks the rows')
+  end
+  return tds_num(ARGV[a + 1], 'segment length')
+end
+
 -- KEYS[first + seg]: the key of segment 'seg' in a block of one key per segment.
 local function tds_segkey(first, seg)
   local k = KEYS[first + seg]

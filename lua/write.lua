@@ -332,10 +332,7 @@ for _ = 1, nops do
       add_splice(op)
     end
   elseif kind == 'Q' then
-    if rows ~= nil then
-      error('TDSTORE bad argument: Q op after its W or G op')
-    end
-    seg_per = tds_num(ARGV[a + 1], 'segment length')
+    seg_per = tds_segment_length(a, rows)
     a = a + 2
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))

@@ -512,14 +512,14 @@ class Engine:
         bulk = self.bulk_reads and int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
         ranges: list[tuple[str, int, int]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
-        by_rows = not bulk and not h.inner and n_runs == int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
         if by_rows:
             args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
         for leaf, rb in zip(leaves, row_bytes):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             if by_rows:
                 feats.append((feat, True))
-                args += ["X", kt.ref(self.keys.data(leaf.number)), rb]
+                args += [_segments.row_read_op(h.segments, rb, int(uniq.size)), kt.ref(self.keys.data(leaf.number)), rb]
                 continue
             join = not bulk and n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
             feats.append((feat, join))

@@ -30,6 +30,7 @@ from . import _codec, _nontensor
 from ._engine import Call, Engine, _KeyTable, leaf_checks
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
+from ._segments import row_read_op
 from ._values import build_td, display, leaves_of
 from ._writes import _check_dtype, _element_checks, het_payload, to_heterogeneous
 
@@ -315,7 +316,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
             if leaf.het:
                 args += ["Y", kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
             else:
-                args += ["X", kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+                args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
         def parse(reply: list) -> Sample:
             return _decode_sample(h, leaves, reply, batch_size, device)

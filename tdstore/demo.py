@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -377,28 +376,6 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
         raise ServerUnreachable(f"the server at {shown} does not accept commands: {err}") from None
 
 
-@contextlib.contextmanager
-def _embedded_cluster() -> Iterator[EmbeddedCluster]:
-    """A private three-primary Redis Cluster on loopback, stopped on exit whatever happens."""
-    cluster = EmbeddedCluster()
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@contextlib.contextmanager
-def _embedded_server() -> Iterator[EmbeddedServer]:
-    """A private redis-server on a unix socket, stopped on exit whatever happens."""
-    server = EmbeddedServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 # -- progress ------------------------------------------------------------------------------------------
 
 
@@ -502,11 +479,11 @@ def run_demo(
     out = sys.stdout if out is None else out
     with contextlib.ExitStack() as stack:
         if url is None and cluster:
-            local = stack.enter_context(_embedded_cluster())
+            local = stack.enter_context(EmbeddedCluster())  # started here, stopped on exit whatever happens
             url = local.url
             where = f"embedded Redis Cluster of {len(local.ports)} primaries (redis-server {local.version}) at {url}"
         elif url is None:
-            server = stack.enter_context(_embedded_server())
+            server = stack.enter_context(EmbeddedServer())  # a private redis-server on a unix socket
             url = server.url
             where = f"embedded redis-server {server.version} at {url}"
         else:

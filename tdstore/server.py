@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import IO, Any, Self
 from urllib.parse import urlsplit
@@ -43,6 +43,7 @@ __all__ = [
     "commandstats",
     "find_redis_server",
     "resolve_binary",
+    "server_or_url",
 ]
 
 #: How long ``stop()`` waits after SIGTERM before it resorts to SIGKILL.
@@ -519,6 +520,21 @@ def _calls(value: Any) -> int:
         if k.strip() == "calls":
             return int(v)
     return 0
+
+
+@contextlib.contextmanager
+def server_or_url(url: str | None, binary: str | None = None) -> Iterator[tuple[str, str]]:
+    """``(url, description)`` of ``url`` when given, else of a private redis-server started for the block.
+
+    The tools' common start: a private server (``binary``, else ``/usr/bin/redis-server``
+    when present, else :func:`find_redis_server`) unless the user named one.
+    """
+    if url is not None:
+        yield url, url
+        return
+    binary = binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
+    with EmbeddedServer(binary=binary) as srv:
+        yield srv.url, f"private redis-server {srv.version} ({srv.binary})"
 
 
 def check_loopback(url: str) -> None:

@@ -118,10 +118,11 @@ def test_run_demo_in_process(redis_server: EmbeddedServer) -> None:
     assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
 
 
-def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
+def _cli_demo(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``python -m tdstore demo`` on 2 actors, 32 elements, 1 s, JSON out, in a subprocess; it must succeed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tdstore", "demo", "--seconds", "1", "--actors", "2", "--count", "32", "--json"],
+        [sys.executable, "-m", "tdstore", "demo", "--seconds", "1", "--actors", "2", "--count", "32", "--json", *extra],
         cwd=tmp_path,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -130,6 +131,11 @@ def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
+    proc = _cli_demo(tmp_path)
     figures = json.loads(proc.stdout)  # stdout holds only the JSON
     _assert_clean(figures, actors=2, count=32, batch=32)
     assert figures["server"].startswith("embedded redis-server")  # no --url: the demo started its own
@@ -139,17 +145,7 @@ def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_demo_on_its_own_cluster(tmp_path: Path) -> None:
     """``demo --cluster``: the demo starts a three-primary Redis Cluster and runs on it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tdstore", "demo", "--cluster", "--seconds", "1", "--actors", "2", "--count", "32", "--json", "--no-progress"],
-        cwd=tmp_path,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _cli_demo(tmp_path, "--cluster", "--no-progress")
     figures = json.loads(proc.stdout)
     _assert_clean(figures, actors=2, count=32, batch=32)
     assert figures["server"].startswith("embedded Redis Cluster of 3 primaries") and "redis+cluster://" in figures["server"]

@@ -19,7 +19,7 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._keys import StoreKeys
-from tdstore._segments import Segments, segment_length
+from tdstore._segments import Segments, row_read_op, segment_length
 from tdstore.server import EmbeddedServer
 
 
@@ -267,3 +267,30 @@ def test_copy_ttl_and_clear_cover_every_segment(backend):
     s.clear_redis()
     c.clear_redis()
     assert not store_keys(backend)
+
+
+# -- scattered rows: one GETRANGE per row, or the blob read whole ------------------------------
+
+
+def test_row_read_op_reads_small_blobs_whole():
+    one = Segments(count=10_000, per=10_000)
+    assert row_read_op(one, row_bytes=16, rows=256) == "B"  # a 160 kB blob for 256 rows
+    assert row_read_op(one, row_bytes=256, rows=256) == "X"  # 2.5 MB for 256 rows: GETRANGE each
+    many = Segments(count=10_000, per=100)
+    assert row_read_op(many, row_bytes=256, rows=256) == "X"  # 256 rows over 100 segments: the whole store
+    assert row_read_op(Segments(count=1000, per=100), row_bytes=16, rows=256) == "B"  # 10 segments of 1.6 kB
+
+
+def test_scattered_batch_reads_small_blobs_whole(real):
+    n = 2000
+    local = lazy_stack([TensorDict(obs=torch.randn(64), small=torch.tensor([i, -i])) for i in range(n)])
+    s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:200]
+    s[idx]  # warm
+    before = real.commandstats()
+    got = s[idx]
+    after = real.commandstats()
+    assert torch.equal(got["obs"], local["obs"][idx]) and torch.equal(got["small"], local["small"][idx])
+    assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
+    assert after.get("get", 0) - before.get("get", 0) == 1  # 'small' (16 kB): read whole once
+    assert after.get("getrange", 0) - before.get("getrange", 0) == 200  # 'obs' (512 kB): one per row

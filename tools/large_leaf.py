@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import uuid
@@ -33,7 +32,7 @@ if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
     sys.path.insert(0, str(_REPO))
 
 from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore.server import server_or_url  # noqa: E402
 
 MiB = 1 << 20
 
@@ -127,15 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--binary", help="redis-server binary for the private server (default: /usr/bin/redis-server if present)")
     args = ap.parse_args(argv)
-    binary = args.binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
-    server = None if args.url else EmbeddedServer(binary=binary).start()
-    url = args.url or server.url  # type: ignore[union-attr]
-    where = f"private redis-server {server.version} ({server.binary})" if server is not None else args.url
-    try:
+    with server_or_url(args.url, args.binary) as (url, where):
         r = run(url, args.mib, args.count, args.reference)
-    finally:
-        if server is not None:
-            server.stop()
     r["server"] = where
     print(where)
     print(f"leaf {r['leaf_mib']:.0f} MiB over {r['count']} elements; the server's largest string: {r['proto_max_bulk_len'] / MiB:.0f} MiB")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
@@ -31,7 +30,7 @@ if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
     sys.path.insert(0, str(_REPO))
 
 from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore.server import server_or_url  # noqa: E402
 
 TOKENS = 1_000  # int64 tokens per element, plus 0..16: about 8 KiB per element
 
@@ -96,13 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--binary", help="redis-server binary for the private server (default: /usr/bin/redis-server if present)")
     args = ap.parse_args(argv)
-    binary = args.binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
-    server = None if args.url else EmbeddedServer(binary=binary).start()
-    url = args.url or server.url  # type: ignore[union-attr]
-    where = f"private redis-server {server.version} ({server.binary})" if server is not None else args.url
-    print(where)
-    rows = {}
-    try:
+    rows: dict[int, dict[str, float]] = {}
+    with server_or_url(args.url, args.binary) as (url, where):
+        print(where)
         print(f"{'store':>9} {'count':>9} {'segments':>9} {'first ms':>9} {'middle ms':>10} {'last ms':>8} {'same-size ms':>13} {'first / smallest':>17}")
         for size in args.sizes:
             r = measure(url, size, args.reps, args.segment_bytes)
@@ -110,9 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_first"] = r["first"] / base
             rows[size] = r
             print(f"{_human(size):>9} {r['count']:>9,} {r['segments']:>9,} {r['first']:>9.2f} {r['middle']:>10.2f} {r['last']:>8.2f} {r['same size']:>13.2f} {r['ratio_first']:>17.2f}")
-    finally:
-        if server is not None:
-            server.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"server": where, "rows": {str(k): v for k, v in rows.items()}}, f, indent=2)
