@@ -241,7 +241,7 @@ def _info_lines(info: StoreInfo, where: str) -> list[str]:
         ("bytes", f"{info.bytes} (data {data_bytes}, heterogeneous tables {table_bytes})"),
         ("server keys", str(info.server_keys)),
         ("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}"),
-        ("segments", "1"),
+        ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "")),
     ]
     width = max(len(name) for name, _ in facts) + 1
     lines = [f"store {_safe(info.td_id)} under prefix {_safe(info.prefix)!r} on {where}"]

@@ -105,6 +105,8 @@ class LeafInfo:
     data_bytes: int
     table_bytes: int
     """Offset and shape tables of a heterogeneous leaf (0 for a homogeneous one)."""
+    segments: int = 1
+    """Blobs the key is cut into: one per segment of the store."""
 
     @property
     def name(self) -> str:
@@ -125,7 +127,7 @@ class LeafInfo:
             "shape": None if self.shape is None else list(self.shape),
             "bytes": self.data_bytes,
             "table_bytes": self.table_bytes,
-            "segments": 1,
+            "segments": self.segments,
         }
 
 
@@ -153,6 +155,10 @@ class StoreInfo:
     """Server keys the store owns now (header included): what ``rm`` deletes."""
     tensorclass: str = ""
     """Name of the tensorclass the store was uploaded from ("" for none); a name only, never imported."""
+    segments: int = 1
+    """Segments (element ranges under their own hash tag) the store is cut into."""
+    segment_length: int = 0
+    """Elements per segment; 0 when the store has one segment."""
 
     @property
     def cursor(self) -> int:
@@ -184,7 +190,8 @@ class StoreInfo:
             "server_keys": self.server_keys,
             "keys": len(self.leaves),
             "ring": {"cursor": self.cursor, "write_count": self.write_count, "written": self.written},
-            "segments": 1,
+            "segments": self.segments,
+            "segment_length": self.segment_length,
             "tensorclass": self.tensorclass or None,
         }
         if schema:
@@ -340,6 +347,7 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
                 shape=leaf.shape,
                 data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments.n)),
                 table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments.n)),
+                segments=header.segments.n,
             )
         )
     return StoreInfo(
@@ -358,6 +366,8 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
         leaves=tuple(leaves),
         server_keys=exists,
         tensorclass=getattr(header, "tensorclass", ""),  # headers of older tdstore versions have none
+        segments=header.segments.n,
+        segment_length=header.seg,
     )
 
 

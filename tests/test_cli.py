@@ -250,6 +250,27 @@ def test_info_shows_header_and_schema(capsys, url, prefix) -> None:
         store.clear_redis()
 
 
+def test_info_of_a_segmented_store(capsys, url, prefix) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(10), url=url, prefix=prefix, td_id="seg", segment_bytes=64)
+    try:
+        segs = store._engine.header.segments
+        assert segs.n > 1
+        code, out, err = _run(capsys, "info", "seg", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        assert f"segments: {segs.n} of {segs.per} elements" in " ".join(out.split())
+        code, out, err = _run(capsys, "info", "seg", "--url", url, "--prefix", prefix, "--json")
+        doc = json.loads(out)
+        assert doc["segments"] == segs.n and doc["segment_length"] == segs.per
+        assert all(leaf["segments"] == segs.n for leaf in doc["schema"])
+        # the byte counts add every segment's blobs up: the same as a one-segment copy of the data
+        whole = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(10), url=url, prefix=prefix, td_id="whole")
+        _, out_whole, _ = _run(capsys, "info", "whole", "--url", url, "--prefix", prefix, "--json")
+        assert [leaf["bytes"] for leaf in doc["schema"]] == [leaf["bytes"] for leaf in json.loads(out_whole)["schema"]]
+        whole.clear_redis()
+    finally:
+        store.clear_redis()
+
+
 def test_info_json(capsys, url, prefix) -> None:
     inner = lazy_stack([TensorDict({"img": torch.zeros(2, 5, 5, dtype=torch.uint8), "len": torch.ones(2, i + 1)}, [2]) for i in range(3)])
     store = LazyStackedTensorDictStore.from_lazy_stack(inner, url=url, prefix=prefix, td_id="inner", ttl=120)

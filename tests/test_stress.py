@@ -114,6 +114,14 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert "result: PASS" in proc.stdout
 
 
+def test_segmented_run(tmp_path: Path) -> None:
+    """The same mix on a store cut into many segments: batch, slice and schema calls cross them."""
+    proc, fig = run_tool(tmp_path, "--writers", "2", "--readers", "2", "--seconds", "3", "--segment-bytes", "256", "--schema-races", "--schema-interval", "0.05")
+    assert fig["server"]["segments"] > 8, fig["server"]
+    assert fig["torn"] == 0 and fig["lost"] == 0 and fig["errors"] == 0, fig
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_schema_race_run(tmp_path: Path) -> None:
     proc, fig = run_tool(tmp_path, "--writers", "2", "--readers", "2", "--seconds", "3", "--schema-races", "--schema-interval", "0.05")
     assert fig["torn"] == 0 and fig["lost"] == 0, fig

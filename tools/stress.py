@@ -110,7 +110,7 @@ SPARE_WIDTHS = (2, 3)
 #: The values ``spare`` holds in each dtype the schema racer gives it (cycled in this order).
 SPARE_VALUES: tuple[tuple[torch.dtype, float], ...] = ((torch.float32, 1.5), (torch.float64, 2.5), (torch.int64, 3))
 MAX_EXAMPLES = 5
-LIMITS = {"writers": (1, 64), "readers": (0, 64), "seconds": (0.1, 3600.0), "rows_per_writer": (1, 1024), "max_ops": (1, 10_000_000)}
+LIMITS = {"writers": (1, 64), "readers": (0, 64), "seconds": (0.1, 3600.0), "rows_per_writer": (1, 1024), "max_ops": (1, 10_000_000), "segment_bytes": (1, 1 << 40)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,7 +646,8 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     stop: Any = None
     try:
         stack = lazy_stack([initial_element(o, r) for r, o in enumerate(layout.owner)], 0)
-        store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix)
+        store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes)
+        server_info["segments"] = store._engine.header.segments.n
         cfg = WorkerConfig(
             pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed, args.schema_interval, args.fault
         )
@@ -808,7 +809,7 @@ def report(fig: dict[str, Any]) -> str:
     where = f"redis {s['version']} ({s['binary']})" if s.get("embedded") else s["url"]
     lines = [
         f"tdstore stress: {c['writers']} writers, {c['readers']} readers{', schema races' if c['schema_races'] else ''}, "
-        f"{fig['run_seconds']:.1f} s, {c['rows']} rows, server {where}",
+        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s), server {where}",
         "operations:",
     ]
     for kind, n in fig["ops"].items():
@@ -868,6 +869,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="none",
         help="self-test of the checks: 'split' writes an element in two calls (torn reads expected), "
         "'rewind' sometimes writes an older seq (regressions and lost updates expected)",
+    )
+    p.add_argument(
+        "--segment-bytes",
+        type=_bounded(int, "segment_bytes"),
+        default=None,
+        help="segment size of the store (default: tdstore's 4 MiB, one segment here; e.g. 256 puts about one element in each)",
     )
     p.add_argument("--url", help="use this server (loopback or unix socket only) instead of a private embedded one")
     p.add_argument(
