@@ -69,6 +69,7 @@ class Call:
     ranges: list[tuple[str, int, int]] | None = None
     guards: dict[str, str] | None = None
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
+    range_groups: list[int] | None = None  # consecutive ``ranges`` that make one planned range (segments)
 
 
 _KeyTable = KeyTable  # the planners' name for it
@@ -361,6 +362,12 @@ class Engine:
                 pipe.getrange(key, a, min(a + BULK_CHUNK, start + length) - 1)
                 n += 1
             counts.append(n)
+        if call.range_groups is not None:  # ranges split at segment boundaries: one buffer per planned range
+            grouped, pos = [], 0
+            for g in call.range_groups:
+                grouped.append(sum(counts[pos : pos + g]))
+                pos += g
+            counts = grouped
         results = pipe.execute()
         head = results[0]
         if head[0] is None:
@@ -432,15 +439,15 @@ class Engine:
 
     def _localize_read(self, h: Header, call: Call) -> None:
         """Turn a read planned on whole leaves into segment-local ops (see ``_segments``), in place."""
-        planned = call.parse
         if call.script == "tx":
             assert call.ranges is not None
-            call.ranges, merge = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
-        elif call.args[2]:  # after the two version checks: the op count
-            call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.keys, call.args[2:])
-            call.args[2:] = ops
-        else:
+            call.ranges, call.range_groups = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
             return
+        if not call.args[2]:  # after the two version checks: the op count
+            return
+        call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.keys, call.args[2:])
+        call.args[2:] = ops
+        planned = call.parse
         call.parse = lambda reply: planned(merge(reply))
 
     def _select(self, h: Header, wanted: list[NestedPath]) -> list[Leaf]:

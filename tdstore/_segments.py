@@ -379,8 +379,9 @@ def _ops(flat: list[Any]) -> Iterator[str]:
         a += sizes[flat[a]]
 
 
-def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], ranges: list[tuple[str, int, int]]) -> tuple[list[tuple[str, int, int]], Callable[[list], list]]:
-    """The byte ranges of a bulk read (MULTI/EXEC of GETRANGE), split at segment boundaries, and how to join the pieces back."""
+def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], ranges: list[tuple[str, int, int]]) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """The byte ranges of a bulk read (MULTI/EXEC of GETRANGE) split at segment boundaries, and
+    how many consecutive new ranges make each planned one (the reader joins them into one buffer)."""
     names = _names(keys, next_leaf)
     new: list[tuple[str, int, int]] = []
     counts = []
@@ -395,13 +396,5 @@ def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Ca
             new.append((keys.data(w[1], seg), local, take))
             c += 1
         counts.append(c)
-
-    def merge(reply: list) -> list:
-        fixed, pos = reply[:2], 2
-        for c in counts:
-            fixed.append(reply[pos] if c == 1 else bytearray(b"".join(reply[pos : pos + c])))
-            pos += c
-        return fixed
-
-    return new, merge
+    return new, counts
 
