@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, is_non_tensor, is_tensorclass
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass
 from tensordict.base import _is_leaf_nontensor
 
 from . import _codec, _scripts
@@ -122,6 +122,69 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
     return tuple(inner), list(leaves.values())
 
 
+def _plain_paths(td: TensorDict, prefix: NestedPath, out: list[NestedPath]) -> bool:
+    """Collect the leaf paths of a tree of plain TensorDicts holding plain tensors; False for anything else."""
+    for key, value in td._tensordict.items():
+        if type(value) is TensorDict:
+            if not _plain_paths(value, (*prefix, key), out):
+                return False
+        elif isinstance(value, torch.Tensor) and not isinstance(value, TensorDictBase):
+            out.append((*prefix, key))
+        else:
+            return False
+    return True
+
+
+def _same_tree(td: TensorDict, ref: TensorDict) -> bool:
+    """``td`` has exactly ``ref``'s keys at every level, nested plain TensorDicts where ``ref`` has them."""
+    if type(td) is not TensorDict or td._tensordict.keys() != ref._tensordict.keys():
+        return False
+    for key, value in ref._tensordict.items():
+        if type(value) is TensorDict and not _same_tree(td._tensordict[key], value):
+            return False
+    return True
+
+
+def scan_plain(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafScan]] | None:
+    """:func:`scan` for elements that are all plain TensorDicts of one key tree (the common upload).
+
+    Reads each element's key dicts directly, about 10x faster than tensordict's
+    lazy-stack walk (``_has_exclusive_keys`` and ``get(as_list=True)``), which
+    dominated uploads.  Returns None for anything else (other classes, non-tensor
+    data, keys in some elements only, mixed dtypes or ndims): :func:`scan` handles
+    those and words the errors.
+    """
+    first = elements[0]
+    paths: list[NestedPath] = []
+    if type(first) is not TensorDict or not _plain_paths(first, (), paths):
+        return None
+    inner = first.batch_size
+    for el in elements:
+        if el.batch_size != inner or not _same_tree(el, first):  # type: ignore[arg-type]
+            return None
+    leaves = []
+    for path in paths:
+        if len(path) == 1:
+            key = path[0]
+            tensors = [el._tensordict[key] for el in elements]  # type: ignore[attr-defined]
+        else:
+            tensors = []
+            for el in elements:
+                node = el
+                for part in path:
+                    node = node._tensordict[part]  # type: ignore[attr-defined]
+                tensors.append(node)
+        dtype = tensors[0].dtype
+        shapes = [t.shape for t in tensors]
+        ndim = len(shapes[0])
+        if any(t.dtype != dtype for t in tensors) or any(len(sh) != ndim for sh in shapes):
+            return None
+        _codec.dtype_name(dtype)
+        leaves.append(_LeafScan(path, dtype, tensors, shapes))
+    check_paths(paths)
+    return tuple(inner), leaves
+
+
 def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafScan]]:
     """:func:`scan` for a lazy stack of plain tensordicts, one key at a time (5-10x faster).
 
@@ -129,7 +192,12 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
     (keys in only some members, nested lazy stacks) goes through :func:`scan`, which
     also words the errors.
     """
-    if not elements or any(isinstance(el, LazyStackedTensorDict) for el in elements) or stack._has_exclusive_keys:
+    if not elements:
+        return scan(elements)
+    plain = scan_plain(elements)
+    if plain is not None:
+        return plain
+    if any(isinstance(el, LazyStackedTensorDict) for el in elements) or stack._has_exclusive_keys:
         return scan(elements)
     leaves = []
     for key in stack.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
@@ -181,7 +249,10 @@ def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_eleme
 
 def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int, kind: str, tensorclass: str, batchless: bool) -> Header:
     elements, stack_dim = _elements(lazy_td)
-    inner, scans = scan_lazy(lazy_td, elements) if isinstance(lazy_td, LazyStackedTensorDict) else scan(elements)
+    if isinstance(lazy_td, LazyStackedTensorDict):
+        inner, scans = scan_lazy(lazy_td, elements)
+    else:
+        inner, scans = (elements and scan_plain(elements)) or scan(elements)
     count = len(elements)
     if stack_dim < 0:
         stack_dim += len(inner) + 1

@@ -218,3 +218,19 @@ def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real):
     assert torch.equal(other["x"], (new + 1).double())
     assert not real.client().keys("*:stage:*")
     s.clear_redis()
+
+
+def test_plain_scan_matches_the_general_scan():
+    """The fast upload scan (plain TensorDicts, key dicts read directly) finds what the general one finds."""
+    from tdstore._upload import scan, scan_plain
+
+    els = [TensorDict(a=torch.randn(2, 3), n=TensorDict(b=torch.arange(i + 1), c=TensorDict(d=torch.zeros(1, dtype=torch.int8)))) for i in range(5)]
+    fast, slow = scan_plain(els), scan(els)
+    assert fast is not None and fast[0] == slow[0]
+    assert [(x.path, x.dtype, x.shapes) for x in fast[1]] == [(x.path, x.dtype, x.shapes) for x in slow[1]]
+    assert all(a is b for x, y in zip(fast[1], slow[1]) for a, b in zip(x.tensors, y.tensors))
+    # anything unusual goes to the general scan, which words the error
+    assert scan_plain([*els, TensorDict(a=torch.randn(2, 3))]) is None  # keys in some elements only
+    assert scan_plain([TensorDict(a=torch.zeros(2)), TensorDict(a=torch.zeros(2, dtype=torch.int64))]) is None  # two dtypes
+    assert scan_plain([TensorDict(a=torch.zeros(2)), TensorDict(a=torch.zeros(2, 2))]) is None  # two ndims
+    assert scan_plain([lazy_stack([TensorDict(a=torch.zeros(1))])]) is None  # not a plain TensorDict
