@@ -109,13 +109,16 @@ def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTa
     """Bytes per element of the largest leaf that the first write of an empty store sets.
 
     Homogeneous leaves give it exactly; a heterogeneous one gives its mean (its
-    blob's size over the count), read from the op that sets the blob.
+    blob's size over the count), read from the op that sets the blob, or the
+    largest row of the first ring write.
     """
     sizes = [leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het]
     data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
     for op in ops:
         if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
             sizes.append(-(-len(op[2]) // max(1, h.count)))
+        elif op[0] == "Y" and op[7:]:  # the first ring write: its rows show the elements' sizes
+            sizes.append(max(op[7:]))
     return max(sizes, default=1)
 
 

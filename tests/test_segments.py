@@ -238,6 +238,13 @@ def test_random_operations_match_a_local_stack(backend, seed):
     assert not store_keys(backend)
 
 
+def test_first_ring_write_of_heterogeneous_keys_fixes_the_segment_length(backend):
+    s = LazyStackedTensorDictStore(count=100, segment_bytes=1000, **backend.kwargs())
+    s.extend(lazy_stack([TensorDict(tok=torch.arange(40 + i % 10)) for i in range(5)]))  # rows of up to 392 B
+    assert s._engine.header.seg == 2 and s._engine.header.segments.n == 50
+    assert [s[i]["tok"].numel() for i in range(5)] == [40, 41, 42, 43, 44]
+
+
 def test_ring_buffer_across_segments(backend):
     s = LazyStackedTensorDictStore(count=7, segment_bytes=24, **backend.kwargs())
     for start in range(0, 30, 4):
