@@ -163,7 +163,8 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
             continue
         w = what(op[1])
         if w is None:  # already segment-local (a key of another segment): as planned
-            new.append([kind, *(out.ref(kt.keys[x - 1]) if i in _KEY_ARGS.get(kind, ()) else x for i, x in enumerate(op[1:], 1))])
+            # (an 'F' op's second key index is 0 for a homogeneous leaf: no key)
+            new.append([kind, *(out.ref(kt.keys[x - 1]) if i in _KEY_ARGS.get(kind, ()) and x else x for i, x in enumerate(op[1:], 1))])
             continue
         role, n = w
         leaf = leaf_of(n)
