@@ -270,7 +270,7 @@ def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
     :class:`InvalidURL` or :class:`ServerUnreachable`.
     """
     try:
-        secret = parse_url(url).get("password")
+        secret = parse_url(url.replace("+cluster://", "://", 1)).get("password")
     except ValueError as err:
         raise InvalidURL(str(err)) from None
     try:

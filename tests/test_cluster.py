@@ -173,3 +173,21 @@ def test_a_primary_goes_down_and_comes_back():
         stores[1][3] = element(31)
         assert int(stores[1][3]["stamp"]) == 31
         assert [int(stores[n][2]["stamp"]) for n in (0, 2)] == [20, 22]
+
+
+def test_cli_lists_inspects_and_removes_stores_on_a_cluster(redis_cluster, capsys):
+    from tdstore.cli import main
+
+    ids = ids_on_every_node("cli")
+    for t in ids.values():
+        LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(4)]), url=redis_cluster.url, prefix="cli", td_id=t)
+    assert main(["ls", "--url", redis_cluster.url, "--prefix", "cli"]) == 0
+    out = capsys.readouterr().out
+    assert all(t in out for t in ids.values()) and "3 stores under prefix 'cli' on redis+cluster://" in out
+    assert main(["info", ids[2], "--url", redis_cluster.url, "--prefix", "cli"]) == 0
+    assert "tokens" in capsys.readouterr().out
+    assert main(["rm", ids[2], "--yes", "--url", redis_cluster.url, "--prefix", "cli"]) == 0
+    capsys.readouterr()
+    assert not redis_cluster.node_client(2).keys(f"cli:{{{ids[2]}}}*")
+    for t in (ids[0], ids[1]):
+        assert main(["rm", t, "--yes", "--url", redis_cluster.url, "--prefix", "cli"]) == 0
