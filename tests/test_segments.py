@@ -301,3 +301,14 @@ def test_scattered_batch_reads_small_blobs_whole(real):
     assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
     assert after.get("get", 0) - before.get("get", 0) == 1  # 'small' (16 kB): read whole once
     assert after.get("getrange", 0) - before.get("getrange", 0) == 200  # 'obs' (512 kB): one per row
+
+
+@pytest.mark.parametrize("bad", [0, -1, "4MiB", True, 1.5])
+def test_bad_segment_bytes_is_refused_before_anything_is_written(backend, bad):
+    with pytest.raises(ValueError, match="segment_bytes must be a positive number of bytes"):
+        LazyStackedTensorDictStore.from_lazy_stack(stack(4), segment_bytes=bad, **backend.kwargs())
+    with pytest.raises(ValueError, match="segment_bytes"):
+        LazyStackedTensorDictStore(count=4, segment_bytes=bad, **backend.kwargs())
+    with pytest.raises(ValueError, match="segment_bytes"):
+        TensorDictStore.from_tensordict(TensorDict(x=torch.zeros(4, 2), batch_size=[4]), segment_bytes=bad, **backend.kwargs())
+    assert not store_keys(backend)
