@@ -288,6 +288,7 @@ def test_row_read_op_reads_small_blobs_whole():
     assert row_read_op(Segments(count=1000, per=100), row_bytes=16, rows=256) == "B"  # 10 segments of 1.6 kB
 
 
+@pytest.mark.layout
 def test_scattered_batch_reads_small_blobs_whole(real):
     n = 2000
     local = lazy_stack([TensorDict(obs=torch.randn(64), small=torch.tensor([i, -i])) for i in range(n)])
