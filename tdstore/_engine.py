@@ -690,13 +690,14 @@ class Engine:
             return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1]))
 
         try:
-            return self.run(plan_call)
+            deleted = self.run(plan_call)
         except KeyError:
-            return 0
+            deleted = 0
         finally:
             self._header = None
-            if self.spec.cluster:
-                self.client.srem(self.keys.registry, self.keys.td_id)
+        if self.spec.cluster:  # the registry lives in another slot (see create)
+            self.client.srem(self.keys.registry, self.keys.td_id)
+        return deleted
 
     def _clear_args(self) -> list[str]:
         """ARGV after the version check of ``clear.lua``: the td_id, and on Cluster no registry key."""
