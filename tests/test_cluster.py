@@ -191,3 +191,16 @@ def test_cli_lists_inspects_and_removes_stores_on_a_cluster(redis_cluster, capsy
     assert not redis_cluster.node_client(2).keys(f"cli:{{{ids[2]}}}*")
     for t in (ids[0], ids[1]):
         assert main(["rm", t, "--yes", "--url", redis_cluster.url, "--prefix", "cli"]) == 0
+
+
+def test_calls_go_to_the_owning_primary_and_follow_a_redirect(redis_cluster):
+    ids = ids_on_every_node("route")
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(6)]), url=redis_cluster.url, prefix="route", td_id=ids[0])
+    s[1] = element(10)
+    assert s._engine._node is not None and s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
+    # as after a resharding or a failover: the cached node no longer serves the slot and answers MOVED
+    s._engine._node = redis.Redis(host="127.0.0.1", port=redis_cluster.ports[1])
+    s[2] = element(20)  # RedisCluster follows the redirect; the next call looks the node up again
+    assert int(s[2]["stamp"]) == 20
+    assert s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
+    s.clear_redis()
