@@ -122,6 +122,19 @@ def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTa
     return max(sizes, default=1)
 
 
+def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: bytes, data: bytes) -> list[Any]:
+    """The ``n`` elements of a heterogeneous leaf read by row ('Y' of ``read.lua``): packed (start,
+    end) byte bounds, shape records and the data joined; non-tensor leaves decode their JSON."""
+    b = _codec.unpack_i64(bounds).reshape(n, 2)
+    sizes = (b[:, 1] - b[:, 0]).tolist()
+    if leaf.json:
+        ends = np.cumsum([0, *sizes]).tolist()
+        return [_nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
+    dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
+
+
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
@@ -587,6 +600,8 @@ class Engine:
     def _plan_element_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         ids = p.elements.numpy()
         lo, hi = _index.run_bounds(ids)
+        if 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * max((leaf.element_nbytes for leaf in leaves if not leaf.het), default=0) <= JOIN_LIMIT:
+            return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
         kt = _KeyTable(self.keys.meta)
@@ -649,6 +664,35 @@ class Engine:
                                 k += 1
                         pos += 1
             return ElementsResult([int(i) for i in ids], elements)
+
+        return Call("read", kt.keys, args, parse)
+
+    def _plan_scattered_elements(self, h: Header, ids: np.ndarray, leaves: list[Leaf]) -> Call:
+        """Mostly scattered whole elements (a random batch with a heterogeneous key): the ids travel
+        once ('I'), each homogeneous leaf comes back as one block of rows ('X'/'B') and each
+        heterogeneous one as three joined pieces ('Y'), split on the client without a loop per run."""
+        n = int(ids.size)
+        kt = _KeyTable(self.keys.meta)
+        args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
+        for leaf in leaves:
+            d = kt.ref(self.keys.data(leaf.number))
+            if leaf.het:
+                args += ["Y", d, kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim]
+            else:
+                args += [_segments.row_read_op(h.segments, leaf.element_nbytes, n), d, leaf.element_nbytes]
+
+        def parse(reply: list) -> ElementsResult:
+            columns: dict[NestedPath, Any] = {}
+            pos = 2
+            for leaf in leaves:
+                if leaf.het:
+                    columns[leaf.path] = het_rows(leaf, h.inner, n, reply[pos], reply[pos + 1], reply[pos + 2])
+                    pos += 3
+                else:
+                    columns[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape)).unbind(0)  # type: ignore[misc]
+                    pos += 1
+            elements = [{path: col[k] for path, col in columns.items()} for k in range(n)]
+            return ElementsResult(ids.tolist(), elements)
 
         return Call("read", kt.keys, args, parse)
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from . import _codec, _nontensor
-from ._engine import Call, Engine, _KeyTable, leaf_checks
+from . import _codec
+from ._engine import Call, Engine, _KeyTable, het_rows, leaf_checks
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import row_read_op
@@ -339,17 +339,8 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
             dense[leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
             pos += 1
             continue
-        bounds, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
+        per_el[leaf.path] = het_rows(leaf, h.inner, n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
-        b = _codec.unpack_i64(bounds).reshape(n, 2)
-        sizes = (b[:, 1] - b[:, 0]).tolist()
-        dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
-        if leaf.json:
-            ends = np.cumsum([0, *sizes]).tolist()
-            per_el[leaf.path] = [_nontensor.decode(data[ends[k] : ends[k + 1]], h.inner) for k in range(n)]
-            continue
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        per_el[leaf.path] = [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
     sp = h.stack_pos
     if not per_el:
         bs = list(h.inner)

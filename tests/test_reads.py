@@ -146,3 +146,33 @@ def test_reversed_slices_beside_other_indices(backend, het, stack_dim, index):
         want_shape = list(local.get("obs").numpy()[tuple(c.numpy() if isinstance(c, torch.Tensor) else c for c in index)].shape[:-1])
         assert list(got.batch_size) == want_shape
     store.clear_redis()
+
+
+@pytest.mark.parametrize("inner", [(), (2,)])
+def test_scattered_batch_with_heterogeneous_and_non_tensor_keys(backend, inner):
+    """A random batch of a stack with a heterogeneous key (ids in any order, repeated) reads by row."""
+    from tensordict import NonTensorData, lazy_stack
+
+    els = []
+    for i in range(40):
+        td = TensorDict({"obs": torch.full((*inner, 3), float(i)), "tok": torch.arange(i % 7 + 1).expand(*inner, i % 7 + 1).clone()}, batch_size=inner)
+        if not inner:
+            td["note"] = NonTensorData(f"element {i}")
+        els.append(td)
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(els), **backend.kwargs())
+    idx = torch.tensor([31, 2, 17, 2, 39, 0, 25, 8, 13, 36, 21, 5])  # scattered, 2 twice
+    got = s[idx]
+    for k, i in enumerate(idx.tolist()):
+        assert torch.equal(got[k]["obs"], els[i]["obs"]) and torch.equal(got[k]["tok"], els[i]["tok"])
+        if not inner:
+            assert got[k]["note"] == f"element {i}"
+
+
+def test_scattered_heterogeneous_batch_is_one_call(real):
+    from helpers import top_level_commands
+    from tensordict import lazy_stack
+
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.randn(4), tok=torch.arange(i % 5 + 1)) for i in range(100)]), **real.kwargs())
+    idx = torch.randperm(100, generator=torch.Generator().manual_seed(1))[:32]
+    s[idx]
+    assert top_level_commands(real.client, lambda: s[idx]) == ["evalsha"]
