@@ -542,8 +542,8 @@ def check_loopback(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return
-    if parts.scheme not in ("redis", "rediss"):
-        raise ValueError(f"--url must be redis://, rediss:// or unix://, got {url!r}")
+    if parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+        raise ValueError(f"--url must be redis://, rediss://, redis+cluster:// or unix://, got {url!r}")
     host = parts.hostname or ""
     if not (host in ("localhost", "::1") or host.startswith("127.")):
         raise ValueError(f"--url must point to a loopback address (127.x, localhost, ::1) or a unix socket, got host {host!r}")

@@ -122,6 +122,16 @@ def test_segmented_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_cluster_run(tmp_path: Path) -> None:
+    """The same mix on a private three-primary Redis Cluster, with a process changing the schema."""
+    proc, fig = run_tool(tmp_path, "--cluster", "--writers", "2", "--readers", "2", "--seconds", "3", "--schema-races", "--schema-interval", "0.05")
+    assert "cluster of 3 primaries" in fig["server"]["version"]
+    assert fig["torn"] == 0 and fig["lost"] == 0 and fig["errors"] == 0, fig
+    assert fig["writes_total"] > 0 and fig["reads_total"] > 0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_schema_race_run(tmp_path: Path) -> None:
     proc, fig = run_tool(tmp_path, "--writers", "2", "--readers", "2", "--seconds", "3", "--schema-races", "--schema-interval", "0.05")
     assert fig["torn"] == 0 and fig["lost"] == 0, fig

