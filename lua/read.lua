@@ -188,7 +188,7 @@ for _ = 1, nops do
     out[#out + 1] = table.concat(pieces)
   elseif kind == 'Y' then
     if rows == nil then
-      error('TDSTORE bad argument: Y op before its U op')
+      error('TDSTORE bad argument: Y op before its U or I op')
     end
     local dk = tds_num(ARGV[a + 1], 'data key index')
     local ok = tds_num(ARGV[a + 2], 'offset key index')

@@ -72,9 +72,6 @@ class Call:
     range_groups: list[int] | None = None  # consecutive ``ranges`` that make one planned range (segments)
 
 
-_KeyTable = KeyTable  # the planners' name for it
-
-
 @dataclass
 class DenseResult:
     """Leaves read as tensors of the indexed batch shape (every leaf homogeneous)."""
@@ -513,7 +510,7 @@ class Engine:
 
     def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
         """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
-        kt = _KeyTable(self.keys.meta)
+        kt = KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
         seg = h.segments.of(e)
         e -= h.segments.start(seg)  # the element lives in one segment: address it there
@@ -555,7 +552,7 @@ class Engine:
             uniq, inverse = np.unique(flat, return_inverse=True)
         lo, hi = _index.run_bounds(uniq)
         n_runs = int(lo.size)
-        kt = _KeyTable(self.keys.meta)
+        kt = KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
@@ -605,7 +602,7 @@ class Engine:
             return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
-        kt = _KeyTable(self.keys.meta)
+        kt = KeyTable(self.keys.meta)
         args: list[Any] = [len(leaves)]
         joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
         for leaf in leaves:
@@ -673,7 +670,7 @@ class Engine:
         once ('I'), each homogeneous leaf comes back as one block of rows ('X'/'B') and each
         heterogeneous one as three joined pieces ('Y'), split on the client without a loop per run."""
         n = int(ids.size)
-        kt = _KeyTable(self.keys.meta)
+        kt = KeyTable(self.keys.meta)
         args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
         for leaf in leaves:
             d = kt.ref(self.keys.data(leaf.number))
@@ -698,7 +695,7 @@ class Engine:
         return Call("read", kt.keys, args, parse)
 
     # -- writes ------------------------------------------------------------------
-    def run_write(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> Header:
+    def run_write(self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> Header:
         """Run a write planned as (new header or None, ops, leaves touched); returns the header now current.
 
         ``plan`` gets the header to plan with and a fresh key table, and returns the
@@ -710,13 +707,13 @@ class Engine:
         """
         return self.run_write_reply(plan, keyset=keyset)[0]
 
-    def run_write_reply(self, plan: Callable[[Header, _KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> tuple[Header, bytes | None]:
+    def run_write_reply(self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> tuple[Header, bytes | None]:
         """:meth:`run_write`, also returning the third reply item of ``write.lua`` (ring cursor or applied rows), if any."""
         self.refuse_if_readonly()
         state: dict[str, Header] = {}
 
         def plan_call(h: Header) -> Call:
-            kt = _KeyTable(self.keys.meta)
+            kt = KeyTable(self.keys.meta)
             new_header, ops, touched = plan(h, kt)
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
                 # the first keys of a store created empty fix its segment length

@@ -27,7 +27,8 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from . import _codec
-from ._engine import Call, Engine, _KeyTable, het_rows, leaf_checks
+from ._engine import Call, Engine, het_rows, leaf_checks
+from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import row_read_op
@@ -94,7 +95,7 @@ def _batch_len(value: Any, h: Header) -> int:
     raise ValueError(f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}")
 
 
-def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor, json: bool = False) -> tuple[Leaf, list[list[Any]], bool]:
+def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor, json: bool = False) -> tuple[Leaf, list[list[Any]], bool]:
     """Ops writing ``rows`` (one per addressed slot) into leaf ``number``: (leaf after, ops, schema changed).
 
     A missing leaf is created for the whole ring (zero-filled slots, or empty
@@ -162,7 +163,7 @@ def _leaf_ops(kt: _KeyTable, engine: Engine, h: Header, leaf: Leaf | None, numbe
     return leaf, ops, changed
 
 
-def _plan_rows(engine: Engine, h: Header, kt: _KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
     what = "a ring write" if ring else "update_if"
     if ring and h.leaves:
@@ -209,7 +210,7 @@ def extend(engine: Engine, value: Any) -> RingWrite:
     if not items:
         raise ValueError("extend got a batch with no keys")
 
-    def plan(h: Header, kt: _KeyTable) -> Any:
+    def plan(h: Header, kt: KeyTable) -> Any:
         return _plan_rows(engine, h, kt, items, n, ["W", n], ring=True)
 
     h, extra = engine.run_write_reply(plan, keyset=True)
@@ -292,7 +293,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     m = len(keep)
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
 
-    def plan(h: Header, kt: _KeyTable) -> Any:
+    def plan(h: Header, kt: KeyTable) -> Any:
         return _plan_rows(engine, h, kt, items, m, ["G", m, pairs], ring=False)
 
     _, extra = engine.run_write_reply(plan)
@@ -310,7 +311,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
 
     def plan_call(h: Header) -> Call:
         leaves = list(h.leaves.values())
-        kt = _KeyTable(engine.keys.meta)
+        kt = KeyTable(engine.keys.meta)
         args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(leaves), 1 + len(leaves), "U", batch_size, packed]
         for leaf in leaves:
             if leaf.het:

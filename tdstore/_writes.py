@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from . import _codec, _index
-from ._engine import _KeyTable
-from ._keys import StoreKeys
+from ._keys import KeyTable, StoreKeys
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 
@@ -44,7 +43,7 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
     return [int(i) for i in s.tolist()]
 
 
-def _rows_op(kt: _KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any] | None:
+def _rows_op(kt: KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any] | None:
     """One 'R' op writing ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins.
 
     None when there is nothing to write (no rows, or rows of zero bytes).
@@ -100,7 +99,7 @@ def _element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim
             raise ValueError(f"key {_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)")
 
 
-def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, number: int, kt: _KeyTable) -> tuple[Leaf, list[list[Any]]]:
+def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, number: int, kt: KeyTable) -> tuple[Leaf, list[list[Any]]]:
     """Ops that (re)create leaf ``number`` at ``path`` from a value covering every element."""
     if isinstance(value, torch.Tensor):
         bs = h.batch_size
@@ -126,7 +125,7 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
     return leaf, [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
 
 
-def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: _KeyTable) -> tuple[None, list[list[Any]], list[Leaf]] | None:
+def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: KeyTable) -> tuple[None, list[list[Any]], list[Leaf]] | None:
     """``store[i] = td`` of existing keys: one SETRANGE per homogeneous leaf that keeps its shape, one splice per heterogeneous one.
 
     The common actor write skips the general planner; None hands anything else
@@ -162,7 +161,7 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
     return None, ops, touched
 
 
-def _element_op(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor, h: Header) -> list[list[Any]]:
+def _element_op(kt: KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor, h: Header) -> list[list[Any]]:
     """The one SETRANGE that writes a whole element of a homogeneous leaf (none for zero bytes), in its segment."""
     eb = leaf.element_nbytes
     if not eb:
@@ -177,7 +176,7 @@ def plan_write(
     h: Header,
     index: Any,
     items: dict[NestedPath, Value],
-    kt: _KeyTable,
+    kt: KeyTable,
     *,
     replace: bool = False,
 ) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
@@ -339,7 +338,7 @@ def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
     return tuple(em_shape) == leaf.shape
 
 
-def to_heterogeneous(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, count: int) -> tuple[Leaf, list[list[Any]]]:
+def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, count: int) -> tuple[Leaf, list[list[Any]]]:
     """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout."""
     assert leaf.shape is not None
     eb = leaf.element_nbytes
@@ -357,7 +356,7 @@ def het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
     return shapes, data, [t.numel() * t.element_size() for t in elems]
 
 
-def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:
+def _splice_ops(kt: KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:
     """'E' ops writing whole elements of a heterogeneous leaf, one op per run of consecutive ids."""
     last: dict[int, torch.Tensor] = {}
     for e, t in zip(order, elems):
@@ -371,7 +370,7 @@ def _splice_ops(kt: _KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], el
     return ops
 
 
-def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: _KeyTable) -> tuple[Header, list[list[Any]], list[Leaf]]:
+def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: KeyTable) -> tuple[Header, list[list[Any]], list[Leaf]]:
     """Delete the leaves ``paths`` (their numbers are never reused)."""
     leaves = dict(h.leaves)
     ops: list[list[Any]] = []
@@ -394,7 +393,7 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
     return h.with_leaves(leaves)
 
 
-def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: _KeyTable, element: int | None = None) -> tuple[None, list[list[Any]], list[Leaf]]:
+def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: KeyTable, element: int | None = None) -> tuple[None, list[list[Any]], list[Leaf]]:
     """``fill_``/``zero_`` of the leaves ``paths`` (of one element, or of the whole store).
 
     The value is cast to each leaf's dtype, as ``Tensor.fill_`` does, and sent as one
