@@ -140,7 +140,9 @@ def new_td_id() -> str:
 class Engine:
     """Plans and runs the script calls of one store on one server."""
 
-    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True, readonly: bool = False) -> None:
+    def __init__(
+        self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True, readonly: bool = False, segment_bytes: int | None = None
+    ) -> None:
         self.spec = spec
         # on Redis Cluster every key of a store shares the header's hash tag (one slot), so a
         # call may still touch the header and any segment; see StoreKeys.spread
@@ -153,7 +155,7 @@ class Engine:
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
         self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
-        self.segment_bytes = _segments.DEFAULT_SEGMENT_BYTES
+        self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
         # a handle dropped without close() gives its connection back to a caller's shared pool

@@ -26,7 +26,6 @@ from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import NestedPath
-from ._segments import check_segment_bytes
 from ._values import as_path, display, leaves_of
 from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _KeysView, _only_keys, _ttl_ms
 
@@ -158,8 +157,7 @@ class TensorDictStore(_ElementView):
         if td.batch_size and td.batch_size[0] == 0:
             raise ValueError(f"batch_size {list(td.batch_size)}: a store needs at least one row along its first dim")
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
-        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned)
-        engine.segment_bytes = check_segment_bytes(kwargs.get("segment_bytes"))
+        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=kwargs.get("segment_bytes"))
         batchless = not td.batch_size
         upload(
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,

@@ -17,7 +17,6 @@ from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
-from ._segments import check_segment_bytes
 from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, display, gc_paused, leaves_of
@@ -259,8 +258,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly)
-        engine.segment_bytes = check_segment_bytes(segment_bytes)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly, segment_bytes=segment_bytes)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
@@ -382,8 +380,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
 
         ttl_ms = _ttl_ms(ttl)
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned)
-        engine.segment_bytes = check_segment_bytes(segment_bytes)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes)
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 
