@@ -11,9 +11,30 @@ from helpers import make_stack
 from tdstore import LazyStackedTensorDictStore
 from tdstore._keys import registry_key
 
-# PTTL of every key read inside one script, where the server's clock stands still,
-# so keys that share a deadline show the very same number
-_PTTLS = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('PTTL', k) end return r"
+# Each key's time to live as of one instant (the script's first TIME), so keys that share a
+# deadline show the very same number: from PEXPIRETIME where the server has it (Redis 7,
+# fakeredis); on Redis 6, whose clock moves inside a script, from a PTTL read within the
+# same millisecond as a TIME (read again until it is), shifted back to that instant.
+_PTTLS = """
+local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+local m0 = ms(redis.call('TIME'))
+local r = {}
+for i, k in ipairs(KEYS) do
+  local p = redis.pcall('PEXPIRETIME', k)
+  if type(p) == 'number' then
+    r[i] = p < 0 and p or p - m0
+  else
+    local a, b
+    repeat
+      a = ms(redis.call('TIME'))
+      p = redis.call('PTTL', k)
+      b = ms(redis.call('TIME'))
+    until a == b
+    r[i] = p < 0 and p or p + (a - m0)
+  end
+end
+return r
+"""
 
 
 def pttls(backend, store) -> dict[bytes, int]:
@@ -23,8 +44,8 @@ def pttls(backend, store) -> dict[bytes, int]:
 
 
 def same_deadline(backend, ttls: dict[bytes, int]) -> bool:
-    """One deadline for every key: exactly on redis-server (its clock stands still in a script);
-    fakeredis reads its clock on each command, so there a millisecond or two may pass."""
+    """One deadline for every key: exactly on redis-server (see _PTTLS); fakeredis reads its clock
+    on each command, so there a millisecond or two may pass."""
     values = set(ttls.values())
     return len(values) == 1 if backend.server is not None else max(values) - min(values) <= 5
 
