@@ -33,6 +33,10 @@
           move the staging key KEYS[ks] (filled with plain SETRANGEs in the same
           pipeline, n bytes) onto KEYS[kt] (RENAME, then PERSIST): a large blob is
           replaced without pushing its bytes through Lua
+    'C', kb, kd, stride, col, nb
+          KEYS[kd] becomes the column of the row block KEYS[kb] whose rows are
+          stride bytes: nb bytes at col of every row, back to back (a leaf leaving
+          the block gets a blob of its own, built on the server)
     'F', kd, ko, a, b, pattern
           fill with 'pattern' repeated: bytes a..b-1 of KEYS[kd] when ko = 0 (a
           homogeneous leaf), else the bytes of elements a..b (0-based, inclusive) of
@@ -56,6 +60,10 @@
     'X', k, nb, data
           a homogeneous leaf, addressed by the rows of 'W' or 'G': 'data' holds one
           nb-byte element per row; consecutive slots become one SETRANGE.
+    'K', k, nb, stride, col, data
+          one column of the row block (see tdstore/_rows.py), addressed by the rows of
+          'W' or 'G': 'data' holds one nb-byte element per row, written at
+          row * stride + col (one SETRANGE per row)
     'Y', kd, ko, ks, rec, shapes, data, size_1, ..., size_n
           a heterogeneous leaf addressed by rows: one element per row (its bytes in
           'data', its shape record in 'shapes'), spliced like 'E' per run of
@@ -212,6 +220,15 @@ for _ = 1, nops do
     pending[op.key] = nil
     ops[#ops + 1] = op
     a = a + 3
+  elseif kind == 'C' then
+    local op = {kind = 'C', src = key(a + 1), key = key(a + 2), stride = tds_num(ARGV[a + 3], 'row size'),
+                col = tds_num(ARGV[a + 4], 'column'), nb = tds_num(ARGV[a + 5], 'element size')}
+    if op.stride < 1 or op.col + op.nb > op.stride then
+      error('TDSTORE bad argument: column outside the row')
+    end
+    pending[op.key] = nil
+    a = a + 6
+    ops[#ops + 1] = op
   elseif kind == 'F' then
     local op = {kind = 'F', dkey = key(a + 1), a = tds_num(ARGV[a + 3], 'start'), b = tds_num(ARGV[a + 4], 'end'), pattern = ARGV[a + 5]}
     local ko = tds_num(ARGV[a + 2], 'offset key index')
@@ -303,6 +320,27 @@ for _ = 1, nops do
       end
     end
     a = a + 4
+  elseif kind == 'K' then
+    if rows == nil then
+      error('TDSTORE bad argument: K op before its W or G op')
+    end
+    local ki, nb, stride, col = tds_num(ARGV[a + 1], 'key index'), tds_num(ARGV[a + 2], 'element size'), tds_num(ARGV[a + 3], 'row size'), tds_num(ARGV[a + 4], 'column')
+    local data = ARGV[a + 5]
+    if #data ~= nb * #rows or col + nb > stride then
+      error('TDSTORE bad argument: row data size')
+    end
+    for j = 1, #rows do
+      if applied[j] and nb > 0 then
+        local seg, row = tds_locate(rows[j], seg_per)
+        local k = tds_segkey(ki, seg)
+        local start = row * stride + col
+        if start + nb > limit then
+          too_large(k, start + nb)
+        end
+        ops[#ops + 1] = {kind = 'P', key = k, start = start, part = string.sub(data, (j - 1) * nb + 1, j * nb)}
+      end
+    end
+    a = a + 6
   elseif kind == 'Y' then
     if rows == nil then
       error('TDSTORE bad argument: Y op before its W or G op')
@@ -446,6 +484,14 @@ for _, op in ipairs(ops) do
   elseif op.kind == 'M' then
     redis.call('RENAME', op.src, op.dst)
     redis.call('PERSIST', op.dst)
+  elseif op.kind == 'C' then
+    local blob = redis.call('GET', op.src) or ''
+    local parts, sub = {}, string.sub
+    for r = 0, math.floor(#blob / op.stride) - 1 do
+      local s = r * op.stride + op.col
+      parts[r + 1] = sub(blob, s + 1, s + op.nb)
+    end
+    redis.call('SET', op.key, table.concat(parts))
   elseif op.kind == 'F' then
     if op.b > op.a then
       redis.call('SETRANGE', op.dkey, op.a, string.rep(op.pattern, (op.b - op.a) / #op.pattern))
@@ -473,7 +519,7 @@ end
 local ttl = redis.call('PTTL', meta)
 if ttl > 0 then
   for _, op in ipairs(ops) do
-    if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' then
+    if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' then
       redis.call('PEXPIRE', op.key or op.dst, ttl)
     end
   end

@@ -24,7 +24,7 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _nontensor, _scripts, _segments
+from . import _codec, _index, _nontensor, _rows, _scripts, _segments
 from ._connection import ConnectionSpec, HeldConnection
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
@@ -97,7 +97,7 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
     """Leaf number -> what localizing its ops needs; the first header that knows the number wins."""
     table = {}
     for h in reversed(headers):
-        for leaf in h.leaves.values():
+        for leaf in (*h.leaves.values(), *([h.block] if h.block is not None else [])):
             table[leaf.number] = _segments.LeafShape(leaf.het, 0 if leaf.het else leaf.element_nbytes, 8 * leaf.ndim)
     return table.__getitem__
 
@@ -110,6 +110,8 @@ def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTa
     largest row of the first ring write.
     """
     sizes = [leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het]
+    if h.row is not None:
+        sizes.append(h.row[1])
     data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
     for op in ops:
         if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
@@ -117,6 +119,13 @@ def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTa
         elif op[0] == "Y" and op[7:]:  # the first ring write: its rows show the elements' sizes
             sizes.append(max(op[7:]))
     return max(sizes, default=1)
+
+
+def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
+    """(path, tensor of the rows read) for a homogeneous leaf read, or for each grouped leaf when it is the row block."""
+    if leaf is block:
+        return _rows.split(rows, grouped).items()
+    return ((leaf.path, rows),)
 
 
 def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: bytes, data: bytes) -> list[Any]:
@@ -513,6 +522,7 @@ class Engine:
     def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
         """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
         kt = KeyTable(self.keys.meta)
+        leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
         seg = h.segments.of(e)
         e -= h.segments.start(seg)  # the element lives in one segment: address it there
@@ -529,6 +539,10 @@ class Engine:
             out: dict[NestedPath, Any] = {}
             pos = 2
             for leaf in leaves:
+                if leaf is block:
+                    out.update(_rows.split(_codec.from_bytes(reply[pos], torch.uint8, leaf.shape), grouped))  # type: ignore[arg-type]
+                    pos += 1
+                    continue
                 if not leaf.het:
                     out[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, leaf.shape)  # type: ignore[arg-type]
                     pos += 1
@@ -555,6 +569,7 @@ class Engine:
         lo, hi = _index.run_bounds(uniq)
         n_runs = int(lo.size)
         kt = KeyTable(self.keys.meta)
+        leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
@@ -590,7 +605,10 @@ class Engine:
                     pos += n_runs
                 if inverse is not None:
                     buf = buf.index_select(0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
-                out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
+                if leaf is block:
+                    out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
+                else:
+                    out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             return DenseResult(rows.shape, out)
 
         if bulk:
@@ -605,6 +623,7 @@ class Engine:
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
         kt = KeyTable(self.keys.meta)
+        leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
         joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
         for leaf in leaves:
@@ -645,23 +664,21 @@ class Engine:
                 elif joined[homog_seen]:
                     # every touched element of this leaf in one buffer: one view per element
                     homog_seen += 1
-                    block = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *leaf.shape))  # type: ignore[misc]
+                    rows = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *leaf.shape))  # type: ignore[misc]
                     pos += 1
-                    for k, t in enumerate(block.unbind(0)):
-                        elements[k][leaf.path] = t
+                    for path, col in _columns(leaf, rows, block, grouped):
+                        for k, t in enumerate(col.unbind(0)):
+                            elements[k][path] = t
                 else:
                     homog_seen += 1
                     shape = leaf.shape
                     assert shape is not None
                     for rlo, rhi in el_runs:
-                        if rlo == rhi:
-                            elements[k][leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, shape)
-                            k += 1
-                        else:
-                            block = _codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
-                            for t in block.unbind(0):
-                                elements[k][leaf.path] = t
-                                k += 1
+                        rows = _codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
+                        for path, col in _columns(leaf, rows, block, grouped):
+                            for j, t in enumerate(col.unbind(0)):
+                                elements[k + j][path] = t
+                        k += rhi - rlo + 1
                         pos += 1
             return ElementsResult([int(i) for i in ids], elements)
 
@@ -673,6 +690,7 @@ class Engine:
         heterogeneous one as three joined pieces ('Y'), split on the client without a loop per run."""
         n = int(ids.size)
         kt = KeyTable(self.keys.meta)
+        leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
         for leaf in leaves:
             d = kt.ref(self.keys.data(leaf.number))
@@ -689,7 +707,8 @@ class Engine:
                     columns[leaf.path] = het_rows(leaf, h.inner, n, reply[pos], reply[pos + 1], reply[pos + 2])
                     pos += 3
                 else:
-                    columns[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape)).unbind(0)  # type: ignore[misc]
+                    rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]
+                    columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                     pos += 1
             elements = [{path: col[k] for path, col in columns.items()} for k in range(n)]
             return ElementsResult(ids.tolist(), elements)
@@ -721,6 +740,8 @@ class Engine:
                 # the first keys of a store created empty fix its segment length
                 new_header = replace(new_header, seg=_segments.segment_length(h.count, _largest_element(self.keys, new_header, ops, kt), self.segment_size))
             after = new_header or h
+            if h.row is not None and new_header is not None and new_header.row is None:
+                ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, max(h.next_leaf, after.next_leaf), leaf_shapes(after, h), kt, ops)
             if new_header is not None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from . import _codec
+from . import _codec, _rows
 from ._engine import Call, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
@@ -135,7 +135,7 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
                 leaf = Leaf(path, number, rows.dtype, len(elem_shape), elem_shape)
                 ops.append(["Z", kt.ref(dk), h.count * leaf.element_nbytes])
                 changed = True
-            return leaf, [*ops, ["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(rows)]], changed
+            return leaf, [*ops, _row_op(kt, engine, h, leaf, _codec.to_bytes(rows))], changed
         elems = list(rows.unbind(0))
     else:
         elems = rows
@@ -154,13 +154,55 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
         changed = True
     elif not leaf.het:
         if all(tuple(t.shape) == leaf.shape for t in elems):
-            return leaf, [["X", kt.ref(dk), leaf.element_nbytes, _codec.to_bytes(torch.stack(elems))]], False
-        leaf, table_ops = to_heterogeneous(kt, keys, leaf, h.count)
+            return leaf, [_row_op(kt, engine, h, leaf, _codec.to_bytes(torch.stack(elems)))], False
+        leaf, table_ops = to_heterogeneous(kt, keys, leaf, h)
         ops += table_ops
         changed = True
     shapes_b, data, sizes = het_payload(elems)
     ops.append(["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes])
     return leaf, ops, changed
+
+
+def _row_op(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf, data: Any) -> list[Any]:
+    """The op writing one element per addressed row of a homogeneous leaf: 'X' on its blob, 'K' on its column of the row block."""
+    if leaf.col is None:
+        return ["X", kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes, data]
+    assert h.row is not None
+    return ["K", kt.ref(engine.keys.data(h.row[0])), leaf.element_nbytes, h.row[1], leaf.col, data]
+
+
+def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[Any]]) -> list[list[Any]]:
+    """``ops`` with the 'K' ops of every live column of the block (a ring write) joined into one 'X' op of whole rows."""
+    assert h.row is not None
+    number, width = h.row
+    by_col = {op[4]: op for op in ops if op[0] == "K"}
+    grouped = h.grouped()
+    if sorted(by_col) != [leaf.col for leaf in grouped]:
+        return ops
+    rows = _rows.join(width, [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped])  # type: ignore[index]
+    return [op for op in ops if op[0] != "K"] + [["X", kt.ref(engine.keys.data(number)), width, memoryview(rows).cast("B")]]
+
+
+def _group_first_keys(kt: KeyTable, engine: Engine, h: Header, n: int, pre: list[list[Any]], post: list[list[Any]]) -> tuple[Header, list[list[Any]], list[list[Any]]]:
+    """The first ring write of a store without keys: its small homogeneous leaves go to a new row block
+    (one zero-filled block instead of their blobs, and one 'X' op of whole rows)."""
+    grouped_h = _rows.grouped_header(h, h.next_leaf)
+    if grouped_h.row is None:
+        return h, pre, post
+    number, width = grouped_h.row
+    cols = {engine.keys.data(leaf.number): leaf for leaf in grouped_h.leaves.values() if leaf.col is not None}
+    columns = []
+    keep_post = []
+    for op in post:
+        leaf = cols.get(kt.keys[op[1] - 1]) if op[0] == "X" else None
+        if leaf is None:
+            keep_post.append(op)
+        else:
+            columns.append((leaf, np.frombuffer(op[3], dtype=np.uint8).reshape(n, -1)))
+    keep_pre = [op for op in pre if not (op[0] == "Z" and kt.keys[op[1] - 1] in cols)]
+    block = kt.ref(engine.keys.data(number))
+    rows = _rows.join(width, columns)
+    return grouped_h, [*keep_pre, ["Z", block, h.count * width]], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
 
 
 def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
@@ -196,6 +238,10 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
     if len(leaves) != len(h.leaves):
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
+    if ring and not h.leaves and new_header is not None:
+        new_header, pre, post = _group_first_keys(kt, engine, new_header, n, pre, post)
+    elif ring and h.row is not None:
+        post = _whole_rows(kt, engine, new_header or h, n, post)
     touched = [h.leaves[p] for p in items if p in h.leaves]
     return new_header, [*pre, head, *post], touched
 
@@ -312,7 +358,9 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     def plan_call(h: Header) -> Call:
         leaves = list(h.leaves.values())
         kt = KeyTable(engine.keys.meta)
-        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(leaves), 1 + len(leaves), "U", batch_size, packed]
+        checks = leaf_checks(leaves)
+        leaves, block, grouped = _rows.units(h, leaves)
+        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "U", batch_size, packed]
         for leaf in leaves:
             if leaf.het:
                 args += ["Y", kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
@@ -320,14 +368,14 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
         def parse(reply: list) -> Sample:
-            return _decode_sample(h, leaves, reply, batch_size, device)
+            return _decode_sample(h, leaves, reply, batch_size, device, block, grouped)
 
         return Call("read", kt.keys, args, parse)
 
     return engine.run(plan_call)
 
 
-def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None) -> Sample:
+def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf]) -> Sample:
     slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
     rw = int(reply[3])
     pieces = reply[4:]
@@ -337,7 +385,11 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
     for leaf in leaves:
         if not leaf.het:
             assert leaf.shape is not None
-            dense[leaf.path] = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
+            rows = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
+            if leaf is block:
+                dense.update(_rows.split(rows, grouped))
+            else:
+                dense[leaf.path] = rows
             pos += 1
             continue
         per_el[leaf.path] = het_rows(leaf, h.inner, n, pieces[pos], pieces[pos + 1], pieces[pos + 2])

@@ -57,10 +57,18 @@ class Leaf:
     version: int = 0
     json: bool = False
     """A non-tensor key: element ``i`` holds the UTF-8 JSON of its value (see ``_nontensor``)."""
+    col: int | None = None
+    """Byte offset of this leaf's element inside the store's row block (see :attr:`Header.row`),
+    or ``None`` when the leaf has a blob of its own."""
 
     @property
     def het(self) -> bool:
         return self.shape is None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the leaf's elements live in the store's row block, not in a blob of its own."""
+        return self.col is not None
 
     @property
     def element_nbytes(self) -> int:
@@ -73,6 +81,8 @@ class Leaf:
             rec["shape"] = list(self.shape)
         if self.json:
             rec["nt"] = 1
+        if self.col is not None:
+            rec["col"] = self.col
         return rec
 
     @classmethod
@@ -94,11 +104,14 @@ class Leaf:
         dtype = _codec.dtype_from_name(rec["dtype"])
         if json_leaf and (dtype != torch.uint8 or ndim != 1 or shape is not None):
             raise StoreFormatError(f"bad non-tensor leaf record {rec!r}")
-        return cls(tuple(path), number, dtype, ndim, shape, version, json_leaf)
+        col = rec.get("col")
+        if col is not None and (not isinstance(col, int) or isinstance(col, bool) or col < 0 or shape is None or json_leaf):
+            raise StoreFormatError(f"bad row-block column in {rec!r}")
+        return cls(tuple(path), number, dtype, ndim, shape, version, json_leaf, col)
 
     def same_layout(self, other: Leaf) -> bool:
         """Same name, number, dtype and layout: a data call planned with one is right for the other."""
-        return (self.path, self.number, self.dtype, self.ndim, self.shape, self.json) == (other.path, other.number, other.dtype, other.ndim, other.shape, other.json)
+        return (self.path, self.number, self.dtype, self.ndim, self.shape, self.json, self.col) == (other.path, other.number, other.dtype, other.ndim, other.shape, other.json, other.col)
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,12 @@ class Header:
     seg: int = 0
     """Elements per segment (see ``_segments``); 0 keeps every element in one segment.
     Fixed once the store holds data: the element-to-key mapping depends on it."""
+    row: tuple[int, int] | None = None
+    """The row block, ``(leaf number, bytes per element)``: one blob per segment holding, per
+    element, the bytes of every grouped leaf side by side (leaf ``col`` gives where), so an
+    element or a random batch of them is one ``GETRANGE`` per element for all those leaves.
+    Set when a store gets its first keys; a leaf leaves the block (its column stays as a
+    dead gap) when it is deleted or changes layout, and the block goes with its last leaf."""
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
@@ -143,12 +162,30 @@ class Header:
         object.__setattr__(self, "segments", Segments(self.count, self.seg or max(self.count, 1)))
 
     @property
+    def block(self) -> Leaf | None:
+        """The row block as a homogeneous uint8 leaf of one row per element (``None`` without one).
+
+        Reads and whole-row writes treat it as any homogeneous leaf; it never appears in
+        :attr:`leaves`, and it is guarded by the versions of the leaves grouped in it.
+        """
+        if self.row is None:
+            return None
+        return Leaf(("\0row",), self.row[0], torch.uint8, 1, (self.row[1],))
+
+    def grouped(self) -> list[Leaf]:
+        """The leaves living in the row block, by column."""
+        return sorted((leaf for leaf in self.leaves.values() if leaf.col is not None), key=lambda leaf: leaf.col)  # type: ignore[arg-type, return-value]
+
+    @property
     def inner_numel(self) -> int:
         return math.prod(self.inner)
 
     def schema_json(self) -> str:
         leaves = sorted(self.leaves.values(), key=lambda leaf: leaf.number)
-        return json.dumps({"next": self.next_leaf, "leaves": [leaf.to_json() for leaf in leaves]}, separators=(",", ":"))
+        schema: dict = {"next": self.next_leaf, "leaves": [leaf.to_json() for leaf in leaves]}
+        if self.row is not None:
+            schema["row"] = list(self.row)
+        return json.dumps(schema, separators=(",", ":"))
 
     def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None) -> Header:
         """The header after a schema change (the server will hold ``version + 1``).
@@ -171,6 +208,8 @@ class Header:
             next_leaf=self.next_leaf if next_leaf is None else next_leaf,
             version=new_version,
             keyset_version=new_version if names != new_names else self.keyset_version,
+            # the block goes with its last grouped leaf (run_write deletes its blobs)
+            row=self.row if any(leaf.col is not None for leaf in stamped.values()) else None,
         )
 
     def version_fields(self, old: Header | None) -> str:
@@ -246,6 +285,9 @@ class Header:
             raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
         if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
             raise StoreFormatError("store header has a corrupt schema")
+        row = schema.get("row")
+        if row is not None and not (isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]):
+            raise StoreFormatError(f"store header has a bad row block {row!r}")
         try:
             leaves = [Leaf.from_json(rec) for rec in schema["leaves"]]
         except (KeyError, TypeError, ValueError) as err:
@@ -254,6 +296,9 @@ class Header:
         numbers = {leaf.number for leaf in leaves}
         if len(by_path) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
             raise StoreFormatError("store header has duplicate leaves or leaf numbers")
+        for leaf in leaves:
+            if leaf.col is not None and (row is None or row[0] in numbers or inner or leaf.col + leaf.element_nbytes > row[1]):
+                raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold")
         for leaf in leaves:
             if leaf.json:
                 continue
@@ -274,6 +319,7 @@ class Header:
             batchless=f.get("batchless") == "1",
             tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
             seg=seg,
+            row=tuple(row) if row is not None else None,  # type: ignore[arg-type]
         )
 
 

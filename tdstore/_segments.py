@@ -199,8 +199,13 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
                 d, o, s = (out.ref(k) for k in keys.leaf_keys(n, seg))
                 new.append(["E", d, o, s, rec, a - base, b - base, shapes[(a - lo) * rec : (b - lo + 1) * rec], data[pos : pos + nbytes], *part])
                 pos += nbytes
-        elif kind == "X":
-            new.append(["X", out.block([keys.data(n, seg) for seg in range(segs.n)]), *op[2:]])
+        elif kind in ("X", "K"):
+            new.append([kind, out.block([keys.data(n, seg) for seg in range(segs.n)]), *op[2:]])
+        elif kind == "C":
+            target = what(op[2])
+            assert target is not None
+            for seg in range(segs.n):
+                new.append(["C", out.ref(keys.data(n, seg)), out.ref(keys.data(target[1], seg)), *op[3:]])
         elif kind == "Y":
             blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
             new.append(["Y", *blocks, *op[4:]])
@@ -210,7 +215,7 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
 
 
 # arguments (1-based positions within an op) that are key indices, for ops passed through
-_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3)}
+_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2)}
 
 
 def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[list[Any]]) -> None:

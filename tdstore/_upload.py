@@ -20,7 +20,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass
 from tensordict.base import _is_leaf_nontensor
 
-from . import _codec, _scripts
+from . import _codec, _rows, _scripts
 from ._engine import Engine
 from ._nontensor import NonTensor, element_docs
 from ._progress import progress
@@ -263,8 +263,12 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
         leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None, json=s.json)
     token = uuid.uuid4().hex
     sizes = {s.path: _leaf_sizes(s) for s in scans}
-    seg = segment_length(count, max((int(v.max()) for v in sizes.values() if v.size), default=1), engine.segment_size)
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless, seg=seg)
+    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless)
+    header = _rows.grouped_header(header, len(leaves))
+    leaves = header.leaves
+    width = header.row[1] if header.row is not None else 0
+    largest = max((int(v.max()) for v in sizes.values() if v.size), default=1)
+    header = replace(header, seg=segment_length(count, max(largest, width), engine.segment_size))
     segs = header.segments
     # a leaf is one string per segment: refuse, before writing anything, a segment the
     # server cannot hold (one element larger than a string), and never send a piece larger
@@ -278,12 +282,14 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                     f"key {display(s.path)!r} needs {total} bytes for elements {segs.start(k)}..{segs.start(k) + segs.size(k) - 1}, "
                     f"more than the server accepts for one string ({limit}, proto-max-bulk-len); nothing was written"
                 )
+    if width and min(count, segs.per) * width > limit:
+        raise ValueError(f"the row block needs {min(count, segs.per) * width} bytes per segment, more than the server accepts for one string ({limit}); nothing was written")
     chunk_bytes = max(1, min(chunk_bytes, limit))
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
     if existing is not None:
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     keys = engine.keys
-    all_keys = keys.all_keys(len(leaves), segs.n)
+    all_keys = keys.all_keys(header.next_leaf, segs.n)
     try:
         het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
         renewed = time.monotonic()
@@ -293,9 +299,13 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                 pipe = engine.client.pipeline(transaction=False)
                 k = segs.of(lo)
                 local = lo - segs.start(k)  # the chunk's first element within its segment
+                columns: list[tuple[Leaf, np.ndarray]] = []
                 for s in scans:
                     leaf = leaves[s.path]
                     tensors = s.tensors[lo:hi]
+                    if leaf.col is not None:
+                        columns.append((leaf, np.frombuffer(_codec.to_bytes(torch.stack(tensors)), dtype=np.uint8).reshape(hi - lo, -1)))
+                        continue
                     if leaf.shape is not None:
                         data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
                         if len(data):
@@ -311,13 +321,16 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                     pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
                     pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape]))
                     het_pos[s.path] = int(ends[-1]) if len(ends) else het_pos[s.path]
+                if columns:
+                    assert header.row is not None
+                    pipe.setrange(keys.data(header.row[0], k), local * width, memoryview(_rows.join(width, columns)).cast("B"))
                 # the keys this chunk wrote get the upload's TTL; all of them again every
                 # few seconds, so a long upload of many segments does not lose its first ones
                 if time.monotonic() - renewed > RENEW_S:
                     renew = all_keys
                     renewed = time.monotonic()
                 else:
-                    renew = [keys.meta, *keys.segment_keys(len(leaves), k)]
+                    renew = [keys.meta, *keys.segment_keys(header.next_leaf, k)]
                 for key in renew:
                     pipe.pexpire(key, UPLOAD_TTL_MS)
                 for reply in pipe.execute(raise_on_error=False):
@@ -330,7 +343,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
             raise KeyError(f"the upload of {engine.where()} expired before it finished")
     except BaseException:
         try:
-            engine.abort_upload(len(leaves), segs.n)
+            engine.abort_upload(header.next_leaf, segs.n)
         finally:
             engine.set_header(None)  # type: ignore[arg-type]
         raise

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _codec, _index
+from . import _codec, _index, _rows
 from ._keys import KeyTable, StoreKeys
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
@@ -135,6 +135,7 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
         return None
     ops: list[list[Any]] = []
     touched = []
+    grouped: list[tuple[Leaf, Any]] = []
     seg = h.segments.of(element)
     local = element - h.segments.start(seg)  # the element lives in one segment: address it there
     for path, value in items.items():
@@ -155,10 +156,53 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
             ops.append(["E", kt.ref(keys.data(n, seg)), kt.ref(keys.offsets(n, seg)), kt.ref(keys.shapes(n, seg)), 8 * leaf.ndim, local, local, shape_rec, data, len(data)])
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
+        elif leaf.col is not None:
+            grouped.append((leaf, _codec.to_bytes(value)))
         else:
             ops.extend(_element_op(kt, keys, leaf, element, value, h))
         touched.append(leaf)
+    if grouped:
+        ops.extend(_element_row_ops(kt, keys, h, seg, local, grouped, _rows.covers_block(h, items)))
     return None, ops, touched
+
+
+def _element_row_ops(kt: KeyTable, keys: StoreKeys, h: Header, seg: int, local: int, grouped: list[tuple[Leaf, Any]], whole: bool) -> list[list[Any]]:
+    """Grouped leaves of one element (segment-local): its whole row as one SETRANGE when every live column is written, else one per column."""
+    assert h.row is not None
+    number, width = h.row
+    key = kt.ref(keys.data(number, seg))
+    if whole:
+        row = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped])
+        return [["R", key, 1, _PAIR.pack(local * width, width), memoryview(row).cast("B")]]
+    return [["R", key, 1, _PAIR.pack(local * width + leaf.col, len(data)), data] for leaf, data in grouped if len(data)]  # type: ignore[operator]
+
+
+def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> list[list[Any]]:
+    """Rows written to grouped leaves (``(leaf, rows, data (rows, element bytes))``, on whole leaves).
+
+    When the writes cover every live column of the block at the same rows, they become
+    whole rows of the block (runs of consecutive rows are one SETRANGE each); otherwise
+    each leaf's elements are one range per row at its column.
+    """
+    if not writes:
+        return []
+    assert h.row is not None
+    number, width = h.row
+    key = keys.data(number)
+    first_rows = writes[0][1]
+    if _rows.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes):
+        op = _rows_op(kt, key, first_rows, _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
+        return [op] if op is not None else []
+    ops = []
+    for leaf, rows, data in writes:
+        if rows.size == 0 or data.shape[1] == 0:
+            continue
+        # keep the last occurrence of each row, as sequential assignment would
+        uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
+        picked = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
+        starts = uniq * width + leaf.col
+        ops.append(["R", kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B")])
+    return ops
 
 
 def _element_op(kt: KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor, h: Header) -> list[list[Any]]:
@@ -194,6 +238,7 @@ def plan_write(
     next_leaf = h.next_leaf
     changed = False
     ops: list[list[Any]] = []
+    grouped: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # rows of grouped leaves, written together at the end
     rows_cache: dict[str, Any] = {}
 
     def rows() -> np.ndarray:
@@ -277,11 +322,18 @@ def plan_write(
             _element_checks(h, path, value, None, leaf.dtype)
         if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
-            ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value, h))
+            if leaf.col is not None:
+                grouped.append((leaf, np.array([int(p.elements[0])], dtype=np.int64), _as_rows(value, 0).reshape(1, -1)))
+            else:
+                ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value, h))
             continue
         if not leaf.het and isinstance(value, torch.Tensor):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             want = rows_shape() + tuple(feat)
+            if tuple(value.shape) == want and leaf.col is not None:
+                # a grouped leaf (no inner batch size: storage rows are elements)
+                grouped.append((leaf, rows(), _as_rows(value, len(rows_shape()))))
+                continue
             if tuple(value.shape) == want and full and not p.flips:
                 # the whole leaf, in order: replace the blob (large ones are staged, see Engine.run_write)
                 em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
@@ -299,6 +351,9 @@ def plan_write(
         if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
             eb = leaf.element_nbytes
             data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
+            if leaf.col is not None:
+                grouped.append((leaf, np.asarray(order, dtype=np.int64), data))
+                continue
             op = _rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data)
             if op is not None:
                 ops.append(op)
@@ -311,11 +366,12 @@ def plan_write(
             )
         if not leaf.het:
             # a homogeneous key gets a new element shape: it becomes heterogeneous, in this same call
-            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h.count)
+            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h)
             ops += table_ops
             leaves[path] = leaf
             changed = True
         ops += _splice_ops(kt, keys, leaf, order, elems)
+    ops += _grouped_ops(kt, keys, h, grouped)
     if new_paths:
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
@@ -338,11 +394,19 @@ def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
     return tuple(em_shape) == leaf.shape
 
 
-def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, count: int) -> tuple[Leaf, list[list[Any]]]:
-    """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout."""
+def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header) -> tuple[Leaf, list[list[Any]]]:
+    """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout.
+
+    A grouped leaf first gets its data blob, copied out of the row block on the server ('C').
+    """
     assert leaf.shape is not None
     eb = leaf.element_nbytes
-    ops = [
+    count = h.count
+    ops: list[list[Any]] = []
+    if leaf.col is not None:
+        assert h.row is not None
+        ops.append(["C", kt.ref(keys.data(h.row[0])), kt.ref(keys.data(leaf.number)), h.row[1], leaf.col, eb])
+    ops += [
         ["S", kt.ref(keys.offsets(leaf.number)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],
         ["S", kt.ref(keys.shapes(leaf.number)), np.tile(np.asarray(leaf.shape, dtype="<i8"), count).tobytes()],
     ]
@@ -386,7 +450,7 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
     leaves = {}
     for path, leaf in h.leaves.items():
         new = renames.get(path, path)
-        leaves[new] = Leaf(new, leaf.number, leaf.dtype, leaf.ndim, leaf.shape, json=leaf.json)
+        leaves[new] = Leaf(new, leaf.number, leaf.dtype, leaf.ndim, leaf.shape, json=leaf.json, col=leaf.col)
     if len(leaves) != len(h.leaves):
         raise KeyError(f"renaming {renames} would overwrite an existing key")
     check_paths(list(leaves))
@@ -402,6 +466,7 @@ def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, k
     """
     ops: list[list[Any]] = []
     touched = []
+    fills: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # grouped leaves: rows of the block
     if all(h.leaves[p].json for p in paths) and len(paths) == 1:
         raise TypeError(f"key {_name(paths[0])} holds non-tensor data, which cannot be filled with a number")
     for path in paths:
@@ -410,13 +475,20 @@ def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, k
             continue
         touched.append(leaf)
         pattern = bytes(_codec.to_bytes(torch.full((), value, dtype=leaf.dtype)))
-        dk = kt.ref(keys.data(leaf.number))
         if leaf.het:
             lo, hi = (0, h.count - 1) if element is None else (element, element)
-            ops.append(["F", dk, kt.ref(keys.offsets(leaf.number)), lo, hi, pattern])
+            ops.append(["F", kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), lo, hi, pattern])
+        elif leaf.col is not None:
+            # a grouped leaf: its column of every row (or of one), written as rows of the block
+            eb = leaf.element_nbytes
+            rows = np.arange(h.count, dtype=np.int64) if element is None else np.array([element], dtype=np.int64)
+            if eb and rows.size:
+                data = np.frombuffer(pattern * (eb // len(pattern)), dtype=np.uint8)
+                fills.append((leaf, rows, np.broadcast_to(data, (rows.size, eb))))
         else:
             eb = leaf.element_nbytes
             a, b = (0, h.count * eb) if element is None else (element * eb, (element + 1) * eb)
             if b > a:
-                ops.append(["F", dk, 0, a, b, pattern])
+                ops.append(["F", kt.ref(keys.data(leaf.number)), 0, a, b, pattern])
+    ops += _grouped_ops(kt, keys, h, fills)
     return None, ops, touched

@@ -242,6 +242,7 @@ def _info_lines(info: StoreInfo, where: str) -> list[str]:
         ("server keys", str(info.server_keys)),
         ("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}"),
         ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "")),
+        ("row block", ", ".join(_safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)) or "-"),
     ]
     width = max(len(name) for name, _ in facts) + 1
     lines = [f"store {_safe(info.td_id)} under prefix {_safe(info.prefix)!r} on {where}"]

@@ -107,6 +107,8 @@ class LeafInfo:
     """Offset and shape tables of a heterogeneous leaf (0 for a homogeneous one)."""
     segments: int = 1
     """Blobs the key is cut into: one per segment of the store."""
+    column: int | None = None
+    """Byte offset of the key in the store's row block (its bytes are its share of the block), or ``None``."""
 
     @property
     def name(self) -> str:
@@ -128,6 +130,7 @@ class LeafInfo:
             "bytes": self.data_bytes,
             "table_bytes": self.table_bytes,
             "segments": self.segments,
+            "row_block_column": self.column,
         }
 
 
@@ -345,9 +348,10 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
                 dtype=dtype_name(leaf.dtype),
                 ndim=leaf.ndim,
                 shape=leaf.shape,
-                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments.n)),
+                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments.n)) if leaf.col is None else leaf.element_nbytes * header.count,
                 table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments.n)),
                 segments=header.segments.n,
+                column=leaf.col,
             )
         )
     return StoreInfo(

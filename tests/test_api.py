@@ -119,7 +119,8 @@ def test_reader_never_sees_a_half_uploaded_store(real):
         store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(6), chunk_elements=2, td_id="half", **real.kwargs())
     finally:
         up._chunks = real_chunks
-    assert seen == ["hidden"] * 3
+    # three chunks of two elements (more when small segments cut them), none visible
+    assert len(seen) >= 3 and set(seen) == {"hidden"}
     assert LazyStackedTensorDictStore.from_store(td_id="half", **real.kwargs()).batch_size == torch.Size([6])
     store.clear_redis()
 

@@ -90,8 +90,9 @@ def test_small_store_keeps_one_segment_and_the_seed_keys(backend):
     s = LazyStackedTensorDictStore.from_lazy_stack(stack(6), **backend.kwargs())
     h = s._engine.header
     assert h.segments.n == 1 and h.seg == 0
-    # the header, one blob per homogeneous leaf, blob + offsets + shapes for tokens: O(K) keys
-    assert len(store_keys(backend)) == 1 + 2 + 3
+    # the header, the row block of the homogeneous leaves, blob + offsets + shapes for tokens: O(K) keys
+    assert h.row is not None
+    assert len(store_keys(backend)) == 1 + 1 + 3
 
 
 def test_segments_spread_keys_over_hash_tags(backend):
@@ -102,7 +103,7 @@ def test_segments_spread_keys_over_hash_tags(backend):
     tags = {tag(k) for k in keys}
     # segment 0 shares the header's tag; on Redis Cluster every segment does, for now (StoreKeys.spread)
     assert len(tags) == (1 if backend.name == "cluster" else 10)
-    assert len(keys) == 1 + 10 * (2 + 3)
+    assert len(keys) == 1 + 10 * (1 + 3)  # per segment: the row block, tokens' blob and tables
     assert_same(s.to_tensordict(), stack(10))
 
 
@@ -263,7 +264,7 @@ def test_ring_buffer_across_segments(backend):
 def test_copy_ttl_and_clear_cover_every_segment(backend):
     td = TensorDict(obs=torch.randn(9, 5), idx=torch.arange(9), batch_size=[9])
     s = TensorDictStore.from_tensordict(td, segment_bytes=40, **backend.kwargs())
-    assert s._store._engine.header.segments.n == 5  # 20 B of obs per element: 2 per segment
+    assert s._store._engine.header.segments.n == 9  # a 28 B row (obs and idx side by side): 1 per segment
     n_keys = len(store_keys(backend))
     c = s.clone()  # on the server, every segment
     assert len(store_keys(backend)) == 2 * n_keys
@@ -290,8 +291,9 @@ def test_row_read_op_reads_small_blobs_whole():
 
 @pytest.mark.layout
 def test_scattered_batch_reads_small_blobs_whole(real):
-    n = 2000
-    local = lazy_stack([TensorDict(obs=torch.randn(64), small=torch.tensor([i, -i])) for i in range(n)])
+    n = 900  # one segment
+    # obs is too large for the row block (4.4 kB per element), so each key keeps its own blob
+    local = lazy_stack([TensorDict(obs=torch.randn(1100), small=torch.tensor([i, -i])) for i in range(n)])
     s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:200]
     s[idx]  # warm
@@ -300,8 +302,8 @@ def test_scattered_batch_reads_small_blobs_whole(real):
     after = real.commandstats()
     assert torch.equal(got["obs"], local["obs"][idx]) and torch.equal(got["small"], local["small"][idx])
     assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
-    assert after.get("get", 0) - before.get("get", 0) == 1  # 'small' (16 kB): read whole once
-    assert after.get("getrange", 0) - before.get("getrange", 0) == 200  # 'obs' (512 kB): one per row
+    assert after.get("get", 0) - before.get("get", 0) == 1  # 'small' (14 kB): read whole once
+    assert after.get("getrange", 0) - before.get("getrange", 0) == 200  # 'obs' (4 MB): one per row
 
 
 @pytest.mark.parametrize("bad", [0, -1, "4MiB", True, 1.5])
