@@ -540,7 +540,7 @@ class Engine:
             pos = 2
             for leaf in leaves:
                 if leaf is block:
-                    out.update(_rows.split(_codec.from_bytes(reply[pos], torch.uint8, leaf.shape), grouped))  # type: ignore[arg-type]
+                    out.update(_rows.split(np.frombuffer(reply[pos], dtype=np.uint8), grouped))
                     pos += 1
                     continue
                 if not leaf.het:

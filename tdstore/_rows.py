@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _codec
 from ._schema import Header, Leaf, NestedPath
 
 MAX_COLUMN_BYTES = 4096
@@ -84,15 +85,29 @@ def units(h: Header, leaves: list[Leaf]) -> tuple[list[Leaf], Leaf | None, list[
     return out, block, grouped
 
 
-def split(rows: torch.Tensor, grouped: list[Leaf]) -> dict[NestedPath, torch.Tensor]:
-    """Columns of ``rows`` (uint8, ``(..., width)``) as each grouped leaf's tensor ``(..., *shape)``."""
+_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _codec._NUMPY_NATIVE}
+
+
+def split(rows: torch.Tensor | np.ndarray, grouped: list[Leaf]) -> dict[NestedPath, torch.Tensor]:
+    """Columns of ``rows`` (uint8, ``(..., width)``; a read-only view of a reply will do) as each
+    grouped leaf's tensor ``(..., *shape)``.
+
+    Each column is copied once into storage of its own (aligned for its dtype); numpy
+    does it where it knows the dtype, at a third of the cost of the torch ops.
+    """
     lead = tuple(rows.shape[:-1])
+    flat = rows if isinstance(rows, np.ndarray) else rows.numpy()
     out = {}
     for leaf in grouped:
         eb = leaf.element_nbytes
         col: int = leaf.col  # type: ignore[assignment]
-        t = rows[..., col : col + eb].clone(memory_format=torch.contiguous_format)  # own storage: view() needs an aligned offset
-        out[leaf.path] = t.view(leaf.dtype).reshape(lead + tuple(leaf.shape))  # type: ignore[arg-type]
+        shape = lead + tuple(leaf.shape)  # type: ignore[arg-type]
+        np_dtype = _NUMPY.get(leaf.dtype)
+        if np_dtype is not None:
+            out[leaf.path] = torch.from_numpy(flat[..., col : col + eb].copy().view(np_dtype).reshape(shape))
+        else:
+            t = torch.from_numpy(flat[..., col : col + eb].copy())
+            out[leaf.path] = t.view(leaf.dtype).reshape(shape)
     return out
 
 
