@@ -43,6 +43,10 @@
     'Y', kd, ko, ks, rec
           each sampled row of a heterogeneous leaf: three pieces, the packed
           (start, end) byte offsets of every row, their shape records, their data
+    'V', kd, ko, ks, rec
+          the same as 'Y', but each segment's offset and shape tables a row falls in
+          are read whole once (GET) and the rows' records cut from them in Lua, as 'B'
+          does for a homogeneous leaf: one GETRANGE per row (its data) instead of three
     'Q', per
           the store is cut into segments of 'per' elements (must come before 'U'/'I'):
           the key indices of the 'X'/'Y' ops after it each name the first of a block
@@ -186,7 +190,7 @@ for _ = 1, nops do
       end
     end
     out[#out + 1] = table.concat(pieces)
-  elseif kind == 'Y' then
+  elseif kind == 'Y' or kind == 'V' then
     if rows == nil then
       error('TDSTORE bad argument: Y op before its U or I op')
     end
@@ -196,11 +200,30 @@ for _ = 1, nops do
     local rec = tds_num(ARGV[a + 4], 'record size')
     a = a + 5
     local bounds, shapes, data = {}, {}, {}
+    local whole = kind == 'V'
+    local otabs, stabs, sub = {}, {}, string.sub
     for j = 1, #rows do
       local seg, row = tds_locate(rows[j], seg_per)
-      local offs = redis.call('GETRANGE', tds_segkey(ok, seg), 8 * row, 8 * row + 15)
+      local offs
+      if whole then
+        local t = otabs[seg]
+        if t == nil then
+          t = redis.call('GET', tds_segkey(ok, seg)) or ''
+          otabs[seg] = t
+        end
+        offs = sub(t, 8 * row + 1, 8 * row + 16)
+      else
+        offs = redis.call('GETRANGE', tds_segkey(ok, seg), 8 * row, 8 * row + 15)
+      end
       bounds[j] = offs
-      if rec > 0 then
+      if rec > 0 and whole then
+        local t = stabs[seg]
+        if t == nil then
+          t = redis.call('GET', tds_segkey(sk, seg)) or ''
+          stabs[seg] = t
+        end
+        shapes[j] = sub(t, row * rec + 1, (row + 1) * rec)
+      elseif rec > 0 then
         shapes[j] = redis.call('GETRANGE', tds_segkey(sk, seg), row * rec, (row + 1) * rec - 1)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)

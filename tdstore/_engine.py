@@ -695,7 +695,7 @@ class Engine:
         for leaf in leaves:
             d = kt.ref(self.keys.data(leaf.number))
             if leaf.het:
-                args += ["Y", d, kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim]
+                args += [_segments.het_row_read_op(h.segments, leaf.ndim, n), d, kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim]
             else:
                 args += [_segments.row_read_op(h.segments, leaf.element_nbytes, n), d, leaf.element_nbytes]
 

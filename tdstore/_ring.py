@@ -31,7 +31,7 @@ from ._engine import Call, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
-from ._segments import row_read_op
+from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, display, leaves_of
 from ._writes import _check_dtype, _element_checks, het_payload, to_heterogeneous
 
@@ -363,7 +363,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
         args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "U", batch_size, packed]
         for leaf in leaves:
             if leaf.het:
-                args += ["Y", kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
+                args += [het_row_read_op(h.segments, leaf.ndim, batch_size), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
             else:
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 

@@ -99,6 +99,12 @@ def row_read_op(segs: Segments, row_bytes: int, rows: int) -> str:
     return "B" if fetched <= rows * ROW_BLOB_BYTES else "X"
 
 
+def het_row_read_op(segs: Segments, ndim: int, rows: int) -> str:
+    """'V' or 'Y' for reading ``rows`` scattered elements of a heterogeneous leaf: its offset and
+    shape tables (8 + 8 * ndim bytes per element) read whole, or three ranges per row (see ROW_BLOB_BYTES)."""
+    return "V" if row_read_op(segs, 8 + 8 * ndim, rows) == "B" else "Y"
+
+
 def segment_length(count: int, element_bytes: int, segment_bytes: int) -> int:
     """Elements per segment for elements of at most ``element_bytes`` in their largest leaf; 0 when one segment holds them all."""
     per = max(1, segment_bytes // max(1, element_bytes))
@@ -334,10 +340,10 @@ def localize_read(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Call
             new += [kind, out.block([keys.data(n, seg) for seg in range(segs.n)]), args[a + 2]]
             merges.append(("pass", 1))
             a += 3
-        elif kind == "Y":
+        elif kind in ("Y", "V"):
             n = w[1]  # type: ignore[index]
             blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
-            new += ["Y", *blocks, args[a + 4]]
+            new += [kind, *blocks, args[a + 4]]
             merges.append(("pass", 3))
             a += 5
         else:
@@ -378,7 +384,7 @@ def localize_read(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Call
 
 def _ops(flat: list[Any]) -> Iterator[str]:
     """The op kinds of a flat read op list (to count them)."""
-    sizes = {"R": 5, "E": 7, "U": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "Q": 2}
+    sizes = {"R": 5, "E": 7, "U": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "Q": 2}
     a = 0
     while a < len(flat):
         yield flat[a]

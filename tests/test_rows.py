@@ -34,6 +34,7 @@ def _data_keys(backend) -> list[str]:
     return [k.decode() for k in backend.keys() if b":d:" in k]
 
 
+@pytest.mark.layout
 def test_upload_groups_the_small_homogeneous_leaves(backend) -> None:
     store, local = _store(backend)
     h = store._engine.header
@@ -93,6 +94,7 @@ def test_fill_and_zero_touch_only_their_column(backend) -> None:
     assert_same(store.to_tensordict(), local.to_tensordict())
 
 
+@pytest.mark.layout
 def test_delete_rename_and_retype_leave_the_block(backend) -> None:
     store, local = _store(backend, het=False)
     del store["done"]
@@ -186,6 +188,7 @@ def test_a_bad_column_in_the_header_is_refused() -> None:
             Header.from_fields(fields)
 
 
+@pytest.mark.layout
 def test_one_getrange_per_row_for_a_batch_and_one_setrange_per_element(real) -> None:
     store, local = _store(real, n=3000, het=False)  # a blob large enough that rows are read one by one
     idx = torch.randperm(3000)[:64]

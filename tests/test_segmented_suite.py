@@ -29,6 +29,7 @@ MODULES = [
     "test_lifecycle.py",
     "test_bad_input.py",
     "test_segments.py",
+    "test_rows.py",
 ]
 
 

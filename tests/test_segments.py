@@ -315,3 +315,21 @@ def test_bad_segment_bytes_is_refused_before_anything_is_written(backend, bad):
     with pytest.raises(ValueError, match="segment_bytes"):
         TensorDictStore.from_tensordict(TensorDict(x=torch.zeros(4, 2), batch_size=[4]), segment_bytes=bad, **backend.kwargs())
     assert not store_keys(backend)
+
+
+@pytest.mark.layout
+def test_scattered_heterogeneous_rows_read_their_small_tables_whole(real):
+    n = 900
+    local = lazy_stack([TensorDict(tok=torch.arange(i % 5 + 1) + 10 * i, x=torch.tensor([i, -i])) for i in range(n)])
+    s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:200]
+    s[idx]  # warm (the first call of a script on a fresh server loads it)
+    before = real.commandstats()
+    got = s[idx]
+    after = real.commandstats()
+    for k, i in enumerate(idx.tolist()):
+        assert torch.equal(got[k]["tok"], local[i]["tok"]) and torch.equal(got[k]["x"], local[i]["x"])
+    assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
+    # x's blob, tok's offset table and its shape table read whole once ('B', 'V'); one GETRANGE per row for tok's data
+    assert after.get("get", 0) - before.get("get", 0) == 3
+    assert after.get("getrange", 0) - before.get("getrange", 0) == 200
