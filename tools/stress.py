@@ -654,6 +654,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         stack = lazy_stack([initial_element(o, r) for r, o in enumerate(layout.owner)], 0)
         store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes)
         server_info["segments"] = store._engine.header.segments.n
+        server_info["row_block"] = [".".join(leaf.path) for leaf in store._engine.header.grouped()]
         cfg = WorkerConfig(
             pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed, args.schema_interval, args.fault
         )
@@ -817,7 +818,7 @@ def report(fig: dict[str, Any]) -> str:
     where = f"redis {s['version']} ({s['binary']})" if s.get("embedded") else s["url"]
     lines = [
         f"tdstore stress: {c['writers']} writers, {c['readers']} readers{', schema races' if c['schema_races'] else ''}, "
-        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s), server {where}",
+        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s), row block {', '.join(s.get('row_block', [])) or '-'}, server {where}",
         "operations:",
     ]
     for kind, n in fig["ops"].items():
