@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -186,11 +186,40 @@ def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tu
     return make(tree)
 
 
+def _element_maker(paths: list[NestedPath], cut: int, bs: torch.Size, device: torch.device | None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
+    """A function building one element's TensorDict from its ``{path: tensor}``, for elements that
+    all hold ``paths``: the key tree is worked out once, not once per element as :func:`build_td` does."""
+    entries: list[tuple[str, Any]] = []  # (key, full path) for a leaf, (key, [paths]) for a sub-tree, in first-seen order
+    subtrees: dict[str, list[NestedPath]] = {}
+    for path in paths:
+        rel = path[cut:]
+        if len(rel) == 1:
+            entries.append((rel[0], path))
+        elif rel[0] not in subtrees:
+            subtrees[rel[0]] = [path]
+            entries.append((rel[0], subtrees[rel[0]]))
+        else:
+            subtrees[rel[0]].append(path)
+    parts = [(key, _element_maker(target, cut + 1, bs, device) if isinstance(target, list) else None, target) for key, target in entries]
+    new = TensorDict._new_unsafe
+
+    def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
+        return new(source={key: el[target] if sub is None else sub(el) for key, sub, target in parts}, batch_size=bs, device=device)
+
+    return make
+
+
 def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:
     """Turn an engine read into the tensordict the index asked for."""
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under)
-    tds = [build_td(el, inner, device, under) for el in result.elements]
+    first = result.elements[0] if result.elements else None
+    if first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements):
+        # elements of one read hold the same keys: build the key tree once
+        make = _element_maker([p for p in first if p[: len(under)] == under], len(under), torch.Size(inner), device)
+        tds = [make(el) for el in result.elements]
+    else:
+        tds = [build_td(el, inner, device, under) for el in result.elements]
     assert plan is not None
     if plan.element_int and plan.inner_full:
         return tds[0]
