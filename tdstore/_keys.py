@@ -69,9 +69,13 @@ class StoreKeys:
     spread: bool = True
     base: str = field(init=False, repr=False, compare=False)
     meta: str = field(init=False, repr=False, compare=False)
+    _escaped: tuple[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        base = f"{escape(self.prefix)}:{{{escape(self.td_id)}}}"
+        # escaped once: a call over many segments names thousands of keys
+        escaped = (escape(self.prefix), escape(self.td_id))
+        base = f"{escaped[0]}:{{{escaped[1]}}}"
+        object.__setattr__(self, "_escaped", escaped)
         object.__setattr__(self, "base", base)
         object.__setattr__(self, "meta", f"{base}:m")
 
@@ -86,7 +90,7 @@ class StoreKeys:
             return self.base
         if not self.spread:
             return f"{self.base}%s{seg}"
-        return f"{escape(self.prefix)}:{{{escape(self.td_id)}%s{seg}}}"
+        return f"{self._escaped[0]}:{{{self._escaped[1]}%s{seg}}}"
 
     def data(self, leaf: int, seg: int = 0) -> str:
         return f"{self.segment_base(seg) if seg else self.base}:d:{leaf}"
@@ -102,7 +106,7 @@ class StoreKeys:
 
         It carries a short TTL, so one left behind by a refused or interrupted write expires.
         """
-        assert target.startswith(f"{escape(self.prefix)}:{{{escape(self.td_id)}")
+        assert target.startswith(f"{self._escaped[0]}:{{{self._escaped[1]}")
         return f"{target}:stage:{token}"
 
     def leaf_keys(self, leaf: int, seg: int = 0) -> tuple[str, str, str]:

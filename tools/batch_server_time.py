@@ -7,15 +7,22 @@ and reports the wall time per read beside the server's own time per call (``INFO
 commandstats``, ``usec_per_call`` of ``EVALSHA``, reset before the reads), for
 ``store[idx]`` and for the ring buffer's ``sample(256)``.
 
+With ``--reference`` it also times the reference ``tensordict.store`` on the same batches,
+back to back, and tdstore's ``store[idx]`` right after each reference read: the benchmark
+runs its contenders interleaved, and a call that follows another client's large pipeline
+starts with the server's caches cold, which costs a short call relatively more.
+
 Usage::
 
-    python tools/batch_server_time.py [--binary /usr/bin/redis-server] [--reads 50]
+    python tools/batch_server_time.py [--binary /usr/bin/redis-server] [--reads 50] [--reference]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, lazy_stack
@@ -29,6 +36,7 @@ def main() -> None:
     ap.add_argument("--binary", default=None, help="redis-server to start (default: find_redis_server())")
     ap.add_argument("--reads", type=int, default=50, help="batches read per measurement")
     ap.add_argument("--count", type=int, default=10_000)
+    ap.add_argument("--reference", action="store_true", help="also time the reference tensordict.store on the same batches")
     args = ap.parse_args()
     with EmbeddedServer(binary=args.binary or find_redis_server()) as srv:
         els = [TensorDict(obs=torch.randn(64), action=torch.randn(4), reward=torch.randn(1), nested=TensorDict(b=torch.arange(3))) for _ in range(args.count)]
@@ -48,6 +56,33 @@ def main() -> None:
             wall = (time.perf_counter() - t) / args.reads * 1e3
             stats = client.info("commandstats")["cmdstat_evalsha"]
             print(f"{label:24s} wall {wall:6.2f} ms per read, server {stats['usec_per_call'] / 1000:6.2f} ms per call ({stats['calls']} calls)")
+        if args.reference:
+            _versus_reference(srv, lazy_stack(els), store, batches)
+
+
+def _median_ms(call: Callable[[int], object], n: int, before: Callable[[int], object] | None = None) -> float:
+    times = []
+    for i in range(n):
+        if before is not None:
+            before(i)
+        t = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _versus_reference(srv: EmbeddedServer, stack: object, store: LazyStackedTensorDictStore, batches: list[torch.Tensor]) -> None:
+    from tensordict.store import LazyStackedTensorDictStore as Reference
+
+    ref = Reference.from_lazy_stack(stack, **srv.connection_kwargs())
+    n = len(batches)
+    for i in range(5):
+        ref[batches[i]]
+    td_alone = _median_ms(lambda i: store[batches[i]], n)
+    ref_alone = _median_ms(lambda i: ref[batches[i]], n)
+    td_after = _median_ms(lambda i: store[batches[i]], n, before=lambda i: ref[batches[i]])
+    print(f"back to back: tdstore {td_alone:.2f} ms, reference {ref_alone:.2f} ms (tdstore / reference {td_alone / ref_alone:.2f}x)")
+    print(f"tdstore right after a reference read: {td_after:.2f} ms ({td_after / ref_alone:.2f}x the reference back to back)")
 
 
 if __name__ == "__main__":
