@@ -72,6 +72,19 @@ local out = {'OK', redis.call('HGET', meta, 'version')}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
+-- Bytes [start, start + len) of the key of segment seg in the KEYS block starting at ki: by
+-- GETRANGE, or, given a cache table ('B' and 'V' ops), cut from the whole value read once per segment.
+local function seg_range(cache, ki, seg, start, len)
+  if cache == nil then
+    return redis.call('GETRANGE', tds_segkey(ki, seg), start, start + len - 1)
+  end
+  local blob = cache[seg]
+  if blob == nil then
+    blob = redis.call('GET', tds_segkey(ki, seg)) or ''
+    cache[seg] = blob
+  end
+  return string.sub(blob, start + 1, start + len)
+end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 for _ = 1, nops do
   local kind = ARGV[a]
@@ -172,21 +185,11 @@ for _ = 1, nops do
     local nb = tds_num(ARGV[a + 2], 'element size')
     a = a + 3
     local pieces = {}
-    if nb > 0 and kind == 'X' then
+    if nb > 0 then
+      local cache = kind == 'B' and {} or nil
       for j = 1, #rows do
         local seg, row = tds_locate(rows[j], seg_per)
-        pieces[j] = redis.call('GETRANGE', tds_segkey(ki, seg), row * nb, (row + 1) * nb - 1)
-      end
-    elseif nb > 0 then
-      local blobs, sub = {}, string.sub
-      for j = 1, #rows do
-        local seg, row = tds_locate(rows[j], seg_per)
-        local blob = blobs[seg]
-        if blob == nil then
-          blob = redis.call('GET', tds_segkey(ki, seg)) or ''
-          blobs[seg] = blob
-        end
-        pieces[j] = sub(blob, row * nb + 1, (row + 1) * nb)
+        pieces[j] = seg_range(cache, ki, seg, row * nb, nb)
       end
     end
     out[#out + 1] = table.concat(pieces)
@@ -200,31 +203,14 @@ for _ = 1, nops do
     local rec = tds_num(ARGV[a + 4], 'record size')
     a = a + 5
     local bounds, shapes, data = {}, {}, {}
-    local whole = kind == 'V'
-    local otabs, stabs, sub = {}, {}, string.sub
+    local otabs = kind == 'V' and {} or nil
+    local stabs = kind == 'V' and {} or nil
     for j = 1, #rows do
       local seg, row = tds_locate(rows[j], seg_per)
-      local offs
-      if whole then
-        local t = otabs[seg]
-        if t == nil then
-          t = redis.call('GET', tds_segkey(ok, seg)) or ''
-          otabs[seg] = t
-        end
-        offs = sub(t, 8 * row + 1, 8 * row + 16)
-      else
-        offs = redis.call('GETRANGE', tds_segkey(ok, seg), 8 * row, 8 * row + 15)
-      end
+      local offs = seg_range(otabs, ok, seg, 8 * row, 16)
       bounds[j] = offs
-      if rec > 0 and whole then
-        local t = stabs[seg]
-        if t == nil then
-          t = redis.call('GET', tds_segkey(sk, seg)) or ''
-          stabs[seg] = t
-        end
-        shapes[j] = sub(t, row * rec + 1, (row + 1) * rec)
-      elseif rec > 0 then
-        shapes[j] = redis.call('GETRANGE', tds_segkey(sk, seg), row * rec, (row + 1) * rec - 1)
+      if rec > 0 then
+        shapes[j] = seg_range(stabs, sk, seg, row * rec, rec)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
       data[j] = last > first and redis.call('GETRANGE', tds_segkey(dk, seg), first, last - 1) or ''
