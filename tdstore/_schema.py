@@ -31,7 +31,12 @@ from . import _codec
 from ._segments import Segments
 
 FORMAT = "1"
-"""Layout version written in every header; a header of another format is refused."""
+"""Layout version written in the header of a store without a row block."""
+FORMAT_ROWS = "2"
+"""Layout version of a store that has (or had) a row block: tdstore versions that do not know
+the block refuse it instead of reading grouped keys from blobs that do not exist."""
+FORMATS = (FORMAT, FORMAT_ROWS)
+"""The formats this tdstore reads; a header of another format is refused."""
 
 NestedPath = tuple[str, ...]
 
@@ -222,6 +227,8 @@ class Header:
             parts.extend(f"lv:{n}=-" for n in sorted(gone))
         if self.seg and (old is None or old.seg != self.seg):
             parts.append(f"seg={self.seg}")
+        if self.row is not None and (old is None or old.row is None):
+            parts.append(f"format={FORMAT_ROWS}")  # the first keys made a row block (a ring's first write)
         return " ".join(parts)
 
     def ready(self) -> Header:
@@ -233,7 +240,7 @@ class Header:
         guards = {"kv": str(self.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in self.leaves.values()}}
         return {
             **guards,
-            "format": FORMAT,
+            "format": FORMAT_ROWS if self.row is not None else FORMAT,
             "epoch": self.epoch,
             "type": self.kind,
             "version": str(self.version),
@@ -259,8 +266,8 @@ class Header:
         # fields tdstore does not know are ignored, whatever bytes they hold
         f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in raw.items()}
         fmt = f.get("format")
-        if fmt != FORMAT:
-            raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads format {FORMAT!r}")
+        if fmt not in FORMATS:
+            raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
         try:
             count = int(f["count"])
             stack_dim = int(f["stack_dim"])
@@ -286,6 +293,8 @@ class Header:
         if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
             raise StoreFormatError("store header has a corrupt schema")
         row = schema.get("row")
+        if row is not None and fmt != FORMAT_ROWS:
+            raise StoreFormatError(f"store header of format {fmt!r} has a row block")
         if row is not None and not (isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]):
             raise StoreFormatError(f"store header has a bad row block {row!r}")
         try:

@@ -176,9 +176,23 @@ def test_dense_store_groups_too(backend) -> None:
     assert_same(store.to_tensordict(), td)
 
 
+def test_the_header_format_tells_old_clients_about_the_block(backend) -> None:
+    store, _ = _store(backend, n=4)
+    client = backend.client()
+    assert client.hget(store._engine.keys.meta, "format") == b"2"
+    one = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(x=torch.ones(3) * i) for i in range(4)]), **backend.kwargs())
+    assert client.hget(one._engine.keys.meta, "format") == b"1"  # no block: readable by every tdstore
+    ring = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+    assert client.hget(ring._engine.keys.meta, "format") == b"1"
+    ring.extend(_ring_batch([1, 2]))
+    assert client.hget(ring._engine.keys.meta, "format") == b"2"  # set by the write that made the block
+    assert LazyStackedTensorDictStore.from_store(td_id=ring.td_id, **backend.kwargs())._engine.header.row is not None
+
+
 def test_a_bad_column_in_the_header_is_refused() -> None:
     h = Header(version=1, count=2, stack_dim=0, inner=(), device="", next_leaf=0)
     fields = h.fields()
+    fields["format"] = "2"
     schema = {"next": 3, "leaves": [{"path": ["a"], "n": 0, "dtype": "float32", "ndim": 1, "shape": [2], "v": 1, "col": 4}], "row": [2, 12]}
     fields["schema"] = json.dumps(schema)
     assert Header.from_fields(fields).leaves[("a",)].col == 4
@@ -186,6 +200,10 @@ def test_a_bad_column_in_the_header_is_refused() -> None:
         fields["schema"] = json.dumps(bad)
         with pytest.raises(StoreFormatError):
             Header.from_fields(fields)
+    fields["schema"] = json.dumps(schema)
+    fields["format"] = "1"  # a block in a header that says it has none
+    with pytest.raises(StoreFormatError, match="row block"):
+        Header.from_fields(fields)
 
 
 @pytest.mark.layout
