@@ -48,7 +48,7 @@ def main() -> None:
         ring.extend(lazy_stack(els[: args.count // 2]))
         for label, call in (("store[idx], 256 random", lambda i: store[batches[i]]), ("ring.sample(256)", lambda i: ring.sample(256, gen))):
             for i in range(5):
-                call(i)  # warm
+                call(i % args.reads)  # warm
             client.config_resetstat()
             t = time.perf_counter()
             for i in range(args.reads):
@@ -77,7 +77,7 @@ def _versus_reference(srv: EmbeddedServer, stack: object, store: LazyStackedTens
     ref = Reference.from_lazy_stack(stack, **srv.connection_kwargs())
     n = len(batches)
     for i in range(5):
-        ref[batches[i]]
+        ref[batches[i % n]]
     td_alone = _median_ms(lambda i: store[batches[i]], n)
     ref_alone = _median_ms(lambda i: ref[batches[i]], n)
     td_after = _median_ms(lambda i: store[batches[i]], n, before=lambda i: ref[batches[i]])

@@ -1,0 +1,32 @@
+"""The measuring tools of tools/ run end to end on small sizes (their figures are in the README)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([sys.executable, str(TOOLS / args[0]), *args[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_element_cost_prints_both_cases_and_ratios() -> None:
+    out = _run("element_cost.py", "--calls", "20", "--count", "40")
+    assert re.search(r"homogeneous\s+read\s+[\d.]+ us\s+write\s+[\d.]+ us", out)
+    assert re.search(r"heterogeneous / homogeneous: read [\d.]+x, write [\d.]+x", out)
+
+
+@pytest.mark.slow
+def test_batch_server_time_reports_server_time_and_the_reference() -> None:
+    out = _run("batch_server_time.py", "--count", "300", "--reads", "3", "--reference")
+    assert re.search(r"store\[idx\], 256 random\s+wall\s+[\d.]+ ms per read, server\s+[\d.]+ ms per call \(3 calls\)", out)
+    assert "ring.sample(256)" in out and "back to back: tdstore" in out and "right after a reference read" in out
