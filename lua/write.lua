@@ -452,6 +452,17 @@ local function splice(op)
 end
 
 -- pass 2: write
+-- At maxmemory Redis refuses a script's first command that may grow memory, but lets every
+-- command after the script's first write through (a script cannot stop halfway), so a call
+-- whose first write is a DEL could allocate past the limit. A call that writes data therefore
+-- starts with a no-op write that Redis checks (HSETNX of an existing field): refused at
+-- maxmemory before anything changes. Calls that only delete keep working, and free memory.
+for _, op in ipairs(ops) do
+  if op.kind ~= 'D' then
+    redis.call('HSETNX', meta, 'version', '0')
+    break
+  end
+end
 for _, op in ipairs(ops) do
   if op.kind == 'R' then
     if op.n == 1 then

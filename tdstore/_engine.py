@@ -91,6 +91,8 @@ class ElementsResult:
 
     ids: list[int]
     elements: list[dict[NestedPath, torch.Tensor]]
+    paths: list[NestedPath] | None = None
+    """The keys in the order the store lists them (the elements' dicts may hold them in another)."""
 
 
 def leaf_checks(leaves: Iterable[Leaf]) -> str:
@@ -527,6 +529,7 @@ class Engine:
     def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
         """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
         kt = KeyTable(self.keys.meta)
+        order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
         seg = h.segments.of(e)
@@ -558,6 +561,8 @@ class Engine:
                     out[leaf.path] = _nontensor.decode(data, h.inner)
                 else:
                     out[leaf.path] = _codec.from_bytes(data, leaf.dtype, _codec.unpack_i64(shape_rec).tolist() if leaf.ndim else [])
+            if block is not None:  # the store's key order
+                out = {path: out[path] for path in order}
             return DenseResult(torch.Size(h.inner), out)
 
         return Call("read", kt.keys, args, parse)
@@ -574,6 +579,7 @@ class Engine:
         lo, hi = _index.run_bounds(uniq)
         n_runs = int(lo.size)
         kt = KeyTable(self.keys.meta)
+        order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
         feats = []
@@ -614,6 +620,8 @@ class Engine:
                     out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
                 else:
                     out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
+            if block is not None:  # the store's key order, not the order the block gathered them in
+                out = {path: out[path] for path in order}
             return DenseResult(rows.shape, out)
 
         if bulk:
@@ -623,7 +631,9 @@ class Engine:
     def _plan_element_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
         ids = p.elements.numpy()
         lo, hi = _index.run_bounds(ids)
-        if 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * max((leaf.element_nbytes for leaf in leaves if not leaf.het), default=0) <= JOIN_LIMIT:
+        order = [leaf.path for leaf in leaves]
+        widest = max((leaf.element_nbytes for leaf in _rows.units(h, leaves)[0] if not leaf.het), default=0)  # the block's rows come whole
+        if 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * widest <= JOIN_LIMIT:
             return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
@@ -685,7 +695,7 @@ class Engine:
                                 elements[k + j][path] = t
                         k += rhi - rlo + 1
                         pos += 1
-            return ElementsResult([int(i) for i in ids], elements)
+            return ElementsResult([int(i) for i in ids], elements, order)
 
         return Call("read", kt.keys, args, parse)
 
@@ -695,6 +705,7 @@ class Engine:
         heterogeneous one as three joined pieces ('Y'), split on the client without a loop per run."""
         n = int(ids.size)
         kt = KeyTable(self.keys.meta)
+        order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
         for leaf in leaves:
@@ -715,8 +726,9 @@ class Engine:
                     rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]
                     columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                     pos += 1
+            columns = {path: columns[path] for path in order}  # the store's key order
             elements = [{path: col[k] for path, col in columns.items()} for k in range(n)]
-            return ElementsResult(ids.tolist(), elements)
+            return ElementsResult(ids.tolist(), elements, order)
 
         return Call("read", kt.keys, args, parse)
 

@@ -240,7 +240,7 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
     if ring and not h.leaves and new_header is not None:
         new_header, pre, post = _group_first_keys(kt, engine, new_header, n, pre, post)
-    elif ring and h.row is not None:
+    elif ring and (new_header or h).row is not None:
         post = _whole_rows(kt, engine, new_header or h, n, post)
     touched = [h.leaves[p] for p in items if p in h.leaves]
     return new_header, [*pre, head, *post], touched
@@ -394,6 +394,8 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
             continue
         per_el[leaf.path] = het_rows(leaf, h.inner, n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
+    if block is not None:  # the store's key order, not the order the block gathered them in
+        dense = {path: dense[path] for path in h.leaves if path in dense}
     sp = h.stack_pos
     if not per_el:
         bs = list(h.inner)

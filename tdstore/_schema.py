@@ -305,9 +305,12 @@ class Header:
         numbers = {leaf.number for leaf in leaves}
         if len(by_path) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
             raise StoreFormatError("store header has duplicate leaves or leaf numbers")
-        for leaf in leaves:
-            if leaf.col is not None and (row is None or row[0] in numbers or inner or leaf.col + leaf.element_nbytes > row[1]):
-                raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold")
+        end = 0
+        for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col):  # type: ignore[arg-type, return-value]
+            assert leaf.col is not None
+            if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
+                raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)")
+            end = leaf.col + leaf.element_nbytes
         for leaf in leaves:
             if leaf.json:
                 continue

@@ -216,7 +216,8 @@ def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tup
     first = result.elements[0] if result.elements else None
     if first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements):
         # elements of one read hold the same keys: build the key tree once
-        make = _element_maker([p for p in first if p[: len(under)] == under], len(under), torch.Size(inner), device)
+        paths = result.paths if result.paths is not None and len(result.paths) == len(first) else list(first)
+        make = _element_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device)
         tds = [make(el) for el in result.elements]
     else:
         tds = [build_td(el, inner, device, under) for el in result.elements]

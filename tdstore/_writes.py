@@ -12,6 +12,7 @@ index names along the stack dim, as a lazy stack whose elements differ gives).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -177,6 +178,32 @@ def _element_row_ops(kt: KeyTable, keys: StoreKeys, h: Header, seg: int, local: 
     return [["R", key, 1, _PAIR.pack(local * width + leaf.col, len(data)), data] for leaf, data in grouped if len(data)]  # type: ignore[operator]
 
 
+def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
+    """Whether ``writes`` cover every live key of the row block at the same rows (so they write whole rows)."""
+    first_rows = writes[0][1]
+    return _rows.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes)
+
+
+def _move_out_whole(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> tuple[list[tuple[Leaf, np.ndarray, np.ndarray]], list[tuple[Leaf, list[Any]]]]:
+    """Keys of the row block written whole, in order, without the rest of the block: each leaves
+    the block for a blob of its own, set in one op (its column becomes a gap), instead of one
+    range per element (a million SETRANGEs in the script for a million elements).
+
+    Returns the writes left for the block, and (leaf after, op) for the keys that leave it.
+    """
+    if _whole_rows_write(h, writes):
+        return writes, []
+    everything = np.arange(h.count, dtype=np.int64)
+    keep, moved = [], []
+    for leaf, rows, data in writes:
+        if rows.size == h.count and np.array_equal(rows, everything):
+            op = ["S", kt.ref(keys.data(leaf.number)), memoryview(np.ascontiguousarray(data)).cast("B")]
+            moved.append((dataclasses.replace(leaf, col=None), op))
+        else:
+            keep.append((leaf, rows, data))
+    return keep, moved
+
+
 def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> list[list[Any]]:
     """Rows written to grouped leaves (``(leaf, rows, data (rows, element bytes))``, on whole leaves).
 
@@ -189,9 +216,8 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
     assert h.row is not None
     number, width = h.row
     key = keys.data(number)
-    first_rows = writes[0][1]
-    if _rows.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes):
-        op = _rows_op(kt, key, first_rows, _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
+    if _whole_rows_write(h, writes):
+        op = _rows_op(kt, key, writes[0][1], _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
         return [op] if op is not None else []
     ops = []
     for leaf, rows, data in writes:
@@ -371,6 +397,12 @@ def plan_write(
             leaves[path] = leaf
             changed = True
         ops += _splice_ops(kt, keys, leaf, order, elems)
+    if grouped:
+        grouped, moved = _move_out_whole(kt, keys, h, grouped)
+        for leaf, op in moved:
+            leaves[leaf.path] = leaf
+            ops.append(op)
+            changed = True
     ops += _grouped_ops(kt, keys, h, grouped)
     if new_paths:
         check_paths(list(leaves))
@@ -457,7 +489,7 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
     return h.with_leaves(leaves)
 
 
-def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: KeyTable, element: int | None = None) -> tuple[None, list[list[Any]], list[Leaf]]:
+def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: KeyTable, element: int | None = None) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """``fill_``/``zero_`` of the leaves ``paths`` (of one element, or of the whole store).
 
     The value is cast to each leaf's dtype, as ``Tensor.fill_`` does, and sent as one
@@ -490,5 +522,21 @@ def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, k
             a, b = (0, h.count * eb) if element is None else (element * eb, (element + 1) * eb)
             if b > a:
                 ops.append(["F", kt.ref(keys.data(leaf.number)), 0, a, b, pattern])
+    if fills and element is None and _whole_rows_write(h, fills):
+        # every key of the block filled whole: one row of patterns, repeated by the server
+        assert h.row is not None
+        number, width = h.row
+        row = _rows.join(width, [(leaf, np.ascontiguousarray(data[:1])) for leaf, _, data in fills])
+        ops.append(["F", kt.ref(keys.data(number)), 0, 0, h.count * width, row.tobytes()])
+        return None, ops, touched
+    if fills and element is None:
+        # keys of the block filled whole without the rest of it: each gets a blob of its own,
+        # allocated and filled by the server (nothing sent), and leaves the block
+        leaves = dict(h.leaves)
+        for leaf, _, data in fills:
+            n = h.count * leaf.element_nbytes
+            ops += [["Z", kt.ref(keys.data(leaf.number)), n], ["F", kt.ref(keys.data(leaf.number)), 0, 0, n, bytes(data[0][: leaf.dtype.itemsize])]]
+            leaves[leaf.path] = dataclasses.replace(leaf, col=None)
+        return h.with_leaves(leaves), ops, touched
     ops += _grouped_ops(kt, keys, h, fills)
     return None, ops, touched

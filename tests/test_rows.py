@@ -200,6 +200,10 @@ def test_a_bad_column_in_the_header_is_refused() -> None:
         fields["schema"] = json.dumps(bad)
         with pytest.raises(StoreFormatError):
             Header.from_fields(fields)
+    two = {**schema, "leaves": [*schema["leaves"], {"path": ["b"], "n": 1, "dtype": "int32", "ndim": 0, "shape": [], "v": 1, "col": 10}], "row": [2, 16]}
+    fields["schema"] = json.dumps(two)
+    with pytest.raises(StoreFormatError, match="overlaps"):
+        Header.from_fields(fields)  # b's bytes 10..13 overlap a's 4..11
     fields["schema"] = json.dumps(schema)
     fields["format"] = "1"  # a block in a header that says it has none
     with pytest.raises(StoreFormatError, match="row block"):
@@ -221,3 +225,59 @@ def test_one_getrange_per_row_for_a_batch_and_one_setrange_per_element(real) -> 
     after = real.commandstats()
     assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
     assert after.get("setrange", 0) - before.get("setrange", 0) == 1
+
+
+def test_reads_keep_the_store_key_order(backend) -> None:
+    local = lazy_stack([TensorDict({"a": torch.ones(2) * i, "big": torch.zeros(2000) + i, "b": torch.arange(3) + i}, []) for i in range(12)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    assert [leaf.path for leaf in store._engine.header.grouped()] == [("a",), ("b",)]  # big is too large for the block
+    want = ["a", "big", "b"]
+    assert list(store[3].to_tensordict().keys()) == want
+    assert list(store[0:5].keys()) == want and list(store.to_tensordict().keys()) == want
+    assert list(store[torch.tensor([9, 1, 4, 7, 0, 11, 2, 5, 10, 3])].keys()) == want
+
+
+def test_a_ring_write_that_moves_the_last_keys_out_of_the_block(backend) -> None:
+    ring = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+    ring.extend(TensorDict({"a": torch.ones(2, 3), "b": torch.ones(2, 2)}, [2]))
+    block = ring._engine.header.row[0]
+    ring.extend(lazy_stack([TensorDict({"a": torch.ones(3 + i) * 7, "b": torch.ones(2 + i) * 8}, []) for i in range(2)]))
+    h = ring._engine.header
+    assert h.row is None and h.leaves[("a",)].het and h.leaves[("b",)].het
+    got = ring[0:4]
+    assert [got[i]["a"].tolist() for i in range(4)] == [[1.0] * 3, [1.0] * 3, [7.0] * 3, [7.0] * 4]
+    assert [got[i]["b"].tolist() for i in range(4)] == [[1.0] * 2, [1.0] * 2, [8.0] * 2, [8.0] * 3]
+    assert not [k for k in _data_keys(backend) if k.endswith(f":d:{block}")]  # the block is gone, in every segment
+
+
+def test_a_key_of_the_block_written_or_filled_whole_alone_gets_its_own_blob(backend) -> None:
+    store, local = _store(backend, het=False)
+    local = local.to_tensordict()
+    store.set("obs", torch.arange(160.0).reshape(40, 4))  # the whole key, without the rest of the block
+    local.set("obs", torch.arange(160.0).reshape(40, 4))
+    h = store._engine.header
+    assert h.leaves[("obs",)].col is None and h.leaves[("done",)].col is not None
+    store.fill_(("nested", "b"), 5)
+    local.fill_(("nested", "b"), 5)
+    assert store._engine.header.leaves[("nested", "b")].col is None
+    assert_same(store.to_tensordict(), local)
+    store[3] = local[0]  # the block keeps working for the key left in it
+    local[3] = local[0]
+    assert_same(store.to_tensordict(), local)
+
+
+@pytest.mark.layout
+def test_whole_key_writes_and_fills_stay_a_few_commands(real) -> None:
+    store, local = _store(real, n=2000, het=False)
+    store[0]  # warm the scripts
+    before = real.commandstats()
+    store.zero_()  # every key of the block: one row of zeros that the server repeats
+    after = real.commandstats()
+    assert after.get("setrange", 0) - before.get("setrange", 0) == 1
+    assert torch.count_nonzero(store.get("obs")) == 0 and not store.get("done").any()
+    before = real.commandstats()
+    store.set("obs", torch.ones(2000, 4))  # one key alone: a blob of its own, not 2,000 ranges
+    after = real.commandstats()
+    assert after.get("setrange", 0) - before.get("setrange", 0) == 0
+    assert after.get("set", 0) - before.get("set", 0) == 1
+    assert torch.equal(store.get("obs"), torch.ones(2000, 4))
