@@ -165,13 +165,19 @@ local function add_splice(op)
   end
   local g = grow[op.dkey]
   if g == nil then
-    local olen = peek_len(op.okey)
-    g = {end_ = tds_u64(peek(op.okey, olen - 8, olen - 1), 1), delta = 0}
+    g = {delta = 0}
     grow[op.dkey] = g
   end
   g.delta = g.delta + total - (tds_u64(offs, 8 * (op.hi - op.lo + 1) + 1) - tds_u64(offs, 1))
-  if g.end_ + g.delta > limit then
-    too_large(op.dkey, g.end_ + g.delta)
+  if g.delta > 0 then
+    -- the blob grows: look up where it ends now (a same-size write never needs to)
+    if g.end_ == nil then
+      local olen = peek_len(op.okey)
+      g.end_ = tds_u64(peek(op.okey, olen - 8, olen - 1), 1)
+    end
+    if g.end_ + g.delta > limit then
+      too_large(op.dkey, g.end_ + g.delta)
+    end
   end
   ops[#ops + 1] = op
 end
