@@ -12,9 +12,14 @@ back to back, and tdstore's ``store[idx]`` right after each reference read: the 
 runs its contenders interleaved, and a call that follows another client's large pipeline
 starts with the server's caches cold, which costs a short call relatively more.
 
+With ``--alternatives`` it measures, with hand-written scripts on raw keys, the server time
+of the ways a script could fetch 256 random rows of 300 bytes (the benchmark's row block):
+one ``GETRANGE`` per row (what ``read.lua`` does), the whole 3 MB value read once with ``GET``
+and cut in Lua, and a hash of rows read with one ``HMGET`` (with the hash's memory per row).
+
 Usage::
 
-    python tools/batch_server_time.py [--binary /usr/bin/redis-server] [--reads 50] [--reference]
+    python tools/batch_server_time.py [--binary /usr/bin/redis-server] [--reads 50] [--reference] [--alternatives]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import redis
 import torch
 from tensordict import TensorDict, lazy_stack
 
@@ -37,6 +43,7 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=50, help="batches read per measurement")
     ap.add_argument("--count", type=int, default=10_000)
     ap.add_argument("--reference", action="store_true", help="also time the reference tensordict.store on the same batches")
+    ap.add_argument("--alternatives", action="store_true", help="also measure other ways a script could fetch the rows")
     args = ap.parse_args()
     with EmbeddedServer(binary=args.binary or find_redis_server()) as srv:
         els = [TensorDict(obs=torch.randn(64), action=torch.randn(4), reward=torch.randn(1), nested=TensorDict(b=torch.arange(3))) for _ in range(args.count)]
@@ -58,6 +65,39 @@ def main() -> None:
             print(f"{label:24s} wall {wall:6.2f} ms per read, server {stats['usec_per_call'] / 1000:6.2f} ms per call ({stats['calls']} calls)")
         if args.reference:
             _versus_reference(srv, lazy_stack(els), store, batches)
+        if args.alternatives:
+            _alternatives(client, args.count, batches)
+
+
+# Each gets the rows as int64 in ARGV[1]; KEYS[1] is the rows as one string, KEYS[2] a hash of them.
+_FETCH = {
+    "one GETRANGE per row": "local out = {} for i = 1, #ARGV[1] / 8 do local r = struct.unpack('<i8', ARGV[1], 8 * i - 7) "
+    "out[i] = redis.call('GETRANGE', KEYS[1], r * 300, r * 300 + 299) end return table.concat(out)",
+    "GET once, cut in Lua": "local b = redis.call('GET', KEYS[1]) local out = {} for i = 1, #ARGV[1] / 8 do "
+    "local r = struct.unpack('<i8', ARGV[1], 8 * i - 7) out[i] = string.sub(b, r * 300 + 1, r * 300 + 300) end return table.concat(out)",
+    "one HMGET of a hash of rows": "local f = {} for i = 1, #ARGV[1] / 8 do f[i] = tostring(struct.unpack('<i8', ARGV[1], 8 * i - 7)) end "
+    "return table.concat(redis.call('HMGET', KEYS[2], unpack(f)))",
+}
+
+
+def _alternatives(client: redis.Redis, count: int, batches: list[torch.Tensor]) -> None:
+    row = bytes(range(256)) + bytes(44)
+    client.set("tdstore-alt:rows", row * count)
+    for start in range(0, count, 1000):
+        client.hset("tdstore-alt:hash", mapping={str(i): row for i in range(start, min(count, start + 1000))})
+    per_row = {"string": client.memory_usage("tdstore-alt:rows") / count, "hash": client.memory_usage("tdstore-alt:hash", samples=0) / count}
+    print(f"memory per 300-byte row: {per_row['string']:.0f} B as one string, {per_row['hash']:.0f} B in a hash")
+    packed = [b.numpy().astype("<i8").tobytes() for b in batches]
+    for label, source in _FETCH.items():
+        sha = client.script_load(source)
+        for p in packed[:3]:
+            client.evalsha(sha, 2, "tdstore-alt:rows", "tdstore-alt:hash", p)
+        client.config_resetstat()
+        for p in packed:
+            client.evalsha(sha, 2, "tdstore-alt:rows", "tdstore-alt:hash", p)
+        stats = client.info("commandstats")["cmdstat_evalsha"]
+        print(f"{label:28s} server {stats['usec_per_call'] / 1000:6.3f} ms per call of 256 rows")
+    client.delete("tdstore-alt:rows", "tdstore-alt:hash")
 
 
 def _median_ms(call: Callable[[int], object], n: int, before: Callable[[int], object] | None = None) -> float:
