@@ -632,13 +632,14 @@ class Engine:
         ids = p.elements.numpy()
         lo, hi = _index.run_bounds(ids)
         order = [leaf.path for leaf in leaves]
-        widest = max((leaf.element_nbytes for leaf in _rows.units(h, leaves)[0] if not leaf.het), default=0)  # the block's rows come whole
+        units, block, grouped = _rows.units(h, leaves)
+        widest = max((leaf.element_nbytes for leaf in units if not leaf.het), default=0)  # the block's rows come whole
         if 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * widest <= JOIN_LIMIT:
             return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
         kt = KeyTable(self.keys.meta)
-        leaves, block, grouped = _rows.units(h, leaves)
+        leaves = units
         args: list[Any] = [len(leaves)]
         joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
         for leaf in leaves:

@@ -167,34 +167,22 @@ def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tu
     The tensors were just made from server bytes with the right batch dims, so the
     TensorDict is built without re-validating them (``_new_unsafe``).
     """
-    bs = torch.Size(batch_size)
-    move = device is not None and device.type != "cpu"
-    tree: dict = {}
+    if device is not None and device.type != "cpu":
+        leaves = {path: t.to(device, non_blocking=True) for path, t in leaves.items()}
     cut = len(under)
-    for path, t in leaves.items():
-        if path[:cut] != under:
-            continue
-        node = tree
-        for part in path[cut:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = t.to(device, non_blocking=True) if move else t
-
-    def make(node: dict) -> TensorDict:
-        source = {k: make(v) if isinstance(v, dict) else v for k, v in node.items()}
-        return TensorDict._new_unsafe(source=source, batch_size=bs, device=device)
-
-    return make(tree)
+    return _element_maker([path for path in leaves if path[:cut] == under], cut, torch.Size(batch_size), device)(leaves)
 
 
 def _element_maker(paths: list[NestedPath], cut: int, bs: torch.Size, device: torch.device | None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
-    """A function building one element's TensorDict from its ``{path: tensor}``, for elements that
-    all hold ``paths``: the key tree is worked out once, not once per element as :func:`build_td` does."""
+    """A function building one TensorDict from a ``{path: tensor}`` holding ``paths`` (each keyed by
+    what follows its first ``cut`` parts): the key tree is worked out once, so the elements of one
+    read share it instead of walking their paths one by one."""
     entries: list[tuple[str, Any]] = []  # (key, full path) for a leaf, (key, [paths]) for a sub-tree, in first-seen order
     subtrees: dict[str, list[NestedPath]] = {}
     for path in paths:
         rel = path[cut:]
-        if len(rel) == 1:
-            entries.append((rel[0], path))
+        if len(rel) <= 1:
+            entries.append((path[-1], path))
         elif rel[0] not in subtrees:
             subtrees[rel[0]] = [path]
             entries.append((rel[0], subtrees[rel[0]]))
