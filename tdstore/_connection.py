@@ -19,6 +19,8 @@ from typing import Any
 import redis
 from redis.connection import SSLConnection, parse_url
 
+from . import _wire
+
 _SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
 PASSWORD_ENV = "TDSTORE_PASSWORD"
 
@@ -204,8 +206,21 @@ class HeldConnection:
         self._lock = threading.Lock()
 
     def execute(self, client: Any, *args: Any) -> Any:
+        """One command; its reply as redis-py's ``read_response`` gives it."""
+
+        def send(conn: Any) -> Any:
+            conn.send_packed_command(conn.pack_command(*args), check_health=False)
+            return conn.read_response()
+
+        return self._on_held(client, send, lambda: client.execute_command(*args))
+
+    def exchange(self, client: Any, packed: list[bytes], n_replies: int) -> list[Any] | None:
+        """Commands packed by ``_wire`` and their ``n_replies`` raw replies; None when no connection can be held (see ``execute``)."""
+        return self._on_held(client, lambda conn: _wire.exchange(conn, packed, n_replies), lambda: None)
+
+    def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         if type(client).__module__.startswith("fakeredis") or not hasattr(client, "connection_pool") or not self._lock.acquire(blocking=False):
-            return client.execute_command(*args)
+            return fallback()
         try:
             pool = client.connection_pool
             if self._conn is None or self._pid != os.getpid() or self._pool is not pool:
@@ -220,15 +235,14 @@ class HeldConnection:
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 conn.disconnect()
             try:
-                conn.send_packed_command(conn.pack_command(*args), check_health=False)
-                return conn.read_response()
+                return send(conn)
             except redis.ResponseError:
                 raise
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 self._forget(disconnect=True)
                 if getattr(getattr(conn, "retry", None), "_retries", 0) <= 0:
                     raise  # the client retries nothing: neither do we
-                return client.execute_command(*args)
+                return fallback()
             except BaseException:
                 self._forget(disconnect=True)  # interrupted mid-reply: the connection's state is unknown
                 raise

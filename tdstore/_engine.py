@@ -24,13 +24,15 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _nontensor, _rows, _scripts, _segments
+from . import _codec, _index, _nontensor, _rows, _scripts, _segments, _wire
 from ._connection import ConnectionSpec, HeldConnection
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
+_MULTI = _wire.pack("MULTI")
+_EXEC = _wire.pack("EXEC")
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 #: Dense reads of at least this many bytes go through MULTI/EXEC of plain GETRANGE (see Call).
@@ -38,6 +40,11 @@ JOIN_LIMIT = 4 << 20
 #: takes 0.44 ms against 0.71 ms through the script on Redis 7.0 (0.42 / 0.40 on 6.2), at
 #: 3 MB 2.4 ms against 11.8 ms (2.4 / 6.2 on 6.2); below ~64 KB the script is as fast or faster.
 BULK_READ_BYTES = 256 << 10
+#: Reads of at least this many ranges (runs times leaves) go through MULTI/EXEC too: a GETRANGE costs
+#: about 2 us through ``redis.call`` in a script on Redis 7.0 and 0.13 us as a plain command (see ``_wire``).
+TX_MIN_RANGES = 16
+#: In such a read, a leaf whose whole blob is at most this many bytes per run is read whole and cut on the client.
+TX_WHOLE_BYTES_PER_RANGE = 2048
 #: Chunk size of those GETRANGEs.
 BULK_CHUNK = 1 << 20
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
@@ -60,9 +67,9 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 class Call:
     """One planned script call: KEYS, ARGV and how to turn the reply into a result.
 
-    A bulk read (``script == "tx"``) is sent instead as one MULTI/EXEC transaction of
-    plain ``GETRANGE`` commands in ~1 MiB chunks (``ranges``: key, start, length),
-    preceded by an ``HMGET`` of the header guards; the client compares them with
+    A read of many bytes or many ranges (``script == "tx"``) is sent instead as one MULTI/EXEC
+    transaction of plain ``GETRANGE`` commands in ~1 MiB chunks (``ranges``: per buffer of the
+    reply, runs of key, starts, lengths), preceded by an ``HMGET`` of the header guards; the client compares them with
     ``guards`` and, on a mismatch, refreshes and plans again. Atomic and one round
     trip like a script, without pushing megabytes through Lua.
     """
@@ -71,10 +78,9 @@ class Call:
     keys: list[str]
     args: list[Any]
     parse: Callable[[list], Any]
-    ranges: list[tuple[str, int, int]] | None = None
+    ranges: list[list[_wire.Piece]] | None = None  # per buffer of the reply: its byte ranges, in order
     guards: dict[str, str] | None = None
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
-    range_groups: list[int] | None = None  # consecutive ``ranges`` that make one planned range (segments)
 
 
 @dataclass
@@ -408,25 +414,29 @@ class Engine:
         raise _scripts.ServerScriptError("the write script could not be loaded")
 
     def _transaction(self, call: Call) -> list | None:
-        """Run a bulk read as MULTI/EXEC; None when a guard no longer matches (see Call)."""
+        """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call).
+
+        The commands go out packed by ``_wire`` on the held connection (on a cluster, the
+        store's primary), else through a redis-py transaction pipeline (fakeredis, another
+        thread holding the connection, a slot that moved).
+        """
         assert call.ranges is not None and call.guards is not None
         names = list(call.guards)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hmget(self.keys.meta, ["version", *names])
-        counts = []
-        for key, start, length in call.ranges:
-            n = 0
-            for a in range(start, start + length, BULK_CHUNK):
-                pipe.getrange(key, a, min(a + BULK_CHUNK, start + length) - 1)
-                n += 1
-            counts.append(n)
-        if call.range_groups is not None:  # ranges split at segment boundaries: one buffer per planned range
-            grouped, pos = [], 0
-            for g in call.range_groups:
-                grouped.append(sum(counts[pos : pos + g]))
-                pos += g
-            counts = grouped
-        results = pipe.execute()
+        getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK)
+        n = sum(counts)
+        packed = [_MULTI, _wire.pack("HMGET", self.keys.meta, "version", *names), getranges, _EXEC]
+        replies = self._exchange(packed, n + 3)  # +OK, n + 1 QUEUED, the EXEC array
+        if replies is not None:
+            results = replies[-1]
+        else:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(self.keys.meta, ["version", *names])
+            for pieces in call.ranges:
+                for key, starts, lengths in pieces:
+                    for start, length in zip(starts.tolist(), lengths.tolist()):
+                        for a in range(start, start + length, BULK_CHUNK):
+                            pipe.getrange(key, a, min(a + BULK_CHUNK, start + length) - 1)
+            results = pipe.execute()
         head = results[0]
         if head[0] is None:
             raise self.gone()
@@ -434,16 +444,28 @@ class Engine:
             return None
         pieces: list[Any] = [b"OK", head[0]]
         pos = 1
-        for n in counts:
-            # one copy of the chunks into a buffer the result tensor then owns (see from_bytes)
-            buf = bytearray(sum(len(c) for c in results[pos : pos + n]))
-            at = 0
-            for chunk in results[pos : pos + n]:
-                buf[at : at + len(chunk)] = chunk
-                at += len(chunk)
-            pos += n
-            pieces.append(buf)
+        for k in counts:
+            # the chunks of a buffer joined into one bytearray the result tensor then owns (see from_bytes)
+            pieces.append(bytearray().join(results[pos : pos + k]))
+            pos += k
         return pieces
+
+    def _exchange(self, packed: list[bytes], n_replies: int) -> list | None:
+        """Packed commands on the held connection (see ``_execute``); None to go through redis-py instead."""
+        if not self.spec.cluster:
+            return self._held.exchange(self.client, packed, n_replies)
+        node = self._node
+        if node is None:
+            node = self._node = self.client.get_node_from_key(self.keys.meta).redis_connection
+        try:
+            return self._held.exchange(node, packed, n_replies)
+        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            pass
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            pass
+        self._held.release()
+        self._node = None
+        return None
 
     # -- reads -------------------------------------------------------------------
     def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
@@ -499,7 +521,7 @@ class Engine:
         """Turn a read planned on whole leaves into segment-local ops (see ``_segments``), in place."""
         if call.script == "tx":
             assert call.ranges is not None
-            call.ranges, call.range_groups = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
+            call.ranges = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
             return
         if not call.args[2]:  # after the two version checks: the op count
             return
@@ -574,6 +596,10 @@ class Engine:
             return self._plan_empty_read(h, p, leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
+        elif self.bulk_reads and flat.size >= 2 * TX_MIN_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
+            # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
+            # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
+            uniq, inverse = flat, None
         else:
             uniq, inverse = np.unique(flat, return_inverse=True)
         lo, hi = _index.run_bounds(uniq)
@@ -584,8 +610,9 @@ class Engine:
         args: list[Any] = [len(leaves)]
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
-        bulk = self.bulk_reads and int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64
-        ranges: list[tuple[str, int, int]] = []
+        # many bytes in few runs, or many runs: plain GETRANGEs in MULTI/EXEC (see Call)
+        bulk = self.bulk_reads and ((int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64) or n_runs * len(leaves) >= TX_MIN_RANGES)
+        ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
         by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
         if by_rows:
@@ -593,13 +620,18 @@ class Engine:
         for leaf, rb in zip(leaves, row_bytes):
             feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
             if by_rows:
-                feats.append((feat, True))
+                feats.append((feat, True, False))
                 args += [_segments.row_read_op(h.segments, rb, int(uniq.size)), kt.ref(self.keys.data(leaf.number)), rb]
                 continue
-            join = not bulk and n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT
-            feats.append((feat, join))
-            if bulk:
-                ranges.extend((self.keys.data(leaf.number), int(a) * rb, int(b - a + 1) * rb) for a, b in zip(lo, hi))
+            blob = h.count * leaf.element_nbytes
+            # a small blob read whole and cut on the client costs less than one range per run
+            whole = bulk and n_runs > 1 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
+            join = bulk or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
+            feats.append((feat, join, whole))
+            if whole:
+                ranges.append([(self.keys.data(leaf.number), np.zeros(1, np.int64), np.full(1, blob, np.int64))])
+            elif bulk:
+                ranges.append([(self.keys.data(leaf.number), lo * rb, (hi - lo + 1) * rb)])
             else:
                 args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
 
@@ -607,7 +639,16 @@ class Engine:
             pos = 2
             out = {}
             shape = (int(uniq.size),)
-            for leaf, (feat, join) in zip(leaves, feats):
+            for leaf, (feat, join, whole) in zip(leaves, feats):
+                if whole:
+                    every = _codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // _codec.nbytes(feat, leaf.dtype), *feat))
+                    pos += 1
+                    pick = uniq if inverse is None else uniq[inverse]
+                    buf = every.index_select(0, torch.from_numpy(pick.astype(np.int64, copy=False)))
+                    out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
+                    if leaf is block:
+                        out.update(_rows.split(out.pop(leaf.path), grouped))
+                    continue
                 if join or n_runs == 1:
                     buf = _codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
                     pos += 1

@@ -174,7 +174,10 @@ def is_full(norm: tuple[Component, ...], batch_size: torch.Size) -> bool:
 
 
 def run_bounds(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Inclusive ``(lo, hi)`` bounds of the runs of consecutive values in sorted unique ids."""
+    """Inclusive ``(lo, hi)`` bounds of the runs of consecutive values (each one more than the last), in order.
+
+    Usually of sorted unique ids; ids in any order work too (a random batch read as asked).
+    """
     if sorted_ids.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     breaks = np.nonzero(np.diff(sorted_ids) != 1)[0]

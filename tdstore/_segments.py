@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._keys import KeyTable, StoreKeys
+from ._wire import Piece
 
 #: Default target size of one segment's blob of one leaf.  Small enough that a
 #: shape-changing write into a 1 GiB store costs about what it costs in a 4 MiB one
@@ -391,22 +392,29 @@ def _ops(flat: list[Any]) -> Iterator[str]:
         a += sizes[flat[a]]
 
 
-def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], ranges: list[tuple[str, int, int]]) -> tuple[list[tuple[str, int, int]], list[int]]:
-    """The byte ranges of a bulk read (MULTI/EXEC of GETRANGE) split at segment boundaries, and
-    how many consecutive new ranges make each planned one (the reader joins them into one buffer)."""
+def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], buffers: list[list[Piece]]) -> list[list[Piece]]:
+    """The byte ranges of a read transaction (MULTI/EXEC of GETRANGE), planned on whole leaves,
+    split at segment boundaries and addressed to the segments' keys, each buffer's ranges in order."""
     names = _names(keys, next_leaf)
-    new: list[tuple[str, int, int]] = []
-    counts = []
-    for key, start, length in ranges:
-        w = names.get(key)
-        if w is None:
-            new.append((key, start, length))
-            counts.append(1)
-            continue
-        c = 0
-        for seg, local, take in segs.split_bytes(start, length, leaf_of(w[1]).eb):
-            new.append((keys.data(w[1], seg), local, take))
-            c += 1
-        counts.append(c)
-    return new, counts
-
+    out = []
+    for pieces in buffers:
+        new: list[Piece] = []
+        for key, starts, lengths in pieces:
+            w = names.get(key)
+            if w is None or not starts.size:
+                new.append((key, starts, lengths))
+                continue
+            span = segs.per * leaf_of(w[1]).eb
+            first = starts // span
+            if bool(np.all(first == (starts + np.maximum(lengths, 1) - 1) // span)):
+                # every range inside one segment (rows, small runs): one piece per stretch of one segment
+                cuts = np.flatnonzero(np.diff(first)) + 1
+                for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [first.size])).tolist()):
+                    seg = int(first[lo])
+                    new.append((keys.data(w[1], seg), starts[lo:hi] - seg * span, lengths[lo:hi]))
+                continue
+            for start, length in zip(starts.tolist(), lengths.tolist()):
+                for seg, local, take in segs.split_bytes(start, length, leaf_of(w[1]).eb):
+                    new.append((keys.data(w[1], seg), np.array([local], dtype=np.int64), np.array([take], dtype=np.int64)))
+        out.append(new)
+    return out

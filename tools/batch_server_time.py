@@ -4,8 +4,10 @@
 Uploads the benchmark's homogeneous stack (10,000 elements: obs f32[64], action f32[4],
 reward f32[1], nested.b i64[3]) to a private redis-server, reads random batches of 256,
 and reports the wall time per read beside the server's own time per call (``INFO
-commandstats``, ``usec_per_call`` of ``EVALSHA``, reset before the reads), for
-``store[idx]`` and for the ring buffer's ``sample(256)``.
+commandstats``: ``EVALSHA`` for a script, ``MULTI`` and ``EXEC`` for a transaction of plain
+``GETRANGE``s, reset before the reads) and the server's CPU per read (``INFO cpu``, which also
+counts reading and parsing the commands), for ``store[idx]`` and for the ring buffer's
+``sample(256)``.
 
 With ``--reference`` it also times the reference ``tensordict.store`` on the same batches,
 back to back, and tdstore's ``store[idx]`` right after each reference read: the benchmark
@@ -57,12 +59,18 @@ def main() -> None:
             for i in range(5):
                 call(i % args.reads)  # warm
             client.config_resetstat()
+            cpu0 = _server_cpu(client)
             t = time.perf_counter()
             for i in range(args.reads):
                 call(i)
             wall = (time.perf_counter() - t) / args.reads * 1e3
-            stats = client.info("commandstats")["cmdstat_evalsha"]
-            print(f"{label:24s} wall {wall:6.2f} ms per read, server {stats['usec_per_call'] / 1000:6.2f} ms per call ({stats['calls']} calls)")
+            cpu = (_server_cpu(client) - cpu0) / args.reads * 1e3
+            stats = client.info("commandstats")
+            # a script call (EVALSHA) or a transaction (MULTI/EXEC of plain GETRANGEs, see tdstore/_wire.py)
+            calls = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "exec"))
+            usec = sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
+            kind = "+".join(c.upper() for c in ("evalsha", "exec") if f"cmdstat_{c}" in stats)
+            print(f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), server CPU {cpu:6.2f} ms per read")
         if args.reference:
             _versus_reference(srv, lazy_stack(els), store, batches)
         if args.alternatives:
@@ -98,6 +106,12 @@ def _alternatives(client: redis.Redis, count: int, batches: list[torch.Tensor]) 
         stats = client.info("commandstats")["cmdstat_evalsha"]
         print(f"{label:28s} server {stats['usec_per_call'] / 1000:6.3f} ms per call of 256 rows")
     client.delete("tdstore-alt:rows", "tdstore-alt:hash")
+
+
+def _server_cpu(client: redis.Redis) -> float:
+    """Seconds of CPU the server has used (user + system, all its threads): parsing and replies included."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _median_ms(call: Callable[[int], object], n: int, before: Callable[[int], object] | None = None) -> float:

@@ -617,7 +617,7 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
 
     The kill is timed from the moment the call goes on the wire: it takes a connection
     from redis-py's pool (pipelines; ``get_connection`` is wrapped to signal it) or
-    sends on the handle's held connection (scripts; its ``execute`` is wrapped), so it
+    sends on the handle's held connection (scripts and read transactions; its ``execute`` and ``exchange`` are wrapped), so it
     hits the round trip, not the planning before it.  Returns (outcome, result, exception, detail)
     where outcome is ``ConnectionError`` (the user saw it), ``retried`` (redis-py
     reconnected and the call succeeded), ``other`` (another exception) or
@@ -648,17 +648,22 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
                 env.client.client_kill_filter(_id=client_id)
             killed.append(time.perf_counter())
 
-        # script calls go out on the handle's held connection (no pool checkout): signal there too
+        # script calls and read transactions go out on the handle's held connection (no pool checkout): signal there too
         held = handle._engine._held
-        original_exec = held.execute
+        original_exec, original_exchange = held.execute, held.exchange
 
         def signalling_exec(*args: Any, original_exec: Callable[..., Any] = original_exec, sent: threading.Event = sent, **kwargs: Any) -> Any:
             sent.set()
             return original_exec(*args, **kwargs)
 
+        def signalling_exchange(*args: Any, original_exchange: Callable[..., Any] = original_exchange, sent: threading.Event = sent, **kwargs: Any) -> Any:
+            sent.set()
+            return original_exchange(*args, **kwargs)
+
         thread = threading.Thread(target=kill, daemon=True)
         pool.get_connection = signalling  # type: ignore[method-assign]
         held.execute = signalling_exec  # type: ignore[method-assign]
+        held.exchange = signalling_exchange  # type: ignore[method-assign]
         try:
             thread.start()
             result, exc, seconds = attempt(call)
@@ -666,6 +671,7 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
         finally:
             del pool.get_connection
             del held.execute
+            del held.exchange
             sent.set()
         thread.join(10)
         reconnects = connections_received(env.client) - conns0
