@@ -214,9 +214,10 @@ class HeldConnection:
 
         return self._on_held(client, send, lambda: client.execute_command(*args))
 
-    def exchange(self, client: Any, packed: list[bytes], n_replies: int) -> list[Any] | None:
-        """Commands packed by ``_wire`` and their ``n_replies`` raw replies; None when no connection can be held (see ``execute``)."""
-        return self._on_held(client, lambda conn: _wire.exchange(conn, packed, n_replies), lambda: None)
+    def transaction(self, client: Any, body: bytes, n_commands: int) -> list[Any] | None:
+        """``MULTI``, ``n_commands`` commands packed by ``_wire``, ``EXEC``: the raw ``EXEC`` reply;
+        None when no connection can be held (see ``execute``)."""
+        return self._on_held(client, lambda conn: _wire.transaction(conn, body, n_commands), lambda: None)
 
     def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         if type(client).__module__.startswith("fakeredis") or not hasattr(client, "connection_pool") or not self._lock.acquire(blocking=False):

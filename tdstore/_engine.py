@@ -31,8 +31,6 @@ from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
-_MULTI = _wire.pack("MULTI")
-_EXEC = _wire.pack("EXEC")
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 #: Dense reads of at least this many bytes go through MULTI/EXEC of plain GETRANGE (see Call).
@@ -424,11 +422,8 @@ class Engine:
         names = list(call.guards)
         getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK)
         n = sum(counts)
-        packed = [_MULTI, _wire.pack("HMGET", self.keys.meta, "version", *names), getranges, _EXEC]
-        replies = self._exchange(packed, n + 3)  # +OK, n + 1 QUEUED, the EXEC array
-        if replies is not None:
-            results = replies[-1]
-        else:
+        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names) + getranges, n + 1)
+        if results is None:
             pipe = self.client.pipeline(transaction=True)
             pipe.hmget(self.keys.meta, ["version", *names])
             for pieces in call.ranges:
@@ -450,15 +445,15 @@ class Engine:
             pos += k
         return pieces
 
-    def _exchange(self, packed: list[bytes], n_replies: int) -> list | None:
-        """Packed commands on the held connection (see ``_execute``); None to go through redis-py instead."""
+    def _transact(self, body: bytes, n_commands: int) -> list | None:
+        """A transaction of packed commands on the held connection (see ``_execute``); None to go through redis-py instead."""
         if not self.spec.cluster:
-            return self._held.exchange(self.client, packed, n_replies)
+            return self._held.transaction(self.client, body, n_commands)
         node = self._node
         if node is None:
             node = self._node = self.client.get_node_from_key(self.keys.meta).redis_connection
         try:
-            return self._held.exchange(node, packed, n_replies)
+            return self._held.transaction(node, body, n_commands)
         except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
             pass
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -498,16 +493,12 @@ class Engine:
                 call.args[:0] = check
                 return call
             norm = _index.normalize(index, h.batch_size)
-            p = _index.plan(norm, h.batch_size, h.stack_pos)
-            result["plan"] = p
-            if p.n == 0:
-                call = self._plan_empty_read(h, p, leaves)
-            elif p.element_int and p.inner_full and not per_element:
-                call = self._plan_one_element_read(h, int(p.elements[0]), leaves)
-            elif per_element or any(leaf.het for leaf in leaves):
-                call = self._plan_element_read(h, p, leaves)
+            if len(norm) == 1 and type(norm[0]) is torch.Tensor and norm[0].numel() and not per_element and not any(leaf.het for leaf in leaves):
+                # a random batch of a one-dim store: the rows are the index itself (no plan, nothing sorted)
+                result["plan"] = None
+                call = self._plan_dense_read(h, norm[0], leaves)
             else:
-                call = self._plan_dense_read(h, p, leaves)
+                call = self._plan_read(h, norm, leaves, per_element, result)
             if call.script == "tx":
                 call.guards = {"epoch": h.epoch, **({"kv": str(h.keyset_version)} if wanted is None else {}), **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves}}
             else:
@@ -516,6 +507,20 @@ class Engine:
 
         out = self.run(plan_call)
         return result["plan"], out
+
+    def _plan_read(self, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]) -> Call:
+        """Plan a read of any index (its plan goes into ``result``, which ``read`` returns)."""
+        p = _index.plan(norm, h.batch_size, h.stack_pos)
+        result["plan"] = p
+        if p.n == 0:
+            call = self._plan_empty_read(h, tuple(_index.storage_rows(p, h.inner).shape), leaves)
+        elif p.element_int and p.inner_full and not per_element:
+            call = self._plan_one_element_read(h, int(p.elements[0]), leaves)
+        elif per_element or any(leaf.het for leaf in leaves):
+            call = self._plan_element_read(h, p, leaves)
+        else:
+            call = self._plan_dense_read(h, _index.storage_rows(p, h.inner), leaves)
+        return call
 
     def _localize_read(self, h: Header, call: Call) -> None:
         """Turn a read planned on whole leaves into segment-local ops (see ``_segments``), in place."""
@@ -539,9 +544,8 @@ class Engine:
             leaves.append(leaf)
         return leaves
 
-    def _plan_empty_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+    def _plan_empty_read(self, h: Header, shape: tuple[int, ...], leaves: list[Leaf]) -> Call:
         """An index that selects nothing still checks the version (the keys and dtypes must be current)."""
-        shape = tuple(_index.storage_rows(p, h.inner).shape)
         empty = {}
         for leaf in leaves:
             feat = leaf.shape[len(h.inner) :] if leaf.shape is not None else (0,) * (leaf.ndim - len(h.inner))
@@ -589,11 +593,11 @@ class Engine:
 
         return Call("read", kt.keys, args, parse)
 
-    def _plan_dense_read(self, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
-        rows = _index.storage_rows(p, h.inner)
+    def _plan_dense_read(self, h: Header, rows: torch.Tensor, leaves: list[Leaf]) -> Call:
+        """Homogeneous leaves at storage ``rows`` (the shape of the indexed batch), as tensors of that shape."""
         flat = rows.reshape(-1).numpy()
         if flat.size == 0:
-            return self._plan_empty_read(h, p, leaves)
+            return self._plan_empty_read(h, tuple(rows.shape), leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
         elif self.bulk_reads and flat.size >= 2 * TX_MIN_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:

@@ -28,9 +28,17 @@ except ImportError:  # pragma: no cover - another redis-py layout: read reply by
     _HiredisParser = None  # type: ignore[assignment,misc]
     _NOT_ENOUGH_DATA = object()
 try:
-    from hiredis import PushNotification as _PUSH
-except ImportError:  # pragma: no cover - hiredis < 3.2 has no push type
-    _PUSH = None
+    import hiredis
+except ImportError:  # pragma: no cover - redis[hiredis] is a dependency; without it, read reply by reply
+    hiredis = None
+_PUSH = getattr(hiredis, "PushNotification", None)  # hiredis < 3.2 has no push type
+
+MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+_OK = b"+OK\r\n"
+_QUEUED = b"+QUEUED\r\n"
+_RECV_BYTES = 1 << 17
+_INCOMPLETE = object()
 
 
 def _bulk(value: bytes) -> bytes:
@@ -78,6 +86,61 @@ def exchange(conn: Any, packed: Sequence[bytes], n_replies: int) -> list[Any]:
                 replies.append(err)
     _raise_first_error(replies)
     return replies
+
+
+def transaction(conn: Any, body: bytes, n_commands: int) -> list[Any]:
+    """``MULTI``, the ``n_commands`` commands packed in ``body``, ``EXEC``: the ``EXEC`` reply (one per command).
+
+    The ``+OK`` and ``+QUEUED`` replies that come first are known in advance: they are
+    checked as one byte string and only the ``EXEC`` array goes through a hiredis reader
+    (one call instead of one per reply). Anything else (an error while queueing, a RESP3
+    push) is parsed reply by reply. Needs the connection's socket and redis-py's hiredis
+    parser with nothing buffered; otherwise ``exchange`` does the same more slowly.
+    """
+    sock = getattr(conn, "_sock", None)
+    parser = getattr(conn, "_parser", None)
+    if sock is None or hiredis is None or _HiredisParser is None or not isinstance(parser, _HiredisParser) or parser._reader is None or parser._reader.has_data():
+        return exchange(conn, [MULTI, body, EXEC], n_commands + 2)[-1]
+    conn.send_packed_command([MULTI + body + EXEC], check_health=False)
+    reader = hiredis.Reader(replyError=parser.parse_error, notEnoughData=_INCOMPLETE)
+    expected = len(_OK) + len(_QUEUED) * n_commands
+    got = bytearray()
+    try:
+        while len(got) < expected:
+            got += _recv(sock)
+        if got.startswith(_OK) and got.count(_QUEUED, len(_OK), expected) == n_commands:
+            reader.feed(got, expected)
+            replies = [_read_one(reader, sock)]
+        else:  # an error while queueing (or a push): every reply, one by one
+            reader.feed(got)
+            replies = []
+            while len(replies) < n_commands + 2:
+                r = _read_one(reader, sock)
+                if _PUSH is None or r.__class__ is not _PUSH:
+                    replies.append(r)
+    except TimeoutError as err:  # socket.timeout
+        raise redis.TimeoutError("Timeout reading from socket") from err
+    except OSError as err:
+        raise redis.ConnectionError(f"Error while reading from socket: {err}") from err
+    if reader.has_data():  # bytes after the EXEC reply (a push?): this connection can no longer be trusted
+        conn.disconnect()
+    _raise_first_error(replies)
+    return replies[-1]
+
+
+def _recv(sock: Any) -> bytes:
+    chunk = sock.recv(_RECV_BYTES)
+    if not chunk:
+        raise redis.ConnectionError("Connection closed by server.")
+    return chunk
+
+
+def _read_one(reader: Any, sock: Any) -> Any:
+    r = reader.gets(False)
+    while r is _INCOMPLETE:
+        reader.feed(_recv(sock))
+        r = reader.gets(False)
+    return r
 
 
 def _raise_first_error(replies: list[Any]) -> None:

@@ -617,7 +617,7 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
 
     The kill is timed from the moment the call goes on the wire: it takes a connection
     from redis-py's pool (pipelines; ``get_connection`` is wrapped to signal it) or
-    sends on the handle's held connection (scripts and read transactions; its ``execute`` and ``exchange`` are wrapped), so it
+    sends on the handle's held connection (scripts and read transactions; its ``execute`` and ``transaction`` are wrapped), so it
     hits the round trip, not the planning before it.  Returns (outcome, result, exception, detail)
     where outcome is ``ConnectionError`` (the user saw it), ``retried`` (redis-py
     reconnected and the call succeeded), ``other`` (another exception) or
@@ -650,20 +650,20 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
 
         # script calls and read transactions go out on the handle's held connection (no pool checkout): signal there too
         held = handle._engine._held
-        original_exec, original_exchange = held.execute, held.exchange
+        original_exec, original_transaction = held.execute, held.transaction
 
         def signalling_exec(*args: Any, original_exec: Callable[..., Any] = original_exec, sent: threading.Event = sent, **kwargs: Any) -> Any:
             sent.set()
             return original_exec(*args, **kwargs)
 
-        def signalling_exchange(*args: Any, original_exchange: Callable[..., Any] = original_exchange, sent: threading.Event = sent, **kwargs: Any) -> Any:
+        def signalling_transaction(*args: Any, original_transaction: Callable[..., Any] = original_transaction, sent: threading.Event = sent, **kwargs: Any) -> Any:
             sent.set()
-            return original_exchange(*args, **kwargs)
+            return original_transaction(*args, **kwargs)
 
         thread = threading.Thread(target=kill, daemon=True)
         pool.get_connection = signalling  # type: ignore[method-assign]
         held.execute = signalling_exec  # type: ignore[method-assign]
-        held.exchange = signalling_exchange  # type: ignore[method-assign]
+        held.transaction = signalling_transaction  # type: ignore[method-assign]
         try:
             thread.start()
             result, exc, seconds = attempt(call)
@@ -671,7 +671,7 @@ def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[],
         finally:
             del pool.get_connection
             del held.execute
-            del held.exchange
+            del held.transaction
             sent.set()
         thread.join(10)
         reconnects = connections_received(env.client) - conns0

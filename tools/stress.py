@@ -24,7 +24,8 @@ Writer kinds: ``element`` (``store[i] = td``), ``update`` (``store[i].update(td)
 agree in shape, else a lazy stack.  With fewer than five writers, writers mix
 kinds so that every kind runs.  Reader kinds: ``element``
 (``store[i].to_tensordict()``), ``slice``, ``step``, ``batch``
-(``store[torch.randint(...)]``) and ``column`` (``store["stamp"]``).
+(``store[torch.randint(...)]``), ``rows`` (``store.get_at("obs", idx)`` at 32-128 random
+rows: one transaction of plain ``GETRANGE``s) and ``column`` (``store["stamp"]``).
 
 ``--schema-races`` adds one process that keeps changing the schema (adds and
 deletes ``extra_k``, renames ``aux`` back and forth, changes the dtype and the shape
@@ -88,8 +89,8 @@ from tdstore.cluster_server import EmbeddedCluster  # noqa: E402
 from tdstore.server import EmbeddedServer, check_loopback, resolve_binary  # noqa: E402
 
 WRITE_KINDS = ("element", "update", "slice", "step", "index")
-READ_KINDS = ("element", "slice", "step", "batch", "column")
-READ_WEIGHTS = (4, 2, 2, 3, 1)
+READ_KINDS = ("element", "slice", "step", "batch", "rows", "column")
+READ_WEIGHTS = (4, 2, 2, 3, 2, 1)
 SCHEMA_KINDS = ("add", "delete", "rename", "dtype")
 
 #: Sequence numbers stay below this so that they are exact in float32 obs leaves (24-bit mantissa).
@@ -463,9 +464,21 @@ def _reader_step(run: _Run, obs: _Observer) -> bool:
             res = tally.timed(f"read.{kind}", lambda: store[a:b:k])
             obs.batch(list(range(a, b, k)), res, f"store[{a}:{b}:{k}]")
         elif kind == "batch":
-            idx = torch.randint(0, n, (rng.randint(1, 16),))
+            # small batches go through read.lua, larger scattered ones through a MULTI/EXEC of plain GETRANGEs
+            idx = torch.randint(0, n, (rng.randint(1, 16) if rng.random() < 0.5 else rng.randint(32, 96),))
             res = tally.timed("read.batch", lambda: store[idx])
             obs.batch(idx.tolist(), res, f"store[{idx.tolist()}]")
+        elif kind == "rows":
+            # one homogeneous key at many scattered rows: a MULTI/EXEC of plain GETRANGEs
+            idx = torch.randint(0, n, (rng.randint(32, 128),))
+            got = tally.timed("read.rows", lambda: store.get_at("obs", idx))
+            for row, o in zip(idx.tolist(), got.unbind(0)):
+                w, seq = int(o[0]), int(o[1])
+                want = make_element(w, seq, row)["obs"] if w == obs.owner[row] and 0 <= seq < SEQ_LIMIT else None
+                if want is None or not torch.equal(o, want):
+                    tally.torn_element(f"store.get_at('obs', ...) row {row}: {_describe(o)}, not what writer {obs.owner[row]} writes")
+                    return True
+                obs.seq(row, seq, f"store.get_at('obs', {idx.tolist()})")
         else:
             col = tally.timed("read.column", lambda: store["stamp"])
             if tuple(col.shape) != (n, 2):
