@@ -33,14 +33,14 @@ MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
-#: Dense reads of at least this many bytes go through MULTI/EXEC of plain GETRANGE (see Call).
-#: Measured on one server (a read of the benchmark's rows, medians): at 300 KB the transaction
-#: takes 0.44 ms against 0.71 ms through the script on Redis 7.0 (0.42 / 0.40 on 6.2), at
-#: 3 MB 2.4 ms against 11.8 ms (2.4 / 6.2 on 6.2); below ~64 KB the script is as fast or faster.
-BULK_READ_BYTES = 256 << 10
-#: Reads of at least this many ranges (runs times leaves) go through MULTI/EXEC too: a GETRANGE costs
-#: about 2 us through ``redis.call`` in a script on Redis 7.0 and 0.13 us as a plain command (see ``_wire``).
-TX_MIN_RANGES = 16
+#: Dense reads (homogeneous leaves only) go through MULTI/EXEC of plain GETRANGE (see Call) at any size:
+#: a GETRANGE costs about 2 us through ``redis.call`` in a script on Redis 7.0 and under 1 us as a
+#: queued command, and bulk bytes through Lua cost more again. Measured (the benchmark's rows, one
+#: slice, script against transaction): 4 rows 0.29 / 0.27 ms, 256 rows 0.43 / 0.34 ms, 4,096 rows
+#: 2.53 / 0.78 ms; a random batch of 256 rows 0.72 / 0.38 ms (``tools/batch_server_time.py``).
+#: A random batch of at least this many rows is read in the order asked, duplicates included
+#: (smaller ones are sorted and deduplicated, which costs less than it saves there).
+SCATTERED_MIN_ROWS = 32
 #: In such a read, a leaf whose whole blob is at most this many bytes per run is read whole and cut on the client.
 TX_WHOLE_BYTES_PER_RANGE = 2048
 #: Chunk size of those GETRANGEs.
@@ -65,7 +65,7 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
 class Call:
     """One planned script call: KEYS, ARGV and how to turn the reply into a result.
 
-    A read of many bytes or many ranges (``script == "tx"``) is sent instead as one MULTI/EXEC
+    A dense read (``script == "tx"``, homogeneous leaves only) is sent instead as one MULTI/EXEC
     transaction of plain ``GETRANGE`` commands in ~1 MiB chunks (``ranges``: per buffer of the
     reply, runs of key, starts, lengths), preceded by an ``HMGET`` of the header guards; the client compares them with
     ``guards`` and, on a mismatch, refreshes and plans again. Atomic and one round
@@ -174,7 +174,7 @@ class Engine:
         self._epoch: str | None = None  # the creation this handle belongs to
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
-        self.bulk_reads = True  # large reads as MULTI/EXEC of plain GETRANGE (see Call)
+        self.bulk_reads = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call)
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
@@ -600,7 +600,7 @@ class Engine:
             return self._plan_empty_read(h, tuple(rows.shape), leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
-        elif self.bulk_reads and flat.size >= 2 * TX_MIN_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
+        elif self.bulk_reads and flat.size >= SCATTERED_MIN_ROWS and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
             # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
             # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
             uniq, inverse = flat, None
@@ -614,8 +614,8 @@ class Engine:
         args: list[Any] = [len(leaves)]
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
-        # many bytes in few runs, or many runs: plain GETRANGEs in MULTI/EXEC (see Call)
-        bulk = self.bulk_reads and ((int(uniq.size) * sum(row_bytes) >= BULK_READ_BYTES and n_runs <= 64) or n_runs * len(leaves) >= TX_MIN_RANGES)
+        # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
+        bulk = self.bulk_reads
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
         by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT

@@ -147,7 +147,13 @@ def plan(norm: tuple[Component, ...], batch_size: torch.Size, stack_pos: int) ->
         local_s = 0
     elif isinstance(s, slice):
         picked = range(s.start, s.stop, s.step)
-        elements = torch.tensor(sorted(picked), dtype=torch.int64)
+        # sorted ascending: a reversed slice's elements backwards (flipped back below)
+        if not picked:
+            elements = torch.zeros(0, dtype=torch.int64)
+        elif s.step > 0:
+            elements = torch.arange(s.start, s.stop, s.step, dtype=torch.int64)
+        else:
+            elements = torch.arange(picked[-1], s.start + 1, -s.step, dtype=torch.int64)
         local_s = slice(0, len(picked), 1)
         if s.step < 0:
             flips.append(stack_pos)

@@ -80,6 +80,26 @@ def top_level_commands(client_factory, fn) -> list[str]:
     return seen
 
 
+def round_trips(commands: list[str]) -> list[str]:
+    """``commands`` (from ``top_level_commands``) with each MULTI ... EXEC as one ``"transaction"``.
+
+    A read transaction goes out in one write and its replies come back together (tested in
+    ``test_wire.py``), so it is one round trip like an EVALSHA.
+    """
+    out: list[str] = []
+    inside = False
+    for c in commands:
+        if c == "multi":
+            inside = True
+        elif c == "exec":
+            inside = False
+            out.append("transaction")
+        elif not inside:
+            out.append(c)
+    assert not inside, commands
+    return out
+
+
 def load_tool(name: str):
     """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
     import importlib.util

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_stack, top_level_commands
+from helpers import make_stack, round_trips, top_level_commands
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore
 
 
 def count_commands(backend, fn) -> tuple[int, int]:
-    """(commands clients sent, EVALSHA calls) while ``fn`` ran: MONITOR and INFO commandstats agree."""
+    """(round trips clients made, EVALSHA calls and read transactions among them) while ``fn`` ran:
+    MONITOR and INFO commandstats agree. A MULTI ... EXEC counts once (see ``helpers.round_trips``)."""
     before = backend.commandstats()
-    cmds = top_level_commands(backend.client, fn)
+    cmds = round_trips(top_level_commands(backend.client, fn))
     after = backend.commandstats()
     evalsha = after.get("evalsha", 0) - before.get("evalsha", 0)
-    assert cmds.count("evalsha") == evalsha, (cmds, evalsha)
-    return len(cmds), evalsha
+    transactions = after.get("exec", 0) - before.get("exec", 0)
+    assert cmds.count("evalsha") == evalsha and cmds.count("transaction") == transactions, (cmds, evalsha, transactions)
+    return len(cmds), evalsha + transactions
 
 
 @pytest.fixture(params=[True, False], ids=["het", "homog"])
@@ -78,10 +80,10 @@ EXPECTED = {"del": 2, "keys": 0, "len and in": 0, "apply_ (read, then write)": 2
 
 @pytest.mark.parametrize("name", list(OPS))
 def test_one_round_trip(store, real, name):
-    total, evalsha = count_commands(real, lambda: OPS[name](store))
+    total, calls = count_commands(real, lambda: OPS[name](store))
     want = EXPECTED.get(name, 1)
     assert total == want, f"{name}: {total} commands"
-    assert evalsha == (0 if "(HMGET)" in name or "(PTTL)" in name else want)
+    assert calls == (0 if "(HMGET)" in name or "(PTTL)" in name else want)
 
 
 def test_from_store_is_one_read_only_round_trip(store, real):

@@ -121,9 +121,9 @@ MAX_WRITER_OPS = 1_000_000
 #: Seq numbers of kill round ``r`` start at ``r * ROUND_SEQ`` (exact in float32 up to 2**24).
 ROUND_SEQ = 100_000
 SAW_WIDTH = 110
-#: Reads and whole-leaf writes of at least this many bytes take tdstore's bulk paths
-#: (MULTI/EXEC of plain GETRANGEs; plain SETRANGEs into a staging key moved by the script).
-BULK_BYTES = max(getattr(_engine, "BULK_READ_BYTES", 4 << 20), getattr(_engine, "BULK_WRITE_BYTES", 4 << 20))
+#: Whole-leaf writes of at least this many bytes take tdstore's bulk path (plain SETRANGEs into a
+#: staging key moved by the script); dense reads of any size are a MULTI/EXEC of plain GETRANGEs.
+BULK_BYTES = getattr(_engine, "BULK_WRITE_BYTES", 4 << 20)
 BULK_COUNT = 16
 BULK_WIDTH = -(-BULK_BYTES // (4 * BULK_COUNT))  # float32 per element, so that one leaf is BULK_BYTES
 
