@@ -79,6 +79,8 @@ class Call:
     ranges: list[list[_wire.Piece]] | None = None  # per buffer of the reply: its byte ranges, in order
     guards: dict[str, str] | None = None
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
+    fields: list[str] | None = None  # header fields a transaction also reads (HMGET, after the guards)
+    field_values: dict[str, bytes | None] | None = None  # ... and what it read
 
 
 @dataclass
@@ -87,6 +89,8 @@ class DenseResult:
 
     batch_size: torch.Size
     leaves: dict[NestedPath, torch.Tensor]
+    fields: dict[str, bytes | None] | None = None
+    """Header fields read in the same transaction (``read(..., fields=...)``); None when the read went through a script."""
 
 
 @dataclass
@@ -175,6 +179,7 @@ class Engine:
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
         self.bulk_reads = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call)
+        self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
@@ -348,7 +353,10 @@ class Engine:
                 if reply is None:  # the header moved: refresh, plan again
                     self.set_header(self.fetch_header())
                     continue
-                return call.parse(reply)
+                out = call.parse(reply)
+                if call.fields and isinstance(out, DenseResult):
+                    out.fields = call.field_values
+                return out
             self._check_argument_sizes(call)
             reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self._execute)
             status = reply[0]
@@ -422,10 +430,11 @@ class Engine:
         names = list(call.guards)
         getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK)
         n = sum(counts)
-        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names) + getranges, n + 1)
+        extra = call.fields or []
+        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names, *extra) + getranges, n + 1)
         if results is None:
             pipe = self.client.pipeline(transaction=True)
-            pipe.hmget(self.keys.meta, ["version", *names])
+            pipe.hmget(self.keys.meta, ["version", *names, *extra])
             for pieces in call.ranges:
                 for key, starts, lengths in pieces:
                     for start, length in zip(starts.tolist(), lengths.tolist()):
@@ -435,8 +444,9 @@ class Engine:
         head = results[0]
         if head[0] is None:
             raise self.gone()
-        if [v.decode() if v is not None else None for v in head[1:]] != [call.guards[n] for n in names]:
+        if [v.decode() if v is not None else None for v in head[1 : 1 + len(names)]] != [call.guards[n] for n in names]:
             return None
+        call.field_values = dict(zip(extra, head[1 + len(names) :]))
         pieces: list[Any] = [b"OK", head[0]]
         pos = 1
         for k in counts:
@@ -463,7 +473,7 @@ class Engine:
         return None
 
     # -- reads -------------------------------------------------------------------
-    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
+    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False, fields: Sequence[str] = ()) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
         """Read leaves at ``index`` in one round trip.
 
         ``paths`` names the leaves; ``None`` reads every leaf below ``under`` (all
@@ -471,7 +481,9 @@ class Engine:
         refresh after STALE picks up added, renamed or deleted keys.  Returns the
         plan (None for one whole element, read without planning) and either a dense result (tensors of the indexed batch shape) or, when
         a heterogeneous leaf is read or ``per_element`` is set, the touched elements
-        one by one (to be stacked lazily by the caller).
+        one by one (to be stacked lazily by the caller). ``fields`` names header fields
+        to read atomically with a dense read (``DenseResult.fields``; None when the read
+        went through a script instead).
         """
         wanted = None if paths is None else list(paths)
         result: dict[str, Any] = {}
@@ -501,6 +513,7 @@ class Engine:
                 call = self._plan_read(h, norm, leaves, per_element, result)
             if call.script == "tx":
                 call.guards = {"epoch": h.epoch, **({"kv": str(h.keyset_version)} if wanted is None else {}), **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves}}
+                call.fields = list(fields)
             else:
                 call.args[:0] = check
             return call

@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from . import _codec, _rows
-from ._engine import Call, Engine, het_rows, leaf_checks
+from ._engine import Call, DenseResult, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
@@ -353,6 +353,15 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
+    h = engine.header
+    if engine.ring_full and engine.bulk_reads and h.stack_pos == 0 and h.leaves and not any(leaf.het for leaf in h.leaves.values()):
+        # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
+        # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
+        slots = draws % h.count
+        _, res = engine.read(slots, fields=("rw",))
+        rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
+        if rw is not None and int(rw) >= h.count:
+            return Sample(build_td(res.leaves, res.batch_size, device), slots, generations(slots, int(rw), h.count))
     packed = _codec.pack_i64(draws.numpy())
 
     def plan_call(h: Header) -> Call:
@@ -368,7 +377,9 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
         def parse(reply: list) -> Sample:
-            return _decode_sample(h, leaves, reply, batch_size, device, block, grouped)
+            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped)
+            engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
+            return got
 
         return Call("read", kt.keys, args, parse)
 

@@ -7,7 +7,8 @@ and reports the wall time per read beside the server's own time per call (``INFO
 commandstats``: ``EVALSHA`` for a script, ``MULTI`` and ``EXEC`` for a transaction of plain
 ``GETRANGE``s, reset before the reads) and the server's CPU per read (``INFO cpu``, which also
 counts reading and parsing the commands), for ``store[idx]`` and for the ring buffer's
-``sample(256)``.
+``sample(256)`` (half full: ``read.lua`` draws among the written slots; full: the client maps
+the draws to slots and reads them in a transaction).
 
 With ``--reference`` it also times the reference ``tensordict.store`` on the same batches,
 back to back, and tdstore's ``store[idx]`` right after each reference read: the benchmark
@@ -55,7 +56,14 @@ def main() -> None:
         batches = [torch.randint(args.count, (256,), generator=gen) for _ in range(args.reads)]
         ring = LazyStackedTensorDictStore(url=srv.url, count=args.count)
         ring.extend(lazy_stack(els[: args.count // 2]))
-        for label, call in (("store[idx], 256 random", lambda i: store[batches[i]]), ("ring.sample(256)", lambda i: ring.sample(256, gen))):
+        full = LazyStackedTensorDictStore(url=srv.url, count=args.count)
+        full.extend(lazy_stack(els))
+        calls = (
+            ("store[idx], 256 random", lambda i: store[batches[i]]),
+            ("ring.sample(256), half", lambda i: ring.sample(256, gen)),  # read.lua draws among the written slots
+            ("ring.sample(256), full", lambda i: full.sample(256, gen)),  # a full ring: a transaction
+        )
+        for label, call in calls:
             for i in range(5):
                 call(i % args.reads)  # warm
             client.config_resetstat()
