@@ -264,18 +264,23 @@ class Engine:
         """
         if not self.spec.cluster:
             return self._held.execute(client, *args)
+        return self._on_store_node(client, lambda node: self._held.execute(node, *args), lambda: client.execute_command(*args))
+
+    def _on_store_node(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
+        """``send`` to the client of the cluster primary that serves the store; ``fallback()`` after a
+        redirect or when that node cannot be reached (the next call looks the node up again)."""
         node = self._node
         if node is None:
             node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
         try:
-            return self._held.execute(node, *args)
+            return send(node)
         except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
             pass
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             pass
         self._held.release()
         self._node = None
-        return client.execute_command(*args)
+        return fallback()
 
     def fetch_header(self) -> Header:
         """Read the header in one round trip (``HGETALL``); never writes."""
@@ -459,18 +464,7 @@ class Engine:
         """A transaction of packed commands on the held connection (see ``_execute``); None to go through redis-py instead."""
         if not self.spec.cluster:
             return self._held.transaction(self.client, body, n_commands)
-        node = self._node
-        if node is None:
-            node = self._node = self.client.get_node_from_key(self.keys.meta).redis_connection
-        try:
-            return self._held.transaction(node, body, n_commands)
-        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
-            pass
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            pass
-        self._held.release()
-        self._node = None
-        return None
+        return self._on_store_node(self.client, lambda node: self._held.transaction(node, body, n_commands), lambda: None)
 
     # -- reads -------------------------------------------------------------------
     def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False, fields: Sequence[str] = ()) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
