@@ -43,6 +43,9 @@ JOIN_LIMIT = 4 << 20
 SCATTERED_MIN_ROWS = 32
 #: In such a read, a leaf whose whole blob is at most this many bytes per run is read whole and cut on the client.
 TX_WHOLE_BYTES_PER_RANGE = 2048
+#: A read of more ranges than this (a random batch of many thousands of rows) goes through read.lua:
+#: the server keeps every queued command of a transaction until EXEC (about 200 bytes each).
+TX_MAX_RANGES = 50_000
 #: Chunk size of those GETRANGEs.
 BULK_CHUNK = 1 << 20
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
@@ -607,7 +610,7 @@ class Engine:
             return self._plan_empty_read(h, tuple(rows.shape), leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
-        elif self.bulk_reads and flat.size >= SCATTERED_MIN_ROWS and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
+        elif self.bulk_reads and SCATTERED_MIN_ROWS <= flat.size and flat.size * len(leaves) <= TX_MAX_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
             # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
             # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
             uniq, inverse = flat, None
@@ -622,7 +625,7 @@ class Engine:
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
         # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
-        bulk = self.bulk_reads
+        bulk = self.bulk_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
         by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
