@@ -46,7 +46,9 @@
           replace elements lo..hi (0-based, inclusive) of a heterogeneous leaf by
           'data' (their bytes back to back, sizes given) and their shape records by
           'shapes' (rec bytes each); when the sizes change, the bytes after the run
-          move and every later offset is shifted: O(count - lo) work.
+          move and every later offset is shifted: O(count - lo) work. A one-dim leaf
+          (rec 8) whose sizes stay the same keeps its shape records: they follow
+          from the sizes, so they are already the ones given.
 
     'W', n
           reserve the next n slots of the ring (the store's count is its capacity):
@@ -399,7 +401,7 @@ local function splice(op)
     if #op.data > 0 then
       redis.call('SETRANGE', op.dkey, first, op.data)
     end
-    if op.rec > 0 then
+    if op.rec > 8 then  -- one dim: the same sizes are the same shapes (see the header)
       redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
     end
     return
