@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,6 +187,18 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
 
 
 
+_HELD: weakref.WeakSet[HeldConnection] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for held in list(_HELD):
+        held._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class HeldConnection:
     """One connection taken from a client's pool and kept for a handle's script calls.
 
@@ -204,6 +217,14 @@ class HeldConnection:
         self._pool: Any = None
         self._pid = 0
         self._lock = threading.Lock()
+        _HELD.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # a fork taken while another thread held the lock would leave it held in the child for
+        # ever (close() and the finalizer would block); the parent's socket is never used here
+        self._lock = threading.Lock()
+        self._conn = self._pool = None
+        self._pid = 0
 
     def execute(self, client: Any, *args: Any) -> Any:
         """One command; its reply as redis-py's ``read_response`` gives it."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import secrets
 import struct
+import threading
 import time
 import uuid
 import weakref
@@ -31,6 +32,7 @@ from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
+_NO_TRANSACTION = object()
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 #: Dense reads (homogeneous leaves only) go through MULTI/EXEC of plain GETRANGE (see Call) at any size:
@@ -181,7 +183,8 @@ class Engine:
         self._epoch: str | None = None  # the creation this handle belongs to
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
-        self.bulk_reads = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call)
+        self.bulk_reads = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
+        self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
@@ -351,13 +354,15 @@ class Engine:
             if call.script == "tx":
                 try:
                     reply = self._transaction(call)
-                except redis.exceptions.ResponseError:
-                    # e.g. at maxmemory, Redis refuses to queue commands in MULTI: read through the script
-                    self.bulk_reads = False
-                    try:
-                        return self._run(plan)
-                    finally:
-                        self.bulk_reads = True
+                except redis.exceptions.ResponseError as err:
+                    # a server or ACL user without MULTI/EXEC (for good), or one that refuses the
+                    # transaction now (at maxmemory, say): this call reads through the script
+                    text = str(err).lower()
+                    if "noperm" in text or "unknown command" in text or "no permissions" in text:
+                        self.bulk_reads = False
+                    return self._run_with_script_reads(plan)
+                if reply is _NO_TRANSACTION:  # a cluster slot that moved, a node away: the script follows redirects
+                    return self._run_with_script_reads(plan)
                 if reply is None:  # the header moved: refresh, plan again
                     self.set_header(self.fetch_header())
                     continue
@@ -381,6 +386,18 @@ class Engine:
                 raise self.gone()
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
+
+    @property
+    def _tx_reads(self) -> bool:
+        """Whether this thread's dense reads go as transactions now (see ``bulk_reads``)."""
+        return self.bulk_reads and not getattr(self._script_reads, "on", False)
+
+    def _run_with_script_reads(self, plan: Callable[[Header], Call]) -> Any:
+        self._script_reads.on = True
+        try:
+            return self._run(plan)
+        finally:
+            self._script_reads.on = False
 
     def _check_argument_sizes(self, call: Call) -> None:
         """Refuse, before sending, an argument the server would not accept as one string.
@@ -427,20 +444,23 @@ class Engine:
             return last
         raise _scripts.ServerScriptError("the write script could not be loaded")
 
-    def _transaction(self, call: Call) -> list | None:
-        """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call).
+    def _transaction(self, call: Call) -> Any:
+        """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call),
+        ``_NO_TRANSACTION`` when it cannot be sent on a cluster (the caller reads through the script).
 
         The commands go out packed by ``_wire`` on the held connection (on a cluster, the
         store's primary), else through a redis-py transaction pipeline (fakeredis, another
-        thread holding the connection, a slot that moved).
+        thread holding the connection).
         """
         assert call.ranges is not None and call.guards is not None
         names = list(call.guards)
-        getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK)
+        getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
         n = sum(counts)
         extra = call.fields or []
-        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names, *extra) + getranges, n + 1)
+        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding) + getranges, n + 1)
         if results is None:
+            if self.spec.cluster:
+                return _NO_TRANSACTION
             pipe = self.client.pipeline(transaction=True)
             pipe.hmget(self.keys.meta, ["version", *names, *extra])
             for pieces in call.ranges:
@@ -468,6 +488,16 @@ class Engine:
         if not self.spec.cluster:
             return self._held.transaction(self.client, body, n_commands)
         return self._on_store_node(self.client, lambda node: self._held.transaction(node, body, n_commands), lambda: None)
+
+    @property
+    def _key_encoding(self) -> tuple[str, str]:
+        """How the client encodes key names (read transactions pack them themselves, and must name the same keys)."""
+        enc = self.__dict__.get("_key_enc")
+        if enc is None:
+            get = getattr(self.client, "get_encoder", None)
+            e = get() if get is not None else None
+            enc = self.__dict__["_key_enc"] = (getattr(e, "encoding", "utf-8"), getattr(e, "encoding_errors", "strict"))
+        return enc
 
     # -- reads -------------------------------------------------------------------
     def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False, fields: Sequence[str] = ()) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
@@ -610,7 +640,7 @@ class Engine:
             return self._plan_empty_read(h, tuple(rows.shape), leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
-        elif self.bulk_reads and SCATTERED_MIN_ROWS <= flat.size and flat.size * len(leaves) <= TX_MAX_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
+        elif self._tx_reads and SCATTERED_MIN_ROWS <= flat.size and flat.size * len(leaves) <= TX_MAX_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
             # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
             # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
             uniq, inverse = flat, None
@@ -625,7 +655,7 @@ class Engine:
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
         # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
-        bulk = self.bulk_reads and n_runs * len(leaves) <= TX_MAX_RANGES
+        bulk = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
         by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
@@ -639,7 +669,7 @@ class Engine:
                 continue
             blob = h.count * leaf.element_nbytes
             # a small blob read whole and cut on the client costs less than one range per run
-            whole = bulk and n_runs > 1 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
+            whole = bulk and n_runs > 1 and rb > 0 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
             join = bulk or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
             feats.append((feat, join, whole))
             if whole:

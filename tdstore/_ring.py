@@ -354,7 +354,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     h = engine.header
-    if engine.ring_full and engine.bulk_reads and h.stack_pos == 0 and h.leaves and not any(leaf.het for leaf in h.leaves.values()):
+    if engine.ring_full and engine._tx_reads and h.stack_pos == 0 and h.leaves and not any(leaf.het for leaf in h.leaves.values()):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
         # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
         slots = draws % h.count

@@ -405,6 +405,9 @@ def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Ca
                 new.append((key, starts, lengths))
                 continue
             span = segs.per * leaf_of(w[1]).eb
+            if span == 0:  # a leaf of zero-size elements: nothing to read anywhere
+                new.append((key, starts, lengths))
+                continue
             first = starts // span
             if bool(np.all(first == (starts + np.maximum(lengths, 1) - 1) // span)):
                 # every range inside one segment (rows, small runs): one piece per stretch of one segment

@@ -45,16 +45,32 @@ def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
-def pack(*args: bytes | str | int) -> bytes:
-    """One command in RESP (bytes, str as UTF-8, int in decimal)."""
+def pack(*args: bytes | str | int, encoding: tuple[str, str] = ("utf-8", "strict")) -> bytes:
+    """One command in RESP (bytes, str in ``encoding`` (name, errors) as the client encodes it, int in decimal)."""
     parts = [b"*%d\r\n" % len(args)]
     for a in args:
         if isinstance(a, str):
-            a = a.encode()
+            a = a.encode(*encoding)
         elif isinstance(a, int):
             a = b"%d" % a
         parts.append(_bulk(a))
     return b"".join(parts)
+
+
+def _fast_path_ok(conn: Any, parser: Any) -> bool:
+    """Whether replies can be taken from a hiredis reader directly: redis-py's hiredis parser,
+    and pushes told apart from replies (hiredis 3.2 or newer, or a RESP2 connection)."""
+    return _HiredisParser is not None and isinstance(parser, _HiredisParser) and getattr(parser, "_reader", None) is not None and (_PUSH is not None or str(getattr(conn, "protocol", 2) or 2) == "2")
+
+
+def _is_push(r: Any, parser: Any) -> bool:
+    """A RESP3 out-of-band push (client tracking, maintenance notices): handed to redis-py's handler, not a reply."""
+    if _PUSH is None or r.__class__ is not _PUSH:
+        return False
+    handle = getattr(parser, "handle_push_response", None)
+    if handle is not None:
+        handle(r)
+    return True
 
 
 def exchange(conn: Any, packed: Sequence[bytes], n_replies: int) -> list[Any]:
@@ -66,19 +82,18 @@ def exchange(conn: Any, packed: Sequence[bytes], n_replies: int) -> list[Any]:
     """
     conn.send_packed_command([b"".join(packed)], check_health=False)
     parser = getattr(conn, "_parser", None)
-    reader = getattr(parser, "_reader", None)
     replies: list[Any] = []
-    if _HiredisParser is not None and isinstance(parser, _HiredisParser) and reader is not None:
-        gets, more, push = reader.gets, parser.read_from_socket, _PUSH
+    if _fast_path_ok(conn, parser):
+        gets, more = parser._reader.gets, parser.read_from_socket
         left = n_replies
         while left:
             r = gets(False)
             if r is _NOT_ENOUGH_DATA:
                 more()
-            elif push is None or r.__class__ is not push:  # RESP3 out-of-band pushes are not replies
+            elif not _is_push(r, parser):
                 replies.append(r)
                 left -= 1
-    else:
+    else:  # read_response handles pushes itself
         for _ in range(n_replies):
             try:
                 replies.append(conn.read_response(disable_decoding=True))
@@ -92,40 +107,53 @@ def transaction(conn: Any, body: bytes, n_commands: int) -> list[Any]:
     """``MULTI``, the ``n_commands`` commands packed in ``body``, ``EXEC``: the ``EXEC`` reply (one per command).
 
     The ``+OK`` and ``+QUEUED`` replies that come first are known in advance: they are
-    checked as one byte string and only the ``EXEC`` array goes through a hiredis reader
-    (one call instead of one per reply). Anything else (an error while queueing, a RESP3
-    push) is parsed reply by reply. Needs the connection's socket and redis-py's hiredis
-    parser with nothing buffered; otherwise ``exchange`` does the same more slowly.
+    compared byte for byte as they arrive, and only the ``EXEC`` array goes through a hiredis
+    reader (one call instead of one per reply). At the first byte that differs (an error while
+    queueing, a server or ACL user without ``MULTI``, a RESP3 push) every reply is parsed one
+    by one instead. Needs the connection's socket and redis-py's hiredis parser with nothing
+    buffered; otherwise ``exchange`` does the same more slowly.
     """
     sock = getattr(conn, "_sock", None)
     parser = getattr(conn, "_parser", None)
-    if sock is None or hiredis is None or _HiredisParser is None or not isinstance(parser, _HiredisParser) or parser._reader is None or parser._reader.has_data():
-        return exchange(conn, [MULTI, body, EXEC], n_commands + 2)[-1]
+    if sock is None or hiredis is None or not _fast_path_ok(conn, parser) or parser._reader.has_data():
+        replies = exchange(conn, [MULTI, body, EXEC], n_commands + 2)
+        return _exec_reply(conn, replies[-1], n_commands)
     conn.send_packed_command([MULTI + body + EXEC], check_health=False)
-    reader = hiredis.Reader(replyError=parser.parse_error, notEnoughData=_INCOMPLETE)
-    expected = len(_OK) + len(_QUEUED) * n_commands
+    reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse, replyError=parser.parse_error, notEnoughData=_INCOMPLETE)
+    prefix = _OK + _QUEUED * n_commands
     got = bytearray()
     try:
-        while len(got) < expected:
+        while len(got) < len(prefix) and prefix.startswith(got):
             got += _recv(sock)
-        if got.startswith(_OK) and got.count(_QUEUED, len(_OK), expected) == n_commands:
-            reader.feed(got, expected)
-            replies = [_read_one(reader, sock)]
-        else:  # an error while queueing (or a push): every reply, one by one
+        if got.startswith(prefix):
+            reader.feed(got, len(prefix))
+            r = _read_one(reader, sock)
+            while _is_push(r, parser):
+                r = _read_one(reader, sock)
+            replies = [r]
+        else:  # not the replies of a queued transaction: every reply, one by one
             reader.feed(got)
             replies = []
             while len(replies) < n_commands + 2:
                 r = _read_one(reader, sock)
-                if _PUSH is None or r.__class__ is not _PUSH:
+                if not _is_push(r, parser):
                     replies.append(r)
     except TimeoutError as err:  # socket.timeout
         raise redis.TimeoutError("Timeout reading from socket") from err
     except OSError as err:
         raise redis.ConnectionError(f"Error while reading from socket: {err}") from err
-    if reader.has_data():  # bytes after the EXEC reply (a push?): this connection can no longer be trusted
+    if reader.has_data():  # bytes after the EXEC reply: this connection can no longer be trusted
         conn.disconnect()
     _raise_first_error(replies)
-    return replies[-1]
+    return _exec_reply(conn, replies[-1], n_commands)
+
+
+def _exec_reply(conn: Any, reply: Any, n_commands: int) -> list[Any]:
+    """``reply`` when it is what EXEC answers for ``n_commands`` commands; otherwise the connection is out of step."""
+    if isinstance(reply, list) and len(reply) == n_commands:
+        return reply
+    conn.disconnect()
+    raise redis.exceptions.InvalidResponse(f"expected EXEC to answer {n_commands} replies, got {type(reply).__name__}")
 
 
 def _recv(sock: Any) -> bytes:
@@ -161,9 +189,10 @@ def _raise_first_error(replies: list[Any]) -> None:
 Piece = tuple[str, np.ndarray, np.ndarray]
 
 
-def pack_chunked_getranges(buffers: Sequence[Sequence[Piece]], chunk: int) -> tuple[bytes, list[int]]:
+def pack_chunked_getranges(buffers: Sequence[Sequence[Piece]], chunk: int, encoding: tuple[str, str] = ("utf-8", "strict")) -> tuple[bytes, list[int]]:
     """``GETRANGE``s reading every range of every piece of every buffer, in order, in pieces of at
-    most ``chunk`` bytes, and how many commands each buffer takes (an empty range takes none)."""
+    most ``chunk`` bytes, and how many commands each buffer takes (an empty range takes none).
+    Key names are encoded as ``encoding`` (name, errors), as the client encodes them."""
     out: list[bytes] = []
     counts: list[int] = []
     for pieces in buffers:
@@ -172,7 +201,7 @@ def pack_chunked_getranges(buffers: Sequence[Sequence[Piece]], chunk: int) -> tu
             if not starts.size:
                 continue
             if int(lengths.min()) > 0 and int(lengths.max()) <= chunk:  # the common case: no loop in Python
-                out.append(_getranges(key.encode(), starts, starts + lengths - 1))
+                out.append(_getranges(key.encode(*encoding), starts, starts + lengths - 1))
                 n += int(starts.size)
                 continue
             firsts, lasts = [], []
@@ -181,7 +210,7 @@ def pack_chunked_getranges(buffers: Sequence[Sequence[Piece]], chunk: int) -> tu
                     firsts.append(a)
                     lasts.append(min(a + chunk, start + length) - 1)
             if firsts:
-                out.append(_getranges(key.encode(), firsts, lasts))
+                out.append(_getranges(key.encode(*encoding), firsts, lasts))
                 n += len(firsts)
         counts.append(n)
     return b"".join(out), counts

@@ -438,6 +438,25 @@ def test_read_only_acl_user(real, redis_server):
     store.clear_redis()
 
 
+def test_read_only_acl_user_without_transactions_reads_dense_keys(real, redis_server):
+    """The read-only ACL user above has no MULTI/EXEC (``@transaction``): dense reads, which are
+    transactions, come back through read.lua, and the handle stops trying after the first NOPERM.
+    One-byte rows at 256 scattered places are the case where the server's replies to the
+    unqueued commands are shorter than the +OK/+QUEUED replies the reader waits for."""
+    admin = real.client()
+    admin.execute_command("ACL", "SETUSER", "learner2", *READ_ONLY_ACL[:1], ">readpw2", *READ_ONLY_ACL[2:])
+    n = 600_000
+    done = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.5
+    store = TensorDictStore.from_tensordict(TensorDict(done=done, batch_size=[n]), **real.kwargs())
+    url = f"unix://learner2:readpw2@{redis_server.unix_socket_path}?socket_timeout=30"
+    ro = TensorDictStore.from_store(url=url, td_id=store.td_id, prefix=real.prefix, readonly=True)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:256]
+    assert torch.equal(ro[idx]["done"], done[idx])
+    assert ro._store._engine.bulk_reads is False  # no transaction is tried again
+    assert torch.equal(ro[1000:1300]["done"], done[1000:1300])
+    store.clear_redis()
+
+
 def provide_password() -> str:
     """A picklable password provider (module level), as a user would write one."""
     return "providedpw"

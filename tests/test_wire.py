@@ -198,3 +198,64 @@ def test_a_read_of_very_many_ranges_goes_through_the_script(real, monkeypatch) -
     assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1 and after.get("exec", 0) == before.get("exec", 0)
     assert_same(got, local[idx])
     assert_same(store[::3], local[::3])  # 167 runs: the script too
+
+
+def test_scattered_reads_with_a_zero_size_key(backend) -> None:
+    """A key of zero-size elements reads nothing, whichever way its ranges are planned (whole or per row)."""
+    n = 300
+    td = TensorDict(x=torch.arange(n * 3.0).reshape(n, 3), e=torch.zeros(n, 0), batch_size=[n])
+    store = TensorDictStore.from_tensordict(td, **backend.kwargs())
+    seg = TensorDictStore.from_tensordict(td, segment_bytes=64, **backend.kwargs())  # many segments
+    gen = torch.Generator().manual_seed(6)
+    for idx in ([3, 0], slice(None, None, 2), torch.randint(n, (64,), generator=gen), torch.randperm(n, generator=gen)[:100]):
+        for s in (store, seg):
+            got = s[idx]
+            assert torch.equal(got["x"], td["x"][idx]) and got["e"].shape == td["e"][idx].shape
+
+
+def test_a_fork_while_another_thread_holds_the_connection(real) -> None:
+    """The child of a fork taken mid-call gets a free lock and no connection: it reads and closes."""
+    import multiprocessing as mp
+
+    store, local = _rows_store(real)
+    store[0]
+    held = store._engine._held
+    with held._lock:  # another thread is in the middle of a call when the fork happens
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_reads_and_closes, args=(store, q))
+        p.start()
+        p.join(60)
+    assert p.exitcode == 0 and q.get(timeout=5) == "ok"
+
+
+def _child_reads_and_closes(store, q) -> None:
+    idx = torch.arange(100, 0, -3)
+    assert store._engine._held._lock.acquire(blocking=False)  # not inherited held
+    store._engine._held._lock.release()
+    assert torch.equal(store[idx]["obs"], store.to_tensordict()["obs"][idx])
+    store.close()
+    q.put("ok")
+
+
+def test_resp3_pushes_are_handed_to_redis_py_not_taken_for_replies(real) -> None:
+    """With client tracking on (RESP3), an invalidation push can arrive before a transaction's
+    replies: it goes to redis-py's push handler, and the EXEC reply is still the one returned."""
+    client = _client(real, protocol=3)
+    key = f"wire-{uuid.uuid4().hex}"
+    client.set(key, b"abcdef")
+    c = client.connection_pool.get_connection()
+    try:
+        seen = []
+        c._parser.handle_push_response = lambda r: seen.append(r)
+        c.send_command("CLIENT", "TRACKING", "on")
+        assert c.read_response() in (b"OK", "OK")
+        c.send_command("GET", key)  # now tracked
+        c.read_response()
+        _client(real).set(key, b"ghijkl")  # another client changes it: an invalidation push for c
+        got = _wire.transaction(c, _wire.pack("GETRANGE", key, 0, 2) + _wire.pack("GETRANGE", key, 3, 5), 2)
+        assert got == [b"ghi", b"jkl"] and seen and b"invalidate" in seen[0][0]
+        assert _ping_works(c)
+    finally:
+        client.connection_pool.release(c)
+        client.delete(key)
