@@ -183,7 +183,7 @@ class Engine:
         self._epoch: str | None = None  # the creation this handle belongs to
         self._max_value_bytes: int | None = None
         self.value_limit = 512 << 20
-        self.bulk_reads = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
+        self.transactions = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
         self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
@@ -359,7 +359,7 @@ class Engine:
                     # transaction now (at maxmemory, say): this call reads through the script
                     text = str(err).lower()
                     if "noperm" in text or "unknown command" in text or "no permissions" in text:
-                        self.bulk_reads = False
+                        self.transactions = False
                     return self._run_with_script_reads(plan)
                 if reply is _NO_TRANSACTION:  # a cluster slot that moved, a node away: the script follows redirects
                     return self._run_with_script_reads(plan)
@@ -389,8 +389,8 @@ class Engine:
 
     @property
     def _tx_reads(self) -> bool:
-        """Whether this thread's dense reads go as transactions now (see ``bulk_reads``)."""
-        return self.bulk_reads and not getattr(self._script_reads, "on", False)
+        """Whether this thread's dense reads go as transactions now (see ``transactions``)."""
+        return self.transactions and not getattr(self._script_reads, "on", False)
 
     def _run_with_script_reads(self, plan: Callable[[Header], Call]) -> Any:
         self._script_reads.on = True

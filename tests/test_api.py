@@ -452,7 +452,7 @@ def test_read_only_acl_user_without_transactions_reads_dense_keys(real, redis_se
     ro = TensorDictStore.from_store(url=url, td_id=store.td_id, prefix=real.prefix, readonly=True)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:256]
     assert torch.equal(ro[idx]["done"], done[idx])
-    assert ro._store._engine.bulk_reads is False  # no transaction is tried again
+    assert ro._store._engine.transactions is False  # no transaction is tried again
     assert torch.equal(ro[1000:1300]["done"], done[1000:1300])
     store.clear_redis()
 
