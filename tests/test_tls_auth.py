@@ -16,8 +16,9 @@ import pytest
 import redis
 import torch
 from helpers import assert_same, make_stack
+from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore.server import EmbeddedServer, ServerStartError
 
 
@@ -69,6 +70,28 @@ def test_store_over_tls_with_an_acl_user(tls_server):
     with pytest.raises(redis.ConnectionError):
         redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
     store.clear_redis()
+
+
+def test_read_transactions_over_tls(tls_server):
+    """Dense reads are hand-packed MULTI/EXECs read from the connection's socket: over TLS too,
+    small (a random batch) and large (several 1 MiB chunks arriving in many TLS records)."""
+    srv, port, folder = tls_server
+    url = f"rediss://actor:s3cret@127.0.0.1:{port}/0"
+    n = 4000
+    td = TensorDict(obs=torch.randn(n, 64), act=torch.arange(n * 2).reshape(n, 2), batch_size=[n])
+    big = TensorDict(x=torch.randn(8, 300_000), batch_size=[8])  # 9.6 MB
+    store = TensorDictStore.from_tensordict(td, url=url, ssl_ca_certs=str(folder / "ca.crt"), prefix="tls")
+    large = TensorDictStore.from_tensordict(big, url=url, ssl_ca_certs=str(folder / "ca.crt"), prefix="tls")
+    admin = srv.client()
+    admin.config_resetstat()
+    idx = torch.randint(n, (256,), generator=torch.Generator().manual_seed(0))
+    assert_same(store[idx], td[idx])
+    assert_same(store[100:900], td[100:900])
+    assert_same(large.to_tensordict(), big)
+    stats = admin.info("commandstats")
+    assert stats["cmdstat_exec"]["calls"] == 3 and "cmdstat_evalsha" not in stats
+    store.clear_redis()
+    large.clear_redis()
 
 
 def test_wrong_credentials_give_a_clear_error(tls_server):
