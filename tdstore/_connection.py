@@ -187,6 +187,14 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
 
 
 
+def _checkout(pool: Any) -> Any:
+    """A connection from ``pool``: redis-py 5.0 wants a command name, later releases warn when given one."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("EVALSHA")
+
+
 _HELD: weakref.WeakSet[HeldConnection] = weakref.WeakSet()
 
 
@@ -247,7 +255,7 @@ class HeldConnection:
             pool = client.connection_pool
             if self._conn is None or self._pid != os.getpid() or self._pool is not pool:
                 self._forget()
-                self._conn, self._pool, self._pid = pool.get_connection(), pool, os.getpid()
+                self._conn, self._pool, self._pid = _checkout(pool), pool, os.getpid()
             conn = self._conn
             try:
                 # as redis-py does on checkout: a socket the server closed while idle (EOF) or

@@ -33,6 +33,7 @@ from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 MAX_RETRIES = 64
 _PAIR = struct.Struct("<qq")
 _NO_TRANSACTION = object()
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
 JOIN_LIMIT = 4 << 20
 #: Dense reads (homogeneous leaves only) go through MULTI/EXEC of plain GETRANGE (see Call) at any size:
@@ -284,6 +285,10 @@ class Engine:
             pass
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             pass
+        except redis.exceptions.ResponseError as err:
+            # redis-py 5.0's plain client gives a cluster redirect as a bare ResponseError
+            if str(err).split(" ", 1)[0] not in _REDIRECTS:
+                raise
         self._held.release()
         self._node = None
         return fallback()
