@@ -470,9 +470,8 @@ class Engine:
             pipe.hmget(self.keys.meta, ["version", *names, *extra])
             for pieces in call.ranges:
                 for key, starts, lengths in pieces:
-                    for start, length in zip(starts.tolist(), lengths.tolist()):
-                        for a in range(start, start + length, BULK_CHUNK):
-                            pipe.getrange(key, a, min(a + BULK_CHUNK, start + length) - 1)
+                    for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
+                        pipe.getrange(key, first, last)
             results = pipe.execute()
         head = results[0]
         if head[0] is None:
@@ -660,10 +659,10 @@ class Engine:
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
         # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
-        bulk = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
+        tx = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
-        by_rows = not bulk and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        by_rows = not tx and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
         if by_rows:
             args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
         for leaf, rb in zip(leaves, row_bytes):
@@ -674,12 +673,12 @@ class Engine:
                 continue
             blob = h.count * leaf.element_nbytes
             # a small blob read whole and cut on the client costs less than one range per run
-            whole = bulk and n_runs > 1 and rb > 0 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
-            join = bulk or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
+            whole = tx and n_runs > 1 and rb > 0 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
+            join = tx or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
             feats.append((feat, join, whole))
             if whole:
                 ranges.append([(self.keys.data(leaf.number), np.zeros(1, np.int64), np.full(1, blob, np.int64))])
-            elif bulk:
+            elif tx:
                 ranges.append([(self.keys.data(leaf.number), lo * rb, (hi - lo + 1) * rb)])
             else:
                 args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
@@ -714,7 +713,7 @@ class Engine:
                 out = {path: out[path] for path in order}
             return DenseResult(rows.shape, out)
 
-        if bulk:
+        if tx:
             return Call("tx", kt.keys, [], parse, ranges=ranges)
         return Call("read", kt.keys, args, parse)
 
