@@ -33,7 +33,9 @@ local function tds_stale(meta)
 end
 
 -- Check that the store exists and that the caller's cached header still describes
--- what it is about to touch. 'spec' is '<epoch>:<check>'. The epoch is a random token
+-- what it is about to touch. 'spec' is '<epoch>:<check>', optionally followed by
+-- '@<token>': the header's schema lock (field 'lk', see lock.lua) must then be held
+-- with that token (the commit of a schema change of a spread store). The epoch is a random token
 -- written when the store was created, so a handle on a store that was deleted and
 -- created again under the same id is refused. <check> is 'V<n>' (the whole schema must
 -- be at version n: used by schema changes), 'K<n>' (the key set must be at version n:
@@ -66,6 +68,13 @@ local function tds_check(meta, spec, leaves)
   if head[2] ~= epoch then
     return tds_stale(meta)
   end
+  local at = string.find(check, '@', 1, true)
+  if at then
+    if redis.call('HGET', meta, 'lk') ~= string.sub(check, at + 1) then
+      return tds_stale(meta)
+    end
+    check = string.sub(check, 1, at - 1)
+  end
   local kind = string.sub(check, 1, 1)
   if kind == 'V' then
     if cur ~= string.sub(check, 2) then
@@ -97,10 +106,14 @@ end
 
 -- Give KEYS[first..last] a time to live of ttl milliseconds, or none when ttl is 0: every key
 -- of a store gets the same absolute deadline (read from TIME once: Redis 6 does not stop its
--- clock inside a script, so relative PEXPIREs a millisecond apart would differ).
-local function tds_expire_keys(first, last, ttl)
+-- clock inside a script, so relative PEXPIREs a millisecond apart would differ). 'at', when
+-- given (a non-empty string), is that deadline in Unix milliseconds: a spread store's calls on
+-- several nodes all use the one the client read from the header's node.
+local function tds_expire_keys(first, last, ttl, at)
   local deadline = nil
-  if ttl > 0 then
+  if ttl > 0 and at ~= nil and at ~= '' then
+    deadline = tds_num(at, 'deadline')
+  elseif ttl > 0 then
     local now = redis.call('TIME')
     deadline = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl
   end

@@ -12,6 +12,8 @@
   KEYS[2..]   every data / offset / shape key of the store
   ARGV[1]     the upload token
   ARGV[2]     the store's time to live in milliseconds, '0' for none
+  ARGV[3]     optional: the deadline in Unix milliseconds that ARGV[2] stands for (a spread
+              store: its segments on other nodes got the same one)
 
   Reply       {'OK'}; {'GONE'} when the header expired or was deleted meanwhile.
   Errors      'TDSTORE upload lost' when the header is not this upload's.
@@ -25,5 +27,5 @@ if state ~= 'uploading:' .. ARGV[1] then
   error('TDSTORE upload lost: the store header is not in this upload\'s state')
 end
 redis.call('HSET', meta, 'state', 'ready')
-tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'))
+tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'), ARGV[3])
 return {'OK'}

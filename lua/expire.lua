@@ -11,6 +11,8 @@
   KEYS[2..]   every data / offset / shape key of the store
   ARGV[1]     '<epoch>:V<version>': the schema version the client listed the keys from
   ARGV[2]     time to live in milliseconds; '0' removes it (PERSIST)
+  ARGV[3]     optional: the deadline in Unix milliseconds that ARGV[2] stands for (a spread
+              store: every segment, on whichever node, gets the same one)
 
   Reply       {'OK'}; {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' when ARGV[2] is not a number.
@@ -20,5 +22,5 @@ local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
 end
-tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'))
+tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'), ARGV[3])
 return {'OK'}

@@ -25,7 +25,7 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _nontensor, _rows, _scripts, _segments, _wire
+from . import _codec, _index, _nontensor, _rows, _scripts, _segments, _spread, _wire
 from ._connection import ConnectionSpec, HeldConnection
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
@@ -87,6 +87,8 @@ class Call:
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
     fields: list[str] | None = None  # header fields a transaction also reads (HMGET, after the guards)
     field_values: dict[str, bytes | None] | None = None  # ... and what it read
+    ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
+    schema: Header | None = None  # a write's new header (a schema change), else None
 
 
 @dataclass
@@ -171,12 +173,22 @@ class Engine:
     """Plans and runs the script calls of one store on one server."""
 
     def __init__(
-        self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None = None, *, owns_client: bool = True, readonly: bool = False, segment_bytes: int | None = None
+        self,
+        spec: ConnectionSpec,
+        keys: StoreKeys,
+        client: redis.Redis | None = None,
+        *,
+        owns_client: bool = True,
+        readonly: bool = False,
+        segment_bytes: int | None = None,
+        spread: bool = False,
     ) -> None:
         self.spec = spec
         # on Redis Cluster every key of a store shares the header's hash tag (one slot), so a
-        # call may still touch the header and any segment; see StoreKeys.spread
-        self.keys = replace(keys, spread=False) if spec.cluster else keys
+        # call may still touch the header and any segment, unless the store is spread over the
+        # nodes (see _spread; the header says which, and set_header follows it)
+        self.spread = spread and spec.cluster  # a store this handle creates is spread
+        self.keys = replace(keys, spread=self.spread) if spec.cluster else keys
         self._client = client
         self._owns_client = owns_client
         self.readonly = readonly
@@ -254,6 +266,8 @@ class Engine:
             elif header.epoch != self._epoch:
                 self._header = None
                 raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
+            if self.spec.cluster and self.keys.spread != header.spread:
+                self.keys = replace(self.keys, spread=header.spread)
         self._header = header
 
     def command(self, *args: Any) -> Any:
@@ -320,6 +334,8 @@ class Engine:
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""
+        if self.spread and not header.spread:
+            header = replace(header, spread=True)
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
@@ -332,7 +348,10 @@ class Engine:
         if reply[0] == b"OK":
             self.set_header(header)
             return None
-        return Header.from_fields(_pairs(reply[1:]))
+        existing = Header.from_fields(_pairs(reply[1:]))
+        if self.spec.cluster:
+            self.keys = replace(self.keys, spread=existing.spread)
+        return existing
 
     # -- running calls ---------------------------------------------------------
     def run(self, plan: Callable[[Header], Call]) -> Any:
@@ -356,16 +375,19 @@ class Engine:
             call = plan(header)
             if header.segments.n > 1 and call.script in ("read", "tx"):
                 self._localize_read(header, call)
+            if self._spreads(header, call):
+                reply = self._spread_call(plan, header, call)
+                if reply is None:  # refreshed: plan again
+                    if attempt >= 8:
+                        time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+                    continue
+                if reply is not _spread.LOCAL:
+                    return reply[0]
             if call.script == "tx":
                 try:
                     reply = self._transaction(call)
                 except redis.exceptions.ResponseError as err:
-                    # a server or ACL user without MULTI/EXEC (for good), or one that refuses the
-                    # transaction now (at maxmemory, say): this call reads through the script
-                    text = str(err).lower()
-                    if "noperm" in text or "unknown command" in text or "no permissions" in text:
-                        self.transactions = False
-                    return self._run_with_script_reads(plan)
+                    return self._transaction_refused(err, plan)
                 if reply is _NO_TRANSACTION:  # a cluster slot that moved, a node away: the script follows redirects
                     return self._run_with_script_reads(plan)
                 if reply is None:  # the header moved: refresh, plan again
@@ -391,6 +413,53 @@ class Engine:
                 raise self.gone()
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
+
+    @staticmethod
+    def _spreads(header: Header, call: Call) -> bool:
+        """Whether ``call`` is cut per segment (a spread store's call that reaches past segment 0's slot)."""
+        return header.spread and call.script in ("read", "write", "tx") and (header.segments.n > 1 or (call.schema is not None and call.schema.segments.n > 1))
+
+    def _spread_call(self, plan: Callable[[Header], Call], header: Header, call: Call) -> Any:
+        """A spread store's call (see ``_spread``): ``(result,)``, ``_spread.LOCAL`` when it stays in
+        segment 0, or None to plan again. While another client's schema change is under way the call
+        waits for it and plans again here, without counting a lost race, for at most the lock's lease."""
+        deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
+        while True:
+            self._check_argument_sizes(call)
+            if call.schema is not None:
+                reply = _spread.run_schema_change(self, header, call)
+            elif call.script == "tx":
+                try:
+                    reply = _spread.run_transaction(self, header, call)
+                except redis.exceptions.ResponseError as err:
+                    return (self._transaction_refused(err, plan),)
+            else:
+                reply = _spread.run_data(self, header, call)
+            if reply is _spread.WAIT:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.001 * random.random())
+                header = self.header
+                call = plan(header)
+                if header.segments.n > 1 and call.script in ("read", "tx"):
+                    self._localize_read(header, call)
+                if not self._spreads(header, call):
+                    return None
+                continue
+            if reply is None or reply is _spread.LOCAL:
+                return reply
+            out = call.parse(reply)
+            if call.fields and isinstance(out, DenseResult):
+                out.fields = call.field_values
+            return (out,)
+
+    def _transaction_refused(self, err: redis.exceptions.ResponseError, plan: Callable[[Header], Call]) -> Any:
+        """A server or ACL user without MULTI/EXEC (for good), or one that refuses the transaction now
+        (at maxmemory a server refuses to queue commands): this call reads through the script."""
+        text = str(err).lower()
+        if "noperm" in text or "unknown command" in text or "no permissions" in text:
+            self.transactions = False
+        return self._run_with_script_reads(plan)
 
     @property
     def _tx_reads(self) -> bool:
@@ -662,7 +731,7 @@ class Engine:
         tx = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
-        by_rows = not tx and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        by_rows = not tx and not h.spread and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
         if by_rows:
             args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
         for leaf, rb in zip(leaves, row_bytes):
@@ -723,7 +792,7 @@ class Engine:
         order = [leaf.path for leaf in leaves]
         units, block, grouped = _rows.units(h, leaves)
         widest = max((leaf.element_nbytes for leaf in units if not leaf.het), default=0)  # the block's rows come whole
-        if 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * widest <= JOIN_LIMIT:
+        if not h.spread and 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * widest <= JOIN_LIMIT:
             return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
@@ -856,6 +925,7 @@ class Engine:
             else:
                 args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
             staged: list[tuple[str, Any]] = []
+            sent = []
             for op in ops:
                 if op[0] == "S" and len(op[2]) >= BULK_WRITE_BYTES:
                     # a large new blob: staged by plain SETRANGE in the same round trip, moved by the script
@@ -864,12 +934,13 @@ class Engine:
                     staged.append((stage, op[2]))
                     op = ["M", kt.ref(stage), op[1], len(op[2])]
                 args.extend(op)
+                sent.append(op)
             state["new"] = new_header or h
 
             def parse(reply: list) -> tuple[Header, bytes | None]:
                 return state["new"], reply[2] if len(reply) > 2 else None
 
-            return Call("write", kt.keys, args, parse, staged=staged or None)
+            return Call("write", kt.keys, args, parse, staged=staged or None, ops=sent, schema=new_header)
 
         header, extra = self.run(plan_call)
         self.set_header(header)
@@ -888,7 +959,7 @@ class Engine:
             return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1]))
 
         try:
-            deleted = self.run(plan_call)
+            deleted = self._run_spread(_spread.clear) if _spread.spreads(self.header) else self.run(plan_call)
         except KeyError:
             deleted = 0
         finally:
@@ -901,7 +972,21 @@ class Engine:
         """ARGV after the version check of ``clear.lua``: the td_id, and on Cluster no registry key."""
         return [self.keys.td_id, "noreg"] if self.spec.cluster else [self.keys.td_id]
 
+    def _run_spread(self, step: Callable[[Engine, Header], Any]) -> Any:
+        """``step(self, header)`` until it gives a result (None: it refreshed the header, try again)."""
+        for attempt in range(MAX_RETRIES):
+            out = step(self, self.header)
+            if out is not None:
+                return out
+            if attempt >= 8:
+                time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+        raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
+
     def abort_upload(self, next_leaf: int, segments: int) -> None:
+        if self.spec.cluster and self.keys.spread and segments > 1:  # one call per segment: they live on several nodes
+            calls = [("clear", [self.keys.guard(seg), *self.keys.segment_keys(next_leaf, seg)], ["*", self.keys.td_id, "noreg"]) for seg in range(1, segments)]
+            _scripts.call_many(self.client, calls)
+            segments = 1
         _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", *self._clear_args()])
         if self.spec.cluster:
             self.client.srem(self.keys.registry, self.keys.td_id)
@@ -934,7 +1019,10 @@ class Engine:
         def plan_call(h: Header) -> Call:
             return Call("expire", self.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
-        self.run(plan_call)
+        if _spread.spreads(self.header):
+            self._run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms) or None)
+        else:
+            self.run(plan_call)
 
     def ttl_ms(self) -> int | None:
         """Milliseconds left before the store expires, ``None`` when it does not (one round trip)."""

@@ -9,6 +9,9 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
                            byte offset per element of the segment, plus one (starts at 0)
     T:s:<n>        string  shape table of a heterogeneous leaf in one segment: one record of
                            ndim int64 LE per element
+    T:g            hash    guard of segment k > 0 of a *spread* store (Redis Cluster, segments on
+                           several nodes): copies of the header's epoch and version, checked
+                           by every call on the segment (the header lives on another node)
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
@@ -16,8 +19,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
 ``T`` is the segment's own hash-tagged base: ``P:{I}`` for segment 0 (so a store of
 one segment has exactly the keys above, O(K) for K leaves) and ``P:{I%s<k>}`` for
 segment k > 0.  Segments are ranges of elements of the stack (see ``_segments``);
-each has its own hash tag (on Redis Cluster, for now, they share the header's: see
-``StoreKeys.spread``).  The
+each has its own hash tag (on Redis Cluster only in a *spread* store; the others keep
+every segment under the header's: see ``StoreKeys.spread``).  The
 ``%s`` cannot come out of :func:`escape` (which writes ``%`` followed by two upper-case
 hex digits), so no id's segment 0 can be named like another id's segment k.
 
@@ -59,9 +62,9 @@ def registry_key(prefix: str) -> str:
 class StoreKeys:
     """Key names of one store, computed once per handle.
 
-    ``spread=False`` (stores on Redis Cluster, for now) keeps every segment under the
-    header's hash tag, as ``P:{I}%s<k>:d:<n>``, so that a call may still touch the
-    header and several segments in one slot.
+    ``spread=False`` (stores on Redis Cluster that are not spread) keeps every segment
+    under the header's hash tag, as ``P:{I}%s<k>:d:<n>``, so that a call may still touch
+    the header and several segments in one slot.
     """
 
     prefix: str
@@ -91,6 +94,20 @@ class StoreKeys:
         if not self.spread:
             return f"{self.base}%s{seg}"
         return f"{self._escaped[0]}:{{{self._escaped[1]}%s{seg}}}"
+
+    def guard(self, seg: int) -> str:
+        """The hash a call on segment ``seg`` of a spread store checks: the header itself for segment 0."""
+        return self.meta if seg == 0 else f"{self.segment_base(seg)}:g"
+
+    def segment_of(self, key: str) -> int:
+        """The segment that a key of this store (data, table, guard or staging key) belongs to."""
+        head = f"{self._escaped[0]}:{{{self._escaped[1]}"
+        if not key.startswith(head):
+            raise ValueError(f"{key!r} is not a key of this store")
+        rest = key[len(head) :]
+        if not rest.startswith("%s"):
+            return 0
+        return int(rest[2 : rest.index("}" if self.spread else ":")])
 
     def data(self, leaf: int, seg: int = 0) -> str:
         return f"{self.segment_base(seg) if seg else self.base}:d:{leaf}"

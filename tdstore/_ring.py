@@ -248,6 +248,7 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
 
 def extend(engine: Engine, value: Any) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
+    refuse_spread(engine)
     h0 = engine.header
     n = _batch_len(value, h0)
     if not 1 <= n <= h0.count:
@@ -264,6 +265,15 @@ def extend(engine: Engine, value: Any) -> RingWrite:
     start = int(extra)
     writes = torch.arange(start, start + n, dtype=torch.int64)
     return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
+
+
+def refuse_spread(engine: Engine) -> None:
+    """Ring calls reserve slots and pick rows on the server, over every segment at once: one slot only."""
+    if engine.header.spread:
+        raise NotImplementedError(
+            f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
+            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True"
+        )
 
 
 def _int_tensor(value: Any) -> torch.Tensor:
@@ -306,6 +316,7 @@ def _last_of_each(slots: torch.Tensor, gens: torch.Tensor) -> tuple[list[int], l
 
 def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.Tensor:
     """Write ``value`` at the slots whose generation still matches; returns which rows were applied."""
+    refuse_spread(engine)
     h0 = engine.header
     scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
     slots = slots_of(index, h0.count)
@@ -353,6 +364,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
+    refuse_spread(engine)
     h = engine.header
     if engine.ring_full and engine._tx_reads and h.stack_pos == 0 and h.leaves and not any(leaf.het for leaf in h.leaves.values()):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,

@@ -35,7 +35,10 @@ FORMAT = "1"
 FORMAT_ROWS = "2"
 """Layout version of a store that has (or had) a row block: tdstore versions that do not know
 the block refuse it instead of reading grouped keys from blobs that do not exist."""
-FORMATS = (FORMAT, FORMAT_ROWS)
+#: A spread store (Redis Cluster): each segment under its own hash tag with a guard hash
+#: (``_keys``); releases that do not know it refuse the store instead of reading the wrong keys.
+FORMAT_SPREAD = "3"
+FORMATS = (FORMAT, FORMAT_ROWS, FORMAT_SPREAD)
 """The formats this tdstore reads; a header of another format is refused."""
 
 NestedPath = tuple[str, ...]
@@ -152,6 +155,10 @@ class Header:
     Set when a store gets its first keys; a leaf leaves the block (its column stays as a
     dead gap) when it is deleted or changes layout, and the block goes with its last leaf."""
 
+    spread: bool = False
+    """Segments on several Redis Cluster nodes: each under its own hash tag, guarded by a copy
+    of the epoch and version next to it (``_keys``); set when the store is created."""
+
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
     """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
@@ -227,7 +234,7 @@ class Header:
             parts.extend(f"lv:{n}=-" for n in sorted(gone))
         if self.seg and (old is None or old.seg != self.seg):
             parts.append(f"seg={self.seg}")
-        if self.row is not None and (old is None or old.row is None):
+        if self.row is not None and (old is None or old.row is None) and not self.spread:
             parts.append(f"format={FORMAT_ROWS}")  # the first keys made a row block (a ring's first write)
         return " ".join(parts)
 
@@ -240,7 +247,7 @@ class Header:
         guards = {"kv": str(self.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in self.leaves.values()}}
         return {
             **guards,
-            "format": FORMAT_ROWS if self.row is not None else FORMAT,
+            "format": FORMAT_SPREAD if self.spread else FORMAT_ROWS if self.row is not None else FORMAT,
             "epoch": self.epoch,
             "type": self.kind,
             "version": str(self.version),
@@ -293,7 +300,7 @@ class Header:
         if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
             raise StoreFormatError("store header has a corrupt schema")
         row = schema.get("row")
-        if row is not None and fmt != FORMAT_ROWS:
+        if row is not None and fmt == FORMAT:
             raise StoreFormatError(f"store header of format {fmt!r} has a row block")
         if row is not None and not (isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]):
             raise StoreFormatError(f"store header has a bad row block {row!r}")
@@ -331,6 +338,7 @@ class Header:
             batchless=f.get("batchless") == "1",
             tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
             seg=seg,
+            spread=fmt == FORMAT_SPREAD,
             row=tuple(row) if row is not None else None,  # type: ignore[arg-type]
         )
 

@@ -13,7 +13,9 @@ trip on every execute.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -24,7 +26,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy")
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard")
 
 
 class ServerScriptError(RuntimeError):
@@ -79,6 +81,103 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any], execu
             return run(client, "EVAL", text, len(keys), *keys, *args)
     except ResponseError as err:
         raise translate(err) from None
+
+
+_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+
+
+class _Redirected(Exception):
+    """A node answered a call with a cluster redirect: its calls go through RedisCluster."""
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _reset_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_reset_pool)  # a forked child has none of the parent's threads
+
+
+def on_nodes(jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``jobs`` (one per cluster node, each one round trip) at the same time; their results in order.
+
+    One thread per node beyond the first: the round trips overlap, so a call over
+    segments on three nodes costs about one round trip, not three.
+    """
+    global _pool
+    if len(jobs) == 1:
+        return [jobs[0]()]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tdstore-node")
+    futures = [_pool.submit(job) for job in jobs[1:]]
+    first = jobs[0]()
+    return [first, *(f.result() for f in futures)]
+
+
+def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+    """Run script calls, each on the keys of one slot, as one pipeline per cluster node, all nodes at once.
+
+    Replies come back in the order of ``calls``; a call the server refused comes back as
+    its (translated) exception instead of raising, so the caller sees what the other
+    calls did. A script a node does not know is loaded there and only the calls that
+    missed it are sent again. A node that redirects (resharding, failover) or cannot
+    be reached gets its calls through ``RedisCluster``, one by one, which follows the new
+    map or raises.
+    """
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, (_, keys, _) in enumerate(calls):
+        node = cluster.get_node_from_key(keys[0])
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(calls)
+
+    def job(node: Any, idxs: list[int]) -> None:
+        try:
+            _node_pipeline(node.redis_connection, calls, idxs, out)
+        except (_Redirected, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            for i in idxs:
+                if out[i] is None:
+                    name, keys, args = calls[i]
+                    try:
+                        out[i] = call(cluster, name, keys, args)
+                    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError):
+                        raise
+                    except Exception as err:  # a refusal of this call: the caller decides
+                        out[i] = err
+
+    on_nodes([lambda node=node, idxs=idxs: job(node, idxs) for node, idxs in groups.values()])
+    return out
+
+
+def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[Any]]], idxs: list[int], out: list[Any]) -> None:
+    """``calls[i]`` for i in ``idxs`` as one pipeline on one node's client, replies into ``out``."""
+    todo = idxs
+    for attempt in range(3):
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            name, keys, args = calls[i]
+            text, sha = script_source(name)
+            if attempt < 2:
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            else:  # flushed again between our load and the retry: the text itself
+                pipe.execute_command("EVAL", text, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        missing = []
+        for i, reply in zip(todo, replies):
+            if isinstance(reply, NoScriptError):
+                missing.append(i)
+            elif isinstance(reply, ResponseError):
+                if str(reply).split(" ", 1)[0] in _REDIRECTS:  # redis-py 5.0 gives redirects as plain errors
+                    raise _Redirected(str(reply))
+                out[i] = translate(reply)
+            else:
+                out[i] = reply
+        if not missing:
+            return
+        for name in {calls[i][0] for i in missing}:
+            client.execute_command("SCRIPT", "LOAD", script_source(name)[0])
+        todo = missing
 
 
 def translate(err: ResponseError) -> Exception:

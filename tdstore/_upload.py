@@ -28,7 +28,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass
 from tensordict.base import _is_leaf_nontensor
 
-from . import _codec, _rows, _scripts
+from . import _codec, _rows, _scripts, _spread
 from ._engine import Engine
 from ._nontensor import NonTensor, element_docs
 from ._progress import progress
@@ -268,8 +268,9 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     leaves = header.leaves
     width = header.row[1] if header.row is not None else 0
     largest = max((int(v.max()) for v in sizes.values() if v.size), default=1)
-    header = replace(header, seg=segment_length(count, max(largest, width), engine.segment_size))
+    header = replace(header, seg=segment_length(count, max(largest, width), engine.segment_size), spread=engine.spread)
     segs = header.segments
+    spread = engine.spread and segs.n > 1  # segments on several cluster nodes, each with its guard (see _spread)
     # a leaf is one string per segment: refuse, before writing anything, a segment the
     # server cannot hold (one element larger than a string), and never send a piece larger
     # than the server accepts in one request
@@ -290,6 +291,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     keys = engine.keys
     all_keys = keys.all_keys(header.next_leaf, segs.n)
+    guards = [keys.guard(k) for k in range(1, segs.n)] if spread else []
     try:
         het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
         renewed = time.monotonic()
@@ -326,11 +328,13 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                     pipe.setrange(keys.data(header.row[0], k), local * width, memoryview(_rows.join(width, columns)).cast("B"))
                 # the keys this chunk wrote get the upload's TTL; all of them again every
                 # few seconds, so a long upload of many segments does not lose its first ones
+                if spread and k:
+                    pipe.hset(keys.guard(k), mapping=_spread.guard_fields(header))
                 if time.monotonic() - renewed > RENEW_S:
-                    renew = all_keys
+                    renew = [*all_keys, *guards]
                     renewed = time.monotonic()
                 else:
-                    renew = [keys.meta, *keys.segment_keys(header.next_leaf, k)]
+                    renew = [keys.meta, *keys.segment_keys(header.next_leaf, k), *([keys.guard(k)] if spread and k else [])]
                 for key in renew:
                     pipe.pexpire(key, UPLOAD_TTL_MS)
                 for reply in pipe.execute(raise_on_error=False):
@@ -338,7 +342,18 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                         raise _scripts.translate(reply)  # type: ignore[arg-type]
                 if bar is not None:
                     bar.update(hi - lo)
-        reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms])
+        if spread:
+            # every other segment first (its keys and guard lose the upload's TTL), then the header
+            # and segment 0 in one call: until then the store is not ready, and nobody reads it
+            at = _spread.deadline(engine, ttl_ms)
+            calls = [("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at]) for k in range(1, segs.n)]
+            for r in _scripts.call_many(engine.client, calls):
+                if isinstance(r, Exception):
+                    raise r
+                if r[0] != b"OK":
+                    raise KeyError(f"the upload of {engine.where()} expired before it finished")
+            all_keys = [keys.meta, *keys.segment_keys(header.next_leaf, 0)]
+        reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms, *([at] if spread else [])])
         if reply[0] != b"OK":
             raise KeyError(f"the upload of {engine.where()} expired before it finished")
     except BaseException:

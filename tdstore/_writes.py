@@ -266,6 +266,19 @@ def plan_write(
     ops: list[list[Any]] = []
     grouped: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # rows of grouped leaves, written together at the end
     rows_cache: dict[str, Any] = {}
+    # a spread store changes a key's layout copy-on-write: the new layout gets a new leaf number
+    # and the old keys are deleted at the end (after the commit, see _spread), so a change that is
+    # rolled back has written nothing that its segments' current schema uses
+    retire: list[list[Any]] = []
+
+    def renumber(leaf: Leaf | None) -> int:
+        nonlocal next_leaf
+        if leaf is not None and not h.spread:
+            return leaf.number
+        if leaf is not None:
+            retire.extend(["D", kt.ref(k)] for k in keys.leaf_keys(leaf.number))
+        next_leaf += 1
+        return next_leaf - 1
 
     def rows() -> np.ndarray:
         if "rows" not in rows_cache:
@@ -316,9 +329,8 @@ def plan_write(
             if not full:
                 raise KeyError(f"key {_name(path)} is not in the store; add it for every element first (store.set(key, value))")
             by_element = dict(zip(order, docs))
-            number = leaf.number if leaf is not None else next_leaf
+            number = renumber(leaf)
             if leaf is None:
-                next_leaf += 1
                 new_paths.append(path)
             data, offsets, shape_table = _het_tables(h.inner, [by_element[e] for e in range(h.count)])
             leaves[path] = Leaf(path, number, torch.uint8, 1, None, json=True)
@@ -333,9 +345,8 @@ def plan_write(
                     f"key {_name(path)} is not in the store; add it for every element first "
                     "(store.set(key, value) or store[:] = td), then write single elements"
                 )
-            number = leaf.number if leaf is not None else next_leaf
+            number = renumber(leaf)
             if leaf is None:
-                next_leaf += 1
                 new_paths.append(path)
             new_leaf, leaf_ops = plan_full_leaf(keys, h, path, value, number, kt)
             leaves[path] = new_leaf
@@ -392,7 +403,7 @@ def plan_write(
             )
         if not leaf.het:
             # a homogeneous key gets a new element shape: it becomes heterogeneous, in this same call
-            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h)
+            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h, renumber(leaf) if h.spread and leaf.col is None else None)
             ops += table_ops
             leaves[path] = leaf
             changed = True
@@ -404,6 +415,7 @@ def plan_write(
             ops.append(op)
             changed = True
     ops += _grouped_ops(kt, keys, h, grouped)
+    ops += retire
     if new_paths:
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
@@ -426,23 +438,29 @@ def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
     return tuple(em_shape) == leaf.shape
 
 
-def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header) -> tuple[Leaf, list[list[Any]]]:
+def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header, number: int | None = None) -> tuple[Leaf, list[list[Any]]]:
     """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout.
 
     A grouped leaf first gets its data blob, copied out of the row block on the server ('C').
+    With ``number`` (a spread store, copy-on-write) the blob is copied on the server to that
+    new leaf number, which gets the tables; the caller deletes the old keys.
     """
     assert leaf.shape is not None
     eb = leaf.element_nbytes
     count = h.count
     ops: list[list[Any]] = []
     if leaf.col is not None:
-        assert h.row is not None
+        assert h.row is not None and number is None
         ops.append(["C", kt.ref(keys.data(h.row[0])), kt.ref(keys.data(leaf.number)), h.row[1], leaf.col, eb])
+    elif number is not None:
+        # rows of eb bytes at column 0: the whole blob (a zero-byte leaf has none to copy)
+        ops.append(["C", kt.ref(keys.data(leaf.number)), kt.ref(keys.data(number)), eb, 0, eb] if eb else ["S", kt.ref(keys.data(number)), b""])
+    n = leaf.number if number is None else number
     ops += [
-        ["S", kt.ref(keys.offsets(leaf.number)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],
-        ["S", kt.ref(keys.shapes(leaf.number)), np.tile(np.asarray(leaf.shape, dtype="<i8"), count).tobytes()],
+        ["S", kt.ref(keys.offsets(n)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],
+        ["S", kt.ref(keys.shapes(n)), np.tile(np.asarray(leaf.shape, dtype="<i8"), count).tobytes()],
     ]
-    return Leaf(leaf.path, leaf.number, leaf.dtype, leaf.ndim, None), ops
+    return Leaf(leaf.path, n, leaf.dtype, leaf.ndim, None), ops
 
 
 def het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:

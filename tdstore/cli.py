@@ -82,6 +82,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             out=sys.stderr if args.json else sys.stdout,
             cluster=args.cluster,
+            spread=args.spread,
         )
     except ServerUnreachable as err:
         print(f"tdstore demo: error: {err}", file=sys.stderr)
@@ -241,7 +242,7 @@ def _info_lines(info: StoreInfo, where: str) -> list[str]:
         ("bytes", f"{info.bytes} (data {data_bytes}, heterogeneous tables {table_bytes})"),
         ("server keys", str(info.server_keys)),
         ("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}"),
-        ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "")),
+        ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "") + (", spread over the cluster's nodes" if info.spread else "")),
         ("row block", ", ".join(_safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)) or "-"),
     ]
     width = max(len(name) for name, _ in facts) + 1
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--url", default=None, help="redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: start an embedded one)")
     demo.add_argument("--cluster", action="store_true", help="without --url: start an embedded three-primary Redis Cluster instead of one server")
+    demo.add_argument("--spread", action="store_true", help="on a cluster: spread the store's segments over every node (spread=True)")
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")
     demo.add_argument("--seconds", type=_positive_float, default=5.0, help="duration of the run (default: 5)")

@@ -69,6 +69,9 @@ DEFAULT_PREFIX = "tdstore-demo"
 #: The ``actor`` of the initial content uploaded before the actors start.
 INITIAL_ACTOR = -1
 OBS_SIZE = 8
+#: Segment size of the demo's store with ``spread=True``: a few elements per segment, so that a
+#: store of a few hundred elements has its segments on every node of the cluster.
+SPREAD_SEGMENT_BYTES = 2048
 #: Token lengths cycle through 1..MAX_TOKENS, so sampled batches are nearly always heterogeneous.
 MAX_TOKENS = 13
 #: At most this many torn-element descriptions are kept in the figures (the count is exact).
@@ -448,6 +451,7 @@ def run_demo(
     out: TextIO | None = None,
     seed: int = 0,
     cluster: bool = False,
+    spread: bool = False,
 ) -> dict[str, Any]:
     """Run the concurrent write/sample demo and return its figures.
 
@@ -456,6 +460,8 @@ def run_demo(
             ``None`` starts a private embedded redis-server for the run (and stops it
             afterwards).
         cluster: with no ``url``, start a private three-primary Redis Cluster instead.
+        spread: on a cluster, spread the store's segments over every node (``spread=True``,
+            with segments of ``SPREAD_SEGMENT_BYTES`` so that a small demo store has many).
         actors: writer processes (spawned, each gets the pickled store).
         count: elements in the store.
         seconds: how long actors write and the learner samples.
@@ -488,7 +494,10 @@ def run_demo(
             where = f"embedded redis-server {server.version} at {url}"
         else:
             where = f"redis {check_reachable(url)} at {redact_url(url)}"
-        uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix)
+        layout = {"spread": True, "segment_bytes": SPREAD_SEGMENT_BYTES} if spread else {}
+        uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
+        if uploaded._engine.header.spread:
+            where += f", the store spread in {uploaded._engine.header.segments.n} segments over its nodes"
         stack.callback(_quietly_clear, uploaded)
         # Attach a second handle through the constructor, as an application would: it
         # checks the layout and never overwrites the uploaded content.

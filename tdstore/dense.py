@@ -157,7 +157,7 @@ class TensorDictStore(_ElementView):
         if td.batch_size and td.batch_size[0] == 0:
             raise ValueError(f"batch_size {list(td.batch_size)}: a store needs at least one row along its first dim")
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
-        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=kwargs.get("segment_bytes"))
+        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=kwargs.get("segment_bytes"), spread=kwargs.get("spread", False))
         batchless = not td.batch_size
         upload(
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
@@ -325,7 +325,7 @@ class TensorDictStore(_ElementView):
             # the copy's hash tag may map to another node, which one script cannot reach:
             # read it whole (one atomic call) and upload it (one atomic commit)
             return type(self).from_tensordict(
-                self.to_tensordict(), client=src._engine.client, prefix=src.prefix, backend=src._backend, device=src._device, segment_bytes=src._engine.segment_bytes
+                self.to_tensordict(), client=src._engine.client, prefix=src.prefix, backend=src._backend, device=src._device, segment_bytes=src._engine.segment_bytes, spread=src._engine.header.spread
             )
         keys = StoreKeys(src.prefix, new_td_id())
         header = src._engine.copy_to(keys)
@@ -435,6 +435,6 @@ def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The ``open_client`` arguments among a constructor's keyword arguments (the rest go to redis-py)."""
     known = {"url": None, "host": "localhost", "port": 6379, "db": 0, "unix_socket_path": None, "client": None}
     out = {k: kwargs.get(k, v) for k, v in known.items()}
-    skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly", "segment_bytes"}
+    skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly", "segment_bytes", "spread"}
     out["redis_kwargs"] = {k: v for k, v in kwargs.items() if k not in skip}
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -162,6 +162,8 @@ class StoreInfo:
     """Segments (element ranges under their own hash tag) the store is cut into."""
     segment_length: int = 0
     """Elements per segment; 0 when the store has one segment."""
+    spread: bool = False
+    """Segments under hash tags of their own, spread over a Redis Cluster's nodes (``spread=True``)."""
 
     @property
     def cursor(self) -> int:
@@ -195,6 +197,7 @@ class StoreInfo:
             "ring": {"cursor": self.cursor, "write_count": self.write_count, "written": self.written},
             "segments": self.segments,
             "segment_length": self.segment_length,
+            "spread": self.spread,
             "tensorclass": self.tensorclass or None,
         }
         if schema:
@@ -331,6 +334,14 @@ def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[Header, int]:
     return header, rw
 
 
+def _layout(client: redis.Redis, keys: StoreKeys, header: Header) -> StoreKeys:
+    """The store's key names as its header says they are laid out: on Redis Cluster every segment
+    in the header's slot unless the store is spread (see ``StoreKeys.spread``)."""
+    from redis.cluster import RedisCluster
+
+    return replace(keys, spread=header.spread or not isinstance(client, RedisCluster))
+
+
 def _size_keys(keys: StoreKeys, header: Header) -> list[str]:
     """The string keys of a store (its ``all_keys`` without the header hash, which has no STRLEN)."""
     return keys.all_keys(header.next_leaf, header.segments.n)[1:]
@@ -372,29 +383,37 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
         tensorclass=getattr(header, "tensorclass", ""),  # headers of older tdstore versions have none
         segments=header.segments.n,
         segment_length=header.seg,
+        spread=header.spread,
     )
 
 
 def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, Header, int]]) -> list[StoreInfo | None]:
     """Sizes, TTLs and key counts of parsed stores in one pipeline; ``None`` for a store gone meanwhile."""
     pipe = client.pipeline(transaction=False)
+    groups = []
     for keys, header, _ in parsed:
         size_keys = _size_keys(keys, header)
         for key in size_keys:
             pipe.strlen(key)
         pipe.pttl(keys.meta)
-        pipe.exists(keys.meta, *size_keys)
+        # one EXISTS per slot: a spread store's segments (and their guards) live in several
+        by_slot: dict[int, list[str]] = {}
+        for key in (keys.meta, *size_keys, *(keys.guard(k) for k in range(1, header.segments.n) if header.spread)):
+            by_slot.setdefault(keys.segment_of(key) if header.spread else 0, []).append(key)
+        for group in by_slot.values():
+            pipe.exists(*group)
+        groups.append(len(by_slot))
     replies = pipe.execute(raise_on_error=False)
     out: list[StoreInfo | None] = []
     pos = 0
-    for keys, header, rw in parsed:
+    for (keys, header, rw), g in zip(parsed, groups):
         n = len(_size_keys(keys, header))
-        lengths, pttl, exists = replies[pos : pos + n], replies[pos + n], replies[pos + n + 1]
-        pos += n + 2
-        if any(isinstance(r, Exception) for r in (*lengths, pttl, exists)) or pttl == -2:
+        lengths, pttl, exists = replies[pos : pos + n], replies[pos + n], replies[pos + n + 1 : pos + n + 1 + g]
+        pos += n + 1 + g
+        if any(isinstance(r, Exception) for r in (*lengths, pttl, *exists)) or pttl == -2:
             out.append(None)  # a key of another type under our name, or the store expired between the calls
             continue
-        out.append(_summarise(keys, header, rw, lengths, pttl, exists))
+        out.append(_summarise(keys, header, rw, lengths, pttl, sum(exists)))
     return out
 
 
@@ -419,7 +438,7 @@ def list_stores(client: redis.Redis, prefix: str) -> Listing:
             except StoreFormatError as err:
                 unreadable.append(Unreadable(td_id, str(err)))
             else:
-                parsed.append((StoreKeys(prefix, td_id), header, rw))
+                parsed.append((_layout(client, StoreKeys(prefix, td_id), header), header, rw))
     stores: list[StoreInfo] = []
     for (keys, _, _), info in zip(parsed, _measure(client, parsed) if parsed else [], strict=True):
         if info is None:
@@ -445,7 +464,7 @@ def _lookup(client: redis.Redis, prefix: str, td_id: str) -> tuple[StoreInfo | N
         header, rw = _parse(raw)
     except StoreFormatError as err:
         return None, str(err), registered
-    (info,) = _measure(client, [(keys, header, rw)])
+    (info,) = _measure(client, [(_layout(client, keys, header), header, rw)])
     return info, None, registered
 
 

@@ -224,6 +224,12 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         segment_bytes: target size of one segment's blob of one key (default 4
             MiB). A new store fixes its segment length (elements per segment) from
             the first keys written to it; see "Segments" in the README.
+        spread: on Redis Cluster, put a new store's segments under hash tags of
+            their own, so they spread over all primaries and one store may outgrow
+            one node (default ``False``: every segment in the header's slot, where
+            each call is one atomic script). A call over several segments is then
+            atomic per segment; ring calls (``extend``, ``sample``) are refused.
+            See "Spread stores" in the README. Ignored on one server.
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
@@ -249,6 +255,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         readonly: bool = False,
         ttl: float | None = None,
         segment_bytes: int | None = None,
+        spread: bool = False,
         _kind: str = "lazy",
         _batchless: bool = False,
         **redis_kwargs: Any,
@@ -258,7 +265,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly, segment_bytes=segment_bytes)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly, segment_bytes=segment_bytes, spread=spread)
         dev = torch.device(device) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
@@ -360,6 +367,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         chunk_bytes: int = 64 << 20,
         ttl: float | None = None,
         segment_bytes: int | None = None,
+        spread: bool = False,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
@@ -374,13 +382,14 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         ``ttl`` (seconds) makes the whole store expire that long after the upload.
         ``segment_bytes`` is the target size of one segment's blob of one key
         (default 4 MiB, see "Segments" in the README): the stack is cut into
-        ranges of elements that each fit it.
+        ranges of elements that each fit it. ``spread=True`` spreads the segments
+        over the nodes of a Redis Cluster (see the constructor).
         """
         from ._upload import upload
 
         ttl_ms = _ttl_ms(ttl)
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes)
+        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread)
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 

@@ -123,6 +123,7 @@ def test_stored_bytes_are_never_unpickled(store, backend):
         store[0]["text"]
 
 
+@pytest.mark.ring
 def test_ring_buffer_with_non_tensor_keys(backend):
     ring = LazyStackedTensorDictStore(count=4, **backend.kwargs())
     ring.extend(lazy_stack(elements(3)))

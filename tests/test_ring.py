@@ -20,6 +20,8 @@ from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore
 
+pytestmark = pytest.mark.ring
+
 
 def element(tag: int, het: bool = True) -> TensorDict:
     """An element whose every field is derived from ``tag``, so a torn element is detectable."""

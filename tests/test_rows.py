@@ -152,6 +152,7 @@ def _ring_batch(tags: list[int]) -> object:
     return lazy_stack([TensorDict({"obs": torch.full((4,), float(t)), "step": torch.tensor([t]), "prio": torch.tensor([0.5])}, []) for t in tags])
 
 
+@pytest.mark.ring
 def test_first_ring_write_groups_and_update_if_writes_one_column(backend) -> None:
     ring = LazyStackedTensorDictStore(count=8, **backend.kwargs())
     ring.extend(_ring_batch([1, 2, 3]))
@@ -177,6 +178,7 @@ def test_dense_store_groups_too(backend) -> None:
     assert_same(store.to_tensordict(), td)
 
 
+@pytest.mark.ring
 def test_the_header_format_tells_old_clients_about_the_block(backend) -> None:
     store, _ = _store(backend, n=4)
     client = backend.client()
@@ -242,6 +244,7 @@ def test_reads_keep_the_store_key_order(backend) -> None:
     assert list(store[torch.tensor([9, 1, 4, 7, 0, 11, 2, 5, 10, 3])].keys()) == want
 
 
+@pytest.mark.ring
 def test_a_ring_write_that_moves_the_last_keys_out_of_the_block(backend) -> None:
     ring = LazyStackedTensorDictStore(count=4, **backend.kwargs())
     ring.extend(TensorDict({"a": torch.ones(2, 3), "b": torch.ones(2, 2)}, [2]))

@@ -6,7 +6,8 @@ TensorDictBase surface with a default segment size of 64 bytes (``--segment-byte
 see conftest.py), where nearly every element sits in a segment of its own and every
 slice, batch, fill, rename and upload crosses segment boundaries, on both engines.
 Tests that assert the default layout itself (key counts, round trips per chunk) are
-marked ``layout`` and skipped there.
+marked ``layout`` and skipped there.  A second run does the same on the cluster with
+*spread* stores (``--cluster-spread``: segments on every node, see ``_spread``).
 """
 
 from __future__ import annotations
@@ -33,10 +34,21 @@ MODULES = [
 ]
 
 
-@pytest.mark.slow
-def test_behavioural_suite_with_tiny_segments() -> None:
+def _run(*options: str) -> None:
     here = Path(__file__).parent
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", "--segment-bytes", "64", *(str(here / m) for m in MODULES)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", "--segment-bytes", "64", *options, *(str(here / m) for m in MODULES)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=here.parent, timeout=1200)
     assert proc.returncode == 0, f"segmented suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_behavioural_suite_with_tiny_segments() -> None:
+    _run()
+
+
+@pytest.mark.slow
+def test_behavioural_suite_on_spread_stores() -> None:
+    """The cluster's stores spread (``--cluster-spread``): each tiny segment under its own hash
+    tag, so nearly every call crosses nodes; ring tests are skipped (a spread store refuses them)."""
+    _run("--cluster-spread", "-k", "cluster")

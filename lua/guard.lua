@@ -1,0 +1,75 @@
+--[[
+  guard.lua: create or roll back the guard of one segment of a spread store.
+
+  A spread store (Redis Cluster, segments on several nodes) keeps, next to each
+  segment k > 0, a guard hash P:{I%s<k>}:g holding a copy of the header's guard
+  fields ('epoch', 'version', 'kv', 'lv:<n>'); every call on the segment checks it
+  (tds_check) as calls on segment 0 check the header, which lives on another node. A
+  schema change moves every guard to the new versions (prepare) before it commits the
+  header, so clients of the old schema are refused on a prepared segment for what the
+  change touches until the commit, and no one writes a segment under a schema it
+  does not hold.
+
+  KEYS[1]     the segment's guard hash
+  KEYS[2..]   rollback: keys to delete (data left by the change rolled back)
+  ARGV[1]     'ensure' or 'rollback'
+  ensure:
+    ARGV[2]   epoch of the store
+    ARGV[3]   the header's version: a missing guard is created at it
+    ARGV[4]   the store's time to live in milliseconds, '0' for none (given to a new
+              guard, whose TTL write.lua then gives the keys it creates in the segment)
+  rollback:
+    ARGV[2]   epoch of the store
+    ARGV[3]   the header's version, which the guard goes back to
+    ARGV[4]   token of the change rolled back, or '*' for any change (the caller
+              holds the schema lock, so no change is in flight)
+    ARGV[5]   the header's other guard fields, 'name=value' words ('kv=3 lv:0=1 lv:2=3'):
+              the guard gets exactly these ('lv:' fields not named are deleted)
+
+  Reply       ensure: {'OK', version of the guard}; {'STALE', guard...} when the guard
+              belongs to another creation of the store (another epoch).
+              rollback: {'OK', 1} when the guard was ahead and went back (and KEYS[2..]
+              were deleted), {'OK', 0} when there was nothing to undo.
+  Errors      'TDSTORE bad argument' for an unknown mode.
+]]
+local guard = KEYS[1]
+local mode, epoch = ARGV[1], ARGV[2]
+local version = tds_num(ARGV[3], 'version')
+local have = redis.call('HMGET', guard, 'epoch', 'version', 'lk')
+if mode == 'ensure' then
+  if not have[1] then
+    redis.call('HSET', guard, 'epoch', epoch, 'version', ARGV[3])
+    local ttl = tds_num(ARGV[4] or '0', 'ttl')
+    if ttl > 0 then
+      redis.call('PEXPIRE', guard, ttl)
+    end
+    return {'OK', ARGV[3]}
+  end
+  if have[1] ~= epoch then
+    return tds_stale(guard)
+  end
+  return {'OK', have[2]}
+end
+if mode ~= 'rollback' then
+  error('TDSTORE bad argument: guard mode ' .. tostring(mode))
+end
+if have[1] ~= epoch or tonumber(have[2] or '0') <= version or (ARGV[4] ~= '*' and have[3] ~= ARGV[4]) then
+  return {'OK', 0}
+end
+redis.call('HSET', guard, 'version', ARGV[3])
+redis.call('HDEL', guard, 'lk')
+local keep = {}
+for name, value in string.gmatch(ARGV[5] or '', '([%w:]+)=(%d+)') do
+  redis.call('HSET', guard, name, value)
+  keep[name] = true
+end
+local all = redis.call('HKEYS', guard)
+for _, name in ipairs(all) do
+  if string.sub(name, 1, 3) == 'lv:' and not keep[name] then
+    redis.call('HDEL', guard, name)
+  end
+end
+for i = 2, #KEYS do
+  redis.call('DEL', KEYS[i])
+end
+return {'OK', 1}

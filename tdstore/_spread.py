@@ -1,0 +1,528 @@
+"""Spread stores: one store's segments on several Redis Cluster nodes.
+
+On one server, or in one cluster slot, every call of a store is one script, atomic
+over all of its segments.  A *spread* store puts each segment k > 0 under its own
+hash tag (``P:{I%s<k>}``), so Redis Cluster places the segments on all primaries and
+one store may outgrow one node.  A script can only touch one slot, so here:
+
+- A call is cut into one script call per segment it touches (:func:`run_data`).
+  Segment 0's part checks the header as usual; segment k's part makes the same check
+  against the segment's *guard* (``StoreKeys.guard``), a copy of the header's guard
+  fields (epoch, version, key-set and leaf versions) next to the segment.  The
+  parts go as one pipeline per node, all nodes at once (``_scripts.call_many``).
+  Each part is atomic, so an element (which lives in one segment) is always read and
+  written whole; a call over several segments is not atomic as a whole.
+- A read transaction is one MULTI/EXEC per segment (a transaction cannot leave its
+  slot), led by the ``HMGET`` of its guard, in one pipeline per node (:func:`run_transaction`).
+- A schema change (:func:`run_schema_change`) takes the header's schema lock
+  (``lua/lock.lua``, with a lease), *prepares* every other segment (its ops, and its
+  guard moved to the new versions: a client of the old schema is refused there for
+  what the change touches from then on, and none has the new one yet), then *commits* the header with segment 0's
+  ops in one script that checks the lock is still its own and clears it, then
+  deletes what the change left unreferenced in the other segments.  Until the
+  commit no client can touch a prepared segment, so nobody sees a half-made change.
+  A changer that fails rolls back what it prepared (``lua/guard.lua``); one that dies
+  leaves a lock whose lease runs out, and the next client that finds a segment ahead
+  of the header takes the lock over and rolls the guards back (:func:`unstick`).
+- Deleting the store and setting its time to live go segment by segment, the
+  header last (:func:`clear`, :func:`expire`).
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _scripts, _wire
+from ._keys import KeyTable, StoreKeys
+from ._schema import Header
+
+if TYPE_CHECKING:
+    from ._engine import Call, Engine
+
+#: Lease of the schema lock: a changer that died is taken over after this long.
+LEASE_MS = 30_000
+#: After a schema change the lock stays free of changers this long (see ``lua/lock.lua``), so
+#: clients refused during the change get through before the next one.
+QUIET_MS = 10
+#: Key-index arguments (1-based, within an op) of the ``write.lua`` and ``read.lua`` ops a spread call may hold.
+WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2)}
+READ_KEY_ARGS = {"R": (1,), "E": (1, 2, 3)}
+_READ_SIZES = {"R": 5, "E": 7}
+
+#: :func:`run_data` / :func:`run_transaction`: the call touches segment 0 only, run it as usual.
+LOCAL = object()
+#: A call refused because another client's schema change is under way: plan again once it is
+#: done (waiting for it is not a lost race, see ``Engine._run``).
+WAIT = object()
+
+
+def spreads(h: Header) -> bool:
+    """Whether calls on this store's header must be cut per segment."""
+    return h.spread and h.segments.n > 1
+
+
+@dataclass
+class Part:
+    """The ops of one call that address one segment, with that segment's KEYS (its guard first)."""
+
+    kt: KeyTable
+    ops: list[list[Any]]
+
+
+def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], key_args: dict[str, tuple[int, ...]]) -> dict[int, Part]:
+    """Group ``ops`` (localized: each addresses one segment) by segment, their key indices renumbered."""
+    parts: dict[int, Part] = {}
+    for op in ops:
+        where = key_args.get(op[0])
+        if where is None:
+            raise AssertionError(f"op {op[0]!r} addresses rows the server picks, which a spread store cannot split")
+        segs = {keys.segment_of(kt_keys[op[i] - 1]) for i in where if op[i]}
+        if len(segs) != 1:
+            raise AssertionError(f"op {op[0]!r} spans segments {sorted(segs)}")
+        seg = segs.pop()
+        part = parts.get(seg)
+        if part is None:
+            part = parts[seg] = Part(KeyTable(keys.guard(seg)), [])
+        new = list(op)
+        for i in where:
+            if op[i]:
+                new[i] = part.kt.ref(kt_keys[op[i] - 1])
+        part.ops.append(new)
+    return parts
+
+
+def read_ops(flat: Sequence[Any]) -> list[list[Any]]:
+    """The ops of a flat ``read.lua`` op list."""
+    out, a = [], 0
+    while a < len(flat):
+        size = _READ_SIZES.get(flat[a])
+        if size is None:
+            raise AssertionError(f"read op {flat[a]!r} addresses rows the server picks, which a spread store cannot split")
+        out.append(list(flat[a : a + size]))
+        a += size
+    return out
+
+
+def _reply_items(op: list[Any]) -> int:
+    """How many reply items a ``read.lua`` op gives ('R': one joined piece or one per range; 'E': three per run)."""
+    return (1 if op[4] == "1" else int(op[2])) if op[0] == "R" else 3 * int(op[5])
+
+
+def _flat(ops: list[list[Any]]) -> list[Any]:
+    return [x for op in ops for x in op]
+
+
+def _guard_check(h: Header) -> list[str]:
+    return [f"{h.epoch}:V{h.version}", ""]
+
+
+# -- data calls ----------------------------------------------------------------------------
+
+
+def run_data(engine: Engine, h: Header, call: Call) -> Any:
+    """A read or write script call (no schema change) cut per segment; the reply its parser expects,
+    None when the caller must plan again (it refreshed the header), or :data:`LOCAL`."""
+    keys = engine.keys
+    if call.script == "write":
+        assert call.ops is not None
+        head, ops, key_args = call.args[:5], call.ops, WRITE_KEY_ARGS
+    else:
+        head, ops, key_args = call.args[:2], read_ops(call.args[3:]), READ_KEY_ARGS
+    parts = split(keys, call.keys, ops, key_args)
+    if set(parts) <= {0}:
+        return LOCAL
+    segs = sorted(parts)
+    calls = []
+    for seg in segs:  # every segment checks what segment 0 checks, against its own guard
+        part = parts[seg]
+        calls.append((call.script, part.kt.keys, [*head, len(part.ops), *_flat(part.ops)]))
+    if call.staged:
+        stage(engine, call.staged)
+    replies = _scripts.call_many(engine.client, calls)
+    status = settle(engine, h, dict(zip(segs, replies)), staged=call.staged)
+    if status is not True:
+        return status
+    if call.script == "write":
+        return replies[segs.index(0)] if 0 in parts else [b"OK", str(h.version).encode()]
+    # the pieces back in the order of the ops as planned
+    pos = {seg: 2 for seg in segs}
+    order = {}
+    for i, op in enumerate(ops):  # split() kept each segment's ops in their planned order
+        order.setdefault(keys.segment_of(call.keys[op[1] - 1]), []).append(i)
+    items: list[Any] = [None] * len(ops)
+    for seg in segs:
+        reply = replies[segs.index(seg)]
+        for i, op in zip(order[seg], parts[seg].ops):
+            n = _reply_items(op)
+            items[i] = reply[pos[seg] : pos[seg] + n]
+            pos[seg] += n
+    out: list[Any] = [b"OK", str(h.version).encode()]
+    for piece in items:
+        out.extend(piece)
+    return out
+
+
+def stage(engine: Engine, staged: list[tuple[str, Any]]) -> None:
+    """Large new blobs sent by plain SETRANGE to their staging keys (see ``Engine._staged_call``)."""
+    from ._engine import BULK_CHUNK, STAGING_TTL_MS
+
+    pipe = engine.client.pipeline(transaction=False)
+    for key, data in staged:
+        view = memoryview(data).cast("B")
+        pipe.set(key, b"", px=STAGING_TTL_MS)
+        for a in range(0, len(view), BULK_CHUNK):
+            pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+    pipe.execute()
+
+
+def settle(engine: Engine, h: Header, replies: dict[int, Any], *, staged: list[tuple[str, Any]] | None = None) -> Any:
+    """True when every segment's reply is OK; else refresh what is needed and return None (plan
+    again) or :data:`WAIT` (another client's schema change is under way, see :func:`refused`).
+
+    A refused call (an exception) is raised after the staging keys are deleted.
+    """
+    bad = None
+    for seg, reply in replies.items():
+        if isinstance(reply, Exception):
+            bad = reply
+        elif reply[0] != b"OK" and seg == 0 and reply[0] == b"STALE":
+            engine.set_header(engine._parse_header(_fields(reply[1:])))
+            bad = bad or False
+        elif reply[0] == b"GONE" and seg == 0:
+            bad = bad or engine.gone()
+        elif reply[0] != b"OK":
+            bad = bad if bad is not None else True
+    if bad is None:
+        return True
+    if staged:
+        engine.client.delete(*(k for k, _ in staged))
+    if isinstance(bad, BaseException):
+        raise bad
+    if bad is True:  # only guards refused: the header decides
+        return refused(engine, h)
+    return None
+
+
+def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+
+
+def refused(engine: Engine, h: Header) -> Any:
+    """A segment's guard refused a call planned at ``h``: adopt the header and return None (plan
+    again); when it has not moved, a schema change is under way or was left half done: wait a
+    little, undo a dead one's work, and return :data:`WAIT`."""
+    fresh = engine.fetch_header()
+    engine.set_header(fresh)
+    if fresh.version == h.version:
+        unstick(engine, fresh)
+        return WAIT
+    return None
+
+
+def unstick(engine: Engine, h: Header) -> None:
+    """Segments ahead of the header ``h``: wait while a live changer holds the lock; take it over when it is
+    free or its lease ran out, roll every guard ahead of ``h`` back, and let it go."""
+    if engine.readonly:
+        time.sleep(0.001 + 0.004 * random.random())
+        return
+    token = _token()
+    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0], engine._execute)
+    if reply[0] == b"BUSY":
+        time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
+        return
+    if reply[0] != b"OK":  # the header moved meanwhile (STALE) or the store is gone: the next try sees it
+        return
+    try:
+        dead_next, dead_segs = (int(reply[2]), int(reply[3])) if len(reply) > 2 else (h.next_leaf, h.segments.n)
+        rollback(engine, h, "*", dead_next, dead_segs)
+    finally:
+        release(engine, token)
+
+
+def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: int) -> None:
+    """Every guard of segments 1..segments-1 that a change (``token``, or any: ``*``) moved ahead of
+    ``h`` goes back to ``h``'s version, and the keys of leaf numbers the change added are deleted."""
+    keys = engine.keys
+    calls = []
+    fields = " ".join(f"{k}={v}" for k, v in guard_fields(h).items() if k not in ("epoch", "version"))
+    for seg in range(1, max(segments, h.segments.n)):
+        extra = [k for n in range(h.next_leaf, upto_leaf) for k in keys.leaf_keys(n, seg)]
+        calls.append(("guard", [keys.guard(seg), *extra], ["rollback", h.epoch, h.version, token, fields]))
+    if calls:
+        for reply in _scripts.call_many(engine.client, calls):
+            if isinstance(reply, Exception):
+                raise reply
+
+
+def guard_fields(h: Header) -> dict[str, str]:
+    """What a segment's guard holds for the header ``h``: its epoch, version, key-set and leaf versions."""
+    return {"epoch": h.epoch, "version": str(h.version), "kv": str(h.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in h.leaves.values()}}
+
+
+def release(engine: Engine, token: str) -> None:
+    _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine._execute)
+
+
+def _token() -> str:
+    return str(secrets.randbelow(10**15) + 1)
+
+
+# -- read transactions ---------------------------------------------------------------------
+
+
+def run_transaction(engine: Engine, h: Header, call: Call) -> Any:
+    """A read transaction (see ``Engine._transaction``) as one MULTI/EXEC per segment (a transaction
+    may not leave its slot), led by the segment's guard, sent as one pipeline per node, all nodes at
+    once; the reply as ``Engine._transaction`` gives it, None to plan again."""
+    from ._engine import BULK_CHUNK
+
+    assert call.ranges is not None and call.guards is not None
+    keys = engine.keys
+    if all(keys.segment_of(key) == 0 for pieces in call.ranges for key, _, _ in pieces):
+        return LOCAL  # segment 0 only: one transaction on the header's node, as on any store
+    client = engine.client
+    names = list(call.guards)
+    extra = call.fields or []
+    # per segment: its commands (the guard's HMGET first) and where each GETRANGE's reply goes
+    groups: dict[int, tuple[list[tuple[Any, ...]], list[tuple[int, int]]]] = {}
+
+    def group(seg: int) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]]]:
+        g = groups.get(seg)
+        if g is None:
+            head = ("HMGET", keys.meta, "version", *names, *extra) if seg == 0 else ("HMGET", keys.guard(seg), *names)
+            g = groups[seg] = ([head], [])
+        return g
+
+    group(0)  # the header's guards, even when no range is in segment 0
+    sizes = []
+    for b, pieces in enumerate(call.ranges):
+        count = 0
+        for key, starts, lengths in pieces:
+            commands, slots = group(keys.segment_of(key))
+            for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
+                commands.append(("GETRANGE", key, first, last))
+                slots.append((b, count))
+                count += 1
+        sizes.append(count)
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for seg in groups:
+        node = client.get_node_from_key(keys.guard(seg))
+        by_node.setdefault(node.name, (node, []))[1].append(seg)
+
+    def job(node: Any, segs: list[int]) -> list[Any]:
+        pipe = node.redis_connection.pipeline(transaction=False)
+        for seg in segs:
+            pipe.execute_command("MULTI")
+            for command in groups[seg][0]:
+                pipe.execute_command(*command)
+            pipe.execute_command("EXEC")
+        replies = pipe.execute()
+        out, pos = [], 0
+        for seg in segs:
+            pos += 2 + len(groups[seg][0])  # OK, QUEUED..., then the EXEC reply
+            out.append(replies[pos - 1])
+        return out
+
+    jobs = list(by_node.values())
+    results = _scripts.on_nodes([lambda node=node, segs=segs: job(node, segs) for node, segs in jobs])
+    chunks: list[list[Any]] = [[None] * n for n in sizes]
+    head = None
+    for (_, segs), per_seg in zip(jobs, results):
+        for seg, res in zip(segs, per_seg):
+            if seg == 0:
+                head = res[0]
+            elif [v.decode() if v is not None else None for v in res[0]] != [call.guards[n] for n in names]:
+                return refused(engine, h)
+            for (b, i), data in zip(groups[seg][1], res[1:]):
+                chunks[b][i] = data
+    assert head is not None
+    if head[0] is None:
+        raise engine.gone()
+    if [v.decode() if v is not None else None for v in head[1 : 1 + len(names)]] != [call.guards[n] for n in names]:
+        engine.set_header(engine.fetch_header())
+        return None
+    call.field_values = dict(zip(extra, head[1 + len(names) :]))
+    return [b"OK", head[0], *(bytearray().join(parts) for parts in chunks)]
+
+
+# -- schema changes ------------------------------------------------------------------------
+
+
+def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
+    """A write with a schema change on a spread store: lock, prepare the segments, commit the header,
+    clean up (see the module docstring). The commit's reply, or None to plan again."""
+    new = call.schema
+    assert new is not None and call.ops is not None
+    keys = engine.keys
+    after = max(new.segments.n, h.segments.n)
+    parts = split(keys, call.keys, call.ops, WRITE_KEY_ARGS)
+    later: dict[int, list[list[Any]]] = {}  # deletes of keys the old schema uses: after the commit
+    for seg, part in parts.items():
+        if seg == 0:
+            continue
+        used = [ref for op in part.ops if op[0] != "D" for ref in _refs(op)]
+        keep = [op for op in part.ops if op[0] != "D" or op[1] in used]
+        later[seg] = [op for op in part.ops if op[0] == "D" and op[1] not in used]
+        part.ops = keep
+    if call.staged:
+        stage(engine, call.staged)
+    token = _token()
+    check = f"{h.epoch}:V{h.version}"
+    reply = _scripts.call(engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS], engine._execute)
+    status = reply[0]
+    if status != b"OK":
+        _drop(engine, call)
+        if status == b"STALE":
+            engine.set_header(engine._parse_header(_fields(reply[1:])))
+            return None
+        if status == b"GONE":
+            raise engine.gone()
+        # BUSY: another change is under way
+        time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.01 * random.random()))
+        return WAIT
+    committed = False
+    try:
+        if len(reply) > 2:  # an expired lock taken over: undo what its holder left first
+            rollback(engine, h, "*", int(reply[2]), int(reply[3]))
+        schema, fields = new.schema_json(), new.version_fields(h)
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        if after > h.segments.n or h.segments.n == 1:
+            ttl = engine.ttl_ms() or 0
+            calls += [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, ttl]) for seg in range(max(1, h.segments.n if h.seg else 1), after)]
+        for seg in range(1, after):
+            part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
+            calls.append(("write", part.kt.keys, [check, "", schema, f"{fields} lk={token}", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
+        for r in _scripts.call_many(engine.client, calls):
+            if isinstance(r, Exception):
+                raise r
+            if r[0] != b"OK":
+                _abort(engine, h, token, new, after, call)
+                return refused(engine, h)
+        head = parts.get(0) or Part(KeyTable(keys.meta), [])
+        reply = _scripts.call(engine.client, "write", head.kt.keys, [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, len(head.ops), *_flat(head.ops)], engine._execute)
+        if reply[0] != b"OK":
+            _abort(engine, h, token, new, after, call)
+            if reply[0] == b"GONE":
+                raise engine.gone()
+            engine.set_header(engine._parse_header(_fields(reply[1:])))
+            return None
+        committed = True
+    except BaseException:
+        if not committed:
+            try:
+                _abort(engine, h, token, new, after, call)
+            except Exception:
+                pass  # the lease runs out and the next client rolls back
+        raise
+    # the old schema's keys that the change left unreferenced (best effort: a failure leaves garbage only)
+    try:
+        cleanup = []
+        for seg, ops in later.items():
+            if ops:
+                part = _renumber(keys, parts[seg], ops)
+                cleanup.append(("write", part.kt.keys, [f"{h.epoch}:V{new.version}", "", "", "", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
+        if cleanup:
+            _scripts.call_many(engine.client, cleanup)
+    finally:
+        release(engine, token)  # a failure here leaves a lock whose lease runs out, and garbage only
+    return reply
+
+
+def _refs(op: list[Any]) -> list[int]:
+    return [op[i] for i in WRITE_KEY_ARGS[op[0]] if op[i]]
+
+
+def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
+    """``ops`` (key indices into ``part``'s KEYS) on a key table of their own."""
+    out = split(keys, part.kt.keys, ops, WRITE_KEY_ARGS)
+    ((_, only),) = out.items()
+    return only
+
+
+def _abort(engine: Engine, h: Header, token: str, new: Header, after: int, call: Call) -> None:
+    """Undo what this change prepared, then let the lock go."""
+    try:
+        rollback(engine, h, token, new.next_leaf, after)
+        _drop(engine, call)
+    finally:
+        release(engine, token)
+
+
+def _drop(engine: Engine, call: Call) -> None:
+    if call.staged:
+        engine.client.delete(*(k for k, _ in call.staged))
+
+
+# -- the whole store -----------------------------------------------------------------------
+
+
+def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> list[tuple[str, list[str], list[Any]]]:
+    keys = engine.keys
+    return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [*_guard_check(h)[:1], *args]) for seg in range(1, h.segments.n)]
+
+
+def clear(engine: Engine, h: Header) -> int | None:
+    """Delete every segment k > 0 (its guard and keys), then the header and segment 0 (one call);
+    the number of keys deleted, None to plan again."""
+    calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
+    deleted = 0
+    for reply in _scripts.call_many(engine.client, calls):
+        if isinstance(reply, Exception):
+            raise reply
+        if reply[0] == b"STALE":  # a schema change prepared this segment: its keys may differ
+            refused(engine, h)
+            return None
+        if reply[0] == b"OK":
+            deleted += int(reply[1])
+    keys = engine.keys
+    reply = _scripts.call(engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", keys.td_id, "noreg"], engine._execute)
+    if reply[0] == b"STALE":
+        engine.set_header(engine._parse_header(_fields(reply[1:])))
+        return None
+    if reply[0] == b"GONE":
+        raise engine.gone()
+    return deleted + int(reply[1])
+
+
+def expire(engine: Engine, h: Header, ttl_ms: int) -> bool:
+    """Every segment's keys and guard get the time to live, then the header and segment 0; False to plan again.
+
+    Every key gets the one absolute deadline read from the header node's clock, so the
+    segments expire together as far as the nodes' clocks agree.
+    """
+    keys = engine.keys
+    at = deadline(engine, ttl_ms)
+    for reply in _scripts.call_many(engine.client, _segment_calls(engine, h, "expire", [ttl_ms, at])):
+        if isinstance(reply, Exception):
+            raise reply
+        if reply[0] != b"OK":
+            refused(engine, h)
+            return False
+    reply = _scripts.call(engine.client, "expire", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", ttl_ms, at], engine._execute)
+    if reply[0] == b"STALE":
+        engine.set_header(engine._parse_header(_fields(reply[1:])))
+        return False
+    if reply[0] == b"GONE":
+        raise engine.gone()
+    return True
+
+
+def deadline(engine: Engine, ttl_ms: int) -> str:
+    """The absolute deadline (Unix ms, from the header node's clock) of a time to live; '' for none."""
+    if ttl_ms <= 0:
+        return ""
+    sec, usec = engine.command("TIME")
+    return str(int(sec) * 1000 + int(usec) // 1000 + ttl_ms)
+
+
+def guard_keys(keys: StoreKeys, segments: int) -> list[str]:
+    """The guards of a spread store of ``segments`` segments (segment 0's is the header)."""
+    return [keys.guard(seg) for seg in range(1, segments)]
+
+
+__all__ = ["spreads", "run_data", "run_transaction", "run_schema_change", "clear", "expire", "LOCAL"]
