@@ -151,6 +151,15 @@ def test_cli_demo_on_its_own_cluster(tmp_path: Path) -> None:
     assert figures["server"].startswith("embedded Redis Cluster of 3 primaries") and "redis+cluster://" in figures["server"]
 
 
+@pytest.mark.slow
+def test_cli_demo_on_a_spread_store(tmp_path: Path) -> None:
+    """``demo --cluster --spread``: the demo's store has its segments on the cluster's nodes."""
+    proc = _cli_demo(tmp_path, "--cluster", "--spread", "--no-progress")
+    figures = json.loads(proc.stdout)
+    _assert_clean(figures, actors=2, count=32, batch=32)
+    assert "the store spread in" in figures["server"]
+
+
 def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "cluster.py"), "--seconds", "0.5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

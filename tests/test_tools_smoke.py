@@ -33,3 +33,11 @@ def test_batch_server_time_reports_server_time_and_the_reference() -> None:
     assert re.search(r"ring.sample\(256\), full\s+wall\s+[\d.]+ ms per read, server\s+[\d.]+ ms per call \(3 EXEC calls\)", out)
     assert "back to back: tdstore" in out and "right after a reference read" in out
     assert re.search(r"one HMGET of a hash of rows\s+server\s+[\d.]+ ms per call", out) and "memory per 300-byte row" in out
+
+
+@pytest.mark.slow
+def test_spread_bench_compares_both_layouts_on_a_cluster() -> None:
+    out = _run("spread_bench.py", "--mib", "2", "--segment-mib", "1", "--reps", "1")
+    assert re.search(r"\d+ elements, 2 MiB, \d+ segments of 1 MiB", out)
+    for call in ("whole store", "random batch of 256", r"store\[i\] = td write", "schema change"):
+        assert re.search(call + r".*\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), call

