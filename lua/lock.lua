@@ -8,11 +8,11 @@
   token and the leaf numbers it may have left data under, to roll those back.
   Time is the header node's clock only (TIME), so clocks of other nodes never matter.
   The commit (write.lua with '<epoch>:V<n>@<token>') checks that the lock is still held;
-  the holder releases it after its clean-up. After a release the lock stays free of
-  changers for a quiet period: clients refused during a change (which move on to the
-  new schema once it commits) then get their calls through before the next change
-  prepares the segments again, so a client that changes the schema in a loop cannot
-  starve them.
+  the holder releases it after its clean-up. When a client was held off by the change
+  (it asked for the lock to undo a dead changer's work and found it busy), the lock
+  stays free of changers for a quiet period after the release: that client then gets
+  its call through before the next change prepares the segments again, so a process
+  that changes the schema in a loop cannot starve the others.
 
   KEYS[1]     store header hash
   ARGV[1]     'acquire' or 'release'
@@ -22,14 +22,18 @@
     ARGV[4]   lease in milliseconds
     ARGV[5]   the header's 'next' leaf number after the change (leaves below it may get data)
     ARGV[6]   the number of segments after the change (its guards may have moved)
-    ARGV[7]   quiet period in milliseconds: the lock is refused (BUSY) that long after a release
+    ARGV[7]   quiet period in milliseconds: the lock is refused (BUSY) that long after a
+              release that followed a held-off client
+    ARGV[8]   '1' when the caller is a client held off by a change (a BUSY reply then
+              records it, field 'lkw'), else '0'
   release:
     ARGV[2]   token: the lock is removed only while that token holds it
 
   Reply       acquire: {'OK'} (free) or {'OK', dead token, dead next, dead segments} (an
               expired lock taken over: the new holder inherits its next and segments); {'BUSY', milliseconds left}; {'STALE', header...}; {'GONE'}.
               release: {'OK', 1 or 0 (removed or not held by the token)}; a release
-              records its time in the header field 'lkd' (for the quiet period).
+              after a held-off client records its time in the field 'lkd' (the quiet
+              period starts there).
   Errors      'TDSTORE bad argument' for an unknown mode or a token that is not digits.
 ]]
 local meta = KEYS[1]
@@ -38,8 +42,12 @@ local now = redis.call('TIME')
 local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 if mode == 'release' then
   if redis.call('HGET', meta, 'lk') == ARGV[2] then
-    redis.call('HDEL', meta, 'lk', 'lkx', 'lkn', 'lks')
-    redis.call('HSET', meta, 'lkd', string.format('%.0f', ms))
+    if redis.call('HGET', meta, 'lkw') then
+      redis.call('HSET', meta, 'lkd', string.format('%.0f', ms))
+    else
+      redis.call('HDEL', meta, 'lkd')
+    end
+    redis.call('HDEL', meta, 'lk', 'lkx', 'lkn', 'lks', 'lkw')
     return {'OK', 1}
   end
   return {'OK', 0}
@@ -61,6 +69,9 @@ local nxt, segs = tds_num(ARGV[5], 'next leaf'), tds_num(ARGV[6], 'segments')
 if held[1] then
   local left = tonumber(held[2] or '0') - ms
   if left > 0 then
+    if ARGV[8] == '1' then
+      redis.call('HSET', meta, 'lkw', '1')
+    end
     return {'BUSY', string.format('%.0f', left)}
   end
   -- what the dead holder may have touched stays to be undone, by us or a later holder

@@ -164,6 +164,11 @@ def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: 
     return [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
 
 
+def _release_all(held: dict[str, HeldConnection]) -> None:
+    for h in held.values():
+        h.release()
+
+
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
@@ -204,6 +209,8 @@ class Engine:
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
         # a handle dropped without close() gives its connection back to a caller's shared pool
         weakref.finalize(self, self._held.release)
+        self._node_held: dict[str, HeldConnection] = {}  # a spread store's other nodes: one held connection each
+        weakref.finalize(self, _release_all, self._node_held)
 
     # -- connection and header ----------------------------------------------
     @property
@@ -215,6 +222,7 @@ class Engine:
     def close(self) -> None:
         """Release our connection; a caller's own client is left open. The next call reconnects."""
         self._held.release()
+        _release_all(self._node_held)
         self._node = None
         if self._client is not None and self._owns_client:
             self._client.close()
@@ -306,6 +314,25 @@ class Engine:
         self._held.release()
         self._node = None
         return fallback()
+
+    def segment_call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """One script call on the keys of one slot (a spread store's segment), on a connection held to the
+        node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster``."""
+        node = self.client.get_node_from_key(keys[0])
+        held = self._node_held.get(node.name)
+        if held is None:
+            held = self._node_held[node.name] = HeldConnection()
+        try:
+            return _scripts.call(node.redis_connection, name, keys, args, held.execute)
+        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            pass
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            pass
+        except redis.exceptions.ResponseError as err:
+            if str(err).split(" ", 1)[0] not in _REDIRECTS:  # redis-py 5.0: a bare ResponseError
+                raise
+        held.release()
+        return _scripts.call(self.client, name, keys, args)
 
     def fetch_header(self) -> Header:
         """Read the header in one round trip (``HGETALL``); never writes."""

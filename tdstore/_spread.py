@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from . import _scripts, _wire
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header
@@ -46,8 +48,8 @@ if TYPE_CHECKING:
 
 #: Lease of the schema lock: a changer that died is taken over after this long.
 LEASE_MS = 30_000
-#: After a schema change the lock stays free of changers this long (see ``lua/lock.lua``), so
-#: clients refused during the change get through before the next one.
+#: After a schema change that held a client off, the lock stays free of changers this long (see
+#: ``lua/lock.lua``), so that client gets through before the next change.
 QUIET_MS = 10
 #: Key-index arguments (1-based, within an op) of the ``write.lua`` and ``read.lua`` ops a spread call may hold.
 WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2)}
@@ -143,7 +145,15 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
         calls.append((call.script, part.kt.keys, [*head, len(part.ops), *_flat(part.ops)]))
     if call.staged:
         stage(engine, call.staged)
-    replies = _scripts.call_many(engine.client, calls)
+    if len(calls) == 1:  # one segment (an element): one script on a connection held to its node
+        try:
+            replies = [engine.segment_call(*calls[0])]
+        except (ConnectionError, TimeoutError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            raise
+        except Exception as err:  # a refusal: settle() drops the staged keys and raises it
+            replies = [err]
+    else:
+        replies = _scripts.call_many(engine.client, calls)
     status = settle(engine, h, dict(zip(segs, replies)), staged=call.staged)
     if status is not True:
         return status
@@ -231,7 +241,7 @@ def unstick(engine: Engine, h: Header) -> None:
         time.sleep(0.001 + 0.004 * random.random())
         return
     token = _token()
-    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0], engine._execute)
+    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
     if reply[0] == b"BUSY":
         time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
         return
@@ -373,7 +383,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         stage(engine, call.staged)
     token = _token()
     check = f"{h.epoch}:V{h.version}"
-    reply = _scripts.call(engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS], engine._execute)
+    reply = _scripts.call(engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine._execute)
     status = reply[0]
     if status != b"OK":
         _drop(engine, call)
