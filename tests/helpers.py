@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
@@ -113,3 +115,46 @@ def load_tool(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+# -- stamped elements: every leaf carries one number, so a torn element is visible ----------------
+
+
+def stamped(stamp: int) -> TensorDict:
+    """An element whose every leaf carries ``stamp`` (tokens also in their length): leaves of two writes show."""
+    return TensorDict(obs=torch.full((8,), float(stamp)), tokens=torch.full((stamp % 5 + 1,), stamp, dtype=torch.int64), stamp=torch.tensor(stamp))
+
+
+def consistent(td: TensorDict) -> bool:
+    """Whether every leaf of ``td`` carries the same stamp (see :func:`stamped`)."""
+    s = int(td["stamp"])
+    return bool((td["obs"] == s).all()) and td["tokens"].numel() == s % 5 + 1 and bool((td["tokens"] == s).all())
+
+
+def stamp_writer(url: str, prefix: str, td_id: str, seed: int, seconds: float, rows: int) -> None:
+    """A process that writes ``stamped`` elements to random rows of a store for ``seconds``."""
+    from tdstore import LazyStackedTensorDictStore
+
+    store = LazyStackedTensorDictStore.from_store(td_id=td_id, url=url, prefix=prefix)
+    g = torch.Generator().manual_seed(seed)
+    stamp = seed * 1_000_000
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        stamp += 1
+        store[int(torch.randint(0, rows, (1,), generator=g))] = stamped(stamp)
+
+
+def torn_while_running(store, procs, rows: list[int]) -> tuple[int, int]:
+    """Start ``procs``, read ``store[rows]`` until they end, join them (each must succeed); (reads, torn)."""
+    for p in procs:
+        p.start()
+    reads = torn = 0
+    while any(p.is_alive() for p in procs):
+        batch = store[torch.tensor(rows)]
+        for j in range(len(rows)):
+            reads += 1
+            torn += not consistent(batch[j])
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    return reads, torn

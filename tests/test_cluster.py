@@ -15,6 +15,7 @@ import time
 import pytest
 import redis
 import torch
+from helpers import consistent, stamp_writer, stamped, torn_while_running
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from tensordict import TensorDict, lazy_stack
@@ -37,19 +38,9 @@ def ids_on_every_node(stem: str, nodes: int = 3) -> dict[int, str]:
     return out
 
 
-def element(stamp: int) -> TensorDict:
-    """Every leaf carries ``stamp``, so a torn element (leaves of two writes) is visible."""
-    return TensorDict(obs=torch.full((8,), float(stamp)), tokens=torch.full((stamp % 5 + 1,), stamp, dtype=torch.int64), stamp=torch.tensor(stamp))
-
-
-def consistent(td: TensorDict) -> bool:
-    s = int(td["stamp"])
-    return bool((td["obs"] == s).all()) and td["tokens"].numel() == s % 5 + 1 and bool((td["tokens"] == s).all())
-
-
 def test_stores_spread_over_every_primary(redis_cluster):
     ids = ids_on_every_node("spread")
-    stores = [LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(20)]), url=redis_cluster.url, prefix="spread", td_id=t) for t in ids.values()]
+    stores = [LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(20)]), url=redis_cluster.url, prefix="spread", td_id=t) for t in ids.values()]
     for n, t in ids.items():
         node = redis_cluster.node_client(n)
         assert node.keys(f"spread:{{{t}}}*"), f"store {t} is not on node {n}"
@@ -59,13 +50,13 @@ def test_stores_spread_over_every_primary(redis_cluster):
 
 
 def test_ways_to_reach_a_cluster(redis_cluster):
-    local = lazy_stack([element(i) for i in range(6)])
+    local = lazy_stack([stamped(i) for i in range(6)])
     a = LazyStackedTensorDictStore.from_lazy_stack(local, url=redis_cluster.url, prefix="reach")
     b = LazyStackedTensorDictStore.from_store(td_id=a.td_id, cluster=True, host="127.0.0.1", port=redis_cluster.ports[1], prefix="reach")
     client = RedisCluster(host="127.0.0.1", port=redis_cluster.ports[2])
     c = LazyStackedTensorDictStore.from_store(td_id=a.td_id, client=client, prefix="reach")
     d = pickle.loads(pickle.dumps(a))  # reconnects through the cluster in another process too
-    b[2] = element(77)
+    b[2] = stamped(77)
     assert int(c[2]["stamp"]) == 77 and int(d[2]["stamp"]) == 77
     assert "redis+cluster://" in repr(a._engine.where())
     a.clear_redis()
@@ -82,19 +73,19 @@ def test_dense_store_and_clone_on_a_cluster(redis_cluster):
 
 
 def test_scripts_reload_after_a_flush_on_every_primary(redis_cluster):
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(6)]), url=redis_cluster.url, prefix="flush")
-    s[1] = element(11)
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(6)]), url=redis_cluster.url, prefix="flush")
+    s[1] = stamped(11)
     for n in range(3):
         redis_cluster.node_client(n).script_flush()
-    s[1] = element(12)
+    s[1] = stamped(12)
     assert int(s[1]["stamp"]) == 12
     s.clear_redis()
 
 
 def test_element_calls_are_one_script_call_on_the_owning_node(redis_cluster):
     td_id = ids_on_every_node("count")[1]
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(10)]), url=redis_cluster.url, prefix="count", td_id=td_id)
-    s[3] = element(30)
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(10)]), url=redis_cluster.url, prefix="count", td_id=td_id)
+    s[3] = stamped(30)
     s[3].to_tensordict()
     node = redis_cluster.node_client(1)
 
@@ -102,7 +93,7 @@ def test_element_calls_are_one_script_call_on_the_owning_node(redis_cluster):
         return node.info("commandstats")["cmdstat_evalsha"]["calls"]
 
     before = evalsha()
-    s[4] = element(40)
+    s[4] = stamped(40)
     assert evalsha() == before + 1
     assert consistent(s[4].to_tensordict())
     assert evalsha() == before + 2
@@ -111,32 +102,12 @@ def test_element_calls_are_one_script_call_on_the_owning_node(redis_cluster):
     s.clear_redis()
 
 
-def _writer(url: str, td_id: str, wid: int, seconds: float) -> None:
-    store = LazyStackedTensorDictStore.from_store(td_id=td_id, url=url, prefix="atomic")
-    g = torch.Generator().manual_seed(wid)
-    stamp = wid * 1_000_000
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        stamp += 1
-        store[int(torch.randint(0, 8, (1,), generator=g))] = element(stamp)
-
-
 @pytest.mark.slow
 def test_concurrent_element_writes_stay_atomic(redis_cluster):
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(8)]), url=redis_cluster.url, prefix="atomic")
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(8)]), url=redis_cluster.url, prefix="atomic")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(redis_cluster.url, s.td_id, w + 1, 2.0)) for w in range(3)]
-    for p in procs:
-        p.start()
-    reads = torn = 0
-    while any(p.is_alive() for p in procs):
-        batch = s[torch.tensor([0, 3, 5, 7])]
-        for j in range(4):
-            reads += 1
-            torn += not consistent(batch[j])
-    for p in procs:
-        p.join()
-        assert p.exitcode == 0
+    procs = [ctx.Process(target=stamp_writer, args=(redis_cluster.url, "atomic", s.td_id, w + 1, 2.0, 8)) for w in range(3)]
+    reads, torn = torn_while_running(s, procs, [0, 3, 5, 7])
     assert reads > 0 and torn == 0
     assert all(consistent(s[i].to_tensordict()) for i in range(8))
     assert max(int(s[i]["stamp"]) for i in range(8)) > 1_000_000  # the writers did write
@@ -148,16 +119,16 @@ def test_a_primary_goes_down_and_comes_back():
     # append-only files on: a primary that restarts gets back what it acknowledged
     with EmbeddedCluster(extra_args=("--appendonly", "yes", "--appendfsync", "always")) as cluster:
         ids = ids_on_every_node("down")
-        stores = {n: LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(10)]), url=cluster.url, prefix="down", td_id=t) for n, t in ids.items()}
-        stores[1][2] = element(21)  # acknowledged before the node goes down
+        stores = {n: LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(10)]), url=cluster.url, prefix="down", td_id=t) for n, t in ids.items()}
+        stores[1][2] = stamped(21)  # acknowledged before the node goes down
         cluster.stop_node(1)
         with pytest.raises(redis.ConnectionError, match=f"td_id '{ids[1]}'"):
-            stores[1][3] = element(31)
+            stores[1][3] = stamped(31)
         with pytest.raises(redis.ConnectionError, match="cannot be reached"):
             stores[1][2].to_tensordict()
         # the other primaries keep serving their stores, reads and writes
-        stores[0][2] = element(20)
-        stores[2][2] = element(22)
+        stores[0][2] = stamped(20)
+        stores[2][2] = stamped(22)
         assert int(stores[0][2]["stamp"]) == 20 and int(stores[2][2]["stamp"]) == 22
         cluster.start_node(1)
         deadline = time.monotonic() + 20
@@ -170,7 +141,7 @@ def test_a_primary_goes_down_and_comes_back():
                     raise
                 time.sleep(0.2)
         assert int(got["stamp"]) == 21 and consistent(got)  # nothing acknowledged was lost
-        stores[1][3] = element(31)
+        stores[1][3] = stamped(31)
         assert int(stores[1][3]["stamp"]) == 31
         assert [int(stores[n][2]["stamp"]) for n in (0, 2)] == [20, 22]
 
@@ -180,7 +151,7 @@ def test_cli_lists_inspects_and_removes_stores_on_a_cluster(redis_cluster, capsy
 
     ids = ids_on_every_node("cli")
     for t in ids.values():
-        LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(4)]), url=redis_cluster.url, prefix="cli", td_id=t)
+        LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(4)]), url=redis_cluster.url, prefix="cli", td_id=t)
     assert main(["ls", "--url", redis_cluster.url, "--prefix", "cli"]) == 0
     out = capsys.readouterr().out
     assert all(t in out for t in ids.values()) and "3 stores under prefix 'cli' on redis+cluster://" in out
@@ -195,12 +166,12 @@ def test_cli_lists_inspects_and_removes_stores_on_a_cluster(redis_cluster, capsy
 
 def test_calls_go_to_the_owning_primary_and_follow_a_redirect(redis_cluster):
     ids = ids_on_every_node("route")
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(6)]), url=redis_cluster.url, prefix="route", td_id=ids[0])
-    s[1] = element(10)
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(6)]), url=redis_cluster.url, prefix="route", td_id=ids[0])
+    s[1] = stamped(10)
     assert s._engine._node is not None and s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
     # as after a resharding or a failover: the cached node no longer serves the slot and answers MOVED
     s._engine._node = redis.Redis(host="127.0.0.1", port=redis_cluster.ports[1])
-    s[2] = element(20)  # RedisCluster follows the redirect; the next call looks the node up again
+    s[2] = stamped(20)  # RedisCluster follows the redirect; the next call looks the node up again
     assert int(s[2]["stamp"]) == 20
     assert s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
     s.clear_redis()

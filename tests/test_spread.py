@@ -15,6 +15,7 @@ import time
 import pytest
 import redis
 import torch
+from helpers import consistent, stamp_writer, stamped, torn_while_running
 from redis.client import Pipeline
 from tensordict import TensorDict, lazy_stack
 
@@ -26,19 +27,9 @@ from tdstore.server import commandstats
 PREFIX = "spread"
 
 
-def element(stamp: int) -> TensorDict:
-    """Every leaf carries ``stamp``, so a torn element (leaves of two writes) is visible."""
-    return TensorDict(obs=torch.full((8,), float(stamp)), tokens=torch.full((stamp % 5 + 1,), stamp, dtype=torch.int64), stamp=torch.tensor(stamp))
-
-
-def consistent(td: TensorDict) -> bool:
-    s = int(td["stamp"])
-    return bool((td["obs"] == s).all()) and td["tokens"].numel() == s % 5 + 1 and bool((td["tokens"] == s).all())
-
-
 def spread_store(cluster: EmbeddedCluster, n: int = 30, **kw) -> LazyStackedTensorDictStore:
     # 8 float32 + a row of int64 per element: 128-byte segments hold one or two elements
-    return LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(n)]), url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, **kw)
+    return LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(n)]), url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, **kw)
 
 
 def keys_per_node(cluster: EmbeddedCluster, td_id: str) -> list[list[bytes]]:
@@ -74,7 +65,7 @@ def test_a_spread_store_puts_its_segments_on_every_primary(redis_cluster):
 
 
 def test_a_spread_store_opens_on_one_server_as_any_other_store(redis_server):
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([element(i) for i in range(6)]), url=redis_server.url, prefix=PREFIX, spread=True, segment_bytes=128)
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(6)]), url=redis_server.url, prefix=PREFIX, spread=True, segment_bytes=128)
     assert not s._engine.header.spread  # one server: every segment is reached by one script already
     assert all(consistent(s[i].to_tensordict()) for i in range(6))
     s.clear_redis()
@@ -124,7 +115,7 @@ def test_a_call_over_many_segments_is_one_pipeline_per_node(redis_cluster):
     for node in nodes:
         node.config_resetstat()
     with _CountPipelines() as count:
-        s[:] = lazy_stack([element(100 + i) for i in range(30)])  # a write over every segment: a script per segment
+        s[:] = lazy_stack([stamped(100 + i) for i in range(30)])  # a write over every segment: a script per segment
     assert sorted(count.ports) == sorted(redis_cluster.ports)
     assert sum(commandstats(node).get("evalsha", 0) for node in nodes) == s._engine.header.segments.n
     assert all(consistent(s[i].to_tensordict()) and int(s[i]["stamp"]) == 100 + i for i in range(30))
@@ -138,7 +129,7 @@ def test_an_element_call_is_one_script_on_the_node_of_its_segment(redis_cluster)
     owner = [i for i in range(3) if nodes[i].keys(s._engine.keys.guard(seg))]
     for node in nodes:
         node.config_resetstat()
-    s[20] = element(220)
+    s[20] = stamped(220)
     got = s[20].to_tensordict()
     stats = [commandstats(node) for node in nodes]
     assert [st.get("evalsha", 0) for st in stats] == [2 if i == owner[0] else 0 for i in range(3)]
@@ -153,9 +144,9 @@ def test_schema_changes_reach_every_segment(redis_cluster):
     assert torch.equal(s["extra"], torch.arange(30.0).reshape(30, 1))
     s.set("extra", torch.arange(30, dtype=torch.int64))  # another dtype: a new leaf, the old one's keys go
     s.rename_key_("extra", "renamed")
-    s[4] = element(4).set("renamed", torch.tensor(7))
-    other[5] = element(55)  # a stale header, but these keys did not change: the guards let it through
-    s[6] = element(6).set("renamed", torch.tensor(9)).set("obs", torch.full((3,), 6.0))  # obs becomes heterogeneous, copy-on-write
+    s[4] = stamped(4).set("renamed", torch.tensor(7))
+    other[5] = stamped(55)  # a stale header, but these keys did not change: the guards let it through
+    s[6] = stamped(6).set("renamed", torch.tensor(9)).set("obs", torch.full((3,), 6.0))  # obs becomes heterogeneous, copy-on-write
     assert s._engine.header.leaves[("obs",)].het
     assert [int(v) for v in s["renamed"][3:7]] == [3, 7, 5, 9] and consistent(s[5].to_tensordict())
     # obs moved to a new leaf number: the guards refuse the other handle's stale plan, it refreshes
@@ -232,7 +223,7 @@ def test_a_changer_that_dies_midway_is_rolled_back(redis_cluster, monkeypatch):
 def test_ring_calls_are_refused_with_a_clear_error(redis_cluster):
     s = LazyStackedTensorDictStore(count=8, url=redis_cluster.url, prefix=PREFIX, spread=True)
     with pytest.raises(NotImplementedError, match="spread over several cluster nodes"):
-        s.extend(lazy_stack([element(1)]))
+        s.extend(lazy_stack([stamped(1)]))
     s.clear_redis()
 
 
@@ -260,16 +251,6 @@ def test_cli_shows_and_removes_a_spread_store(redis_cluster, capsys):
     assert not any(keys_per_node(redis_cluster, s.td_id))
 
 
-def _writer(url: str, td_id: str, seed: int, seconds: float) -> None:
-    store = LazyStackedTensorDictStore.from_store(td_id=td_id, url=url, prefix=PREFIX)
-    g = torch.Generator().manual_seed(seed)
-    stamp = seed * 1_000_000
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        stamp += 1
-        store[int(torch.randint(0, 30, (1,), generator=g))] = element(stamp)
-
-
 def _schema_racer(url: str, td_id: str, seconds: float) -> None:
     store = LazyStackedTensorDictStore.from_store(td_id=td_id, url=url, prefix=PREFIX)
     end = time.monotonic() + seconds
@@ -282,19 +263,9 @@ def _schema_racer(url: str, td_id: str, seconds: float) -> None:
 def test_element_writes_stay_atomic_while_the_schema_changes(redis_cluster):
     s = spread_store(redis_cluster)
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(redis_cluster.url, s.td_id, w + 1, 2.0)) for w in range(2)]
+    procs = [ctx.Process(target=stamp_writer, args=(redis_cluster.url, PREFIX, s.td_id, w + 1, 2.0, 30)) for w in range(2)]
     procs.append(ctx.Process(target=_schema_racer, args=(redis_cluster.url, s.td_id, 2.0)))
-    for p in procs:
-        p.start()
-    reads = torn = 0
-    while any(p.is_alive() for p in procs):
-        batch = s[torch.tensor([0, 7, 15, 29])]
-        for j in range(4):
-            reads += 1
-            torn += not consistent(batch[j])
-    for p in procs:
-        p.join()
-        assert p.exitcode == 0
+    reads, torn = torn_while_running(s, procs, [0, 7, 15, 29])
     assert reads > 0 and torn == 0
     assert all(consistent(s[i].to_tensordict()) for i in range(30))
     assert guard_versions(redis_cluster, s) == {s._engine.header.version}
@@ -343,11 +314,11 @@ def test_a_node_that_goes_down_fails_only_the_calls_that_need_it():
         on_down = [e for e in range(30) if client.get_node_from_key(keys.guard(segs.of(e))).port == cluster.ports[down] and segs.of(e)]
         elsewhere = [e for e in range(30) if client.get_node_from_key(keys.guard(segs.of(e))).port != cluster.ports[down]]
         client.close()
-        s[on_down[0]] = element(500)  # acknowledged before the node goes down
+        s[on_down[0]] = stamped(500)  # acknowledged before the node goes down
         cluster.stop_node(down)
         with pytest.raises(redis.ConnectionError, match=f"td_id '{s.td_id}'"):
-            s[on_down[1]] = element(501)
-        s[elsewhere[0]] = element(502)  # segments on the other primaries keep working
+            s[on_down[1]] = stamped(501)
+        s[elsewhere[0]] = stamped(502)  # segments on the other primaries keep working
         assert int(s[elsewhere[0]]["stamp"]) == 502
         cluster.start_node(down)
         deadline = time.monotonic() + 20
@@ -360,5 +331,5 @@ def test_a_node_that_goes_down_fails_only_the_calls_that_need_it():
                     raise
                 time.sleep(0.2)
         assert int(got["stamp"]) == 500 and consistent(got)
-        s[on_down[1]] = element(501)
+        s[on_down[1]] = stamped(501)
         assert all(consistent(t) for t in s.to_tensordict().unbind(0))
