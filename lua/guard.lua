@@ -16,8 +16,9 @@
   ensure:
     ARGV[2]   epoch of the store
     ARGV[3]   the header's version: a missing guard is created at it
-    ARGV[4]   the store's time to live in milliseconds, '0' for none (given to a new
-              guard, whose TTL write.lua then gives the keys it creates in the segment)
+    ARGV[4]   the store's deadline in Unix milliseconds (the header's), '' for none: a new
+              guard expires with the store, and write.lua gives the keys it creates in the
+              segment the guard's time to live
   rollback:
     ARGV[2]   epoch of the store
     ARGV[3]   the header's version, which the guard goes back to
@@ -39,9 +40,8 @@ local have = redis.call('HMGET', guard, 'epoch', 'version', 'lk')
 if mode == 'ensure' then
   if not have[1] then
     redis.call('HSET', guard, 'epoch', epoch, 'version', ARGV[3])
-    local ttl = tds_num(ARGV[4] or '0', 'ttl')
-    if ttl > 0 then
-      redis.call('PEXPIRE', guard, ttl)
+    if ARGV[4] ~= nil and ARGV[4] ~= '' then
+      redis.call('PEXPIREAT', guard, tds_num(ARGV[4], 'deadline'))
     end
     return {'OK', ARGV[3]}
   end

@@ -401,9 +401,9 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             rollback(engine, h, "*", int(reply[2]), int(reply[3]))
         schema, fields = new.schema_json(), new.version_fields(h)
         calls: list[tuple[str, list[str], list[Any]]] = []
-        if after > h.segments.n or h.segments.n == 1:
-            ttl = engine.ttl_ms() or 0
-            calls += [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, ttl]) for seg in range(max(1, h.segments.n if h.seg else 1), after)]
+        if after > h.segments.n or h.segments.n == 1:  # the first data: the segments' guards are made
+            at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
+            calls += [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)]
         for seg in range(1, after):
             part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
             calls.append(("write", part.kt.keys, [check, "", schema, f"{fields} lk={token}", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))

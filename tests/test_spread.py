@@ -333,3 +333,16 @@ def test_a_node_that_goes_down_fails_only_the_calls_that_need_it():
         assert int(got["stamp"]) == 500 and consistent(got)
         s[on_down[1]] = stamped(501)
         assert all(consistent(t) for t in s.to_tensordict().unbind(0))
+
+
+def test_keys_a_schema_change_adds_take_the_stores_deadline(redis_cluster):
+    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, ttl=120)
+    s.set("obs", torch.zeros(30, 8))  # the first keys: the segments and their guards are made
+    s.set("more", torch.ones(30, 4))
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    keys = [k for node in keys_per_node(redis_cluster, s.td_id) for k in node]
+    assert len(keys) > 2 * s._engine.header.segments.n
+    ttls = [client.pttl(k) for k in keys]
+    client.close()
+    assert all(110_000 < t <= 120_000 for t in ttls) and max(ttls) - min(ttls) < 1_000, ttls
+    s.clear_redis()
