@@ -33,6 +33,10 @@
           move the staging key KEYS[ks] (filled with plain SETRANGEs in the same
           pipeline, n bytes) onto KEYS[kt] (RENAME, then PERSIST): a large blob is
           replaced without pushing its bytes through Lua
+    'O', ks, kd
+          KEYS[kd] becomes a copy of KEYS[ks] (COPY on the server; deleted when KEYS[ks]
+          does not exist): a spread store's schema change writes a copy of each key it
+          would change in place, so the change appears at its commit (see _spread.py)
     'C', kb, kd, stride, col, nb
           KEYS[kd] becomes the column of the row block KEYS[kb] whose rows are
           stride bytes: nb bytes at col of every row, back to back (a leaf leaving
@@ -220,6 +224,15 @@ for _ = 1, nops do
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
     a = a + 2
+  elseif kind == 'O' then
+    local op = {kind = 'O', src = key(a + 1), key = key(a + 2)}
+    local v = pending[op.src]
+    if v == nil then
+      v = redis.call('GET', op.src) or ''
+    end
+    pending[op.key] = v  -- later ops of this call see the copy
+    ops[#ops + 1] = op
+    a = a + 3
   elseif kind == 'Z' then
     local op = {kind = 'Z', key = key(a + 1), n = tds_num(ARGV[a + 2], 'size')}
     if op.n > limit then
@@ -491,6 +504,11 @@ for _, op in ipairs(ops) do
     redis.call('SETRANGE', op.key, op.start, op.part)
   elseif op.kind == 'S' then
     redis.call('SET', op.key, op.value)
+  elseif op.kind == 'O' then
+    redis.call('DEL', op.key)
+    if redis.call('EXISTS', op.src) == 1 then
+      redis.call('COPY', op.src, op.key)
+    end
   elseif op.kind == 'D' then
     redis.call('DEL', op.key)
   elseif op.kind == 'Z' then
@@ -538,7 +556,7 @@ end
 local ttl = redis.call('PTTL', meta)
 if ttl > 0 then
   for _, op in ipairs(ops) do
-    if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' then
+    if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' then
       redis.call('PEXPIRE', op.key or op.dst, ttl)
     end
   end

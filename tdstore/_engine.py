@@ -460,6 +460,10 @@ class Engine:
                     reply = _spread.run_transaction(self, header, call)
                 except redis.exceptions.ResponseError as err:
                     return (self._transaction_refused(err, plan),)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    # a node away (a failover, say): read through the scripts, which RedisCluster
+                    # routes with a fresh slot map, or which raise naming the store
+                    return (self._run_with_script_reads(plan),)
             else:
                 reply = _spread.run_data(self, header, call)
             if reply is _spread.WAIT:
@@ -942,9 +946,11 @@ class Engine:
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
                 # the first keys of a store created empty fix its segment length
                 new_header = replace(new_header, seg=_segments.segment_length(h.count, _largest_element(self.keys, new_header, ops, kt), self.segment_size))
-            after = new_header or h
             if h.row is not None and new_header is not None and new_header.row is None:
                 ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
+            if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit
+                new_header, ops = _spread.copy_on_write(self.keys, h, new_header, kt, ops)
+            after = new_header or h
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, max(h.next_leaf, after.next_leaf), leaf_shapes(after, h), kt, ops)
             if new_header is not None:

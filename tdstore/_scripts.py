@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -112,7 +112,10 @@ def on_nodes(jobs: list[Callable[[], Any]]) -> list[Any]:
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tdstore-node")
     futures = [_pool.submit(job) for job in jobs[1:]]
-    first = jobs[0]()
+    try:
+        first = jobs[0]()
+    finally:
+        wait(futures)  # every node's round trip is over before anyone acts on the outcome
     return [first, *(f.result() for f in futures)]
 
 

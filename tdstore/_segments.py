@@ -213,6 +213,11 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
             assert target is not None
             for seg in range(segs.n):
                 new.append(["C", out.ref(keys.data(n, seg)), out.ref(keys.data(target[1], seg)), *op[3:]])
+        elif kind == "O":  # a key copied to another leaf number's: in every segment
+            target = what(op[2])
+            assert target is not None
+            for seg in range(segs.n):
+                new.append(["O", out.ref(keys.leaf_keys(n, seg)["dos".index(role)]), out.ref(keys.leaf_keys(target[1], seg)["dos".index(target[0])])])
         elif kind == "Y":
             blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
             new.append(["Y", *blocks, *op[4:]])
@@ -222,7 +227,7 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
 
 
 # arguments (1-based positions within an op) that are key indices, for ops passed through
-_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2)}
+_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2)}
 
 
 def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[list[Any]]) -> None:

@@ -17,10 +17,12 @@ one store may outgrow one node.  A script can only touch one slot, so here:
 - A schema change (:func:`run_schema_change`) takes the header's schema lock
   (``lua/lock.lua``, with a lease), *prepares* every other segment (its ops, and its
   guard moved to the new versions: a client of the old schema is refused there for
-  what the change touches from then on, and none has the new one yet), then *commits* the header with segment 0's
-  ops in one script that checks the lock is still its own and clears it, then
-  deletes what the change left unreferenced in the other segments.  Until the
-  commit no client can touch a prepared segment, so nobody sees a half-made change.
+  what the change touches from then on, and none has the new one yet), then *commits*
+  the header with segment 0's ops in one script that checks the lock is still its own,
+  then deletes what the change left unreferenced in the other segments and releases
+  the lock.  The change writes nothing the old schema uses before its commit: keys it
+  would write in place are copied to new leaf numbers first (:func:`copy_on_write`),
+  so nobody sees a half-made change and a rolled-back one leaves the data as it was.
   A changer that fails rolls back what it prepared (``lua/guard.lua``); one that dies
   leaves a lock whose lease runs out, and the next client that finds a segment ahead
   of the header takes the lock over and rolls the guards back (:func:`unstick`).
@@ -34,7 +36,7 @@ import random
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -52,7 +54,7 @@ LEASE_MS = 30_000
 #: ``lua/lock.lua``), so that client gets through before the next change.
 QUIET_MS = 10
 #: Key-index arguments (1-based, within an op) of the ``write.lua`` and ``read.lua`` ops a spread call may hold.
-WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2)}
+WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2), "O": (1, 2)}
 READ_KEY_ARGS = {"R": (1,), "E": (1, 2, 3)}
 _READ_SIZES = {"R": 5, "E": 7}
 
@@ -194,28 +196,37 @@ def settle(engine: Engine, h: Header, replies: dict[int, Any], *, staged: list[t
     """True when every segment's reply is OK; else refresh what is needed and return None (plan
     again) or :data:`WAIT` (another client's schema change is under way, see :func:`refused`).
 
-    A refused call (an exception) is raised after the staging keys are deleted.
+    A refused call (an exception) is raised after the staging keys are deleted; so is a
+    segment whose guard is missing (:func:`missing_guard`).
     """
-    bad = None
-    for seg, reply in replies.items():
-        if isinstance(reply, Exception):
-            bad = reply
-        elif reply[0] != b"OK" and seg == 0 and reply[0] == b"STALE":
-            engine.set_header(engine._parse_header(_fields(reply[1:])))
-            bad = bad or False
-        elif reply[0] == b"GONE" and seg == 0:
-            bad = bad or engine.gone()
-        elif reply[0] != b"OK":
-            bad = bad if bad is not None else True
-    if bad is None:
+    if all(not isinstance(r, Exception) and r[0] == b"OK" for r in replies.values()):
         return True
     if staged:
         engine.client.delete(*(k for k, _ in staged))
-    if isinstance(bad, BaseException):
-        raise bad
-    if bad is True:  # only guards refused: the header decides
-        return refused(engine, h)
-    return None
+    for r in replies.values():
+        if isinstance(r, Exception):
+            raise r
+    head = replies.get(0)
+    if head is not None and head[0] == b"GONE":
+        raise engine.gone()
+    for seg, r in replies.items():
+        if seg and r[0] == b"GONE":
+            raise missing_guard(engine, seg)
+    if head is not None and head[0] == b"STALE":
+        engine.set_header(engine._parse_header(_fields(head[1:])))
+        return None
+    return refused(engine, h)  # only guards refused: the header decides
+
+
+def missing_guard(engine: Engine, seg: int) -> KeyError:
+    """The error for a segment whose guard is gone while the header is not (checked here: a store
+    deleted meanwhile gives the usual one). A delete cut short, or a guard expired a moment
+    before its header: nothing to wait for; ``clear_redis()`` or ``tdstore rm`` deletes the rest."""
+    engine.fetch_header()  # raises the usual KeyError when the whole store is gone
+    return KeyError(
+        f"segment {seg} of the store with {engine.where()} has lost its guard ({engine.keys.guard(seg)!r}): "
+        "the store is being deleted, expiring, or a delete was cut short; clear_redis() or 'tdstore rm' removes the rest"
+    )
 
 
 def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
@@ -237,11 +248,13 @@ def refused(engine: Engine, h: Header) -> Any:
 def unstick(engine: Engine, h: Header) -> None:
     """Segments ahead of the header ``h``: wait while a live changer holds the lock; take it over when it is
     free or its lease ran out, roll every guard ahead of ``h`` back, and let it go."""
-    if engine.readonly:
+    token = _token()
+    try:
+        # a read-only handle too: undoing a dead change restores what its schema says, writes no data
+        reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
+    except PermissionError:  # an ACL user that may only read: wait for a client that may write
         time.sleep(0.001 + 0.004 * random.random())
         return
-    token = _token()
-    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
     if reply[0] == b"BUSY":
         time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
         return
@@ -249,12 +262,14 @@ def unstick(engine: Engine, h: Header) -> None:
         return
     try:
         dead_next, dead_segs = (int(reply[2]), int(reply[3])) if len(reply) > 2 else (h.next_leaf, h.segments.n)
-        rollback(engine, h, "*", dead_next, dead_segs)
+        undone = rollback(engine, h, "*", dead_next, dead_segs)
     finally:
         release(engine, token)
+    if not undone:  # nothing was ahead: whatever refused the call, do not ask again at once
+        time.sleep(0.001 + 0.004 * random.random())
 
 
-def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: int) -> None:
+def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: int) -> int:
     """Every guard of segments 1..segments-1 that a change (``token``, or any: ``*``) moved ahead of
     ``h`` goes back to ``h``'s version, and the keys of leaf numbers the change added are deleted."""
     keys = engine.keys
@@ -263,10 +278,12 @@ def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: in
     for seg in range(1, max(segments, h.segments.n)):
         extra = [k for n in range(h.next_leaf, upto_leaf) for k in keys.leaf_keys(n, seg)]
         calls.append(("guard", [keys.guard(seg), *extra], ["rollback", h.epoch, h.version, token, fields]))
-    if calls:
-        for reply in _scripts.call_many(engine.client, calls):
-            if isinstance(reply, Exception):
-                raise reply
+    undone = 0
+    for reply in _scripts.call_many(engine.client, calls) if calls else []:
+        if isinstance(reply, Exception):
+            raise reply
+        undone += int(reply[1])
+    return undone
 
 
 def guard_fields(h: Header) -> dict[str, str]:
@@ -347,6 +364,8 @@ def run_transaction(engine: Engine, h: Header, call: Call) -> Any:
             if seg == 0:
                 head = res[0]
             elif [v.decode() if v is not None else None for v in res[0]] != [call.guards[n] for n in names]:
+                if res[0][0] is None:  # no epoch: the guard is gone
+                    raise missing_guard(engine, seg)
                 return refused(engine, h)
             for (b, i), data in zip(groups[seg][1], res[1:]):
                 chunks[b][i] = data
@@ -371,13 +390,18 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     keys = engine.keys
     after = max(new.segments.n, h.segments.n)
     parts = split(keys, call.keys, call.ops, WRITE_KEY_ARGS)
-    later: dict[int, list[list[Any]]] = {}  # deletes of keys the old schema uses: after the commit
+    later: dict[int, list[list[Any]]] = {}  # deletes: after the commit, when nothing the old schema uses may go
     for seg, part in parts.items():
         if seg == 0:
             continue
-        used = [ref for op in part.ops if op[0] != "D" for ref in _refs(op)]
-        keep = [op for op in part.ops if op[0] != "D" or op[1] in used]
-        later[seg] = [op for op in part.ops if op[0] == "D" and op[1] not in used]
+        keep, later[seg] = [], []
+        for i, op in enumerate(part.ops):
+            # a delete stays in place only when a later op of the call writes that key again (a key
+            # set anew); one that is only read afterwards (the source of a copy) goes after the commit
+            if op[0] == "D" and not any(op[1] in _written(after) for after in part.ops[i + 1 :]):
+                later[seg].append(op)
+            else:
+                keep.append(op)
         part.ops = keep
     if call.staged:
         stage(engine, call.staged)
@@ -406,13 +430,18 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             calls += [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)]
         for seg in range(1, after):
             part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
-            calls.append(("write", part.kt.keys, [check, "", schema, f"{fields} lk={token}", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
-        for r in _scripts.call_many(engine.client, calls):
+            # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
+            calls.append(("write", part.kt.keys, [check, "", "-", f"{fields} lk={token}", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
+        replies = _scripts.call_many(engine.client, calls)
+        for i, r in enumerate(replies):
             if isinstance(r, Exception):
                 raise r
-            if r[0] != b"OK":
+            if r[0] == b"GONE":
                 _abort(engine, h, token, new, after, call)
-                return refused(engine, h)
+                raise missing_guard(engine, engine.keys.segment_of(calls[i][1][0]))
+        if any(r[0] != b"OK" for r in replies):
+            _abort(engine, h, token, new, after, call)
+            return refused(engine, h)
         head = parts.get(0) or Part(KeyTable(keys.meta), [])
         reply = _scripts.call(engine.client, "write", head.kt.keys, [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, len(head.ops), *_flat(head.ops)], engine._execute)
         if reply[0] != b"OK":
@@ -443,8 +472,12 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     return reply
 
 
-def _refs(op: list[Any]) -> list[int]:
-    return [op[i] for i in WRITE_KEY_ARGS[op[0]] if op[i]]
+#: Key-index arguments of the ``write.lua`` ops that the op writes (the others it only reads).
+_WRITES = {"R": (1,), "S": (1,), "Z": (1,), "M": (2,), "F": (1,), "E": (1, 2, 3), "C": (2,), "D": (1,), "O": (2,)}
+
+
+def _written(op: list[Any]) -> list[int]:
+    return [op[i] for i in _WRITES[op[0]] if op[i]]
 
 
 def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
@@ -455,17 +488,66 @@ def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
 
 
 def _abort(engine: Engine, h: Header, token: str, new: Header, after: int, call: Call) -> None:
-    """Undo what this change prepared, then let the lock go."""
-    try:
-        rollback(engine, h, token, new.next_leaf, after)
-        _drop(engine, call)
-    finally:
-        release(engine, token)
+    """Undo what this change prepared, then let the lock go. When the undo fails the lock is kept:
+    its lease runs out and the next holder undoes the rest, with the leaf numbers and segments
+    the lock records (a released lock would forget them)."""
+    rollback(engine, h, token, new.next_leaf, after)
+    _drop(engine, call)
+    release(engine, token)
 
 
 def _drop(engine: Engine, call: Call) -> None:
     if call.staged:
         engine.client.delete(*(k for k, _ in call.staged))
+
+
+def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: list[list[Any]]) -> tuple[Header, list[list[Any]]]:
+    """A spread store's schema change with its in-place writes turned into writes to copies.
+
+    A schema change prepares the other segments before it commits the header, on other
+    nodes: a key it wrote in place there would show its new bytes before the commit (next
+    to the old bytes of a key whose layout changes, which appear only at the commit: a torn
+    element), and would keep them if the change is rolled back. So every key of a leaf that
+    lives on (the row block included) and that the call writes is first copied, on the
+    server, to a new leaf number ('O'), the call writes the copy, the new header names the
+    copy (with a new leaf version, so clients of the old schema are refused), and the old
+    keys are deleted after the commit. Planned on segment 0's key names, before localizing.
+    """
+    live = {leaf.number for leaf in new.leaves.values()} & {leaf.number for leaf in h.leaves.values()}
+    if h.row is not None and new.row is not None and h.row[0] == new.row[0]:
+        live.add(h.row[0])
+    names = {}
+    for n in range(max(h.next_leaf, new.next_leaf)):
+        for role, key in zip("dos", keys.leaf_keys(n)):
+            names[key] = (role, n)
+    written = set()
+    for op in ops:
+        if op[0] != "D":
+            for i in _WRITES[op[0]]:
+                w = names.get(kt.keys[op[i] - 1]) if op[i] else None
+                if w is not None and w[1] in live:
+                    written.add(w[1])
+    if not written:
+        return new, ops
+    remap = {n: new.next_leaf + i for i, n in enumerate(sorted(written))}
+
+    def retarget(op: list[Any]) -> list[Any]:
+        out = list(op)
+        for i in WRITE_KEY_ARGS[op[0]]:
+            w = names.get(kt.keys[op[i] - 1]) if op[i] else None
+            if w is not None and w[1] in remap:
+                out[i] = kt.ref(keys.leaf_keys(remap[w[1]])["dos".index(w[0])])
+        return out
+
+    copies = [["O", kt.ref(src), kt.ref(dst)] for n, m in remap.items() for src, dst in zip(keys.leaf_keys(n), keys.leaf_keys(m))]
+    retire = [["D", kt.ref(k)] for n in remap for k in keys.leaf_keys(n)]
+    block_moves = new.row is not None and new.row[0] in remap
+    leaves = {
+        path: replace(leaf, number=remap.get(leaf.number, leaf.number), version=new.version) if leaf.number in remap or (block_moves and leaf.col is not None) else leaf
+        for path, leaf in new.leaves.items()
+    }
+    row = (remap[new.row[0]], new.row[1]) if block_moves and new.row is not None else new.row
+    return replace(new, leaves=leaves, row=row, next_leaf=new.next_leaf + len(remap)), [*copies, *(retarget(op) for op in ops), *retire]
 
 
 # -- the whole store -----------------------------------------------------------------------
@@ -481,7 +563,8 @@ def clear(engine: Engine, h: Header) -> int | None:
     the number of keys deleted, None to plan again."""
     calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
     deleted = 0
-    for reply in _scripts.call_many(engine.client, calls):
+    orphans = []  # segments whose guard is gone (a delete cut short): their keys go without a check
+    for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.client, calls)):
         if isinstance(reply, Exception):
             raise reply
         if reply[0] == b"STALE":  # a schema change prepared this segment: its keys may differ
@@ -489,6 +572,12 @@ def clear(engine: Engine, h: Header) -> int | None:
             return None
         if reply[0] == b"OK":
             deleted += int(reply[1])
+        else:
+            orphans.append((name, keys_, ["*", *args[1:]]))
+    for reply in _scripts.call_many(engine.client, orphans) if orphans else []:
+        if isinstance(reply, Exception):
+            raise reply
+        deleted += int(reply[1])
     keys = engine.keys
     reply = _scripts.call(engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", keys.td_id, "noreg"], engine._execute)
     if reply[0] == b"STALE":
@@ -507,9 +596,12 @@ def expire(engine: Engine, h: Header, ttl_ms: int) -> bool:
     """
     keys = engine.keys
     at = deadline(engine, ttl_ms)
-    for reply in _scripts.call_many(engine.client, _segment_calls(engine, h, "expire", [ttl_ms, at])):
+    calls = _segment_calls(engine, h, "expire", [ttl_ms, at])
+    for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.client, calls)):
         if isinstance(reply, Exception):
             raise reply
+        if reply[0] == b"GONE":
+            raise missing_guard(engine, keys.segment_of(keys_[0]))
         if reply[0] != b"OK":
             refused(engine, h)
             return False

@@ -189,35 +189,74 @@ def test_concurrent_schema_changes_take_turns(redis_cluster):
     s.clear_redis()
 
 
-def test_a_changer_that_dies_midway_is_rolled_back(redis_cluster, monkeypatch):
+def _dead_keys(cluster: EmbeddedCluster, s: LazyStackedTensorDictStore) -> set[int]:
+    """Leaf numbers that keys of the store still use on the server but its header does not."""
+    h = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=cluster.url, prefix=PREFIX)._engine.header
+    live = {leaf.number for leaf in h.leaves.values()} | ({h.row[0]} if h.row else set())
+    numbers = {int(k.rsplit(b":", 1)[1]) for keys in keys_per_node(cluster, s.td_id) for k in keys if k.split(b":")[-2] in (b"d", b"o", b"s")}
+    return numbers - live
+
+
+CHANGES = {
+    # a new key on every segment
+    "add a key": lambda s: s.set("half", torch.ones(30, 3)),
+    # obs turns heterogeneous (copied to a new leaf number) while tokens and stamp are written in place
+    "an element write that changes a key's layout": lambda s: s.__setitem__(6, stamped(106).set("obs", torch.full((3,), 106.0))),
+    # obs gets another dtype (a new leaf) in the same call that writes tokens and stamp of every element
+    "a key retyped with others written": lambda s: s.update({"obs": torch.zeros(30, 8, dtype=torch.float64), "stamp": torch.full((30,), -1)}),
+}
+
+
+@pytest.mark.parametrize("die", [True, False], ids=["the changer dies", "the commit fails"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_schema_change_cut_short_leaves_the_store_as_it_was(redis_cluster, monkeypatch, change, die):
     s = spread_store(redis_cluster)
     before = s._engine.header
     monkeypatch.setattr(_spread, "LEASE_MS", 300)
     real_call = _scripts.call
 
-    def die_at_commit(client, name, keys, args, execute=None):
+    def fail_at_commit(client, name, keys, args, execute=None):
         if name == "write" and "@" in str(args[0]):
-            raise SystemExit("the changer dies between prepare and commit")
+            raise SystemExit("the changer dies between prepare and commit") if die else redis.ConnectionError("the header's node went away")
         return real_call(client, name, keys, args, execute)
 
-    monkeypatch.setattr(_scripts, "call", die_at_commit)
-    monkeypatch.setattr(_spread, "_abort", lambda *a, **k: None)  # a dead process cleans nothing up
-    with pytest.raises(SystemExit):
-        s.set("half", torch.ones(30, 3))
+    monkeypatch.setattr(_scripts, "call", fail_at_commit)
+    if die:
+        monkeypatch.setattr(_spread, "_abort", lambda *a, **k: None)  # a dead process cleans nothing up
+    with pytest.raises((SystemExit, redis.ConnectionError)):
+        CHANGES[change](s)
     monkeypatch.undo()
-    # every guard moved ahead, the header did not: the old schema's clients are held off...
-    assert guard_versions(redis_cluster, s) == {before.version + 1}
+    if die:
+        # every guard moved ahead, the header did not: the old schema's clients are held off...
+        assert guard_versions(redis_cluster, s) == {before.version + 1}
     other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=redis_cluster.url, prefix=PREFIX)
     t0 = time.monotonic()
     # ...until the lease runs out: then the next call rolls the guards back and goes on
     got = other.to_tensordict()
     assert time.monotonic() - t0 < 5
-    assert "half" not in got.keys() and all(consistent(got[i]) for i in range(30))
+    # nothing of the change shows: every element whole and as it was, no key of the change left
+    assert set(got.keys()) == {"obs", "tokens", "stamp"} and [int(v) for v in got["stamp"]] == list(range(30))
+    assert all(consistent(got[i]) for i in range(30))
     assert guard_versions(redis_cluster, s) == {before.version}
-    assert not [k for keys in keys_per_node(redis_cluster, s.td_id) for k in keys if k.endswith(f":{before.next_leaf}".encode())]
-    other.set("half", torch.ones(30, 3))  # the store takes schema changes again
-    assert torch.equal(other["half"], torch.ones(30, 3))
+    assert not _dead_keys(redis_cluster, s)
+    CHANGES[change](other)  # the store takes the change now
+    assert not _dead_keys(redis_cluster, s) and guard_versions(redis_cluster, s) == {other._engine.header.version}
     s.clear_redis()
+
+
+def test_a_segment_whose_guard_is_gone_fails_fast(redis_cluster):
+    s = spread_store(redis_cluster)
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    seg = s._engine.header.segments.of(20)
+    client.delete(s._engine.keys.guard(seg))  # as a delete cut short would leave it
+    client.close()
+    t0 = time.monotonic()
+    with pytest.raises(KeyError, match="lost its guard"):
+        s[20].to_tensordict()
+    with pytest.raises(KeyError, match="lost its guard"):
+        s["obs"]
+    assert time.monotonic() - t0 < 2
+    assert s.clear_redis() > 0 and not any(keys_per_node(redis_cluster, s.td_id))
 
 
 def test_ring_calls_are_refused_with_a_clear_error(redis_cluster):
