@@ -425,9 +425,16 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             rollback(engine, h, "*", int(reply[2]), int(reply[3]))
         schema, fields = new.schema_json(), new.version_fields(h)
         calls: list[tuple[str, list[str], list[Any]]] = []
-        if after > h.segments.n or h.segments.n == 1:  # the first data: the segments' guards are made
+        if after > h.segments.n or h.segments.n == 1:  # the first data: the segments' guards are made first
             at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
-            calls += [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)]
+            # a round trip of their own: a node that misses guard.lua would run the prepare before the guard exists
+            made = _scripts.call_many(engine.client, [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)])
+            for r in made:
+                if isinstance(r, Exception):
+                    raise r
+            if any(r[0] != b"OK" for r in made):  # a guard of another creation of the store (a delete cut short)
+                _abort(engine, h, token, new, after, call)
+                raise KeyError(f"the store with {engine.where()} has segments left by an earlier store of the same id; delete them with clear_redis() or 'tdstore rm'")
         for seg in range(1, after):
             part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
             # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
