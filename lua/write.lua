@@ -551,13 +551,25 @@ end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', ring_n)
 end
--- SET and RENAME drop a key's expiry: give new keys the header's, so a store with a
--- time to live expires as a whole
-local ttl = redis.call('PTTL', meta)
-if ttl > 0 then
+-- SET and RENAME drop a key's expiry: give new keys the header's deadline, so a store with a
+-- time to live expires as a whole. The deadline is absolute: PEXPIRETIME where the server has it
+-- (Redis 7); on Redis 6, whose clock moves inside a script, a PTTL read within one millisecond
+-- of TIME (read again until it is) gives it to the millisecond.
+local at = redis.pcall('PEXPIRETIME', meta)
+if type(at) ~= 'number' then
+  local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+  local t0, t1, ttl
+  repeat
+    t0 = ms(redis.call('TIME'))
+    ttl = redis.call('PTTL', meta)
+    t1 = ms(redis.call('TIME'))
+  until t0 == t1
+  at = ttl > 0 and t0 + ttl or -1
+end
+if at > 0 then
   for _, op in ipairs(ops) do
     if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' then
-      redis.call('PEXPIRE', op.key or op.dst, ttl)
+      redis.call('PEXPIREAT', op.key or op.dst, at)
     end
   end
 end
