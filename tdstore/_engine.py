@@ -285,9 +285,9 @@ class Engine:
     def _execute(self, client: Any, *args: Any) -> Any:
         """One command on the handle's held connection; on Redis Cluster, to the primary that serves the store.
 
-        Every key of a store lives in one slot, so its calls go straight to that
-        node's client instead of through ``RedisCluster``'s per-command routing
-        (about 150 us a call). A redirect (the slot moved: resharding, failover) or a
+        Every key of a store lives in one slot (of a spread store: its header and segment 0,
+        see ``segment_call`` for the others), so its calls go straight to that node's client
+        instead of through ``RedisCluster``'s per-command routing (about 150 us a call). A redirect (the slot moved: resharding, failover) or a
         node that cannot be reached hands the command to ``RedisCluster``, which
         refreshes its map and routes or raises; the next call looks the node up again.
         """
@@ -375,10 +375,7 @@ class Engine:
         if reply[0] == b"OK":
             self.set_header(header)
             return None
-        existing = Header.from_fields(_pairs(reply[1:]))
-        if self.spec.cluster:
-            self.keys = replace(self.keys, spread=existing.spread)
-        return existing
+        return Header.from_fields(_pairs(reply[1:]))
 
     # -- running calls ---------------------------------------------------------
     def run(self, plan: Callable[[Header], Call]) -> Any:
