@@ -38,17 +38,19 @@ local mode, epoch = ARGV[1], ARGV[2]
 local version = tds_num(ARGV[3], 'version')
 local have = redis.call('HMGET', guard, 'epoch', 'version', 'lk')
 if mode == 'ensure' then
-  if not have[1] then
-    redis.call('HSET', guard, 'epoch', epoch, 'version', ARGV[3])
-    if ARGV[4] ~= nil and ARGV[4] ~= '' then
-      redis.call('PEXPIREAT', guard, tds_num(ARGV[4], 'deadline'))
-    end
-    return {'OK', ARGV[3]}
-  end
-  if have[1] ~= epoch then
+  if have[1] and have[1] ~= epoch then
     return tds_stale(guard)
   end
-  return {'OK', have[2]}
+  if not have[1] then
+    redis.call('HSET', guard, 'epoch', epoch, 'version', ARGV[3])
+  end
+  -- the store's deadline now, also for a guard an earlier, rolled-back first change made
+  if ARGV[4] ~= nil and ARGV[4] ~= '' then
+    redis.call('PEXPIREAT', guard, tds_num(ARGV[4], 'deadline'))
+  else
+    redis.call('PERSIST', guard)
+  end
+  return {'OK', have[2] or ARGV[3]}
 end
 if mode ~= 'rollback' then
   error('TDSTORE bad argument: guard mode ' .. tostring(mode))

@@ -1003,11 +1003,19 @@ class Engine:
         return [self.keys.td_id, "noreg"] if self.spec.cluster else [self.keys.td_id]
 
     def _run_spread(self, step: Callable[[Engine, Header], Any]) -> Any:
-        """``step(self, header)`` until it gives a result (None: it refreshed the header, try again)."""
-        for attempt in range(MAX_RETRIES):
+        """``step(self, header)`` until it gives a result (None: it refreshed the header, try again;
+        ``_spread.WAIT``: a schema change holds the lock, wait for it, at most its lease)."""
+        deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
+        attempt = 0
+        while attempt < MAX_RETRIES:
             out = step(self, self.header)
+            if out is _spread.WAIT:
+                if time.monotonic() > deadline:
+                    break
+                continue
             if out is not None:
                 return out
+            attempt += 1
             if attempt >= 8:
                 time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
@@ -1050,7 +1058,7 @@ class Engine:
             return Call("expire", self.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
         if _spread.spreads(self.header):
-            self._run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms) or None)
+            self._run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
         else:
             self.run(plan_call)
 

@@ -275,14 +275,17 @@ def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: in
     keys = engine.keys
     calls = []
     fields = " ".join(f"{k}={v}" for k, v in guard_fields(h).items() if k not in ("epoch", "version"))
-    for seg in range(1, max(segments, h.segments.n)):
+    for seg in range(1, h.segments.n):
         extra = [k for n in range(h.next_leaf, upto_leaf) for k in keys.leaf_keys(n, seg)]
         calls.append(("guard", [keys.guard(seg), *extra], ["rollback", h.epoch, h.version, token, fields]))
+    # segments the header does not have (a first change rolled back): their guard and keys go
+    gone = range(h.segments.n, max(segments, h.segments.n))
+    calls += [("clear", [keys.guard(seg), *keys.segment_keys(upto_leaf, seg)], ["*", keys.td_id, "noreg"]) for seg in gone]
     undone = 0
-    for reply in _scripts.call_many(engine.client, calls) if calls else []:
+    for (name, _, _), reply in zip(calls, _scripts.call_many(engine.client, calls) if calls else []):
         if isinstance(reply, Exception):
             raise reply
-        undone += int(reply[1])
+        undone += int(reply[1]) if name == "guard" else min(1, int(reply[1]))
     return undone
 
 
@@ -419,7 +422,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         # BUSY: another change is under way
         time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.01 * random.random()))
         return WAIT
-    committed = False
+    committed = sent = False
     try:
         if len(reply) > 2:  # an expired lock taken over: undo what its holder left first
             rollback(engine, h, "*", int(reply[2]), int(reply[3]))
@@ -450,16 +453,29 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             _abort(engine, h, token, new, after, call)
             return refused(engine, h)
         head = parts.get(0) or Part(KeyTable(keys.meta), [])
-        reply = _scripts.call(engine.client, "write", head.kt.keys, [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, len(head.ops), *_flat(head.ops)], engine._execute)
+        commit = [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, len(head.ops), *_flat(head.ops)]
+        sent = True  # from here on the commit may have run even when no reply says so
+        try:
+            reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine._execute)
+        except BaseException:
+            if _commit_outcome(engine, h, new, token) is not True:
+                raise
+            reply = [b"OK", str(new.version).encode()]  # it ran; its reply was lost
         if reply[0] != b"OK":
-            _abort(engine, h, token, new, after, call)
-            if reply[0] == b"GONE":
-                raise engine.gone()
-            engine.set_header(engine._parse_header(_fields(reply[1:])))
-            return None
+            # a commit sent again after a lost reply finds the header already moved: ask the header
+            outcome = _commit_outcome(engine, h, new, token)
+            if outcome is not True:
+                if outcome is False:
+                    _abort(engine, h, token, new, after, call)
+                if reply[0] == b"GONE":
+                    raise engine.gone()
+                engine.set_header(engine._parse_header(_fields(reply[1:])))
+                return None
         committed = True
     except BaseException:
-        if not committed:
+        # before the commit was sent, undo what was prepared; after, only once the header says it did not
+        # run (when it cannot say, the lock stays: its lease runs out and the next holder decides)
+        if not committed and (not sent or _commit_outcome(engine, h, new, token) is False):
             try:
                 _abort(engine, h, token, new, after, call)
             except Exception:
@@ -477,6 +493,21 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     finally:
         release(engine, token)  # a failure here leaves a lock whose lease runs out, and garbage only
     return reply
+
+
+def _commit_outcome(engine: Engine, h: Header, new: Header, token: str) -> bool | None:
+    """Whether this change's commit ran, from the header: True (at the new version, still locked by
+    ``token``), False (still at the version it was planned on), None when the header cannot tell
+    (unreachable, or moved on by another client after the lock was taken over)."""
+    try:
+        version, holder = engine.command("HMGET", engine.keys.meta, "version", "lk")
+    except Exception:
+        return None
+    if version is None:
+        return False  # the store is gone: nothing to keep
+    if int(version) == new.version and holder is not None and holder.decode() == token:
+        return True
+    return False if int(version) == h.version else None
 
 
 #: Key-index arguments of the ``write.lua`` ops that the op writes (the others it only reads).
@@ -518,15 +549,17 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
     lives on (the row block included) and that the call writes is first copied, on the
     server, to a new leaf number ('O'), the call writes the copy, the new header names the
     copy (with a new leaf version, so clients of the old schema are refused), and the old
-    keys are deleted after the commit. Planned on segment 0's key names, before localizing.
+    keys are deleted after the commit. Runs before localizing: ops name segment 0's keys (whole
+    leaves), or one segment's (an element's own write), and each keeps its segment.
     """
     live = {leaf.number for leaf in new.leaves.values()} & {leaf.number for leaf in h.leaves.values()}
     if h.row is not None and new.row is not None and h.row[0] == new.row[0]:
         live.add(h.row[0])
-    names = {}
-    for n in range(max(h.next_leaf, new.next_leaf)):
-        for role, key in zip("dos", keys.leaf_keys(n)):
-            names[key] = (role, n)
+    names = {}  # key -> (role, leaf number, segment), in every segment
+    for seg in range(max(h.segments.n, new.segments.n)):
+        for n in range(max(h.next_leaf, new.next_leaf)):
+            for role, key in zip("dos", keys.leaf_keys(n, seg)):
+                names[key] = (role, n, seg)
     written = set()
     for op in ops:
         if op[0] != "D":
@@ -543,7 +576,7 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
         for i in WRITE_KEY_ARGS[op[0]]:
             w = names.get(kt.keys[op[i] - 1]) if op[i] else None
             if w is not None and w[1] in remap:
-                out[i] = kt.ref(keys.leaf_keys(remap[w[1]])["dos".index(w[0])])
+                out[i] = kt.ref(keys.leaf_keys(remap[w[1]], w[2])["dos".index(w[0])])
         return out
 
     copies = [["O", kt.ref(src), kt.ref(dst)] for n, m in remap.items() for src, dst in zip(keys.leaf_keys(n), keys.leaf_keys(m))]
@@ -565,59 +598,85 @@ def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> l
     return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [*_guard_check(h)[:1], *args]) for seg in range(1, h.segments.n)]
 
 
-def clear(engine: Engine, h: Header) -> int | None:
-    """Delete every segment k > 0 (its guard and keys), then the header and segment 0 (one call);
-    the number of keys deleted, None to plan again."""
-    calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
-    deleted = 0
-    orphans = []  # segments whose guard is gone (a delete cut short): their keys go without a check
-    for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.client, calls)):
-        if isinstance(reply, Exception):
-            raise reply
-        if reply[0] == b"STALE":  # a schema change prepared this segment: its keys may differ
-            refused(engine, h)
-            return None
-        if reply[0] == b"OK":
-            deleted += int(reply[1])
-        else:
-            orphans.append((name, keys_, ["*", *args[1:]]))
-    for reply in _scripts.call_many(engine.client, orphans) if orphans else []:
-        if isinstance(reply, Exception):
-            raise reply
-        deleted += int(reply[1])
-    keys = engine.keys
-    reply = _scripts.call(engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", keys.td_id, "noreg"], engine._execute)
+def _lock_whole_store(engine: Engine, h: Header) -> Any:
+    """Take the schema lock for a call on every segment (delete, expiry), so that no schema change
+    is half-way while it runs: the lock's token, None (the header moved: plan again) or
+    :data:`WAIT` (a change holds it). A lock whose holder died is taken over and its work undone."""
+    token = _token()
+    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
     if reply[0] == b"STALE":
         engine.set_header(engine._parse_header(_fields(reply[1:])))
         return None
     if reply[0] == b"GONE":
         raise engine.gone()
+    if reply[0] == b"BUSY":
+        time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
+        return WAIT
+    if len(reply) > 2:
+        try:
+            rollback(engine, h, "*", int(reply[2]), int(reply[3]))
+        except BaseException:
+            release(engine, token)
+            raise
+    return token
+
+
+def clear(engine: Engine, h: Header) -> Any:
+    """Delete every segment k > 0 (its guard and keys), then the header and segment 0 (one call), under
+    the schema lock; the number of keys deleted, or None / :data:`WAIT` to plan again."""
+    token = _lock_whole_store(engine, h)
+    if not isinstance(token, str):
+        return token
+    try:
+        calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
+        deleted = 0
+        orphans = []  # segments whose guard is gone (a delete cut short): their keys go without a check
+        for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.client, calls)):
+            if isinstance(reply, Exception):
+                raise reply
+            if reply[0] == b"OK":
+                deleted += int(reply[1])
+            else:
+                orphans.append((name, keys_, ["*", *args[1:]]))
+        for reply in _scripts.call_many(engine.client, orphans) if orphans else []:
+            if isinstance(reply, Exception):
+                raise reply
+            deleted += int(reply[1])
+        keys = engine.keys
+        # the header goes last, and the lock with it
+        reply = _scripts.call(engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine._execute)
+    except BaseException:
+        release(engine, token)
+        raise
     return deleted + int(reply[1])
 
 
-def expire(engine: Engine, h: Header, ttl_ms: int) -> bool:
-    """Every segment's keys and guard get the time to live, then the header and segment 0; False to plan again.
+def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
+    """Every segment's keys and guard get the time to live, then the header and segment 0, under the
+    schema lock; True, or None / :data:`WAIT` to plan again.
 
     Every key gets the one absolute deadline read from the header node's clock, so the
     segments expire together as far as the nodes' clocks agree.
     """
-    keys = engine.keys
-    at = deadline(engine, ttl_ms)
-    calls = _segment_calls(engine, h, "expire", [ttl_ms, at])
-    for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.client, calls)):
-        if isinstance(reply, Exception):
-            raise reply
+    token = _lock_whole_store(engine, h)
+    if not isinstance(token, str):
+        return token
+    try:
+        keys = engine.keys
+        at = deadline(engine, ttl_ms)
+        calls = _segment_calls(engine, h, "expire", [ttl_ms, at])
+        for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.client, calls)):
+            if isinstance(reply, Exception):
+                raise reply
+            if reply[0] == b"GONE":
+                raise missing_guard(engine, keys.segment_of(keys_[0]))
+            if reply[0] != b"OK":  # cannot be: the lock holds the schema still
+                raise AssertionError(f"segment {keys.segment_of(keys_[0])} refused an expiry under the schema lock: {reply[0]!r}")
+        reply = _scripts.call(engine.client, "expire", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", ttl_ms, at], engine._execute)
         if reply[0] == b"GONE":
-            raise missing_guard(engine, keys.segment_of(keys_[0]))
-        if reply[0] != b"OK":
-            refused(engine, h)
-            return False
-    reply = _scripts.call(engine.client, "expire", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", ttl_ms, at], engine._execute)
-    if reply[0] == b"STALE":
-        engine.set_header(engine._parse_header(_fields(reply[1:])))
-        return False
-    if reply[0] == b"GONE":
-        raise engine.gone()
+            raise engine.gone()
+    finally:
+        release(engine, token)
     return True
 
 

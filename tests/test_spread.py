@@ -385,3 +385,89 @@ def test_keys_a_schema_change_adds_take_the_stores_deadline(redis_cluster):
     client.close()
     assert all(110_000 < t <= 120_000 for t in ttls) and max(ttls) - min(ttls) < 1_000, ttls
     s.clear_redis()
+
+
+def test_a_commit_whose_reply_is_lost_counts_as_done(redis_cluster, monkeypatch):
+    s = spread_store(redis_cluster)
+    real_call = _scripts.call
+
+    def lose_the_reply(client, name, keys, args, execute=None):
+        out = real_call(client, name, keys, args, execute)
+        if name == "write" and "@" in str(args[0]):
+            raise redis.ConnectionError("the commit ran, its reply was lost")
+        return out
+
+    monkeypatch.setattr(_scripts, "call", lose_the_reply)
+    s.set("half", torch.ones(30, 3))  # the header says the commit ran: the change stands
+    monkeypatch.undo()
+    fresh = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=redis_cluster.url, prefix=PREFIX)
+    assert torch.equal(fresh["half"], torch.ones(30, 3))
+    assert guard_versions(redis_cluster, s) == {fresh._engine.header.version} and not _dead_keys(redis_cluster, s)
+    s.clear_redis()
+
+
+def test_an_element_write_beside_a_key_changing_layout_is_all_or_nothing(redis_cluster, monkeypatch):
+    # 'wide' has its own blob (too wide for the row block): its element write names the element's segment
+    local = lazy_stack([TensorDict(wide=torch.full((1100,), float(i)), small=torch.full((2,), float(i))) for i in range(12)])
+    s = LazyStackedTensorDictStore.from_lazy_stack(local, url=redis_cluster.url, prefix=PREFIX, spread=True, segment_bytes=8 << 10)
+    assert s._engine.header.segments.of(9) > 0
+    real_call = _scripts.call
+
+    def fail_at_commit(client, name, keys, args, execute=None):
+        if name == "write" and "@" in str(args[0]):
+            raise SystemExit("the changer dies between prepare and commit")
+        return real_call(client, name, keys, args, execute)
+
+    monkeypatch.setattr(_spread, "LEASE_MS", 300)
+    monkeypatch.setattr(_scripts, "call", fail_at_commit)
+    monkeypatch.setattr(_spread, "_abort", lambda *a, **k: None)
+    with pytest.raises(SystemExit):
+        s[9] = TensorDict(wide=torch.full((1100,), 99.0), small=torch.full((3,), 99.0))  # small turns heterogeneous
+    monkeypatch.undo()
+    got = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=redis_cluster.url, prefix=PREFIX)[9].to_tensordict()
+    assert bool((got["wide"] == 9.0).all()) and got["small"].tolist() == [9.0, 9.0]  # neither key was written
+    assert not _dead_keys(redis_cluster, s)
+    s[9] = TensorDict(wide=torch.full((1100,), 99.0), small=torch.full((3,), 99.0))
+    got = s[9].to_tensordict()
+    assert bool((got["wide"] == 99.0).all()) and got["small"].tolist() == [99.0] * 3
+    s.clear_redis()
+
+
+def test_delete_and_expiry_wait_for_a_schema_change_in_flight(redis_cluster):
+    s = spread_store(redis_cluster)
+    h = s._engine.header
+    # another client holds the schema lock for 0.5 s (a change under way, or one whose holder died)
+    _scripts.call(s._engine.client, "lock", [s._engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", "42", 500, h.next_leaf, h.segments.n, 0, "0"])
+    t0 = time.monotonic()
+    s.expire(60)
+    assert 0.3 < time.monotonic() - t0 < 5  # waited for the lease, then took the lock over
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    ttls = [client.pttl(k) for keys in keys_per_node(redis_cluster, s.td_id) for k in keys]
+    client.close()
+    assert all(50_000 < t <= 60_000 for t in ttls), ttls
+    h = s._engine.header
+    _scripts.call(s._engine.client, "lock", [s._engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", "43", 500, h.next_leaf, h.segments.n, 0, "0"])
+    assert s.clear_redis() > 0 and not any(keys_per_node(redis_cluster, s.td_id))
+
+
+def test_a_first_change_rolled_back_leaves_no_guard_behind(redis_cluster, monkeypatch):
+    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, ttl=5)
+    real_call = _scripts.call
+
+    def fail_at_commit(client, name, keys, args, execute=None):
+        if name == "write" and "@" in str(args[0]):
+            raise redis.ResponseError("the commit is refused")
+        return real_call(client, name, keys, args, execute)
+
+    monkeypatch.setattr(_scripts, "call", fail_at_commit)
+    with pytest.raises(redis.ResponseError):
+        s.set("obs", torch.zeros(30, 8))  # the first keys: guards are made, then rolled back
+    monkeypatch.undo()
+    assert [len(k) for k in keys_per_node(redis_cluster, s.td_id)] != [] and sum(len(k) for k in keys_per_node(redis_cluster, s.td_id)) == 1  # the header only
+    s.expire(3600)
+    s.set("obs", torch.zeros(30, 8))
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    ttls = [client.pttl(k) for keys in keys_per_node(redis_cluster, s.td_id) for k in keys]
+    client.close()
+    assert len(ttls) > 1 and all(3_500_000 < t <= 3_600_000 for t in ttls), ttls
+    s.clear_redis()
