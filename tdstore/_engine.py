@@ -350,6 +350,10 @@ class Engine:
             raise KeyError(f"the store with {self.where()} is still being uploaded (state {header.state!r})")
         return header
 
+    def adopt_stale(self, reply: list) -> None:
+        """Adopt the current header that a script's ``STALE`` reply carries (field, value, ... after the marker)."""
+        self.set_header(self._parse_header(_pairs(reply[1:])))
+
     def ring_writes(self) -> int:
         """The ring write counter ``rw`` of the header, in one round trip (``HMGET``); never writes."""
         rw, epoch = self.command("HMGET", self.keys.meta, "rw", "epoch")
@@ -429,7 +433,7 @@ class Engine:
             if call.staged:  # refused: the staged blobs will not be moved anywhere
                 self.client.delete(*(k for k, _ in call.staged))
             if status == b"STALE":
-                self.set_header(self._parse_header(_pairs(reply[1:])))
+                self.adopt_stale(reply)
                 if attempt >= 8:
                     time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
                 continue

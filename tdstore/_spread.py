@@ -213,7 +213,7 @@ def settle(engine: Engine, h: Header, replies: dict[int, Any], *, staged: list[t
         if seg and r[0] == b"GONE":
             raise missing_guard(engine, seg)
     if head is not None and head[0] == b"STALE":
-        engine.set_header(engine._parse_header(_fields(head[1:])))
+        engine.adopt_stale(head)
         return None
     return refused(engine, h)  # only guards refused: the header decides
 
@@ -227,10 +227,6 @@ def missing_guard(engine: Engine, seg: int) -> KeyError:
         f"segment {seg} of the store with {engine.where()} has lost its guard ({engine.keys.guard(seg)!r}): "
         "the store is being deleted, expiring, or a delete was cut short; clear_redis() or 'tdstore rm' removes the rest"
     )
-
-
-def _fields(flat: Sequence[bytes]) -> dict[bytes, bytes]:
-    return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
 def refused(engine: Engine, h: Header) -> Any:
@@ -248,24 +244,14 @@ def refused(engine: Engine, h: Header) -> Any:
 def unstick(engine: Engine, h: Header) -> None:
     """Segments ahead of the header ``h``: wait while a live changer holds the lock; take it over when it is
     free or its lease ran out, roll every guard ahead of ``h`` back, and let it go."""
-    token = _token()
     try:
         # a read-only handle too: undoing a dead change restores what its schema says, writes no data
-        reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
+        token, undone = _take_lock(engine, h, undo_all=True)
     except PermissionError:  # an ACL user that may only read: wait for a client that may write
-        time.sleep(0.001 + 0.004 * random.random())
-        return
-    if reply[0] == b"BUSY":
-        time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
-        return
-    if reply[0] != b"OK":  # the header moved meanwhile (STALE) or the store is gone: the next try sees it
-        return
-    try:
-        dead_next, dead_segs = (int(reply[2]), int(reply[3])) if len(reply) > 2 else (h.next_leaf, h.segments.n)
-        undone = rollback(engine, h, "*", dead_next, dead_segs)
-    finally:
+        token, undone = None, 0
+    if isinstance(token, str):
         release(engine, token)
-    if not undone:  # nothing was ahead: whatever refused the call, do not ask again at once
+    if not undone and token is not WAIT:  # nothing was ahead: whatever refused the call, do not ask again at once
         time.sleep(0.001 + 0.004 * random.random())
 
 
@@ -415,7 +401,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     if status != b"OK":
         _drop(engine, call)
         if status == b"STALE":
-            engine.set_header(engine._parse_header(_fields(reply[1:])))
+            engine.adopt_stale(reply)
             return None
         if status == b"GONE":
             raise engine.gone()
@@ -469,7 +455,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
                     _abort(engine, h, token, new, after, call)
                 if reply[0] == b"GONE":
                     raise engine.gone()
-                engine.set_header(engine._parse_header(_fields(reply[1:])))
+                engine.adopt_stale(reply)
                 return None
         committed = True
     except BaseException:
@@ -598,33 +584,37 @@ def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> l
     return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [*_guard_check(h)[:1], *args]) for seg in range(1, h.segments.n)]
 
 
-def _lock_whole_store(engine: Engine, h: Header) -> Any:
-    """Take the schema lock for a call on every segment (delete, expiry), so that no schema change
-    is half-way while it runs: the lock's token, None (the header moved: plan again) or
-    :data:`WAIT` (a change holds it). A lock whose holder died is taken over and its work undone."""
+def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[Any, int]:
+    """Take the schema lock for a call that must not run while a schema change is half-way (delete,
+    expiry, an undo): ``(token, guards rolled back)``, or ``(None, 0)`` when the header moved (the
+    fresh one adopted: plan again) or ``(WAIT, 0)`` when a change holds it (after a short wait). A
+    lock whose holder died is taken over and its work undone; with ``undo_all``, every guard ahead
+    of ``h`` is rolled back even when the lock was free."""
     token = _token()
     reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
     if reply[0] == b"STALE":
-        engine.set_header(engine._parse_header(_fields(reply[1:])))
-        return None
+        engine.adopt_stale(reply)
+        return None, 0
     if reply[0] == b"GONE":
         raise engine.gone()
     if reply[0] == b"BUSY":
         time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.004 * random.random()))
-        return WAIT
-    if len(reply) > 2:
+        return WAIT, 0
+    undone = 0
+    if len(reply) > 2 or undo_all:
         try:
-            rollback(engine, h, "*", int(reply[2]), int(reply[3]))
+            upto, segments = (int(reply[2]), int(reply[3])) if len(reply) > 2 else (h.next_leaf, h.segments.n)
+            undone = rollback(engine, h, "*", upto, segments)
         except BaseException:
             release(engine, token)
             raise
-    return token
+    return token, undone
 
 
 def clear(engine: Engine, h: Header) -> Any:
     """Delete every segment k > 0 (its guard and keys), then the header and segment 0 (one call), under
     the schema lock; the number of keys deleted, or None / :data:`WAIT` to plan again."""
-    token = _lock_whole_store(engine, h)
+    token, _ = _take_lock(engine, h)
     if not isinstance(token, str):
         return token
     try:
@@ -658,7 +648,7 @@ def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
     Every key gets the one absolute deadline read from the header node's clock, so the
     segments expire together as far as the nodes' clocks agree.
     """
-    token = _lock_whole_store(engine, h)
+    token, _ = _take_lock(engine, h)
     if not isinstance(token, str):
         return token
     try:
