@@ -524,18 +524,23 @@ class Engine:
                 f"(proto-max-bulk-len {self.max_value_bytes}); nothing was sent ({self.where()})"
             )
 
+    @staticmethod
+    def queue_staged(pipe: Any, staged: list[tuple[str, Any]]) -> None:
+        """Queue on ``pipe`` each staged blob: created empty with a TTL, then filled by plain ~1 MiB SETRANGEs."""
+        for key, data in staged:
+            view = memoryview(data).cast("B")
+            # the TTL first (SETRANGE keeps it): a connection lost midway leaves only keys that expire
+            pipe.set(key, b"", px=STAGING_TTL_MS)
+            for a in range(0, len(view), BULK_CHUNK):
+                pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+
     def _staged_call(self, call: Call) -> list:
         """One pipeline: each staged blob created empty with a TTL, filled by plain ~1 MiB SETRANGEs, then the script."""
         assert call.staged is not None
         text, sha = _scripts.script_source(call.script)
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
-            for key, data in call.staged:
-                view = memoryview(data).cast("B")
-                # the TTL first (SETRANGE keeps it): a connection lost midway leaves only keys that expire
-                pipe.set(key, b"", px=STAGING_TTL_MS)
-                for a in range(0, len(view), BULK_CHUNK):
-                    pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+            self.queue_staged(pipe, call.staged)
             # after a NOSCRIPT, send the text itself (EVAL): a second flush cannot get in between
             script = ("EVALSHA", sha) if attempt == 0 else ("EVAL", text)
             pipe.execute_command(*script, len(call.keys), *call.keys, *call.args)

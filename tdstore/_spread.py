@@ -121,10 +121,6 @@ def _flat(ops: list[list[Any]]) -> list[Any]:
     return [x for op in ops for x in op]
 
 
-def _guard_check(h: Header) -> list[str]:
-    return [f"{h.epoch}:V{h.version}", ""]
-
-
 # -- data calls ----------------------------------------------------------------------------
 
 
@@ -180,15 +176,10 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
 
 
 def stage(engine: Engine, staged: list[tuple[str, Any]]) -> None:
-    """Large new blobs sent by plain SETRANGE to their staging keys (see ``Engine._staged_call``)."""
-    from ._engine import BULK_CHUNK, STAGING_TTL_MS
-
+    """Large new blobs sent by plain SETRANGE to their staging keys (see ``Engine._staged_call``), before
+    the per-segment scripts that move them into place."""
     pipe = engine.client.pipeline(transaction=False)
-    for key, data in staged:
-        view = memoryview(data).cast("B")
-        pipe.set(key, b"", px=STAGING_TTL_MS)
-        for a in range(0, len(view), BULK_CHUNK):
-            pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+    engine.queue_staged(pipe, staged)
     pipe.execute()
 
 
@@ -581,7 +572,7 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
 
 def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> list[tuple[str, list[str], list[Any]]]:
     keys = engine.keys
-    return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [*_guard_check(h)[:1], *args]) for seg in range(1, h.segments.n)]
+    return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [f"{h.epoch}:V{h.version}", *args]) for seg in range(1, h.segments.n)]
 
 
 def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[Any, int]:
@@ -676,11 +667,6 @@ def deadline(engine: Engine, ttl_ms: int) -> str:
         return ""
     sec, usec = engine.command("TIME")
     return str(int(sec) * 1000 + int(usec) // 1000 + ttl_ms)
-
-
-def guard_keys(keys: StoreKeys, segments: int) -> list[str]:
-    """The guards of a spread store of ``segments`` segments (segment 0's is the header)."""
-    return [keys.guard(seg) for seg in range(1, segments)]
 
 
 __all__ = ["spreads", "run_data", "run_transaction", "run_schema_change", "clear", "expire", "LOCAL"]
