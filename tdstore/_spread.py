@@ -36,7 +36,7 @@ import random
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -76,12 +76,13 @@ class Part:
 
     kt: KeyTable
     ops: list[list[Any]]
+    at: list[int] = field(default_factory=list)  # each op's position among the call's ops as planned
 
 
 def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], key_args: dict[str, tuple[int, ...]]) -> dict[int, Part]:
     """Group ``ops`` (localized: each addresses one segment) by segment, their key indices renumbered."""
     parts: dict[int, Part] = {}
-    for op in ops:
+    for pos, op in enumerate(ops):
         where = key_args.get(op[0])
         if where is None:
             raise AssertionError(f"op {op[0]!r} addresses rows the server picks, which a spread store cannot split")
@@ -97,6 +98,7 @@ def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], key_arg
             if op[i]:
                 new[i] = part.kt.ref(kt_keys[op[i] - 1])
         part.ops.append(new)
+        part.at.append(pos)
     return parts
 
 
@@ -158,17 +160,13 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
     if call.script == "write":
         return replies[segs.index(0)] if 0 in parts else [b"OK", str(h.version).encode()]
     # the pieces back in the order of the ops as planned
-    pos = {seg: 2 for seg in segs}
-    order = {}
-    for i, op in enumerate(ops):  # split() kept each segment's ops in their planned order
-        order.setdefault(keys.segment_of(call.keys[op[1] - 1]), []).append(i)
     items: list[Any] = [None] * len(ops)
-    for seg in segs:
-        reply = replies[segs.index(seg)]
-        for i, op in zip(order[seg], parts[seg].ops):
+    for seg, reply in zip(segs, replies):
+        pos = 2
+        for i, op in zip(parts[seg].at, parts[seg].ops):
             n = _reply_items(op)
-            items[i] = reply[pos[seg] : pos[seg] + n]
-            pos[seg] += n
+            items[i] = reply[pos : pos + n]
+            pos += n
     out: list[Any] = [b"OK", str(h.version).encode()]
     for piece in items:
         out.extend(piece)
