@@ -95,6 +95,83 @@ local function tds_check(meta, spec, leaves)
   return nil
 end
 
+-- Integrity. Every data and table key of a store must hold what the header implies (see
+-- tdstore/_integrity.py): a key lost to eviction or a DEL is reported, never recreated as
+-- zeros. A store whose header has the field 'na' keeps an inventory, the hash KEYS[2] of
+-- every data and table key that has been allocated ('na' counts its entries), so a key that
+-- is absent because it was never allocated (a ring or from_schema store allocates a
+-- segment when it is first written) can be told from one that was lost. Other stores (a
+-- spread store, stores of older releases) allocate every key up front: absent means lost.
+
+-- Raise the one error a damaged store gives (the client names the store and what to do).
+local function tds_damaged(what)
+  error('TDSTORE damaged: ' .. what)
+end
+
+-- The inventory hash of the store whose header is 'meta', or nil when it keeps none.
+local function tds_inventory(meta)
+  if redis.call('HEXISTS', meta, 'na') == 1 then
+    return KEYS[2]
+  end
+  return nil
+end
+
+-- Whether the absent 'key' was never allocated: only an inventory that is whole (as many
+-- entries as the header counts) and does not list the key can say so.
+local function tds_unallocated(meta, key)
+  local inv = tds_inventory(meta)
+  if inv == nil or redis.call('EXISTS', key) == 1 or redis.call('HEXISTS', inv, key) == 1 then
+    return false
+  end
+  return redis.call('HLEN', inv) == tonumber(redis.call('HGET', meta, 'na'))
+end
+
+-- The shape record of an element never written, 'rec' bytes: the inner batch dims, then zeros
+-- (an element of no bytes; a non-tensor element of no bytes reads as None).
+local function tds_empty_record(meta, rec)
+  local inner = cjson.decode(redis.call('HGET', meta, 'inner') or '[]')
+  local parts = {}
+  for i = 1, rec / 8 do
+    parts[i] = tds_p64(inner[i] or 0)
+  end
+  return table.concat(parts)
+end
+
+-- What a key never allocated holds: 'len' zero bytes, or for a shape table ('rec' bytes per
+-- record) 'len' bytes of empty records.
+local function tds_blank(meta, len, rec)
+  if rec ~= nil and rec > 0 then
+    return string.rep(tds_empty_record(meta, rec), len / rec)
+  end
+  return string.rep('\0', len)
+end
+
+-- 'got', the bytes GETRANGE returned for 'len' bytes of 'key', when they are whole. A key never
+-- allocated reads as tds_blank; anything else short raises 'TDSTORE damaged'. 'strict' (a
+-- heterogeneous leaf's data, whose offsets say the bytes are there) never reads as blank.
+local function tds_whole(meta, key, got, len, strict, rec)
+  if #got == len then
+    return got
+  end
+  if not strict and tds_unallocated(meta, key) then
+    return tds_blank(meta, len, rec)
+  end
+  tds_damaged(key .. ' holds fewer bytes than the store header implies (lost or cut short)')
+end
+
+-- Record in the inventory that 'key' holds data now / holds none any more.
+local function tds_record(meta, inv, key)
+  if inv ~= nil and redis.call('HSETNX', inv, key, '1') == 1 then
+    redis.call('HINCRBY', meta, 'na', 1)
+  end
+end
+
+local function tds_forget(meta, inv, key)
+  if inv ~= nil and redis.call('HDEL', inv, key) == 1 then
+    redis.call('HINCRBY', meta, 'na', -1)
+  end
+end
+
 -- Read a number from ARGV, raising a script error (before any write) when it is not one.
 local function tds_num(v, what)
   local n = tonumber(v)

@@ -8,15 +8,23 @@
   store's own, the same on every key), atomically: readers either see no store or
   the whole store.
 
+  The upload's keys carry a TTL until now, so a server with a volatile-* maxmemory-policy may
+  have evicted some: every key is checked against the length the header implies (as
+  write.lua checks the keys it writes in place, see _lib.lua) before the store is published,
+  and a store that keeps an inventory (header field 'na') gets every key listed in it.
+
   KEYS[1]     store header hash
+  KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
   KEYS[2..]   every data / offset / shape key of the store
   ARGV[1]     the upload token
   ARGV[2]     the store's time to live in milliseconds, '0' for none
-  ARGV[3]     optional: the deadline in Unix milliseconds that ARGV[2] stands for (a spread
-              store: its segments on other nodes got the same one)
+  ARGV[3]     the deadline in Unix milliseconds that ARGV[2] stands for (a spread store: its
+              segments on other nodes got the same one), or ''
+  ARGV[4]     what each key holds, as write.lua's ARGV[6] (tdstore/_integrity.py)
 
   Reply       {'OK'}; {'GONE'} when the header expired or was deleted meanwhile.
-  Errors      'TDSTORE upload lost' when the header is not this upload's.
+  Errors      'TDSTORE upload lost' when the header is not this upload's;
+              'TDSTORE damaged' when a key of the upload is missing or short (nothing changed).
 ]]
 local meta = KEYS[1]
 local state = redis.call('HGET', meta, 'state')
@@ -25,6 +33,36 @@ if not state then
 end
 if state ~= 'uploading:' .. ARGV[1] then
   error('TDSTORE upload lost: the store header is not in this upload\'s state')
+end
+local checks = ARGV[4] or ''
+local present = {}
+for i = 2, #KEYS do
+  local p = 24 * (i - 1)
+  local code = #checks >= p + 24 and tds_u64(checks, p + 1) or 0
+  if code ~= 0 then
+    local have = redis.call('STRLEN', KEYS[i])
+    local want
+    if code == 1 then
+      local okey = KEYS[tds_u64(checks, p + 17)]
+      local olen = redis.call('STRLEN', okey)
+      want = olen >= 8 and tds_u64(redis.call('GETRANGE', okey, olen - 8, olen - 1), 1) or 0
+      if have < want then
+        tds_damaged(KEYS[i] .. ' holds ' .. have .. ' bytes; its offset table says ' .. string.format('%.0f', want))
+      end
+    else
+      want = tds_u64(checks, p + 9)
+      if have ~= want then
+        tds_damaged(KEYS[i] .. ' holds ' .. have .. ' bytes; the store header implies ' .. string.format('%.0f', want))
+      end
+    end
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+      present[#present + 1] = KEYS[i]
+    end
+  end
+end
+local inv = tds_inventory(meta)
+for _, k in ipairs(present) do
+  tds_record(meta, inv, k)
 end
 redis.call('HSET', meta, 'state', 'ready')
 tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'), ARGV[3])

@@ -14,8 +14,9 @@
   KEYS[1]     source header hash
   KEYS[2]     new header hash
   KEYS[3]     registry set of the new store's prefix
-  KEYS[4..]   source data / offset / shape keys, then the new store's keys in the
-              same order (two halves of equal length)
+  KEYS[4..]   the source's inventory, data, offset and shape keys, then the new store's
+              keys in the same order (two halves of equal length); the copy's inventory
+              lists the copy's keys that the source's lists
   ARGV[1]     '<epoch>:V<version>' of the source, as the client listed its keys
   ARGV[2]     the new td_id (added to the registry)
   ARGV[3]     the new epoch
@@ -33,10 +34,16 @@ if redis.call('EXISTS', dst) == 1 then
 end
 local half = (#KEYS - 3) / 2
 local n = 0
-for i = 4, 3 + half do
+-- KEYS[4] and KEYS[4 + half] are the inventories (see _lib.lua): the copy's lists its own key names
+local inv, inv_to = KEYS[4], KEYS[4 + half]
+redis.call('DEL', inv_to)
+for i = 5, 3 + half do
   local to = KEYS[i + half]
   redis.call('DEL', to)
   n = n + redis.call('COPY', KEYS[i], to)
+  if redis.call('HEXISTS', inv, KEYS[i]) == 1 then
+    redis.call('HSET', inv_to, to, '1')
+  end
 end
 redis.call('COPY', src, dst)
 redis.call('HSET', dst, 'epoch', ARGV[3])

@@ -10,6 +10,7 @@
   random batch of 256 elements costs one argument and one reply string per leaf.
 
   KEYS[1]     store header hash (P:{I}:m)
+  KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
   KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
 
   ARGV[1]     '<epoch>:K<key-set version>' when the leaves were chosen by prefix,
@@ -60,8 +61,13 @@
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
+              Every piece is checked: a key shorter than the header implies raises
+              'TDSTORE damaged' (a key of the store lost to eviction or deletion), except
+              a key the store's inventory (KEYS[2], see _lib.lua) says was never
+              allocated, which reads as zeros.
   Errors      'TDSTORE bad argument' for a malformed op (nothing is read);
-              'TDSTORE empty' when a 'U' op finds no written slot.
+              'TDSTORE empty' when a 'U' op finds no written slot;
+              'TDSTORE damaged' when a key the header says holds data is lost or short.
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -74,16 +80,17 @@ local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
 -- Bytes [start, start + len) of the key of segment seg in the KEYS block starting at ki: by
 -- GETRANGE, or, given a cache table ('B' and 'V' ops), cut from the whole value read once per segment.
-local function seg_range(cache, ki, seg, start, len)
+local function seg_range(cache, ki, seg, start, len, strict, rec)
+  local key = tds_segkey(ki, seg)
   if cache == nil then
-    return redis.call('GETRANGE', tds_segkey(ki, seg), start, start + len - 1)
+    return tds_whole(meta, key, redis.call('GETRANGE', key, start, start + len - 1), len, strict, rec)
   end
   local blob = cache[seg]
   if blob == nil then
-    blob = redis.call('GET', tds_segkey(ki, seg)) or ''
+    blob = redis.call('GET', key) or ''
     cache[seg] = blob
   end
-  return string.sub(blob, start + 1, start + len)
+  return tds_whole(meta, key, string.sub(blob, start + 1, start + len), len, strict, rec)
 end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 for _ = 1, nops do
@@ -104,7 +111,7 @@ for _ = 1, nops do
       local len = tds_u64(ranges, 16 * j + 9)
       m = m + 1
       if len > 0 then
-        pieces[m] = redis.call('GETRANGE', key, start, start + len - 1)
+        pieces[m] = tds_whole(meta, key, redis.call('GETRANGE', key, start, start + len - 1), len)
       else
         pieces[m] = ''
       end
@@ -126,17 +133,17 @@ for _ = 1, nops do
     for j = 0, n - 1 do
       local lo = tds_u64(runs, 16 * j + 1)
       local hi = tds_u64(runs, 16 * j + 9)
-      local offs = redis.call('GETRANGE', okey, 8 * lo, 8 * (hi + 2) - 1)
+      local offs = tds_whole(meta, okey, redis.call('GETRANGE', okey, 8 * lo, 8 * (hi + 2) - 1), 8 * (hi - lo + 2))
       out[#out + 1] = offs
       if rec > 0 then
-        out[#out + 1] = redis.call('GETRANGE', skey, lo * rec, (hi + 1) * rec - 1)
+        out[#out + 1] = tds_whole(meta, skey, redis.call('GETRANGE', skey, lo * rec, (hi + 1) * rec - 1), (hi - lo + 1) * rec, false, rec)
       else
         out[#out + 1] = ''
       end
       local first = tds_u64(offs, 1)
       local last = tds_u64(offs, 8 * (hi - lo + 1) + 1)
       if last > first then
-        out[#out + 1] = redis.call('GETRANGE', dkey, first, last - 1)
+        out[#out + 1] = tds_whole(meta, dkey, redis.call('GETRANGE', dkey, first, last - 1), last - first, true)
       else
         out[#out + 1] = ''
       end
@@ -210,10 +217,10 @@ for _ = 1, nops do
       local offs = seg_range(otabs, ok, seg, 8 * row, 16)
       bounds[j] = offs
       if rec > 0 then
-        shapes[j] = seg_range(stabs, sk, seg, row * rec, rec)
+        shapes[j] = seg_range(stabs, sk, seg, row * rec, rec, false, rec)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
-      data[j] = last > first and redis.call('GETRANGE', tds_segkey(dk, seg), first, last - 1) or ''
+      data[j] = last > first and seg_range(nil, dk, seg, first, last - first, true) or ''
     end
     out[#out + 1] = table.concat(bounds)
     out[#out + 1] = table.concat(shapes)

@@ -11,6 +11,7 @@
   either writes everything or nothing.
 
   KEYS[1]     store header hash
+  KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
   KEYS[2..]   data / offset / shape keys touched, referenced by index
 
   ARGV[1]     '<epoch>:V<version>' for a schema change (it rewrites the whole schema,
@@ -21,7 +22,15 @@
               ('kv=7 lv:3=7 lv:5=-'; '-' deletes the field)
   ARGV[5]     the largest string the server accepts, in bytes (proto-max-bulk-len,
               or less on servers with a lower SETRANGE cap)
-  ARGV[6]     number of ops, then each op:
+  ARGV[6]     what each key holds (tdstore/_integrity.py): per KEYS index i, 24 bytes at
+              24 * (i - 1): three little-endian int64 (code, length, aux). code 0: not
+              checked; 1: a heterogeneous leaf's data, at least as long as the last
+              offset of its offset table KEYS[aux]; 2: exactly 'length' bytes (aux: a
+              shape table's record size, for the empty records it is allocated with). Before
+              the first write, every key an op writes in place (not a key the call sets,
+              allocates or deletes whole) is checked; a key the inventory says was never
+              allocated is allocated (zeros) first; any other mismatch refuses the call.
+  ARGV[7]     number of ops, then each op:
     'R', k, n, ranges, data
           n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
           little-endian int64, 'data' holds the n values back to back
@@ -90,7 +99,9 @@
               {'STALE', header field, value, ...} when a checked version moved: nothing written.
               {'GONE'} when the store does not exist: nothing written.
   Errors      'TDSTORE bad argument' for a malformed op, 'TDSTORE too large' when a
-              string would outgrow ARGV[5] (both raised before any write).
+              string would outgrow ARGV[5], 'TDSTORE damaged' when a key the call writes
+              in place is lost or short, 'TDSTORE out of memory' when the bytes the call
+              allocates would take the server past its maxmemory (all raised before any write).
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -104,8 +115,11 @@ end
 -- pass 1: parse and check every op
 local ops = {}
 local limit = tds_num(ARGV[5], 'size limit')
-local nops = tds_num(ARGV[6], 'op count')
-local a = 7
+local checks = ARGV[6]
+local nops = tds_num(ARGV[7], 'op count')
+local a = 8
+local inplace = {}  -- KEYS index -> true: a key an op writes in place (checked before any write)
+local whole = {}  -- KEYS index -> true: a key an op sets, allocates or deletes whole
 local grow = {}  -- data key -> bytes its heterogeneous splices add (checked below)
 local pending = {}  -- key -> value an earlier 'S' op of this call will set
 -- GETRANGE as it will read once the earlier 'S' ops of this call have run
@@ -126,10 +140,64 @@ end
 local function too_large(key, size)
   error('TDSTORE too large: ' .. key .. ' would hold ' .. string.format('%.0f', size) .. ' bytes, more than the server accepts (' .. string.format('%.0f', limit) .. ')')
 end
-local function key(i)
-  local k = KEYS[tds_num(ARGV[i], 'key index')]
+-- Check, before anything is written, that KEYS[n] holds what the header implies (ARGV[6]); a
+-- key never allocated is queued to be allocated (zeros) and reads as zeros from here on.
+local allocate, allocated = {}, 0  -- keys allocated before the ops run, and the bytes this call allocates
+local checked, fresh = {}, {}
+local function need(n)
+  if checked[n] or whole[n] then
+    return
+  end
+  checked[n] = true
+  local p = 24 * (n - 1)
+  if #checks < p + 24 then
+    error('TDSTORE bad argument: no check for key ' .. n)
+  end
+  local code = tds_u64(checks, p + 1)
+  if code == 0 then
+    return
+  end
+  local k = KEYS[n]
+  local have = peek_len(k)
+  if have == 0 then
+    fresh[#fresh + 1] = k  -- a SETRANGE may create it: it gets the store's deadline below
+  end
+  if code == 1 then
+    local ko = tds_u64(checks, p + 17)
+    need(ko)
+    local okey = KEYS[ko]
+    local olen = peek_len(okey)
+    local last = olen >= 8 and tds_u64(peek(okey, olen - 8, olen - 1), 1) or 0
+    if have < last then
+      tds_damaged(k .. ' holds ' .. have .. ' bytes; its offset table says ' .. string.format('%.0f', last))
+    end
+    return
+  end
+  local want = tds_u64(checks, p + 9)
+  if have == want then
+    return
+  end
+  if have == 0 and tds_unallocated(meta, k) then
+    local rec = tds_u64(checks, p + 17)
+    allocate[#allocate + 1] = {k, want, rec}
+    allocated = allocated + want
+    if want <= 1048576 then
+      pending[k] = tds_blank(meta, want, rec)  -- what a table peeked at below reads
+    end
+    return
+  end
+  tds_damaged(k .. ' holds ' .. have .. ' bytes; the store header implies ' .. string.format('%.0f', want))
+end
+local function key(i, mark)
+  local n = tds_num(ARGV[i], 'key index')
+  local k = KEYS[n]
   if k == nil then
     error('TDSTORE bad argument: key index out of range')
+  end
+  if mark == whole then
+    whole[n] = true
+  elseif mark == inplace then
+    need(n)
   end
   return k
 end
@@ -190,7 +258,7 @@ end
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
-    local op = {kind = 'R', key = key(a + 1), n = tds_num(ARGV[a + 2], 'range count'), ranges = ARGV[a + 3], data = ARGV[a + 4]}
+    local op = {kind = 'R', key = key(a + 1, inplace), n = tds_num(ARGV[a + 2], 'range count'), ranges = ARGV[a + 3], data = ARGV[a + 4]}
     if #op.ranges ~= 16 * op.n then
       error('TDSTORE bad argument: range table size')
     end
@@ -208,11 +276,11 @@ for _ = 1, nops do
     a = a + 5
     ops[#ops + 1] = op
   elseif kind == 'S' then
-    ops[#ops + 1] = {kind = 'S', key = key(a + 1), value = ARGV[a + 2]}
+    ops[#ops + 1] = {kind = 'S', key = key(a + 1, whole), value = ARGV[a + 2]}
     pending[ops[#ops].key] = ARGV[a + 2]
     a = a + 3
   elseif kind == 'M' then
-    local op = {kind = 'M', src = key(a + 1), dst = key(a + 2), n = tds_num(ARGV[a + 3], 'staged size')}
+    local op = {kind = 'M', src = key(a + 1), dst = key(a + 2, whole), n = tds_num(ARGV[a + 3], 'staged size')}
     if redis.call('STRLEN', op.src) ~= op.n then
       error('TDSTORE bad argument: the staged value is missing or incomplete')
     end
@@ -222,10 +290,10 @@ for _ = 1, nops do
     a = a + 4
     ops[#ops + 1] = op
   elseif kind == 'D' then
-    ops[#ops + 1] = {kind = 'D', key = key(a + 1)}
+    ops[#ops + 1] = {kind = 'D', key = key(a + 1, whole)}
     a = a + 2
   elseif kind == 'O' then
-    local op = {kind = 'O', src = key(a + 1), key = key(a + 2)}
+    local op = {kind = 'O', src = key(a + 1), key = key(a + 2, whole)}
     local v = pending[op.src]
     if v == nil then
       v = redis.call('GET', op.src) or ''
@@ -234,7 +302,7 @@ for _ = 1, nops do
     ops[#ops + 1] = op
     a = a + 3
   elseif kind == 'Z' then
-    local op = {kind = 'Z', key = key(a + 1), n = tds_num(ARGV[a + 2], 'size')}
+    local op = {kind = 'Z', key = key(a + 1, whole), n = tds_num(ARGV[a + 2], 'size')}
     if op.n > limit then
       too_large(op.key, op.n)
     end
@@ -242,7 +310,7 @@ for _ = 1, nops do
     ops[#ops + 1] = op
     a = a + 3
   elseif kind == 'C' then
-    local op = {kind = 'C', src = key(a + 1), key = key(a + 2), stride = tds_num(ARGV[a + 3], 'row size'),
+    local op = {kind = 'C', src = key(a + 1, inplace), key = key(a + 2, whole), stride = tds_num(ARGV[a + 3], 'row size'),
                 col = tds_num(ARGV[a + 4], 'column'), nb = tds_num(ARGV[a + 5], 'element size')}
     if op.stride < 1 or op.col + op.nb > op.stride then
       error('TDSTORE bad argument: column outside the row')
@@ -251,10 +319,10 @@ for _ = 1, nops do
     a = a + 6
     ops[#ops + 1] = op
   elseif kind == 'F' then
-    local op = {kind = 'F', dkey = key(a + 1), a = tds_num(ARGV[a + 3], 'start'), b = tds_num(ARGV[a + 4], 'end'), pattern = ARGV[a + 5]}
+    local op = {kind = 'F', dkey = key(a + 1, inplace), a = tds_num(ARGV[a + 3], 'start'), b = tds_num(ARGV[a + 4], 'end'), pattern = ARGV[a + 5]}
     local ko = tds_num(ARGV[a + 2], 'offset key index')
     if ko > 0 then
-      local okey = key(a + 2)
+      local okey = key(a + 2, inplace)
       local offs = peek(okey, 8 * op.a, 8 * (op.b + 2) - 1)
       if #offs ~= 8 * (op.b - op.a + 2) then
         error('TDSTORE bad argument: elements out of range of the offset table')
@@ -270,7 +338,7 @@ for _ = 1, nops do
     a = a + 6
     ops[#ops + 1] = op
   elseif kind == 'E' then
-    local op = {kind = 'E', dkey = key(a + 1), okey = key(a + 2), skey = key(a + 3),
+    local op = {kind = 'E', dkey = key(a + 1, inplace), okey = key(a + 2, inplace), skey = key(a + 3, inplace),
                 rec = tds_num(ARGV[a + 4], 'record size'), lo = tds_num(ARGV[a + 5], 'lo'),
                 hi = tds_num(ARGV[a + 6], 'hi'), shapes = ARGV[a + 7], data = ARGV[a + 8], sizes = {}}
     for j = 0, op.hi - op.lo do
@@ -332,6 +400,7 @@ for _ = 1, nops do
       local j, e = run[1], run[2]
       local seg, row = tds_locate(rows[j], seg_per)
       local k = tds_segkey(ki, seg)
+      need(ki + seg)
       local start = row * nb
       if start + (e - j + 1) * nb > limit then
         too_large(k, start + (e - j + 1) * nb)
@@ -354,6 +423,7 @@ for _ = 1, nops do
       if applied[j] and nb > 0 then
         local seg, row = tds_locate(rows[j], seg_per)
         local k = tds_segkey(ki, seg)
+        need(ki + seg)
         local start = row * stride + col
         if start + nb > limit then
           too_large(k, start + nb)
@@ -382,6 +452,9 @@ for _ = 1, nops do
     for _, run in ipairs(runs) do
       local j, e = run[1], run[2]
       local seg, lo = tds_locate(rows[j], seg_per)
+      need(ok + seg)
+      need(sk + seg)
+      need(dk + seg)
       local op = {kind = 'E', dkey = tds_segkey(dk, seg), okey = tds_segkey(ok, seg), skey = tds_segkey(sk, seg), rec = rec, lo = lo, hi = lo + e - j,
                   shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
                   data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
@@ -478,10 +551,60 @@ end
 -- whose first write is a DEL could allocate past the limit. A call that writes data therefore
 -- starts with a no-op write that Redis checks (HSETNX of an existing field): refused at
 -- maxmemory before anything changes. Calls that only delete keep working, and free memory.
+-- Bytes this call allocates (keys allocated, set or grown; a staged blob is in memory already): refused before any write when they
+-- would take a server that does not evict past its maxmemory. Redis checks maxmemory only
+-- when a script starts, so one call could otherwise overshoot it by all it allocates.
+for _, op in ipairs(ops) do
+  if op.kind == 'S' then
+    allocated = allocated + #op.value
+  elseif op.kind == 'Z' then
+    allocated = allocated + op.n
+  end
+end
+for _, g in pairs(grow) do
+  if g.delta > 0 then
+    allocated = allocated + g.delta
+  end
+end
+if allocated > 0 then
+  local info = redis.pcall('INFO', 'memory')
+  if type(info) == 'string' then
+    local used = tonumber(string.match(info, 'used_memory:(%d+)'))
+    local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
+    local policy = string.match(info, 'maxmemory_policy:([%w%-]+)')
+    if used and max and max > 0 and policy == 'noeviction' and used + allocated > max then
+      error('TDSTORE out of memory: the call would allocate ' .. string.format('%.0f', allocated) .. ' bytes; the server uses ' ..
+            string.format('%.0f', used) .. ' of its maxmemory ' .. string.format('%.0f', max))
+    end
+  end
+end
+
 for _, op in ipairs(ops) do
   if op.kind ~= 'D' then
     redis.call('HSETNX', meta, 'version', '0')
     break
+  end
+end
+if #allocate > 0 then
+  redis.call('HSETNX', meta, 'version', '0')
+end
+-- the inventory (see _lib.lua): keys allocated here, and keys the ops set or delete whole
+local inv = tds_inventory(meta)
+for _, alloc in ipairs(allocate) do
+  if alloc[3] > 0 then  -- a shape table: empty records
+    redis.call('SET', alloc[1], pending[alloc[1]] or tds_blank(meta, alloc[2], alloc[3]))
+  else
+    redis.call('SETRANGE', alloc[1], alloc[2] - 1, '\0')
+  end
+  tds_record(meta, inv, alloc[1])
+end
+for _, op in ipairs(ops) do
+  if op.kind == 'S' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' then
+    tds_record(meta, inv, op.key)
+  elseif op.kind == 'M' then
+    tds_record(meta, inv, op.dst)
+  elseif op.kind == 'D' then
+    tds_forget(meta, inv, op.key)
   end
 end
 for _, op in ipairs(ops) do
@@ -571,6 +694,15 @@ if at > 0 then
     if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' then
       redis.call('PEXPIREAT', op.key or op.dst, at)
     end
+  end
+  for _, alloc in ipairs(allocate) do
+    redis.call('PEXPIREAT', alloc[1], at)
+  end
+  for _, k in ipairs(fresh) do
+    redis.call('PEXPIREAT', k, at)  -- a no-op when no op created it
+  end
+  if inv ~= nil and redis.call('EXISTS', inv) == 1 then
+    redis.call('PEXPIREAT', inv, at)
   end
 end
 if extra ~= nil then

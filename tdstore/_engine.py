@@ -25,8 +25,9 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _nontensor, _rows, _scripts, _segments, _spread, _wire
+from . import _codec, _index, _integrity, _nontensor, _rows, _scripts, _segments, _spread, _wire
 from ._connection import ConnectionSpec, HeldConnection
+from ._errors import StoreDamagedError
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
@@ -278,6 +279,10 @@ class Engine:
                 self.keys = replace(self.keys, spread=header.spread)
         self._header = header
 
+    def key_table(self, h: Header) -> KeyTable:
+        """A call's KEYS: the header first, then the inventory when the store keeps one (see ``_integrity``)."""
+        return KeyTable(self.keys.meta, self.keys.inventory) if h.tracked else KeyTable(self.keys.meta)
+
     def command(self, *args: Any) -> Any:
         """One plain command on the handle's held connection (the raw reply, no redis-py callbacks)."""
         return self._execute(self.client, *args)
@@ -367,6 +372,8 @@ class Engine:
         """Create the header unless one exists; return the existing header if so (one round trip)."""
         if self.spread and not header.spread:
             header = replace(header, spread=True)
+        # a store on one slot keeps an inventory of its keys, so it can allocate them when first written
+        header = replace(header, tracked=not header.spread)
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
@@ -391,6 +398,10 @@ class Engine:
         """
         try:
             return self._run(plan)
+        except StoreDamagedError as err:
+            if err.named:
+                raise
+            raise _integrity.damaged(self.where(), str(err), self.keys.td_id) from None
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             if not self.spec.cluster:
                 raise
@@ -421,6 +432,8 @@ class Engine:
                 if reply is None:  # the header moved: refresh, plan again
                     self.set_header(self.fetch_header())
                     continue
+                if self.short(call, reply):  # a key never allocated, or one lost: read.lua tells which
+                    return self._run_with_script_reads(plan)
                 out = call.parse(reply)
                 if call.fields and isinstance(out, DenseResult):
                     out.fields = call.field_values
@@ -480,10 +493,22 @@ class Engine:
                 continue
             if reply is None or reply is _spread.LOCAL:
                 return reply
+            if call.script == "tx" and self.short(call, reply):
+                return (self._run_with_script_reads(plan),)
             out = call.parse(reply)
             if call.fields and isinstance(out, DenseResult):
                 out.fields = call.field_values
             return (out,)
+
+    @staticmethod
+    def short(call: Call, reply: list) -> bool:
+        """Whether a read transaction's reply holds fewer bytes than it asked for: a key shorter than
+        the header implies (never allocated, or lost), which only ``read.lua`` can tell apart."""
+        assert call.ranges is not None
+        for buf, pieces in zip(reply[2:], call.ranges):
+            if len(buf) != sum(int(lengths.sum()) for _, _, lengths in pieces):
+                return True
+        return False
 
     def _transaction_refused(self, err: redis.exceptions.ResponseError, plan: Callable[[Header], Call]) -> Any:
         """A server or ACL user without MULTI/EXEC (for good), or one that refuses the transaction now
@@ -704,7 +729,7 @@ class Engine:
 
     def _plan_one_element_read(self, h: Header, e: int, leaves: list[Leaf]) -> Call:
         """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
-        kt = KeyTable(self.keys.meta)
+        kt = self.key_table(h)
         order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
@@ -758,7 +783,7 @@ class Engine:
             uniq, inverse = np.unique(flat, return_inverse=True)
         lo, hi = _index.run_bounds(uniq)
         n_runs = int(lo.size)
-        kt = KeyTable(self.keys.meta)
+        kt = self.key_table(h)
         order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [len(leaves)]
@@ -833,7 +858,7 @@ class Engine:
             return self._plan_scattered_elements(h, ids, leaves)
         el_runs = list(zip(lo.tolist(), hi.tolist()))
         packed_runs = _index.pack_pairs(lo, hi)
-        kt = KeyTable(self.keys.meta)
+        kt = self.key_table(h)
         leaves = units
         args: list[Any] = [len(leaves)]
         joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
@@ -900,7 +925,7 @@ class Engine:
         once ('I'), each homogeneous leaf comes back as one block of rows ('X'/'B') and each
         heterogeneous one as three joined pieces ('Y'), split on the client without a loop per run."""
         n = int(ids.size)
-        kt = KeyTable(self.keys.meta)
+        kt = self.key_table(h)
         order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
@@ -947,7 +972,7 @@ class Engine:
         state: dict[str, Header] = {}
 
         def plan_call(h: Header) -> Call:
-            kt = KeyTable(self.keys.meta)
+            kt = self.key_table(h)
             new_header, ops, touched = plan(h, kt)
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
                 # the first keys of a store created empty fix its segment length
@@ -960,9 +985,9 @@ class Engine:
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, max(h.next_leaf, after.next_leaf), leaf_shapes(after, h), kt, ops)
             if new_header is not None:
-                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes, len(ops)]
+                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes]
             else:
-                args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes, len(ops)]
+                args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes]
             staged: list[tuple[str, Any]] = []
             sent = []
             for op in ops:
@@ -972,8 +997,10 @@ class Engine:
                     stage = self.keys.staging(target, uuid.uuid4().hex[:12])
                     staged.append((stage, op[2]))
                     op = ["M", kt.ref(stage), op[1], len(op[2])]
-                args.extend(op)
                 sent.append(op)
+            args += [_integrity.checks(self.keys, h, kt.keys, new_header), len(sent)]
+            for op in sent:
+                args.extend(op)
             state["new"] = new_header or h
 
             def parse(reply: list) -> tuple[Header, bytes | None]:

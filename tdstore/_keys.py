@@ -9,6 +9,10 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
                            byte offset per element of the segment, plus one (starts at 0)
     T:s:<n>        string  shape table of a heterogeneous leaf in one segment: one record of
                            ndim int64 LE per element
+    P:{I}:a        hash    inventory: every data and table key of the store that holds data,
+                           one field each (the key's name); the header's 'na' counts them.
+                           A key that is absent and not listed was never allocated (reads
+                           as zeros); one that is listed was lost (see ``_integrity``)
     T:g            hash    guard of segment k > 0 of a *spread* store (Redis Cluster, segments on
                            several nodes): copies of the header's epoch and version, checked
                            by every call on the segment (the header lives on another node)
@@ -35,6 +39,7 @@ the prefix and the id (a brace would move the hash tag) and glob characters (so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 # Characters that would change the meaning of a key name: braces move the hash tag,
 # glob characters turn a name into a pattern, '%' is our escape character, and
@@ -99,15 +104,27 @@ class StoreKeys:
         """The hash a call on segment ``seg`` of a spread store checks: the header itself for segment 0."""
         return self.meta if seg == 0 else f"{self.segment_base(seg)}:g"
 
+    @property
+    def inventory(self) -> str:
+        """The hash listing every data and table key that holds data (see ``_integrity``)."""
+        return f"{self.base}:a"
+
+    def describe(self, key: str) -> tuple[str, int, int] | None:
+        """``(role, leaf number, segment)`` of a data (``d``), offset (``o``) or shape (``s``) key of
+        this store; None for any other key (header, inventory, guard, staging key)."""
+        return _describe(self, key)
+
     def segment_of(self, key: str) -> int:
         """The segment that a key of this store (data, table, guard or staging key) belongs to."""
         head = f"{self._escaped[0]}:{{{self._escaped[1]}"
         if not key.startswith(head):
             raise ValueError(f"{key!r} is not a key of this store")
         rest = key[len(head) :]
+        if rest.startswith("}%s"):  # a store that is not spread keeps every segment under the header's tag
+            return int(rest[3 : rest.index(":")])
         if not rest.startswith("%s"):
             return 0
-        return int(rest[2 : rest.index("}" if self.spread else ":")])
+        return int(rest[2 : rest.index("}")])
 
     def data(self, leaf: int, seg: int = 0) -> str:
         return f"{self.segment_base(seg) if seg else self.base}:d:{leaf}"
@@ -131,12 +148,13 @@ class StoreKeys:
         return (self.data(leaf, seg), self.offsets(leaf, seg), self.shapes(leaf, seg))
 
     def all_keys(self, next_leaf: int, segments: int = 1) -> list[str]:
-        """Every key the store can own, given the next unused leaf number and its segment count.
+        """Every key the store can own, given the next unused leaf number and its segment count:
+        the header, the inventory, then each segment's data and table keys.
 
         Deleted leaves keep their numbers, so listing every number below
         ``next_leaf`` also covers keys a failed or interrupted write may have left.
         """
-        keys = [self.meta]
+        keys = [self.meta, self.inventory]
         for seg in range(segments):
             for n in range(next_leaf):
                 keys.extend(self.leaf_keys(n, seg))
@@ -150,12 +168,29 @@ class StoreKeys:
         return keys
 
 
-class KeyTable:
-    """KEYS of one script call: the header first, then each key once, referenced by 1-based index."""
+@lru_cache(maxsize=65536)
+def _describe(keys: StoreKeys, key: str) -> tuple[str, int, int] | None:
+    parts = key.rsplit(":", 2)
+    if len(parts) != 3 or parts[1] not in ("d", "o", "s") or not parts[2].isdigit():
+        return None
+    try:
+        return parts[1], int(parts[2]), keys.segment_of(key)
+    except ValueError:
+        return None
 
-    def __init__(self, meta: str) -> None:
-        self.keys = [meta]
+
+class KeyTable:
+    """KEYS of one script call: the header first (and, for a store that keeps one, its inventory,
+    see ``_integrity``), then each key once, referenced by 1-based index."""
+
+    def __init__(self, *head: str) -> None:
+        self.keys = list(head)
+        self.head = len(head)
         self._pos: dict[str, int] = {}
+
+    def fresh(self) -> KeyTable:
+        """An empty table with the same head keys."""
+        return KeyTable(*self.keys[: self.head])
 
     def ref(self, key: str) -> int:
         pos = self._pos.get(key)

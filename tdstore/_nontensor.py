@@ -101,6 +101,8 @@ def decode(raw: bytes | bytearray | memoryview | torch.Tensor, inner: tuple[int,
     """The ``NonTensorData``/``NonTensorStack`` of one element from its stored document (never unpickles)."""
     if isinstance(raw, torch.Tensor):
         raw = raw.numpy().tobytes()
+    if not len(raw):  # an element never written (a slot of a segment allocated when first written)
+        return NonTensorData(None, batch_size=list(inner))
     try:
         kind, value = json.loads(bytes(raw))
     except (ValueError, TypeError) as err:

@@ -110,7 +110,11 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
         if not json or (leaf is not None and not leaf.json):
             raise TypeError(f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds")
         assert isinstance(rows, list)
-        if leaf is None:
+        if leaf is None and h.tracked:
+            # each segment's tables are allocated when first written: a document of no bytes is None
+            leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
+            changed = True
+        elif leaf is None:
             # slots not written yet hold None, so every slot is a valid document
             empty = element_docs(path, NonTensor(None), None, 0)[0]
             ne = int(empty.numel())
@@ -133,7 +137,8 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
             if leaf is None:
                 _codec.dtype_name(rows.dtype)
                 leaf = Leaf(path, number, rows.dtype, len(elem_shape), elem_shape)
-                ops.append(["Z", kt.ref(dk), h.count * leaf.element_nbytes])
+                if not h.tracked:  # else each segment is allocated when first written
+                    ops.append(["Z", kt.ref(dk), h.count * leaf.element_nbytes])
                 changed = True
             return leaf, [*ops, _row_op(kt, engine, h, leaf, _codec.to_bytes(rows))], changed
         elems = list(rows.unbind(0))
@@ -149,8 +154,9 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
             return _leaf_ops(kt, engine, h, None, number, path, torch.stack(elems))
         ndim = elems[0].ndim
         leaf = Leaf(path, number, dtype, ndim, None)
-        empty = list(h.inner) + [0] * (ndim - len(h.inner))
-        ops += [["S", kt.ref(dk), b""], ["S", kt.ref(ok), bytes(8 * (h.count + 1))], ["S", kt.ref(sk), _codec.pack_i64(empty * h.count)]]
+        if not h.tracked:  # else each segment's tables are allocated (empty elements) when first written
+            empty = list(h.inner) + [0] * (ndim - len(h.inner))
+            ops += [["S", kt.ref(dk), b""], ["S", kt.ref(ok), bytes(8 * (h.count + 1))], ["S", kt.ref(sk), _codec.pack_i64(empty * h.count)]]
         changed = True
     elif not leaf.het:
         if all(tuple(t.shape) == leaf.shape for t in elems):
@@ -202,7 +208,8 @@ def _group_first_keys(kt: KeyTable, engine: Engine, h: Header, n: int, pre: list
     keep_pre = [op for op in pre if not (op[0] == "Z" and kt.keys[op[1] - 1] in cols)]
     block = kt.ref(engine.keys.data(number))
     rows = _rows.join(width, columns)
-    return grouped_h, [*keep_pre, ["Z", block, h.count * width]], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
+    alloc = [] if h.tracked else [["Z", block, h.count * width]]  # a tracked store allocates each segment when first written
+    return grouped_h, [*keep_pre, *alloc], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
 
 
 def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
@@ -378,7 +385,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
 
     def plan_call(h: Header) -> Call:
         leaves = list(h.leaves.values())
-        kt = KeyTable(engine.keys.meta)
+        kt = engine.key_table(h)
         checks = leaf_checks(leaves)
         leaves, block, grouped = _rows.units(h, leaves)
         args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "U", batch_size, packed]

@@ -159,6 +159,11 @@ class Header:
     """Segments on several Redis Cluster nodes: each under its own hash tag, guarded by a copy
     of the epoch and version next to it (``_keys``); set when the store is created."""
 
+    tracked: bool = False
+    """The store keeps an inventory of its allocated keys (header field ``na``, see ``_integrity``),
+    so its segments are allocated when first written; set when the store is created (not for a
+    spread store, whose segments live on several nodes and are allocated up front)."""
+
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
     """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
@@ -260,6 +265,7 @@ class Header:
             **({"tensorclass": self.tensorclass} if self.tensorclass else {}),
             **({"batchless": "1"} if self.batchless else {}),
             **({"seg": str(self.seg)} if self.seg else {}),
+            **({"na": "0"} if self.tracked else {}),
         }
 
     @classmethod
@@ -339,6 +345,7 @@ class Header:
             tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
             seg=seg,
             spread=fmt == FORMAT_SPREAD,
+            tracked="na" in f,
             row=tuple(row) if row is not None else None,  # type: ignore[arg-type]
         )
 

@@ -25,6 +25,8 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
+from ._errors import StoreDamagedError
+
 LIBRARY = "_lib"
 SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard")
 
@@ -186,6 +188,10 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
 def translate(err: ResponseError) -> Exception:
     """Turn a server error into the exception a user should see."""
     msg = str(err)
+    if "TDSTORE damaged" in msg:
+        return StoreDamagedError(msg[msg.index("TDSTORE damaged") + 17 :], named=False)
+    if "TDSTORE out of memory" in msg:
+        return MemoryError(f"the server has no room for this write (it does not evict); nothing was written: {msg[msg.index('TDSTORE out of memory') + 22 :]}")
     if "TDSTORE too large" in msg:
         return ValueError(f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}")
     if "TDSTORE exists" in msg:

@@ -149,7 +149,7 @@ class LeafShape:
 def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], kt: KeyTable, ops: list[list[Any]]) -> tuple[KeyTable, list[list[Any]]]:
     """The ops of one ``write.lua`` call, planned on whole leaves, turned into segment-local ops."""
     names = _names(keys, next_leaf)
-    out = KeyTable(kt.keys[0])
+    out = kt.fresh()
     new: list[list[Any]] = []
 
     def what(k: int) -> tuple[str, int] | None:
@@ -279,7 +279,7 @@ def localize_read(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Call
     planner's parser expects.
     """
     names = _names(keys, next_leaf)
-    out = KeyTable(kt_keys[0])
+    out = KeyTable(*kt_keys[: 2 if len(kt_keys) > 1 and kt_keys[1] == keys.inventory else 1])
     new: list[Any] = []
     merges: list[tuple[str, Any]] = []  # per original op: how to rebuild its pieces
     nops, a = int(args[0]), 1

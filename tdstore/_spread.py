@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from . import _scripts, _wire
+from . import _integrity, _scripts, _wire
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header
 
@@ -132,7 +132,7 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
     keys = engine.keys
     if call.script == "write":
         assert call.ops is not None
-        head, ops, key_args = call.args[:5], call.ops, WRITE_KEY_ARGS
+        head, ops, key_args = call.args[:5], call.ops, WRITE_KEY_ARGS  # then each part's checks (_integrity)
     else:
         head, ops, key_args = call.args[:2], read_ops(call.args[3:]), READ_KEY_ARGS
     parts = split(keys, call.keys, ops, key_args)
@@ -142,7 +142,8 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
     calls = []
     for seg in segs:  # every segment checks what segment 0 checks, against its own guard
         part = parts[seg]
-        calls.append((call.script, part.kt.keys, [*head, len(part.ops), *_flat(part.ops)]))
+        checks = [_integrity.checks(keys, h, part.kt.keys)] if call.script == "write" else []
+        calls.append((call.script, part.kt.keys, [*head, *checks, len(part.ops), *_flat(part.ops)]))
     if call.staged:
         stage(engine, call.staged)
     if len(calls) == 1:  # one segment (an element): one script on a connection held to its node
@@ -416,7 +417,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         for seg in range(1, after):
             part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
             # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
-            calls.append(("write", part.kt.keys, [check, "", "-", f"{fields} lk={token}", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
+            calls.append(("write", part.kt.keys, [check, "", "-", f"{fields} lk={token}", engine.max_value_bytes, _integrity.checks(keys, h, part.kt.keys, new), len(part.ops), *_flat(part.ops)]))
         replies = _scripts.call_many(engine.client, calls)
         for i, r in enumerate(replies):
             if isinstance(r, Exception):
@@ -428,7 +429,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             _abort(engine, h, token, new, after, call)
             return refused(engine, h)
         head = parts.get(0) or Part(KeyTable(keys.meta), [])
-        commit = [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, len(head.ops), *_flat(head.ops)]
+        commit = [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, _integrity.checks(keys, h, head.kt.keys, new), len(head.ops), *_flat(head.ops)]
         sent = True  # from here on the commit may have run even when no reply says so
         try:
             reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine._execute)
@@ -462,7 +463,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         for seg, ops in later.items():
             if ops:
                 part = _renumber(keys, parts[seg], ops)
-                cleanup.append(("write", part.kt.keys, [f"{h.epoch}:V{new.version}", "", "", "", engine.max_value_bytes, len(part.ops), *_flat(part.ops)]))
+                cleanup.append(("write", part.kt.keys, [f"{h.epoch}:V{new.version}", "", "", "", engine.max_value_bytes, _integrity.checks(keys, new, part.kt.keys), len(part.ops), *_flat(part.ops)]))
         if cleanup:
             _scripts.call_many(engine.client, cleanup)
     finally:

@@ -28,8 +28,9 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass
 from tensordict.base import _is_leaf_nontensor
 
-from . import _codec, _rows, _scripts, _spread
+from . import _codec, _integrity, _rows, _scripts, _spread
 from ._engine import Engine
+from ._errors import StoreDamagedError
 from ._nontensor import NonTensor, element_docs
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
@@ -289,6 +290,7 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
     if existing is not None:
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
+    header = engine.header  # as created (a store on one slot keeps an inventory of its keys)
     keys = engine.keys
     all_keys = keys.all_keys(header.next_leaf, segs.n)
     guards = [keys.guard(k) for k in range(1, segs.n)] if spread else []
@@ -351,11 +353,17 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                 if isinstance(r, Exception):
                     raise r
                 if r[0] != b"OK":
-                    raise KeyError(f"the upload of {engine.where()} expired before it finished")
+                    raise KeyError(f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)")
             all_keys = [keys.meta, *keys.segment_keys(header.next_leaf, 0)]
-        reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms, *([at] if spread else [])])
+        try:
+            reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms, at if spread else "", _integrity.checks(keys, header, all_keys)])
+        except StoreDamagedError as err:
+            raise StoreDamagedError(
+                f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
+                "Nothing of the upload was kept; run the server with maxmemory-policy noeviction and enough memory"
+            ) from None
         if reply[0] != b"OK":
-            raise KeyError(f"the upload of {engine.where()} expired before it finished")
+            raise KeyError(f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)")
     except BaseException:
         try:
             engine.abort_upload(header.next_leaf, segs.n)

@@ -343,8 +343,8 @@ def _layout(client: redis.Redis, keys: StoreKeys, header: Header) -> StoreKeys:
 
 
 def _size_keys(keys: StoreKeys, header: Header) -> list[str]:
-    """The string keys of a store (its ``all_keys`` without the header hash, which has no STRLEN)."""
-    return keys.all_keys(header.next_leaf, header.segments.n)[1:]
+    """The string keys of a store (its ``all_keys`` without the header and inventory hashes, which have no STRLEN)."""
+    return keys.all_keys(header.next_leaf, header.segments.n)[2:]
 
 
 def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:
@@ -398,7 +398,7 @@ def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, Header, int]]) -
         pipe.pttl(keys.meta)
         # one EXISTS per slot: a spread store's segments (and their guards) live in several
         by_slot: dict[int, list[str]] = {}
-        for key in (keys.meta, *size_keys, *(keys.guard(k) for k in range(1, header.segments.n) if header.spread)):
+        for key in (keys.meta, keys.inventory, *size_keys, *(keys.guard(k) for k in range(1, header.segments.n) if header.spread)):
             by_slot.setdefault(keys.segment_of(key) if header.spread else 0, []).append(key)
         for group in by_slot.values():
             pipe.exists(*group)

@@ -794,7 +794,10 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
                 shape = (*h.inner, *feat)
                 leaf = Leaf(path, number, dtype, len(shape), shape)
                 leaves[path] = leaf
-                ops += [["Z", kt.ref(keys.data(number)), h.count * leaf.element_nbytes], ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
+                # a store that keeps an inventory allocates each segment when it is first written (reads of
+                # the others give zeros); a spread store's segments are allocated here, one call per node
+                alloc = ["D", kt.ref(keys.data(number))] if h.tracked else ["Z", kt.ref(keys.data(number)), h.count * leaf.element_nbytes]
+                ops += [alloc, ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
             check_paths(list(leaves))
             return h.with_leaves(leaves, next_leaf), ops, []
 

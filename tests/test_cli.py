@@ -145,8 +145,8 @@ def test_ls_json_is_only_json_with_every_field(capsys, url, prefix) -> None:
         assert 50 < r["ttl_seconds"] <= 60
         h = by_id["het"]
         assert h["ttl_seconds"] is None and h["keys"] == 3 and h["ring"] == {"cursor": 0, "write_count": 0, "written": 0}
-        # header, the row block of the two small homogeneous keys, the heterogeneous key's blob and tables
-        assert h["server_keys"] == 1 + 1 + 3
+        # header, inventory, the row block of the two small homogeneous keys, the heterogeneous key's blob and tables
+        assert h["server_keys"] == 1 + 1 + 1 + 3
     finally:
         ring.clear_redis()
         het.clear_redis()
@@ -315,7 +315,7 @@ def test_rm_with_yes_deletes_every_key(capsys, url, prefix, redis_server) -> Non
     try:
         code, out, err = _run(capsys, "rm", "doomed", "--url", url, "--prefix", prefix, "--yes")
         assert code == 0, err
-        assert out.strip() == "deleted store doomed: 5 server keys"  # header, row block, heterogeneous blob and tables
+        assert out.strip() == "deleted store doomed: 6 server keys"  # header, inventory, row block, heterogeneous blob and tables
         admin = redis_server.client()
         assert admin.keys(f"{prefix}:{{doomed}}*") == []
         assert admin.smembers(registry_key(prefix)) == {b"kept"}
@@ -350,7 +350,7 @@ def test_rm_asks_and_honours_the_answer(capsys, url, prefix, monkeypatch) -> Non
     monkeypatch.setattr(sys, "stdin", _Terminal("y\n"))
     code, out, err = _run(capsys, "rm", "asked", "--url", url, "--prefix", prefix)
     assert code == 0, err
-    assert "Delete store asked" in err and out.strip() == "deleted store asked: 2 server keys"  # header and row block
+    assert "Delete store asked" in err and out.strip() == "deleted store asked: 3 server keys"  # header, inventory and row block
     with pytest.raises(KeyError):
         LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id="asked")
 

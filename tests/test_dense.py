@@ -197,8 +197,14 @@ def test_from_schema_sends_no_data(real):
     sent = client.info("stats")["total_net_input_bytes"] - before
     keys, segs = store._engine.keys, store._engine.header.segments
     assert segs.n == 8  # 4 MiB per element, 4 MiB segments by default
-    assert store["big"][7, 1023, 1023].item() == 0.0 and sum(client.strlen(keys.data(0, k)) for k in range(segs.n)) == 32 << 20
-    assert sent < 1 << 20, sent  # the server allocated the zeros: no data crossed the network
+    assert sent < 1 << 20, sent  # no data crossed the network
+    # nothing is allocated until written: reads of segments never written give zeros
+    assert sum(client.strlen(keys.data(0, k)) for k in range(segs.n)) == 0
+    assert store["big"][7, 1023, 1023].item() == 0.0 and not store["big"].any()
+    # the first write of an element allocates its segment only (the server fills the rest with zeros)
+    store[5] = TensorDict(big=torch.ones(1024, 1024))
+    assert [client.strlen(keys.data(0, k)) for k in range(segs.n)] == [0, 0, 0, 0, 0, 4 << 20, 0, 0]
+    assert torch.equal(store["big"].sum(dim=(1, 2)), torch.tensor([0.0] * 5 + [1024.0 * 1024] + [0.0] * 2))
 
 
 @tensorclass

@@ -90,9 +90,9 @@ def test_small_store_keeps_one_segment_and_the_seed_keys(backend):
     s = LazyStackedTensorDictStore.from_lazy_stack(stack(6), **backend.kwargs())
     h = s._engine.header
     assert h.segments.n == 1 and h.seg == 0
-    # the header, the row block of the homogeneous leaves, blob + offsets + shapes for tokens: O(K) keys
+    # the header, the inventory, the row block of the homogeneous leaves, blob + offsets + shapes for tokens: O(K) keys
     assert h.row is not None
-    assert len(store_keys(backend)) == 1 + 1 + 3
+    assert len(store_keys(backend)) == 1 + 1 + 1 + 3
 
 
 def test_segments_spread_keys_over_hash_tags(backend):
@@ -105,7 +105,8 @@ def test_segments_spread_keys_over_hash_tags(backend):
     # spread (StoreKeys.spread), where each segment k > 0 also has its guard
     spread = getattr(backend, "spread", False)
     assert len(tags) == (1 if backend.name == "cluster" and not spread else 10)
-    assert len(keys) == 1 + 10 * (1 + 3) + (9 if spread else 0)  # per segment: the row block, tokens' blob and tables
+    # the header, the inventory (a spread store keeps none), per segment: the row block, tokens' blob and tables
+    assert len(keys) == 1 + (0 if spread else 1) + 10 * (1 + 3) + (9 if spread else 0)
     assert_same(s.to_tensordict(), stack(10))
 
 

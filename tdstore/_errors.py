@@ -1,0 +1,19 @@
+"""Exceptions a user catches, in a module that imports nothing heavy (the CLI loads it without torch)."""
+
+from __future__ import annotations
+
+
+class StoreDamagedError(KeyError):
+    """Keys of the store are lost or cut short (evicted under ``maxmemory``, deleted by hand).
+
+    A subclass of ``KeyError``, which a store that is gone as a whole raises too. Nothing
+    was read or written by the call that raised it; see ``tdstore._integrity``.
+    """
+
+    def __init__(self, message: str, *, named: bool = True) -> None:
+        super().__init__(message)
+        self.named = named
+        """False while the message is the server's bare detail (the engine then names the store)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,90 @@
+"""What every data and table key of a store must hold, so that a lost key is reported, never read as zeros.
+
+A key can vanish while its store's header stays: evicted under an evicting
+``maxmemory-policy``, deleted by hand, or never written by an upload cut short. A
+``SETRANGE`` into a key that is gone would recreate it zero-padded, and reads would return
+those zeros as if they had been written. So:
+
+* Every script that writes checks, before its first write, each key it writes in place
+  against the length the header implies (``write.lua`` ``ARGV[6]``, built here):
+  a homogeneous leaf's blob (or the row block) holds ``elements * element bytes``, an offset
+  table ``8 * (elements + 1)`` bytes, a shape table ``8 * ndim * elements``, and a
+  heterogeneous leaf's data at least as many bytes as its last offset says.
+* Every read checks that each piece came back whole (``read.lua``, and the read
+  transactions, which read again through ``read.lua`` when a piece is short).
+* A store keeps an *inventory* (``_keys.StoreKeys.inventory``): every key that has been
+  allocated, and a count of them in the header (``na``). A key that is absent and not
+  listed was never allocated: a ring buffer or ``from_schema`` store allocates a segment
+  when it is first written, so no call allocates more than about one segment per key, and
+  reads of a segment never written return zeros. A listed key that is absent was lost.
+  An inventory that lost entries (its size differs from ``na``) can vouch for nothing.
+
+Whatever fails raises :class:`StoreDamagedError`, and nothing is written or recreated.
+A spread store (segments on several cluster nodes) keeps no inventory: its keys are
+allocated up front, and any absent key is a lost one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._errors import StoreDamagedError
+from ._keys import StoreKeys
+from ._schema import Header
+
+#: ``write.lua``'s check codes, one (code, length, aux) record of int64 per KEYS entry.
+NOT_CHECKED, HET_DATA, EXACT = 0, 1, 2
+
+
+def checks(keys: StoreKeys, h: Header, names: list[str], new: Header | None = None) -> bytes:
+    """``write.lua``'s ARGV[6] for the call whose KEYS are ``names``: what each key must hold.
+
+    ``h`` is the header the call was planned with and ``new`` the one a schema change leaves:
+    a key is checked against the layout its leaf has in ``h`` (what the key holds now), or,
+    for a leaf the call creates, in ``new`` (its segments are allocated as the call first
+    writes them). Keys that are not data or tables (header, inventory, staging keys) are not
+    checked; ``write.lua`` does not check keys that the call sets, allocates or deletes whole.
+    """
+    out = np.zeros((len(names), 3), dtype="<i8")
+    by_number = {}
+    for header in (new, h) if new is not None else (h,):
+        by_number.update({leaf.number: leaf for leaf in header.leaves.values()})
+        if header.block is not None:
+            by_number[header.block.number] = header.block
+    segs = (new or h).segments
+    position: dict[str, int] | None = None
+    for i, name in enumerate(names):
+        what = keys.describe(name)
+        if what is None:
+            continue
+        role, number, seg = what
+        leaf = by_number.get(number)
+        if leaf is None or seg >= segs.n or leaf.col is not None:  # a key of the row block has no blob of its own
+            continue
+        m = segs.size(seg)
+        if role == "d" and not leaf.het:
+            out[i] = (EXACT, m * leaf.element_nbytes, 0)
+        elif role == "d":
+            if position is None:
+                position = {n: j for j, n in enumerate(names)}
+            o = position.get(keys.offsets(number, seg))
+            if o is not None:
+                out[i] = (HET_DATA, 0, o + 1)
+        elif leaf.het and role == "o":
+            out[i] = (EXACT, 8 * (m + 1), 0)
+        elif leaf.het:
+            out[i] = (EXACT, 8 * leaf.ndim * m, 8 * leaf.ndim)
+    return out.tobytes()
+
+
+def damaged(where: str, detail: str, td_id: str) -> StoreDamagedError:
+    """The error a damaged store gives: which store, which key, what to do."""
+    return StoreDamagedError(
+        f"the store with {where} has lost data: {detail}. Keys are lost when the server evicts them "
+        f"(a maxmemory-policy other than noeviction) or someone deletes them; nothing was read or written by this call. "
+        f"'tdstore check {td_id}' lists every lost key; delete the store (clear_redis() or 'tdstore rm {td_id}') "
+        f"and write it again, and run the server with maxmemory-policy noeviction"
+    )
+
+
+__all__ = ["StoreDamagedError", "checks", "damaged", "EXACT", "HET_DATA", "NOT_CHECKED"]
