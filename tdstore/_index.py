@@ -24,13 +24,81 @@ import torch
 
 Component = int | slice | torch.Tensor
 
+# What torch takes as an index tensor (at::native::index and friends): int64 and int32 are
+# positions, bool and uint8 are masks (uint8 with torch's deprecation warning); any other
+# dtype is refused with IndexError ("tensors used as indices must be long, int, byte or bool
+# tensors"). Lists and numpy arrays are read the way torch reads them (indexing_tensor_from_data):
+# bool and uint8 stay masks, every other integer type becomes int64 positions.
+POSITION_DTYPES = (torch.int64, torch.int32)
+MASK_DTYPES = (torch.bool, torch.uint8)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
-def _as_tensor_index(idx: Any, size: int, dim: int, batch_size: torch.Size) -> torch.Tensor:
-    t = idx if isinstance(idx, torch.Tensor) else torch.as_tensor(np.asarray(idx))
-    if t.dtype == torch.bool:
-        raise IndexError("boolean masks are handled before this point")  # pragma: no cover
-    if t.is_floating_point() or t.is_complex():
-        raise IndexError(f"index tensors must be integers or booleans, got {t.dtype} for dim {dim}")
+
+def _from_data(i: Any) -> Any:
+    """A list, tuple, range or numpy array as torch reads it as an index; anything else unchanged.
+
+    Returns a bool or uint8 tensor (a mask), an int64 tensor (positions), or, for
+    data torch would cast from floats, complex numbers, strings or objects, the numpy
+    array itself, which ``normalize`` refuses naming its dtype and dim. torch truncates
+    a float list or array to int64 positions (``x[[0.7]]`` reads row 0): a store
+    refuses it instead, since that cast silently drops data. A uint64 value past
+    int64 is refused rather than wrapped to a negative position (as torch does).
+    """
+    if isinstance(i, (list, tuple, range)):
+        arr = np.asarray(i)
+        if arr.dtype == object:
+            return i
+    elif isinstance(i, np.ndarray):
+        arr = i
+    else:
+        return i
+    if arr.dtype == np.bool_ or arr.dtype == np.uint8:
+        return torch.from_numpy(arr.copy(order="C"))  # keeps a 0-dim array 0-dim (a 0-dim mask)
+    if arr.dtype.kind in "iu":
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
+            raise IndexError(f"index {int(arr.max())} is out of range for a store (a uint64 index past the int64 range)")
+        return torch.from_numpy(arr.astype(np.int64, order="C"))
+    if arr.size == 0 and arr.dtype.kind in "fc":
+        return torch.zeros(arr.shape, dtype=torch.int64)  # [] is an empty integer index, not a float one
+    return arr
+
+
+def _mask_dims(i: Any) -> int:
+    """How many batch dims one index component uses: a mask uses one per dim of its own."""
+    if isinstance(i, torch.Tensor) and i.dtype in MASK_DTYPES:
+        return max(i.ndim, 1)
+    return 1
+
+
+def _as_mask(i: torch.Tensor, dim: int, batch_size: torch.Size) -> tuple[torch.Tensor, ...]:
+    """The positions a bool or uint8 mask over ``dims dim..`` selects, one int64 tensor per dim it covers."""
+    mask = i.cpu()
+    if mask.ndim == 0:
+        raise IndexError(f"a 0-dim mask ({mask.dtype}) is not supported when indexing a store")
+    flat: torch.Tensor | None = None
+    if mask.dtype == torch.uint8:
+        # torch reads a uint8 index as a mask and warns that this is deprecated: the same
+        # indexing here raises torch's own warning, in its own words (and as torch does, before
+        # the shape of the mask is checked)
+        flat = torch.arange(mask.numel()).reshape(mask.shape)[mask]
+    want = tuple(batch_size[dim : dim + mask.ndim])
+    if tuple(mask.shape) != want:
+        raise IndexError(
+            f"{'boolean' if mask.dtype == torch.bool else 'uint8'} mask of shape {list(mask.shape)} does not match "
+            f"dims {dim}..{dim + mask.ndim - 1} of batch size {list(batch_size)} (expected {list(want)})"
+        )
+    if flat is None:
+        return mask.nonzero(as_tuple=True)
+    return tuple(torch.unravel_index(flat, mask.shape))
+
+
+def _as_tensor_index(t: torch.Tensor, size: int, dim: int, batch_size: torch.Size) -> torch.Tensor:
+    """An int64/int32 index tensor as int64 positions in ``0..size-1``; any other dtype is refused, as torch does."""
+    if t.dtype not in POSITION_DTYPES:
+        raise IndexError(
+            f"index tensors must be int64 or int32 (positions) or bool or uint8 (masks), as torch takes them; "
+            f"got {t.dtype} for dim {dim} (batch size {list(batch_size)})"
+        )
     t = t.to(torch.int64).cpu()
     if not t.numel():
         return t
@@ -45,57 +113,40 @@ def _as_tensor_index(idx: Any, size: int, dim: int, batch_size: torch.Size) -> t
 def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
     """Canonical per-dim form of ``index``: one int, slice or int64 tensor per batch dim.
 
-    Raises ``IndexError`` (naming the index, dim and size) for anything out of range
-    or not an index of the batch dims, before any I/O.
+    Index tensors, lists and numpy arrays mean what they mean to torch (see
+    ``POSITION_DTYPES``): a uint8 tensor is a mask, with torch's warning, and an
+    index tensor of a dtype torch refuses is refused. Raises ``IndexError`` (naming
+    the index or dtype, dim and size) for anything out of range or not an index of
+    the batch dims, before any I/O.
     """
     if not isinstance(index, tuple):
         index = (index,)
     ndim = len(batch_size)
-    # expand Ellipsis and masks into per-dim components
     n_ell = sum(1 for i in index if i is Ellipsis)
     if n_ell > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    used = 0
     for i in index:
         if i is None:
             raise IndexError("None (a new axis) is not supported when indexing a store; call to_tensordict() first")
         if isinstance(i, bool):
             raise IndexError("a Python bool is not a valid store index; use a boolean mask tensor")
-        if i is Ellipsis:
-            continue
-        if isinstance(i, (torch.Tensor, np.ndarray)) and i.dtype in (torch.bool, np.bool_):
-            used += max(i.ndim, 1)
-        else:
-            used += 1
+    given = index
+    index = tuple(_from_data(i) for i in index)
+    used = sum(_mask_dims(i) for i in index if i is not Ellipsis)
     if used > ndim:
-        raise IndexError(f"too many indices for a store of batch size {list(batch_size)}: {index!r}")
+        raise IndexError(f"too many indices for a store of batch size {list(batch_size)}: {given!r}")
     out: list[Component] = []
     for i in index:
         dim = len(out)
         if i is Ellipsis:
             out.extend(slice(0, batch_size[k], 1) for k in range(dim, dim + ndim - used))
             continue
-        if isinstance(i, (list, range)):
-            arr = np.asarray(i)
-            if arr.size == 0:
-                arr = arr.astype(np.int64)  # [] is an empty integer index, not a float one
-            i = torch.as_tensor(arr) if arr.dtype != object else i
-        if isinstance(i, np.ndarray):
-            i = torch.as_tensor(i)
-        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-            mask = i.cpu()
-            if mask.ndim == 0:
-                raise IndexError("a 0-dim boolean mask is not supported when indexing a store")
-            want = tuple(batch_size[dim : dim + mask.ndim])
-            if tuple(mask.shape) != want:
-                raise IndexError(
-                    f"boolean mask of shape {list(mask.shape)} does not match dims {dim}..{dim + mask.ndim - 1} "
-                    f"of batch size {list(batch_size)} (expected {list(want)})"
-                )
-            out.extend(mask.nonzero(as_tuple=True))
+        if isinstance(i, torch.Tensor) and i.dtype in MASK_DTYPES:
+            out.extend(_as_mask(i, dim, batch_size))
             continue
         size = batch_size[dim]
-        if isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.ndim == 0 and not i.is_floating_point()):
+        # a 0-dim tensor of any integer dtype is one position, for torch too (it is not an index tensor)
+        if isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.ndim == 0 and not (i.is_floating_point() or i.is_complex())):
             v = int(i)
             if not -size <= v < size:
                 raise IndexError(f"index {v} is out of range for dim {dim} of size {size} (batch size {list(batch_size)})")
@@ -107,8 +158,10 @@ def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
             if i.step == 0:
                 raise ValueError("slice step cannot be zero")
             out.append(slice(*i.indices(size)))
-        elif isinstance(i, torch.Tensor) or isinstance(i, (list, tuple)):
+        elif isinstance(i, torch.Tensor):
             out.append(_as_tensor_index(i, size, dim, batch_size))
+        elif isinstance(i, np.ndarray):
+            raise IndexError(f"index lists and arrays must hold integers or booleans; got {i.dtype} for dim {dim} (batch size {list(batch_size)})")
         else:
             raise IndexError(f"unsupported index {i!r} of type {type(i).__name__} for a store")
     out.extend(slice(0, batch_size[k], 1) for k in range(len(out), ndim))

@@ -473,7 +473,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         if isinstance(index, (str, tuple)) and (isinstance(index, str) or any(isinstance(i, str) for i in index)):
             return None
         if isinstance(index, (np.integer, torch.Tensor)) and not isinstance(index, bool) and getattr(index, "ndim", 0) == 0:
-            if not (isinstance(index, torch.Tensor) and (index.dtype == torch.bool or index.is_floating_point())):
+            if not (isinstance(index, torch.Tensor) and (index.dtype in _index.MASK_DTYPES or index.is_floating_point() or index.is_complex())):
                 index = int(index)
         if h.stack_pos == 0 and isinstance(index, int) and not isinstance(index, bool):
             if not -h.count <= index < h.count:
