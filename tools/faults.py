@@ -6,7 +6,12 @@ saw (the exception type and message, or a transparent success), and a proof that
 nothing was lost or half-written (elements read back and checked leaf by leaf,
 raw server keys compared before and after, keys left under the prefix).
 
-Cases (issue #4):
+No fault is timed against a call: each lands at a point of the call chosen in
+advance (a byte of a command or of its reply, through :class:`CuttingProxy`; a
+state of the server set up before the call), so a check never depends on how fast
+the machine is (issue #15).
+
+Cases (issues #4 and #15):
 
 ``restart``
     The server restarts between two calls (no persistence: scripts and data are
@@ -14,22 +19,30 @@ Cases (issue #4):
     store; a fresh store on the restarted server works; a store created again
     under the same id is refused to the old handle ("created again").
 ``script-flush``
-    ``SCRIPT FLUSH`` between every call, then from a thread every few ms while a
-    client streams reads and writes: every call must succeed (NOSCRIPT, reload,
-    retry) and every element must hold its last write.
+    ``SCRIPT FLUSH`` before every call, then inside the calls: the store's
+    connection goes through a :class:`CuttingProxy` that flushes the cache (on
+    another connection, answered) before two EVALSHAs out of three reach the server,
+    so a flush lands between a call's ``SCRIPT LOAD`` and its retry and between a
+    bulk write's staged SETRANGEs and its script.  Every call must succeed
+    (NOSCRIPT, reload, retry, then ``EVAL``) and every element must hold its last write.
 ``connection-drop``
-    ``CLIENT KILL`` (``TYPE normal`` on the private server, ``ID`` of the store's
-    own connection with ``--url``) while a 16 MB read or write is in flight, on
-    each of tdstore's paths (a Lua script; a bulk MULTI/EXEC read; a staged bulk
-    write), with redis-py's default retry policy and with retries off.  Reports
-    whether the user saw a ``redis.ConnectionError`` or a transparent retry; the
-    next call must work, the data must be intact (a write all old or all new) and
-    a staging key left behind must carry a TTL.
+    The store's connection goes through a :class:`CuttingProxy` that cuts it at a
+    byte chosen in advance of a 8-16 MB read or write: mid-request (24 bytes into
+    the script call or the read transaction; half-way through a write's bytes) or
+    mid-reply (half-way through a read's reply; before the first byte of a write's
+    reply, once the server ran it), on each of tdstore's paths (a Lua script; a bulk
+    MULTI/EXEC read; a staged bulk write), with redis-py's default retry policy and
+    with retries off.  Reports whether the user saw a ``redis.ConnectionError`` or a
+    transparent retry; the next call must work, a read must be exact, a write cut
+    mid-request all old (all new if retried), one cut mid-reply all new, and a
+    staging key left behind must carry a TTL.
 ``sigkill-writer``
     A writer process streaming ``store[i] = td`` (heterogeneous, shape-changing
-    keys; every leaf encodes ``(seq, i)``) is SIGKILLed at a random moment, a few
-    times: every element must then hold its last acknowledged write, or, for the
-    one element in flight, its old or its new value; the store must keep working.
+    keys; every leaf encodes ``(seq, i)``) through a :class:`CuttingProxy` is held
+    at a seeded random EVALSHA, before its first byte, 100 bytes into it, or after
+    the server ran it (its reply held back), and SIGKILLed there, round after round:
+    every element must then hold its last acknowledged write, and the one in flight
+    its old value (its new one in the third kind of round); the store must keep working.
 ``maxmemory``
     A server with ``--maxmemory 20mb --maxmemory-policy noeviction``: an upload
     larger than that fails clearly and leaves no key under its prefix; element,
@@ -75,6 +88,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -85,6 +99,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
@@ -124,6 +139,7 @@ SAW_WIDTH = 110
 #: Whole-leaf writes of at least this many bytes take tdstore's bulk path (plain SETRANGEs into a
 #: staging key moved by the script); dense reads of any size are a MULTI/EXEC of plain GETRANGEs.
 BULK_BYTES = getattr(_engine, "BULK_WRITE_BYTES", 4 << 20)
+BULK_TEXT = f"{BULK_BYTES / 2**20:g} MiB"
 BULK_COUNT = 16
 BULK_WIDTH = -(-BULK_BYTES // (4 * BULK_COUNT))  # float32 per element, so that one leaf is BULK_BYTES
 
@@ -436,6 +452,294 @@ def keyerror_check(name: str, fn: Callable[[], Any], td_id: str, must_say: str =
 
 
 # ---------------------------------------------------------------------------------------------
+# a proxy that cuts or holds a connection at an exact byte of one command
+# ---------------------------------------------------------------------------------------------
+class RespScanner:
+    """Finds the top-level messages of a RESP2 byte stream fed in pieces, without copying payloads.
+
+    On the request side a message is a command (an array of bulk strings; its first
+    one is the command name); on the reply side it is one reply, so the reply to
+    the k-th command of a connection is its k-th reply.  Knowing where each one
+    starts is what lets the proxy cut a connection at a point chosen in advance
+    (so many bytes into a given command or into its reply) instead of at a moment.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0  # bytes fed so far
+        self.starts: list[int] = []  # stream offset of the first byte of each message
+        self.names: list[str] = []  # each message's command name, upper case ("" for a reply)
+        self.done = 0  # messages complete
+        self._line = bytearray()  # a header line cut by the end of a piece
+        self._skip = 0  # bytes of a bulk payload (and its CRLF) still to pass
+        self._stack: list[int] = []  # elements still expected by each open array
+        self._name: bytearray | None = None  # the command name being read
+        self._name_next = False  # the next bulk string is a command name
+
+    def feed(self, data: bytes) -> list[tuple[int, int]]:
+        """Scan ``data``; return ``(stream offset, message index)`` for each command name learned in it,
+        the offset being the byte just after the name (the command cannot run before it)."""
+        named: list[tuple[int, int]] = []
+        i, n = 0, len(data)
+        while i < n:
+            if self._skip:
+                take = min(self._skip, n - i)
+                if self._name is not None:
+                    self._name += data[i : i + take]
+                i += take
+                self._skip -= take
+                if not self._skip:
+                    if self._name is not None:
+                        self.names[-1] = bytes(self._name[:-2]).decode("latin-1").upper()
+                        named.append((self.offset + i, len(self.starts) - 1))
+                        self._name = None
+                    self._element_done()
+                continue
+            if not self._line and not self._stack:
+                self.starts.append(self.offset + i)
+                self.names.append("")
+            j = data.find(b"\n", i)
+            if j < 0:
+                self._line += data[i:]
+                break
+            line = bytes(self._line) + data[i : j + 1]
+            self._line.clear()
+            i = j + 1
+            self._header(line)
+        self.offset += n
+        return named
+
+    def _header(self, line: bytes) -> None:
+        kind, body = line[:1], line[1:].strip()
+        if kind in (b"*", b">", b"~", b"%"):
+            count = int(body) * (2 if kind == b"%" else 1)
+            if count <= 0:
+                self._element_done()
+            else:
+                self._name_next = not self._stack
+                self._stack.append(count)
+            return
+        if kind in (b"$", b"=", b"!"):
+            size = int(body)
+            if size < 0:
+                self._element_done()
+            else:
+                self._skip = size + 2
+                self._name = bytearray() if self._name_next and size <= 64 else None
+            self._name_next = False
+            return
+        self._name_next = False
+        self._element_done()  # a simple string, error, integer... (an inline command: one line)
+
+    def _element_done(self) -> None:
+        while self._stack:
+            self._stack[-1] -= 1
+            if self._stack[-1]:
+                return
+            self._stack.pop()
+        self.done += 1
+
+
+@dataclass
+class Cut:
+    """Where the proxy stops a connection: ``keep`` bytes into the ``nth`` command named one of
+    ``names`` (counted from its first byte, over the rest of the request stream), or ``keep`` bytes
+    into the server's reply to that command.  ``hold``: stop forwarding there (the caller then
+    kills the client) instead of closing both sockets."""
+
+    direction: str  # "request" or "reply"
+    names: tuple[str, ...]
+    keep: int = 0
+    nth: int = 0
+    hold: bool = False
+    # filled in by the proxy
+    found: int = -1  # matching commands seen so far, minus one
+    link: Any = None
+    index: int = -1  # message index of the chosen command on its connection
+    at: int = -1  # stream offset of the cut on that connection (request or reply stream)
+    landed: threading.Event = field(default_factory=threading.Event)
+    where: str = ""  # what was cut, for the report
+
+
+class _Link:
+    """One client connection through the proxy and its connection to the server."""
+
+    def __init__(self, number: int, client: Any, upstream: Any) -> None:
+        self.number = number
+        self.client = client
+        self.upstream = upstream
+        self.request = RespScanner()
+        self.reply = RespScanner()
+        self.frozen = {"request": False, "reply": False}
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for sock in (self.client, self.upstream):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 in front of the server, for faults that must land mid-call.
+
+    It forwards bytes both ways and follows the commands and replies of every
+    connection (:class:`RespScanner`).  :meth:`arm` picks a point in the stream, say
+    "half-way through the SETRANGEs" or "before the first byte of the reply to the
+    EVALSHA", and the proxy cuts (or holds) the connection exactly there: the fault
+    lands inside the call on any machine, fast or slow, because it is placed by
+    bytes, not by a timer.  ``on_command(name)`` runs before each command can reach
+    the server (the script-flush case flushes the script cache there).
+    """
+
+    def __init__(self, target: str, on_command: Callable[[str], None] | None = None) -> None:
+        parts = urlsplit(target)
+        self._unix = parts.path if parts.scheme == "unix" else None
+        self._target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        port = self._listener.getsockname()[1]
+        auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        query = parse_qs(parts.query)
+        db = query.pop("db", ["0"])[0] if parts.scheme == "unix" else (parts.path.strip("/") or "0")
+        rest = urlencode({k: v[0] for k, v in query.items()})
+        scheme = "rediss" if parts.scheme == "rediss" else "redis"
+        self.url = f"{scheme}://{auth}127.0.0.1:{port}/{db}" + (f"?{rest}" if rest else "")
+        self.on_command = on_command
+        self.accepted = 0
+        self.links: list[_Link] = []
+        self._cut: Cut | None = None
+        self._lock = threading.Lock()
+        self._stop = False
+        threading.Thread(target=self._accept_loop, daemon=True, name="faults-proxy").start()
+
+    def _connect_upstream(self) -> socket.socket:
+        if self._unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(self._unix)
+            return sock
+        return socket.create_connection(self._target)
+
+    def _accept_loop(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = self._connect_upstream()
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, upstream):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self.accepted += 1
+                link = _Link(self.accepted, client, upstream)
+                self.links.append(link)
+            threading.Thread(target=self._pump, args=(link, "request"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(link, "reply"), daemon=True).start()
+
+    def arm(self, cut: Cut) -> Cut:
+        """Cut (or hold) at ``cut``, once; the caller makes the call after this returns."""
+        with self._lock:
+            self._cut = cut
+        return cut
+
+    def disarm(self) -> Cut | None:
+        """Forget the armed cut (landed or not) and return it."""
+        with self._lock:
+            cut, self._cut = self._cut, None
+        return cut
+
+    def _pump(self, link: _Link, direction: str) -> None:
+        src, dst = (link.client, link.upstream) if direction == "request" else (link.upstream, link.client)
+        scanner = link.request if direction == "request" else link.reply
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                base = scanner.offset
+                named = scanner.feed(data)
+                pos = 0  # bytes of data forwarded so far
+                if direction == "request" and self.on_command is not None:
+                    for offset, index in named:  # before the command's last byte reaches the server
+                        dst.sendall(data[pos : offset - base])
+                        pos = offset - base
+                        self.on_command(link.request.names[index])
+                landing = self._cut_point(link, direction, named, base, len(data))
+                if landing is not None:
+                    cut, stop = landing
+                    stop = max(stop, pos)
+                    if not link.frozen[direction]:
+                        dst.sendall(data[pos:stop])
+                    self._land(link, direction, cut)
+                    if link.closed:
+                        return
+                    continue
+                if not link.frozen[direction]:
+                    dst.sendall(data[pos:])
+        except OSError:
+            pass
+        link.close()
+
+    def _cut_point(self, link: _Link, direction: str, named: list[tuple[int, int]], base: int, size: int) -> tuple[Cut, int] | None:
+        """The armed cut and where in this piece (0..size) it lands on ``link``, or None."""
+        with self._lock:
+            cut = self._cut
+            if cut is None or cut.landed.is_set():
+                return None
+            if direction == "request":
+                for _, index in named:
+                    if cut.link is None and link.request.names[index] in cut.names:
+                        cut.found += 1
+                        if cut.found == cut.nth:
+                            cut.link, cut.index = link, index
+                            if cut.direction == "request":
+                                cut.at = link.request.starts[index] + cut.keep
+            if cut.link is not link or cut.direction != direction:
+                return None
+            if direction == "reply" and cut.at < 0:
+                if len(link.reply.starts) <= cut.index:
+                    return None
+                cut.at = link.reply.starts[cut.index] + cut.keep
+            if cut.at >= base + size:
+                return None
+            return cut, cut.at - base
+
+    def _land(self, link: _Link, direction: str, cut: Cut) -> None:
+        name = link.request.names[cut.index]
+        part = "request" if direction == "request" else "reply to"
+        verb = "held" if cut.hold else "cut"
+        cut.where = f"{verb} {cut.keep:,} B into the {part} {name} #{cut.nth + 1} (connection {link.number}, byte {cut.at:,} of what it {'sent' if direction == 'request' else 'received'})"
+        if cut.hold:
+            link.frozen[direction] = True
+        cut.landed.set()  # before the close: the call that sees it fail then sees the cut landed
+        if not cut.hold:
+            link.close()
+
+    def close(self) -> None:
+        """Stop accepting and close every connection."""
+        self._stop = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            links = list(self.links)
+        for link in links:
+            link.close()
+
+    def __enter__(self) -> CuttingProxy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # case: restart
 # ---------------------------------------------------------------------------------------------
 def case_restart(env: Env) -> list[Check]:
@@ -450,7 +754,7 @@ def case_restart(env: Env) -> list[Check]:
     bulk_id = env.td_id("restart-bulk")
     bulk = bulk_store(env, bulk_id)
     bulk_ok = torch.equal(bulk["big"], bulk_value(0))
-    checks.append(Check("before", seqs == [0, 1] + [0] * (n - 2) and not problems and bulk_ok, proof=f"{n} elements and a {BULK_BYTES >> 20} MiB leaf written and read back"))
+    checks.append(Check("before", seqs == [0, 1] + [0] * (n - 2) and not problems and bulk_ok, proof=f"{n} elements and a {BULK_TEXT} leaf written and read back"))
     pid_before = env.server.pid
     env.server.restart()
     pid_after = env.server.pid
@@ -551,148 +855,136 @@ def case_script_flush(env: Env) -> list[Check]:
             "flush between calls",
             not errors and intact and noscript >= calls,
             f"{calls - sum(errors.values())}/{calls} calls succeeded" + (f", {dict(errors)} e.g. {first_error}" if errors else ""),
-            f"{calls} flushes ({bulk_calls} before staged {BULK_BYTES >> 20} MiB writes), {noscript} NOSCRIPT replies reloaded; "
-            f"{sum(s == e for s, e in zip(seqs, expected))}/{n} elements and the {BULK_BYTES >> 20} MiB leaf = last write",
+            f"{calls} flushes ({bulk_calls} before staged {BULK_TEXT} writes), {noscript} NOSCRIPT replies reloaded; "
+            f"{sum(s == e for s, e in zip(seqs, expected))}/{n} elements and the {BULK_TEXT} leaf = last write",
         )
     )
-    # phase 2: a thread flushes every few ms while the client streams
-    period = 0.002
-    max_flushes = 400 if env.opts.quick else 1500
-    budget = 3.0 if env.opts.quick else 10.0
-    stop = threading.Event()
-    flushes = [0]
+    # phase 2: the cache is flushed inside the calls, right before an EVALSHA reaches the server
+    checks.extend(_flush_inside_calls(env, store, expected, maybe, calls))
+    return checks
 
-    def flush_loop() -> None:
-        client = redis.Redis.from_url(env.url)
-        while not stop.is_set() and flushes[0] < max_flushes:
-            client.script_flush()
-            flushes[0] += 1
-            time.sleep(period)
-        client.close()
 
-    noscript0 = error_count(flusher, "NOSCRIPT") or 0
-    thread = threading.Thread(target=flush_loop, daemon=True)
-    thread.start()
-    errors = Counter()
+def _flush_inside_calls(env: Env, store: LazyStackedTensorDictStore, expected: list[int], maybe: dict[int, int], first: int) -> list[Check]:
+    """Stream calls through a :class:`CuttingProxy` that flushes the script cache before EVALSHAs reach the server.
+
+    The flush goes out on another connection and is answered before the proxy
+    forwards the end of the EVALSHA's name, so the server runs that EVALSHA with an
+    empty cache: the fault lands inside the call (between a call's ``SCRIPT LOAD``
+    and its retry, between the staged SETRANGEs of a bulk write and its script) on
+    any machine.  Two EVALSHAs out of three are flushed, the third not, so every
+    recovery path runs: the reload, the reload then the text (``EVAL``), no fault.
+    """
+    n = len(expected)
+    ops = 150 if env.opts.quick else 600
+    flusher = redis.Redis.from_url(env.url)
+    sent: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def on_command(name: str) -> None:
+        with lock:
+            sent[name] += 1
+            if name != "EVALSHA" or sent[name] % 3 == 0:
+                return
+            sent["flushes"] += 1
+        flusher.script_flush()
+
+    noscript0 = error_count(env.client, "NOSCRIPT") or 0
+    errors: Counter[str] = Counter()
     first_error = ""
-    done = 0
-    t0 = time.monotonic()
-    k = calls
-    while time.monotonic() - t0 < budget and thread.is_alive():
-        _, exc, _ = attempt(lambda k=k: _flush_op(store, k, n, expected, maybe))
-        if exc is not None:
-            errors[type(exc).__name__] += 1
-            first_error = first_error or describe_exc(exc, 80)
-        done += 1
-        k += 1
-    stop.set()
-    thread.join(10)
-    noscript = (error_count(flusher, "NOSCRIPT") or 0) - noscript0
+    with CuttingProxy(env.url, on_command=on_command) as proxy:
+        through = LazyStackedTensorDictStore.from_store(td_id=store.td_id, url=proxy.url, prefix=env.prefix)
+        bulk = bulk_store(env, env.td_id("flush-bulk2"))
+        bulk_through = LazyStackedTensorDictStore.from_store(td_id=bulk.td_id, url=proxy.url, prefix=env.prefix)
+        bulk_last = 0.0
+        for k in range(first, first + ops):
+            if k % 10 == 9:  # a staged bulk write: SETRANGEs, then the script in the same pipeline
+                _, exc, _ = attempt(lambda k=k: bulk_through.set("big", bulk_value(float(k))))
+                bulk_last = float(k) if exc is None else bulk_last
+            else:
+                _, exc, _ = attempt(lambda k=k: _flush_op(through, k, n, expected, maybe))
+            if exc is not None:
+                errors[type(exc).__name__] += 1
+                first_error = first_error or describe_exc(exc, 80)
+        through.close()
+        bulk_through.close()
+    flusher.close()
+    noscript = (error_count(env.client, "NOSCRIPT") or 0) - noscript0
     seqs, problems = read_seqs(store, element)
-    intact = not problems and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))
+    intact = not problems and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs)) and torch.equal(bulk["big"], bulk_value(bulk_last))
     failed = sum(errors.values())
-    checks.append(
+    flushes = sent["flushes"]
+    return [
         Check(
-            "concurrent flushes",
-            failed == 0,
-            f"{done - failed}/{done} calls succeeded" + (f", {failed} raised {dict(errors)}, e.g. {first_error}" if failed else ""),
-            f"{flushes[0]} flushes every {period * 1000:g} ms, {noscript} NOSCRIPT replies",
-        )
-    )
-    checks.append(
+            "flushes inside calls",
+            failed == 0 and flushes > 0 and noscript >= flushes and sent["EVAL"] > 0 and sent["SCRIPT"] > 0,
+            f"{ops - failed}/{ops} calls succeeded" + (f", {failed} raised {dict(errors)}, e.g. {first_error}" if failed else ""),
+            f"{flushes} flushes, each right before an EVALSHA reached the server; {noscript} NOSCRIPT replies; "
+            f"sent {sent['EVALSHA']} EVALSHA, {sent['SCRIPT']} SCRIPT LOAD, {sent['EVAL']} EVAL",
+        ),
         Check(
             "data intact",
             intact,
-            proof=f"{sum(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))}/{n} elements = last successful write, none torn" if intact else f"NOT intact: {problems[:2]}",
-        )
-    )
-    return checks
+            proof=f"{sum(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))}/{n} elements and the bulk leaf = last successful write, none torn"
+            if intact
+            else f"NOT intact: {problems[:2]}",
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # case: connection-drop
 # ---------------------------------------------------------------------------------------------
-def kill_during(env: Env, handle: LazyStackedTensorDictStore, call: Callable[[], Any], delays: Sequence[float]) -> tuple[str, Any, BaseException | None, str]:
-    """Drop ``handle``'s connection while ``call`` is on the wire; retry with other delays until it lands mid-call.
+def cut_during(proxy: CuttingProxy, call: Callable[[], Any], cut: Cut) -> tuple[str, Any, BaseException | None, str]:
+    """Run ``call`` with ``cut`` armed on ``proxy``: the connection is cut at that byte of that command.
 
-    The kill is timed from the moment the call goes on the wire: it takes a connection
-    from redis-py's pool (pipelines; ``get_connection`` is wrapped to signal it) or
-    sends on the handle's held connection (scripts and read transactions; its ``execute`` and ``transaction`` are wrapped), so it
-    hits the round trip, not the planning before it.  Returns (outcome, result, exception, detail)
-    where outcome is ``ConnectionError`` (the user saw it), ``retried`` (redis-py
-    reconnected and the call succeeded), ``other`` (another exception) or
-    ``missed`` (the call had its reply before the kill).
+    Returns (outcome, result, exception, detail): outcome is ``ConnectionError`` (the
+    user saw it), ``retried`` (the cut landed and redis-py reconnected and the call
+    succeeded), ``other`` (another exception) or ``missed`` (the call never sent the
+    command the cut names: a bug of the case, never a matter of timing).
     """
-    detail = ""
-    client = handle._engine.client
-    pool = client.connection_pool
-    for delay in delays:
-        client_id = client.client_id()  # connects now; the call reuses this connection
-        handle._engine._held.execute(client, "PING")  # the held connection too (an earlier kill closed it)
-        conns0 = connections_received(env.client)
-        killed: list[float] = []
-        sent = threading.Event()
-        original = pool.get_connection
+    accepted0 = proxy.accepted
+    proxy.arm(cut)
+    try:
+        result, exc, _ = attempt(call)
+    finally:
+        proxy.disarm()
+    reconnects = proxy.accepted - accepted0
+    if not cut.landed.is_set():
+        return "missed", None, exc, f"no {'/'.join(cut.names)} #{cut.nth + 1} was sent"
+    detail = cut.where + (f", {reconnects} reconnect" if reconnects else "")
+    if isinstance(exc, redis.ConnectionError):
+        return "ConnectionError", None, exc, detail
+    if exc is not None:
+        return "other", None, exc, detail
+    return ("retried" if reconnects else "other"), result, None, detail
 
-        def signalling(*args: Any, original: Callable[..., Any] = original, sent: threading.Event = sent, **kwargs: Any) -> Any:
-            sent.set()
-            return original(*args, **kwargs)
 
-        def kill(delay: float = delay, client_id: int = client_id, killed: list[float] = killed, sent: threading.Event = sent) -> None:
-            if not sent.wait(30):
-                return
-            time.sleep(delay)
-            if env.private:
-                env.client.client_kill_filter(_type="normal")
-            else:
-                env.client.client_kill_filter(_id=client_id)
-            killed.append(time.perf_counter())
-
-        # script calls and read transactions go out on the handle's held connection (no pool checkout): signal there too
-        held = handle._engine._held
-        original_exec, original_transaction = held.execute, held.transaction
-
-        def signalling_exec(*args: Any, original_exec: Callable[..., Any] = original_exec, sent: threading.Event = sent, **kwargs: Any) -> Any:
-            sent.set()
-            return original_exec(*args, **kwargs)
-
-        def signalling_transaction(*args: Any, original_transaction: Callable[..., Any] = original_transaction, sent: threading.Event = sent, **kwargs: Any) -> Any:
-            sent.set()
-            return original_transaction(*args, **kwargs)
-
-        thread = threading.Thread(target=kill, daemon=True)
-        pool.get_connection = signalling  # type: ignore[method-assign]
-        held.execute = signalling_exec  # type: ignore[method-assign]
-        held.transaction = signalling_transaction  # type: ignore[method-assign]
-        try:
-            thread.start()
-            result, exc, seconds = attempt(call)
-            ended = time.perf_counter()
-        finally:
-            del pool.get_connection
-            del held.execute
-            del held.transaction
-            sent.set()
-        thread.join(10)
-        reconnects = connections_received(env.client) - conns0
-        detail = f"kill {delay * 1000:g} ms into a {seconds * 1000:.0f} ms call"
-        if isinstance(exc, redis.ConnectionError):
-            return "ConnectionError", None, exc, detail
-        if exc is not None:
-            return "other", None, exc, detail
-        if killed and killed[0] < ended and reconnects >= 1:
-            return "retried", result, None, detail + f", {reconnects} reconnect"
-    return "missed", None, None, detail
+#: For each path of tdstore, where its connection is cut: (kind, command names, bytes kept) per cut;
+#: ``size`` (the payload of the call) is filled in per call.
+DROP_CUTS: dict[str, list[tuple[str, tuple[str, ...], str]]] = {
+    # a Lua script read: mid-request (the server never runs it) and half-way through the reply
+    "script read": [("request", ("EVALSHA",), "24"), ("reply", ("EVALSHA",), "size/2")],
+    # a MULTI/EXEC of GETRANGEs: inside the transaction's request, half-way through the EXEC reply
+    "bulk read": [("request", ("MULTI",), "24"), ("reply", ("EXEC",), "size/2")],
+    # staged SETRANGEs then the script: half-way through the staged bytes; before any byte of the script's reply
+    "bulk write": [("request", ("SETRANGE",), "size/2"), ("reply", ("EVALSHA",), "0")],
+    # one script call carrying the bytes: half-way through it; before any byte of its reply
+    "script write": [("request", ("EVALSHA",), "size/2"), ("reply", ("EVALSHA",), "0")],
+}
 
 
 def case_connection_drop(env: Env) -> list[Check]:
-    """The connection drops while a large read or write is in flight, on each of tdstore's paths.
+    """The connection drops inside a large read or write, on each of tdstore's paths, at a byte chosen in advance.
 
-    Reads: ``to_tensordict()`` (a Lua script, since ``tokens`` is heterogeneous) and
-    ``store["big"]`` (a bulk MULTI/EXEC of plain GETRANGEs).  Writes: ``store[0:n] =
-    batch`` (the whole ``big`` leaf: staged SETRANGEs, then the script moves it) and
+    The handles reach the server through a :class:`CuttingProxy` that cuts the
+    connection mid-request (the server never gets the whole call) or mid-reply (the
+    server ran it, the client never gets the whole answer).  Reads:
+    ``to_tensordict()`` (a Lua script, since ``tokens`` is heterogeneous) and
+    ``store["big"]`` (a MULTI/EXEC of plain GETRANGEs).  Writes: ``store[0:n] = batch``
+    (the whole ``big`` leaf: staged SETRANGEs, then the script moves it) and
     ``store[0:n - 1] = batch`` (byte ranges through the script).  Each with redis-py's
-    default retry policy and with retries off.
+    default retry policy and with retries off.  A write cut mid-request must be all
+    old unless retried, one cut mid-reply all new; a read must be exact.
     """
     n, width = (32, 65536) if env.opts.quick else (64, 65536)
     checks: list[Check] = []
@@ -702,67 +994,98 @@ def case_connection_drop(env: Env) -> list[Check]:
         return big_element(s, i, width)
 
     store = upload(env, [make(0, i) for i in range(n)], td_id)
-    no_retry = LazyStackedTensorDictStore.from_store(td_id=td_id, url=env.url, prefix=env.prefix, retry=Retry(NoBackoff(), 0))
-    delays = (0.002, 0.005, 0.0005, 0.01, 0.02, 0.04)
-    current = [0] * n  # the seq each element holds
-    seq = 0
-    variants = [
-        (path, retry, handle)
-        for path in ("script read", "bulk read", "bulk write", "script write")
-        for retry, handle in (("default retry", store), ("retries off", no_retry))
-    ]
-    for path, retry, handle in variants:
-        label = f"{path}, {retry}"
-        rows: list[int] = []
-        if path == "script read":
-            call: Callable[[], Any] = handle.to_tensordict
-            size = n * (width * 4 + 64)
-        elif path == "bulk read":
-            call = lambda handle=handle: handle["big"]  # noqa: E731
-            size = n * width * 4
-        else:
-            seq += 1
-            rows = list(range(n)) if path == "bulk write" else list(range(n - 1))
-            batch = lazy_stack([make(seq, i) for i in rows], 0)
-            size = len(rows) * width * 4
+    proxy = CuttingProxy(env.url)
+    try:
+        handles = {
+            "default retry": LazyStackedTensorDictStore.from_store(td_id=td_id, url=proxy.url, prefix=env.prefix),
+            "retries off": LazyStackedTensorDictStore.from_store(td_id=td_id, url=proxy.url, prefix=env.prefix, retry=Retry(NoBackoff(), 0)),
+        }
+        current = [0] * n  # the seq each element holds
+        seq = 0
+        for path, cuts in DROP_CUTS.items():
+            for direction, names, keep_rule in cuts:
+                for retry, handle in handles.items():
+                    label = f"{path}, cut mid-{direction}, {retry}"
+                    rows: list[int] = []
+                    if path == "script read":
+                        call: Callable[[], Any] = handle.to_tensordict
+                        size = n * (width * 4 + 64)
+                    elif path == "bulk read":
+                        call = lambda handle=handle: handle["big"]  # noqa: E731
+                        size = n * width * 4
+                    else:
+                        seq += 7  # same token counts as every earlier seq: the same bytes on the wire
+                        rows = list(range(n)) if path == "bulk write" else list(range(n - 1))
+                        batch = lazy_stack([make(seq, i) for i in rows], 0)
+                        size = len(rows) * width * 4
 
-            def call(handle: LazyStackedTensorDictStore = handle, batch: TensorDictBase = batch, stop: int = len(rows)) -> None:
-                handle[0:stop] = batch
+                        def call(handle: LazyStackedTensorDictStore = handle, batch: TensorDictBase = batch, stop: int = len(rows)) -> None:
+                            handle[0:stop] = batch
 
-        outcome, result, exc, detail = kill_during(env, handle, call, delays)
-        if outcome == "retried":
-            saw = "transparent success (redis-py reconnected and retried)"
-        elif outcome == "missed":
-            saw = "the kill never landed mid-call"
-        else:
-            saw = describe_exc(exc, 70)
-        ok = outcome == "ConnectionError" or (outcome == "retried" and retry == "default retry")
-        if result is not None and path == "script read":
-            ok = ok and all(decode(el, i, make) == (current[i], None) for i, el in enumerate(elements_of(result)))
-        elif result is not None and path == "bulk read":
-            ok = ok and torch.equal(result, torch.stack([make(current[i], i)["big"] for i in range(n)]))
-        # the next call works, and the data is intact: a write is all old or all new
-        nxt, nexc, _ = attempt(lambda handle=handle: decode(handle[n // 2].to_tensordict(), n // 2, make))
-        seqs, problems = read_seqs(store, make)
-        if rows:
-            written = {seqs[i] for i in rows}
-            untouched = all(seqs[i] == current[i] for i in range(n) if i not in rows)
-            consistent = not problems and untouched and (written == {seq} or all(seqs[i] == current[i] for i in rows))
-            state = "all new" if written == {seq} else "all old" if consistent else f"MIXED {sorted(written, key=str)}"
-        else:
-            consistent = not problems and seqs == current
-            state = "exact" if consistent else f"WRONG {problems[:1]}"
-        if consistent:
-            current = [int(q) for q in seqs]  # type: ignore[arg-type]
-        strays = stray_keys(env.client, env.prefix)
-        stray_text = f"; {len(strays)} staging key left, expiring in {max(t for _, t in strays) / 1000:.0f} s" if strays else ""
-        next_ok = nexc is None and nxt is not None and nxt[1] is None
-        ok = ok and next_ok and consistent and all(t > 0 for _, t in strays)
-        nxt_text = "next call OK" if next_ok else f"next call: {describe_exc(nexc, 60)}"
-        checks.append(Check(label, ok, saw, f"{path} of {size / 2**20:.0f} MB, {detail}; {nxt_text}; {n}/{n} elements {state}{stray_text}"))
-        for key, _ in strays:  # do not let a staging key of this variant count for the next
-            env.client.delete(key)
+                    keep = {"24": 24, "0": 0, "size/2": size // 2}[keep_rule]
+                    outcome, result, exc, detail = cut_during(proxy, call, Cut(direction, names, keep))
+                    checks.append(_drop_check(env, store, handle, make, label, (outcome, result, exc, detail), path, direction, retry, rows, seq, current, size))
+    finally:
+        proxy.close()
     return checks
+
+
+def _drop_check(
+    env: Env,
+    store: LazyStackedTensorDictStore,
+    handle: LazyStackedTensorDictStore,
+    make: Callable[[int, int], TensorDict],
+    label: str,
+    seen: tuple[str, Any, BaseException | None, str],
+    path: str,
+    direction: str,
+    retry: str,
+    rows: list[int],
+    seq: int,
+    current: list[int],
+    size: int,
+) -> Check:
+    """What the user saw after one cut, and the state of the store: exact, all old or all new as the cut implies."""
+    n = len(current)
+    outcome, result, exc, detail = seen
+    if outcome == "retried":
+        saw = "transparent success (redis-py reconnected and retried)"
+    elif outcome == "missed":
+        saw = f"the cut never landed: {detail}"
+    else:
+        saw = describe_exc(exc, 70)
+    ok = outcome == "ConnectionError" or (outcome == "retried" and retry == "default retry")
+    if result is not None and path == "script read":
+        ok = ok and all(decode(el, i, make) == (current[i], None) for i, el in enumerate(elements_of(result)))
+    elif result is not None and path == "bulk read":
+        ok = ok and torch.equal(result, torch.stack([make(current[i], i)["big"] for i in range(n)]))
+    # the handle's next call works, and the store is as the cut implies
+    nxt, nexc, _ = attempt(lambda: decode(handle[n // 2].to_tensordict(), n // 2, make))
+    seqs, problems = read_seqs(store, make)
+    if rows:
+        written = {seqs[i] for i in rows}
+        untouched = all(seqs[i] == current[i] for i in range(n) if i not in rows)
+        all_new, all_old = written == {seq}, all(seqs[i] == current[i] for i in rows)
+        # cut mid-request: the server never got the whole call, so only a retry applies it;
+        # cut mid-reply: the server ran it, so it is applied whatever the client saw
+        must_be_new = direction == "reply" or outcome == "retried"
+        consistent = not problems and untouched and (all_new if must_be_new else all_old)
+        state = "all new" if all_new else "all old" if all_old else f"MIXED {sorted(written, key=str)}"
+        if not consistent:
+            state += f" (expected all {'new' if must_be_new else 'old'})"
+    else:
+        consistent = not problems and seqs == current
+        state = "exact" if consistent else f"WRONG {problems[:1]}"
+    if not problems and None not in seqs:
+        current[:] = [int(q) for q in seqs]  # type: ignore[arg-type]
+    strays = stray_keys(env.client, env.prefix)
+    stray_text = f"; {len(strays)} staging key left, expiring in {max(t for _, t in strays) / 1000:.0f} s" if strays else ""
+    next_ok = nexc is None and nxt is not None and nxt[1] is None
+    ok = ok and next_ok and consistent and all(t > 0 for _, t in strays)
+    nxt_text = "next call OK" if next_ok else f"next call: {describe_exc(nexc, 60)}"
+    for key, _ in strays:  # do not let a staging key of this call count for the next
+        env.client.delete(key)
+    return Check(label, ok, saw, f"{path} of {size / 2**20:.0f} MB, {detail}; {nxt_text}; {n}/{n} elements {state}{stray_text}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -807,11 +1130,34 @@ def allowed_seqs(current: list[int], n: int, base: int, started: int, done: int)
     return allowed
 
 
+#: Where a writer is killed, round after round: before the first byte of its call reaches the
+#: server, with half of it there, or once the server has run it but before any byte of the reply.
+KILL_POINTS = ("before the call", "mid-request", "after the server ran it")
+#: Bytes of the held EVALSHA forwarded in the ``mid-request`` round (an element write is longer).
+MID_REQUEST_BYTES = 100
+
+
+def kill_cut(point: str, nth: int) -> Cut:
+    """The proxy hold for a kill at ``point`` of the writer's ``nth`` EVALSHA (0-based)."""
+    if point == "before the call":
+        return Cut("request", ("EVALSHA",), 0, nth, hold=True)
+    if point == "mid-request":
+        return Cut("request", ("EVALSHA",), MID_REQUEST_BYTES, nth, hold=True)
+    return Cut("reply", ("EVALSHA",), 0, nth, hold=True)
+
+
 def case_sigkill_writer(env: Env) -> list[Check]:
-    """A writer process is SIGKILLed at a random moment, a few times: every element old or new."""
+    """A writer process is SIGKILLed inside a call, a few times: every element old or new, as the kill point implies.
+
+    The writer reaches the server through a :class:`CuttingProxy` that holds its
+    connection at a chosen EVALSHA (a seeded random op): before any byte of it is
+    forwarded, with its first 100 bytes forwarded (the server holds half a call), or
+    with the whole call run by the server and its reply held back.  The writer is
+    killed once the proxy holds it, so the kill lands inside that call on any
+    machine; the element it was writing must then be old, old, and new respectively.
+    """
     n, scale = 16, 8
-    rounds = env.opts.kill_rounds or (2 if env.opts.quick else 5)
-    window = (0.05, 0.4) if env.opts.quick else (0.05, 1.5)
+    rounds = env.opts.kill_rounds or (3 if env.opts.quick else 6)
 
     def make(s: int, i: int) -> TensorDict:
         return element(s, i, scale)
@@ -821,44 +1167,47 @@ def case_sigkill_writer(env: Env) -> list[Check]:
     store = upload(env, [make(0, i) for i in range(n)], td_id)
     ctx = mp.get_context(env.opts.start_method)
     current = [0] * n
-    summary: list[str] = []
     exits: list[int | None] = []
-    for r in range(1, rounds + 1):
-        base = r * ROUND_SEQ
-        started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
-        ready = ctx.Event()
-        proc = ctx.Process(target=_writer_main, args=(env.url, env.prefix, td_id, n, scale, base, started, done, ready), daemon=True)
-        proc.start()
-        if not ready.wait(120):
-            proc.kill()
-            proc.join(10)
-            checks.append(Check(f"round {r}", False, f"writer not ready (exit code {proc.exitcode})"))
-            break
-        time.sleep(env.rng.uniform(*window))
-        assert proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(30)
-        exits.append(proc.exitcode)
-        s, d = int(started.value), int(done.value)
-        allowed = allowed_seqs(current, n, base, s, d)
-        seqs, problems = read_seqs(store, make)
-        bad = [j for j, q in enumerate(seqs) if q not in allowed[j]]
-        in_flight = "none"
-        if s >= 0 and d < s:
+    with CuttingProxy(env.url) as proxy:
+        for r in range(1, rounds + 1):
+            base = r * ROUND_SEQ
+            point = KILL_POINTS[(r - 1) % len(KILL_POINTS)]
+            nth = env.rng.randrange(n // 2, 4 * n)
+            cut = proxy.arm(kill_cut(point, nth))
+            started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
+            ready = ctx.Event()
+            proc = ctx.Process(target=_writer_main, args=(proxy.url, env.prefix, td_id, n, scale, base, started, done, ready), daemon=True)
+            proc.start()
+            held = cut.landed.wait(120)  # a bound against a hang, never reached by a working writer
+            proxy.disarm()
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            exits.append(proc.exitcode)
+            if not held:
+                checks.append(Check(f"round {r}", False, f"the writer never sent EVALSHA #{nth + 1} (exit code {proc.exitcode}, {done.value + 1} writes)"))
+                break
+            s, d = int(started.value), int(done.value)
+            allowed = allowed_seqs(current, n, base, s, d)
             j = s % n
-            new = base + s // n + 1
-            in_flight = f"element {j} {'new' if seqs[j] == new else 'old'}"
-        ok = not problems and not bad and proc.exitcode == -signal.SIGKILL
-        detail = problems[:1] or [f"element {j} holds seq {seqs[j]}, allowed {sorted(allowed[j])}" for j in bad[:2]]
-        checks.append(
-            Check(
-                f"round {r}",
-                ok,
-                proof=f"killed after {d + 1} writes ({in_flight} in flight), {n - len(bad) - len(problems)}/{n} consistent" + (f": {detail}" if detail else ""),
+            old, new = (min(allowed[j]), max(allowed[j])) if len(allowed[j]) == 2 else (None, None)
+            if old is not None:  # the element in flight: old unless the server ran the call
+                allowed[j] = {new if point == "after the server ran it" else old}
+            seqs, problems = read_seqs(store, make)
+            bad = [i for i, q in enumerate(seqs) if q not in allowed[i]]
+            in_flight = f"element {j} {'new' if seqs[j] == new else 'old' if seqs[j] == old else seqs[j]}"
+            ok = not problems and not bad and old is not None and proc.exitcode == -signal.SIGKILL
+            detail = problems[:1] or [f"element {i} holds seq {seqs[i]}, allowed {sorted(allowed[i])}" for i in bad[:2]]
+            if old is None:
+                detail.append(f"no call in flight (started op {s}, acknowledged op {d})")
+            checks.append(
+                Check(
+                    f"round {r}: {point}",
+                    ok,
+                    proof=f"killed after {d + 1} writes, {cut.where}; {in_flight}; {n - len(bad) - len(problems)}/{n} as expected" + (f": {detail}" if detail else ""),
+                )
             )
-        )
-        summary.append(f"{d + 1} ({in_flight})")
-        current = [q if q is not None else -1 for q in seqs]
+            current = [q if q is not None else -1 for q in seqs]
     # the store keeps working: a write and a read through a fresh handle, then a whole check
     fresh = LazyStackedTensorDictStore.from_store(td_id=td_id, url=env.url, prefix=env.prefix)
     _, exc, _ = attempt(lambda: fresh.__setitem__(0, make(7, 0)))
@@ -961,7 +1310,7 @@ def case_maxmemory(env: Env) -> list[Check]:
         ("slice write", lambda: store.__setitem__(slice(2, 5), lazy_stack([make(1, j) for j in range(2, 5)], 0))),
         ("new key", lambda: store.set("extra", torch.ones(n, 3))),
         ("fill_", lambda: store.fill_("obs", 5.0)),
-        (f"{BULK_BYTES >> 20} MiB leaf write (staged)", lambda: bulk.set("big", bulk_value(1))),
+        (f"{BULK_TEXT} leaf write (staged)", lambda: bulk.set("big", bulk_value(1))),
     ]
     refused: list[str] = []
     for label, fn in attempts:
@@ -987,7 +1336,7 @@ def case_maxmemory(env: Env) -> list[Check]:
     checks.append(Check("script read while full", exc1 is None, "works" if exc1 is None else describe_exc(exc1, 70)))
     checks.append(
         Check(
-            f"{BULK_BYTES >> 20} MiB read while full",
+            f"{BULK_TEXT} read while full",
             exc2 is None and torch.equal(got, bulk_value(0)),
             "works" if exc2 is None else describe_exc(exc2, 90),
         )
