@@ -56,6 +56,23 @@ Cases (issues #4 and #15):
     and an upload of one element past the limit must fail clearly and write
     nothing (raw keys compared with ``GET`` before and after); an upload of a
     1.3 MB leaf of smaller elements is cut into segments and reads back equal.
+``client-query-buffer-limit``
+    A server with ``--client-query-buffer-limit 1mb``: a 3 MiB lazy upload, a 4 MiB
+    dense upload, a new 3 MiB leaf and a 3 MiB slice write must each succeed and read
+    back equal, or fail with an error naming ``client-query-buffer-limit`` having
+    written nothing; the server must close no client for its query buffer (so the
+    handle never sent what the server refuses: no seconds of retries).  Today each
+    fails after ~4 s with ``ConnectionError: Broken pipe`` (issue #15).
+``eviction``
+    A server with ``--maxmemory 16mb --maxmemory-policy allkeys-lru``: 15 stores
+    (lazy with row-block, own-blob and heterogeneous leaves; lazy heterogeneous only;
+    dense), in small segments, then filler keys until the server has evicted keys of
+    at least two stores that kept their header.  Every store then gets writes and a
+    read of each element, of the whole and of a leaf, compared with a local copy:
+    each read must be exact or raise ``tdstore.StoreDamagedError`` (a KeyError saying
+    "lost"/"damaged" until it exists; a KeyError naming the store when its header
+    was evicted); zeros, other bytes never written, or other errors fail the case.
+    Counts stores and calls intact / gone / damaged / other error / silently wrong.
 ``store-deleted`` / ``store-recreated``
     Another process deletes the store (``clear_redis()``), or deletes it and
     creates it again under the same ``td_id`` with another dtype, while this handle
@@ -66,6 +83,7 @@ Usage::
 
     python tools/faults.py                          # every case, each on its own private server
     python tools/faults.py --case maxmemory -v      # one case, with every check
+    python tools/faults.py --case eviction --binary /usr/bin/redis-server -v
     python tools/faults.py --quick --json out.json  # shorter streams, JSON report
     python tools/faults.py --json                   # JSON on stdout, the table on stderr
     python tools/faults.py --url redis://127.0.0.1:7000   # an existing loopback server
@@ -111,7 +129,7 @@ from redis.backoff import NoBackoff  # noqa: E402
 from redis.retry import Retry  # noqa: E402
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack  # noqa: E402
 
-from tdstore import LazyStackedTensorDictStore, _engine  # noqa: E402
+from tdstore import LazyStackedTensorDictStore, TensorDictStore, _engine  # noqa: E402
 from tdstore.server import EmbeddedServer, check_loopback, resolve_binary  # noqa: E402
 
 #: Every case, in the order they run.
@@ -122,8 +140,10 @@ CASE_NAMES = (
     "sigkill-writer",
     "maxmemory",
     "proto-max-bulk-len",
+    "client-query-buffer-limit",
     "store-deleted",
     "store-recreated",
+    "eviction",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")
@@ -1411,6 +1431,350 @@ def case_proto_max_bulk_len(env: Env) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------------
+# case: client-query-buffer-limit
+# ---------------------------------------------------------------------------------------------
+QUERY_BUFFER_ARGS = ("--client-query-buffer-limit", "1mb")
+
+
+def query_buffer_closes(env: Env) -> int:
+    """Clients the server has closed for passing ``client-query-buffer-limit`` (lines of its log)."""
+    assert env.server is not None and env.server.log_path is not None
+    return Path(env.server.log_path).read_text(errors="replace").count("max query buffer length")
+
+
+def names_query_buffer_limit(exc: BaseException | None) -> bool:
+    """A clear error: not a dropped connection, and it names the server setting."""
+    return exc is not None and not isinstance(exc, redis.ConnectionError) and "client-query-buffer-limit" in str(exc)
+
+
+def case_query_buffer_limit(env: Env) -> list[Check]:
+    """A server that accepts at most 1 MB of unprocessed request per client: uploads and writes past it.
+
+    Each call must either succeed with every byte read back equal, or fail with an
+    error naming ``client-query-buffer-limit`` having written nothing; and the
+    server must close no client for its query buffer (the handle never sent more
+    than the server takes: a clear error is raised before sending, so it is fast
+    without a clock to say so).  A ``ConnectionError`` (today: "Broken pipe" after
+    seconds of retries) fails the check.
+    """
+    checks: list[Check] = []
+    n, width = 12, 65536  # 12 elements of 256 KiB: 3 MiB in one leaf
+
+    def outcome(label: str, fn: Callable[[], Any], verify: Callable[[Any], str | None], prefix: str) -> Check:
+        before = raw_snapshot(env.client, prefix)
+        closes0 = query_buffer_closes(env)
+        result, exc, secs = attempt(fn)
+        closes = query_buffer_closes(env) - closes0
+        if exc is None:
+            problem = verify(result)
+            ok, state = problem is None, "read back equal" if problem is None else f"read back WRONG: {problem}"
+        else:
+            same, how = compare_snapshots(before, raw_snapshot(env.client, prefix))
+            ok, state = names_query_buffer_limit(exc) and same, how
+        ok = ok and closes == 0
+        return Check(label, ok, describe_exc(exc, 90) + f" ({secs:.1f} s)", f"{label}: {state}; the server closed {closes} client(s) for its query buffer")
+
+    # (a) uploads: a lazy stack and a dense tensordict of 3-4 MiB
+    lazy_prefix = f"{env.prefix}-lazy"
+    elements = [big_element(0, i, width) for i in range(n)]
+
+    def lazy_equal(store: LazyStackedTensorDictStore) -> str | None:
+        return next((d for i, el in enumerate(elements_of(store.to_tensordict())) if (d := td_difference(el, elements[i]))), None)
+
+    checks.append(outcome(f"upload of {n * width * 4 / 2**20:.0f} MiB (lazy)", lambda: upload(env, elements, env.td_id("qb-lazy"), prefix=lazy_prefix), lazy_equal, lazy_prefix))
+    dense_prefix = f"{env.prefix}-dense"
+    dense = TensorDict({"x": torch.arange(16 * width, dtype=torch.float32).reshape(16, width), "y": torch.arange(16)}, batch_size=[16])
+    checks.append(
+        outcome(
+            f"upload of {16 * width * 4 / 2**20:.0f} MiB (dense)",
+            lambda: TensorDictStore.from_tensordict(dense, url=env.url, prefix=dense_prefix, td_id=env.td_id("qb-dense")),
+            lambda store: td_difference(store.to_tensordict(), dense),
+            dense_prefix,
+        )
+    )
+    # (b) writes past 1 MB: a new leaf on a small store; a slice write on a store uploaded in small chunks
+    small = upload(env, [big_element(0, i, 256) for i in range(n)], env.td_id("qb-small"))
+    new_leaf = torch.arange(n * width, dtype=torch.float32).reshape(n, width)
+    checks.append(
+        outcome(
+            f"set a new {n * width * 4 / 2**20:.0f} MiB leaf",
+            lambda: small.set("new", new_leaf),
+            lambda _: None if torch.equal(small["new"], new_leaf) else "leaf 'new' differs",
+            env.prefix,
+        )
+    )
+    with contextlib.suppress(KeyError):
+        small.del_("new")
+    grow_prefix = f"{env.prefix}-chunked"
+    chunked, exc, _ = attempt(lambda: upload(env, elements, env.td_id("qb-chunked"), prefix=grow_prefix, chunk_bytes=256 << 10))
+    if chunked is None:
+        checks.append(Check("upload in 256 KiB chunks (for the slice write)", False, describe_exc(exc, 90)))
+    else:
+        rewrite = [big_element(7, i, width) for i in range(n)]
+
+        def rewritten(_: Any) -> str | None:
+            return next((d for i, el in enumerate(elements_of(chunked.to_tensordict())) if (d := td_difference(el, rewrite[i]))), None)
+
+        checks.append(outcome(f"slice write of {n * width * 4 / 2**20:.0f} MiB", lambda: chunked.__setitem__(slice(0, n), lazy_stack(rewrite, 0)), rewritten, grow_prefix))
+    # (c) the stores still work
+    seqs, problems = read_seqs(small, lambda s, i: big_element(s, i, 256))
+    _, exc, _ = attempt(lambda: small.__setitem__(1, big_element(5, 1, 256)))
+    ok = seqs == [0] * n and not problems and exc is None and small[1]["stamp"].tolist() == [5, 1]
+    checks.append(Check("store works after", ok, "" if exc is None else describe_exc(exc, 60), f"{n}/{n} elements held their value, then a write+read OK" if ok else f"store wrong: {problems[:1]} {describe_exc(exc, 50)}"))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
+# case: eviction
+# ---------------------------------------------------------------------------------------------
+EVICTION_ARGS = ("--maxmemory", "16mb", "--maxmemory-policy", "allkeys-lru")
+#: Stores of each kind the eviction case uploads, and elements (rows) per store.
+EVICTION_STORES, EVICTION_ROWS = 5, 32
+#: Upper bound of the filler keys written to make the server evict (it evicts after about 220).
+EVICTION_FILLERS = 2000
+#: How the outcome of one call on an evicted-into store is counted, best first.
+EVICTION_OUTCOMES = ("intact", "gone", "damaged", "other error", "silently wrong")
+
+
+def mixed_element(seq: int, i: int) -> TensorDict:
+    """An element with row-block leaves (``obs``, ``act``, ``done``), a leaf of its own (``big``, 6 KiB)
+    and heterogeneous leaves (``tokens``, ``("nested", "ragged")``); no value is zero."""
+    g = torch.Generator().manual_seed(seq * 100_003 + i)
+    return TensorDict(
+        {
+            "obs": torch.rand(16, generator=g) + 1,
+            "act": torch.randint(1, 100, (4,), generator=g),
+            "done": torch.tensor([True]),
+            "big": torch.rand(1536, generator=g) + 1,
+            "tokens": torch.randint(1, 1000, (1 + (seq * 13 + i * 7) % 97,), generator=g),
+            "nested": {"ragged": (torch.rand(1 + (seq + i) % 5, 3, generator=g) + 1).half()},
+        },
+        batch_size=[],
+    )
+
+
+def ragged_element(seq: int, i: int) -> TensorDict:
+    """An element whose leaves are all heterogeneous (data, offset and shape keys only); no value is zero."""
+    g = torch.Generator().manual_seed(seq * 100_019 + i)
+    return TensorDict(
+        {"tokens": torch.randint(1, 1000, (1 + (seq * 5 + i * 3) % 300,), generator=g), "ragged": torch.rand(1 + (seq + i) % 7, 2, generator=g) + 1},
+        batch_size=[],
+    )
+
+
+def dense_rows(seq: int, rows: int) -> TensorDict:
+    """``rows`` rows of a dense store; no value is zero."""
+    g = torch.Generator().manual_seed(seq * 100_043 + rows)
+    return TensorDict({"obs": torch.rand(rows, 512, generator=g) + 1, "act": torch.randint(1, 100, (rows, 4), generator=g)}, batch_size=[rows])
+
+
+def damaged_error_type() -> type[BaseException] | None:
+    """``tdstore.StoreDamagedError`` once tdstore has it (issue #15)."""
+    import tdstore
+
+    return getattr(tdstore, "StoreDamagedError", None)
+
+
+@dataclass
+class EvictedStore:
+    """One store of the eviction case: its handle, a local copy of what it must hold, its keys, what each call saw."""
+
+    kind: str
+    handle: Any
+    local: Any  # a list of elements (lazy) or a TensorDict (dense)
+    keys: list[bytes] = field(default_factory=list)
+    lost: list[bytes] = field(default_factory=list)
+    header_lost: bool = False
+    seen: Counter[str] = field(default_factory=Counter)
+    examples: list[tuple[str, str]] = field(default_factory=list)  # (outcome, the call and what it saw)
+
+    @property
+    def worst(self) -> str:
+        return max(self.seen, key=EVICTION_OUTCOMES.index, default="intact")
+
+    def example(self) -> str:
+        """One call of the worst outcome this store saw, and what it returned or raised."""
+        text = next((text for outcome, text in self.examples if outcome == self.worst), "")
+        return short(re.sub(r"Error running script \(call to f_[0-9a-f]+\): ", "", text), 300)
+
+
+def _store_keys(client: redis.Redis, prefix: str, td_id: str) -> list[bytes]:
+    """Every key of one store (header, data, offset, shape and row-block keys of all its segments)."""
+    tags = (f":{{{td_id}}}".encode(), f":{{{td_id}%s".encode())
+    return sorted(k for k in raw_snapshot(client, prefix) if any(t in k for t in tags))
+
+
+def _key_label(key: bytes) -> str:
+    """``segment 3 d:5`` for a store key (``header`` for its header)."""
+    text = key.decode(errors="replace")
+    seg = re.search(r"%s(\d+)", text)
+    kind = text.rsplit("}", 1)[-1].lstrip(":")
+    return "header" if kind == "m" else f"segment {seg.group(1) if seg else 0} {kind}"
+
+
+def _classify_error(env: Env, st: EvictedStore, exc: BaseException) -> str:
+    """``damaged`` (the one clear error), ``gone`` (a KeyError naming a store whose header was evicted) or ``other error``."""
+    damaged = damaged_error_type()
+    text = str(exc).lower()
+    if (damaged is not None and isinstance(exc, damaged)) or (isinstance(exc, KeyError) and ("lost" in text or "damaged" in text)):
+        return "damaged"
+    if isinstance(exc, KeyError) and st.handle.td_id.lower() in text and not env.client.exists(st.handle._engine.keys.meta):
+        return "gone"
+    return "other error"
+
+
+def _evicted_call(env: Env, st: EvictedStore, label: str, fn: Callable[[], Any], check: Callable[[Any], str | None] | None) -> bool:
+    """Run one read (``check`` compares it with the local copy) or write; count what it saw. True when it succeeded."""
+    result, exc, _ = attempt(fn)
+    problem = None
+    if exc is not None:
+        outcome = _classify_error(env, st, exc)
+    else:
+        problem = check(result) if check is not None else None
+        outcome = "intact" if problem is None else "silently wrong"
+    if not st.seen[outcome]:
+        st.examples.append((outcome, f"{label}: {problem or describe_exc(exc, 400)}"))
+    st.seen[outcome] += 1
+    return exc is None
+
+
+def _difference_note(got: TensorDictBase, want: TensorDictBase) -> str | None:
+    """What differs between a read and the local copy, saying when the read holds zeros that were never written."""
+    diff = td_difference(got, want)
+    if diff is None:
+        return None
+    zeros = [str(k) for k in got.keys(True, True) if isinstance(got.get(k), torch.Tensor) and got.get(k).numel() and not got.get(k).any()]
+    return diff + (f" (all zeros in {', '.join(zeros[:3])})" if zeros else "")
+
+
+def _exercise_lazy(env: Env, st: EvictedStore, make: Callable[[int, int], TensorDict]) -> None:
+    """Writes (every even element, a slice), then reads of every element, the whole store and a leaf."""
+    h, local, n = st.handle, st.local, EVICTION_ROWS
+    # every even element alone (a segment holds several: a write that recreated a lost key would
+    # leave its neighbours zero), then a slice across segments
+    writes = [(f"write [{i}]", [i]) for i in range(0, n, 2)] + [("write [13:19]", list(range(13, 19)))]
+    for label, rows in writes:
+        new = [make(1, i) for i in rows]
+        fn = (lambda r=rows[0], v=new[0]: h.__setitem__(r, v)) if len(rows) == 1 else (lambda r=rows, v=new: h.__setitem__(slice(r[0], r[-1] + 1), lazy_stack(v, 0)))
+        if _evicted_call(env, st, label, fn, None):
+            for r, v in zip(rows, new):
+                local[r] = v
+    for i in range(n):
+        _evicted_call(env, st, f"read [{i}]", lambda i=i: h[i].to_tensordict(), lambda got, i=i: _difference_note(got, local[i]))
+    whole = lazy_stack(list(local), 0)
+    _evicted_call(env, st, "read all", h.to_tensordict, lambda got: next((d for i, el in enumerate(elements_of(got)) if (d := _difference_note(el, whole[i]))), None))
+    leaf = "big" if "big" in local[0].keys() else None
+    if leaf:
+        want = torch.stack([el[leaf] for el in local])
+        _evicted_call(env, st, f"read ['{leaf}']", lambda: h[leaf], lambda got: None if torch.equal(got, want) else ("zeros where none were written" if not got.all() else "values differ"))
+
+
+def _exercise_dense(env: Env, st: EvictedStore) -> None:
+    """Writes (every even row, a slice), then reads of every row, the whole store and a leaf."""
+    h, n = st.handle, EVICTION_ROWS
+    for label, first, rows in [(f"write [{i}]", i, 1) for i in range(0, n, 2)] + [("write [13:19]", 13, 6)]:
+        new = dense_rows(1 + first, rows)
+        if _evicted_call(env, st, label, lambda f=first, r=rows, v=new: h.__setitem__(slice(f, f + r), v), None):
+            st.local[first : first + rows] = new
+    for i in range(n):
+        _evicted_call(env, st, f"read [{i}]", lambda i=i: h[i], lambda got, i=i: _difference_note(got, st.local[i]))
+    _evicted_call(env, st, "read all", h.to_tensordict, lambda got: _difference_note(got, st.local))
+    _evicted_call(env, st, "read ['obs']", lambda: h["obs"], lambda got: None if torch.equal(got, st.local["obs"]) else "values differ")
+
+
+def case_eviction(env: Env) -> list[Check]:
+    """A real ``maxmemory`` server with ``allkeys-lru``: it evicts some keys of some stores; no read may be silently wrong.
+
+    Stores of three kinds (lazy with row-block, own-blob and heterogeneous leaves;
+    lazy with heterogeneous leaves only; dense), cut into many small segments so that
+    a store has many keys, are uploaded, then filler keys are written until the
+    server has evicted keys of at least two stores whose header it kept (a store
+    that lost its header is simply gone).  The fillers are deleted, and every store
+    gets three writes and a read of each element, of the whole store and of a leaf.
+    Each read must return exactly the bytes written (compared with a local copy) or
+    raise ``tdstore.StoreDamagedError`` (until tdstore has it: a KeyError saying
+    "lost" or "damaged"); a store whose header was evicted must raise a KeyError
+    naming it; zeros or any bytes never written fail the case, and so does any
+    other error.  Stores that lost no key must come through intact.
+    """
+    assert env.server is not None
+    stores: list[EvictedStore] = []
+    seg = 16 << 10  # small segments: many keys per store, so eviction takes some of a store's keys, not all
+    for k in range(EVICTION_STORES):
+        els = [mixed_element(0, i) for i in range(EVICTION_ROWS)]
+        stores.append(EvictedStore("lazy", upload(env, els, env.td_id(f"ev-mixed{k}"), segment_bytes=seg), els))
+        els = [ragged_element(0, i) for i in range(EVICTION_ROWS)]
+        stores.append(EvictedStore("ragged", upload(env, els, env.td_id(f"ev-ragged{k}"), segment_bytes=seg // 4), els))
+        td = dense_rows(0, EVICTION_ROWS)
+        stores.append(EvictedStore("dense", TensorDictStore.from_tensordict(td, url=env.url, prefix=env.prefix, td_id=env.td_id(f"ev-dense{k}"), segment_bytes=seg), td.clone()))
+    for st in stores:
+        st.keys = _store_keys(env.client, env.prefix, st.handle.td_id)
+    # fill until the server has evicted keys of two stores that kept their header
+    evicted0 = int(env.client.info("stats")["evicted_keys"])
+    fillers: list[str] = []
+    damaged: list[EvictedStore] = []
+    for k in range(EVICTION_FILLERS):
+        fillers.append(f"{env.prefix}-filler:{k}")
+        env.client.set(fillers[-1], b"f" * (64 << 10))
+        if int(env.client.info("stats")["evicted_keys"]) == evicted0:
+            continue
+        pipe = env.client.pipeline(transaction=False)
+        for st in stores:
+            for key in st.keys:
+                pipe.exists(key)
+        found = iter(pipe.execute())
+        for st in stores:
+            st.lost = [key for key in st.keys if not next(found)]
+            st.header_lost = st.handle._engine.keys.meta.encode() in st.lost
+        damaged = [st for st in stores if st.lost and not st.header_lost]
+        if len(damaged) >= 2:
+            break
+    evicted = int(env.client.info("stats")["evicted_keys"]) - evicted0
+    env.client.delete(*fillers)
+    hit = [st for st in stores if st.lost]
+    checks = [
+        Check(
+            "eviction hit the stores",
+            len(damaged) >= 2,
+            proof=f"maxmemory 16mb allkeys-lru: {len(fillers)} fillers of 64 KiB, {evicted} keys evicted; {len(hit)}/{len(stores)} stores lost keys "
+            f"({len(damaged)} kept their header: " + ", ".join(f"{st.kind} {len(st.lost)}/{len(st.keys)} keys" for st in damaged) + ")",
+        )
+    ]
+    # every store: writes, then reads compared with the local copy
+    for st in stores:
+        if st.kind == "dense":
+            _exercise_dense(env, st)
+        else:
+            _exercise_lazy(env, st, mixed_element if st.kind == "lazy" else ragged_element)
+    calls: Counter[str] = Counter()
+    for st in stores:
+        calls.update(st.seen)
+    per_store = Counter(st.worst for st in stores)
+    summary = ", ".join(f"{per_store[o]} {o}" for o in EVICTION_OUTCOMES) + " (stores); calls: " + ", ".join(f"{calls[o]} {o}" for o in EVICTION_OUTCOMES)
+    wrong = [st for st in stores if st.seen["silently wrong"]]
+    other = [st for st in stores if st.seen["other error"]]
+    false_alarm = [st for st in stores if not st.lost and st.worst != "intact"]
+    example = lambda sts: "; ".join(f"{st.kind} store ({len(st.lost)} keys lost): {st.example()}" for st in sts[:2])  # noqa: E731
+    checks.append(Check("no read silently wrong", not wrong, summary, f"{len(wrong)} stores returned bytes never written" + (f": {example(wrong)}" if wrong else "")))
+    damaged_name = "StoreDamagedError" if damaged_error_type() else "KeyError 'lost'/'damaged' (tdstore has no StoreDamagedError yet)"
+    checks.append(Check("every refusal is the damaged error", not other, proof=f"{len(other)} stores raised another error than {damaged_name}" + (f": {example(other)}" if other else "")))
+    for st in hit:
+        ok = not st.seen["silently wrong"] and not st.seen["other error"]
+        seen = ", ".join(f"{st.seen[o]} {o}" for o in EVICTION_OUTCOMES if st.seen[o])
+        names = ", ".join(_key_label(k) for k in st.lost[:4]) + (", ..." if len(st.lost) > 4 else "")
+        lost = f"{len(st.lost)}/{len(st.keys)} keys lost: {names}" + (" (the header too)" if st.header_lost else "")
+        checks.append(Check(f"{st.kind} store {st.handle.td_id} ({lost})", ok, seen, st.example()))
+    checks.append(
+        Check(
+            "stores that lost no key are intact",
+            not false_alarm,
+            proof=f"{sum(not st.lost for st in stores)} stores lost no key, {len(false_alarm)} of them did not come through intact" + (f": {example(false_alarm)}" if false_alarm else ""),
+        )
+    )
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
 # cases: store-deleted, store-recreated
 # ---------------------------------------------------------------------------------------------
 def _other_process(url: str, prefix: str, td_id: str, recreate: bool, result: Any) -> None:
@@ -1525,8 +1889,10 @@ CASES: dict[str, CaseSpec] = {
     "sigkill-writer": CaseSpec(case_sigkill_writer),
     "maxmemory": CaseSpec(case_maxmemory, MAXMEMORY_ARGS, "needs a server started with --maxmemory 20mb --maxmemory-policy noeviction"),
     "proto-max-bulk-len": CaseSpec(case_proto_max_bulk_len, BULK_ARGS, "needs a server started with --proto-max-bulk-len 1mb"),
+    "client-query-buffer-limit": CaseSpec(case_query_buffer_limit, QUERY_BUFFER_ARGS, "needs a server started with --client-query-buffer-limit 1mb"),
     "store-deleted": CaseSpec(case_store_deleted),
     "store-recreated": CaseSpec(case_store_recreated),
+    "eviction": CaseSpec(case_eviction, EVICTION_ARGS, "needs a server started with --maxmemory 16mb --maxmemory-policy allkeys-lru"),
 }
 assert tuple(CASES) == CASE_NAMES
 
