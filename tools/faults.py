@@ -685,19 +685,21 @@ class CuttingProxy:
                     break
                 base = scanner.offset
                 named = scanner.feed(data)
+                if direction == "request":
+                    self._match(link, named)  # before any of these bytes can reach the server
                 pos = 0  # bytes of data forwarded so far
                 if direction == "request" and self.on_command is not None:
                     for offset, index in named:  # before the command's last byte reaches the server
                         dst.sendall(data[pos : offset - base])
                         pos = offset - base
                         self.on_command(link.request.names[index])
-                landing = self._cut_point(link, direction, named, base, len(data))
+                landing = self._cut_point(link, direction, base, len(data))
                 if landing is not None:
                     cut, stop = landing
-                    stop = max(stop, pos)
+                    stop = max(stop, pos)  # never before what is already forwarded
                     if not link.frozen[direction]:
                         dst.sendall(data[pos:stop])
-                    self._land(link, direction, cut)
+                    self._land(link, direction, cut, base + stop)
                     if link.closed:
                         return
                     continue
@@ -707,35 +709,42 @@ class CuttingProxy:
             pass
         link.close()
 
-    def _cut_point(self, link: _Link, direction: str, named: list[tuple[int, int]], base: int, size: int) -> tuple[Cut, int] | None:
+    def _match(self, link: _Link, named: list[tuple[int, int]]) -> None:
+        """Count the commands the armed cut names; on the ``nth``, tie the cut to this connection."""
+        with self._lock:
+            cut = self._cut
+            if cut is None or cut.link is not None:
+                return
+            for _, index in named:
+                if link.request.names[index] in cut.names:
+                    cut.found += 1
+                    if cut.found == cut.nth:
+                        cut.link, cut.index = link, index
+                        if cut.direction == "request":
+                            cut.at = link.request.starts[index] + cut.keep
+                        return
+
+    def _cut_point(self, link: _Link, direction: str, base: int, size: int) -> tuple[Cut, int] | None:
         """The armed cut and where in this piece (0..size) it lands on ``link``, or None."""
         with self._lock:
             cut = self._cut
-            if cut is None or cut.landed.is_set():
-                return None
-            if direction == "request":
-                for _, index in named:
-                    if cut.link is None and link.request.names[index] in cut.names:
-                        cut.found += 1
-                        if cut.found == cut.nth:
-                            cut.link, cut.index = link, index
-                            if cut.direction == "request":
-                                cut.at = link.request.starts[index] + cut.keep
-            if cut.link is not link or cut.direction != direction:
+            if cut is None or cut.landed.is_set() or cut.link is not link or cut.direction != direction:
                 return None
             if direction == "reply" and cut.at < 0:
                 if len(link.reply.starts) <= cut.index:
-                    return None
+                    return None  # the reply to the command has not started
                 cut.at = link.reply.starts[cut.index] + cut.keep
             if cut.at >= base + size:
                 return None
             return cut, cut.at - base
 
-    def _land(self, link: _Link, direction: str, cut: Cut) -> None:
+    def _land(self, link: _Link, direction: str, cut: Cut, at: int) -> None:
+        """Record where the cut landed (``at``: bytes of the stream forwarded), then hold or close the connection."""
         name = link.request.names[cut.index]
+        start = (link.request if direction == "request" else link.reply).starts[cut.index]
         part = "request" if direction == "request" else "reply to"
-        verb = "held" if cut.hold else "cut"
-        cut.where = f"{verb} {cut.keep:,} B into the {part} {name} #{cut.nth + 1} (connection {link.number}, byte {cut.at:,} of what it {'sent' if direction == 'request' else 'received'})"
+        cut.at = at
+        cut.where = f"{'held' if cut.hold else 'cut'} {at - start:,} B into the {part} {name} #{cut.nth + 1} (connection {link.number}, byte {at:,} of what it {'sent' if direction == 'request' else 'received'})"
         if cut.hold:
             link.frozen[direction] = True
         cut.landed.set()  # before the close: the call that sees it fail then sees the cut landed
@@ -1111,14 +1120,12 @@ def _drop_check(
 # ---------------------------------------------------------------------------------------------
 # case: sigkill-writer
 # ---------------------------------------------------------------------------------------------
-def _writer_main(url: str, prefix: str, td_id: str, n: int, scale: int, base: int, started: Any, done: Any, ready: Any) -> None:
+def _writer_main(url: str, prefix: str, td_id: str, n: int, scale: int, base: int, started: Any, done: Any) -> None:
     """Child process: stream ``store[k % n] = element(base + k // n + 1, k % n)`` until killed.
 
     ``started`` holds the op about to be sent, ``done`` the last op acknowledged.
     """
     store = LazyStackedTensorDictStore.from_store(td_id=td_id, url=url, prefix=prefix)
-    store._engine.client.ping()
-    ready.set()
     for k in range(MAX_WRITER_OPS):
         i = k % n
         td = element(base + k // n + 1, i, scale)
@@ -1195,8 +1202,7 @@ def case_sigkill_writer(env: Env) -> list[Check]:
             nth = env.rng.randrange(n // 2, 4 * n)
             cut = proxy.arm(kill_cut(point, nth))
             started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
-            ready = ctx.Event()
-            proc = ctx.Process(target=_writer_main, args=(proxy.url, env.prefix, td_id, n, scale, base, started, done, ready), daemon=True)
+            proc = ctx.Process(target=_writer_main, args=(proxy.url, env.prefix, td_id, n, scale, base, started, done), daemon=True)
             proc.start()
             held = cut.landed.wait(120)  # a bound against a hang, never reached by a working writer
             proxy.disarm()
@@ -1952,7 +1958,7 @@ def run_case(name: str, opts: Options) -> CaseResult:
 
 def format_line(res: CaseResult) -> str:
     """The one line printed for a case."""
-    head = f"{res.name:<19} {res.status:<4} {res.seconds:5.1f}s"
+    head = f"{res.name:<25} {res.status:<4} {res.seconds:5.1f}s"
     if res.status == "SKIP":
         return f"{head}  {res.note}"
     return f"{head}  saw: {res.saw} | proof: {res.proof}"
