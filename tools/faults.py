@@ -1204,7 +1204,10 @@ def case_sigkill_writer(env: Env) -> list[Check]:
             started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
             proc = ctx.Process(target=_writer_main, args=(proxy.url, env.prefix, td_id, n, scale, base, started, done), daemon=True)
             proc.start()
-            held = cut.landed.wait(120)  # a bound against a hang, never reached by a working writer
+            deadline = time.monotonic() + 120  # a bound against a hang, never reached by a working writer
+            while not cut.landed.wait(0.2) and proc.is_alive() and time.monotonic() < deadline:
+                pass  # (the wait is for the hold, not for a moment: a writer that died ends it sooner)
+            held = cut.landed.is_set()
             proxy.disarm()
             assert proc.pid is not None
             os.kill(proc.pid, signal.SIGKILL)
