@@ -126,3 +126,11 @@ def test_the_docs_link_only_inside_the_repository() -> None:
             assert "://" not in target, f"{doc.relative_to(REPO)}: a link out of the repository: {target}"
             path = (doc.parent / target.split("#")[0]).resolve()
             assert path.is_relative_to(REPO) and path.exists(), f"{doc.relative_to(REPO)}: a link to {target}, which is not a file of the repository"
+
+
+def test_the_docs_tell_no_history() -> None:
+    """The docs say what is, not how it came to be: no sessions, no issue numbers (figures of older runs go)."""
+    history = re.compile(r"\b(this|earlier|previous|last) sessions?\b|\bissue #?\d+|\(#\d+\)", re.IGNORECASE)
+    for doc in (README, REPO / "lua" / "README.md", REPO / "tools" / "README.md"):
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            assert not history.search(line), f"{doc.relative_to(REPO)}:{number}: history in the docs: {line.strip()}"
