@@ -1,4 +1,4 @@
-"""The measuring tools of tools/ run end to end on small sizes (their figures are in the README)."""
+"""The measuring tools of tools/ run end to end on small sizes (their figures are in tools/README.md)."""
 
 from __future__ import annotations
 
