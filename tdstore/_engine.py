@@ -25,7 +25,7 @@ import numpy as np
 import redis
 import torch
 
-from . import _codec, _index, _integrity, _nontensor, _rows, _scripts, _segments, _spread, _wire
+from . import _codec, _index, _integrity, _limits, _nontensor, _rows, _scripts, _segments, _spread, _wire
 from ._connection import ConnectionSpec, HeldConnection
 from ._errors import StoreDamagedError
 from ._keys import KeyTable, StoreKeys
@@ -145,6 +145,21 @@ def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTa
     return max(sizes, default=1)
 
 
+def _declared_element_bytes(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> int:
+    """Bytes of one element of every leaf that the first write of an empty store sets (a heterogeneous
+    leaf counted at the mean of the rows or blob the write sets)."""
+    total = sum(leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het and leaf.col is None)
+    if h.row is not None:
+        total += h.row[1]
+    data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
+    for op in ops:
+        if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
+            total += -(-len(op[2]) // max(1, h.count))
+        elif op[0] == "Y" and op[7:]:
+            total += -(-sum(op[7:]) // len(op[7:]))
+    return total
+
+
 def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
     """(path, tensor of the rows read) for a homogeneous leaf read, or for each grouped leaf when it is the row block."""
     if leaf is block:
@@ -200,7 +215,7 @@ class Engine:
         self.readonly = readonly
         self._header: Header | None = None
         self._epoch: str | None = None  # the creation this handle belongs to
-        self._max_value_bytes: int | None = None
+        self._limits: _limits.ServerLimits | None = None
         self.value_limit = 512 << 20
         self.transactions = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
         self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
@@ -230,30 +245,49 @@ class Engine:
             self._client = None
 
     @property
+    def limits(self) -> _limits.ServerLimits:
+        """What the server allows (see ``_limits``): read once per server and process, with a
+        warning when its maxmemory-policy may evict a store's keys."""
+        if self._limits is None:
+            where = self.spec.describe()
+            self._limits = _limits.read(self.client, where)
+            _limits.warn_eviction(self._limits, where)
+        return self._limits
+
+    @property
     def max_value_bytes(self) -> int:
-        """The largest string the server accepts (``proto-max-bulk-len``), read once per handle.
+        """The largest string the server accepts (``proto-max-bulk-len``).
 
         ``write.lua`` refuses a call that would grow a string past it before writing
-        anything. Servers that do not answer ``CONFIG GET`` (an ACL, a managed
-        service) are assumed to allow 512 MiB; set ``engine.value_limit`` lower for
-        Dragonfly (256 MiB).
+        anything. Set ``engine.value_limit`` lower for Dragonfly (256 MiB).
         """
-        if self._max_value_bytes is None:
-            limit = self.value_limit
-            try:
-                reply = self.client.config_get("proto-max-bulk-len")
-                value = reply.get(b"proto-max-bulk-len") or reply.get("proto-max-bulk-len")
-                if value is not None:
-                    limit = min(limit, int(value))
-            except redis.exceptions.ResponseError:
-                pass
-            self._max_value_bytes = limit
-        return self._max_value_bytes
+        return min(self.value_limit, self.limits.value_bytes)
 
     @property
     def segment_size(self) -> int:
         """Target bytes of one segment's blob of one leaf: ``segment_bytes``, within what the server accepts."""
         return min(self.segment_bytes, self.max_value_bytes)
+
+    def check_room(self, h: Header, element_bytes: int) -> None:
+        """Refuse, before anything is written, a store whose declared size (``count`` elements of
+        ``element_bytes``) cannot fit the server's maxmemory, or that would need more segments than
+        one call can name (see ``_segments.MAX_SEGMENTS``)."""
+        declared = h.count * element_bytes
+        limit = self.limits.maxmemory
+        if limit and declared > limit:  # read the setting again before refusing: it may have changed
+            _limits.forget(self.spec.describe())
+            self._limits = None
+            limit = self.limits.maxmemory
+        if limit and declared > limit:
+            raise MemoryError(
+                f"a store of {h.count} elements of {element_bytes} bytes needs {declared} bytes, more than the server's "
+                f"maxmemory ({limit} bytes); nothing was written ({self.where()})"
+            )
+        if h.segments.n > _segments.MAX_SEGMENTS:
+            raise ValueError(
+                f"a store of {h.count} elements of {element_bytes} bytes needs {h.segments.n} segments of {self.segment_size} bytes, "
+                f"more than {_segments.MAX_SEGMENTS}; pass a larger segment_bytes or a smaller count; nothing was written ({self.where()})"
+            )
 
     def where(self) -> str:
         return f"td_id {self.keys.td_id!r} under prefix {self.keys.prefix!r} on {self.spec.describe()}"
@@ -402,6 +436,10 @@ class Engine:
             if err.named:
                 raise
             raise _integrity.damaged(self.where(), str(err), self.keys.td_id) from None
+        except PermissionError as err:
+            if "replica" not in str(err) or self.spec.describe() in str(err):
+                raise
+            raise PermissionError(f"{self.spec.describe()} (store {self.keys.td_id!r}): {err}") from None
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             if not self.spec.cluster:
                 raise
@@ -531,33 +569,44 @@ class Engine:
             self._script_reads.on = False
 
     def _check_argument_sizes(self, call: Call) -> None:
-        """Refuse, before sending, an argument the server would not accept as one string.
+        """Refuse, before sending, a call the server would not read: an argument larger than one string
+        (``proto-max-bulk-len``) or a request larger than ``client-query-buffer-limit``.
 
         Otherwise the server drops the connection mid-request and redis-py retries for
-        seconds before a bare ``ConnectionError``. Every server accepts 1 MiB, so the
-        limit is only looked up when an argument is larger.
+        seconds before a bare ``ConnectionError``. Every server accepts a 1 MiB string and
+        request (the smallest limits it allows), so the limits are only looked up above that.
         """
-        big = 0
+        big = total = 0
         for a in call.args:  # a plain loop: this runs on every call
             if a.__class__ in _BINARY:
                 n = len(a)
+                total += n
                 if n > big:
                     big = n
-        if big > 1 << 20 and big > self.max_value_bytes:
+        if total <= 1 << 19:
+            return
+        if big > self.max_value_bytes:
             raise ValueError(
                 f"a value of {big} bytes is larger than the server accepts in one piece "
                 f"(proto-max-bulk-len {self.max_value_bytes}); nothing was sent ({self.where()})"
             )
+        if total + 64 * len(call.args) + 64 * len(call.keys) > self.limits.query_bytes:
+            raise ValueError(
+                f"this call sends {total} bytes in one request, more than the server reads from a client "
+                f"(client-query-buffer-limit {self.limits.query_bytes}); write fewer elements per call, or raise "
+                f"client-query-buffer-limit; nothing was sent ({self.where()})"
+            )
 
-    @staticmethod
-    def queue_staged(pipe: Any, staged: list[tuple[str, Any]]) -> None:
-        """Queue on ``pipe`` each staged blob: created empty with a TTL, then filled by plain ~1 MiB SETRANGEs."""
+    def queue_staged(self, pipe: Any, staged: list[tuple[str, Any]]) -> None:
+        """Queue on ``pipe`` each staged blob: created empty with a TTL, then filled by plain SETRANGEs of
+        1 MiB (less under a small client-query-buffer-limit)."""
+        piece = self.limits.piece_bytes
         for key, data in staged:
             view = memoryview(data).cast("B")
             # the TTL first (SETRANGE keeps it): a connection lost midway leaves only keys that expire
             pipe.set(key, b"", px=STAGING_TTL_MS)
-            for a in range(0, len(view), BULK_CHUNK):
-                pipe.setrange(key, a, view[a : a + BULK_CHUNK])
+            for a in range(0, len(view), piece):
+                pipe.setrange(key, a, view[a : a + piece])
 
     def _staged_call(self, call: Call) -> list:
         """One pipeline: each staged blob created empty with a TTL, filled by plain ~1 MiB SETRANGEs, then the script."""
@@ -975,8 +1024,9 @@ class Engine:
             kt = self.key_table(h)
             new_header, ops, touched = plan(h, kt)
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
-                # the first keys of a store created empty fix its segment length
+                # the first keys of a store created empty fix its segment length, and say how large it may grow
                 new_header = replace(new_header, seg=_segments.segment_length(h.count, _largest_element(self.keys, new_header, ops, kt), self.segment_size))
+                self.check_room(new_header, _declared_element_bytes(self.keys, new_header, ops, kt))
             if h.row is not None and new_header is not None and new_header.row is None:
                 ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
             if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit

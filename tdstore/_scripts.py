@@ -185,9 +185,18 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
         todo = missing
 
 
+def _tdstore_part(msg: str) -> str:
+    """The ``TDSTORE ...`` message a script raised, without the script hash and line the server adds around it."""
+    msg = msg[msg.index("TDSTORE") :]
+    cut = msg.find(" script: ")  # Redis 7: '<message> script: <sha>, on @user_script:<line>.'
+    return msg[:cut] if cut >= 0 else msg
+
+
 def translate(err: ResponseError) -> Exception:
-    """Turn a server error into the exception a user should see."""
+    """Turn a server error into the exception a user should see (never showing a script hash or line)."""
     msg = str(err)
+    if "TDSTORE" in msg:
+        msg = _tdstore_part(msg)
     if "TDSTORE damaged" in msg:
         return StoreDamagedError(msg[msg.index("TDSTORE damaged") + 17 :], named=False)
     if "TDSTORE out of memory" in msg:
@@ -201,6 +210,8 @@ def translate(err: ResponseError) -> Exception:
     if "TDSTORE" in msg:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()
+    if "readonly" in low and "replica" in low:
+        return PermissionError(f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}")
     if "unknown command" in low and ("evalsha" in low or "script" in low):
         return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
     if "oom" in low or "maxmemory" in low:

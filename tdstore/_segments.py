@@ -106,6 +106,12 @@ def het_row_read_op(segs: Segments, ndim: int, rows: int) -> str:
     return "V" if row_read_op(segs, 8 + 8 * ndim, rows) == "B" else "Y"
 
 
+#: The most segments a store may have: a call addressed by rows the server picks (a ring write, a
+#: sample) names one key per segment and leaf, so a store of millions of segments could not be
+#: called at all (65,536 segments of the default 4 MiB hold 256 GiB per key).
+MAX_SEGMENTS = 1 << 16
+
+
 def segment_length(count: int, element_bytes: int, segment_bytes: int) -> int:
     """Elements per segment for elements of at most ``element_bytes`` in their largest leaf; 0 when one segment holds them all."""
     per = max(1, segment_bytes // max(1, element_bytes))

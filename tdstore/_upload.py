@@ -286,7 +286,14 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                 )
     if width and min(count, segs.per) * width > limit:
         raise ValueError(f"the row block needs {min(count, segs.per) * width} bytes per segment, more than the server accepts for one string ({limit}); nothing was written")
-    chunk_bytes = max(1, min(chunk_bytes, limit))
+    # each SETRANGE of a chunk holds at most chunk_bytes: within what the server reads as one request
+    chunk_bytes = max(1, min(chunk_bytes, limit, engine.limits.query_bytes // 2))
+    biggest = max((int(_leaf_sizes(s).max()) for s in scans if count), default=0)
+    if biggest > engine.limits.query_bytes // 2:
+        raise ValueError(
+            f"an element of {biggest} bytes of one key is more than half of what the server reads from a client in one request "
+            f"(client-query-buffer-limit {engine.limits.query_bytes}); raise client-query-buffer-limit; nothing was written"
+        )
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
     if existing is not None:
         raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")

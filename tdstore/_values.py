@@ -87,6 +87,27 @@ def _check_member_dtypes(stack: LazyStackedTensorDict, key: Any, path: NestedPat
         raise TypeError(f"key {display(path)!r} has several dtypes across the elements ({sorted(map(str, dtypes))}); every element must use one dtype")
 
 
+def usable_device(device: Any) -> bool:
+    """Whether tensors can be made on ``device`` on this machine (a store made on a GPU machine may be read on another)."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError):
+        return False
+    return True
+
+
+def check_device(device: torch.device | None) -> torch.device | None:
+    """``device``, refused when reads could not land there: ``meta`` (it would discard every byte read) or
+    a device this machine does not have (found now, not at the first read)."""
+    if device is None:
+        return None
+    if device.type == "meta":
+        raise ValueError("device='meta' holds no data: every read would be discarded; pass a real device, or None for CPU tensors")
+    if not usable_device(device):
+        raise ValueError(f"device {str(device)!r} is not available on this machine (torch cannot make a tensor there)")
+    return device
+
+
 def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor | NonTensor:
     if is_non_tensor(value):
         return NonTensor(value)
@@ -95,6 +116,10 @@ def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor | NonTensor:
     if isinstance(value, torch.Tensor):
         if value.is_nested:
             raise TypeError(f"key {display(path)!r}: nested (jagged) tensors are not supported; write a lazy stack of its elements")
+        if value.layout != torch.strided:
+            raise TypeError(f"key {display(path)!r}: a {value.layout} tensor has no dense storage to store; write value.to_dense()")
+        if value.is_meta or value.device.type == "meta":
+            raise TypeError(f"key {display(path)!r}: a tensor on the meta device holds no data to store")
         return value
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)

@@ -19,7 +19,7 @@ from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
-from ._values import as_path, assemble, display, gc_paused, leaves_of
+from ._values import as_path, assemble, check_device, display, gc_paused, leaves_of, usable_device
 
 _LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
 
@@ -266,7 +266,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly, segment_bytes=segment_bytes, spread=spread)
-        dev = torch.device(device) if device is not None else None
+        dev = check_device(torch.device(device)) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
         wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
@@ -284,12 +284,13 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
                 raise ValueError(f"a store with {engine.where()} already exists with another layout: {'; '.join(mismatch)}")
             engine.set_header(existing)
             if dev is None and existing.device:
-                dev = torch.device(existing.device)
+                dev = torch.device(existing.device) if usable_device(existing.device) else None
         self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
 
     # -- construction helpers ------------------------------------------------------
     def _init_handle(self, engine: Engine, *, backend: str, device: torch.device | None, cache_metadata: bool) -> None:
         h = engine.header
+        engine.limits  # noqa: B018  (read once per server and process: warns when the server may evict a store's keys)
         self._engine = engine
         self._backend = backend
         self._device = device
@@ -309,7 +310,8 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
     def _from_engine(cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:
         self = cls.__new__(cls)
         h = engine.header
-        dev = torch.device(device) if device is not None else (torch.device(h.device) if h.device else None)
+        # a device the caller names must exist here; the store's own (written where it was made) is used when it does
+        dev = check_device(torch.device(device)) if device is not None else (torch.device(h.device) if h.device and usable_device(h.device) else None)
         self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
         return self
 
@@ -438,7 +440,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
 
     @device.setter
     def device(self, value: Any) -> None:
-        self._device = torch.device(value) if value is not None else None
+        self._device = check_device(torch.device(value) if value is not None else None)
 
     def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
         return _KeysView(self._paths, (), include_nested, leaves_only, sort)
@@ -799,7 +801,10 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
                 alloc = ["D", kt.ref(keys.data(number))] if h.tracked else ["Z", kt.ref(keys.data(number)), h.count * leaf.element_nbytes]
                 ops += [alloc, ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
             check_paths(list(leaves))
-            return h.with_leaves(leaves, next_leaf), ops, []
+            after = h.with_leaves(leaves, next_leaf)
+            if h.leaves:  # (the first keys of an empty store are checked where they fix its segment length)
+                self._engine.check_room(after, sum(leaf.element_nbytes for leaf in after.leaves.values() if not leaf.het and not leaf.json))
+            return after, ops, []
 
         self._engine.run_write(plan)
 

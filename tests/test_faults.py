@@ -32,13 +32,7 @@ QUICK = faults.Options(quick=True, seed=1)
 
 #: Cases that check behaviour tdstore does not have yet (issue #15): expected to fail until it lands.
 #: Delete an entry when its change is in; the strict one then fails as XPASS until deleted.
-PENDING = {
-    "client-query-buffer-limit": pytest.mark.xfail(
-        strict=True, reason="issue #15.5: the handle does not yet size its pipelines to client-query-buffer-limit (Broken pipe after ~4 s)"
-    ),
-    # not strict: which keys the server evicts is its own random choice, and today's code may be lucky
-    "eviction": pytest.mark.xfail(strict=False, reason="issue #15.1: evicted keys read back as zeros or noise errors, no StoreDamagedError yet"),
-}
+PENDING: dict[str, pytest.MarkDecorator] = {}  # cases expected to fail until a change lands (none now)
 
 
 @pytest.mark.layout
