@@ -327,7 +327,14 @@ def plan_write(
             if leaf is not None and not (replace and full):
                 raise TypeError(f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data")
             if not full:
-                raise KeyError(f"key {_name(path)} is not in the store; add it for every element first (store.set(key, value))")
+                # a new key written at some elements: created for every element, the others None
+                leaf = _new_leaf_at(kt, keys, h, path, renumber(None), None, json=True)
+                leaves[path] = leaf
+                new_paths.append(path)
+                changed = True
+                ops += _new_leaf_ops(kt, keys, h, leaf)
+                ops += _splice_ops(kt, keys, leaf, order, docs)
+                continue
             by_element = dict(zip(order, docs))
             number = renumber(leaf)
             if leaf is None:
@@ -339,12 +346,25 @@ def plan_write(
             continue
         if leaf is not None and leaf.json and not (replace and full):
             raise TypeError(f"key {_name(path)} holds non-tensor data; write NonTensorData or a str, or set() the whole key to replace it with a tensor")
-        if leaf is None or (replace and full and (leaf.json or not _fits(leaf, value, h))):
-            if not full:
-                raise KeyError(
-                    f"key {_name(path)} is not in the store; add it for every element first "
-                    "(store.set(key, value) or store[:] = td), then write single elements"
-                )
+        if leaf is None and not full:
+            # a new key written at some elements: created for every element (the others zeros, or empty
+            # elements of a heterogeneous key), then written below as any existing key is
+            _, elems = per_element(path, value)
+            dtype = elems[0].dtype if elems else value.dtype if isinstance(value, torch.Tensor) else None
+            if dtype is None:
+                raise ValueError(f"key {_name(path)}: no element to take the new key's dtype and shape from")
+            _codec.dtype_name(dtype)
+            _element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
+            shapes = {tuple(t.shape) for t in elems}
+            if len(shapes) > 1 and h.kind == "dense":
+                raise ValueError(f"key {_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
+            shape = shapes.pop() if len(shapes) == 1 else None
+            leaf = _new_leaf_at(kt, keys, h, path, renumber(None), shape, dtype=dtype, ndim=elems[0].ndim if elems else len(shape or ()))
+            leaves[path] = leaf
+            new_paths.append(path)
+            changed = True
+            ops += _new_leaf_ops(kt, keys, h, leaf)
+        elif leaf is None or (replace and full and (leaf.json or not _fits(leaf, value, h))):
             number = renumber(leaf)
             if leaf is None:
                 new_paths.append(path)
@@ -421,6 +441,28 @@ def plan_write(
     new_header = h.with_leaves(leaves, next_leaf) if changed else None
     touched = [h.leaves[p] for p in items if p in h.leaves]
     return new_header, ops, touched
+
+
+def _new_leaf_at(kt: KeyTable, keys: StoreKeys, h: Header, path: NestedPath, number: int, shape: tuple[int, ...] | None, *, dtype: torch.dtype = torch.uint8, ndim: int = 1, json: bool = False) -> Leaf:
+    """The leaf a write at some elements creates for a key the store does not have: homogeneous of
+    ``shape``, heterogeneous (``shape`` None), or non-tensor (``json``)."""
+    if json:
+        return Leaf(path, number, torch.uint8, 1, None, json=True)
+    return Leaf(path, number, dtype, ndim, shape)
+
+
+def _new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[list[Any]]:
+    """What a new leaf needs before its first elements are written. Nothing in a store that keeps an
+    inventory: each segment is allocated by the write that first touches it (zeros; empty elements,
+    read as None for non-tensor data). A spread store allocates every segment now, on the server."""
+    if h.tracked:
+        return []
+    n = leaf.number
+    if leaf.shape is not None:
+        return [["Z", kt.ref(keys.data(n)), h.count * leaf.element_nbytes]]
+    empty = [] if leaf.json else list(h.inner) + [0] * (leaf.ndim - len(h.inner))
+    record = _codec.pack_i64([0] if leaf.json else empty)
+    return [["S", kt.ref(keys.data(n)), b""], ["S", kt.ref(keys.offsets(n)), bytes(8 * (h.count + 1))], ["S", kt.ref(keys.shapes(n)), record * h.count]]
 
 
 def _fits(leaf: Leaf, value: Value, h: Header) -> bool:

@@ -343,8 +343,8 @@ class TensorDictStore(_ElementView):
             # whole entries: new keys are added, and (unless in place) a key may change dtype or shape, as set() replaces
             store._write(store._full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
             return
-        if new:
-            raise KeyError(f"key {display(new[0])!r} is not in the store; add it for the whole batch first (store[key] = tensor)")
+        # a key the store does not have is created for every row (the others read as zeros, or None
+        # for non-tensor data) in the same call that writes these rows
         store._write(self._store_index(index), _dense_values(items, False))
 
     def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
@@ -361,8 +361,10 @@ class TensorDictStore(_ElementView):
         if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
             self._store._setitem_index(self._store_index(index), value)
             return
+        if is_tensorclass(value):
+            value = value.to_tensordict()
         if not isinstance(value, (TensorDictBase, dict)):
-            raise TypeError("store[index] = value needs a TensorDict, a dict of tensors or a number")
+            raise TypeError("store[index] = value needs a TensorDict, a tensorclass, a dict of tensors or a number")
         self._write(leaves_of(value, 0, self._under), index)
 
     def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
 from . import _index, _nontensor, _ring, _writes
@@ -667,6 +667,8 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
             value = self._fill_value(index, value)
         elif isinstance(value, torch.Tensor):
             raise TypeError("store[index] = tensor is ambiguous; write a TensorDict (or a dict of tensors) or a number")
+        elif is_tensorclass(value):
+            value = value.to_tensordict()
         items = leaves_of(value, self._engine.header.stack_pos)
         new = [p for p in items if p not in self._engine.header.leaves]
         if new and self.is_locked:
