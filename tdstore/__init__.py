@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
+    from ._connection import PasswordError
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
-__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreFormatError", "register_tensorclass"]
+__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreFormatError", "PasswordError", "register_tensorclass"]
 __version__ = "0.1.0"
 
-_LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store"}
+_LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ import redis
 import torch
 from tensordict import TensorDict
 
+import tdstore
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._connection import PasswordError
 from tdstore.cli import main
@@ -114,6 +115,7 @@ def test_a_refused_login_is_one_clear_error(server, monkeypatch, how) -> None:
     with pytest.raises(PasswordError) as err:
         LazyStackedTensorDictStore(count=2, prefix="refused", **kwargs)
     assert isinstance(err.value, redis.AuthenticationError)  # code that catches redis-py's error keeps working
+    assert tdstore.PasswordError is PasswordError
     assert str(err.value).startswith(f"the server at unix://{sock}?db=0 {NEEDS}")
     assert "TDSTORE_PASSWORD" in str(err.value) and "HELLO" not in str(err.value)
     assert server.client().keys("refused:*") == []
