@@ -3,12 +3,42 @@
 Every operation is one atomic round trip: a Lua script call (EVALSHA), or for plain reads of
 homogeneous keys one MULTI/EXEC that checks the schema versions in the same transaction.
 Handles keep a cached view of the schema that the server validates on every call.
+
+The store classes are imported on first use (``tdstore.TensorDictStore``), not
+with the package: ``python -m tdstore`` and the ``tdstore`` command import this
+package first, and ``tdstore --help``, ``ls``, ``info`` and ``rm`` must not wait
+for torch and tensordict to load.
 """
 
-from ._errors import StoreDamagedError
-from ._schema import StoreFormatError
-from .lazy import LazyStackedTensorDictStore
-from .store import TensorDictStore, register_tensorclass
+from __future__ import annotations
 
-__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreDamagedError", "StoreFormatError", "register_tensorclass"]
+from typing import TYPE_CHECKING, Any
+
+from ._errors import StoreDamagedError
+from ._headerinfo import StoreFormatError
+
+if TYPE_CHECKING:
+    from ._connection import PasswordError
+    from .lazy import LazyStackedTensorDictStore
+    from .store import TensorDictStore, register_tensorclass
+
+__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreDamagedError", "StoreFormatError", "PasswordError", "register_tensorclass"]
 __version__ = "0.1.0"
+
+_LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a store class when it is first asked for (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tdstore' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

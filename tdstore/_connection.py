@@ -2,10 +2,19 @@
 
 A :class:`ConnectionSpec` is what a store keeps and pickles: host/port/db or a unix
 socket (URLs are parsed into those), TLS, and extra keyword arguments, but never a
-password (nor ``ssl_password``).  The password
-lives only in the live client.  A store unpickled in another process reconnects
-with the password from ``password_provider`` (a picklable callable the user gave),
-else from the ``TDSTORE_PASSWORD`` environment variable, else without one.
+password (nor ``ssl_password``).  The password lives only in the live client.
+
+One rule gives the password, in every process and for every entry point (the
+store classes, ``tdstore ls/info/rm/demo`` and the demo's actor processes), each
+time a client is opened: the password given (``password=``, or the URL's user
+info or ``?password=``), else what ``password_provider()`` returns (a picklable
+callable, so a child calls it too), else ``$TDSTORE_PASSWORD``, else none.  A
+pickle holds no password, so a child process gets it from the provider or the
+environment it inherits.
+
+A server that refuses the credentials (``NOAUTH``, ``WRONGPASS``, redis-py's
+"HELLO must be called with the client already authenticated") raises
+:class:`PasswordError`, which names the server and the ways to give a password.
 """
 
 from __future__ import annotations
@@ -26,6 +35,46 @@ _SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
 PASSWORD_ENV = "TDSTORE_PASSWORD"
 
 
+class PasswordError(redis.AuthenticationError):
+    """The server wants a password and got none, or refused the one given (never holds the password)."""
+
+
+def password_message(where: str, err: Exception) -> str:
+    """The one sentence for a refused login at ``where`` (the server's own text is no help: it may
+    say "HELLO must be called..." when the only thing missing is a password)."""
+    if "without any password configured" in str(err) or "no password is set" in str(err):
+        return f"the server at {where} has no password, but one was given (password=, the URL, password_provider or ${PASSWORD_ENV})"
+    return (
+        f"the server at {where} needs a password (or the one given is wrong): give it in the URL "
+        f"(redis://:PASSWORD@host:port), as password=, with password_provider=, or in ${PASSWORD_ENV}"
+    )
+
+
+#: What a server (or redis-py) says when it refuses a login, as redis-py's cluster client quotes it.
+_LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "HELLO must be called", "invalid username-password", "Authentication required", "without any password configured")
+
+
+def default_password(provider: Callable[[], str] | None) -> str | None:
+    """The password when none was given: ``provider()``, else ``$TDSTORE_PASSWORD`` (empty counts as unset)."""
+    if provider is not None:
+        return provider()
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+def _login_checked(where: str) -> Callable[[Any], None]:
+    """A redis-py ``redis_connect_func``: the usual handshake, with a refused login turned into :class:`PasswordError`."""
+
+    def on_connect(conn: Any) -> None:
+        try:
+            conn.on_connect()
+        except PasswordError:
+            raise
+        except redis.AuthenticationError as err:
+            raise PasswordError(password_message(where, err)) from None
+
+    return on_connect
+
+
 @dataclass(frozen=True)
 class ConnectionSpec:
     """Everything needed to open a client, minus secrets (safe to pickle and print).
@@ -41,6 +90,7 @@ class ConnectionSpec:
     ssl: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
     needs_password: bool = False
+    """A password was given when the spec was made (informational: every connect applies the rule above)."""
     password_provider: Callable[[], str] | None = None
     cluster: bool = False
     """A Redis Cluster, reached through ``redis.cluster.RedisCluster`` from this seed node."""
@@ -56,12 +106,16 @@ class ConnectionSpec:
         return f"{'rediss' if self.ssl else 'redis'}://{host}:{self.port}/{self.db}"
 
     def connect(self, password: str | None = None, secrets: dict[str, Any] | None = None) -> redis.Redis:
-        """A new client; bytes in and out (``decode_responses`` is forced off)."""
+        """A new client; bytes in and out (``decode_responses`` is forced off).
+
+        ``password``: the one given; None applies the rest of the rule (provider, then
+        ``$TDSTORE_PASSWORD``).
+        """
         kwargs = dict(self.kwargs)
         kwargs.update(secrets or {})
         kwargs["decode_responses"] = False
-        if password is None and self.needs_password:
-            password = self.password_provider() if self.password_provider else os.environ.get(PASSWORD_ENV)
+        if password is None:
+            password = default_password(self.password_provider)
         if password is not None:
             kwargs["password"] = password
         if self.cluster:
@@ -69,7 +123,15 @@ class ConnectionSpec:
 
             if self.ssl:
                 kwargs["ssl"] = True
-            return RedisCluster(host=self.host, port=self.port, **kwargs)  # type: ignore[return-value]
+            try:  # the seed node is reached here (the cluster's own connect hook runs first, so no hook of ours)
+                return RedisCluster(host=self.host, port=self.port, **kwargs)  # type: ignore[return-value]
+            except redis.AuthenticationError as err:
+                raise PasswordError(password_message(self.describe(), err)) from None
+            except redis.RedisClusterException as err:  # redis-py wraps a refused seed node's error in this
+                if any(text in str(err) for text in _LOGIN_REFUSED):
+                    raise PasswordError(password_message(self.describe(), err)) from None
+                raise
+        kwargs.setdefault("redis_connect_func", _login_checked(self.describe()))
         if self.unix_socket_path:
             return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
         if self.ssl:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import _codec
+from ._headerinfo import StoreFormatError
 from ._segments import Segments
 
 FORMAT = "1"
@@ -42,10 +43,6 @@ FORMATS = (FORMAT, FORMAT_ROWS, FORMAT_SPREAD)
 """The formats this tdstore reads; a header of another format is refused."""
 
 NestedPath = tuple[str, ...]
-
-
-class StoreFormatError(RuntimeError):
-    """The server holds metadata that this version of tdstore cannot read safely."""
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,15 @@ benchmark of the source tree).  This module only parses and formats; what is
 read from the server comes from :mod:`tdstore.inspect_store`.
 
 ``ls``, ``info`` and ``rm`` connect to ``--url``, else ``$TDSTORE_URL``, else
-``redis://localhost:6379/0``.  Server addresses are printed without credentials,
-and names read from the server are printed with control characters escaped.
+``redis://localhost:6379/0``, with the password of the URL, else
+``$TDSTORE_PASSWORD`` (the rule of :mod:`tdstore._connection`).  Server addresses
+are printed without credentials, and names read from the server are printed with
+control characters escaped.  Sizes are shown in B/KiB/MiB/GiB and times to live
+with a unit; ``--bytes`` prints exact byte counts (``--json`` always has raw numbers).
+
+``--help``, ``ls``, ``info`` and ``rm`` never import torch or tensordict (they
+read headers with :mod:`tdstore._headerinfo`), so they answer at once; ``demo``
+and ``bench`` import what they need when they run.
 
 Exit codes:
 
@@ -15,7 +22,8 @@ Exit codes:
 * 1 the demo saw a torn or inconsistent element (or an actor failed); ``info``
   or ``rm`` found a header it cannot read; ``rm`` was answered "no" or the store
   is still being uploaded; the server failed during a command;
-* 2 a usage error, an invalid or unreachable server URL, an unknown store id,
+* 2 a usage error (contradictory flags included), an invalid or unreachable server
+  URL, a server that needs a password (or refused the one given), an unknown store id,
   ``rm`` without ``--yes`` when stdin is not a terminal, or ``bench`` run from an
   installed package (the benchmark ships with the source tree only);
 * ``bench`` otherwise exits with the benchmark's own code;
@@ -128,9 +136,44 @@ def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes as a person reads them: ``512 B``, ``1.5 KiB``, ``23 MiB`` (3 significant digits)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in _UNITS:
+        value /= 1024
+        if value < 1024 or unit == _UNITS[-1]:
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_duration(ms: int) -> str:
+    """A time to live with its unit: ``45s``, ``12m05s``, ``3h20m``, ``2d03h``; below a minute in whole seconds
+    rounded up (a store that has 0.4 s left is not shown as 0s)."""
+    seconds = math.ceil(ms / 1000)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, sec = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{sec:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _size(n: int, raw: bool) -> str:
+    return str(n) if raw else human_size(n)
+
+
 def _ls_ttl(info: StoreInfo) -> str:
-    """Whole seconds left, rounded up (a store that has 0.4 s left is not shown as 0), or ``-``."""
-    return "-" if info.ttl_ms is None else str(math.ceil(info.ttl_ms / 1000))
+    """The time to live with a unit, or ``-`` for a store without one."""
+    return "-" if info.ttl_ms is None else human_duration(info.ttl_ms)
 
 
 def _state_text(state: str) -> str:
@@ -139,16 +182,29 @@ def _state_text(state: str) -> str:
 
 
 def _connect(command: str, url: str | None) -> ServerConnection | int:
-    """The connection, or the exit code after printing why there is none."""
+    """The connection, or the exit code after printing why there is none (a refused password included)."""
     from .inspect_store import InvalidURL, ServerUnreachable, connect, resolve_url
 
+    target = resolve_url(url)
     try:
-        return connect(resolve_url(url))
+        return connect(target)
     except InvalidURL as err:
-        print(f"tdstore {command}: error: invalid server url: {err}", file=sys.stderr)
-    except ServerUnreachable as err:
+        # the message is redis-py's parse error, which may quote the URL: scrub its password
+        print(f"tdstore {command}: error: invalid server url: {_scrub_url_password(target, str(err))}", file=sys.stderr)
+    except ServerUnreachable as err:  # LoginRefused too: "the server at ... needs a password ..."
         print(f"tdstore {command}: error: {err}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _scrub_url_password(url: str | None, text: str) -> str:
+    """``text`` without the password of ``url`` (a URL redis-py could not parse is parsed by hand here)."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(url or "").password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
 
 
 def _server_failed(command: str, conn: ServerConnection, err: Exception) -> int:
@@ -198,10 +254,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             _safe(i.kind),
             str(i.count),
             str(len(i.leaves)),
-            str(i.bytes),
+            _size(i.bytes, args.bytes),
             _ls_ttl(i),
             _state_text(i.state),
-            f"{i.written}/{i.count}",
+            f"{i.written}/{i.count}" if i.has_ring else "-",
         ]
         for i in listing.stores
     ]
@@ -209,7 +265,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows.sort(key=lambda row: row[0])
     total = len(listing.stores) + len(listing.unreadable)
     if rows:
-        for line in _table(["TD_ID", "TYPE", "COUNT", "KEYS", "BYTES", "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
+        size = "BYTES" if args.bytes else "SIZE"
+        for line in _table(["TD_ID", "TYPE", "COUNT", "KEYS", size, "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
             print(line)
         for bad in listing.unreadable:
             print(f"unreadable {_safe(bad.td_id)}: {_safe(bad.error)}")
@@ -225,23 +282,34 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _info_lines(info: StoreInfo, where: str) -> list[str]:
-    """The human form of ``info``: header facts, then one row per key."""
+def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
+    """The human form of ``info``: the header facts that apply to this store, then one row per key.
+
+    A spread store (or a dense one) has no ring buffer, so it shows no ring line.
+    """
     table_bytes = sum(leaf.table_bytes for leaf in info.leaves)
     data_bytes = sum(leaf.data_bytes for leaf in info.leaves)
+    ring = [("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}")] if info.has_ring else []
+    # a dense store is one tensordict: its batch size is what applies (no stack of elements to count)
+    shape: list[tuple[str, str]] = (
+        [("batch size", _shape_text(info.batch_size))]
+        if info.kind == "dense"
+        else [("count", str(info.count)), ("stack dim", str(info.stack_dim)), ("inner batch size", _shape_text(info.inner))]
+    )
     facts = [
         ("type", _safe(info.kind)),
-        ("count", str(info.count)),
-        ("stack dim", str(info.stack_dim)),
-        ("inner batch size", _shape_text(info.inner)),
+        *shape,
         ("device", _safe(info.device) or "-"),
         ("version", str(info.version)),
         ("state", _safe(info.state)),
         *([("tensorclass", _safe(info.tensorclass))] if info.tensorclass else []),
-        ("ttl", "-" if info.ttl_ms is None else f"{info.ttl_ms / 1000:.1f} s"),
-        ("bytes", f"{info.bytes} (data {data_bytes}, heterogeneous tables {table_bytes})"),
+        ("ttl", _ls_ttl(info)),
+        (
+            "bytes" if raw else "size",
+            f"{_size(info.bytes, raw)} (data {_size(data_bytes, raw)}, heterogeneous tables {_size(table_bytes, raw)})",
+        ),
         ("server keys", str(info.server_keys)),
-        ("ring", f"cursor {info.cursor}, write_count {info.write_count}, written {info.written}/{info.count}"),
+        *ring,
         ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "") + (", spread over the cluster's nodes" if info.spread else "")),
         ("row block", ", ".join(_safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)) or "-"),
     ]
@@ -256,11 +324,11 @@ def _info_lines(info: StoreInfo, where: str) -> list[str]:
                 leaf.dtype,
                 leaf.layout,
                 _shape_text(leaf.shape) if leaf.shape is not None else f"ndim {leaf.ndim}, shapes vary",
-                str(leaf.data_bytes),
+                _size(leaf.data_bytes, raw),
             ]
             for leaf in info.leaves
         ]
-        lines += ["    " + line for line in _table(["KEY", "DTYPE", "LAYOUT", "ELEMENT SHAPE", "BYTES"], rows, right={4})]
+        lines += ["    " + line for line in _table(["KEY", "DTYPE", "LAYOUT", "ELEMENT SHAPE", "BYTES" if raw else "SIZE"], rows, right={4})]
     return lines
 
 
@@ -287,7 +355,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"server": conn.where, **info.to_json(schema=True)}, indent=2))
     else:
-        print("\n".join(_info_lines(info, conn.where)))
+        print("\n".join(_info_lines(info, conn.where, raw=args.bytes)))
     return EXIT_OK
 
 
@@ -323,7 +391,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
                 )
                 return EXIT_FAILED
             if info is not None and not args.yes:
-                answer = _confirm(f"Delete store {shown} ({len(info.leaves)} keys, {info.bytes} bytes)? [y/N] ")
+                answer = _confirm(f"Delete store {shown} ({len(info.leaves)} keys, {human_size(info.bytes)})? [y/N] ")
                 if answer is None:
                     print(
                         f"tdstore rm: error: not deleting store {shown}: stdin is not a terminal, so nobody can confirm; pass --yes",
@@ -372,7 +440,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    proc = subprocess.Popen([sys.executable, str(script), *args.bench_args])
+    import os
+
+    proc = subprocess.Popen([sys.executable, str(script), *args.bench_args], env={**os.environ, "TDSTORE_BENCH_PROG": "tdstore bench"})
     try:
         code = proc.wait()
     except KeyboardInterrupt:
@@ -398,15 +468,20 @@ def _stop_child(proc: subprocess.Popen[Any]) -> None:
     proc.wait()
 
 
-def _add_server_options(parser: argparse.ArgumentParser, *, json_help: str | None) -> None:
+def _add_server_options(parser: argparse.ArgumentParser, *, json_help: str | None, sizes: bool = False) -> None:
     parser.add_argument(
         "--url",
         default=None,
-        help="redis://, rediss:// or unix:// URL of the server (default: $TDSTORE_URL, else redis://localhost:6379/0)",
+        help=(
+            "redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: $TDSTORE_URL, else redis://localhost:6379/0); "
+            "a password goes in it (redis://:PASSWORD@host:port) or in $TDSTORE_PASSWORD"
+        ),
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"key prefix the stores were created under (default: {DEFAULT_PREFIX})")
     if json_help is not None:
         parser.add_argument("--json", action="store_true", help=json_help)
+    if sizes:
+        parser.add_argument("--bytes", action="store_true", help="print sizes as exact byte counts instead of KiB/MiB/GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,9 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
             "started for the run. The store is deleted at the end. Exit code 1 if a torn or inconsistent element was seen."
         ),
     )
-    demo.add_argument("--url", default=None, help="redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: start an embedded one)")
-    demo.add_argument("--cluster", action="store_true", help="without --url: start an embedded three-primary Redis Cluster instead of one server")
-    demo.add_argument("--spread", action="store_true", help="on a cluster: spread the store's segments over every node (spread=True)")
+    demo.add_argument(
+        "--url",
+        default=None,
+        help=(
+            "redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: start an embedded one); "
+            "a password goes in it (redis://:PASSWORD@host:port) or in $TDSTORE_PASSWORD, and reaches the actor processes"
+        ),
+    )
+    demo.add_argument("--cluster", action="store_true", help="start an embedded three-primary Redis Cluster instead of one server (not with --url)")
+    demo.add_argument(
+        "--spread", action="store_true", help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url)"
+    )
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")
     demo.add_argument("--seconds", type=_positive_float, default=5.0, help="duration of the run (default: 5)")
@@ -440,21 +524,24 @@ def build_parser() -> argparse.ArgumentParser:
         "ls",
         help="list the stores under a prefix",
         description=(
-            "One row per store of the prefix: id, type, element count, number of keys, bytes on the server, "
-            "seconds to live, state, and ring slots written / count. Read-only: registry entries of expired stores "
-            "are skipped (and named on stderr), not removed."
+            "One row per store of the prefix: id, type, element count, number of keys, size on the server, "
+            "time to live, state, and ring slots written / count ('-' where the ring does not apply). Read-only: "
+            "registry entries of expired stores are skipped (and named on stderr), not removed."
         ),
     )
-    _add_server_options(ls, json_help="print JSON on stdout instead of the table")
+    _add_server_options(ls, json_help="print JSON on stdout instead of the table (raw numbers: bytes, seconds)", sizes=True)
     ls.set_defaults(handler=_cmd_ls)
 
     info = sub.add_parser(
         "info",
         help="show the header and the schema of one store",
-        description="Header facts (count, stack dim, inner batch size, device, version, state, ttl, bytes, ring) and one row per key.",
+        description=(
+            "Header facts (count, stack dim, inner batch size, device, version, state, ttl, size, server keys, ring where it applies, "
+            "segments, row block) and one row per key."
+        ),
     )
     info.add_argument("td_id", metavar="TD_ID", help="id of the store")
-    _add_server_options(info, json_help="print JSON on stdout instead of text")
+    _add_server_options(info, json_help="print JSON on stdout instead of text (raw numbers: bytes, seconds)", sizes=True)
     info.set_defaults(handler=_cmd_info)
 
     rm = sub.add_parser(

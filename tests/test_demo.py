@@ -140,6 +140,13 @@ def test_cli_demo_json_in_a_subprocess(tmp_path: Path) -> None:
     _assert_clean(figures, actors=2, count=32, batch=32)
     assert figures["server"].startswith("embedded redis-server")  # no --url: the demo started its own
     assert "32/32 elements verified" in proc.stderr  # the human summary went to stderr
+    # while the actors start, the demo says so (no silent 0 % bar): each step, then each actor
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("tdstore demo: ")]
+    assert steps[0] == "tdstore demo: starting an embedded redis-server..."
+    assert steps[1].startswith("tdstore demo: server: embedded redis-server") and steps[1].endswith("uploading 32 elements...")
+    assert steps[2].startswith("tdstore demo: starting 2 actor processes (each imports torch and connects")
+    assert all(" connected (" in line for line in steps[3:5]) and {line[-5:] for line in steps[3:5]} == {"(1/2)", "(2/2)"}
+    assert steps[5].startswith("tdstore demo: 2 actors ready after ") and steps[5].endswith("writing and sampling for 1 s")
 
 
 @pytest.mark.slow
@@ -177,8 +184,23 @@ def test_cli_unreachable_url_exits_2(capsys: pytest.CaptureFixture[str]) -> None
     # port 1 on loopback: nothing listens there, and nothing is started
     assert main(["demo", "--url", "redis://127.0.0.1:1", "--seconds", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "cannot reach a Redis server at redis://127.0.0.1:1" in err
+    assert "cannot reach the server at redis://127.0.0.1:1/0" in err
     assert "Traceback" not in err
+
+
+def test_cli_contradictory_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing is started: the flags are checked before any server or process."""
+    cases = {
+        ("demo", "--spread"): "--spread spreads the store over a Redis Cluster's nodes: add --cluster",
+        ("demo", "--spread", "--url", "redis://127.0.0.1:1"): "or give --url redis+cluster://HOST:PORT",
+        ("demo", "--cluster", "--url", "redis+cluster://127.0.0.1:1"): "--cluster starts an embedded cluster, so it cannot be used with --url",
+    }
+    for argv, message in cases.items():
+        assert main([*argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("tdstore demo: error: ") and message in err, err
+    with pytest.raises(ValueError, match="--spread"):
+        run_demo(spread=True, progress=False)
 
 
 def test_cli_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,7 +96,7 @@ def test_read_transactions_over_tls(tls_server):
 
 def test_wrong_credentials_give_a_clear_error(tls_server):
     srv, port, folder = tls_server
-    with pytest.raises(redis.AuthenticationError):
+    with pytest.raises(redis.AuthenticationError, match=rf"the server at rediss://127.0.0.1:{port}/0 needs a password \(or the one given is wrong\)"):
         LazyStackedTensorDictStore(url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls")
     with pytest.raises(redis.ConnectionError):
         # a client that does not trust the server's certificate refuses the connection

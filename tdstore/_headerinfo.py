@@ -1,0 +1,197 @@
+"""A store header read without torch: what ``tdstore ls``, ``info`` and ``rm`` need.
+
+:class:`tdstore._schema.Header` is what a store handle works with; it holds torch
+dtypes and sizes, so importing it imports torch (about 2 s).  The command line
+only shows headers and deletes stores, so it reads them here instead: the same
+checks as ``Header.from_fields``, with dtypes kept as their allow-listed names
+(``tests/test_headerinfo.py`` holds the two readers to the same verdicts).
+Nothing read from the server is imported, evaluated or unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["FORMATS", "ITEMSIZE", "HeaderInfo", "LeafRecord", "StoreFormatError", "parse_header"]
+
+FORMATS = ("1", "2", "3")
+"""Header formats this tdstore reads (see ``_schema``: ``3`` is a spread store)."""
+FORMAT_PLAIN, FORMAT_SPREAD = "1", "3"
+
+#: Bytes per element of every allow-listed dtype (``_codec.DTYPES``), by name.
+ITEMSIZE: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex32": 4,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+}
+
+
+class StoreFormatError(RuntimeError):
+    """The server holds metadata that this version of tdstore cannot read safely."""
+
+
+@dataclass(frozen=True)
+class LeafRecord:
+    """One leaf of a header: its dtype as a name, ``shape`` None when it varies per element."""
+
+    path: tuple[str, ...]
+    number: int
+    dtype: str
+    ndim: int
+    shape: tuple[int, ...] | None
+    json: bool = False
+    col: int | None = None
+
+    @property
+    def element_nbytes(self) -> int:
+        assert self.shape is not None
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class HeaderInfo:
+    """The facts of a header that an inspection shows (see ``_schema.Header`` for their meaning)."""
+
+    version: int
+    count: int
+    stack_dim: int
+    inner: tuple[int, ...]
+    device: str
+    kind: str
+    leaves: tuple[LeafRecord, ...]
+    next_leaf: int
+    state: str
+    epoch: str
+    tensorclass: str
+    seg: int
+    spread: bool
+    row: tuple[int, int] | None
+    batchless: bool = False
+
+    @property
+    def segments(self) -> int:
+        """Number of segments (``Segments(count, seg or count).n``)."""
+        per = self.seg or max(self.count, 1)
+        return max(1, -(-self.count // per))
+
+
+def _leaf(rec: dict) -> LeafRecord:
+    """``_schema.Leaf.from_json`` without torch."""
+    path = rec["path"]
+    if not isinstance(path, list) or not path or not all(isinstance(p, str) for p in path):
+        raise StoreFormatError(f"bad leaf path {path!r}")
+    number, ndim, shape, version = rec["n"], rec["ndim"], rec.get("shape"), rec.get("v", 0)
+    if not isinstance(number, int) or number < 0 or not isinstance(ndim, int) or ndim < 0 or not isinstance(version, int):
+        raise StoreFormatError(f"bad leaf record {rec!r}")
+    if shape is not None:
+        if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise StoreFormatError(f"bad leaf shape in {rec!r}")
+        shape = tuple(shape)
+    json_leaf = rec.get("nt", 0) == 1
+    dtype = rec["dtype"]
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise ValueError(f"unknown dtype {dtype!r} in the store metadata (not one of tdstore's dtypes)")
+    if json_leaf and (dtype != "uint8" or ndim != 1 or shape is not None):
+        raise StoreFormatError(f"bad non-tensor leaf record {rec!r}")
+    col = rec.get("col")
+    if col is not None and (not isinstance(col, int) or isinstance(col, bool) or col < 0 or shape is None or json_leaf):
+        raise StoreFormatError(f"bad row-block column in {rec!r}")
+    return LeafRecord(tuple(path), number, dtype, ndim, shape, json_leaf, col)
+
+
+def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
+    """Parse and check a header hash read from the server, as ``Header.from_fields`` does.
+
+    Anything unexpected raises :class:`StoreFormatError` instead of being guessed at.
+    """
+    f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in raw.items()}
+    fmt = f.get("format")
+    if fmt not in FORMATS:
+        raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
+    try:
+        count = int(f["count"])
+        stack_dim = int(f["stack_dim"])
+        inner = json.loads(f["inner"])
+        version = int(f["version"])
+        schema = json.loads(f["schema"])
+        kind = f["type"]
+        state = f.get("state", "ready")
+        int(f["kv"])
+        epoch = f["epoch"]
+        tensorclass = f.get("tensorclass", "")
+        seg = int(f.get("seg", "0"))
+    except (KeyError, ValueError, TypeError) as err:
+        raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
+    if not epoch or any(c not in "0123456789abcdef" for c in epoch):
+        raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
+    if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
+        raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
+    if seg < 0:
+        raise StoreFormatError(f"store header has a bad segment length {seg}")
+    if not -(len(inner) + 1) <= stack_dim <= len(inner):
+        raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
+    if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
+        raise StoreFormatError("store header has a corrupt schema")
+    row = schema.get("row")
+    if row is not None and fmt == FORMAT_PLAIN:
+        raise StoreFormatError(f"store header of format {fmt!r} has a row block")
+    if row is not None and not (
+        isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]
+    ):
+        raise StoreFormatError(f"store header has a bad row block {row!r}")
+    try:
+        leaves = [_leaf(rec) for rec in schema["leaves"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise StoreFormatError(f"store header has a corrupt leaf record: {err}") from None
+    numbers = {leaf.number for leaf in leaves}
+    if len({leaf.path for leaf in leaves}) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
+        raise StoreFormatError("store header has duplicate leaves or leaf numbers")
+    end = 0
+    for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col or 0):
+        assert leaf.col is not None
+        if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
+            raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)")
+        end = leaf.col + leaf.element_nbytes
+    for leaf in leaves:
+        if leaf.json:
+            continue
+        if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
+            raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+    return HeaderInfo(
+        version=version,
+        count=count,
+        stack_dim=stack_dim,
+        inner=tuple(inner),
+        device=f.get("device", ""),
+        kind=kind,
+        leaves=tuple(leaves),
+        next_leaf=schema["next"],
+        state=state,
+        epoch=epoch,
+        tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
+        seg=seg,
+        spread=fmt == FORMAT_SPREAD,
+        row=(row[0], row[1]) if row is not None else None,
+        batchless=f.get("batchless") == "1",
+    )
