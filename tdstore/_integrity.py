@@ -20,20 +20,44 @@ those zeros as if they had been written. So:
   An inventory that lost entries (its size differs from ``na``) can vouch for nothing.
 
 Whatever fails raises :class:`StoreDamagedError`, and nothing is written or recreated.
+``tdstore check`` (``inspect_store.audit``) applies the same rules to every key of a store.
+This module imports no torch: the command line uses it.
 A spread store (segments on several cluster nodes) keeps no inventory: its keys are
 allocated up front, and any absent key is a lost one.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ._errors import StoreDamagedError
 from ._keys import StoreKeys
-from ._schema import Header
+
+if TYPE_CHECKING:
+    from ._schema import Header
 
 #: ``write.lua``'s check codes, one (code, length, aux) record of int64 per KEYS entry.
 NOT_CHECKED, HET_DATA, EXACT = 0, 1, 2
+
+
+def expected(role: str, leaf: Any, elements: int) -> tuple[int, int, int]:
+    """What key ``role`` (``d``/``o``/``s``) of ``leaf`` in a segment of ``elements`` must hold, as a
+    ``(code, length, aux)`` check: ``EXACT`` bytes (aux: a shape table's record size), ``HET_DATA``
+    (at least the last offset; aux filled in by the caller) or ``NOT_CHECKED`` (a table of a
+    homogeneous leaf, the blob of a leaf living in the row block). ``leaf`` is a ``_schema.Leaf``
+    or a ``_headerinfo.LeafRecord``: anything with ``shape`` (None: heterogeneous), ``ndim``,
+    ``col`` and ``element_nbytes``."""
+    if leaf.col is not None:
+        return (NOT_CHECKED, 0, 0)
+    if leaf.shape is not None:
+        return (EXACT, elements * leaf.element_nbytes, 0) if role == "d" else (NOT_CHECKED, 0, 0)
+    if role == "d":
+        return (HET_DATA, 0, 0)
+    if role == "o":
+        return (EXACT, 8 * (elements + 1), 0)
+    return (EXACT, 8 * leaf.ndim * elements, 8 * leaf.ndim)
 
 
 def checks(keys: StoreKeys, h: Header, names: list[str], new: Header | None = None) -> bytes:
@@ -59,21 +83,17 @@ def checks(keys: StoreKeys, h: Header, names: list[str], new: Header | None = No
             continue
         role, number, seg = what
         leaf = by_number.get(number)
-        if leaf is None or seg >= segs.n or leaf.col is not None:  # a key of the row block has no blob of its own
+        if leaf is None or seg >= segs.n:
             continue
-        m = segs.size(seg)
-        if role == "d" and not leaf.het:
-            out[i] = (EXACT, m * leaf.element_nbytes, 0)
-        elif role == "d":
+        code, length, aux = expected(role, leaf, segs.size(seg))
+        if code == HET_DATA:
             if position is None:
                 position = {n: j for j, n in enumerate(names)}
             o = position.get(keys.offsets(number, seg))
-            if o is not None:
-                out[i] = (HET_DATA, 0, o + 1)
-        elif leaf.het and role == "o":
-            out[i] = (EXACT, 8 * (m + 1), 0)
-        elif leaf.het:
-            out[i] = (EXACT, 8 * leaf.ndim * m, 8 * leaf.ndim)
+            if o is None:
+                continue
+            aux = o + 1
+        out[i] = (code, length, aux)
     return out.tobytes()
 
 
@@ -87,4 +107,4 @@ def damaged(where: str, detail: str, td_id: str) -> StoreDamagedError:
     )
 
 
-__all__ = ["StoreDamagedError", "checks", "damaged", "EXACT", "HET_DATA", "NOT_CHECKED"]
+__all__ = ["StoreDamagedError", "checks", "damaged", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]

@@ -335,7 +335,7 @@ def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
 def _cmd_info(args: argparse.Namespace) -> int:
     import redis
 
-    from .inspect_store import NoSuchStore, UnreadableStore, store_info
+    from .inspect_store import NoSuchStore, UnreadableStore, audit, store_info
 
     conn = _connect("info", args.url)
     if isinstance(conn, int):
@@ -343,6 +343,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     with conn:
         try:
             info = store_info(conn.client, args.prefix, args.td_id)
+            found = audit(conn.client, args.prefix, args.td_id)
         except NoSuchStore:
             return _no_store("info", args.td_id, args.prefix, conn)
         except UnreadableStore as err:
@@ -353,10 +354,50 @@ def _cmd_info(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("info", conn, err)
     if args.json:
-        print(json.dumps({"server": conn.where, **info.to_json(schema=True)}, indent=2))
+        print(json.dumps({"server": conn.where, **info.to_json(schema=True), "integrity": found.to_json()}, indent=2))
     else:
-        print("\n".join(_info_lines(info, conn.where, raw=args.bytes)))
+        lines = _info_lines(info, conn.where, raw=args.bytes)
+        lines.insert(1, f"  integrity: {_integrity_text(found)}")
+        print("\n".join(lines))
     return EXIT_OK
+
+
+def _integrity_text(found: Any) -> str:
+    if found.intact:
+        return f"intact ({found.checked} keys checked; {found.never_written} of them absent, in segments never written)"
+    return f"DAMAGED: {len(found.problems)} keys lost or cut short; 'tdstore check {_safe(found.td_id)}' lists them"
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import redis
+
+    from .inspect_store import NoSuchStore, UnreadableStore, audit
+
+    conn = _connect("check", args.url)
+    if isinstance(conn, int):
+        return conn
+    with conn:
+        try:
+            found = audit(conn.client, args.prefix, args.td_id)
+        except NoSuchStore:
+            return _no_store("check", args.td_id, args.prefix, conn)
+        except UnreadableStore as err:
+            print(f"tdstore check: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except redis.RedisError as err:
+            return _server_failed("check", conn, err)
+    if args.json:
+        print(json.dumps({"server": conn.where, **found.to_json()}, indent=2))
+    else:
+        print(f"store {_safe(found.td_id)} under prefix {_safe(args.prefix)!r} on {conn.where}: {_integrity_text(found)}")
+        for line in found.problems:
+            print(f"  {_safe(line)}")
+        if not found.intact:
+            print(
+                "  The server evicted these keys (a maxmemory-policy other than noeviction) or someone deleted them; reads and writes "
+                f"of them raise StoreDamagedError. Delete the store ('tdstore rm {_safe(found.td_id)}') and write it again."
+            )
+    return EXIT_OK if found.intact else EXIT_FAILED
 
 
 def _confirm(question: str) -> bool | None:
@@ -543,6 +584,18 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("td_id", metavar="TD_ID", help="id of the store")
     _add_server_options(info, json_help="print JSON on stdout instead of text (raw numbers: bytes, seconds)", sizes=True)
     info.set_defaults(handler=_cmd_info)
+
+    check = sub.add_parser(
+        "check",
+        help="check every key of one store against its header (lost or cut-short keys)",
+        description=(
+            "Check each data and table key of one store against the length its header implies, as every read and write does "
+            "for the keys it touches; list the keys lost (evicted or deleted) or cut short. Exit 0 when intact, 1 when damaged. Never writes."
+        ),
+    )
+    check.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(check, json_help="print JSON on stdout instead of text")
+    check.set_defaults(handler=_cmd_check)
 
     rm = sub.add_parser(
         "rm",

@@ -32,10 +32,11 @@ from redis.retry import Retry
 
 from . import _scripts
 from ._connection import PASSWORD_ENV, PasswordError, open_client
-from ._headerinfo import HeaderInfo, StoreFormatError, parse_header
+from ._headerinfo import HeaderInfo, LeafRecord, StoreFormatError, parse_header
 from ._keys import StoreKeys, registry_key
 
 __all__ = [
+    "Audit",
     "DEFAULT_URL",
     "URL_ENV",
     "Deletion",
@@ -50,6 +51,7 @@ __all__ = [
     "StoreInfo",
     "Unreadable",
     "UnreadableStore",
+    "audit",
     "connect",
     "delete_store",
     "inspect_for_delete",
@@ -499,6 +501,107 @@ def _lookup(client: redis.Redis, prefix: str, td_id: str) -> tuple[StoreInfo | N
         return None, str(err), registered
     (info,) = _measure(client, [(_layout(client, keys, header), header, rw)])
     return info, None, registered
+
+
+@dataclass(frozen=True)
+class Audit:
+    """What ``tdstore check`` found: every data and table key of a store against its header (``_integrity``)."""
+
+    td_id: str
+    checked: int
+    """Keys checked (each leaf's data and tables in every segment)."""
+    never_written: int
+    """Keys absent because their segment was never written (the inventory vouches for them)."""
+    problems: tuple[str, ...]
+    """One line per key lost, short or too long, and for an inventory that lost entries."""
+
+    @property
+    def intact(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"td_id": self.td_id, "intact": self.intact, "checked": self.checked, "never_written": self.never_written, "problems": list(self.problems)}
+
+
+def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
+    """Check every data and table key of a store against what its header implies (two pipelines).
+
+    The rules are the ones every write and read applies to the keys it touches (see
+    ``tdstore._integrity``): a key holds exactly what its layout implies (a heterogeneous
+    leaf's data at least its last offset); an absent key is fine only when the store's
+    inventory is whole and does not list it (a segment never written). Read-only; a snapshot
+    (not atomic with writes other processes make meanwhile).
+    """
+    from ._integrity import EXACT, HET_DATA, expected
+
+    keys = StoreKeys(prefix, td_id)
+    raw = client.hgetall(keys.meta)
+    if not raw:
+        raise NoSuchStore(td_id)
+    try:
+        header, _ = _parse(raw)
+    except StoreFormatError as err:
+        raise UnreadableStore(str(err)) from None
+    keys = _layout(client, keys, header)
+    na_raw = raw.get(b"na") if b"na" in raw else raw.get("na")
+    tracked = na_raw is not None
+    leaves = [leaf for leaf in header.leaves]
+    if header.row is not None:
+        leaves.append(LeafRecord(("\0row",), header.row[0], "uint8", 1, (header.row[1],)))
+    per = header.seg or max(header.count, 1)
+    wanted: list[tuple[str, tuple[int, int, int], str | None]] = []  # key, check, offsets key of a heterogeneous data key
+    for seg in range(header.segments):
+        m = min(per, header.count - seg * per)
+        for leaf in leaves:
+            for role, name in (("d", keys.data), ("o", keys.offsets), ("s", keys.shapes)):
+                check = expected(role, leaf, m)
+                if check[0] in (EXACT, HET_DATA):
+                    wanted.append((name(leaf.number, seg), check, keys.offsets(leaf.number, seg) if check[0] == HET_DATA else None))
+    pipe = client.pipeline(transaction=False)
+    for key, _, okey in wanted:
+        pipe.exists(key)
+        pipe.strlen(key)
+        if okey is not None:
+            pipe.getrange(okey, -8, -1)
+    if tracked:
+        pipe.hlen(keys.inventory)
+        for key, _, _ in wanted:
+            pipe.hexists(keys.inventory, key)
+    replies = pipe.execute()
+    pos = 0
+    state = []
+    for key, check, okey in wanted:
+        exists, have = bool(replies[pos]), int(replies[pos + 1])
+        pos += 2
+        last = None
+        if okey is not None:
+            tail = replies[pos]
+            pos += 1
+            last = int.from_bytes(tail, "little") if len(tail) == 8 else 0
+        state.append((key, check, exists, have, last))
+    problems: list[str] = []
+    listed: list[bool] = [False] * len(wanted)
+    whole = True
+    if tracked:
+        count = int(replies[pos])
+        pos += 1
+        listed = [bool(r) for r in replies[pos : pos + len(wanted)]]
+        if count != int(na_raw):
+            whole = False
+            problems.append(f"{keys.inventory}: the inventory lists {count} keys, the header counts {int(na_raw)} (it lost entries)")
+    never = 0
+    for (key, (code, length, _), exists, have, last), in_inventory in zip(state, listed):
+        if code == HET_DATA:
+            if have < (last or 0):
+                problems.append(f"{key}: holds {have} bytes, its offset table says {last}" + ("" if exists else " (lost)"))
+        elif have != length:
+            if not exists and length and tracked and whole and not in_inventory:
+                never += 1
+            elif not exists:
+                problems.append(f"{key}: lost (the header implies {length} bytes)")
+            else:
+                problems.append(f"{key}: holds {have} bytes, the header implies {length}")
+    return Audit(td_id, len(wanted), never, tuple(problems))
 
 
 def store_info(client: redis.Redis, prefix: str, td_id: str) -> StoreInfo:

@@ -266,3 +266,26 @@ def test_a_write_to_a_replica_names_the_replica(redis_server):
         with pytest.raises(PermissionError, match=rf"replica.*{replica.port}|{replica.port}.*replica"):
             other[0] = _element(9)
         assert_same(st.to_tensordict(), _stack(3))
+
+
+def test_tdstore_check_and_info_report_a_damaged_store(real, capsys):
+    from tdstore.cli import main
+
+    st = LazyStackedTensorDictStore.from_lazy_stack(_stack(6), **real.kwargs())
+    sparse = TensorDictStore.from_schema({"x": ([4], torch.float32)}, batch_size=[8], segment_bytes=16, **real.kwargs())
+    sparse[3] = TensorDict(x=torch.ones(4), batch_size=[])
+    args = ["--url", real.server.url, "--prefix", real.prefix]
+    assert main(["check", st.td_id, *args]) == 0
+    assert "intact" in capsys.readouterr().out
+    assert main(["check", sparse.td_id, *args]) == 0
+    assert "intact (8 keys checked; 7 of them absent, in segments never written)" in capsys.readouterr().out
+    lost = [_key_of(st, "het offsets"), _key_of(st, "blob")]
+    real.client().delete(*lost)
+    assert main(["check", st.td_id, *args]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED: 2 keys" in out and all(k in out for k in lost)
+    assert main(["info", st.td_id, *args]) == 0
+    assert "integrity: DAMAGED: 2 keys lost or cut short" in capsys.readouterr().out
+    assert main(["check", st.td_id, *args, "--json"]) == 1
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["intact"] is False and len(doc["problems"]) == 2
