@@ -36,6 +36,10 @@
           little-endian int64, 'data' holds the n values back to back
     'S', k, bytes                                        SET KEYS[k] (a new blob or table)
     'D', k                                               DEL KEYS[k]
+    'T', k                                               KEYS[k] is kept as it is, but checked (and
+                                                         allocated when never written) as a key
+                                                         written in place: a homogeneous leaf that
+                                                         turns heterogeneous keeps its blobs
     'Z', k, n                                            KEYS[k] becomes n zero bytes, allocated
                                                          by the server (nothing sent)
     'M', ks, kt, n
@@ -291,6 +295,9 @@ for _ = 1, nops do
     ops[#ops + 1] = op
   elseif kind == 'D' then
     ops[#ops + 1] = {kind = 'D', key = key(a + 1, whole)}
+    a = a + 2
+  elseif kind == 'T' then
+    key(a + 1, inplace)
     a = a + 2
   elseif kind == 'O' then
     local op = {kind = 'O', src = key(a + 1), key = key(a + 2, whole)}

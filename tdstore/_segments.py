@@ -181,9 +181,9 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
             continue
         role, n = w
         leaf = leaf_of(n)
-        if kind == "D":
+        if kind in ("D", "T"):
             for seg in range(segs.n):
-                new.append(["D", out.ref(keys.leaf_keys(n, seg)["dos".index(role)])])
+                new.append([kind, out.ref(keys.leaf_keys(n, seg)["dos".index(role)])])
         elif kind == "R":
             _localize_rows(segs, keys, n, leaf.eb, op, out, new)
         elif kind == "Z":
@@ -233,7 +233,7 @@ def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Cal
 
 
 # arguments (1-based positions within an op) that are key indices, for ops passed through
-_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2)}
+_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2)}
 
 
 def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[list[Any]]) -> None:

@@ -54,7 +54,7 @@ LEASE_MS = 30_000
 #: ``lua/lock.lua``), so that client gets through before the next change.
 QUIET_MS = 10
 #: Key-index arguments (1-based, within an op) of the ``write.lua`` and ``read.lua`` ops a spread call may hold.
-WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2), "O": (1, 2)}
+WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2), "O": (1, 2)}
 READ_KEY_ARGS = {"R": (1,), "E": (1, 2, 3)}
 _READ_SIZES = {"R": 5, "E": 7}
 

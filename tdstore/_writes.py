@@ -497,6 +497,10 @@ def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header, numbe
     elif number is not None:
         # rows of eb bytes at column 0: the whole blob (a zero-byte leaf has none to copy)
         ops.append(["C", kt.ref(keys.data(leaf.number)), kt.ref(keys.data(number)), eb, 0, eb] if eb else ["S", kt.ref(keys.data(number)), b""])
+    elif h.tracked:
+        # the blobs stay: each segment's is checked, and allocated (zeros) where it was never
+        # written, so that the tables below describe bytes that are there
+        ops.append(["T", kt.ref(keys.data(leaf.number))])
     n = leaf.number if number is None else number
     ops += [
         ["S", kt.ref(keys.offsets(n)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],

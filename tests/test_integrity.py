@@ -289,3 +289,17 @@ def test_tdstore_check_and_info_report_a_damaged_store(real, capsys):
     assert main(["check", st.td_id, *args, "--json"]) == 1
     doc = __import__("json").loads(capsys.readouterr().out)
     assert doc["intact"] is False and len(doc["problems"]) == 2
+
+
+@pytest.mark.ring
+def test_a_key_turning_heterogeneous_keeps_segments_never_written_readable(backend):
+    # obs is too large for the row block: seq keeps a blob of its own
+    st = LazyStackedTensorDictStore(count=8, segment_bytes=9000, **backend.kwargs())
+    st.extend(lazy_stack([TensorDict(obs=torch.ones(1100), seq=torch.arange(2)) for _ in range(2)]))
+    h = st._engine.header
+    assert h.segments.n == 4 and h.row is None and not h.leaves[("seq",)].het
+    st[1] = TensorDict(obs=torch.ones(1100), seq=torch.arange(5))  # seq turns heterogeneous in every segment
+    assert st._engine.header.leaves[("seq",)].het
+    assert [st[i]["seq"].tolist() for i in range(8)] == [[0, 1], [0, 1, 2, 3, 4]] + [[0, 0]] * 6
+    st.extend(lazy_stack([TensorDict(obs=torch.ones(1100), seq=torch.arange(k)) for k in (1, 3)]))
+    assert st[2]["seq"].tolist() == [0] and st[3]["seq"].tolist() == [0, 1, 2]
