@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
 from ._errors import StoreDamagedError
 
@@ -210,7 +210,7 @@ def translate(err: ResponseError) -> Exception:
     if "TDSTORE" in msg:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()
-    if "readonly" in low and "replica" in low:
+    if isinstance(err, ReadOnlyError) or ("replica" in low and ("readonly" in low or "read only" in low)):
         return PermissionError(f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}")
     if "unknown command" in low and ("evalsha" in low or "script" in low):
         return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")

@@ -1130,11 +1130,7 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and store.is_locked:
             raise RuntimeError(_LOCK_ERROR)
-        if new:
-            raise KeyError(
-                f"key {display(new[0])!r} is not in the store: a key cannot be added to one element; "
-                "add it to every element with store.set(key, value) first"
-            )
+        # a key the store does not have is created for every element (the others zeros or None)
         store._write(self._store_index(index), items)
 
     def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:

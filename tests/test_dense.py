@@ -139,8 +139,8 @@ def test_bad_writes_raise_before_writing(pair):
     if bs:
         with pytest.raises(ValueError, match="one shape per key"):
             store[0] = TensorDict(obs=torch.zeros(*bs[1:], 4), batch_size=bs[1:])
-        with pytest.raises(KeyError, match="not in the store"):
-            store[0] = TensorDict(brand_new=torch.zeros(bs[1:]), batch_size=bs[1:])
+        with pytest.raises(ValueError, match="one shape per key"):  # the new key is not created either
+            store[0] = TensorDict(brand_new=torch.zeros(bs[1:]), obs=torch.zeros(*bs[1:], 4), batch_size=bs[1:])
     assert_same(store.to_tensordict(), before)
 
 

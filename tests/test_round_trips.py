@@ -158,10 +158,11 @@ def test_stale_handle_sees_renames_and_deletes(backend):
     assert set(b[2].to_tensordict().keys()) == {"x", "keep"}
     c = LazyStackedTensorDictStore.from_store(td_id=a.td_id, **backend.kwargs())
     a.rename_key_("keep", "kept")
-    # c planned a write of "keep" with its stale view: refused, never written into "kept"
-    with pytest.raises(KeyError, match="keep"):
-        c[0]["keep"] = torch.full((1,), 5.0)
+    # c planned a write of "keep" with its stale view: never written into "kept"; the fresh plan
+    # finds no "keep" and creates it, as any first write of a key does
+    c[0]["keep"] = torch.full((1,), 5.0)
     assert a["kept"].tolist() == [[1.0]] * 4
+    assert c["keep"].tolist() == [[5.0], [0.0], [0.0], [0.0]]
     a.clear_redis()
 
 
