@@ -375,7 +375,10 @@ class Engine:
 
     def fetch_header(self) -> Header:
         """Read the header in one round trip (``HGETALL``); never writes."""
-        raw = self.command("HGETALL", self.keys.meta)
+        try:
+            raw = self.command("HGETALL", self.keys.meta)
+        except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
+            raise self.unreachable(err) from err
         if not raw:
             raise self.gone()
         return self._parse_header(raw if isinstance(raw, dict) else _pairs(raw))
@@ -411,12 +414,15 @@ class Engine:
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
-        if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
-            reply = _scripts.call(self.client, "create", [self.keys.meta], args)
-            if reply[0] == b"OK":
-                self.client.sadd(self.keys.registry, self.keys.td_id)
-        else:
-            reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+        try:
+            if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
+                reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+                if reply[0] == b"OK":
+                    self.client.sadd(self.keys.registry, self.keys.td_id)
+            else:
+                reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+        except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
+            raise self.unreachable(err) from err
         if reply[0] == b"OK":
             self.set_header(header)
             return None
@@ -441,10 +447,17 @@ class Engine:
                 raise
             raise PermissionError(f"{self.spec.describe()} (store {self.keys.td_id!r}): {err}") from None
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
-            if not self.spec.cluster:
-                raise
-            # same exception type (retry policies keep working), with the store named
-            raise type(err)(f"the cluster node that holds the store with {self.where()} cannot be reached: {err}") from err
+            raise self.unreachable(err) from err
+
+    def unreachable(self, err: Exception) -> Exception:
+        """``err`` (a connection error) naming the store and the server: same type, so retry policies keep working."""
+        if isinstance(err, redis.exceptions.AuthenticationError) or self.where() in str(err):
+            return err
+        what = "the cluster node that holds" if self.spec.cluster else "the server of"
+        try:
+            return type(err)(f"{what} the store with {self.where()} cannot be reached: {err}")
+        except TypeError:  # an exception type that takes other arguments
+            return err
 
     def _run(self, plan: Callable[[Header], Call]) -> Any:
         for attempt in range(MAX_RETRIES):

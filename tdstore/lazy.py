@@ -844,8 +844,25 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         on a store without keys, the first ``extend`` creates them (the other slots
         hold zeros).  Elements may differ in shape (heterogeneous keys).
 
-        Returns the slots written and their new generations (:class:`RingWrite`).
+        ``td`` may also be a list or tuple of element tensordicts (stacked lazily, so
+        their shapes may differ) or a tensorclass batch. Returns the slots written and
+        their new generations (:class:`RingWrite`).
         """
+        if isinstance(td, (list, tuple)):
+            if not td:
+                raise ValueError("extend got an empty list: nothing to write")
+            elements = [e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._inner_batch_size) if isinstance(e, dict) else e for e in td]
+            bad = [type(e).__name__ for e in elements if not isinstance(e, TensorDictBase)]
+            if bad:
+                raise TypeError(f"extend got a list holding {bad[0]}; it takes a list of TensorDicts (one per element)")
+            td = lazy_stack(elements, dim=self._engine.header.stack_pos)
+        elif is_tensorclass(td):
+            td = td.to_tensordict()
+        if isinstance(td, TensorDictBase) and tuple(td.batch_size) == tuple(self._inner_batch_size):
+            raise ValueError(
+                f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
+                f"with the element dim at {self._engine.header.stack_pos}"
+            )
         return _ring.extend(self._writable_engine(), td)
 
     def append(self, td: Any) -> _ring.RingWrite:
