@@ -332,27 +332,35 @@ def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
     return lines
 
 
-def _cmd_info(args: argparse.Namespace) -> int:
+def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], Any]) -> tuple[Any, Any] | int:
+    """``(connection, read(client))`` for a command on one store (``info``, ``check``), or the exit
+    code after printing why not: no server, no such store, an unreadable header, a server error."""
     import redis
 
-    from .inspect_store import NoSuchStore, UnreadableStore, audit, store_info
+    from .inspect_store import NoSuchStore, UnreadableStore
 
-    conn = _connect("info", args.url)
+    conn = _connect(command, args.url)
     if isinstance(conn, int):
         return conn
     with conn:
         try:
-            info = store_info(conn.client, args.prefix, args.td_id)
-            found = audit(conn.client, args.prefix, args.td_id)
+            return conn, read(conn.client)
         except NoSuchStore:
-            return _no_store("info", args.td_id, args.prefix, conn)
+            return _no_store(command, args.td_id, args.prefix, conn)
         except UnreadableStore as err:
-            print(
-                f"tdstore info: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr
-            )
+            print(f"tdstore {command}: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr)
             return EXIT_FAILED
         except redis.RedisError as err:
-            return _server_failed("info", conn, err)
+            return _server_failed(command, conn, err)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .inspect_store import audit, store_info
+
+    got = _read_store("info", args, lambda client: (store_info(client, args.prefix, args.td_id), audit(client, args.prefix, args.td_id)))
+    if isinstance(got, int):
+        return got
+    conn, (info, found) = got
     if args.json:
         print(json.dumps({"server": conn.where, **info.to_json(schema=True), "integrity": found.to_json()}, indent=2))
     else:
@@ -369,23 +377,12 @@ def _integrity_text(found: Any) -> str:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    import redis
+    from .inspect_store import audit
 
-    from .inspect_store import NoSuchStore, UnreadableStore, audit
-
-    conn = _connect("check", args.url)
-    if isinstance(conn, int):
-        return conn
-    with conn:
-        try:
-            found = audit(conn.client, args.prefix, args.td_id)
-        except NoSuchStore:
-            return _no_store("check", args.td_id, args.prefix, conn)
-        except UnreadableStore as err:
-            print(f"tdstore check: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr)
-            return EXIT_FAILED
-        except redis.RedisError as err:
-            return _server_failed("check", conn, err)
+    got = _read_store("check", args, lambda client: audit(client, args.prefix, args.td_id))
+    if isinstance(got, int):
+        return got
+    conn, found = got
     if args.json:
         print(json.dumps({"server": conn.where, **found.to_json()}, indent=2))
     else:
