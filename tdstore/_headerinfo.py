@@ -62,6 +62,7 @@ class LeafRecord:
     shape: tuple[int, ...] | None
     json: bool = False
     col: int | None = None
+    version: int = 0
 
     @property
     def element_nbytes(self) -> int:
@@ -88,6 +89,9 @@ class HeaderInfo:
     spread: bool
     row: tuple[int, int] | None
     batchless: bool = False
+    keyset_version: int = 1
+    tracked: bool = False
+    """The store keeps an inventory of its keys (header field ``na``, see ``_integrity``)."""
 
     @property
     def segments(self) -> int:
@@ -117,7 +121,7 @@ def _leaf(rec: dict) -> LeafRecord:
     col = rec.get("col")
     if col is not None and (not isinstance(col, int) or isinstance(col, bool) or col < 0 or shape is None or json_leaf):
         raise StoreFormatError(f"bad row-block column in {rec!r}")
-    return LeafRecord(tuple(path), number, dtype, ndim, shape, json_leaf, col)
+    return LeafRecord(tuple(path), number, dtype, ndim, shape, json_leaf, col, version)
 
 
 def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
@@ -137,7 +141,7 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         schema = json.loads(f["schema"])
         kind = f["type"]
         state = f.get("state", "ready")
-        int(f["kv"])
+        keyset_version = int(f["kv"])
         epoch = f["epoch"]
         tensorclass = f.get("tensorclass", "")
         seg = int(f.get("seg", "0"))
@@ -194,4 +198,6 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         spread=fmt == FORMAT_SPREAD,
         row=(row[0], row[1]) if row is not None else None,
         batchless=f.get("batchless") == "1",
+        keyset_version=keyset_version,
+        tracked="na" in f,
     )

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import _codec
-from ._headerinfo import StoreFormatError
+from ._headerinfo import StoreFormatError, parse_header
+
+__all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
 from ._segments import Segments
 
 FORMAT = "1"
@@ -89,30 +91,6 @@ class Leaf:
         if self.col is not None:
             rec["col"] = self.col
         return rec
-
-    @classmethod
-    def from_json(cls, rec: dict) -> Leaf:
-        path = rec["path"]
-        if not isinstance(path, list) or not path or not all(isinstance(p, str) for p in path):
-            raise StoreFormatError(f"bad leaf path {path!r}")
-        number = rec["n"]
-        ndim = rec["ndim"]
-        shape = rec.get("shape")
-        version = rec.get("v", 0)
-        if not isinstance(number, int) or number < 0 or not isinstance(ndim, int) or ndim < 0 or not isinstance(version, int):
-            raise StoreFormatError(f"bad leaf record {rec!r}")
-        if shape is not None:
-            if not isinstance(shape, list) or len(shape) != ndim or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise StoreFormatError(f"bad leaf shape in {rec!r}")
-            shape = tuple(shape)
-        json_leaf = rec.get("nt", 0) == 1
-        dtype = _codec.dtype_from_name(rec["dtype"])
-        if json_leaf and (dtype != torch.uint8 or ndim != 1 or shape is not None):
-            raise StoreFormatError(f"bad non-tensor leaf record {rec!r}")
-        col = rec.get("col")
-        if col is not None and (not isinstance(col, int) or isinstance(col, bool) or col < 0 or shape is None or json_leaf):
-            raise StoreFormatError(f"bad row-block column in {rec!r}")
-        return cls(tuple(path), number, dtype, ndim, shape, version, json_leaf, col)
 
     def same_layout(self, other: Leaf) -> bool:
         """Same name, number, dtype and layout: a data call planned with one is right for the other."""
@@ -269,81 +247,31 @@ class Header:
     def from_fields(cls, raw: dict[bytes | str, bytes | str]) -> Header:
         """Parse and check a header hash read from the server.
 
-        Anything unexpected (a field edited by hand, a store written by another
-        tdstore format or by the reference implementation) raises
-        :class:`StoreFormatError` instead of being guessed at.
+        ``_headerinfo.parse_header`` (which the command line uses without torch) does every
+        check; anything unexpected (a field edited by hand, a store written by another tdstore
+        format or by the reference implementation) raises :class:`StoreFormatError` instead
+        of being guessed at. Here the dtypes become torch dtypes.
         """
-        # fields tdstore does not know are ignored, whatever bytes they hold
-        f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in raw.items()}
-        fmt = f.get("format")
-        if fmt not in FORMATS:
-            raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
-        try:
-            count = int(f["count"])
-            stack_dim = int(f["stack_dim"])
-            inner = json.loads(f["inner"])
-            version = int(f["version"])
-            schema = json.loads(f["schema"])
-            kind = f["type"]
-            state = f.get("state", "ready")
-            keyset_version = int(f["kv"])
-            epoch = f["epoch"]
-            tensorclass = f.get("tensorclass", "")
-            seg = int(f.get("seg", "0"))
-        except (KeyError, ValueError, TypeError) as err:
-            raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
-        if not epoch or any(c not in "0123456789abcdef" for c in epoch):
-            raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
-        if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
-            raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
-        if seg < 0:
-            raise StoreFormatError(f"store header has a bad segment length {seg}")
-        if not -(len(inner) + 1) <= stack_dim <= len(inner):
-            raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
-        if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
-            raise StoreFormatError("store header has a corrupt schema")
-        row = schema.get("row")
-        if row is not None and fmt == FORMAT:
-            raise StoreFormatError(f"store header of format {fmt!r} has a row block")
-        if row is not None and not (isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]):
-            raise StoreFormatError(f"store header has a bad row block {row!r}")
-        try:
-            leaves = [Leaf.from_json(rec) for rec in schema["leaves"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise StoreFormatError(f"store header has a corrupt leaf record: {err}") from None
-        by_path = {leaf.path: leaf for leaf in leaves}
-        numbers = {leaf.number for leaf in leaves}
-        if len(by_path) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
-            raise StoreFormatError("store header has duplicate leaves or leaf numbers")
-        end = 0
-        for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col):  # type: ignore[arg-type, return-value]
-            assert leaf.col is not None
-            if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
-                raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)")
-            end = leaf.col + leaf.element_nbytes
-        for leaf in leaves:
-            if leaf.json:
-                continue
-            if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
-                raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+        info = parse_header(raw)
+        leaves = {rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col) for rec in info.leaves}
         return cls(
-            version=version,
-            count=count,
-            stack_dim=stack_dim,
-            inner=tuple(inner),
-            device=f.get("device", ""),
-            kind=kind,
-            leaves=by_path,
-            next_leaf=schema["next"],
-            state=state,
-            keyset_version=keyset_version,
-            epoch=epoch,
-            batchless=f.get("batchless") == "1",
-            tensorclass=tensorclass if all(part.isidentifier() for part in tensorclass.split(".")) else "",
-            seg=seg,
-            spread=fmt == FORMAT_SPREAD,
-            tracked="na" in f,
-            row=tuple(row) if row is not None else None,  # type: ignore[arg-type]
+            version=info.version,
+            count=info.count,
+            stack_dim=info.stack_dim,
+            inner=info.inner,
+            device=info.device,
+            kind=info.kind,
+            leaves=leaves,
+            next_leaf=info.next_leaf,
+            state=info.state,
+            keyset_version=info.keyset_version,
+            epoch=info.epoch,
+            batchless=info.batchless,
+            tensorclass=info.tensorclass,
+            seg=info.seg,
+            spread=info.spread,
+            tracked=info.tracked,
+            row=info.row,
         )
 
 
