@@ -105,7 +105,8 @@ class TensorDictStore(_ElementView):
     def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
         _ElementView.__init__(self, store, 0, under)
         self._batchless = store._engine.header.batchless
-        self._batch_size = torch.Size([]) if self._batchless else store._batch_size
+        # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
+        self._batch_size = torch.Size((*(() if self._batchless else store._batch_size), *store._engine.header.subtree_dims(under)))
         self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
         if locked:
             self.lock_()
@@ -119,6 +120,11 @@ class TensorDictStore(_ElementView):
         return index if isinstance(index, tuple) else (index,)
 
     def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        store_dims = 0 if self._batchless else len(self._store._batch_size)
+        if strip and index is not None and len(self._batch_size) > store_dims and _reaches_subtree_dims(index, store_dims):
+            # the index reaches a sub-tree's own batch dims, which the server does not index: read
+            # the store's rows in one call and index the rest locally
+            return self._read(paths, None, under, strip)[index]
         out = self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
         if isinstance(out, LazyStackedTensorDict):
             # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
@@ -465,6 +471,17 @@ class TensorDictStore(_ElementView):
 
     def __reduce__(self) -> Any:
         return (TensorDictStore._open_view, (self._store, self._under, self.is_locked))
+
+
+def _reaches_subtree_dims(index: Any, store_dims: int) -> bool:
+    """Whether ``index`` indexes dims past the store's first ``store_dims`` (or uses ``...``/``None``)."""
+    if isinstance(index, tuple):
+        if any(i is Ellipsis or i is None for i in index):
+            return True
+        return sum(i.ndim if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1 for i in index) > store_dims
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        return index.ndim > store_dims
+    return index is Ellipsis or index is None
 
 
 def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -533,7 +533,8 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         # meanwhile, it does not walk every live object of the program several times over
         with gc_paused():
             plan, result = self._engine.read(index, paths, under=under)
-            return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
+            h = self._engine.header
+            return assemble(plan, result, h.inner, self._device, under if strip else (), h.sub_dims)
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
         return self._read_index(index)
@@ -1056,7 +1057,7 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         self._store = store
         self._element = element
         self._under = under
-        self._batch_size = store._inner_batch_size
+        self._batch_size = torch.Size((*store._inner_batch_size, *store._engine.header.subtree_dims(under)))
         self._device = store._device
         self._is_locked = False
         self._lock_id = set()
