@@ -246,7 +246,8 @@ def test_a_server_named_class_is_never_imported(backend, monkeypatch):
     imported = []
     real_import = __import__
     monkeypatch.setattr("builtins.__import__", lambda name, *a, **k: imported.append(name) or real_import(name, *a, **k))
-    again = TensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+    with pytest.warns(UserWarning, match="os.system"):
+        again = TensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
     assert isinstance(again, TensorDictStore) and "os" not in imported
 
 
