@@ -821,7 +821,7 @@ class Engine:
                 shape_rec, data = reply[pos + 1], reply[pos + 2]
                 pos += 3
                 if leaf.json:
-                    out[leaf.path] = _nontensor.decode(data, h.inner)
+                    out[leaf.path] = _nontensor.decode(data, h.leaf_inner(leaf.path))
                 else:
                     out[leaf.path] = _codec.from_bytes(data, leaf.dtype, _codec.unpack_i64(shape_rec).tolist() if leaf.ndim else [])
             if block is not None:  # the store's key order
@@ -951,7 +951,7 @@ class Engine:
                         if leaf.json:
                             pos_b = 0
                             for size in sizes:
-                                elements[k][leaf.path] = _nontensor.decode(data[pos_b : pos_b + size], h.inner)
+                                elements[k][leaf.path] = _nontensor.decode(data[pos_b : pos_b + size], h.leaf_inner(leaf.path))
                                 pos_b += size
                                 k += 1
                             continue
@@ -1003,7 +1003,7 @@ class Engine:
             pos = 2
             for leaf in leaves:
                 if leaf.het:
-                    columns[leaf.path] = het_rows(leaf, h.inner, n, reply[pos], reply[pos + 1], reply[pos + 2])
+                    columns[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, reply[pos], reply[pos + 1], reply[pos + 2])
                     pos += 3
                 else:
                     rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]

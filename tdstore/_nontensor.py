@@ -131,10 +131,14 @@ def _values(v: Any) -> list[Any]:
 
 
 def collapse(td: Any) -> Any:
-    """Stacks of one repeated value become one ``NonTensorData``, as ``TensorDict.set(key, value)`` holds it (in place)."""
+    """Stacks of one repeated value become one ``NonTensorData``, as ``TensorDict.set(key, value)`` holds it (in place).
+
+    A stack of elements that each held a stack (a list per element, as chat data
+    has) stays a stack, as a TensorDict keeps it.
+    """
     for key in list(td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor)):
         v = td.get(key)
-        if isinstance(v, NonTensorStack):
+        if isinstance(v, NonTensorStack) and not any(isinstance(m, NonTensorStack) for m in v.tensordicts):
             values = _values(v)
             if values and len({json.dumps(x, sort_keys=True) for x in values}) == 1:
                 td.set(key, NonTensorData(values[0], batch_size=v.batch_size))

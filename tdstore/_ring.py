@@ -380,7 +380,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
         _, res = engine.read(slots, fields=("rw",))
         rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
         if rw is not None and int(rw) >= h.count:
-            return Sample(build_td(res.leaves, res.batch_size, device), slots, generations(slots, int(rw), h.count))
+            return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
     packed = _codec.pack_i64(draws.numpy())
 
     def plan_call(h: Header) -> Call:
@@ -422,7 +422,7 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
                 dense[leaf.path] = rows
             pos += 1
             continue
-        per_el[leaf.path] = het_rows(leaf, h.inner, n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
+        per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
     if block is not None:  # the store's key order, not the order the block gathered them in
         dense = {path: dense[path] for path in h.leaves if path in dense}
@@ -430,8 +430,8 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
     if not per_el:
         bs = list(h.inner)
         bs.insert(sp, n)
-        td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device)
+        td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device, sub=h.sub_dims)
     else:
         elements = [{**{p: t[k] for p, t in dense.items()}, **{p: ts[k] for p, ts in per_el.items()}} for k in range(n)]
-        td = lazy_stack([build_td(el, h.inner, device) for el in elements], dim=sp)
+        td = lazy_stack([build_td(el, h.inner, device, sub=h.sub_dims) for el in elements], dim=sp)
     return Sample(td, slots, generations(slots, rw, h.count))

@@ -139,11 +139,21 @@ class Header:
     so its segments are allocated when first written; set when the store is created (not for a
     spread store, whose segments live on several nodes and are allocated up front)."""
 
+    sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
+    """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
+    ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
+    Kept in the schema JSON (``"sub"``), so every schema change carries it; tdstore versions that
+    do not know it read the sub-tree with the store's batch size (the bytes are the same)."""
+
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
     """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
     batch_size: torch.Size = field(init=False, repr=False, compare=False)
     segments: Segments = field(init=False, repr=False, compare=False)
+    sub_dims: dict[NestedPath, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    """The entries of :attr:`sub` the current leaves agree with (what reads apply): a sub-tree whose
+    tensor leaves do not all start with its batch dims, or nested in a sub-tree whose dims it does not
+    extend, is read with its parent's batch size instead of being built inconsistent."""
 
     def __post_init__(self) -> None:
         pos = self.stack_dim if self.stack_dim >= 0 else len(self.inner) + 1 + self.stack_dim
@@ -152,6 +162,19 @@ class Header:
         object.__setattr__(self, "stack_pos", pos)
         object.__setattr__(self, "batch_size", torch.Size(bs))
         object.__setattr__(self, "segments", Segments(self.count, self.seg or max(self.count, 1)))
+        object.__setattr__(self, "sub_dims", _agreed_sub_dims(self.sub, self.leaves, len(self.inner)))
+
+    def subtree_dims(self, path: NestedPath) -> tuple[int, ...]:
+        """The extra batch dims of the sub-tree at ``path`` (of the deepest recorded sub-tree holding it): ``()`` for none."""
+        for k in range(len(path), 0, -1):
+            dims = self.sub_dims.get(path[:k])
+            if dims is not None:
+                return dims
+        return ()
+
+    def leaf_inner(self, path: NestedPath) -> tuple[int, ...]:
+        """The batch size of one element of the sub-tree holding leaf ``path``: the inner batch size and its sub-tree's extra dims."""
+        return self.inner + self.subtree_dims(path[:-1]) if self.sub_dims else self.inner
 
     @property
     def block(self) -> Leaf | None:
@@ -177,13 +200,18 @@ class Header:
         schema: dict = {"next": self.next_leaf, "leaves": [leaf.to_json() for leaf in leaves]}
         if self.row is not None:
             schema["row"] = list(self.row)
+        if self.sub:
+            schema["sub"] = [[list(p), list(d)] for p, d in self.sub.items()]
         return json.dumps(schema, separators=(",", ":"))
 
-    def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None) -> Header:
+    def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> Header:
         """The header after a schema change (the server will hold ``version + 1``).
 
         Leaves whose name or layout changed get the new version as their leaf
         version; the key-set version moves when keys were added, deleted or renamed.
+        Sub-tree batch dims (:attr:`sub`, plus ``sub``) follow renamed sub-trees and go
+        with their last leaf; a tensor leaf whose shape contradicts its sub-tree's
+        batch dims is refused (``ValueError``), as a TensorDict refuses it.
         """
         new_version = self.version + 1
         old_by_number = {leaf.number: leaf for leaf in self.leaves.values()}
@@ -202,6 +230,7 @@ class Header:
             keyset_version=new_version if names != new_names else self.keyset_version,
             # the block goes with its last grouped leaf (run_write deletes its blobs)
             row=self.row if any(leaf.col is not None for leaf in stamped.values()) else None,
+            sub=_moved_sub({**self.sub, **(sub or {})}, self.leaves, stamped, len(self.inner)),
         )
 
     def version_fields(self, old: Header | None) -> str:
@@ -253,6 +282,12 @@ class Header:
         of being guessed at. Here the dtypes become torch dtypes.
         """
         info = parse_header(raw)
+        schema_raw = raw.get(b"schema") if b"schema" in raw else raw.get("schema")
+        try:
+            schema = json.loads(schema_raw)  # parse_header has checked that it is a JSON object
+            sub = _parse_sub(schema.get("sub", []))
+        except (KeyError, ValueError, TypeError) as err:
+            raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         leaves = {rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col) for rec in info.leaves}
         return cls(
             version=info.version,
@@ -272,6 +307,7 @@ class Header:
             spread=info.spread,
             tracked=info.tracked,
             row=info.row,
+            sub=sub,
         )
 
 
@@ -282,3 +318,63 @@ def check_paths(paths: list[NestedPath]) -> None:
         for k in range(1, len(path)):
             if path[:k] in known:
                 raise KeyError(f"key {path[:k]} is both a leaf and the parent of {path}")
+
+
+def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
+    """The ``"sub"`` entry of the schema JSON: ``[[path, dims], ...]`` (``ValueError`` when malformed)."""
+    if not isinstance(raw, list):
+        raise ValueError(f"bad sub-tree batch dims {raw!r}")
+    out: dict[NestedPath, tuple[int, ...]] = {}
+    for rec in raw:
+        if not (isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])):
+            raise ValueError(f"bad sub-tree batch dims record {rec!r}")
+        if not (isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in rec[1])):
+            raise ValueError(f"bad sub-tree batch dims record {rec!r}")
+        out[tuple(rec[0])] = tuple(rec[1])
+    return out
+
+
+def _agreed_sub_dims(sub: dict[NestedPath, tuple[int, ...]], leaves: dict[NestedPath, Leaf], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
+    """The entries of ``sub`` that hold leaves which all agree with them (see :attr:`Header.sub_dims`)."""
+    if not sub:
+        return {}
+    out: dict[NestedPath, tuple[int, ...]] = {}
+    for path in sorted(sub, key=len):  # parents first: a child must extend its parent's dims
+        dims = sub[path]
+        parent = next((out[path[:k]] for k in range(len(path) - 1, 0, -1) if path[:k] in out), ())
+        below = [leaf for p, leaf in leaves.items() if len(p) > len(path) and p[: len(path)] == path]
+        if not below or dims[: len(parent)] != parent:
+            continue
+        if all(leaf.json or (leaf.shape is not None and leaf.shape[n_inner : n_inner + len(dims)] == dims) for leaf in below):
+            out[path] = dims
+    return out
+
+
+def _moved_sub(sub: dict[NestedPath, tuple[int, ...]], old: dict[NestedPath, Leaf], new: dict[NestedPath, Leaf], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
+    """``sub`` after a schema change: a renamed sub-tree keeps its dims, an emptied one loses them; a
+    tensor leaf that contradicts its sub-tree's dims raises ``ValueError`` (nothing is written)."""
+    if not sub:
+        return {}
+    by_number = {leaf.number: p for p, leaf in new.items()}
+    out: dict[NestedPath, tuple[int, ...]] = {}
+    for path, dims in sub.items():
+        if any(len(p) > len(path) and p[: len(path)] == path for p in new):
+            out[path] = dims
+            continue
+        # every leaf that was below it now lies below one other path: the sub-tree was renamed
+        moved = {by_number[leaf.number][: len(by_number[leaf.number]) - len(p) + len(path)] for p, leaf in old.items() if len(p) > len(path) and p[: len(path)] == path and leaf.number in by_number}
+        if len(moved) == 1:
+            out[moved.pop()] = dims
+    for path, leaf in new.items():
+        if leaf.json or leaf.shape is None:
+            continue
+        for k in range(len(path) - 1, 0, -1):
+            dims = out.get(path[:k])
+            if dims is not None:
+                if leaf.shape[n_inner : n_inner + len(dims)] != dims:
+                    raise ValueError(
+                        f"key {path if len(path) > 1 else path[0]!r} of element shape {list(leaf.shape)} does not start with the batch dims "
+                        f"{list(dims)} of its sub-tree {path[:k]!r} (after the store's {n_inner} inner dims); nothing was written"
+                    )
+                break
+    return out

@@ -55,7 +55,8 @@ class StoreUnsupported:
         raise RuntimeError(_msg(self, "stacking onto it", "Write with store[index] = td instead."))
 
     def share_memory_(self) -> Any:
-        raise RuntimeError(_msg(self, "share_memory_", "The store is already shared through its server."))
+        # NotImplementedError, as tensordict.store raises (ported code may catch it)
+        raise NotImplementedError(_msg(self, "share_memory_", "The store is already shared through its server."))
 
     def _memmap_(self, *, inplace: bool = True, **kwargs: Any) -> Any:
         if inplace:

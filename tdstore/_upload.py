@@ -35,7 +35,7 @@ from ._nontensor import NonTensor, element_docs
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import Segments, segment_length
-from ._values import as_path, display, gc_paused
+from ._values import as_path, display, gc_paused, subtree_dims
 
 UPLOAD_TTL_MS = 120_000
 RENEW_S = 10.0
@@ -219,6 +219,21 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
     return tuple(elements[0].batch_size), leaves
 
 
+def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
+    """The extra batch dims of nested sub-trees (``Header.sub``), the same in every element (checked before anything is written)."""
+    sub = subtree_dims(elements[0], n_inner) if elements else {}
+    if sub:
+        for i, el in enumerate(elements[1:], 1):
+            other = subtree_dims(el, n_inner)
+            if other != sub:
+                path = next(p for p in {*sub, *other} if sub.get(p) != other.get(p))
+                raise ValueError(
+                    f"sub-tree {display(path)!r} has batch dims {list(sub.get(path, ()))} beyond the element's in element 0 "
+                    f"but {list(other.get(path, ()))} in element {i}; every element must agree"
+                )
+    return sub
+
+
 def _leaf_sizes(s: _LeafScan) -> np.ndarray:
     """Bytes of each element of one leaf."""
     item = s.dtype.itemsize
@@ -262,9 +277,10 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     for n, s in enumerate(scans):
         shape = s.shapes[0] if s.homogeneous else None
         leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None, json=s.json)
+    sub = _subtrees(elements, len(inner))
     token = uuid.uuid4().hex
     sizes = {s.path: _leaf_sizes(s) for s in scans}
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless)
+    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless, sub=sub)
     header = _rows.grouped_header(header, len(leaves))
     leaves = header.leaves
     width = header.row[1] if header.row is not None else 0

@@ -186,22 +186,53 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
     return {prefix: _check_tensor(prefix, value)}
 
 
-def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDict:
+def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedPath, tuple[int, ...]]:
+    """The nested sub-trees of ``td`` whose batch size has dims beyond its first ``n_batch``:
+    ``{path: extra dims}`` (what :attr:`Header.sub` records, e.g. a chat ``("chat", "prompt")`` of ``[5, 1]``)."""
+    out: dict[NestedPath, tuple[int, ...]] = {}
+    if is_tensorclass(td):
+        td = td._tensordict
+    for key, value in td.items():
+        if is_tensorclass(value):
+            value = value._tensordict
+        if not isinstance(value, TensorDictBase) or is_non_tensor(value):
+            continue
+        path = (*prefix, key)
+        if len(value.batch_size) > n_batch:
+            out[path] = tuple(value.batch_size[n_batch:])
+        out.update(subtree_dims(value, n_batch, path))
+    return out
+
+
+def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = (), sub: dict[NestedPath, tuple[int, ...]] | None = None) -> TensorDict:
     """A TensorDict of ``leaves`` (the part below ``under``), on ``device``.
 
     The tensors were just made from server bytes with the right batch dims, so the
-    TensorDict is built without re-validating them (``_new_unsafe``).
+    TensorDict is built without re-validating them (``_new_unsafe``).  ``sub`` gives
+    the extra batch dims of nested sub-trees (``Header.sub_dims``).
     """
     if device is not None and device.type != "cpu":
         leaves = {path: t.to(device, non_blocking=True) for path, t in leaves.items()}
     cut = len(under)
-    return _element_maker([path for path in leaves if path[:cut] == under], cut, torch.Size(batch_size), device)(leaves)
+    return _element_maker([path for path in leaves if path[:cut] == under], cut, torch.Size(batch_size), device, sub)(leaves)
 
 
-def _element_maker(paths: list[NestedPath], cut: int, bs: torch.Size, device: torch.device | None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
+def _subtree_bs(base: torch.Size, path: NestedPath, sub: dict[NestedPath, tuple[int, ...]] | None) -> torch.Size:
+    """The batch size of the sub-tree at ``path`` in a read of batch size ``base``: ``base`` and the
+    extra dims of the deepest recorded sub-tree holding it."""
+    if sub:
+        for k in range(len(path), 0, -1):
+            dims = sub.get(path[:k])
+            if dims is not None:
+                return torch.Size((*base, *dims))
+    return base
+
+
+def _element_maker(paths: list[NestedPath], cut: int, base: torch.Size, device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
     """A function building one TensorDict from a ``{path: tensor}`` holding ``paths`` (each keyed by
     what follows its first ``cut`` parts): the key tree is worked out once, so the elements of one
-    read share it instead of walking their paths one by one."""
+    read share it instead of walking their paths one by one.  ``base`` is the read's batch size;
+    each sub-tree adds its extra dims from ``sub``."""
     entries: list[tuple[str, Any]] = []  # (key, full path) for a leaf, (key, [paths]) for a sub-tree, in first-seen order
     subtrees: dict[str, list[NestedPath]] = {}
     for path in paths:
@@ -213,7 +244,8 @@ def _element_maker(paths: list[NestedPath], cut: int, bs: torch.Size, device: to
             entries.append((rel[0], subtrees[rel[0]]))
         else:
             subtrees[rel[0]].append(path)
-    parts = [(key, _element_maker(target, cut + 1, bs, device) if isinstance(target, list) else None, target) for key, target in entries]
+    bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
+    parts = [(key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries]
     new = TensorDict._new_unsafe
 
     def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
@@ -222,18 +254,18 @@ def _element_maker(paths: list[NestedPath], cut: int, bs: torch.Size, device: to
     return make
 
 
-def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = ()) -> TensorDictBase:
-    """Turn an engine read into the tensordict the index asked for."""
+def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = (), sub: dict[NestedPath, tuple[int, ...]] | None = None) -> TensorDictBase:
+    """Turn an engine read into the tensordict the index asked for (``sub``: ``Header.sub_dims``)."""
     if isinstance(result, DenseResult):
-        return build_td(result.leaves, result.batch_size, device, under)
+        return build_td(result.leaves, result.batch_size, device, under, sub)
     first = result.elements[0] if result.elements else None
     if first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements):
         # elements of one read hold the same keys: build the key tree once
         paths = result.paths if result.paths is not None and len(result.paths) == len(first) else list(first)
-        make = _element_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device)
+        make = _element_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device, sub)
         tds = [make(el) for el in result.elements]
     else:
-        tds = [build_td(el, inner, device, under) for el in result.elements]
+        tds = [build_td(el, inner, device, under, sub) for el in result.elements]
     assert plan is not None
     if plan.element_int and plan.inner_full:
         return tds[0]

@@ -27,7 +27,7 @@ from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import NestedPath
 from ._values import as_path, display, leaves_of
-from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _KeysView, _only_keys, _ttl_ms
+from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _fetch_existing, _KeysView, _only_keys, _ttl_ms
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:
@@ -105,7 +105,8 @@ class TensorDictStore(_ElementView):
     def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
         _ElementView.__init__(self, store, 0, under)
         self._batchless = store._engine.header.batchless
-        self._batch_size = torch.Size([]) if self._batchless else store._batch_size
+        # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
+        self._batch_size = torch.Size((*(() if self._batchless else store._batch_size), *store._engine.header.subtree_dims(under)))
         self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
         if locked:
             self.lock_()
@@ -119,6 +120,11 @@ class TensorDictStore(_ElementView):
         return index if isinstance(index, tuple) else (index,)
 
     def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        store_dims = 0 if self._batchless else len(self._store._batch_size)
+        if strip and index is not None and len(self._batch_size) > store_dims and _reaches_subtree_dims(index, store_dims):
+            # the index reaches a sub-tree's own batch dims, which the server does not index: read
+            # the store's rows in one call and index the rest locally
+            return self._read(paths, None, under, strip)[index]
         out = self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
         if isinstance(out, LazyStackedTensorDict):
             # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
@@ -137,15 +143,16 @@ class TensorDictStore(_ElementView):
     def from_tensordict(cls, td: Any, *, pbar: bool = False, ttl: float | None = None, device: Any = None, td_id: str | None = None, **kwargs: Any) -> Any:
         """Upload ``td`` as a new store; a lazy stack becomes a :class:`LazyStackedTensorDictStore`.
 
-        A tensorclass instance is uploaded as its tensordict and remembered by class
-        name (see :meth:`from_store`). The store appears on the server only when the
-        upload is complete (one atomic commit), as for lazy uploads.
+        A tensorclass instance is uploaded as its tensordict and its class's dotted
+        path is kept (``store.tensorclass_path``, ``store._tensorclass_cls``); the
+        store itself is returned, as ``tensordict.store`` does, and
+        :meth:`from_store` gives the class back.  The store appears on the server
+        only when the upload is complete (one atomic commit), as for lazy uploads.
         """
         from . import _tensorclass
         from ._upload import upload
 
         tc_name = _tensorclass.name_of(td)
-        tc_cls = type(td) if tc_name else None
         if is_tensorclass(td):
             td = td._tensordict
         if isinstance(td, LazyStackedTensorDict):
@@ -164,7 +171,7 @@ class TensorDictStore(_ElementView):
             ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
         store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
-        return _tensorclass.wrap(cls._open_view(store), tc_name, tc_cls)
+        return cls._open_view(store)
 
     @classmethod
     def from_dict(cls, input_dict: Any, *, batch_size: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None, device: Any = None, **kwargs: Any) -> TensorDictStore:
@@ -208,7 +215,7 @@ class TensorDictStore(_ElementView):
         cls,
         *,
         td_id: str,
-        tensorclass_cls: type | None = None,
+        tensorclass_cls: type | str | None = None,
         backend: str = "redis",
         device: Any = None,
         cache_metadata: bool = True,
@@ -218,16 +225,20 @@ class TensorDictStore(_ElementView):
         """Reconnect to a store by ``td_id`` (one read-only round trip).
 
         A lazy store comes back as a :class:`LazyStackedTensorDictStore`.  A store
-        uploaded from a tensorclass comes back as an instance of ``tensorclass_cls``
-        when given, or of a class registered with :func:`tdstore.register_tensorclass`
-        under the name the server holds; a name the program did not give or register is
-        never imported, and the plain store is returned.
+        uploaded from a tensorclass comes back as an instance of the class wrapping
+        the store (attribute writes reach the server) when the class can be had
+        without importing anything the server names: ``tensorclass_cls`` (the class,
+        or its dotted path, which is imported: the caller chose it), a class
+        registered with :func:`tdstore.register_tensorclass`, or a class whose module
+        is already imported.  Otherwise the plain store comes back, with a warning
+        naming the class path and how to pass it.  An unknown ``td_id`` raises
+        ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and server.
         """
         from . import _tensorclass
 
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
-        engine.set_header(engine.fetch_header())
+        engine.set_header(_fetch_existing(engine))
         store = LazyStackedTensorDictStore._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
         if engine.header.kind == "lazy":
             return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
@@ -257,9 +268,32 @@ class TensorDictStore(_ElementView):
         return self._store._backend
 
     @property
-    def _meta_cache(self) -> dict:
-        """The cached schema: ``{key: (shape, dtype)}`` with the store's batch dims (reference quirk)."""
-        return {display(p): ((*leaf.shape,) if leaf.shape is not None else None, leaf.dtype) for p, leaf in self._store._engine.header.leaves.items() if p[: len(self._under)] == self._under}
+    def _meta_cache(self) -> dict[str, tuple[list[int] | None, torch.dtype]] | None:
+        """The cached schema as ``tensordict.store`` keeps it: ``{"dotted.key.path": (full shape, dtype)}``.
+
+        The full shape is a list with the store's batch dims (``None`` for a key whose
+        elements differ in shape); every key of the store, whatever sub-tree this
+        view is.  ``None`` when the handle keeps no metadata (``cache_metadata=False``).
+        """
+        if not self._store._cache_metadata:
+            return None
+        h = self._store._engine.header
+        lead = [] if self._batchless else [h.count]
+        return {".".join(p): (lead + list(leaf.shape) if leaf.shape is not None else None, leaf.dtype) for p, leaf in h.leaves.items()}
+
+    def _full_key_path(self, key: Any) -> str:
+        """The dotted path of ``key`` from the root of the store (``store["nested"]._full_key_path("b") == "nested.b"``)."""
+        return ".".join(self._under + as_path(key))
+
+    @property
+    def tensorclass_path(self) -> str | None:
+        """``module.QualName`` of the tensorclass the store was uploaded from, or ``None`` (a name only: never imported)."""
+        return (self._store._engine.header.tensorclass or None) if not self._under else None
+
+    @property
+    def _tensorclass_cls(self) -> str | None:
+        """The ``tensordict.store`` name of :attr:`tensorclass_path` (``None`` on a sub-tree view, as there)."""
+        return self.tensorclass_path
 
     @property
     def _engine(self) -> Engine:
@@ -281,8 +315,16 @@ class TensorDictStore(_ElementView):
         return self._batch_size[0] if len(self._batch_size) else 0
 
     def entry_class(self, key: Any) -> type:
+        """``torch.Tensor`` for a leaf; for a sub-tree the store's own class, which ``store[key]`` returns."""
         cls = self._store.entry_class(self._under + as_path(key))
-        return TensorDict if cls is LazyStackedTensorDict else cls
+        return type(self) if cls in (TensorDict, LazyStackedTensorDict) else cls
+
+    def __getitem__(self, index: Any) -> Any:
+        # store[:] (a full slice of every batch dim) is the store itself, written through, as in
+        # tensordict.store (torchrl's ReplayBuffer.set_/set_at_ write into it); store[:][key] reads one key
+        if self._batch_size and (index == slice(None) if isinstance(index, slice) else isinstance(index, tuple) and 0 < len(index) <= len(self._batch_size) and all(isinstance(i, slice) and i == slice(None) for i in index)):
+            return self
+        return super().__getitem__(index)
 
     def __repr__(self) -> str:
         try:
@@ -431,6 +473,17 @@ class TensorDictStore(_ElementView):
 
     def __reduce__(self) -> Any:
         return (TensorDictStore._open_view, (self._store, self._under, self.is_locked))
+
+
+def _reaches_subtree_dims(index: Any, store_dims: int) -> bool:
+    """Whether ``index`` indexes dims past the store's first ``store_dims`` (or uses ``...``/``None``)."""
+    if isinstance(index, tuple):
+        if any(i is Ellipsis or i is None for i in index):
+            return True
+        return sum(i.ndim if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1 for i in index) > store_dims
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+        return index.ndim > store_dims
+    return index is Ellipsis or index is None
 
 
 def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -336,14 +336,14 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         """Reconnect to an existing store in one round trip; never writes.
 
         Count, stack dim, inner batch size and device are read from the server.
-        An unknown ``td_id`` raises ``KeyError`` naming the id, the prefix and the server.
+        An unknown ``td_id`` raises ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and the server.
         ``readonly=True`` gives a handle that refuses every write with
         ``PermissionError`` before sending anything (a learner that must not write
         by mistake); it only needs read commands and ``EVALSHA`` on the server.
         """
         redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
         engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
-        engine.set_header(engine.fetch_header())
+        engine.set_header(_fetch_existing(engine))
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
@@ -426,9 +426,32 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         return self._engine.header
 
     @property
-    def _meta_cache(self) -> dict:
-        """The cached schema: ``{key: (shape or None if heterogeneous, dtype)}`` (reference quirk)."""
-        return {display(p): (leaf.shape, leaf.dtype) for p, leaf in self._engine.header.leaves.items()}
+    def _meta_cache(self) -> dict[str, tuple[list[int] | None, torch.dtype]] | None:
+        """The cached schema as ``tensordict.store`` keeps it: ``{"dotted.key.path": (full shape, dtype)}``.
+
+        The full shape is a list with the stack's batch dims, ``None`` for a
+        heterogeneous key; ``None`` as a whole when the handle keeps no metadata
+        (``cache_metadata=False``).
+        """
+        if not self._cache_metadata:
+            return None
+        h = self._engine.header
+        sp = h.stack_pos
+        return {".".join(p): ([*leaf.shape[:sp], h.count, *leaf.shape[sp:]] if leaf.shape is not None else None, leaf.dtype) for p, leaf in h.leaves.items()}
+
+    def _full_key_path(self, key: Any) -> str:
+        """The dotted path of ``key`` (as ``tensordict.store`` names keys)."""
+        return ".".join(as_path(key))
+
+    @property
+    def tensorclass_path(self) -> str | None:
+        """``module.QualName`` of the tensorclass the store was uploaded from, or ``None`` (a name only: never imported)."""
+        return self._engine.header.tensorclass or None
+
+    @property
+    def _tensorclass_cls(self) -> str | None:
+        """The ``tensordict.store`` name of :attr:`tensorclass_path`."""
+        return self.tensorclass_path
 
     def _paths(self) -> list[NestedPath]:
         h = self._header
@@ -510,7 +533,8 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         # meanwhile, it does not walk every live object of the program several times over
         with gc_paused():
             plan, result = self._engine.read(index, paths, under=under)
-            return assemble(plan, result, self._engine.header.inner, self._device, under if strip else ())
+            h = self._engine.header
+            return assemble(plan, result, h.inner, self._device, under if strip else (), h.sub_dims)
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
         return self._read_index(index)
@@ -996,6 +1020,17 @@ def _only_keys(items: dict[NestedPath, Any], keys_to_update: Any, under: NestedP
     return {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
 
 
+def _fetch_existing(engine: Engine) -> Header:
+    """The header of the store ``from_store`` attaches to; an unknown id raises ``KeyError`` worded as ``tensordict.store`` words it."""
+    try:
+        return engine.fetch_header()
+    except KeyError as err:
+        if err.args != engine.gone().args:
+            raise
+    keys = engine.keys
+    raise KeyError(f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)")
+
+
 def _restore(cls: type, state: dict[str, Any]) -> Any:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
@@ -1041,7 +1076,7 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         self._store = store
         self._element = element
         self._under = under
-        self._batch_size = store._inner_batch_size
+        self._batch_size = torch.Size((*store._inner_batch_size, *store._engine.header.subtree_dims(under)))
         self._device = store._device
         self._is_locked = False
         self._lock_id = set()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -221,11 +223,12 @@ class Unregistered:
 def test_tensorclass_round_trip_by_allow_list(backend, monkeypatch):
     monkeypatch.setattr(tdstore._tensorclass, "_REGISTRY", {})  # registrations stay inside this test
     tc = Transition(obs=torch.ones(4, 2), reward=torch.arange(4.0), batch_size=[4])
-    out = TensorDictStore.from_tensordict(tc, **backend.kwargs())
-    assert isinstance(out, Transition) and torch.equal(out.reward, torch.arange(4.0))
-    td_id = out._tensordict.td_id
+    out = TensorDictStore.from_tensordict(tc, **backend.kwargs())  # the store, as tensordict.store returns
+    assert isinstance(out, TensorDictStore) and out.tensorclass_path == f"{__name__}.Transition" and torch.equal(out["reward"], torch.arange(4.0))
+    td_id = out.td_id
     # not registered and not given: the name on the server is never imported; the plain store comes back
-    plain = TensorDictStore.from_store(td_id=td_id, **backend.kwargs())
+    with pytest.warns(UserWarning, match="tensorclass_cls="), mock.patch.dict(sys.modules, {__name__: None}):
+        plain = TensorDictStore.from_store(td_id=td_id, **backend.kwargs())
     assert isinstance(plain, TensorDictStore)
     given = TensorDictStore.from_store(td_id=td_id, tensorclass_cls=Transition, **backend.kwargs())
     assert isinstance(given, Transition) and torch.equal(given.obs, torch.ones(4, 2))
@@ -243,7 +246,8 @@ def test_a_server_named_class_is_never_imported(backend, monkeypatch):
     imported = []
     real_import = __import__
     monkeypatch.setattr("builtins.__import__", lambda name, *a, **k: imported.append(name) or real_import(name, *a, **k))
-    again = TensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+    with pytest.warns(UserWarning, match="os.system"):
+        again = TensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
     assert isinstance(again, TensorDictStore) and "os" not in imported
 
 
