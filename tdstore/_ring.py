@@ -32,7 +32,7 @@ from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
-from ._values import build_td, display, leaves_of
+from ._values import build_td, display, leaves_of, subtree_dims
 from ._writes import _check_dtype, _element_checks, het_payload, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
@@ -212,7 +212,7 @@ def _group_first_keys(kt: KeyTable, engine: Engine, h: Header, n: int, pre: list
     return grouped_h, [*keep_pre, *alloc], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
 
 
-def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
     what = "a ring write" if ring else "update_if"
     if ring and h.leaves:
@@ -244,7 +244,7 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
         post += [op for op in ops if op[0] not in ("S", "Z")]
     if len(leaves) != len(h.leaves):
         check_paths(list(leaves))
-    new_header = h.with_leaves(leaves, next_leaf) if changed else None
+    new_header = h.with_leaves(leaves, next_leaf, sub=sub if len(leaves) != len(h.leaves) else None) if changed else None
     if ring and not h.leaves and new_header is not None:
         new_header, pre, post = _group_first_keys(kt, engine, new_header, n, pre, post)
     elif ring and (new_header or h).row is not None:
@@ -263,9 +263,10 @@ def extend(engine: Engine, value: Any) -> RingWrite:
     items = leaves_of(value, h0.stack_pos)
     if not items:
         raise ValueError("extend got a batch with no keys")
+    sub = subtree_dims(value, value.batch_dims) if isinstance(value, TensorDictBase) else None  # for keys the first extend creates
 
     def plan(h: Header, kt: KeyTable) -> Any:
-        return _plan_rows(engine, h, kt, items, n, ["W", n], ring=True)
+        return _plan_rows(engine, h, kt, items, n, ["W", n], ring=True, sub=sub)
 
     h, extra = engine.run_write_reply(plan, keyset=True)
     assert extra is not None

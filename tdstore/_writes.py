@@ -249,8 +249,12 @@ def plan_write(
     kt: KeyTable,
     *,
     replace: bool = False,
+    sub: dict[NestedPath, tuple[int, ...]] | None = None,
 ) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """Plan ``store[index] = items`` (and ``set``/``update``) as one write call.
+
+    ``sub`` gives the extra batch dims of the value's nested sub-trees (``Header.sub``), which
+    keys this write creates take on.
 
     ``replace`` (a non-inplace ``set`` covering the whole store) lets a key change
     dtype or shape by replacing its leaf; otherwise the key keeps its dtype, and a
@@ -438,9 +442,16 @@ def plan_write(
     ops += retire
     if new_paths:
         check_paths(list(leaves))
-    new_header = h.with_leaves(leaves, next_leaf) if changed else None
+    new_header = h.with_leaves(leaves, next_leaf, sub=_new_subtrees(h, sub, new_paths)) if changed else None
     touched = [h.leaves[p] for p in items if p in h.leaves]
     return new_header, ops, touched
+
+
+def _new_subtrees(h: Header, sub: dict[NestedPath, tuple[int, ...]] | None, new_paths: list[NestedPath]) -> dict[NestedPath, tuple[int, ...]] | None:
+    """The sub-tree batch dims that a write's new keys bring (those of sub-trees holding one of them)."""
+    if not sub or not new_paths:
+        return None
+    return {path: dims for path, dims in sub.items() if any(p[: len(path)] == path for p in new_paths)} or None
 
 
 def _new_leaf_at(kt: KeyTable, keys: StoreKeys, h: Header, path: NestedPath, number: int, shape: tuple[int, ...] | None, *, dtype: torch.dtype = torch.uint8, ndim: int = 1, json: bool = False) -> Leaf:

@@ -26,7 +26,7 @@ from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import NestedPath
-from ._values import as_path, display, leaves_of
+from ._values import as_path, display, leaves_of, subtree_dims
 from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _fetch_existing, _KeysView, _only_keys, _ttl_ms
 
 
@@ -376,7 +376,7 @@ class TensorDictStore(_ElementView):
         return type(self)._open_view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
 
     # -- writes ------------------------------------------------------------------------------
-    def _write(self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True) -> None:
+    def _write(self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> None:
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and self.is_locked:
@@ -387,7 +387,7 @@ class TensorDictStore(_ElementView):
             return
         # a key the store does not have is created for every row (the others read as zeros, or None
         # for non-tensor data) in the same call that writes these rows
-        store._write(self._store_index(index), _dense_values(items, False))
+        store._write(self._store_index(index), _dense_values(items, False), sub=sub)
 
     def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
         path = self._under + as_path(key)
@@ -407,7 +407,8 @@ class TensorDictStore(_ElementView):
             value = value.to_tensordict()
         if not isinstance(value, (TensorDictBase, dict)):
             raise TypeError("store[index] = value needs a TensorDict, a tensorclass, a dict of tensors or a number")
-        self._write(leaves_of(value, 0, self._under), index)
+        # keys this write creates take on the extra batch dims of the value's sub-trees (a chat [5, 1])
+        self._write(leaves_of(value, 0, self._under), index, sub=subtree_dims(value, value.batch_dims, self._under) if isinstance(value, TensorDictBase) else None)
 
     def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
         """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""

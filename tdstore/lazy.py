@@ -19,7 +19,7 @@ from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
-from ._values import as_path, assemble, check_device, display, gc_paused, leaves_of, usable_device
+from ._values import as_path, assemble, check_device, display, gc_paused, leaves_of, subtree_dims, usable_device
 
 _LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
 
@@ -652,9 +652,9 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         if self.is_locked and not ignore_lock and new:
             raise RuntimeError(_LOCK_ERROR)
 
-    def _write(self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False) -> None:
+    def _write(self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> None:
         keys = self._engine.keys
-        self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace))
+        self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace, sub=sub))
 
     def _full_index(self) -> Any:
         return (slice(None),) * len(self._batch_size) if self._batch_size else ()
@@ -707,7 +707,8 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
 
             self._engine.run_write(plan)
             return
-        self._write(index, items)
+        # keys this write creates take on the extra batch dims of the value's sub-trees
+        self._write(index, items, sub=subtree_dims(value, value.batch_dims) if new and isinstance(value, TensorDictBase) else None)
 
     def _fill_value(self, index: Any, value: Any) -> dict[NestedPath, torch.Tensor]:
         """``store[index] = number`` writes the number into every leaf at ``index`` (in each leaf's dtype)."""

@@ -118,3 +118,18 @@ def test_a_first_write_that_creates_keys_is_one_round_trip(real):
 
     assert top_level_commands(real.client, write) == ["evalsha"]
     assert store["b"][5].tolist() == [1.0, 1.0, 1.0] and store[5]["c"] == "text" and store[6]["c"] is None
+
+
+def test_a_chat_row_written_into_an_empty_store_keeps_its_sub_tree_batch_size(backend):
+    import tensordict
+
+    with tensordict.set_list_to_stack(True):
+        row = TensorDict({"chat": {"prompt": TensorDict({"role": ["user"], "content": ["hello"]}, batch_size=[1])}}, batch_size=[])
+        store = TensorDictStore(batch_size=[5], **backend.kwargs())
+        store[0] = row
+        assert store["chat", "prompt"].batch_size == (5, 1)
+        assert store[0]["chat", "prompt", "content"] == ["hello"] and store[1]["chat", "prompt", "content"] is None
+        ring = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+        if backend.name != "cluster" or not getattr(backend, "spread", False):
+            ring.extend(lazy_stack([row, row]))
+            assert ring._engine.header.sub == {("chat", "prompt"): (1,)}
