@@ -192,6 +192,9 @@ def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedP
     out: dict[NestedPath, tuple[int, ...]] = {}
     if is_tensorclass(td):
         td = td._tensordict
+    if isinstance(td, LazyStackedTensorDict) and td.tensordicts:
+        # the members hold the sub-trees (items() would stack leaves that differ in shape)
+        return subtree_dims(td.tensordicts[0], n_batch - 1, prefix)
     for key, value in td.items():
         if is_tensorclass(value):
             value = value._tensordict

@@ -31,6 +31,8 @@ MODULES = [
     "test_bad_input.py",
     "test_segments.py",
     "test_rows.py",
+    "test_new_keys.py",
+    "test_dropin.py",
 ]
 
 
