@@ -268,11 +268,12 @@ class Engine:
         """Target bytes of one segment's blob of one leaf: ``segment_bytes``, within what the server accepts."""
         return min(self.segment_bytes, self.max_value_bytes)
 
-    def check_room(self, h: Header, element_bytes: int) -> None:
+    def check_room(self, h: Header, element_bytes: int, declared: int | None = None) -> None:
         """Refuse, before anything is written, a store whose declared size (``count`` elements of
-        ``element_bytes``) cannot fit the server's maxmemory, or that would need more segments than
-        one call can name (see ``_segments.MAX_SEGMENTS``)."""
-        declared = h.count * element_bytes
+        ``element_bytes``, or ``declared`` bytes when known exactly: an upload) cannot fit the
+        server's maxmemory, or that would need more segments than one call can name (see
+        ``_segments.MAX_SEGMENTS``)."""
+        declared = h.count * element_bytes if declared is None else declared
         limit = self.limits.maxmemory
         if limit and declared > limit:  # read the setting again before refusing: it may have changed
             _limits.forget(self.spec.describe())
@@ -280,7 +281,7 @@ class Engine:
             limit = self.limits.maxmemory
         if limit and declared > limit:
             raise MemoryError(
-                f"a store of {h.count} elements of {element_bytes} bytes needs {declared} bytes, more than the server's "
+                f"a store of {h.count} elements ({element_bytes} bytes each) needs {declared} bytes, more than the server's "
                 f"maxmemory ({limit} bytes); nothing was written ({self.where()})"
             )
         if h.segments.n > _segments.MAX_SEGMENTS:

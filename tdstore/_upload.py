@@ -287,6 +287,8 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     largest = max((int(v.max()) for v in sizes.values() if v.size), default=1)
     header = replace(header, seg=segment_length(count, max(largest, width), engine.segment_size), spread=engine.spread)
     segs = header.segments
+    total_bytes = sum(int(v.sum()) for v in sizes.values())
+    engine.check_room(header, -(-total_bytes // max(count, 1)), declared=total_bytes)  # before anything is written
     spread = engine.spread and segs.n > 1  # segments on several cluster nodes, each with its guard (see _spread)
     # a leaf is one string per segment: refuse, before writing anything, a segment the
     # server cannot hold (one element larger than a string), and never send a piece larger

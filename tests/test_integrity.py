@@ -179,6 +179,9 @@ def test_declared_size_past_maxmemory_is_refused_up_front():
             st.extend(lazy_stack([TensorDict(obs=torch.ones(4)) for _ in range(2)]))
         with pytest.raises(MemoryError, match=r"320000000 bytes.*52428800"):
             TensorDictStore.from_schema({"x": ([4], torch.float32)}, batch_size=[20_000_000], url=srv.url, prefix="p")
+        big = lazy_stack([TensorDict(x=torch.zeros(1 << 20)) for _ in range(16)])  # 64 MiB
+        with pytest.raises(MemoryError, match=r"67108864 bytes.*52428800"):
+            LazyStackedTensorDictStore.from_lazy_stack(big, url=srv.url, prefix="p")
         used = srv.client().info("memory")["used_memory"]
         assert used < 8 << 20 and not srv.client().keys("p:*:d:*")
         assert len(st) == 10**12 and st._engine.header.leaves == {}  # the store is intact and usable
