@@ -271,10 +271,11 @@ class Engine:
     def check_room(self, h: Header, element_bytes: int, declared: int | None = None) -> None:
         """Refuse, before anything is written, a store whose declared size (``count`` elements of
         ``element_bytes``, or ``declared`` bytes when known exactly: an upload) cannot fit the
-        server's maxmemory, or that would need more segments than one call can name (see
-        ``_segments.MAX_SEGMENTS``)."""
+        server's maxmemory (on Redis Cluster: that of the node ``limits`` read, for a store in one
+        slot), or that would need more segments than one call can name (``_segments.MAX_SEGMENTS``)."""
         declared = h.count * element_bytes if declared is None else declared
-        limit = self.limits.maxmemory
+        # a spread store's segments are spread over the nodes: each node refuses its own part
+        limit = 0 if (self.spread or h.spread) else self.limits.maxmemory
         if limit and declared > limit:  # read the setting again before refusing: it may have changed
             _limits.forget(self.spec.describe())
             self._limits = None
