@@ -60,6 +60,10 @@ STAGING_TTL_MS = 60_000
 _BINARY = frozenset({bytes, bytearray, memoryview})
 
 
+class _NotRagged(Exception):
+    """The leaf a ragged read was planned for holds no heterogeneous tensor data (any more)."""
+
+
 class StaleSchemaError(RuntimeError):
     """The schema kept changing under this client for ``MAX_RETRIES`` calls in a row."""
 
@@ -746,6 +750,50 @@ class Engine:
 
         out = self.run(plan_call)
         return result["plan"], out
+
+    def read_ragged(self, path: NestedPath, ids: np.ndarray) -> tuple[Leaf, np.ndarray, Any] | None:
+        """Elements ``ids`` (sorted, unique) of the heterogeneous leaf ``path`` as raw pieces, in one
+        round trip: ``(leaf, shape records (n, ndim), data)``, the elements' bytes back to back in
+        one buffer. No tensor per element is made: padded and jagged reads build one result from
+        them. None when the leaf is not heterogeneous tensor data (the caller reads it as usual).
+        """
+
+        def plan_call(h: Header) -> Call:
+            leaf = h.leaves.get(path)
+            if leaf is None:
+                raise KeyError(f"key {path if len(path) > 1 else path[0]!r} is not in the store ({self.where()})")
+            if not leaf.het or leaf.json:
+                raise _NotRagged
+            lo, hi = _index.run_bounds(ids)
+            kt = self.key_table(h)
+            keys = self.keys
+            d, o, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
+            args: list[Any] = [f"{h.epoch}:*", leaf_checks([leaf])]
+            scattered = not h.spread and int(lo.size) > 8 and 2 * int(lo.size) > int(ids.size)
+            if scattered:
+                # mostly single rows (a random batch): the ids travel once and the offset and shape
+                # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
+                n = int(ids.size)
+                args += [2, "I", n, _codec.pack_i64(ids), _segments.het_row_read_op(h.segments, leaf.ndim, n), d, o, sk, 8 * leaf.ndim]
+            else:
+                args += [1, "E", d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi)]
+
+            def parse(reply: list) -> tuple[Leaf, np.ndarray, Any]:
+                pieces = reply[2:]
+                if scattered:  # bounds, shape records, data, each joined in row order
+                    return leaf, _codec.unpack_i64(pieces[1]).reshape(int(ids.size), leaf.ndim), pieces[2]
+                shapes = _codec.unpack_i64(b"".join(pieces[1::3])).reshape(int(ids.size), leaf.ndim)
+                data = pieces[2] if len(pieces) == 3 else b"".join(pieces[2::3])
+                return leaf, shapes, data
+
+            return Call("read", kt.keys, args, parse)
+
+        if not ids.size:
+            return None
+        try:
+            return self.run(plan_call)
+        except _NotRagged:
+            return None
 
     def _plan_read(self, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]) -> Call:
         """Plan a read of any index (its plan goes into ``result``, which ``read`` returns)."""

@@ -11,7 +11,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
 
-from . import _index, _nontensor, _ring, _writes
+from . import _index, _nontensor, _ragged, _ring, _writes
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -544,6 +544,10 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         try:
             if path in h.leaves:
                 leaf = h.leaves[path]
+                if leaf.het and _ragged.wanted(kwargs):
+                    fast = self._read_ragged(path, np.arange(h.count, dtype=np.int64), kwargs)
+                    if fast is not None:
+                        return fast
                 if leaf.het or kwargs:
                     stacked = self._read_index(slice(None), [path])
                     return stacked.get(display(path), **kwargs)
@@ -566,8 +570,44 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
     def _get_at_str(self, key: str, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         return self._get_at_tuple((key,), idx, default, **kwargs)
 
+    def _read_ragged(self, path: NestedPath, ids: np.ndarray, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """One padded or jagged tensor of elements ``ids`` (in that order) of a heterogeneous leaf, in one
+        round trip and without a tensor per element (see ``_ragged``); None when the fast way does not
+        apply (elements with inner batch dims or that differ beyond their first dim, a strided layout)."""
+        h = self._header
+        if h.inner or h.stack_pos != 0:
+            return None
+        raw = self._engine.read_ragged(path, ids)
+        if raw is None:
+            return None
+        out = _ragged.build(*raw, kwargs)
+        if out is not None and self._device is not None:
+            out = out.to(self._device)
+        return out
+
+    def _ragged_ids(self, idx: Any) -> np.ndarray | None:
+        """The element ids of a one-dim index along the stack (a slice, list, index tensor or mask), in its order."""
+        h = self._header
+        if isinstance(idx, (int, np.integer)) or h.inner or (isinstance(idx, torch.Tensor) and idx.ndim != 1):
+            return None
+        norm = _index.normalize(idx, h.batch_size)
+        if len(norm) != 1:
+            return None
+        comp = norm[0]
+        if isinstance(comp, slice):
+            return np.arange(*comp.indices(h.count), dtype=np.int64)
+        if isinstance(comp, torch.Tensor) and comp.ndim == 1:
+            return comp.numpy().astype(np.int64, copy=False)
+        return None
+
     def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = as_path(key)
+        leaf = self._header.leaves.get(path)
+        if leaf is not None and leaf.het and _ragged.wanted(kwargs):
+            ids = self._ragged_ids(idx)
+            fast = self._read_ragged(path, ids, kwargs) if ids is not None and ids.size else None
+            if fast is not None:
+                return fast
         try:
             td = self._read_index(idx, None, under=path, strip=False)
         except KeyError:

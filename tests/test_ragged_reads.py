@@ -1,0 +1,76 @@
+"""Padded and jagged reads of a heterogeneous key: one round trip, one result built from the raw bytes.
+
+``store.get(key, as_padded_tensor=True)`` / ``as_nested_tensor=True`` give what the same call
+gives on a local ``LazyStackedTensorDict``, and ``store.get_at(key, idx, ...)`` what
+``local[idx].get(key, ...)`` gives: the batch padded to its own longest element (a local lazy
+stack's ``get_at`` pads the whole key first, then indexes), without a tensor per element
+(``tdstore/_ragged.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import top_level_commands
+from tensordict import TensorDict, lazy_stack
+
+from tdstore import LazyStackedTensorDictStore
+
+
+def _local(n: int = 40) -> object:
+    return lazy_stack([TensorDict(obs=torch.full((3,), float(i)), tokens=torch.arange(i % 7 + 1, dtype=torch.int32) * (i + 1)) for i in range(n)])
+
+
+@pytest.fixture
+def pair(backend):
+    local = _local()
+    return LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs()), local
+
+
+PADDED = [
+    {"as_padded_tensor": True},
+    {"as_padded_tensor": True, "padding_side": "left"},
+    {"as_padded_tensor": True, "padding_value": -7},
+    {"as_padded_tensor": True, "padding_side": "left", "padding_value": 3.0},
+]
+
+
+@pytest.mark.parametrize("kw", PADDED, ids=["right", "left", "value", "left-value"])
+def test_padded_reads_match_a_local_lazy_stack(pair, kw):
+    store, local = pair
+    assert torch.equal(store.get("tokens", **kw), local.get("tokens", **kw))
+    for idx in (torch.tensor([5, 1, 5, 39, 0]), [3, 4, 5], slice(2, 30, 3), torch.arange(40) % 3 == 0, torch.randint(40, (25,), generator=torch.Generator().manual_seed(1))):
+        assert torch.equal(store.get_at("tokens", idx, **kw), local[idx].get("tokens", **kw)), idx
+
+
+def test_jagged_reads_match_a_local_lazy_stack(pair):
+    store, local = pair
+    got, want = store.get("tokens", as_nested_tensor=True), local.get("tokens", as_nested_tensor=True)
+    assert got.layout == torch.jagged and all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind(), strict=True))
+    idx = torch.tensor([7, 2, 7, 30])
+    got, want = store.get_at("tokens", idx, as_nested_tensor=True), local[idx].get("tokens", as_nested_tensor=True)
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind(), strict=True))
+
+
+def test_elements_ragged_beyond_their_first_dim_are_read_the_usual_way(backend):
+    local = lazy_stack([TensorDict(img=torch.full((i % 3 + 1, i % 2 + 1), float(i))) for i in range(9)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    assert torch.equal(store.get("img", as_padded_tensor=True), local.get("img", as_padded_tensor=True))
+    strided = store.get("img", as_nested_tensor=True, layout=torch.strided)
+    assert all(torch.equal(a, b) for a, b in zip(strided.unbind(), local.get("img", as_nested_tensor=True, layout=torch.strided).unbind(), strict=True))
+
+
+def test_a_padded_read_is_one_round_trip_without_a_tensor_per_element(pair, real, monkeypatch):
+    store = LazyStackedTensorDictStore.from_lazy_stack(_local(), **real.kwargs())
+    store.get("tokens", as_padded_tensor=True)  # warm
+    from tdstore import _engine
+
+    monkeypatch.setattr(_engine, "het_rows", None)  # the per-element builders are not used
+    assert top_level_commands(real.client, lambda: store.get("tokens", as_padded_tensor=True)) == ["evalsha"]
+    assert top_level_commands(real.client, lambda: store.get_at("tokens", torch.randint(40, (30,)), as_padded_tensor=True)) == ["evalsha"]
+
+
+def test_bad_padding_side_is_refused(pair):
+    store, local = pair
+    with pytest.raises(ValueError, match="padding_side"):
+        store.get("tokens", as_padded_tensor=True, padding_side="middle")
