@@ -92,7 +92,10 @@ GiB = 1 << 30
 #: changes element sizes that the other heterogeneous operations rely on).
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"),
-    "heterogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "shape_change_write"),
+    "heterogeneous": (
+        "upload", "element_read", "element_write", "batch_read", "slice_read", "full_read",
+        "padded_batch", "nested_batch", "padded_slice", "padded_full", "nested_full", "shape_change_write",
+    ),
     "large": ("large_read", "large_write"),
 }
 
@@ -130,6 +133,11 @@ FULL_REPS = {
     "batch_read": 60,
     "slice_read": 100,
     "full_read": 10,
+    "padded_batch": 60,
+    "nested_batch": 60,
+    "padded_slice": 100,
+    "padded_full": 10,
+    "nested_full": 10,
     "large_read": 7,
     "large_write": 7,
 }
@@ -141,6 +149,11 @@ QUICK_REPS = {
     "batch_read": 10,
     "slice_read": 10,
     "full_read": 3,
+    "padded_batch": 10,
+    "nested_batch": 10,
+    "padded_slice": 10,
+    "padded_full": 3,
+    "nested_full": 3,
     "large_read": 3,
     "large_write": 3,
 }
@@ -729,6 +742,38 @@ class Runner:
         self.run(case, "full_read", with_ref(lambda n: Contender(n, fulls[n])), lambda: None)
 
         if het:
+            # one tensor of the heterogeneous key instead of a lazy stack (the reference has no such read;
+            # the raw floor moves every key of the same rows)
+            padded = {
+                "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_padded_tensor=True),
+                "reference": lambda a: ref[a[0]].get("tokens", as_padded_tensor=True),
+                "raw": lambda a: s.raw.read_batch(a[1]),
+            }
+            self.run(case, "padded_batch", with_ref(lambda n: Contender(n, padded[n])), batch_args, {"batch": batch})
+            nested = {
+                "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_nested_tensor=True),
+                "reference": lambda a: ref[a[0]].get("tokens", as_nested_tensor=True),
+                "raw": lambda a: s.raw.read_batch(a[1]),
+            }
+            self.run(case, "nested_batch", with_ref(lambda n: Contender(n, nested[n])), batch_args, {"batch": batch})
+            padded_slices = {
+                "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_padded_tensor=True),
+                "reference": lambda a: ref[a : a + batch].get("tokens", as_padded_tensor=True),
+                "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
+            }
+            self.run(case, "padded_slice", with_ref(lambda n: Contender(n, padded_slices[n])), slice_args, {"batch": batch})
+            whole = {
+                "tdstore": lambda a: s.tdstore.get("tokens", as_padded_tensor=True),
+                "reference": lambda a: ref.get("tokens", as_padded_tensor=True),
+                "raw": lambda a: s.raw.read_all(),
+            }
+            self.run(case, "padded_full", with_ref(lambda n: Contender(n, whole[n])), lambda: None)
+            jagged = {
+                "tdstore": lambda a: s.tdstore.get("tokens", as_nested_tensor=True),
+                "reference": lambda a: ref.get("tokens", as_nested_tensor=True),
+                "raw": lambda a: s.raw.read_all(),
+            }
+            self.run(case, "nested_full", with_ref(lambda n: Contender(n, jagged[n])), lambda: None)
 
             def change_args() -> tuple[int, TensorDict, list]:
                 i = int(self.rng.integers(count))
