@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 from collections.abc import Callable
+from copy import copy
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,13 @@ def _is_reattach_error(err: KeyError) -> bool:
     """The store was emptied (deleted and created again) by another handle since this one opened it."""
     text = str(err)
     return "created again" in text or "it was deleted, expired, or never created" in text
+
+
+def _has_keys(s: LazyStackedTensorDictStore) -> bool:
+    """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
+    if not s._engine.header.leaves:
+        s._engine.set_header(s._engine.fetch_header())
+    return bool(s._engine.header.leaves)
 
 
 class StoreStorage(_TorchrlStoreStorage):
@@ -139,7 +147,12 @@ class StoreStorage(_TorchrlStoreStorage):
 
     @property
     def td_id(self) -> str:
-        """The id other processes attach to this buffer with (``replay_buffer(td_id=...)``)."""
+        """The id other processes attach to this buffer with (``replay_buffer(td_id=...)``).
+
+        Asking for it creates the store on the server when it is not there yet, so that
+        ``attach(td_id)`` finds it (and reads its size) before anything is written.
+        """
+        self._store  # noqa: B018
         return self._td_id
 
     def _call(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> Any:
@@ -186,7 +199,7 @@ class StoreStorage(_TorchrlStoreStorage):
 
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
-        if self._is_tensor is None:
+        if self._is_tensor is None and _has_keys(self._store):
             keys = list(self._store._engine.header.leaves)
             if keys:
                 self._is_tensor = keys == [(TENSOR_KEY,)]
@@ -272,7 +285,7 @@ class StoreStorage(_TorchrlStoreStorage):
         return td
 
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
-        if not s._engine.header.leaves:
+        if not _has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
             index = slice(*index.indices(len(self)))
@@ -352,13 +365,24 @@ class StoreStorage(_TorchrlStoreStorage):
         self.load_state_dict(json.loads((Path(path) / "store.json").read_text()))
 
     def __getstate__(self) -> dict[str, Any]:
-        state = Storage.__getstate__(self)
+        """What ``Storage.__getstate__`` keeps, minus its ``multiprocessing.Value`` counters.
+
+        torchrl's own StoreStorage forgets to drop them (``pickle.dumps(storage)`` raises
+        "Synchronized objects should only be shared between processes through
+        inheritance").  ``Storage.__getstate__`` itself would read them through this
+        class's properties, i.e. ask the server, for values this class never uses: the
+        revision and the last cursor are the server's.  Secrets are never pickled.
+        """
+        state = copy(self.__dict__)
+        state["_rng"] = None
+        state.pop("_mutation_revision_value", None)
+        state.pop("_last_cursor_index_value", None)
         state["_secrets"] = {}  # a child gets the password from password_provider or $TDSTORE_PASSWORD
         state["_pending"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        Storage.__setstate__(self, state)
+        Storage.__setstate__(self, state)  # makes fresh (unused) counters where torchrl expects them
 
     def __repr__(self) -> str:
         where = {k: v for k, v in self._conn.items() if k in _PUBLIC_CONN}
@@ -462,9 +486,7 @@ class StoreSampler(Sampler):
             raise TypeError(f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages")
 
         def draw(s: LazyStackedTensorDictStore) -> _ring.Sample:
-            if not s._engine.header.leaves:
-                s._engine.set_header(s._engine.fetch_header())  # another process may have written the first keys
-            if not s._engine.header.leaves:
+            if not _has_keys(s):
                 raise RuntimeError(_EMPTY_ERROR)
             try:
                 return s.sample(int(batch_size), generator=self._rng)
