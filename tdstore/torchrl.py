@@ -41,7 +41,8 @@ from torchrl.data.replay_buffers.writers import Writer
 
 from . import _ring
 from ._connection import _SECRET_KWARGS
-from ._engine import new_td_id
+from ._engine import DenseResult, new_td_id
+from ._values import build_td
 from .lazy import LazyStackedTensorDictStore
 
 __all__ = ["StoreStorage", "StoreWriter", "StoreSampler", "StoreSamplerWithoutReplacement", "replay_buffer", "attach"]
@@ -473,31 +474,60 @@ class StoreWriter(Writer):
 class StoreSampler(Sampler):
     """Uniform sampling (with replacement) over the slots the ring has written, in one round trip.
 
-    ``sample`` calls ``store.sample`` (which draws and reads the rows in one call) and
-    hands the rows to ``StoreStorage.get`` for the indices it returns.  The random
-    numbers come from the buffer's generator (``rb.set_rng``) when one is set.
+    The sampler reads the rows itself and hands them to ``StoreStorage.get`` for the
+    indices it returns (so ``rb.sample()`` is one round trip, generations included).
+    The random numbers come from the buffer's generator (``rb.set_rng``) when one is set.
+
+    How: the slots are drawn on the client, below the written length the previous
+    sample saw, and read in one transaction of plain ``GETRANGE``s together with the
+    ring's write counter (which gives the generations and the bound for the next
+    call).  Written slots stay written (the ring only grows until ``empty``), so every
+    drawn slot holds a written row; the counter read with the rows proves it, and a
+    batch that drew a slot beyond it (the buffer was emptied meanwhile) is drawn
+    again by the server.  Rows written since the previous sample are drawn from the
+    next one on.  The first sample of a sampler reads the length first (two round
+    trips).  Heterogeneous data, and servers that refuse transactions, use
+    ``store.sample`` (the server draws; one script call, slower on the server).
     ``StoreSampler(replacement=False)`` is :class:`StoreSamplerWithoutReplacement`.
     """
 
     requires_shared_state = False
 
+    def __init__(self) -> None:
+        self._bound = 0  # the written length the last sample saw
+        self._bound_of: tuple[str, int] | None = None  # of which store (td_id, reopen count)
+
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if not isinstance(storage, StoreStorage):
             raise TypeError(f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages")
-
-        def draw(s: LazyStackedTensorDictStore) -> _ring.Sample:
-            if not _has_keys(s):
-                raise RuntimeError(_EMPTY_ERROR)
-            try:
-                return s.sample(int(batch_size), generator=self._rng)
-            except ValueError as err:
-                if "nothing" in str(err).lower() or "written" in str(err).lower():
-                    raise RuntimeError(_EMPTY_ERROR) from err
-                raise
-
-        got = storage._call(draw)
+        got = storage._call(lambda s: self._draw(storage, s, int(batch_size)))
         storage._stash(got)
         return got.indices, {}
+
+    def _draw(self, storage: StoreStorage, s: LazyStackedTensorDictStore, batch_size: int) -> _ring.Sample:
+        if not _has_keys(s):
+            raise RuntimeError(_EMPTY_ERROR)
+        engine, h = s._engine, s._engine.header
+        m = h.count
+        if self._bound_of != (storage._td_id, storage._reopens):
+            self._bound_of, self._bound = (storage._td_id, storage._reopens), 0
+        if engine._tx_reads and h.stack_pos == 0 and not any(leaf.het for leaf in h.leaves.values()):
+            if self._bound == 0:
+                self._bound = s.ring_state().written
+            if self._bound > 0:
+                slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
+                _, res = engine.read(slots, fields=("rw",))
+                rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
+                if rw is not None:
+                    self._bound = min(int(rw), m)
+                    if int(slots.max()) < self._bound:
+                        return _ring.Sample(build_td(res.leaves, res.batch_size, s._device), slots, _ring.generations(slots, int(rw), m))
+        try:
+            return s.sample(batch_size, generator=self._rng)
+        except ValueError as err:
+            if "nothing" in str(err).lower() or "written" in str(err).lower():
+                raise RuntimeError(_EMPTY_ERROR) from err
+            raise
 
     def _empty(self) -> None:
         pass

@@ -6,19 +6,21 @@ CI installs it, so none of these is skipped there.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import pickle
 import queue
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("torchrl")
 
-from helpers import load_tool, round_trips, top_level_commands  # noqa: E402
+from helpers import round_trips, top_level_commands  # noqa: E402
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, tensorclass  # noqa: E402
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
@@ -131,9 +133,9 @@ def test_attach_by_td_id_reads_the_size_from_the_server(real):
 
 def test_empty(real):
     rb = replay_buffer(10, batch_size=4, **real.kwargs())
-    other = attach(rb.storage.td_id, **real.kwargs())
+    other = attach(rb.storage.td_id, batch_size=8, **real.kwargs())
     rb.extend(rows(0, 5))
-    assert len(other) == 5
+    assert len(other) == 5 and other.sample()["step"].max() < 5
     rb.empty()
     assert len(rb) == 0 and rb.write_count == 0
     assert len(other) == 0  # the other handle reopens the store emptied under it
@@ -141,6 +143,7 @@ def test_empty(real):
         rb.sample()
     rb.extend(rows(50, 3))
     assert len(rb) == 3 and len(other) == 3 and other.storage[:]["step"].tolist() == [50, 51, 52]
+    assert set(other.sample()["step"].tolist()) <= {50, 51, 52}  # never a slot of the buffer before it was emptied
 
 
 def test_tensorclass_data(real):
@@ -207,6 +210,16 @@ def test_torchrls_samplers_on_the_store(real, sampler):
         assert sorted(s["step"].tolist() + rb.sample()["step"].tolist()) == list(range(16))
 
 
+def test_store_sampler_draws_rows_written_since_its_last_batch(real):
+    rb = replay_buffer(64, batch_size=64, **real.kwargs())
+    rb.extend(rows(0, 2))
+    assert set(rb.sample()["step"].tolist()) <= {0, 1}
+    rb.extend(rows(2, 30))
+    rb.sample()  # sees the new length
+    s = rb.sample()
+    assert whole(s) and int(s["step"].max()) >= 2 and set(s["step"].tolist()) <= set(range(32))
+
+
 def test_store_sampler_without_replacement_follows_a_growing_buffer(real):
     assert isinstance(StoreSampler(replacement=False), StoreSamplerWithoutReplacement)
     rb = replay_buffer(32, batch_size=4, sampler="without_replacement", **real.kwargs())
@@ -223,7 +236,11 @@ def test_extend_and_sample_are_one_round_trip(real):
     rb.extend(rows(0, 8))
     assert round_trips(top_level_commands(real.client, lambda: rb.extend(rows(8, 8)))) == ["evalsha"]
     assert round_trips(top_level_commands(real.client, lambda: rb.add(rows(16, 1)[0]))) == ["evalsha"]
-    assert round_trips(top_level_commands(real.client, lambda: rb.sample())) == ["evalsha"]
+    rb.sample()  # a sampler's first batch reads the written length first
+    assert round_trips(top_level_commands(real.client, lambda: rb.sample())) == ["transaction"]
+    lazy = replay_buffer(16, batch_size=8, **real.kwargs())
+    lazy.extend(lazy_stack([TensorDict(tokens=torch.arange(1 + i % 3)) for i in range(6)]))
+    assert round_trips(top_level_commands(real.client, lambda: lazy.sample())) == ["evalsha"]  # the server draws
     full = replay_buffer(16, batch_size=16, track_generations=True, **real.kwargs())
     full.extend(rows(0, 16))
     full.sample()  # the ring is full: samples are one read transaction from now on (generations included)
@@ -356,10 +373,27 @@ def test_torchrls_store_storage_over_tdstore_tensorclass_and_samplers(torchrl_st
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------
-def test_benchmark_smoke(capsys):
-    bench = load_tool("torchrl_bench")
-    out = bench.main(["--max-size", "200", "--fill", "100", "--chunk", "25", "--batch", "16", "--reps", "1", "--samples", "3", "--actors", "2", "--json"])
+def test_benchmark_smoke():
+    """A tiny run of tools/torchrl_bench.py as a script (its actors are spawned processes); no speed is asserted."""
+    tool = Path(__file__).resolve().parent.parent / "tools" / "torchrl_bench.py"
+    args = ["--max-size", "200", "--fill", "100", "--chunk", "25", "--batch", "16", "--reps", "1", "--samples", "3", "--actors", "2", "--json"]
+    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
     names = {r["storage"] for r in out["rows"]}
     assert {"LazyTensorStorage", "torchrl StoreStorage / tensordict.store", "tdstore.torchrl"} <= names
-    assert out["actors"]["rows"] == 2 * 100
-    assert '"rows"' in capsys.readouterr().out
+    assert out["actors"]["rows"] == 2 * 100 and out["actors"]["write_count"] == 2 * 100 + 2  # + one schema row each
+
+
+def test_demo_through_a_torchrl_replay_buffer():
+    from tdstore.demo import run_demo
+
+    f = run_demo(actors=2, count=48, seconds=1.0, batch=16, torchrl=True, progress=False, out=sys.stderr)
+    assert f["ok"] and f["torn"] == 0 and f["verified"] == 48 and f["writes"] > 0 and f["reads"] > 0
+    assert "torchrl" in f["server"]
+
+
+def test_demo_torchrl_flag_on_the_command_line():
+    out = subprocess.run([sys.executable, "-m", "tdstore", "demo", "--torchrl", "--actors", "1", "--count", "16", "--seconds", "0.5", "--no-progress", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"ok": true' in out.stdout
