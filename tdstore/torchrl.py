@@ -201,9 +201,7 @@ class StoreStorage(_TorchrlStoreStorage):
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
         if self._is_tensor is None and _has_keys(self._store):
-            keys = list(self._store._engine.header.leaves)
-            if keys:
-                self._is_tensor = keys == [(TENSOR_KEY,)]
+            self._is_tensor = list(self._store._engine.header.leaves) == [(TENSOR_KEY,)]
 
     # -- writes ----------------------------------------------------------------------------
     def _to_rows(self, data: Any) -> TensorDictBase:
@@ -233,8 +231,10 @@ class StoreStorage(_TorchrlStoreStorage):
         n = rows.batch_size[0] if rows.batch_dims else 0
         if n == 0:
             raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
+        if n <= self.max_size:
+            return self._call(lambda s: s.extend(rows).indices)
         out = [self._call(lambda s, i=i: s.extend(rows[i : i + self.max_size]).indices) for i in range(0, n, self.max_size)]
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return torch.cat(out)
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write ``data`` at explicit slots (``rb[index] = data``): one atomic call.
