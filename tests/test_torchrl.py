@@ -64,6 +64,16 @@ def test_extend_add_sample_len(real):
     assert rb.storage.contains(6) and not rb.storage.contains(7)
 
 
+def test_writes_at_explicit_slots(real):
+    rb = replay_buffer(10, batch_size=4, **real.kwargs())
+    rb.extend(rows(0, 5))
+    rb[2] = rows(42, 1)[0]
+    rb[torch.tensor([0, 1])] = rows(7, 2)
+    got = rb.storage[:]
+    assert got["step"].tolist() == [7, 8, 42, 3, 4] and whole(got)
+    assert len(rb) == 5 and rb.write_count == 5  # an explicit write moves neither the length nor the cursor
+
+
 def test_wraps_around_and_splits_batches_longer_than_the_ring(real):
     rb = replay_buffer(10, batch_size=4, **real.kwargs())
     rb.extend(rows(0, 4))
