@@ -91,6 +91,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             out=sys.stderr if args.json else sys.stdout,
             cluster=args.cluster,
             spread=args.spread,
+            torchrl=args.torchrl,
         )
     except ServerUnreachable as err:
         print(f"tdstore demo: error: {err}", file=sys.stderr)
@@ -549,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cluster", action="store_true", help="start an embedded three-primary Redis Cluster instead of one server (not with --url)")
     demo.add_argument(
         "--spread", action="store_true", help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url)"
+    )
+    demo.add_argument(
+        "--torchrl", action="store_true", help="go through a torchrl replay buffer (tdstore.torchrl): actors extend it, the learner samples it (needs torchrl)"
     )
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")

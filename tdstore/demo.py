@@ -26,6 +26,13 @@ check that an element sits where its writer put it, and at the end the final
 content is compared with the last write of each actor to each slot (a lost or
 misplaced write shows up there).
 
+With ``torchrl=True`` (``tdstore demo --torchrl``) the same run goes through a torchrl
+replay buffer (:func:`tdstore.torchrl.replay_buffer`): the store is a ring of ``count``
+slots, each actor attaches to it by ``td_id`` and ``extend``s it (the server picks the
+slots), and the learner calls ``rb.sample()``.  Elements are checked the same way, except
+where they sit: the ring, not a hash, places them, so each actor records the slots its
+writes got for the final check.
+
 Run it with ``python -m tdstore demo`` (see :mod:`tdstore.cli`), or call
 :func:`run_demo`.
 """
@@ -172,7 +179,7 @@ def initial_stack(count: int) -> LazyStackedTensorDict:
 # -- checking ------------------------------------------------------------------------------------
 
 
-def element_problems(td: TensorDictBase, index: int, *, count: int, actors: int) -> list[str]:
+def element_problems(td: TensorDictBase, index: int, *, count: int, actors: int, placed: bool = True) -> list[str]:
     """Everything wrong with one element read at ``index`` (empty when it is consistent).
 
     The slow, explicit path: :func:`check_batch` uses it only to describe the
@@ -201,7 +208,7 @@ def element_problems(td: TensorDictBase, index: int, *, count: int, actors: int)
         elif not torch.equal(got, want):
             problems.append(f"{who}: {name!r} holds {got.tolist()}, that write had {want.tolist()}")
     slot = int(slot_of(a, s, count))
-    if slot != index:
+    if placed and slot != index:
         problems.append(f"{who}: that write went to element {slot}")
     return problems
 
@@ -213,7 +220,7 @@ def _token_rows(td: TensorDictBase) -> list[torch.Tensor]:
     return list(td.get("tokens").unbind(0))
 
 
-def _consistent_mask(td: TensorDictBase, idx: np.ndarray, *, count: int, actors: int) -> np.ndarray:
+def _consistent_mask(td: TensorDictBase, idx: np.ndarray, *, count: int, actors: int, placed: bool = True) -> np.ndarray:
     """Vectorized check of a batch read at ``idx``: True where an element is consistent.
 
     Per-element Python checks would cost as much as the read itself and halve the
@@ -229,7 +236,8 @@ def _consistent_mask(td: TensorDictBase, idx: np.ndarray, *, count: int, actors:
     s = np.where(ok, s, 0)
     ok &= (obs == obs_value(a, s)[:, None]).all(axis=1)
     ok &= chk == check_value(a, s)
-    ok &= slot_of(a, s, count) == idx
+    if placed:  # else a ring placed the element (torchrl mode): where it sits is checked at the end
+        ok &= slot_of(a, s, count) == idx
     toks = _token_rows(td)
     lengths = np.array([t.shape[0] if t.ndim == 1 else -1 for t in toks], dtype=np.int64)
     ok &= lengths == token_length(a, s)
@@ -244,7 +252,7 @@ def _consistent_mask(td: TensorDictBase, idx: np.ndarray, *, count: int, actors:
     return ok
 
 
-def check_batch(td: TensorDictBase, indices: Any, *, count: int, actors: int) -> dict[int, list[str]]:
+def check_batch(td: TensorDictBase, indices: Any, *, count: int, actors: int, placed: bool = True) -> dict[int, list[str]]:
     """Check a batch read at ``indices``; return ``{position in batch: problems}`` for torn elements.
 
     A fast vectorized pass flags elements, and only flagged ones are described
@@ -253,12 +261,12 @@ def check_batch(td: TensorDictBase, indices: Any, *, count: int, actors: int) ->
     """
     idx = np.asarray(indices.numpy() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
     try:
-        suspects = np.flatnonzero(~_consistent_mask(td, idx, count=count, actors=actors))
+        suspects = np.flatnonzero(~_consistent_mask(td, idx, count=count, actors=actors, placed=placed))
     except (RuntimeError, ValueError, KeyError, TypeError):
         suspects = np.arange(idx.size)
     out: dict[int, list[str]] = {}
     for k in suspects.tolist():
-        problems = element_problems(td[k], int(idx[k]), count=count, actors=actors)
+        problems = element_problems(td[k], int(idx[k]), count=count, actors=actors, placed=placed)
         if problems:
             out[k] = problems
     return out
@@ -330,6 +338,35 @@ def _actor_main(
         results.put(("error", actor, traceback.format_exc()))
     finally:
         store.close()
+
+
+def _torchrl_actor_main(url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any) -> None:
+    """One actor of the torchrl demo: attach to the replay buffer by ``td_id`` and extend it.
+
+    The server picks the slot of each write (its ring cursor); the actor records the
+    slot each of its writes got, for the final check.  The URL has no password (the
+    actor gets it from the environment, as in :func:`_password_for_children`).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from .torchrl import attach
+
+        rb = attach(td_id, url=url, prefix=prefix)
+        count = len(rb)
+        last_seq = np.full(count, -1, dtype=np.int64)
+        results.put(("ready", actor))
+        start.wait()
+        t0 = time.monotonic()
+        end = t0 + seconds
+        seq = 0
+        while not stop.is_set() and time.monotonic() < end:
+            slot = int(rb.extend(lazy_stack([make_element(actor, seq)]))[0])
+            last_seq[slot] = seq
+            seq += 1
+            counter.value = seq
+        results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
+    except BaseException:
+        results.put(("error", actor, traceback.format_exc()))
 
 
 # -- the server ----------------------------------------------------------------------------------------
@@ -454,7 +491,7 @@ class _Progress:
 # -- the demo ------------------------------------------------------------------------------------------
 
 
-def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str | None = None, cluster: bool = False, spread: bool = False) -> None:
+def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str | None = None, cluster: bool = False, spread: bool = False, torchrl: bool = False) -> None:
     """Refuse nonsense and contradictions early, before a server is started or a process spawned."""
     for name, value in (("actors", actors), ("count", count), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -465,6 +502,13 @@ def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str
         raise ValueError("--cluster starts an embedded cluster, so it cannot be used with --url; for a cluster of yours give --url redis+cluster://HOST:PORT")
     if spread and not cluster and not (url or "").lower().startswith(("redis+cluster://", "rediss+cluster://")):
         raise ValueError("--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT")
+    if torchrl and spread:
+        raise ValueError("--torchrl uses the store as a ring, whose calls need one slot: not with --spread")
+    if torchrl:
+        try:
+            import torchrl as _  # noqa: F401
+        except ImportError:
+            raise ValueError("--torchrl needs torchrl: pip install --no-deps torchrl-nightly==2026.10.27 && pip install hoptorch") from None
 
 
 def run_demo(
@@ -480,6 +524,7 @@ def run_demo(
     seed: int = 0,
     cluster: bool = False,
     spread: bool = False,
+    torchrl: bool = False,
 ) -> dict[str, Any]:
     """Run the concurrent write/sample demo and return its figures.
 
@@ -498,6 +543,8 @@ def run_demo(
         progress: show live progress on stderr.
         out: where the human-readable summary goes (default stdout).
         seed: seed of the learner's sampling.
+        torchrl: go through a torchrl replay buffer (``tdstore.torchrl``): actors
+            ``extend`` it, the learner calls ``sample()``.
 
     Returns:
         The figures: ``writes``, ``writes_per_s``, ``reads`` (batches),
@@ -509,7 +556,7 @@ def run_demo(
         ServerUnreachable: ``url`` does not answer.
         DemoError: an actor failed or did not start.
     """
-    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread)
+    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread, torchrl=torchrl)
     out = sys.stdout if out is None else out
     say = _Status(progress, sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -526,7 +573,16 @@ def run_demo(
             where = f"redis {check_reachable(url)} at {redact_url(url)}"
         layout = {"spread": True, "segment_bytes": SPREAD_SEGMENT_BYTES} if spread else {}
         say(f"server: {where}; uploading {_plural(count, 'element')}...")
-        uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
+        rb = None
+        if torchrl:
+            from .torchrl import replay_buffer
+
+            rb = replay_buffer(count, url=url, prefix=prefix, batch_size=batch)
+            rb.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
+            uploaded = rb.storage._store
+            where += ", through a torchrl replay buffer (tdstore.torchrl)"
+        else:
+            uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
         if uploaded._engine.header.spread:
             where += f", the store spread in {uploaded._engine.header.segments.n} segments over its nodes"
         stack.callback(_quietly_clear, uploaded)
@@ -535,7 +591,7 @@ def run_demo(
         store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id)
         stack.callback(store.close)
         with _password_for_children(url):
-            figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed, say=say)
+            figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed, say=say, rb=rb, url=url, prefix=prefix)
         figures["keys_deleted"] = store.clear_redis()
     _print_summary(figures, out)
     return figures
@@ -560,15 +616,26 @@ def _run(
     progress: bool,
     seed: int,
     say: Callable[[str], None] = lambda text: None,
+    rb: Any = None,
+    url: str = "",
+    prefix: str = DEFAULT_PREFIX,
 ) -> dict[str, Any]:
-    """Start the actors, sample as the learner, collect and verify; always stops the actors."""
+    """Start the actors, sample as the learner, collect and verify; always stops the actors.
+
+    With ``rb`` (a tdstore.torchrl replay buffer on ``store``), the actors attach to it
+    by td_id and extend it, and the learner samples it with ``rb.sample()``.
+    """
+    placed = rb is None
     ctx = mp.get_context("spawn")
     start, stop = ctx.Event(), ctx.Event()
     results = ctx.Queue()
     counters = [ctx.RawValue("q", 0) for _ in range(actors)]
     procs = [
         ctx.Process(
-            target=_actor_main, args=(store, a, seconds, start, stop, counters[a], results), name=f"tdstore-demo-actor-{a}", daemon=True
+            target=_actor_main if placed else _torchrl_actor_main,
+            args=(store, a, seconds, start, stop, counters[a], results) if placed else (redact_url(url), prefix, store.td_id, a, seconds, start, stop, counters[a], results),
+            name=f"tdstore-demo-actor-{a}",
+            daemon=True,
         )
         for a in range(actors)
     ]
@@ -581,6 +648,8 @@ def _run(
         say(f"{_plural(actors, 'actor')} ready after {time.monotonic() - t_spawn:.1f} s; writing and sampling for {seconds:g} s")
         bar = _Progress(seconds, progress, sys.stderr)
         gen = torch.Generator().manual_seed(seed)
+        if rb is not None:
+            rb.set_rng(gen)
         reads = torn = 0
         examples: list[str] = []
         start.set()
@@ -588,10 +657,14 @@ def _run(
         end = t0 + seconds
         next_tick = t0 + _TICK
         while (now := time.monotonic()) < end:
-            idx = torch.randint(count, (batch,), generator=gen)
-            sampled = store[idx]
+            if placed:
+                idx = torch.randint(count, (batch,), generator=gen)
+                sampled = store[idx]
+            else:
+                sampled = rb.sample()  # one round trip: the server draws the slots and reads them
+                idx = sampled["index"]
             reads += 1
-            bad = check_batch(sampled, idx, count=count, actors=actors)
+            bad = check_batch(sampled, idx, count=count, actors=actors, placed=placed)
             torn += len(bad)
             for k, problems in bad.items():
                 if len(examples) < MAX_EXAMPLES:
@@ -607,7 +680,7 @@ def _run(
         assert bar is not None
         bar.update(read_time, sum(d[0] for d in done.values()), reads, torn)
         # Verify while the actors exit (tearing down torch takes them a moment).
-        final = _verify_final(store, done, count=count, actors=actors)
+        final = _verify_final(store, done, count=count, actors=actors, placed=placed)
     finally:
         stop.set()
         start.set()  # release actors still waiting, so they can exit
@@ -637,11 +710,15 @@ def _run(
 
 
 def _verify_final(
-    store: LazyStackedTensorDictStore, done: dict[int, tuple[int, float, np.ndarray]], *, count: int, actors: int
+    store: LazyStackedTensorDictStore, done: dict[int, tuple[int, float, np.ndarray]], *, count: int, actors: int, placed: bool = True
 ) -> dict[str, Any]:
-    """Read the whole store in one call and check every element, and that no write was lost."""
+    """Read the whole store in one call and check every element, and that no write was lost.
+
+    ``lost_writes`` also checks where each element sits: it must be the slot its
+    writer recorded for that write (the hash's, or the one the ring gave it).
+    """
     final = store.to_tensordict()
-    bad = check_batch(final, np.arange(count), count=count, actors=actors)
+    bad = check_batch(final, np.arange(count), count=count, actors=actors, placed=placed)
     good = np.array([i for i in range(count) if i not in bad], dtype=np.int64)
     lost: dict[int, str] = {}
     if good.size:
