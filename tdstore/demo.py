@@ -321,23 +321,33 @@ def _actor_main(
     try:
         count = len(store)
         store[actor % count].to_tensordict()  # connect and load the scripts before the clock starts
-        last_seq = np.full(count, -1, dtype=np.int64)
-        results.put(("ready", actor))
-        start.wait()
-        t0 = time.monotonic()
-        end = t0 + seconds
-        seq = 0
-        while not stop.is_set() and time.monotonic() < end:
+
+        def write(seq: int) -> int:
             slot = int(slot_of(actor, seq, count))
             store[slot] = make_element(actor, seq)
-            last_seq[slot] = seq
-            seq += 1
-            counter.value = seq
-        results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
+            return slot
+
+        _write_until_stopped(write, count, actor, seconds, start, stop, counter, results)
     except BaseException:  # report anything, including SystemExit, instead of dying silently
         results.put(("error", actor, traceback.format_exc()))
     finally:
         store.close()
+
+
+def _write_until_stopped(write: Callable[[int], int], count: int, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any) -> None:
+    """An actor's timed loop: ``write(seq)`` (which returns the slot written) until ``stop`` or the
+    clock; reports ready, then done with the last sequence number written to each slot."""
+    last_seq = np.full(count, -1, dtype=np.int64)
+    results.put(("ready", actor))
+    start.wait()
+    t0 = time.monotonic()
+    end = t0 + seconds
+    seq = 0
+    while not stop.is_set() and time.monotonic() < end:
+        last_seq[write(seq)] = seq
+        seq += 1
+        counter.value = seq
+    results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
 
 
 def _torchrl_actor_main(url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any) -> None:
@@ -352,19 +362,7 @@ def _torchrl_actor_main(url: str, prefix: str, td_id: str, actor: int, seconds: 
         from .torchrl import attach
 
         rb = attach(td_id, url=url, prefix=prefix)
-        count = len(rb)
-        last_seq = np.full(count, -1, dtype=np.int64)
-        results.put(("ready", actor))
-        start.wait()
-        t0 = time.monotonic()
-        end = t0 + seconds
-        seq = 0
-        while not stop.is_set() and time.monotonic() < end:
-            slot = int(rb.extend(lazy_stack([make_element(actor, seq)]))[0])
-            last_seq[slot] = seq
-            seq += 1
-            counter.value = seq
-        results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
+        _write_until_stopped(lambda seq: int(rb.extend(lazy_stack([make_element(actor, seq)]))[0]), len(rb), actor, seconds, start, stop, counter, results)
     except BaseException:
         results.put(("error", actor, traceback.format_exc()))
 
