@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from . import _codec, _rows
+from . import _codec, _ragged, _rows
 from ._engine import Call, DenseResult, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
@@ -367,8 +367,12 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     return applied[torch.tensor(back)]
 
 
-def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None) -> Sample:
-    """Draw ``batch_size`` written slots uniformly (with replacement) and read them, in one call."""
+def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None, ragged: dict[str, Any] | None = None) -> Sample:
+    """Draw ``batch_size`` written slots uniformly (with replacement) and read them, in one call.
+
+    ``ragged`` (``as_padded_tensor=True`` or ``as_nested_tensor=True``, with ``padding_side``,
+    ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
+    the batch (see ``_ragged``), so the sample is a TensorDict instead of a lazy stack."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
@@ -397,7 +401,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
         def parse(reply: list) -> Sample:
-            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped)
+            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped, ragged)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             return got
 
@@ -406,7 +410,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     return engine.run(plan_call)
 
 
-def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf]) -> Sample:
+def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None) -> Sample:
     slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
     rw = int(reply[3])
     pieces = reply[4:]
@@ -423,9 +427,16 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
                 dense[leaf.path] = rows
             pos += 1
             continue
-        per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
+        one = None
+        if ragged and not leaf.json and not h.inner and h.stack_pos == 0:
+            # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
+            one = _ragged.build(leaf, _codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], ragged)
+        if one is not None:
+            dense[leaf.path] = one
+        else:
+            per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
-    if block is not None:  # the store's key order, not the order the block gathered them in
+    if block is not None or ragged:  # the store's key order, not the order the block gathered them in
         dense = {path: dense[path] for path in h.leaves if path in dense}
     sp = h.stack_pos
     if not per_el:

@@ -74,3 +74,20 @@ def test_bad_padding_side_is_refused(pair):
     store, local = pair
     with pytest.raises(ValueError, match="padding_side"):
         store.get("tokens", as_padded_tensor=True, padding_side="middle")
+
+
+@pytest.mark.ring
+def test_ring_samples_as_padded_or_jagged_tensors(backend, real):
+    store = LazyStackedTensorDictStore(count=64, **backend.kwargs())
+    store.extend([TensorDict(obs=torch.full((3,), float(i)), tokens=torch.arange(1 + i % 5) * (i + 1)) for i in range(40)])
+    plain = store.sample(16, generator=torch.Generator().manual_seed(3))
+    padded = store.sample(16, generator=torch.Generator().manual_seed(3), as_padded_tensor=True, padding_side="left", padding_value=-1)
+    assert torch.equal(plain.indices, padded.indices) and torch.equal(plain.generations, padded.generations)
+    assert type(padded.td) is TensorDict and torch.equal(padded.td["obs"], plain.td["obs"])
+    assert torch.equal(padded.td["tokens"], plain.td.get("tokens", as_padded_tensor=True, padding_side="left", padding_value=-1))
+    jagged = store.sample(16, generator=torch.Generator().manual_seed(3), as_nested_tensor=True)
+    assert all(torch.equal(a, b) for a, b in zip(jagged.td["tokens"].unbind(), plain.td.get("tokens", as_list=True), strict=True))
+    with pytest.raises(TypeError, match="as_padded_tensor"):
+        store.sample(4, as_list=True)
+    if backend.name == "redis":
+        assert top_level_commands(real.client, lambda: store.sample(16, as_padded_tensor=True)) == ["evalsha"]
