@@ -30,7 +30,8 @@
           sample n rows uniformly from the written slots of the ring: 'draws' packs
           n int64 values drawn by the client in [0, 2^53) (so a seeded generator
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
-          the header's ring write counter. Must come before its 'X'/'Y' ops.
+          the header's ring write counter (a store with keys that the ring never wrote,
+          an upload say, samples all its count elements). Must come before its 'X'/'Y' ops.
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -161,6 +162,9 @@ for _ = 1, nops do
     local count = tds_num(redis.call('HGET', meta, 'count'), 'count')
     local rw = tonumber(redis.call('HGET', meta, 'rw') or '0')
     local written = math.min(rw, count)
+    if written == 0 and not string.find(redis.call('HGET', meta, 'schema') or '', '"leaves":[]', 1, true) then
+      written = count  -- a store filled otherwise than by the ring (an upload, writes by index): every element
+    end
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
     end

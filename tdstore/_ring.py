@@ -367,29 +367,45 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     return applied[torch.tensor(back)]
 
 
-def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None, ragged: dict[str, Any] | None = None) -> Sample:
+def _selected(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
+    """The leaves a sample reads: every one, or those at or below ``keys`` (``KeyError`` naming a key that matches none)."""
+    if keys is None:
+        return list(h.leaves.values())
+    out = []
+    for key in keys:
+        found = [leaf for path, leaf in h.leaves.items() if path[: len(key)] == key]
+        if not found:
+            raise KeyError(f"key {display(key)!r} is not in the store")
+        out += [leaf for leaf in found if leaf not in out]
+    return out
+
+
+def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None, ragged: dict[str, Any] | None = None, keys: list[NestedPath] | None = None) -> Sample:
     """Draw ``batch_size`` written slots uniformly (with replacement) and read them, in one call.
 
     ``ragged`` (``as_padded_tensor=True`` or ``as_nested_tensor=True``, with ``padding_side``,
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
-    the batch (see ``_ragged``), so the sample is a TensorDict instead of a lazy stack."""
+    the batch (see ``_ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
+    reads only those keys (and the keys below them)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
-    if engine.ring_full and engine._tx_reads and h.stack_pos == 0 and h.leaves and not any(leaf.het for leaf in h.leaves.values()):
+    chosen = _selected(h, keys)
+    if engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
         # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
         slots = draws % h.count
-        _, res = engine.read(slots, fields=("rw",))
+        _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw",))
         rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
         if rw is not None and int(rw) >= h.count:
             return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
     packed = _codec.pack_i64(draws.numpy())
 
     def plan_call(h: Header) -> Call:
-        leaves = list(h.leaves.values())
+        leaves = _selected(h, keys)
+        wanted = None if keys is None else {leaf.path for leaf in leaves}
         kt = engine.key_table(h)
         checks = leaf_checks(leaves)
         leaves, block, grouped = _rows.units(h, leaves)
@@ -401,7 +417,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
         def parse(reply: list) -> Sample:
-            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped, ragged)
+            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped, ragged, wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             return got
 
@@ -410,7 +426,7 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
     return engine.run(plan_call)
 
 
-def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None) -> Sample:
+def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None, wanted: set[NestedPath] | None = None) -> Sample:
     slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
     rw = int(reply[3])
     pieces = reply[4:]
@@ -436,8 +452,8 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: t
         else:
             per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
-    if block is not None or ragged:  # the store's key order, not the order the block gathered them in
-        dense = {path: dense[path] for path in h.leaves if path in dense}
+    if block is not None or ragged or wanted is not None:  # the store's key order (and only the keys asked for)
+        dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
     sp = h.stack_pos
     if not per_el:
         bs = list(h.inner)

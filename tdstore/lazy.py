@@ -940,7 +940,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
             raise ValueError(f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches")
         return self.extend(td.unsqueeze(self._engine.header.stack_pos))
 
-    def sample(self, batch_size: int, generator: torch.Generator | None = None, **ragged: Any) -> _ring.Sample:
+    def sample(self, batch_size: int, generator: torch.Generator | None = None, *, keys: Sequence[Any] | None = None, **ragged: Any) -> _ring.Sample:
         """A uniform random batch of written slots (with replacement), in one round trip.
 
         Only slots the ring has written are drawn (``store.written``).  The random
@@ -950,6 +950,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         lazy stack when keys are heterogeneous; keep the generations to write back
         with :meth:`update_if`.  Raises ``ValueError`` when nothing was written yet.
 
+        ``keys`` reads only those keys (nested keys take every leaf below them).
         ``as_padded_tensor=True`` (with ``padding_side``, ``padding_value``) or
         ``as_nested_tensor=True`` make each heterogeneous key one padded or jagged tensor of
         the batch, as ``get`` does, so ``td`` is a TensorDict (token sequences padded for a
@@ -957,7 +958,14 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         """
         if ragged and not _ragged.wanted(ragged):
             raise TypeError(f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}")
-        return _ring.sample(self._engine, batch_size, generator, self._device, ragged or None)
+        if isinstance(keys, (str, tuple)):
+            keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
+        return _ring.sample(self._engine, batch_size, generator, self._device, ragged or None, None if keys is None else [as_path(k) for k in keys])
+
+    @property
+    def capacity(self) -> int:
+        """The ring's capacity: the store's element count (``len(store.written)`` is how many it holds)."""
+        return self._count
 
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
         """Write ``td`` at slots ``index`` only where the slot's generation still equals ``generation``.

@@ -91,3 +91,21 @@ def test_ring_samples_as_padded_or_jagged_tensors(backend, real):
         store.sample(4, as_list=True)
     if backend.name == "redis":
         assert top_level_commands(real.client, lambda: store.sample(16, as_padded_tensor=True)) == ["evalsha"]
+
+
+@pytest.mark.ring
+def test_samples_read_only_the_keys_asked_for_and_uploads_sample_every_element(backend, real):
+    local = lazy_stack([TensorDict(obs=torch.full((3,), float(i)), act=torch.tensor(i), nested=TensorDict(b=torch.arange(2) + i), tokens=torch.arange(i % 4 + 1)) for i in range(12)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    assert store.capacity == 12 and len(store.written) == 0  # an upload is not a ring write
+    s = store.sample(64, generator=torch.Generator().manual_seed(0))  # every element, not "empty"
+    assert sorted(set(s.indices.tolist())) == list(range(12)) and s.generations.tolist() == [0] * 64
+    part = store.sample(16, generator=torch.Generator().manual_seed(1), keys=["act", "nested"])
+    assert sorted(map(str, part.td.keys(True, True))) == sorted(map(str, ["act", ("nested", "b")]))
+    assert part.td["act"].tolist() == part.indices.tolist() and torch.equal(part.td["nested", "b"][:, 0], part.indices)
+    one = store.sample(4, keys="tokens", as_padded_tensor=True)
+    assert list(one.td.keys()) == ["tokens"] and one.td["tokens"].shape[0] == 4
+    with pytest.raises(KeyError, match="nope"):
+        store.sample(4, keys=["nope"])
+    if backend.name == "redis":
+        assert top_level_commands(real.client, lambda: store.sample(8, keys=["obs"])) == ["evalsha"]
