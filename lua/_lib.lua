@@ -108,6 +108,32 @@ local function tds_damaged(what)
   error('TDSTORE damaged: ' .. what)
 end
 
+-- The check of KEYS[n] in a checks table (write.lua ARGV[6], commit.lua ARGV[4], built by
+-- tdstore/_integrity.py): code (1: a heterogeneous leaf's data, at least the last offset of its
+-- offset table KEYS[aux]; 2: exactly 'length' bytes), length, aux; nil when the table has none.
+local function tds_expected(checks, n)
+  local p = 24 * (n - 1)
+  if #checks < p + 24 then
+    return nil
+  end
+  return tds_u64(checks, p + 1), tds_u64(checks, p + 9), tds_u64(checks, p + 17)
+end
+
+-- The last offset of an offset table of 'olen' bytes (0 for none); read(from, to) returns its
+-- bytes from..to, as GETRANGE does.
+local function tds_last_offset(olen, read)
+  if olen < 8 then
+    return 0
+  end
+  return tds_u64(read(olen - 8, olen - 1), 1)
+end
+
+-- Raise 'TDSTORE damaged' for 'key', which holds 'have' bytes where its header implies 'want'
+-- (a heterogeneous leaf's data: where its offset table says at least 'want').
+local function tds_short(key, have, want, het)
+  tds_damaged(key .. ' holds ' .. have .. ' bytes; ' .. (het and 'its offset table says ' or 'the store header implies ') .. string.format('%.0f', want))
+end
+
 -- The inventory hash of the store whose header is 'meta', or nil when it keeps none.
 local function tds_inventory(meta)
   if redis.call('HEXISTS', meta, 'na') == 1 then

@@ -37,23 +37,18 @@ end
 local checks = ARGV[4] or ''
 local present = {}
 for i = 2, #KEYS do
-  local p = 24 * (i - 1)
-  local code = #checks >= p + 24 and tds_u64(checks, p + 1) or 0
-  if code ~= 0 then
+  local code, want, aux = tds_expected(checks, i)
+  if code ~= nil and code ~= 0 then
     local have = redis.call('STRLEN', KEYS[i])
-    local want
     if code == 1 then
-      local okey = KEYS[tds_u64(checks, p + 17)]
+      local okey = KEYS[aux]
       local olen = redis.call('STRLEN', okey)
-      want = olen >= 8 and tds_u64(redis.call('GETRANGE', okey, olen - 8, olen - 1), 1) or 0
-      if have < want then
-        tds_damaged(KEYS[i] .. ' holds ' .. have .. ' bytes; its offset table says ' .. string.format('%.0f', want))
+      local last = tds_last_offset(olen, function(from, to) return redis.call('GETRANGE', okey, from, to) end)
+      if have < last then
+        tds_short(KEYS[i], have, last, true)
       end
-    else
-      want = tds_u64(checks, p + 9)
-      if have ~= want then
-        tds_damaged(KEYS[i] .. ' holds ' .. have .. ' bytes; the store header implies ' .. string.format('%.0f', want))
-      end
+    elseif have ~= want then
+      tds_short(KEYS[i], have, want, false)
     end
     if redis.call('EXISTS', KEYS[i]) == 1 then
       present[#present + 1] = KEYS[i]

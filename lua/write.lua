@@ -153,11 +153,10 @@ local function need(n)
     return
   end
   checked[n] = true
-  local p = 24 * (n - 1)
-  if #checks < p + 24 then
+  local code, want, aux = tds_expected(checks, n)
+  if code == nil then
     error('TDSTORE bad argument: no check for key ' .. n)
   end
-  local code = tds_u64(checks, p + 1)
   if code == 0 then
     return
   end
@@ -167,30 +166,27 @@ local function need(n)
     fresh[#fresh + 1] = k  -- a SETRANGE may create it: it gets the store's deadline below
   end
   if code == 1 then
-    local ko = tds_u64(checks, p + 17)
-    need(ko)
-    local okey = KEYS[ko]
+    need(aux)
+    local okey = KEYS[aux]
     local olen = peek_len(okey)
-    local last = olen >= 8 and tds_u64(peek(okey, olen - 8, olen - 1), 1) or 0
+    local last = tds_last_offset(olen, function(from, to) return peek(okey, from, to) end)
     if have < last then
-      tds_damaged(k .. ' holds ' .. have .. ' bytes; its offset table says ' .. string.format('%.0f', last))
+      tds_short(k, have, last, true)
     end
     return
   end
-  local want = tds_u64(checks, p + 9)
   if have == want then
     return
   end
   if have == 0 and tds_unallocated(meta, k) then
-    local rec = tds_u64(checks, p + 17)
-    allocate[#allocate + 1] = {k, want, rec}
+    allocate[#allocate + 1] = {k, want, aux}  -- aux: a shape table's record size
     allocated = allocated + want
     if want <= 1048576 then
-      pending[k] = tds_blank(meta, want, rec)  -- what a table peeked at below reads
+      pending[k] = tds_blank(meta, want, aux)  -- what a table peeked at below reads
     end
     return
   end
-  tds_damaged(k .. ' holds ' .. have .. ' bytes; the store header implies ' .. string.format('%.0f', want))
+  tds_short(k, have, want, false)
 end
 local function key(i, mark)
   local n = tds_num(ARGV[i], 'key index')
@@ -586,17 +582,17 @@ if allocated > 0 then
   end
 end
 
+local grows, records = #allocate > 0, #allocate > 0
 for _, op in ipairs(ops) do
-  if op.kind ~= 'D' then
-    redis.call('HSETNX', meta, 'version', '0')
-    break
-  end
+  grows = grows or op.kind ~= 'D'
+  records = records or op.kind == 'S' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' or op.kind == 'M' or op.kind == 'D'
 end
-if #allocate > 0 then
+if grows then
   redis.call('HSETNX', meta, 'version', '0')
 end
--- the inventory (see _lib.lua): keys allocated here, and keys the ops set or delete whole
-local inv = tds_inventory(meta)
+-- the inventory (see _lib.lua), looked up only by a call that changes which keys hold data:
+-- keys allocated here, and keys the ops set or delete whole
+local inv = records and tds_inventory(meta) or nil
 for _, alloc in ipairs(allocate) do
   if alloc[3] > 0 then  -- a shape table: empty records
     redis.call('SET', alloc[1], pending[alloc[1]] or tds_blank(meta, alloc[2], alloc[3]))
@@ -708,8 +704,8 @@ if at > 0 then
   for _, k in ipairs(fresh) do
     redis.call('PEXPIREAT', k, at)  -- a no-op when no op created it
   end
-  if inv ~= nil and redis.call('EXISTS', inv) == 1 then
-    redis.call('PEXPIREAT', inv, at)
+  if inv ~= nil then
+    redis.call('PEXPIREAT', inv, at)  -- a no-op when it holds nothing yet
   end
 end
 if extra ~= nil then
