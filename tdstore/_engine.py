@@ -27,7 +27,7 @@ import torch
 
 from . import _codec, _index, _integrity, _limits, _nontensor, _rows, _scripts, _segments, _spread, _wire
 from ._connection import ConnectionSpec, HeldConnection
-from ._errors import StoreDamagedError
+from ._errors import ReadOnlyReplicaError, StoreDamagedError
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
@@ -130,38 +130,24 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
     return table.__getitem__
 
 
-def _largest_element(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> int:
-    """Bytes per element of the largest leaf that the first write of an empty store sets.
+def _first_element_sizes(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> list[tuple[int, int]]:
+    """``(mean, largest)`` bytes per element of each blob that the first write of an empty store sets.
 
-    Homogeneous leaves give it exactly; a heterogeneous one gives its mean (its
-    blob's size over the count), read from the op that sets the blob, or the
-    largest row of the first ring write.
+    Homogeneous leaves with a blob of their own and the row block give them exactly; a
+    heterogeneous one gives the mean of the blob the write sets (its size over the count), or
+    the mean and the largest of the rows of the first ring write.
     """
-    sizes = [leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het]
+    sizes = [(leaf.element_nbytes,) * 2 for leaf in h.leaves.values() if not leaf.het and leaf.col is None]
     if h.row is not None:
-        sizes.append(h.row[1])
+        sizes.append((h.row[1],) * 2)
     data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
     for op in ops:
         if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
-            sizes.append(-(-len(op[2]) // max(1, h.count)))
-        elif op[0] == "Y" and op[7:]:  # the first ring write: its rows show the elements' sizes
-            sizes.append(max(op[7:]))
-    return max(sizes, default=1)
-
-
-def _declared_element_bytes(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> int:
-    """Bytes of one element of every leaf that the first write of an empty store sets (a heterogeneous
-    leaf counted at the mean of the rows or blob the write sets)."""
-    total = sum(leaf.element_nbytes for leaf in h.leaves.values() if not leaf.het and leaf.col is None)
-    if h.row is not None:
-        total += h.row[1]
-    data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
-    for op in ops:
-        if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
-            total += -(-len(op[2]) // max(1, h.count))
+            mean = -(-len(op[2]) // max(1, h.count))
+            sizes.append((mean, mean))
         elif op[0] == "Y" and op[7:]:
-            total += -(-sum(op[7:]) // len(op[7:]))
-    return total
+            sizes.append((-(-sum(op[7:]) // len(op[7:])), max(op[7:])))
+    return sizes
 
 
 def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
@@ -448,10 +434,10 @@ class Engine:
             if err.named:
                 raise
             raise _integrity.damaged(self.where(), str(err), self.keys.td_id) from None
-        except PermissionError as err:
-            if "replica" not in str(err) or self.spec.describe() in str(err):
+        except ReadOnlyReplicaError as err:
+            if err.named:
                 raise
-            raise PermissionError(f"{self.spec.describe()} (store {self.keys.td_id!r}): {err}") from None
+            raise ReadOnlyReplicaError(f"{self.spec.describe()} (store {self.keys.td_id!r}): {err}") from None
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             raise self.unreachable(err) from err
 
@@ -1088,8 +1074,9 @@ class Engine:
             new_header, ops, touched = plan(h, kt)
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
                 # the first keys of a store created empty fix its segment length, and say how large it may grow
-                new_header = replace(new_header, seg=_segments.segment_length(h.count, _largest_element(self.keys, new_header, ops, kt), self.segment_size))
-                self.check_room(new_header, _declared_element_bytes(self.keys, new_header, ops, kt))
+                sizes = _first_element_sizes(self.keys, new_header, ops, kt)
+                new_header = replace(new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), self.segment_size))
+                self.check_room(new_header, sum(mean for mean, _ in sizes))
             if h.row is not None and new_header is not None and new_header.row is None:
                 ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
             if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit

@@ -17,3 +17,12 @@ class StoreDamagedError(KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class ReadOnlyReplicaError(PermissionError):
+    """A write reached a read-only replica; writes go to its primary."""
+
+    def __init__(self, message: str, *, named: bool = True) -> None:
+        super().__init__(message)
+        self.named = named
+        """False while the message does not name the server yet (the engine adds it)."""

@@ -25,7 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
-from ._errors import StoreDamagedError
+from ._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
 SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard")
@@ -211,7 +211,7 @@ def translate(err: ResponseError) -> Exception:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()
     if isinstance(err, ReadOnlyError) or ("replica" in low and ("readonly" in low or "read only" in low)):
-        return PermissionError(f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}")
+        return ReadOnlyReplicaError(f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}", named=False)
     if "unknown command" in low and ("evalsha" in low or "script" in low):
         return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
     if "oom" in low or "maxmemory" in low:
