@@ -33,7 +33,7 @@ from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, display, leaves_of, subtree_dims
-from ._writes import _check_dtype, _element_checks, het_payload, to_heterogeneous
+from ._writes import _check_dtype, _element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
 DRAW_HIGH = 1 << 53
@@ -110,20 +110,9 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
         if not json or (leaf is not None and not leaf.json):
             raise TypeError(f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds")
         assert isinstance(rows, list)
-        if leaf is None and h.tracked:
-            # each segment's tables are allocated when first written: a document of no bytes is None
+        if leaf is None:
             leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
-            changed = True
-        elif leaf is None:
-            # slots not written yet hold None, so every slot is a valid document
-            empty = element_docs(path, NonTensor(None), None, 0)[0]
-            ne = int(empty.numel())
-            ops += [
-                ["S", kt.ref(dk), empty.numpy().tobytes() * h.count],
-                ["S", kt.ref(ok), (np.arange(h.count + 1, dtype="<i8") * ne).tobytes()],
-                ["S", kt.ref(sk), np.full(h.count, ne, dtype="<i8").tobytes()],
-            ]
-            leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
+            ops += new_leaf_ops(kt, keys, h, leaf)  # slots not written yet read as None
             changed = True
         shapes_b, data, sizes = het_payload(rows)
         return leaf, [*ops, ["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes]], changed
@@ -137,8 +126,7 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
             if leaf is None:
                 _codec.dtype_name(rows.dtype)
                 leaf = Leaf(path, number, rows.dtype, len(elem_shape), elem_shape)
-                if not h.tracked:  # else each segment is allocated when first written
-                    ops.append(["Z", kt.ref(dk), h.count * leaf.element_nbytes])
+                ops += new_leaf_ops(kt, keys, h, leaf)  # slots not written yet read as zeros
                 changed = True
             return leaf, [*ops, _row_op(kt, engine, h, leaf, _codec.to_bytes(rows))], changed
         elems = list(rows.unbind(0))
@@ -154,9 +142,7 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
             return _leaf_ops(kt, engine, h, None, number, path, torch.stack(elems))
         ndim = elems[0].ndim
         leaf = Leaf(path, number, dtype, ndim, None)
-        if not h.tracked:  # else each segment's tables are allocated (empty elements) when first written
-            empty = list(h.inner) + [0] * (ndim - len(h.inner))
-            ops += [["S", kt.ref(dk), b""], ["S", kt.ref(ok), bytes(8 * (h.count + 1))], ["S", kt.ref(sk), _codec.pack_i64(empty * h.count)]]
+        ops += new_leaf_ops(kt, keys, h, leaf)  # slots not written yet hold empty elements
         changed = True
     elif not leaf.het:
         if all(tuple(t.shape) == leaf.shape for t in elems):

@@ -332,11 +332,11 @@ def plan_write(
                 raise TypeError(f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data")
             if not full:
                 # a new key written at some elements: created for every element, the others None
-                leaf = _new_leaf_at(kt, keys, h, path, renumber(None), None, json=True)
+                leaf = Leaf(path, renumber(None), torch.uint8, 1, None, json=True)
                 leaves[path] = leaf
                 new_paths.append(path)
                 changed = True
-                ops += _new_leaf_ops(kt, keys, h, leaf)
+                ops += new_leaf_ops(kt, keys, h, leaf)
                 ops += _splice_ops(kt, keys, leaf, order, docs)
                 continue
             by_element = dict(zip(order, docs))
@@ -363,11 +363,11 @@ def plan_write(
             if len(shapes) > 1 and h.kind == "dense":
                 raise ValueError(f"key {_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
             shape = shapes.pop() if len(shapes) == 1 else None
-            leaf = _new_leaf_at(kt, keys, h, path, renumber(None), shape, dtype=dtype, ndim=elems[0].ndim if elems else len(shape or ()))
+            leaf = Leaf(path, renumber(None), dtype, elems[0].ndim if elems else len(shape or ()), shape)
             leaves[path] = leaf
             new_paths.append(path)
             changed = True
-            ops += _new_leaf_ops(kt, keys, h, leaf)
+            ops += new_leaf_ops(kt, keys, h, leaf)
         elif leaf is None or (replace and full and (leaf.json or not _fits(leaf, value, h))):
             number = renumber(leaf)
             if leaf is None:
@@ -454,15 +454,7 @@ def _new_subtrees(h: Header, sub: dict[NestedPath, tuple[int, ...]] | None, new_
     return {path: dims for path, dims in sub.items() if any(p[: len(path)] == path for p in new_paths)} or None
 
 
-def _new_leaf_at(kt: KeyTable, keys: StoreKeys, h: Header, path: NestedPath, number: int, shape: tuple[int, ...] | None, *, dtype: torch.dtype = torch.uint8, ndim: int = 1, json: bool = False) -> Leaf:
-    """The leaf a write at some elements creates for a key the store does not have: homogeneous of
-    ``shape``, heterogeneous (``shape`` None), or non-tensor (``json``)."""
-    if json:
-        return Leaf(path, number, torch.uint8, 1, None, json=True)
-    return Leaf(path, number, dtype, ndim, shape)
-
-
-def _new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[list[Any]]:
+def new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[list[Any]]:
     """What a new leaf needs before its first elements are written. Nothing in a store that keeps an
     inventory: each segment is allocated by the write that first touches it (zeros; empty elements,
     read as None for non-tensor data). A spread store allocates every segment now, on the server."""
