@@ -799,11 +799,11 @@ class Engine:
         """Turn a read planned on whole leaves into segment-local ops (see ``_segments``), in place."""
         if call.script == "tx":
             assert call.ranges is not None
-            call.ranges = _segments.localize_ranges(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.ranges)
+            call.ranges = _segments.localize_ranges(h.segments, self.keys, leaf_shapes(h), call.ranges)
             return
         if not call.args[2]:  # after the two version checks: the op count
             return
-        call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, h.next_leaf, leaf_shapes(h), call.keys, call.args[2:])
+        call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, leaf_shapes(h), call.keys, call.args[2:])
         call.args[2:] = ops
         planned = call.parse
         call.parse = lambda reply: planned(merge(reply))
@@ -1083,7 +1083,7 @@ class Engine:
                 new_header, ops = _spread.copy_on_write(self.keys, h, new_header, kt, ops)
             after = new_header or h
             if after.segments.n > 1:
-                kt, ops = _segments.localize_write(after.segments, self.keys, max(h.next_leaf, after.next_leaf), leaf_shapes(after, h), kt, ops)
+                kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)
             if new_header is not None:
                 args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes]
             else:

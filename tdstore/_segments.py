@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -121,15 +120,11 @@ def segment_length(count: int, element_bytes: int, segment_bytes: int) -> int:
 # -- writes -----------------------------------------------------------------------
 
 
-@lru_cache(maxsize=64)
-def _names(keys: StoreKeys, next_leaf: int) -> dict[str, tuple[str, int]]:
-    """Segment 0's key names of every leaf number -> (``d``/``o``/``s``, number)."""
-    out = {}
-    for n in range(next_leaf):
-        out[keys.data(n)] = ("d", n)
-        out[keys.offsets(n)] = ("o", n)
-        out[keys.shapes(n)] = ("s", n)
-    return out
+def _whole_leaf_key(keys: StoreKeys, name: str) -> tuple[str, int] | None:
+    """``(role, leaf number)`` of segment 0's data or table key ``name``: a key as the planners name it,
+    for the whole leaf; None for a key that is already segment-local or is not a data or table key."""
+    what = keys.describe(name)
+    return (what[0], what[1]) if what is not None and what[2] == 0 else None
 
 
 def _i64(v: Any) -> np.ndarray:
@@ -152,14 +147,13 @@ class LeafShape:
     rec: int
 
 
-def localize_write(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], kt: KeyTable, ops: list[list[Any]]) -> tuple[KeyTable, list[list[Any]]]:
+def localize_write(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt: KeyTable, ops: list[list[Any]]) -> tuple[KeyTable, list[list[Any]]]:
     """The ops of one ``write.lua`` call, planned on whole leaves, turned into segment-local ops."""
-    names = _names(keys, next_leaf)
     out = kt.fresh()
     new: list[list[Any]] = []
 
     def what(k: int) -> tuple[str, int] | None:
-        return names.get(kt.keys[k - 1])
+        return _whole_leaf_key(keys, kt.keys[k - 1])
 
     offsets_set = {}  # leaf number -> offset table an 'S' op of this call sets (global)
     for op in ops:
@@ -277,14 +271,13 @@ def _localize_set(segs: Segments, keys: StoreKeys, n: int, role: str, leaf: Leaf
 # -- reads ------------------------------------------------------------------------
 
 
-def localize_read(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], kt_keys: list[str], args: list[Any]) -> tuple[list[str], list[Any], Callable[[list], list]]:
+def localize_read(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt_keys: list[str], args: list[Any]) -> tuple[list[str], list[Any], Callable[[list], list]]:
     """A ``read.lua`` call planned on whole leaves, turned into segment-local ops.
 
     ``args`` starts with the op count (no version checks yet).  Returns the new
     KEYS, ARGV, and a function that turns the new reply back into the one the
     planner's parser expects.
     """
-    names = _names(keys, next_leaf)
     out = KeyTable(*kt_keys[: 2 if len(kt_keys) > 1 and kt_keys[1] == keys.inventory else 1])
     new: list[Any] = []
     merges: list[tuple[str, Any]] = []  # per original op: how to rebuild its pieces
@@ -300,7 +293,7 @@ def localize_read(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Call
             merges.append(("pass", 2 if kind == "U" else 0))
             a += 3
             continue
-        w = names.get(kt_keys[int(args[a + 1]) - 1])
+        w = _whole_leaf_key(keys, kt_keys[int(args[a + 1]) - 1])
         if kind == "R":
             k, count, ranges, join = args[a + 1 : a + 5]
             a += 5
@@ -403,15 +396,14 @@ def _ops(flat: list[Any]) -> Iterator[str]:
         a += sizes[flat[a]]
 
 
-def localize_ranges(segs: Segments, keys: StoreKeys, next_leaf: int, leaf_of: Callable[[int], LeafShape], buffers: list[list[Piece]]) -> list[list[Piece]]:
+def localize_ranges(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], buffers: list[list[Piece]]) -> list[list[Piece]]:
     """The byte ranges of a read transaction (MULTI/EXEC of GETRANGE), planned on whole leaves,
     split at segment boundaries and addressed to the segments' keys, each buffer's ranges in order."""
-    names = _names(keys, next_leaf)
     out = []
     for pieces in buffers:
         new: list[Piece] = []
         for key, starts, lengths in pieces:
-            w = names.get(key)
+            w = _whole_leaf_key(keys, key)
             if w is None or not starts.size:
                 new.append((key, starts, lengths))
                 continue
