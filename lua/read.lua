@@ -32,6 +32,22 @@
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
           the header's ring write counter (a store with keys that the ring never wrote,
           an upload say, samples all its count elements). Must come before its 'X'/'Y' ops.
+    'P', n, draws, kt, kc, channel, min_size, prioritized
+          sample n rows under the ring's sampling policy (header field 'sc', see
+          sampling.lua): wait (reply WAIT, nothing read) while fewer than min_size (or the
+          rate limiter's) slots are written or the limiter holds samples; with
+          prioritized = '1', draw each row from the priority tree KEYS[kt] (see _tree.lua):
+          mass draw_j / 2^53 * total, one after the other, so a slot that reaches
+          max_times_sampled (counts in KEYS[kc]) is retired before the next draw (the batch
+          is shorter when every slot is retired); else as 'U'. Counts the rows as samples
+          for the limiter and publishes on the Pub/Sub 'channel'. Adds four pieces: the
+          slots, rw, each row's sampling probability and the smallest probability of any
+          slot, as little-endian float64 ('' and '' for a uniform sample).
+    'F', n, channel
+          pop: the next min(n, unread) items in write order (the header's read cursor 'rr'
+          moves past them, so each goes to one reader); adds two pieces: their slots and
+          rw. Reply {'WAIT', 'empty', ...} when nothing is unread, {'LOST', k} when writers
+          overwrote k unread items (the cursor then moves to the oldest item left).
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -62,6 +78,7 @@
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
+              {'WAIT', reason, message} and {'LOST', k}: see the 'P' and 'F' ops.
               Every piece is checked: a key shorter than the header implies raises
               'TDSTORE damaged' (a key of the store lost to eviction or deletion), except
               a key the store's inventory (KEYS[2], see _lib.lua) says was never
@@ -151,7 +168,7 @@ for _ = 1, nops do
     end
   elseif kind == 'U' then
     if rows ~= nil then
-      error('TDSTORE bad argument: one U op per call')
+      error('TDSTORE bad argument: one U, P or F op per call')
     end
     local n = tds_num(ARGV[a + 1], 'row count')
     local draws = ARGV[a + 2]
@@ -173,6 +190,131 @@ for _ = 1, nops do
     for j = 1, n do
       rows[j] = tds_u64(draws, 8 * j - 7) % written
       packed[j] = tds_p64(rows[j])
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'P' then
+    -- a sample under the ring's sampling policy: waits (reply WAIT) for min_size or the rate
+    -- limiter, draws by priority or uniformly, counts the samples, retires worn-out slots
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P or F op per call')
+    end
+    local n = tds_num(ARGV[a + 1], 'row count')
+    local draws = ARGV[a + 2]
+    local tkey, times_key = KEYS[tds_num(ARGV[a + 3], 'key index')], KEYS[tds_num(ARGV[a + 4], 'key index')]
+    local channel, min_size, by_priority = ARGV[a + 5], tds_num(ARGV[a + 6], 'min_size'), ARGV[a + 7] == '1'
+    a = a + 8
+    if #draws ~= 8 * n then
+      error('TDSTORE bad argument: draw table size')
+    end
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'schema')
+    local count = tds_num(head[1], 'count')
+    local rw = tonumber(head[2] or '0')
+    local policy = head[3] and cjson.decode(head[3]) or {}
+    local written = math.min(rw, count)
+    if written == 0 and not string.find(head[6] or '', '"leaves":[]', 1, true) then
+      written = count  -- filled otherwise than by the ring: every element
+    end
+    local lim = policy.limit
+    if lim ~= nil then
+      min_size = math.max(min_size, lim[2])
+    end
+    if written < math.max(min_size, 1) then
+      do return {'WAIT', written == 0 and 'empty' or 'size', 'the ring holds ' .. written .. ' written slots, fewer than the ' .. math.max(min_size, 1) .. ' a sample needs'} end
+    end
+    local sampled = tonumber(head[4] or '0')
+    if lim ~= nil and (rw - tonumber(head[5] or '0')) * lim[1] - (sampled + n) < lim[3] then
+      do return {'WAIT', 'sample', 'the rate limiter holds samples until the writers catch up'} end
+    end
+    if by_priority and policy.alpha == nil then
+      error('TDSTORE refused: the store has no priorities (enable_priorities first)')
+    end
+    if not by_priority and policy.mt ~= nil then
+      error('TDSTORE refused: the store retires slots after max_times_sampled samples, which only a prioritized sample counts')
+    end
+    rows = {}
+    local packed, probs = {}, {}
+    local low_prob = ''
+    if by_priority then
+      local t = tds_tree(tkey, count)
+      local total, low = tds_tree_root(t)
+      if total <= 0 then
+        do return {'WAIT', 'weight', 'no written slot has a positive priority'} end
+      end
+      low_prob = tds_f64_pack(low / total)
+      if policy.mt ~= nil and redis.call('STRLEN', times_key) ~= 4 * count then
+        tds_damaged('the sample counts ' .. times_key .. ' are lost or short')
+      end
+      for j = 1, n do
+        if total <= 0 then
+          break  -- every slot retired: a shorter batch
+        end
+        local s = tds_tree_draw(t, tds_u64(draws, 8 * j - 7) / 9007199254740992 * total)
+        if s == nil then
+          break
+        end
+        rows[#rows + 1] = s
+        packed[#packed + 1] = tds_p64(s)
+        probs[#probs + 1] = tds_f64_pack(tds_tree_leaf(t, s) / total)
+        if policy.mt ~= nil then
+          local b1, b2, b3, b4 = string.byte(redis.call('GETRANGE', times_key, 4 * s, 4 * s + 3), 1, 4)
+          local c = ((b4 * 256 + b3) * 256 + b2) * 256 + b1 + 1
+          local r1 = c % 256
+          local r2 = (c - r1) / 256 % 256
+          local r3 = (c - r1 - r2 * 256) / 65536 % 256
+          redis.call('SETRANGE', times_key, 4 * s, string.char(r1, r2, r3, math.floor(c / 16777216) % 256))
+          if c >= policy.mt then
+            tds_tree_set(t, {[s] = 0})  -- retired: never drawn again until the slot is rewritten
+            total = tds_tree_root(t)
+          end
+        end
+      end
+    else
+      for j = 1, n do
+        rows[j] = tds_u64(draws, 8 * j - 7) % written
+        packed[j] = tds_p64(rows[j])
+      end
+    end
+    if lim ~= nil then
+      redis.call('HINCRBY', meta, 'sn', #rows)
+      if channel ~= '' then
+        redis.call('PUBLISH', channel, 's')  -- writers held by the limiter may go on
+      end
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+    out[#out + 1] = table.concat(probs)
+    out[#out + 1] = low_prob
+  elseif kind == 'F' then
+    -- pop: the next unread items in write order, each to exactly one reader
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P or F op per call')
+    end
+    local n = tds_num(ARGV[a + 1], 'row count')
+    local channel = ARGV[a + 2]
+    a = a + 3
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'rr')
+    local count = tds_num(head[1], 'count')
+    local rw = tonumber(head[2] or '0')
+    local rr = tonumber(head[3] or '0')
+    if rw - rr > count then
+      -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
+      redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
+      do return {'LOST', string.format('%.0f', rw - count - rr)} end
+    end
+    if rw == rr then
+      do return {'WAIT', 'empty', 'no unread item'} end
+    end
+    local k = math.min(n, rw - rr)
+    rows = {}
+    local packed = {}
+    for j = 1, k do
+      rows[j] = (rr + j - 1) % count
+      packed[j] = tds_p64(rows[j])
+    end
+    redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
+    if channel ~= '' then
+      redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)

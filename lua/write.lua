@@ -67,11 +67,20 @@
           (rec 8) whose sizes stay the same keeps its shape records: they follow
           from the sizes, so they are already the ones given.
 
-    'W', n
+    'W', n, channel
           reserve the next n slots of the ring (the store's count is its capacity):
           value row j goes to slot (rw + j) % count, where rw is the header's ring
           write counter, which grows by n. Must come before the 'X'/'Y' ops it
-          addresses; n may not exceed the count (no slot twice in one call).
+          addresses; n may not exceed the count (no slot twice in one call). Under a
+          sampling policy (header field 'sc', see sampling.lua) the write waits (reply
+          WAIT, nothing written) while the rate limiter holds inserts or, in queue mode,
+          while it would overwrite items no one has popped. After writing, it publishes
+          on the Pub/Sub 'channel' ('' for none), so waiting clients wake.
+    'P', kt, kc, priorities
+          after 'W', on a store with priorities: the tree KEYS[kt] and sample counts
+          KEYS[kc] (see _tree.lua); 'priorities' holds one priority per row as decimal
+          text ('' gives every row the largest priority so far, header field 'pm'). Each
+          slot written weighs priority ^ alpha, and its sample count restarts at 0.
     'G', n, pairs
           conditional rows: 'pairs' packs n (slot, generation) int64 pairs; value
           row j goes to its slot only when the slot's generation (see below) still
@@ -102,6 +111,8 @@
               gets the header's expiry, so the keys of a store expire together.
               {'STALE', header field, value, ...} when a checked version moved: nothing written.
               {'GONE'} when the store does not exist: nothing written.
+              {'WAIT', reason, message} when the sampling policy holds a ring write back:
+              nothing written (the client waits for a message on the channel, then tries again).
   Errors      'TDSTORE bad argument' for a malformed op, 'TDSTORE too large' when a
               string would outgrow ARGV[5], 'TDSTORE damaged' when a key the call writes
               in place is lost or short, 'TDSTORE out of memory' when the bytes the call
@@ -205,6 +216,9 @@ end
 -- consecutive row positions whose rows are applied and sit in consecutive slots: each run is
 -- one SETRANGE ('X') or one splice ('Y')
 local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
+-- a ring write's sampling policy (header field 'sc'), the priorities its 'P' op gives,
+-- the largest priority so far ('pm'), and the channel it publishes on
+local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 local function row_runs()
   local out, j = {}, 1
@@ -354,12 +368,25 @@ for _ = 1, nops do
       error('TDSTORE bad argument: one W or G op per call')
     end
     local n = tds_num(ARGV[a + 1], 'row count')
-    local count = tds_num(redis.call('HGET', meta, 'count'), 'count')
-    local rw = tonumber(redis.call('HGET', meta, 'rw') or '0')
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm')
+    local count = tds_num(head[1], 'count')
+    local rw = tonumber(head[2] or '0')
     rows, applied = {}, {}
     if kind == 'W' then
       if n < 1 or n > count then
         error('TDSTORE bad argument: a ring write of ' .. n .. ' rows into ' .. count .. ' slots')
+      end
+      channel = ARGV[a + 2]
+      if head[3] then
+        policy = cjson.decode(head[3])
+        local lim = policy.limit
+        if lim ~= nil and (rw - tonumber(head[5] or '0') + n) * lim[1] - tonumber(head[4] or '0') > lim[4] then
+          do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
+        end
+        if policy.queue and rw + n - tonumber(head[6] or '0') > count then
+          do return {'WAIT', 'full', 'the queue is full: writers wait until readers pop'} end
+        end
+        top_priority = tonumber(head[7] or '1')
       end
       for j = 1, n do
         rows[j] = (rw + j - 1) % count
@@ -367,7 +394,7 @@ for _ = 1, nops do
       end
       ring_n = n
       extra = string.format('%.0f', rw)
-      a = a + 2
+      a = a + 3
     else
       local pairs_ = ARGV[a + 2]
       if #pairs_ ~= 16 * n then
@@ -466,6 +493,22 @@ for _ = 1, nops do
       end
       add_splice(op)
     end
+  elseif kind == 'P' then
+    if ring_n == 0 then
+      error('TDSTORE bad argument: P op before its W op')
+    end
+    prio = {tree = key(a + 1, whole), times = key(a + 2, whole), values = {}}
+    for v in string.gmatch(ARGV[a + 3], '%S+') do
+      local p = tonumber(v)
+      if p == nil or p < 0 or p ~= p or p >= 1e300 then
+        error('TDSTORE bad argument: priority ' .. v)
+      end
+      prio.values[#prio.values + 1] = p
+    end
+    if #prio.values ~= 0 and #prio.values ~= ring_n then
+      error('TDSTORE bad argument: ' .. #prio.values .. ' priorities for ' .. ring_n .. ' rows')
+    end
+    a = a + 4
   elseif kind == 'Q' then
     seg_per = tds_segment_length(a, rows)
     a = a + 2
@@ -545,6 +588,21 @@ local function splice(op)
   redis.call('SETRANGE', op.okey, 8 * (lo + 1), table.concat(parts))
   if op.rec > 0 then
     redis.call('SETRANGE', op.skey, lo * op.rec, op.shapes)
+  end
+end
+
+-- a ring write of a store with priorities: its tree (and sample counts) checked before any write
+local tree, times_key = nil, nil
+if policy ~= nil and policy.alpha ~= nil then
+  if prio == nil then
+    error('TDSTORE bad argument: the store has priorities and the ring write gives none (no P op)')
+  end
+  tree = tds_tree(prio.tree, tds_num(redis.call('HGET', meta, 'count'), 'count'))
+  if policy.mt ~= nil then
+    times_key = prio.times
+    if redis.call('STRLEN', times_key) ~= 4 * tree.count then
+      tds_damaged('the sample counts ' .. times_key .. ' are lost or short')
+    end
   end
 end
 
@@ -676,6 +734,25 @@ if ARGV[3] ~= '' then
 end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', ring_n)
+  if tree ~= nil then
+    -- each written slot weighs its priority ^ alpha: the one given, else the largest so far
+    local upd, top = {}, top_priority
+    for j = 1, ring_n do
+      local p = prio.values[j] or top_priority
+      upd[rows[j]] = p > 0 and p ^ policy.alpha or 0
+      if p > top then
+        top = p
+      end
+      if times_key ~= nil then
+        redis.call('SETRANGE', times_key, 4 * rows[j], '\0\0\0\0')  -- a new item, never sampled
+      end
+    end
+    tds_tree_set(tree, upd)
+    redis.call('HSET', meta, 'pm', string.format('%.17g', top))
+  end
+  if channel ~= nil and channel ~= '' then
+    redis.call('PUBLISH', channel, 'w')
+  end
 end
 -- SET and RENAME drop a key's expiry: give new keys the header's deadline, so a store with a
 -- time to live expires as a whole. The deadline is absolute: PEXPIRETIME where the server has it

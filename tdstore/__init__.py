@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import StoreDamagedError
+from ._errors import QueueOverrunError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
-__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreDamagedError", "StoreFormatError", "PasswordError", "register_tensorclass"]
+__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreDamagedError", "StoreFormatError", "PasswordError", "QueueOverrunError", "register_tensorclass"]
 __version__ = "0.1.0"
 
 _LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}

@@ -27,7 +27,7 @@ import torch
 
 from . import _codec, _index, _integrity, _limits, _nontensor, _rows, _scripts, _segments, _spread, _wire
 from ._connection import ConnectionSpec, HeldConnection
-from ._errors import ReadOnlyReplicaError, StoreDamagedError
+from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
@@ -495,6 +495,11 @@ class Engine:
                 continue
             if status == b"GONE":
                 raise self.gone()
+            if status == b"WAIT":  # the sampling policy holds the call back (see _waiting)
+                raise MustWait(reply[1].decode(), reply[2].decode())
+            if status == b"LOST":
+                lost = int(reply[1])
+                raise QueueOverrunError(f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; the next pop goes on with the oldest item left", lost)
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 

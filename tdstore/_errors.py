@@ -26,3 +26,28 @@ class ReadOnlyReplicaError(PermissionError):
         super().__init__(message)
         self.named = named
         """False while the message does not name the server yet (the engine adds it)."""
+
+
+class QueueOverrunError(RuntimeError):
+    """Writers overwrote items of a ring no one had popped yet (``pop``): ``lost`` items are gone.
+
+    The read cursor has moved past them, so the next ``pop`` goes on with the oldest item
+    left. Queue mode (``set_queue(True)``) makes writers wait instead, so nothing is lost.
+    """
+
+    def __init__(self, message: str, lost: int) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+class MustWait(Exception):
+    """The server held a ring call back (a ``WAIT`` reply): nothing was read or written.
+
+    Internal: ``_waiting`` catches it, waits for the store's next event and tries again,
+    or raises ``TimeoutError`` with :attr:`message`.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message

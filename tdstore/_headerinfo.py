@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ._policy import SamplingPolicy
+
 __all__ = ["FORMATS", "ITEMSIZE", "HeaderInfo", "LeafRecord", "StoreFormatError", "parse_header"]
 
 FORMATS = ("1", "2", "3")
@@ -92,6 +94,8 @@ class HeaderInfo:
     keyset_version: int = 1
     tracked: bool = False
     """The store keeps an inventory of its keys (header field ``na``, see ``_integrity``)."""
+    sampling: SamplingPolicy | None = None
+    """The ring's sampling policy (header field ``sc``, see ``_policy``), if it has one."""
 
     @property
     def segments(self) -> int:
@@ -182,6 +186,10 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
             continue
         if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
             raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+    try:
+        sampling = SamplingPolicy.from_json(f.get("sc"))
+    except (ValueError, TypeError) as err:
+        raise StoreFormatError(f"bad sampling policy in the store header: {err}") from None
     return HeaderInfo(
         version=version,
         count=count,
@@ -200,4 +208,5 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         batchless=f.get("batchless") == "1",
         keyset_version=keyset_version,
         tracked="na" in f,
+        sampling=sampling,
     )

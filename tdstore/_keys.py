@@ -16,6 +16,12 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     T:g            hash    guard of segment k > 0 of a *spread* store (Redis Cluster, segments on
                            several nodes): copies of the header's epoch and version, checked
                            by every call on the segment (the header lives on another node)
+    P:{I}:p        string  priority tree of a ring with priorities: a sum tree of the slots'
+                           weights (see ``lua/_tree.lua``), from ``enable_priorities``
+    P:{I}:t        string  times each slot was sampled (4-byte little-endian counts), for
+                           ``max_times_sampled``
+    P:{I}:e        channel Pub/Sub channel (not a key) that ring writes, samples and pops publish
+                           on, so a waiting client wakes without polling (see ``_waiting``)
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
@@ -109,6 +115,26 @@ class StoreKeys:
         """The hash listing every data and table key that holds data (see ``_integrity``)."""
         return f"{self.base}:a"
 
+    @property
+    def priorities(self) -> str:
+        """The priority tree of a ring with priorities (see ``lua/_tree.lua``)."""
+        return f"{self.base}:p"
+
+    @property
+    def times_sampled(self) -> str:
+        """How often each slot was sampled since it was written (``max_times_sampled``)."""
+        return f"{self.base}:t"
+
+    @property
+    def events(self) -> str:
+        """The Pub/Sub channel ring writes, samples and pops publish on (a channel, not a key)."""
+        return f"{self.base}:e"
+
+    @property
+    def sampling_keys(self) -> list[str]:
+        """The keys a ring's sampling policy keeps (see ``_policy``), in the order scripts take them."""
+        return [self.priorities, self.times_sampled]
+
     def describe(self, key: str) -> tuple[str, int, int] | None:
         """``(role, leaf number, segment)`` of a data (``d``), offset (``o``) or shape (``s``) key of
         this store; None for any other key (header, inventory, guard, staging key)."""
@@ -149,7 +175,8 @@ class StoreKeys:
 
     def all_keys(self, next_leaf: int, segments: int = 1) -> list[str]:
         """Every key the store can own, given the next unused leaf number and its segment count:
-        the header, the inventory, then each segment's data and table keys.
+        the header, the inventory, then each segment's data and table keys, then the
+        sampling policy's keys (absent unless the store has one).
 
         Deleted leaves keep their numbers, so listing every number below
         ``next_leaf`` also covers keys a failed or interrupted write may have left.
@@ -158,7 +185,7 @@ class StoreKeys:
         for seg in range(segments):
             for n in range(next_leaf):
                 keys.extend(self.leaf_keys(n, seg))
-        return keys
+        return keys + self.sampling_keys
 
     def segment_keys(self, next_leaf: int, seg: int) -> list[str]:
         """The data and table keys of segment ``seg`` (no header)."""

@@ -20,13 +20,14 @@ maps them onto the written slots it sees, so the batch only holds written slots.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from . import _codec, _ragged, _rows
+from . import _codec, _policy, _ragged, _rows, _sampling, _waiting
 from ._engine import Call, DenseResult, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
@@ -239,7 +240,7 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
     return new_header, [*pre, head, *post], touched
 
 
-def extend(engine: Engine, value: Any) -> RingWrite:
+def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
     refuse_spread(engine)
     h0 = engine.header
@@ -250,11 +251,25 @@ def extend(engine: Engine, value: Any) -> RingWrite:
     if not items:
         raise ValueError("extend got a batch with no keys")
     sub = subtree_dims(value, value.batch_dims) if isinstance(value, TensorDictBase) else None  # for keys the first extend creates
+    prios = ""
+    if priority is not None:
+        prios = _policy.format_priorities(_sampling.priority_values(priority, n))
+        if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
+            raise ValueError(f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first")
+    channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
-        return _plan_rows(engine, h, kt, items, n, ["W", n], ring=True, sub=sub)
+        new_header, ops, touched = _plan_rows(engine, h, kt, items, n, ["W", n, channel], ring=True, sub=sub)
+        if h.sampling is not None and h.sampling.prioritized:
+            ops.append(["P", kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios])
+        elif prios:
+            raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
+        return new_header, ops, touched
 
-    h, extra = engine.run_write_reply(plan, keyset=True)
+    def attempt() -> tuple[Header, bytes | None]:
+        return engine.run_write_reply(plan, keyset=True)
+
+    h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
     assert extra is not None
     start = int(extra)
     writes = torch.arange(start, start + n, dtype=torch.int64)
@@ -366,28 +381,64 @@ def _selected(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
     return out
 
 
-def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None, ragged: dict[str, Any] | None = None, keys: list[NestedPath] | None = None) -> Sample:
-    """Draw ``batch_size`` written slots uniformly (with replacement) and read them, in one call.
+def sample(
+    engine: Engine,
+    batch_size: int,
+    generator: torch.Generator | None,
+    device: torch.device | None,
+    ragged: dict[str, Any] | None = None,
+    keys: list[NestedPath] | None = None,
+    *,
+    prioritized: bool | None = None,
+    alpha: float | None = None,
+    beta: float = 1.0,
+    min_size: int | None = None,
+    timeout: float | None = None,
+) -> Sample | _sampling.PrioritizedSample:
+    """Draw ``batch_size`` written slots (with replacement) and read them, in one call.
 
+    Uniformly, or by priority on a store with priorities (see ``_sampling``); waiting
+    for ``min_size`` written slots or the store's rate limiter when they say so.
     ``ragged`` (``as_padded_tensor=True`` or ``as_nested_tensor=True``, with ``padding_side``,
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
     the batch (see ``_ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
     reads only those keys (and the keys below them)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
+    if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0):
+        raise ValueError(f"min_size must be None or an int >= 0, got {min_size!r}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
+    policy = _sampling.policy_of(engine)
+    if prioritized is None:
+        prioritized = policy.prioritized
+    elif prioritized and not policy.prioritized:
+        policy = _sampling.policy_of(engine, fresh=True)
+        if not policy.prioritized:
+            raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+    if prioritized and alpha is not None and float(alpha) != policy.alpha:
+        raise ValueError(f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}")
+    if not prioritized and policy.max_times is not None:
+        raise ValueError(f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True")
+    by_policy = prioritized or min_size is not None or h.sampling is not None
     chosen = _selected(h, keys)
-    if engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
+    if not by_policy and engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
         # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
+        # (and the policy field: a policy set since this header was read sends the sample through read.lua)
         slots = draws % h.count
-        _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw",))
-        rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
-        if rw is not None and int(rw) >= h.count:
+        _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
+        fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
+        rw = fields.get("rw")
+        if rw is not None and int(rw) >= h.count and fields.get("sc") is None:
             return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
+        if fields.get("sc") is not None:
+            return sample(engine, batch_size, generator, device, ragged, keys, prioritized=prioritized, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout)
     packed = _codec.pack_i64(draws.numpy())
+    channel = engine.keys.events
 
     def plan_call(h: Header) -> Call:
         leaves = _selected(h, keys)
@@ -395,27 +446,62 @@ def sample(engine: Engine, batch_size: int, generator: torch.Generator | None, d
         kt = engine.key_table(h)
         checks = leaf_checks(leaves)
         leaves, block, grouped = _rows.units(h, leaves)
-        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "U", batch_size, packed]
+        if by_policy:
+            head = ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if prioritized else "0"]
+        else:
+            head = ["U", batch_size, packed]
+        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head]
         for leaf in leaves:
             if leaf.het:
                 args += [het_row_read_op(h.segments, leaf.ndim, batch_size), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
             else:
                 args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
 
-        def parse(reply: list) -> Sample:
-            got = _decode_sample(h, leaves, reply, batch_size, device, block, grouped, ragged, wanted)
+        def parse(reply: list) -> Sample | _sampling.PrioritizedSample:
+            first = 6 if by_policy else 4
+            got = _decode_sample(h, leaves, reply, first, device, block, grouped, ragged, wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
-            return got
+            if not prioritized:
+                return got
+            probs, low = _sampling.probabilities(reply)
+            return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, beta), probs)
 
         return Call("read", kt.keys, args, parse)
 
-    return engine.run(plan_call)
+    return _sampling.wait_or_raise(engine, lambda: engine.run(plan_call), timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
 
 
-def _decode_sample(h: Header, leaves: list[Leaf], reply: list, n: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None, wanted: set[NestedPath] | None = None) -> Sample:
+def pop(engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None) -> Sample:
+    """The next unread items, in write order, each handed to exactly one caller (see ``LazyStackedTensorDictStore.pop``)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
+    engine.refuse_if_readonly()
+    refuse_spread(engine)
+    channel = engine.keys.events
+
+    def plan_call(h: Header) -> Call:
+        leaves = _selected(h, keys)
+        wanted = None if keys is None else {leaf.path for leaf in leaves}
+        kt = engine.key_table(h)
+        checks = leaf_checks(leaves)
+        leaves, block, grouped = _rows.units(h, leaves)
+        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "F", batch_size, channel]
+        for leaf in leaves:
+            if leaf.het:
+                args += [het_row_read_op(h.segments, leaf.ndim, batch_size), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
+            else:
+                args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+        return Call("read", kt.keys, args, lambda reply: _decode_sample(h, leaves, reply, 4, device, block, grouped, None, wanted))
+
+    return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
+
+
+def _decode_sample(h: Header, leaves: list[Leaf], reply: list, first: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None, wanted: set[NestedPath] | None = None) -> Sample:
+    """The batch a 'U', 'P' or 'F' op read: slots in ``reply[2]``, rw in ``reply[3]``, the leaves' pieces from ``reply[first]``."""
     slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
+    n = int(slots.numel())
     rw = int(reply[3])
-    pieces = reply[4:]
+    pieces = reply[first:]
     pos = 0
     dense: dict[NestedPath, torch.Tensor] = {}
     per_el: dict[NestedPath, list[torch.Tensor]] = {}

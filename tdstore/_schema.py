@@ -29,6 +29,7 @@ import torch
 
 from . import _codec
 from ._headerinfo import StoreFormatError, parse_header
+from ._policy import SamplingPolicy
 
 __all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
 from ._segments import Segments
@@ -138,6 +139,10 @@ class Header:
     """The store keeps an inventory of its allocated keys (header field ``na``, see ``_integrity``),
     so its segments are allocated when first written; set when the store is created (not for a
     spread store, whose segments live on several nodes and are allocated up front)."""
+
+    sampling: SamplingPolicy | None = None
+    """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
+    ``_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
@@ -306,6 +311,7 @@ class Header:
             seg=info.seg,
             spread=info.spread,
             tracked=info.tracked,
+            sampling=info.sampling,
             row=info.row,
             sub=sub,
         )

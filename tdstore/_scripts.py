@@ -28,7 +28,10 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from ._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard")
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority")
+#: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
+TREE_LIBRARY = "_tree"
+USES_TREE = frozenset({"read", "write", "sampling", "priority"})
 
 
 class ServerScriptError(RuntimeError):
@@ -54,7 +57,8 @@ def _lua_dir() -> Any:
 def script_source(name: str) -> tuple[str, str]:
     """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
     folder = _lua_dir()
-    text = folder.joinpath(f"{LIBRARY}.lua").read_text() + "\n" + folder.joinpath(f"{name}.lua").read_text()
+    libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
+    text = "".join(folder.joinpath(f"{lib}.lua").read_text() + "\n" for lib in libraries) + folder.joinpath(f"{name}.lua").read_text()
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
@@ -205,6 +209,8 @@ def translate(err: ResponseError) -> Exception:
         return ValueError(f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}")
     if "TDSTORE exists" in msg:
         return ValueError(msg[msg.index("TDSTORE exists") + 16 :])
+    if "TDSTORE refused" in msg:
+        return ValueError(msg[msg.index("TDSTORE refused") + 17 :])
     if "TDSTORE empty" in msg:
         return ValueError(f"cannot sample: {msg[msg.index('TDSTORE empty') + 14 :]}")
     if "TDSTORE" in msg:

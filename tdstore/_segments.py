@@ -227,7 +227,7 @@ def localize_write(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], Lea
 
 
 # arguments (1-based positions within an op) that are key indices, for ops passed through
-_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2)}
+_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2), "P": (1, 2)}
 
 
 def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[list[Any]]) -> None:
@@ -285,13 +285,17 @@ def localize_read(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], Leaf
     queued = False
     for _ in range(nops):
         kind = args[a]
-        if kind in ("U", "I"):
+        if kind in ("U", "I", "P", "F"):
             if not queued:
                 new += ["Q", segs.per]
                 queued = True
-            new += args[a : a + 3]
-            merges.append(("pass", 2 if kind == "U" else 0))
-            a += 3
+            size = _READ_OP_SIZES[kind]
+            op = list(args[a : a + size])
+            if kind == "P":  # its tree and sample-count keys
+                op[3], op[4] = out.ref(kt_keys[int(op[3]) - 1]), out.ref(kt_keys[int(op[4]) - 1])
+            new += op
+            merges.append(("pass", {"U": 2, "I": 0, "P": 4, "F": 2}[kind]))
+            a += size
             continue
         w = _whole_leaf_key(keys, kt_keys[int(args[a + 1]) - 1])
         if kind == "R":
@@ -387,13 +391,16 @@ def localize_read(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], Leaf
     return out.keys, [n_new, *new], merge
 
 
+#: Arguments of each ``read.lua`` op, its marker included (see the script's header).
+_READ_OP_SIZES = {"R": 5, "E": 7, "U": 3, "P": 8, "F": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "Q": 2}
+
+
 def _ops(flat: list[Any]) -> Iterator[str]:
     """The op kinds of a flat read op list (to count them)."""
-    sizes = {"R": 5, "E": 7, "U": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "Q": 2}
     a = 0
     while a < len(flat):
         yield flat[a]
-        a += sizes[flat[a]]
+        a += _READ_OP_SIZES[flat[a]]
 
 
 def localize_ranges(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], buffers: list[list[Piece]]) -> list[list[Piece]]:

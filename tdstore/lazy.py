@@ -16,6 +16,8 @@ from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._progress import progress
+from ._replay import ReplayMethods
+from ._sampling import PrioritizedSample
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
@@ -190,7 +192,7 @@ class _StoreCommon:
         raise NotImplementedError
 
 
-class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
+class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -897,7 +899,7 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         self._engine.run_write(plan)
 
     # -- shared ring buffer ------------------------------------------------------------------
-    def extend(self, td: Any) -> _ring.RingWrite:
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
         """Write the elements of ``td`` into the next slots of the ring, atomically, in one call.
 
         The store's ``count`` is the ring's capacity.  The server reserves the slots
@@ -912,6 +914,12 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         ``td`` may also be a list or tuple of element tensordicts (stacked lazily, so
         their shapes may differ) or a tensorclass batch. Returns the slots written and
         their new generations (:class:`RingWrite`).
+
+        On a store with priorities (:meth:`enable_priorities`), ``priority`` (one number, or
+        one per element) is each new slot's priority, set in the same atomic call; by
+        default, the largest priority given so far. When the store's rate limiter or queue
+        mode holds inserts back, ``extend`` waits (``timeout`` seconds at most, then
+        ``TimeoutError``; ``None``: as long as it takes) and nothing is written meanwhile.
         """
         if isinstance(td, (list, tuple)):
             if not td:
@@ -928,9 +936,9 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
                 f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
                 f"with the element dim at {self._engine.header.stack_pos}"
             )
-        return _ring.extend(self._writable_engine(), td)
+        return _ring.extend(self._writable_engine(), td, priority, timeout)
 
-    def append(self, td: Any) -> _ring.RingWrite:
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size)."""
         if isinstance(td, dict):
             td = TensorDict(td, batch_size=self._inner_batch_size)
@@ -938,9 +946,21 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
             raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
         if tuple(td.batch_size) != tuple(self._inner_batch_size):
             raise ValueError(f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches")
-        return self.extend(td.unsqueeze(self._engine.header.stack_pos))
+        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout)
 
-    def sample(self, batch_size: int, generator: torch.Generator | None = None, *, keys: Sequence[Any] | None = None, **ragged: Any) -> _ring.Sample:
+    def sample(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        keys: Sequence[Any] | None = None,
+        prioritized: bool | None = None,
+        alpha: float | None = None,
+        beta: float = 1.0,
+        min_size: int | None = None,
+        timeout: float | None = None,
+        **ragged: Any,
+    ) -> _ring.Sample | PrioritizedSample:
         """A uniform random batch of written slots (with replacement), in one round trip.
 
         Only slots the ring has written are drawn (``store.written``).  The random
@@ -955,12 +975,33 @@ class LazyStackedTensorDictStore(_StoreCommon, SurfaceMixin, StoreUnsupported, T
         ``as_nested_tensor=True`` make each heterogeneous key one padded or jagged tensor of
         the batch, as ``get`` does, so ``td`` is a TensorDict (token sequences padded for a
         learner, built without a tensor per row).
+
+        On a store with priorities (:meth:`enable_priorities`) the draw follows them
+        (``prioritized=False`` draws uniformly): each row is drawn on the server, in
+        O(log capacity), and the result is ``PrioritizedSample(td, indices, generations,
+        weights, probabilities)`` with importance weights ``(P(i) / min_j P(j)) ** -beta``
+        (``alpha``, if given, must be the store's). ``min_size`` waits until the ring holds that
+        many items, as the store's rate limiter (:meth:`set_rate_limit`) does; a waiting
+        sample blocks without polling, ``timeout`` seconds at most (``TimeoutError``;
+        ``None``: as long as it takes).
         """
         if ragged and not _ragged.wanted(ragged):
             raise TypeError(f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}")
         if isinstance(keys, (str, tuple)):
             keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
-        return _ring.sample(self._engine, batch_size, generator, self._device, ragged or None, None if keys is None else [as_path(k) for k in keys])
+        return _ring.sample(
+            self._engine,
+            batch_size,
+            generator,
+            self._device,
+            ragged or None,
+            None if keys is None else [as_path(k) for k in keys],
+            prioritized=prioritized,
+            alpha=alpha,
+            beta=beta,
+            min_size=min_size,
+            timeout=timeout,
+        )
 
     @property
     def capacity(self) -> int:

@@ -1,0 +1,284 @@
+--[[
+  _tree.lua: the priority tree of a ring with server-side priorities (see sampling.lua),
+  prepended by tdstore/_scripts.py to the scripts that sample or set priorities, after
+  _lib.lua. Not a script on its own.
+
+  The tree lives in one string key (named by the client, tdstore/_keys.py): a sum tree of
+  fan-out TDS_FAN over the ring's slots. Leaf s holds the weight of slot s (its priority ^
+  alpha; 0 for a slot never written or retired) as a little-endian float64; every node above
+  holds two float64, the sum of the weights below it and the smallest positive one (0 when
+  none: the smallest sampling probability, which importance weights are normalised by).
+  Bytes the server zero-filled read as 0, so a new tree costs one SETRANGE at its last byte.
+
+  Layout for capacity C: level 1 is the C leaves (8 bytes each); level k + 1 has
+  ceil(n_k / TDS_FAN) nodes (16 bytes each), up to a level of one node, the root (for C = 1,
+  the leaf itself). Levels follow each other in the key; tdstore/_policy.py computes the same
+  size. A node's children are consecutive, so one GETRANGE reads them all.
+
+  A draw reads one block of children per level, O(TDS_FAN log C), and keeps the blocks it
+  parsed for the rest of the call (a batch shares the top of the tree); an update of n
+  leaves recomputes each distinct ancestor once, from its children, so sums never drift.
+  Values are packed with the struct library where the server has it (Redis, Valkey, KeyDB,
+  Dragonfly) and by plain Lua arithmetic where it does not (fakeredis): the bytes are the same.
+]]
+local TDS_FAN = 16
+local tds_struct = nil
+do
+  local found, lib = pcall(function() return struct end)  -- reading a missing global raises on Redis
+  if found and type(lib) == 'table' and lib.unpack ~= nil then
+    tds_struct = lib
+  end
+end
+
+-- The float64 at 1-based position p of s (little-endian), in plain Lua.
+local function tds_f64_plain(s, p)
+  local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(s, p, p + 7)
+  local sign = b8 >= 128 and -1 or 1
+  local e = (b8 % 128) * 16 + math.floor(b7 / 16)
+  local m = (((((((b7 % 16) * 256 + b6) * 256 + b5) * 256 + b4) * 256 + b3) * 256 + b2) * 256) + b1
+  if e == 0 then
+    return sign * m * 2 ^ -1074
+  elseif e == 2047 then
+    return m == 0 and sign * math.huge or 0 / 0
+  end
+  return sign * (1 + m / 2 ^ 52) * 2 ^ (e - 1023)
+end
+
+-- A finite weight >= 0 as 8 little-endian bytes (IEEE 754), in plain Lua.
+local function tds_f64_pack_plain(v)
+  if v <= 0 then
+    return '\0\0\0\0\0\0\0\0'
+  end
+  local e = math.floor(math.log(v) / math.log(2))
+  while e > -1075 and 2 ^ e > v do
+    e = e - 1
+  end
+  while 2 ^ (e + 1) <= v do
+    e = e + 1
+  end
+  local biased, m
+  if e < -1022 then
+    biased, m = 0, v / 2 ^ -1074  -- subnormal: an exact integer
+  else
+    biased, m = e + 1023, (v / 2 ^ e - 1) * 2 ^ 52
+  end
+  local b = {}
+  for k = 1, 6 do
+    local r = m % 256
+    b[k] = r
+    m = (m - r) / 256
+  end
+  b[7] = m + (biased % 16) * 16
+  b[8] = math.floor(biased / 16)
+  return string.char(b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8])
+end
+
+local function tds_f64_pack(v)
+  if tds_struct ~= nil then
+    return tds_struct.pack('<d', v)
+  end
+  return tds_f64_pack_plain(v)
+end
+
+-- struct formats by node count: every float64 of n leaves, the sums of n nodes, both of n nodes
+local tds_formats = {leaves = {}, sums = {}, both = {}}
+local function tds_format(kind, n)
+  local f = tds_formats[kind][n]
+  if f == nil then
+    local one = ({leaves = 'd', sums = 'dxxxxxxxx', both = 'dd'})[kind]
+    f = '<' .. string.rep(one, n)
+    tds_formats[kind][n] = f
+  end
+  return f
+end
+
+-- The float64 of s, in order: every one ('leaves', 'both') or every other one ('sums'), n
+-- entries (2n for 'both'). The table may hold one more entry (struct's next position).
+local function tds_f64_read(s, kind, n)
+  if tds_struct ~= nil then
+    return {tds_struct.unpack(tds_format(kind, n), s)}
+  end
+  local out = {}
+  local step = kind == 'sums' and 16 or 8
+  for j = 1, (kind == 'both' and 2 * n or n) do
+    out[j] = tds_f64_plain(s, step * (j - 1) + 1)
+  end
+  return out
+end
+
+-- The levels of a tree of `count` leaves ({n, at, w}: node count, byte offset, bytes per
+-- node; level 1 is the leaves), and the tree's size in bytes.
+local function tds_tree_layout(count)
+  local levels = {{n = count, at = 0, w = 8}}
+  local off = count * 8
+  local n = count
+  while n > 1 do
+    n = math.ceil(n / TDS_FAN)
+    levels[#levels + 1] = {n = n, at = off, w = 16}
+    off = off + 16 * n
+  end
+  return levels, off
+end
+
+-- A handle on the tree in `key` of a ring of `count` slots; 'TDSTORE damaged' when the key
+-- does not hold a whole tree (lost to eviction or deleted), before anything is written.
+local function tds_tree(key, count)
+  local levels, size = tds_tree_layout(count)
+  local have = redis.call('STRLEN', key)
+  if have ~= size then
+    tds_damaged('the priority tree ' .. key .. ' holds ' .. have .. ' bytes, not ' .. size .. ' (lost or deleted)')
+  end
+  return {key = key, levels = levels, count = count, blocks = {}}
+end
+
+-- Nodes j0..j1 (0-based, inclusive) of level k: their sums, and with `with_mins` their mins
+-- too (a leaf's min is its weight), parsed once per call.
+local function tds_tree_nodes(t, k, j0, j1, with_mins)
+  local level = t.levels[k]
+  local at = level.at + j0 * level.w
+  local n = j1 - j0 + 1
+  local cached = t.blocks[at]
+  if cached ~= nil and cached.n >= n and (cached.mins ~= nil or not with_mins) then
+    return cached.sums, cached.mins
+  end
+  local s = redis.call('GETRANGE', t.key, at, at + n * level.w - 1)
+  local sums, mins
+  if level.w == 8 then
+    sums = tds_f64_read(s, 'leaves', n)
+    mins = sums
+  elseif with_mins then
+    local vals = tds_f64_read(s, 'both', n)
+    sums, mins = {}, {}
+    for j = 1, n do
+      sums[j], mins[j] = vals[2 * j - 1], vals[2 * j]
+    end
+  else
+    sums = tds_f64_read(s, 'sums', n)
+  end
+  t.blocks[at] = {n = n, sums = sums, mins = mins}
+  return sums, mins
+end
+
+-- The root's sum and min: the total weight and the smallest positive weight.
+local function tds_tree_root(t)
+  local sums, mins = tds_tree_nodes(t, #t.levels, 0, 0, true)
+  return sums[1], mins[1]
+end
+
+-- The weight of leaf s (from its block of TDS_FAN leaves, which a draw has read already).
+local function tds_tree_leaf(t, s)
+  local lo = s - s % TDS_FAN
+  local sums = tds_tree_nodes(t, 1, lo, math.min(lo + TDS_FAN, t.count) - 1)
+  return sums[s - lo + 1]
+end
+
+-- The children of node j of level k (k >= 2): their level's range.
+local function tds_tree_children(t, k, j)
+  local lo = j * TDS_FAN
+  return lo, math.min(lo + TDS_FAN, t.levels[k - 1].n) - 1
+end
+
+-- The leaf that `mass` (0 <= mass < total) falls in: walking down, the child whose running
+-- sum first exceeds the mass; rounding past the last child with weight takes that child,
+-- so a leaf of weight 0 is never drawn. nil when the tree holds no weight.
+local function tds_tree_draw(t, mass)
+  local j = 0
+  for k = #t.levels, 2, -1 do
+    local lo, hi = tds_tree_children(t, k, j)
+    local sums = tds_tree_nodes(t, k - 1, lo, hi)
+    local pick, last = nil, nil
+    for i = 1, hi - lo + 1 do
+      local v = sums[i]
+      if v > 0 then
+        last = i
+        if mass < v then
+          pick = i
+          break
+        end
+        mass = mass - v
+      end
+    end
+    pick = pick or last
+    if pick == nil then
+      return nil
+    end
+    j = lo + pick - 1
+  end
+  if #t.levels == 1 and tds_tree_leaf(t, 0) <= 0 then
+    return nil
+  end
+  return j
+end
+
+-- Sum and smallest positive min of nodes lo..hi of level k, adding in order.
+local function tds_tree_fold(sums, mins, n)
+  local total, low = 0, 0
+  for i = 1, n do
+    total = total + sums[i]
+    local m = mins[i]
+    if m > 0 and (low == 0 or m < low) then
+      low = m
+    end
+  end
+  return total, low
+end
+
+-- Give leaves new weights (`upd`: slot -> weight) and recompute every ancestor of them.
+local function tds_tree_set(t, upd)
+  local dirty, any = {}, false
+  for s, w in pairs(upd) do
+    redis.call('SETRANGE', t.key, 8 * s, tds_f64_pack(w))
+    dirty[math.floor(s / TDS_FAN)] = true
+    any = true
+  end
+  t.blocks = {}
+  if not any then
+    return
+  end
+  for k = 2, #t.levels do
+    local level = t.levels[k]
+    local next_dirty = {}
+    for j in pairs(dirty) do
+      local lo, hi = tds_tree_children(t, k, j)
+      local sums, mins = tds_tree_nodes(t, k - 1, lo, hi, true)
+      local total, low = tds_tree_fold(sums, mins, hi - lo + 1)
+      redis.call('SETRANGE', t.key, level.at + 16 * j, tds_f64_pack(total) .. tds_f64_pack(low))
+      next_dirty[math.floor(j / TDS_FAN)] = true
+    end
+    t.blocks = {}
+    dirty = next_dirty
+  end
+end
+
+-- Fill a new (zero) tree: leaves 0..written-1 get weight w, the others stay 0. Each level is
+-- one SETRANGE, computed in memory from the level below, adding in the order tds_tree_set
+-- does (so a later update recomputes the same values).
+local function tds_tree_fill(t, written, w)
+  if written <= 0 then
+    return
+  end
+  redis.call('SETRANGE', t.key, 0, string.rep(tds_f64_pack(w), written))
+  local below_n = t.count
+  local below = function(c)
+    local v = c < written and w or 0
+    return v, v
+  end
+  for k = 2, #t.levels do
+    local level = t.levels[k]
+    local sums, mins, parts = {}, {}, {}
+    for j = 0, level.n - 1 do
+      local cs, cm, n = {}, {}, 0
+      for c = j * TDS_FAN, math.min(j * TDS_FAN + TDS_FAN, below_n) - 1 do
+        n = n + 1
+        cs[n], cm[n] = below(c)
+      end
+      local total, low = tds_tree_fold(cs, cm, n)
+      sums[j + 1], mins[j + 1] = total, low
+      parts[j + 1] = tds_f64_pack(total) .. tds_f64_pack(low)
+    end
+    redis.call('SETRANGE', t.key, level.at, table.concat(parts))
+    below_n = level.n
+    below = function(c) return sums[c + 1], mins[c + 1] end
+  end
+  t.blocks = {}
+end

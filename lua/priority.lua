@@ -1,0 +1,98 @@
+--[[
+  priority.lua: give slots of a ring with priorities new priorities (update_priority), each
+  only where the slot still holds the generation the caller read, in one atomic step.
+
+  A slot's weight in the tree becomes priority ^ alpha (0 for priority 0). A slot that was
+  never written, was retired after max_times_sampled samples, or (with a generation given)
+  was overwritten since, keeps its weight: it is reported as not applied.
+
+  KEYS[1]     store header hash
+  KEYS[2]     the priority tree (see _tree.lua)
+  KEYS[3]     the times-sampled counts (see sampling.lua)
+  ARGV[1]     '<epoch>:*' (see tds_check in _lib.lua)
+  ARGV[2]     n, the number of slots
+  ARGV[3]     n (slot, generation) pairs packed as little-endian int64
+  ARGV[4]     '1' to check the generations, '0' to set every slot that holds data
+  ARGV[5]     the n priorities as decimal text, space-separated (finite, >= 0)
+
+  Reply       {'OK', applied} where 'applied' has one '1' or '0' per slot;
+              {'STALE', header...}; {'GONE'}.
+  Errors      'TDSTORE refused' when the store has no priorities; 'TDSTORE bad argument'
+              for a malformed call; 'TDSTORE damaged' when the tree was lost (nothing written).
+]]
+local meta = KEYS[1]
+local bad = tds_check(meta, ARGV[1], '')
+if bad then
+  return bad
+end
+local h = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'pm', 'schema')
+if not h[3] then
+  error('TDSTORE refused: the store has no priorities (enable_priorities first)')
+end
+local sc = cjson.decode(h[3])
+if sc.alpha == nil then
+  error('TDSTORE refused: the store has no priorities (enable_priorities first)')
+end
+local count = tds_num(h[1], 'count')
+local rw = tonumber(h[2] or '0')
+local written = math.min(rw, count)
+local uploaded = written == 0 and not string.find(h[5] or '', '"leaves":[]', 1, true)
+if uploaded then
+  written = count
+end
+local n = tds_num(ARGV[2], 'slot count')
+local pairs_ = ARGV[3]
+if #pairs_ ~= 16 * n then
+  error('TDSTORE bad argument: slot table size')
+end
+local check = ARGV[4] == '1'
+local prios = {}
+for v in string.gmatch(ARGV[5], '%S+') do
+  local p = tonumber(v)
+  if p == nil or p < 0 or p ~= p or p >= 1e300 then
+    error('TDSTORE bad argument: priority ' .. v)
+  end
+  prios[#prios + 1] = p
+end
+if #prios ~= n then
+  error('TDSTORE bad argument: ' .. #prios .. ' priorities for ' .. n .. ' slots')
+end
+local t = tds_tree(KEYS[2], count)
+local times = nil
+if sc.mt ~= nil then
+  times = KEYS[3]
+  if redis.call('STRLEN', times) ~= 4 * count then
+    tds_damaged('the sample counts ' .. times .. ' are lost or short')
+  end
+end
+local flags, upd = {}, {}
+local top = tonumber(h[4] or '1')
+for j = 1, n do
+  local s, want = tds_u64(pairs_, 16 * j - 15), tds_u64(pairs_, 16 * j - 7)
+  if s >= count then
+    error('TDSTORE bad argument: slot ' .. s .. ' out of range of ' .. count)
+  end
+  local ok = s < written
+  if ok and check and not uploaded then
+    local gen = 0
+    if s < rw then
+      gen = math.floor((rw - 1 - s) / count) + 1
+    end
+    ok = gen == want
+  end
+  if ok and times ~= nil then
+    local b1, b2, b3, b4 = string.byte(redis.call('GETRANGE', times, 4 * s, 4 * s + 3), 1, 4)
+    ok = ((b4 * 256 + b3) * 256 + b2) * 256 + b1 < sc.mt
+  end
+  flags[j] = ok and '1' or '0'
+  if ok then
+    local p = prios[j]
+    upd[s] = p > 0 and p ^ sc.alpha or 0
+    if p > top then
+      top = p
+    end
+  end
+end
+tds_tree_set(t, upd)
+redis.call('HSET', meta, 'pm', string.format('%.17g', top))
+return {'OK', table.concat(flags)}

@@ -1,0 +1,76 @@
+--[[
+  sampling.lua: set a ring's sampling policy (priorities, rate limiter, queue), the header
+  field 'sc' (JSON, see tdstore/_policy.py) that write.lua and read.lua enforce.
+
+  Every change bumps the header's 'version' and 'kv', so a ring call planned from a header
+  that does not know the new policy is answered STALE and planned again: no extend can
+  skip the priority tree, no sample can skip the limiter.
+
+  The client builds the new policy from the header it read, so the call checks that exact
+  version; the script does what the change needs on the server.
+
+  KEYS[1]     store header hash
+  KEYS[2]     the priority tree (see _tree.lua)
+  KEYS[3]     the times-sampled counts: 4 little-endian bytes per slot
+  ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
+  ARGV[2]     the new policy (JSON, tdstore/_policy.py), '' for none
+  ARGV[3]     what the change needs, space-separated words:
+    'tree'    priorities turn on: a new tree where every slot written so far weighs 1
+              (priority 1, the default of a slot written without one until a larger
+              priority is given: header field 'pm')
+    'times'   a new count of samples per slot (max_times_sampled)
+    'limit'   a new rate limiter: inserts and samples count from now ('lb' = ring writes
+              so far, 'sn' = 0)
+    'queue'   queue mode turns on: the read cursor 'rr' starts at the oldest item a
+              writer has not overwritten, unless items were popped before
+
+  Reply       {'OK', version}; {'STALE', header...}; {'GONE'}.
+  Errors      'TDSTORE bad argument' for a malformed call.
+]]
+local meta = KEYS[1]
+local bad = tds_check(meta, ARGV[1], '')
+if bad then
+  return bad
+end
+local h = redis.call('HMGET', meta, 'count', 'rw', 'schema')
+local count = tds_num(h[1], 'count')
+local rw = tonumber(h[2] or '0')
+local needs = {}
+for word in string.gmatch(ARGV[3], '%S+') do
+  needs[word] = true
+end
+if needs.tree then
+  local written = math.min(rw, count)
+  if written == 0 and not string.find(h[3] or '', '"leaves":[]', 1, true) then
+    written = count  -- filled otherwise than by the ring (an upload): every element
+  end
+  local _, size = tds_tree_layout(count)
+  redis.call('DEL', KEYS[2])
+  redis.call('SETRANGE', KEYS[2], size - 1, '\0')
+  tds_tree_fill(tds_tree(KEYS[2], count), written, 1)
+  redis.call('HSET', meta, 'pm', '1')
+end
+if needs.times then
+  redis.call('DEL', KEYS[3])
+  redis.call('SETRANGE', KEYS[3], 4 * count - 1, '\0')
+end
+if needs.limit then
+  redis.call('HSET', meta, 'lb', string.format('%.0f', rw), 'sn', '0')
+end
+if needs.queue and redis.call('HEXISTS', meta, 'rr') == 0 then
+  redis.call('HSET', meta, 'rr', string.format('%.0f', math.max(0, rw - count)))
+end
+if ARGV[2] == '' then
+  redis.call('HDEL', meta, 'sc')
+else
+  cjson.decode(ARGV[2])  -- a malformed policy is refused before it is stored
+  redis.call('HSET', meta, 'sc', ARGV[2])
+end
+redis.call('HINCRBY', meta, 'kv', 1)
+redis.call('HINCRBY', meta, 'version', 1)
+-- the policy's keys expire with the store
+local ttl = redis.call('PTTL', meta)
+if ttl > 0 then
+  tds_expire_keys(2, 3, ttl)
+end
+return {'OK', redis.call('HGET', meta, 'version')}

@@ -1,0 +1,208 @@
+"""A ring's sampling policy on the server: priorities, rate limiter, queue; one script call each.
+
+The policy (``_policy.SamplingPolicy``) is set by ``lua/sampling.lua`` and enforced by
+the scripts every actor and learner calls, so it holds across processes and machines:
+
+* **priorities**: a sum tree of the slots' weights (priority ** alpha) in one key beside
+  the store (``lua/_tree.lua``), updated by the same atomic call that writes a slot
+  (``extend(td, priority=...)``) or by ``update_priority``; a prioritized ``sample`` walks
+  it on the server, O(log capacity) per row, and returns each row's probability, from
+  which the importance weights follow;
+* **max_times_sampled**: a slot drawn that many times weighs 0 until it is written again;
+* **rate limiter** (Reverb's ``SampleToInsertRatio`` and ``MinSize``): samples and inserts
+  counted in the header; a call the limiter holds back waits (``_waiting``);
+* **queue**: ``pop`` hands each written item to exactly one reader, in write order, with
+  a read cursor in the header; in queue mode writers wait instead of overwriting
+  unread items, otherwise an overwrite is reported (``QueueOverrunError``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from . import _codec, _waiting
+from ._engine import Call, Engine
+from ._errors import MustWait
+from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
+from ._schema import Header
+
+
+class PrioritizedSample(NamedTuple):
+    """A batch drawn by priority: the data, each row's slot and generation, its importance weight
+    ``(P(i) / min_j P(j)) ** -beta`` (float32, at most 1) and its sampling probability ``P(i)``."""
+
+    td: TensorDictBase
+    indices: torch.Tensor
+    generations: torch.Tensor
+    weights: torch.Tensor
+    probabilities: torch.Tensor
+
+
+def policy_of(engine: Engine, fresh: bool = False) -> SamplingPolicy:
+    """The store's policy (empty when it has none); ``fresh`` reads the header again first."""
+    if fresh:
+        engine.set_header(engine.fetch_header())
+    return engine.header.sampling or SamplingPolicy()
+
+
+def _change(engine: Engine, build: Any, needs: str) -> None:
+    """Set the policy ``build(current policy)`` returns, in one call checked against the header it was built from."""
+    from ._ring import refuse_spread
+
+    engine.refuse_if_readonly()
+    refuse_spread(engine)
+    keys = engine.keys
+
+    def plan_call(h: Header) -> Call:
+        new = build(h.sampling or SamplingPolicy())
+        text = new.to_json() if new != SamplingPolicy() else ""
+        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs], lambda r: new)
+
+    engine.run(plan_call)
+    engine.set_header(engine.fetch_header())
+
+
+def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | None) -> None:
+    """Turn priorities on (see ``LazyStackedTensorDictStore.enable_priorities``)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+    if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 1):
+        raise ValueError(f"max_times_sampled must be None or an int >= 1, got {max_times_sampled!r}")
+    h = engine.header
+    have = policy_of(engine)
+    if have.prioritized:
+        if (have.alpha, have.max_times) == (float(alpha), max_times_sampled):
+            return
+        raise ValueError(
+            f"the store with {engine.where()} has priorities with alpha={have.alpha:g} and max_times_sampled={have.max_times}; "
+            f"a store keeps the ones it was given (asked for alpha={alpha:g}, max_times_sampled={max_times_sampled})"
+        )
+    engine.check_room(h, 0, declared=tree_bytes(h.count) + (4 * h.count if max_times_sampled else 0))
+
+    def build(p: SamplingPolicy) -> SamplingPolicy:
+        if p.prioritized:
+            raise ValueError(f"another client turned priorities on for the store with {engine.where()} (alpha={p.alpha:g})")
+        return replace(p, alpha=float(alpha), max_times=max_times_sampled)
+
+    _change(engine, build, "tree times" if max_times_sampled else "tree")
+
+
+def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | None, error_buffer: float | None) -> None:
+    """Set the rate limiter (see ``LazyStackedTensorDictStore.set_rate_limit``)."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+    count = engine.header.count
+    if min_size > count:
+        raise ValueError(f"min_size={min_size} can never be reached by a ring of {count} slots")
+    if samples_per_insert is None:
+        if error_buffer is not None:
+            raise ValueError("error_buffer needs samples_per_insert")
+        limit = RateLimit(1.0, min_size, -UNBOUNDED, UNBOUNDED)
+    else:
+        if isinstance(samples_per_insert, bool) or not isinstance(samples_per_insert, (int, float)) or not math.isfinite(samples_per_insert) or samples_per_insert <= 0:
+            raise ValueError(f"samples_per_insert must be a finite number > 0, got {samples_per_insert!r}")
+        if error_buffer is None:
+            raise ValueError("samples_per_insert needs error_buffer (how far samples may run ahead of or behind the ratio)")
+        if isinstance(error_buffer, bool) or not isinstance(error_buffer, (int, float)) or not math.isfinite(error_buffer) or error_buffer < max(1.0, samples_per_insert):
+            # Reverb's rule: below max(1, samples_per_insert) some insert or sample could never go through
+            raise ValueError(f"error_buffer must be at least max(1, samples_per_insert) = {max(1.0, samples_per_insert):g}, got {error_buffer!r}")
+        offset = samples_per_insert * min_size
+        limit = RateLimit(float(samples_per_insert), min_size, offset - error_buffer, offset + error_buffer)
+    _change(engine, lambda p: replace(p, limit=limit), "limit")
+
+
+def clear_rate_limit(engine: Engine) -> None:
+    _change(engine, lambda p: replace(p, limit=None), "")
+
+
+def set_queue(engine: Engine, on: bool) -> None:
+    if not isinstance(on, bool):
+        raise TypeError(f"set_queue takes True or False, got {on!r}")
+    _change(engine, lambda p: replace(p, queue=on), "queue" if on else "")
+
+
+def priority_values(priority: Any, n: int, what: str = "priority") -> list[float]:
+    """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise)."""
+    t = torch.as_tensor(priority, dtype=torch.float64) if not isinstance(priority, torch.Tensor) else priority.detach().to("cpu", torch.float64)
+    if t.is_complex():
+        raise TypeError(f"{what} must be real numbers, got {t.dtype}")
+    if t.ndim == 0:
+        t = t.expand(n)
+    t = t.reshape(-1)
+    if t.numel() != n:
+        raise ValueError(f"got {t.numel()} {what} values for {n} rows")
+    bad = ~torch.isfinite(t) | (t < 0)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0])
+        raise ValueError(f"{what} of row {k} is {t[k].item()!r}: priorities are finite numbers >= 0")
+    return t.tolist()
+
+
+def update_priority(engine: Engine, index: Any, priority: Any, generation: Any | None) -> torch.Tensor:
+    """Set the priorities of slots ``index`` (see ``LazyStackedTensorDictStore.update_priority``)."""
+    from ._ring import _int_tensor, refuse_spread, slots_of
+
+    engine.refuse_if_readonly()
+    refuse_spread(engine)
+    count = engine.header.count
+    slots = slots_of(index, count)
+    n = int(slots.numel())
+    values = priority_values(priority, n)
+    if generation is None:
+        gens = torch.zeros(n, dtype=torch.int64)
+    else:
+        g = _int_tensor(generation)
+        if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
+            raise TypeError(f"generations must be integers, got {g.dtype}")
+        gens = g.reshape(-1).to(torch.int64)
+        if gens.numel() != n:
+            raise ValueError(f"update_priority got {n} slots and {gens.numel()} generations")
+        if bool((gens < 0).any()):
+            raise ValueError(f"generations are never negative, got {gens.tolist()}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
+        raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+    pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
+    args = [n, pairs, "0" if generation is None else "1", format_priorities(values)]
+    keys = engine.keys
+
+    def plan_call(h: Header) -> Call:
+        return Call("priority", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:*", *args], lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool))
+
+    return engine.run(plan_call)
+
+
+def weights_of(probs: torch.Tensor, low: float, beta: float) -> torch.Tensor:
+    """Importance weights ``(P(i) / P_min) ** -beta`` (torchrl's ``PrioritizedSampler``): at most 1."""
+    return torch.pow(probs / low, -beta).to(torch.float32)
+
+
+def wait_or_raise(engine: Engine, attempt: Any, timeout: float | None, may_wait: bool, what: str) -> Any:
+    """``attempt()``, waiting through ``WAIT`` replies when ``may_wait``; otherwise a ``WAIT`` for want of
+    data is the ``ValueError`` a sample of an empty ring has always raised."""
+    if may_wait:
+        return _waiting.until_ready(engine, attempt, timeout, what)
+    try:
+        return attempt()
+    except MustWait as err:
+        if err.reason in ("empty", "weight"):
+            raise ValueError(f"cannot sample: {err.message} (pass min_size= or timeout= to wait for data)") from None
+        return _waiting.until_ready(engine, attempt, timeout, what)
+
+
+def decode_slots(reply: list) -> torch.Tensor:
+    return torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
+
+
+def probabilities(reply: list) -> tuple[torch.Tensor, float]:
+    """The rows' probabilities and the smallest probability, from a 'P' op's reply pieces (float64)."""
+    probs = torch.from_numpy(np.frombuffer(reply[4], dtype="<f8").astype(np.float64))
+    low = float(np.frombuffer(reply[5], dtype="<f8")[0]) if reply[5] else 0.0
+    return probs, low
