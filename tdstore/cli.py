@@ -311,6 +311,7 @@ def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
         ),
         ("server keys", str(info.server_keys)),
         *ring,
+        *([("sampling", _safe(info.sampling))] if info.sampling else []),
         ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "") + (", spread over the cluster's nodes" if info.spread else "")),
         ("row block", ", ".join(_safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)) or "-"),
     ]

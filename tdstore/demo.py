@@ -29,7 +29,9 @@ misplaced write shows up there).
 With ``torchrl=True`` (``tdstore demo --torchrl``) the same run goes through a torchrl
 replay buffer (:func:`tdstore.torchrl.replay_buffer`): the store is a ring of ``count``
 slots, each actor attaches to it by ``td_id`` and ``extend``s it (the server picks the
-slots), and the learner calls ``rb.sample()``.  Elements are checked the same way, except
+slots), and the learner calls ``rb.sample()``.  The buffer is prioritized on the server
+(the learner sends each batch's "TD errors" back as priorities) and rate-limited (Reverb's
+samples-per-insert ratio, held across processes).  Elements are checked the same way, except
 where they sit: the ring, not a hash, places them, so each actor records the slots its
 writes got for the final check.
 
@@ -105,6 +107,10 @@ class ServerUnreachable(DemoError):
 # -- the encoding: every leaf is a function of (actor, seq) ------------------------------------
 # All functions take numpy arrays (or ints) and are used by both the writers and the
 # checkers, so the two can never disagree about what a consistent element is.
+
+
+#: The torchrl demo's rate limiter: the learner's samples per row the actors insert (Reverb's ratio).
+SAMPLES_PER_INSERT = 4.0
 
 
 def token_length(actor: Any, seq: Any) -> np.ndarray:
@@ -575,10 +581,13 @@ def run_demo(
         if torchrl:
             from .torchrl import replay_buffer
 
-            rb = replay_buffer(count, url=url, prefix=prefix, batch_size=batch)
+            rb = replay_buffer(count, url=url, prefix=prefix, batch_size=batch, sampler="prioritized", alpha=0.6, beta=0.4)
             rb.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
             uploaded = rb.storage._store
-            where += ", through a torchrl replay buffer (tdstore.torchrl)"
+            # Reverb's SampleToInsertRatio on the server: the learner draws about SAMPLES_PER_INSERT
+            # rows per row inserted; actors run at most two laps ahead of that, the learner never ahead
+            uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
+            where += ", through a prioritized, rate-limited torchrl replay buffer (tdstore.torchrl)"
         else:
             uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
         if uploaded._engine.header.spread:
@@ -659,8 +668,15 @@ def _run(
                 idx = torch.randint(count, (batch,), generator=gen)
                 sampled = store[idx]
             else:
-                sampled = rb.sample()  # one round trip: the server draws the slots and reads them
+                rb.sampler.timeout = max(0.0, end - now)  # the rate limiter may hold the learner: not past the run's end
+                try:
+                    sampled = rb.sample()  # one round trip: the server draws by priority and reads the rows
+                except TimeoutError:
+                    break
                 idx = sampled["index"]
+                # the learner's "TD error" (here: the token count) becomes the rows' priority, on the
+                # server, only where an actor has not overwritten the slot since
+                rb.update_tensordict_priority(sampled.set("td_error", torch.tensor([float(t.numel()) for t in _token_rows(sampled)])))
             reads += 1
             bad = check_batch(sampled, idx, count=count, actors=actors, placed=placed)
             torn += len(bad)
@@ -673,6 +689,8 @@ def _run(
                 assert bar is not None
                 bar.update(now - t0, sum(c.value for c in counters), reads, torn)
         read_time = time.monotonic() - t0
+        if rb is not None:
+            rb.storage._store.clear_rate_limit()  # actors held by the limiter go on, and see stop
         stop.set()
         done = _collect(procs, results)
         assert bar is not None
@@ -703,6 +721,7 @@ def _run(
         "torn": torn,
         "torn_examples": examples,
         **final,
+        **({"samples_per_insert": round(reads * batch / max(1, sum(writes)), 2)} if rb is not None else {}),
         "ok": torn == 0 and final["verified"] == count,
     }
 
@@ -839,6 +858,7 @@ def _print_summary(f: dict[str, Any], out: TextIO) -> None:
         f"  writes : {f['writes']} element writes, {f['writes_per_s']:.0f}/s in total (per actor: {per_actor})",
         f"  reads  : {f['reads']} batch reads, {f['reads_per_s']:.0f}/s; {f['elements_read']} elements, {f['elements_read_per_s']:.0f}/s",
         f"  torn   : {f['torn']} torn elements seen while sampling",
+        *([f"  ratio  : {f['samples_per_insert']:g} rows sampled per row written (the server's rate limiter: {SAMPLES_PER_INSERT:g}, writers at most {2 * f['count']} rows ahead)"] if "samples_per_insert" in f else []),
         f"  final  : {f['verified']}/{f['count']} elements verified ({f['inconsistent']} inconsistent, {f['lost_writes']} lost writes)",
         f"  cleanup: {f['keys_deleted']} keys deleted",
     ]

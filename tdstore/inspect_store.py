@@ -34,6 +34,7 @@ from . import _scripts
 from ._connection import PASSWORD_ENV, PasswordError, open_client
 from ._headerinfo import HeaderInfo, LeafRecord, StoreFormatError, parse_header
 from ._keys import StoreKeys, registry_key
+from ._policy import SamplingPolicy
 
 __all__ = [
     "Audit",
@@ -178,6 +179,8 @@ class StoreInfo:
     """Segments under hash tags of their own, spread over a Redis Cluster's nodes (``spread=True``)."""
     batchless: bool = False
     """A dense store of batch size ``[]`` (kept as a stack of one element)."""
+    sampling: str = ""
+    """The ring's sampling policy in words (priorities, rate limiter, queue); "" for none."""
 
     @property
     def batch_size(self) -> tuple[int, ...]:
@@ -228,6 +231,7 @@ class StoreInfo:
             "spread": self.spread,
             "batch_size": list(self.batch_size),
             "tensorclass": self.tensorclass or None,
+            "sampling": self.sampling or None,
         }
         if schema:
             out["schema"] = [leaf.to_json() for leaf in self.leaves]
@@ -368,6 +372,20 @@ def _parse(raw: Mapping[bytes | str, bytes | str]) -> tuple[HeaderInfo, int]:
     return header, rw
 
 
+def describe_policy(policy: SamplingPolicy | None) -> str:
+    """A sampling policy in words, for ``info`` ("" for none)."""
+    if policy is None:
+        return ""
+    parts = []
+    if policy.alpha is not None:
+        parts.append(f"priorities (alpha={policy.alpha:g}" + (f", max_times_sampled={policy.max_times})" if policy.max_times else ")"))
+    if policy.limit is not None:
+        parts.append(f"rate limit ({policy.limit.describe()})")
+    if policy.queue:
+        parts.append("queue (writers wait for readers)")
+    return ", ".join(parts)
+
+
 def _layout(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> StoreKeys:
     """The store's key names as its header says they are laid out: on Redis Cluster every segment
     in the header's slot unless the store is spread (see ``StoreKeys.spread``)."""
@@ -419,6 +437,7 @@ def _summarise(keys: StoreKeys, header: HeaderInfo, rw: int, lengths: Iterable[i
         segment_length=header.seg,
         spread=header.spread,
         batchless=header.batchless,
+        sampling=describe_policy(header.sampling),
     )
 
 

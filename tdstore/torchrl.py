@@ -14,7 +14,9 @@ server, from which the cursor, the written length and each slot's generation fol
   so any number of writer processes on any number of machines share one cursor.
 * :class:`StoreSampler` (a torchrl ``Sampler``): uniform sampling over the written slots
   in one round trip (``store.sample``, whose rows it hands to ``StoreStorage.get``);
-  :class:`StoreSamplerWithoutReplacement` (``StoreSampler(replacement=False)``).
+  :class:`StoreSamplerWithoutReplacement` (``StoreSampler(replacement=False)``);
+  :class:`StorePrioritizedSampler`: torchrl's ``PrioritizedSampler`` API with the sum tree
+  on the server, so actors' data gets its priority as it is written and learners share it.
 * :func:`replay_buffer` wires the three into a ``TensorDictReplayBuffer`` (or a
   ``ReplayBuffer``) in one line; a second process or machine attaches by ``td_id``.
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
-from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.storages import Storage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
@@ -45,7 +47,7 @@ from ._engine import DenseResult, new_td_id
 from ._values import build_td
 from .lazy import LazyStackedTensorDictStore
 
-__all__ = ["StoreStorage", "StoreWriter", "StoreSampler", "StoreSamplerWithoutReplacement", "replay_buffer", "attach"]
+__all__ = ["StoreStorage", "StoreWriter", "StoreSampler", "StoreSamplerWithoutReplacement", "StorePrioritizedSampler", "replay_buffer", "attach"]
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
@@ -511,19 +513,20 @@ class StoreSampler(Sampler):
         m = h.count
         if self._bound_of != (storage._td_id, storage._reopens):
             self._bound_of, self._bound = (storage._td_id, storage._reopens), 0
-        if engine._tx_reads and h.stack_pos == 0 and not any(leaf.het for leaf in h.leaves.values()):
+        if engine._tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
             if self._bound == 0:
                 self._bound = s.ring_state().written
             if self._bound > 0:
                 slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
-                _, res = engine.read(slots, fields=("rw",))
-                rw = res.fields.get("rw") if isinstance(res, DenseResult) and res.fields is not None else None
-                if rw is not None:
+                _, res = engine.read(slots, fields=("rw", "sc"))
+                fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
+                rw = fields.get("rw")
+                if rw is not None and fields.get("sc") is None:  # (under a sampling policy set since, the server draws)
                     self._bound = min(int(rw), m)
                     if int(slots.max()) < self._bound:
                         return _ring.Sample(build_td(res.leaves, res.batch_size, s._device), slots, _ring.generations(slots, int(rw), m))
         try:
-            return s.sample(batch_size, generator=self._rng)
+            return s.sample(batch_size, generator=self._rng, prioritized=False)
         except ValueError as err:
             if "nothing" in str(err).lower() or "written" in str(err).lower():
                 raise RuntimeError(_EMPTY_ERROR) from err
@@ -585,6 +588,134 @@ class _KnownLength:
         return self._inner.shape
 
 
+class StorePrioritizedSampler(PrioritizedSampler):
+    """torchrl's ``PrioritizedSampler`` API with the sum tree on the server, shared by every process.
+
+    torchrl's ``PrioritizedSampler`` keeps its tree in the learner's process: actors cannot
+    give new data a priority, and two learners cannot share one. Here the tree is the
+    store's (``store.enable_priorities``): a slot written by any actor gets the largest
+    priority so far in the same atomic call, ``update_priority`` sets
+    ``(|priority| + eps) ** alpha`` on the server (only where the slot still holds the
+    generation the last sample read), and ``sample`` draws on the server in one round
+    trip, returning torchrl's ``{"priority_weight": ...}`` (``(P(i) / min P) ** -beta``).
+    ``max_times_sampled`` retires a slot after that many draws (Reverb's).
+
+    It subclasses torchrl's ``PrioritizedSampler`` so that torchrl's buffers treat it as one
+    (``update_tensordict_priority`` checks the type), without its in-process trees: every
+    method torchrl calls is this class's own.
+    """
+
+    requires_shared_state = False
+
+    def __init__(self, alpha: float, beta: float, eps: float = 1e-8, *, max_times_sampled: int | None = None, timeout: float | None = None) -> None:  # noqa: D107 (no trees here)
+        if alpha < 0 or beta < 0 or eps < 0:
+            raise ValueError(f"alpha, beta and eps must be >= 0, got alpha={alpha}, beta={beta}, eps={eps}")
+        self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
+        self._max_times = max_times_sampled
+        self.reduction = "max"  # how torchrl's buffers reduce a multi-dim priority to one per row
+        self.timeout = timeout
+        """How long a sample waits for the store's rate limiter (``None``: as long as it takes), then ``TimeoutError``."""
+        self._last: tuple[StoreStorage, _ring.Sample] | None = None
+
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @property
+    def beta(self) -> float:
+        return self._beta
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._beta = float(value)  # annealing beta is the learner's: only sampling uses it
+
+    def prepare(self, storage: StoreStorage) -> None:
+        """Turn the store's priorities on (idempotent; a store keeps the alpha it got first)."""
+        storage._call(lambda s: s.enable_priorities(self._alpha, max_times_sampled=self._max_times))
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
+        if not isinstance(storage, StoreStorage):
+            raise TypeError(f"StorePrioritizedSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}")
+
+        def draw(s: LazyStackedTensorDictStore) -> Any:
+            if not _has_keys(s):
+                raise RuntimeError(_EMPTY_ERROR)
+            s.enable_priorities(self._alpha, max_times_sampled=self._max_times)
+            try:
+                return s.sample(int(batch_size), generator=self._rng, prioritized=True, beta=self._beta, timeout=self.timeout)
+            except ValueError as err:
+                if "no written slot" in str(err) or "nothing" in str(err).lower():
+                    raise RuntimeError(_EMPTY_ERROR) from err
+                raise
+
+        got = storage._call(draw)
+        storage._stash(got)
+        self._last = (storage, got)
+        return got.indices, {"priority_weight": got.weights}
+
+    def update_priority(self, index: Any, priority: Any, *, storage: Storage | None = None) -> None:
+        """Set ``(|priority| + eps) ** alpha`` for ``index``: where it is the last batch drawn, only
+        for slots that still hold the rows it read (an actor may have overwritten some since)."""
+        if isinstance(index, tuple):
+            index = index[0]
+        idx = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        p = torch.as_tensor(priority, dtype=torch.float64).detach().reshape(-1)
+        if p.numel() and bool(p.isnan().all()):
+            return  # torchrl seeding a new buffer's existing rows with default_priority: the server's stand
+        p = p.abs() + self._eps
+        if p.numel() == 1 and idx.numel() > 1:
+            p = p.expand(idx.numel())
+        last = self._last
+        target = storage if isinstance(storage, StoreStorage) else (last[0] if last is not None else None)
+        if target is None:
+            raise RuntimeError("update_priority needs the storage: sample first, or pass storage=")
+        gens = None
+        if last is not None and last[0] is target and last[1].indices.shape == idx.shape and torch.equal(last[1].indices, idx):
+            gens = last[1].generations
+        target._call(lambda s: s.update_priority(idx, p, generation=gens))
+
+    def mark_update(self, index: Any, *, storage: Storage | None = None) -> None:
+        """Nothing to do: the server gives a written slot its priority in the call that writes it."""
+
+    def add(self, index: Any) -> None:
+        """Nothing to do (torchrl's sampler tracks its max priority here; the server does)."""
+
+    def extend(self, index: Any) -> None:
+        """Nothing to do (see :meth:`add`)."""
+
+    @property
+    def default_priority(self) -> float:
+        """NaN: "the server's default". A torchrl buffer built over rows already written seeds them
+        with this value through ``update_priority``, which leaves the server's priorities as they are
+        (a slot written without a priority gets the largest so far, on the server)."""
+        return float("nan")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_last"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._last = None
+
+    def _empty(self) -> None:
+        self._last = None
+
+    def dumps(self, path: Any) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def loads(self, path: Any) -> None:
+        """Nothing to load: the priorities are the server's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"alpha": self._alpha, "beta": self._beta, "eps": self._eps, "max_times_sampled": self._max_times}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._beta = float(state_dict.get("beta", self._beta))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(alpha={self._alpha}, beta={self._beta}, eps={self._eps}, max_times_sampled={self._max_times})"
+
+
 _REPLACEMENT_DISPATCH[StoreSampler] = StoreSamplerWithoutReplacement
 
 _SAMPLERS: dict[str, Callable[[], Sampler]] = {
@@ -603,6 +734,10 @@ def replay_buffer(
     track_generations: bool = False,
     tensorclass_cls: type | None = None,
     buffer_kwargs: dict[str, Any] | None = None,
+    alpha: float = 0.6,
+    beta: float = 0.4,
+    eps: float = 1e-8,
+    max_times_sampled: int | None = None,
     **store_kwargs: Any,
 ) -> ReplayBuffer:
     """A torchrl replay buffer on a tdstore server, in one line.
@@ -616,8 +751,10 @@ def replay_buffer(
         td_id: the id of the buffer to attach to (``rb.storage.td_id``).
         batch_size: the default sample size.
         sampler: ``"uniform"`` (:class:`StoreSampler`, one round trip),
-            ``"without_replacement"`` (:class:`StoreSamplerWithoutReplacement`), or any
-            torchrl ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
+            ``"without_replacement"`` (:class:`StoreSamplerWithoutReplacement`),
+            ``"prioritized"`` (:class:`StorePrioritizedSampler` with ``alpha``, ``beta``,
+            ``eps`` and ``max_times_sampled``: priorities on the server), or any torchrl
+            ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
             (for tensorclass or plain-tensor data).
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
@@ -629,9 +766,14 @@ def replay_buffer(
     """
     storage = StoreStorage(max_size, td_id=td_id, tensorclass_cls=tensorclass_cls, **store_kwargs)
     if isinstance(sampler, str):
-        if sampler not in _SAMPLERS:
-            raise ValueError(f"sampler must be one of {sorted(_SAMPLERS)} or a torchrl Sampler, got {sampler!r}")
-        sampler = _SAMPLERS[sampler]()
+        if sampler == "prioritized":
+            sampler = StorePrioritizedSampler(alpha, beta, eps, max_times_sampled=max_times_sampled)
+        elif sampler not in _SAMPLERS:
+            raise ValueError(f"sampler must be one of {sorted([*_SAMPLERS, 'prioritized'])} or a torchrl Sampler, got {sampler!r}")
+        else:
+            sampler = _SAMPLERS[sampler]()
+    if isinstance(sampler, StorePrioritizedSampler):
+        sampler.prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(storage=storage, writer=StoreWriter(track_generations=track_generations), sampler=sampler, batch_size=batch_size, **(buffer_kwargs or {}))
 

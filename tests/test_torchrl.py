@@ -25,7 +25,15 @@ from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, tensorclas
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
 from tdstore.server import EmbeddedServer  # noqa: E402
-from tdstore.torchrl import StoreSampler, StoreSamplerWithoutReplacement, StoreStorage, StoreWriter, attach, replay_buffer  # noqa: E402
+from tdstore.torchrl import (  # noqa: E402
+    StorePrioritizedSampler,
+    StoreSampler,
+    StoreSamplerWithoutReplacement,
+    StoreStorage,
+    StoreWriter,
+    attach,
+    replay_buffer,
+)
 
 
 @tensorclass
@@ -239,6 +247,30 @@ def test_store_sampler_without_replacement_follows_a_growing_buffer(real):
     for _ in range(3):
         seen += rb.sample()["step"].tolist()
     assert sorted(seen) == list(range(16))
+
+
+def test_prioritized_sampler_keeps_the_tree_on_the_server(real):
+    """torchrl's PrioritizedSampler API: weights in the sample, update_tensordict_priority, a second
+    process's buffer on the same store draws by the same priorities."""
+    rb = replay_buffer(16, batch_size=64, sampler="prioritized", alpha=1.0, beta=0.5, eps=0.0, **real.kwargs())
+    rb.extend(rows(0, 8))  # the server gives every new row the largest priority so far (1)
+    s = rb.sample()
+    assert whole(s) and torch.allclose(s["priority_weight"], torch.ones(64))
+    # the learner's TD errors become the priorities of the rows it drew (only where they were not overwritten)
+    s.set("td_error", torch.where(s["step"] == 3, 30.0, 1.0).to(torch.float32))
+    rb.update_tensordict_priority(s)
+    other = attach(rb.storage.td_id, batch_size=2000, sampler="prioritized", alpha=1.0, beta=0.5, **real.kwargs())
+    big = other.sample()
+    share = float((big["step"] == 3).double().mean())
+    drawn = set(s["step"].tolist())
+    total = 30.0 + (len(drawn) - 1) + (8 - len(drawn))  # rows never drawn keep priority 1
+    assert abs(share - 30.0 / total) < 0.05
+    assert isinstance(other.sampler, StorePrioritizedSampler) and other.storage._call(lambda st: st.sampling_policy.alpha) == 1.0
+    # the weights are torchrl's: (P(i) / min P) ** -beta, at most 1
+    w = big["priority_weight"]
+    assert float(w.max()) <= 1.0 and torch.allclose(w[big["step"] == 3], torch.full_like(w[big["step"] == 3], 30.0**-0.5))
+    with pytest.raises(ValueError, match="alpha=1"):
+        replay_buffer(sampler="prioritized", td_id=rb.storage.td_id, alpha=0.5, **real.kwargs())
 
 
 def test_extend_and_sample_are_one_round_trip(real):
