@@ -41,3 +41,19 @@ def test_spread_bench_compares_both_layouts_on_a_cluster() -> None:
     assert re.search(r"\d+ elements, 2 MiB, \d+ segments of 1 MiB", out)
     for call in ("whole store", "random batch of 256", r"store\[i\] = td write", "schema change"):
         assert re.search(call + r".*\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out, re.M), call
+
+
+@pytest.mark.slow
+def test_priority_bench_reports_both_operations_by_capacity() -> None:
+    out = _run("priority_bench.py", "--capacities", "1000,5000", "--reps", "2")
+    for cap in (1000, 5000):
+        for op in ("sample", "update"):
+            assert re.search(rf"^\s+{cap} \| {op}\s+\|\s+[\d.]+ \|", out, re.M), out
+    assert re.search(r"tree bytes per capacity: 1000: 9\d+, 5000: \d+", out)
+
+
+@pytest.mark.slow
+def test_wait_bench_compares_pubsub_and_polling() -> None:
+    out = _run("wait_bench.py", "--reps", "3", "--idle", "0.2")
+    assert re.search(r"^pubsub\s+\|\s+[\d.]+ \|\s+[\d.]+ \|\s+\d+$", out, re.M), out
+    assert re.search(r"^poll 1 ms\s+\|\s+[\d.]+ \|", out, re.M), out
