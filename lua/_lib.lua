@@ -256,3 +256,14 @@ local function tds_segkey(first, seg)
   end
   return k
 end
+
+-- How many slots a sample may draw from: the ring's written slots, min(rw, count); a store
+-- with keys that the ring never wrote (an upload, writes by index) offers all its count.
+-- 'schema' is the header's schema JSON.
+local function tds_written(count, rw, schema)
+  local written = math.min(rw, count)
+  if written == 0 and not string.find(schema or '', '"leaves":[]', 1, true) then
+    return count, true
+  end
+  return written, false
+end

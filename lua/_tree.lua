@@ -282,3 +282,24 @@ local function tds_tree_fill(t, written, w)
   end
   t.blocks = {}
 end
+
+-- Times slot s was drawn since it was written: 4 little-endian bytes at 4s of `key` (max_times_sampled).
+local function tds_times(key, s)
+  local b1, b2, b3, b4 = string.byte(redis.call('GETRANGE', key, 4 * s, 4 * s + 3), 1, 4)
+  return ((b4 * 256 + b3) * 256 + b2) * 256 + b1
+end
+
+-- Count one more draw of slot s; returns the new count.
+local function tds_times_bump(key, s)
+  local c = tds_times(key, s) + 1
+  local r1, r2, r3 = c % 256, math.floor(c / 256) % 256, math.floor(c / 65536) % 256
+  redis.call('SETRANGE', key, 4 * s, string.char(r1, r2, r3, math.floor(c / 16777216) % 256))
+  return c
+end
+
+-- Check that the sample counts of a ring of `count` slots are whole (before anything is written).
+local function tds_times_check(key, count)
+  if redis.call('STRLEN', key) ~= 4 * count then
+    tds_damaged('the sample counts ' .. key .. ' are lost or short')
+  end
+end

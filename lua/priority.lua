@@ -35,11 +35,7 @@ if sc.alpha == nil then
 end
 local count = tds_num(h[1], 'count')
 local rw = tonumber(h[2] or '0')
-local written = math.min(rw, count)
-local uploaded = written == 0 and not string.find(h[5] or '', '"leaves":[]', 1, true)
-if uploaded then
-  written = count
-end
+local written, uploaded = tds_written(count, rw, h[5])
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
 if #pairs_ ~= 16 * n then
@@ -61,9 +57,7 @@ local t = tds_tree(KEYS[2], count)
 local times = nil
 if sc.mt ~= nil then
   times = KEYS[3]
-  if redis.call('STRLEN', times) ~= 4 * count then
-    tds_damaged('the sample counts ' .. times .. ' are lost or short')
-  end
+  tds_times_check(times, count)
 end
 local flags, upd = {}, {}
 local top = tonumber(h[4] or '1')
@@ -81,8 +75,7 @@ for j = 1, n do
     ok = gen == want
   end
   if ok and times ~= nil then
-    local b1, b2, b3, b4 = string.byte(redis.call('GETRANGE', times, 4 * s, 4 * s + 3), 1, 4)
-    ok = ((b4 * 256 + b3) * 256 + b2) * 256 + b1 < sc.mt
+    ok = tds_times(times, s) < sc.mt
   end
   flags[j] = ok and '1' or '0'
   if ok then

@@ -176,12 +176,10 @@ for _ = 1, nops do
     if #draws ~= 8 * n then
       error('TDSTORE bad argument: draw table size')
     end
-    local count = tds_num(redis.call('HGET', meta, 'count'), 'count')
-    local rw = tonumber(redis.call('HGET', meta, 'rw') or '0')
-    local written = math.min(rw, count)
-    if written == 0 and not string.find(redis.call('HGET', meta, 'schema') or '', '"leaves":[]', 1, true) then
-      written = count  -- a store filled otherwise than by the ring (an upload, writes by index): every element
-    end
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'schema')
+    local count = tds_num(head[1], 'count')
+    local rw = tonumber(head[2] or '0')
+    local written = tds_written(count, rw, head[3])
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
     end
@@ -211,10 +209,7 @@ for _ = 1, nops do
     local count = tds_num(head[1], 'count')
     local rw = tonumber(head[2] or '0')
     local policy = head[3] and cjson.decode(head[3]) or {}
-    local written = math.min(rw, count)
-    if written == 0 and not string.find(head[6] or '', '"leaves":[]', 1, true) then
-      written = count  -- filled otherwise than by the ring: every element
-    end
+    local written = tds_written(count, rw, head[6])
     local lim = policy.limit
     if lim ~= nil then
       min_size = math.max(min_size, lim[2])
@@ -242,8 +237,8 @@ for _ = 1, nops do
         do return {'WAIT', 'weight', 'no written slot has a positive priority'} end
       end
       low_prob = tds_f64_pack(low / total)
-      if policy.mt ~= nil and redis.call('STRLEN', times_key) ~= 4 * count then
-        tds_damaged('the sample counts ' .. times_key .. ' are lost or short')
+      if policy.mt ~= nil then
+        tds_times_check(times_key, count)
       end
       for j = 1, n do
         if total <= 0 then
@@ -257,13 +252,7 @@ for _ = 1, nops do
         packed[#packed + 1] = tds_p64(s)
         probs[#probs + 1] = tds_f64_pack(tds_tree_leaf(t, s) / total)
         if policy.mt ~= nil then
-          local b1, b2, b3, b4 = string.byte(redis.call('GETRANGE', times_key, 4 * s, 4 * s + 3), 1, 4)
-          local c = ((b4 * 256 + b3) * 256 + b2) * 256 + b1 + 1
-          local r1 = c % 256
-          local r2 = (c - r1) / 256 % 256
-          local r3 = (c - r1 - r2 * 256) / 65536 % 256
-          redis.call('SETRANGE', times_key, 4 * s, string.char(r1, r2, r3, math.floor(c / 16777216) % 256))
-          if c >= policy.mt then
+          if tds_times_bump(times_key, s) >= policy.mt then
             tds_tree_set(t, {[s] = 0})  -- retired: never drawn again until the slot is rewritten
             total = tds_tree_root(t)
           end

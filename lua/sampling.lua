@@ -40,10 +40,7 @@ for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true
 end
 if needs.tree then
-  local written = math.min(rw, count)
-  if written == 0 and not string.find(h[3] or '', '"leaves":[]', 1, true) then
-    written = count  -- filled otherwise than by the ring (an upload): every element
-  end
+  local written = tds_written(count, rw, h[3])
   local _, size = tds_tree_layout(count)
   redis.call('DEL', KEYS[2])
   redis.call('SETRANGE', KEYS[2], size - 1, '\0')

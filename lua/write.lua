@@ -600,9 +600,7 @@ if policy ~= nil and policy.alpha ~= nil then
   tree = tds_tree(prio.tree, tds_num(redis.call('HGET', meta, 'count'), 'count'))
   if policy.mt ~= nil then
     times_key = prio.times
-    if redis.call('STRLEN', times_key) ~= 4 * tree.count then
-      tds_damaged('the sample counts ' .. times_key .. ' are lost or short')
-    end
+    tds_times_check(times_key, tree.count)
   end
 end
 

@@ -440,33 +440,21 @@ def sample(
     packed = _codec.pack_i64(draws.numpy())
     channel = engine.keys.events
 
-    def plan_call(h: Header) -> Call:
-        leaves = _selected(h, keys)
-        wanted = None if keys is None else {leaf.path for leaf in leaves}
-        kt = engine.key_table(h)
-        checks = leaf_checks(leaves)
-        leaves, block, grouped = _rows.units(h, leaves)
+    def head(kt: KeyTable) -> list[Any]:
         if by_policy:
-            head = ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if prioritized else "0"]
-        else:
-            head = ["U", batch_size, packed]
-        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head]
-        for leaf in leaves:
-            if leaf.het:
-                args += [het_row_read_op(h.segments, leaf.ndim, batch_size), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
-            else:
-                args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+            return ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if prioritized else "0"]
+        return ["U", batch_size, packed]
 
-        def parse(reply: list) -> Sample | _sampling.PrioritizedSample:
-            first = 6 if by_policy else 4
-            got = _decode_sample(h, leaves, reply, first, device, block, grouped, ragged, wanted)
+    def plan_call(h: Header) -> Call:
+        def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
+            got = _decode_sample(h, rows.leaves, reply, 6 if by_policy else 4, device, rows.block, rows.grouped, ragged, rows.wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             if not prioritized:
                 return got
             probs, low = _sampling.probabilities(reply)
             return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, beta), probs)
 
-        return Call("read", kt.keys, args, parse)
+        return _row_read_call(engine, h, keys, batch_size, head, parse)
 
     return _sampling.wait_or_raise(engine, lambda: engine.run(plan_call), timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
 
@@ -480,20 +468,36 @@ def pop(engine: Engine, batch_size: int, device: torch.device | None, timeout: f
     channel = engine.keys.events
 
     def plan_call(h: Header) -> Call:
-        leaves = _selected(h, keys)
-        wanted = None if keys is None else {leaf.path for leaf in leaves}
-        kt = engine.key_table(h)
-        checks = leaf_checks(leaves)
-        leaves, block, grouped = _rows.units(h, leaves)
-        args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), "F", batch_size, channel]
-        for leaf in leaves:
-            if leaf.het:
-                args += [het_row_read_op(h.segments, leaf.ndim, batch_size), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
-            else:
-                args += [row_read_op(h.segments, leaf.element_nbytes, batch_size), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
-        return Call("read", kt.keys, args, lambda reply: _decode_sample(h, leaves, reply, 4, device, block, grouped, None, wanted))
+        return _row_read_call(engine, h, keys, batch_size, lambda kt: ["F", batch_size, channel], lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted))
 
     return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
+
+
+class _RowRead(NamedTuple):
+    """What a row read reads: its units (leaves, with the row block standing for its columns) and which keys were asked for."""
+
+    leaves: list[Leaf]
+    block: Leaf | None
+    grouped: list[Leaf]
+    wanted: set[NestedPath] | None
+
+
+def _row_read_call(engine: Engine, h: Header, keys: list[NestedPath] | None, rows: int, head: Any, parse: Any) -> Call:
+    """A ``read.lua`` call whose rows one op picks (``head(kt)``: 'U', 'P' or 'F') and whose other ops read
+    every selected leaf at those rows; ``parse(reply, _RowRead)`` makes the result."""
+    selected = _selected(h, keys)
+    wanted = None if keys is None else {leaf.path for leaf in selected}
+    kt = engine.key_table(h)
+    checks = leaf_checks(selected)
+    leaves, block, grouped = _rows.units(h, selected)
+    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head(kt)]
+    for leaf in leaves:
+        if leaf.het:
+            args += [het_row_read_op(h.segments, leaf.ndim, rows), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
+        else:
+            args += [row_read_op(h.segments, leaf.element_nbytes, rows), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+    unit = _RowRead(leaves, block, grouped, wanted)
+    return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 
 
 def _decode_sample(h: Header, leaves: list[Leaf], reply: list, first: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None, wanted: set[NestedPath] | None = None) -> Sample:
