@@ -33,7 +33,7 @@ from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
-from ._values import build_td, display, leaves_of, subtree_dims
+from ._values import build_td, display, element_maker, leaves_of, subtree_dims
 from ._writes import _check_dtype, _element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
@@ -536,6 +536,11 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, first: int, devic
         bs.insert(sp, n)
         td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device, sub=h.sub_dims)
     else:
-        elements = [{**{p: t[k] for p, t in dense.items()}, **{p: ts[k] for p, ts in per_el.items()}} for k in range(n)]
-        td = lazy_stack([build_td(el, h.inner, device, sub=h.sub_dims) for el in elements], dim=sp)
+        rows_of: dict[NestedPath, Any] = {p: t.unbind(0) for p, t in dense.items()}  # one view per row, made in one call
+        rows_of.update(per_el)
+        if device is None or device.type == "cpu":
+            make = element_maker(list(rows_of), h.inner, device, h.sub_dims)
+            td = lazy_stack([make({p: rows[k] for p, rows in rows_of.items()}) for k in range(n)], dim=sp)
+        else:  # build_td moves each element to the device
+            td = lazy_stack([build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp)
     return Sample(td, slots, generations(slots, rw, h.count))
