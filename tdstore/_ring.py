@@ -256,6 +256,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         prios = _policy.format_priorities(_sampling.priority_values(priority, n))
         if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first")
+    _sampling.check_batch_fits(engine, n, "extend")
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
@@ -424,6 +425,7 @@ def sample(
     if not prioritized and policy.max_times is not None:
         raise ValueError(f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True")
     by_policy = prioritized or min_size is not None or h.sampling is not None
+    _sampling.check_batch_fits(engine, batch_size, "sample")
     chosen = _selected(h, keys)
     if not by_policy and engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,

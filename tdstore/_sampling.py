@@ -117,6 +117,22 @@ def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | No
     _change(engine, lambda p: replace(p, limit=limit), "limit")
 
 
+def check_batch_fits(engine: Engine, n: int, what: str) -> None:
+    """Refuse a batch the store's rate limiter could never let through, instead of waiting forever:
+    ``n`` rows move the limiter's diff by ``n * samples_per_insert`` (an extend) or ``n`` (a sample),
+    which must fit between its bounds (``2 * error_buffer``)."""
+    lim = policy_of(engine).limit
+    if lim is None:
+        return
+    step = n * lim.samples_per_insert if what == "extend" else float(n)
+    if step > lim.max_diff - lim.min_diff:
+        rows = "rows" if what == "extend" else "samples"
+        raise ValueError(
+            f"{what} of {n} {rows} can never pass the rate limiter of the store with {engine.where()} ({lim.describe()}): "
+            f"split it, or set a larger error_buffer"
+        )
+
+
 def clear_rate_limit(engine: Engine) -> None:
     _change(engine, lambda p: replace(p, limit=None), "")
 

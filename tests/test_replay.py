@@ -220,6 +220,11 @@ def test_sample_to_insert_ratio_holds_both_sides(backend):
     store.sample(2)
     writer.join()
     assert done.is_set() and store.write_count == 7
+    with pytest.raises(ValueError, match="can never pass the rate limiter"):
+        store.extend(rows(7, 5), timeout=0)  # 5 rows move the diff by 10 > 2 * error_buffer
+    with pytest.raises(ValueError, match="can never pass the rate limiter"):
+        store.sample(9, timeout=0)
+    assert store.write_count == 7
     with pytest.raises(ValueError, match="error_buffer"):
         store.set_rate_limit(min_size=1, samples_per_insert=4.0, error_buffer=1.0)
     with pytest.raises(ValueError, match="never be reached"):
