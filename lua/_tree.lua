@@ -46,6 +46,9 @@ end
 
 -- A finite weight >= 0 as 8 little-endian bytes (IEEE 754), in plain Lua.
 local function tds_f64_pack_plain(v)
+  if v ~= v or v >= math.huge then
+    error('TDSTORE bad argument: a weight that is not finite')
+  end
   if v <= 0 then
     return '\0\0\0\0\0\0\0\0'
   end
@@ -104,6 +107,19 @@ local function tds_f64_read(s, kind, n)
     out[j] = tds_f64_plain(s, step * (j - 1) + 1)
   end
   return out
+end
+
+-- The weight of priority p (finite, >= 0) under exponent alpha: p ^ alpha, 0 for p = 0. A weight
+-- that overflows, or a positive priority whose weight rounds to 0, is refused (before any write).
+local function tds_weight(p, alpha)
+  if p <= 0 then
+    return 0
+  end
+  local w = p ^ alpha
+  if w ~= w or w >= math.huge or w <= 0 then
+    error('TDSTORE refused: priority ' .. string.format('%.17g', p) .. ' ^ alpha ' .. string.format('%.17g', alpha) .. ' is not a finite positive number')
+  end
+  return w
 end
 
 -- The levels of a tree of `count` leaves ({n, at, w}: node count, byte offset, bytes per
@@ -223,31 +239,51 @@ local function tds_tree_fold(sums, mins, n)
   return total, low
 end
 
--- Give leaves new weights (`upd`: slot -> weight) and recompute every ancestor of them.
+-- The block of TDS_FAN nodes of level k holding node j, parsed (sums and mins) and cached.
+local function tds_tree_block(t, k, j)
+  local lo = j - j % TDS_FAN
+  local sums, mins = tds_tree_nodes(t, k, lo, math.min(lo + TDS_FAN, t.levels[k].n) - 1, true)
+  return sums, mins, j - lo + 1
+end
+
+-- Give leaves new weights (`upd`: slot -> weight) and recompute every ancestor of them, in the
+-- call's parsed blocks only: later draws of the same call see the new weights, and nothing
+-- reaches the server before tds_tree_flush (a script writes only once it has read everything).
 local function tds_tree_set(t, upd)
-  local dirty, any = {}, false
+  t.dirty = t.dirty or {}
+  local dirty = {}
   for s, w in pairs(upd) do
-    redis.call('SETRANGE', t.key, 8 * s, tds_f64_pack(w))
+    local sums, _, i = tds_tree_block(t, 1, s)
+    sums[i] = w  -- a leaf's sums and mins are one table
+    t.dirty[t.levels[1].at + 8 * s] = {1, s}
     dirty[math.floor(s / TDS_FAN)] = true
-    any = true
-  end
-  t.blocks = {}
-  if not any then
-    return
   end
   for k = 2, #t.levels do
-    local level = t.levels[k]
     local next_dirty = {}
     for j in pairs(dirty) do
       local lo, hi = tds_tree_children(t, k, j)
       local sums, mins = tds_tree_nodes(t, k - 1, lo, hi, true)
       local total, low = tds_tree_fold(sums, mins, hi - lo + 1)
-      redis.call('SETRANGE', t.key, level.at + 16 * j, tds_f64_pack(total) .. tds_f64_pack(low))
+      local psums, pmins, i = tds_tree_block(t, k, j)
+      psums[i], pmins[i] = total, low
+      t.dirty[t.levels[k].at + 16 * j] = {k, j}
       next_dirty[math.floor(j / TDS_FAN)] = true
     end
-    t.blocks = {}
     dirty = next_dirty
   end
+end
+
+-- Write every node tds_tree_set changed to the server (one SETRANGE each).
+local function tds_tree_flush(t)
+  for at, node in pairs(t.dirty or {}) do
+    local sums, mins, i = tds_tree_block(t, node[1], node[2])
+    if node[1] == 1 then
+      redis.call('SETRANGE', t.key, at, tds_f64_pack(sums[i]))
+    else
+      redis.call('SETRANGE', t.key, at, tds_f64_pack(sums[i]) .. tds_f64_pack(mins[i]))
+    end
+  end
+  t.dirty = {}
 end
 
 -- Fill a new (zero) tree: leaves 0..written-1 get weight w, the others stay 0. Each level is
@@ -289,12 +325,9 @@ local function tds_times(key, s)
   return ((b4 * 256 + b3) * 256 + b2) * 256 + b1
 end
 
--- Count one more draw of slot s; returns the new count.
-local function tds_times_bump(key, s)
-  local c = tds_times(key, s) + 1
-  local r1, r2, r3 = c % 256, math.floor(c / 256) % 256, math.floor(c / 65536) % 256
-  redis.call('SETRANGE', key, 4 * s, string.char(r1, r2, r3, math.floor(c / 16777216) % 256))
-  return c
+-- The 4 bytes of a sample count.
+local function tds_times_bytes(c)
+  return string.char(c % 256, math.floor(c / 256) % 256, math.floor(c / 65536) % 256, math.floor(c / 16777216) % 256)
 end
 
 -- Check that the sample counts of a ring of `count` slots are whole (before anything is written).

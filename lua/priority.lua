@@ -14,6 +14,7 @@
   ARGV[3]     n (slot, generation) pairs packed as little-endian int64
   ARGV[4]     '1' to check the generations, '0' to set every slot that holds data
   ARGV[5]     the n priorities as decimal text, space-separated (finite, >= 0)
+  ARGV[6]     the store's Pub/Sub channel, published on once the priorities are set
 
   Reply       {'OK', applied} where 'applied' has one '1' or '0' per slot;
               {'STALE', header...}; {'GONE'}.
@@ -35,7 +36,7 @@ if sc.alpha == nil then
 end
 local count = tds_num(h[1], 'count')
 local rw = tonumber(h[2] or '0')
-local written, uploaded = tds_written(count, rw, h[5])
+local written = tds_written(count, rw, h[5])
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
 if #pairs_ ~= 16 * n then
@@ -66,8 +67,10 @@ for j = 1, n do
   if s >= count then
     error('TDSTORE bad argument: slot ' .. s .. ' out of range of ' .. count)
   end
-  local ok = s < written
-  if ok and check and not uploaded then
+  -- a slot holds data when the ring wrote it, or (a store filled otherwise, then extended) when
+  -- the tree gave it a weight
+  local ok = s < written or tds_tree_leaf(t, s) > 0
+  if ok and check then
     local gen = 0
     if s < rw then
       gen = math.floor((rw - 1 - s) / count) + 1
@@ -80,12 +83,16 @@ for j = 1, n do
   flags[j] = ok and '1' or '0'
   if ok then
     local p = prios[j]
-    upd[s] = p > 0 and p ^ sc.alpha or 0
+    upd[s] = tds_weight(p, sc.alpha)
     if p > top then
       top = p
     end
   end
 end
 tds_tree_set(t, upd)
+tds_tree_flush(t)
 redis.call('HSET', meta, 'pm', string.format('%.17g', top))
+if ARGV[6] ~= nil and ARGV[6] ~= '' then
+  redis.call('PUBLISH', ARGV[6], 'u')  -- samplers waiting for a positive weight may go on
+end
 return {'OK', table.concat(flags)}

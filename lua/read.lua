@@ -32,6 +32,7 @@
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
           the header's ring write counter (a store with keys that the ring never wrote,
           an upload say, samples all its count elements). Must come before its 'X'/'Y' ops.
+          A store with a sampling policy answers STALE: its samples take a 'P' op.
     'P', n, draws, kt, kc, channel, min_size, prioritized
           sample n rows under the ring's sampling policy (header field 'sc', see
           sampling.lua): wait (reply WAIT, nothing read) while fewer than min_size (or the
@@ -93,6 +94,9 @@ if bad then
   return bad
 end
 local out = {'OK', redis.call('HGET', meta, 'version')}
+-- what 'P' and 'F' ops change (sample counts, retirements, the read cursor): done once every op
+-- has read its pieces, so a read that fails (a damaged key) changes nothing
+local finish = {}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
@@ -176,7 +180,10 @@ for _ = 1, nops do
     if #draws ~= 8 * n then
       error('TDSTORE bad argument: draw table size')
     end
-    local head = redis.call('HMGET', meta, 'count', 'rw', 'schema')
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'sc')
+    if head[4] then
+      do return tds_stale(meta) end  -- a client that does not know the sampling policy: it must sample under it
+    end
     local count = tds_num(head[1], 'count')
     local rw = tonumber(head[2] or '0')
     local written = tds_written(count, rw, head[3])
@@ -218,7 +225,7 @@ for _ = 1, nops do
       do return {'WAIT', written == 0 and 'empty' or 'size', 'the ring holds ' .. written .. ' written slots, fewer than the ' .. math.max(min_size, 1) .. ' a sample needs'} end
     end
     local sampled = tonumber(head[4] or '0')
-    if lim ~= nil and (rw - tonumber(head[5] or '0')) * lim[1] - (sampled + n) < lim[3] then
+    if lim ~= nil and (rw - tonumber(head[5] or '0')) * lim[1] - (sampled + 1) < lim[3] then  -- its first row (see write.lua)
       do return {'WAIT', 'sample', 'the rate limiter holds samples until the writers catch up'} end
     end
     if by_priority and policy.alpha == nil then
@@ -230,6 +237,7 @@ for _ = 1, nops do
     rows = {}
     local packed, probs = {}, {}
     local low_prob = ''
+    local counted = {}  -- slot -> its sample count after this call (written when every op has read)
     if by_priority then
       local t = tds_tree(tkey, count)
       local total, low = tds_tree_root(t)
@@ -252,10 +260,17 @@ for _ = 1, nops do
         packed[#packed + 1] = tds_p64(s)
         probs[#probs + 1] = tds_f64_pack(tds_tree_leaf(t, s) / total)
         if policy.mt ~= nil then
-          if tds_times_bump(times_key, s) >= policy.mt then
-            tds_tree_set(t, {[s] = 0})  -- retired: never drawn again until the slot is rewritten
+          counted[s] = (counted[s] or tds_times(times_key, s)) + 1
+          if counted[s] >= policy.mt then
+            tds_tree_set(t, {[s] = 0})  -- retired (in this call's view of the tree at once): never drawn again until rewritten
             total = tds_tree_root(t)
           end
+        end
+      end
+      finish[#finish + 1] = function()
+        tds_tree_flush(t)
+        for s, c in pairs(counted) do
+          redis.call('SETRANGE', times_key, 4 * s, tds_times_bytes(c))
         end
       end
     else
@@ -265,9 +280,12 @@ for _ = 1, nops do
       end
     end
     if lim ~= nil then
-      redis.call('HINCRBY', meta, 'sn', #rows)
-      if channel ~= '' then
-        redis.call('PUBLISH', channel, 's')  -- writers held by the limiter may go on
+      local drawn = #rows
+      finish[#finish + 1] = function()
+        redis.call('HINCRBY', meta, 'sn', drawn)
+        if channel ~= '' then
+          redis.call('PUBLISH', channel, 's')  -- writers held by the limiter may go on
+        end
       end
     end
     out[#out + 1] = table.concat(packed)
@@ -289,6 +307,9 @@ for _ = 1, nops do
     if rw - rr > count then
       -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
       redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
+      if channel ~= '' then
+        redis.call('PUBLISH', channel, 'p')
+      end
       do return {'LOST', string.format('%.0f', rw - count - rr)} end
     end
     if rw == rr then
@@ -301,9 +322,11 @@ for _ = 1, nops do
       rows[j] = (rr + j - 1) % count
       packed[j] = tds_p64(rows[j])
     end
-    redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
-    if channel ~= '' then
-      redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+    finish[#finish + 1] = function()
+      redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
+      if channel ~= '' then
+        redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+      end
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
@@ -366,5 +389,8 @@ for _ = 1, nops do
   else
     error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
   end
+end
+for _, change in ipairs(finish) do
+  change()
 end
 return out

@@ -23,6 +23,7 @@
               so far, 'sn' = 0)
     'queue'   queue mode turns on: the read cursor 'rr' starts at the oldest item a
               writer has not overwritten, unless items were popped before
+  ARGV[4]     the store's Pub/Sub channel: waiting clients retry under the new policy
 
   Reply       {'OK', version}; {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' for a malformed call.
@@ -65,6 +66,9 @@ else
 end
 redis.call('HINCRBY', meta, 'kv', 1)
 redis.call('HINCRBY', meta, 'version', 1)
+if ARGV[4] ~= nil and ARGV[4] ~= '' then
+  redis.call('PUBLISH', ARGV[4], 'c')
+end
 -- the policy's keys expire with the store
 local ttl = redis.call('PTTL', meta)
 if ttl > 0 then

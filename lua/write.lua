@@ -380,7 +380,9 @@ for _ = 1, nops do
       if head[3] then
         policy = cjson.decode(head[3])
         local lim = policy.limit
-        if lim ~= nil and (rw - tonumber(head[5] or '0') + n) * lim[1] - tonumber(head[4] or '0') > lim[4] then
+        -- a batch goes when its first row may (Reverb counts row by row): it may overshoot by itself,
+        -- and a writer and a sampler can never hold each other back for good
+        if lim ~= nil and (rw - tonumber(head[5] or '0') + 1) * lim[1] - tonumber(head[4] or '0') > lim[4] then
           do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
         end
         if policy.queue and rw + n - tonumber(head[6] or '0') > count then
@@ -497,13 +499,16 @@ for _ = 1, nops do
     if ring_n == 0 then
       error('TDSTORE bad argument: P op before its W op')
     end
-    prio = {tree = key(a + 1, whole), times = key(a + 2, whole), values = {}}
+    prio = {tree = key(a + 1, whole), times = key(a + 2, whole), values = {}, weights = {}}
     for v in string.gmatch(ARGV[a + 3], '%S+') do
       local p = tonumber(v)
       if p == nil or p < 0 or p ~= p or p >= 1e300 then
         error('TDSTORE bad argument: priority ' .. v)
       end
       prio.values[#prio.values + 1] = p
+      if policy ~= nil and policy.alpha ~= nil then
+        prio.weights[#prio.weights + 1] = tds_weight(p, policy.alpha)
+      end
     end
     if #prio.values ~= 0 and #prio.values ~= ring_n then
       error('TDSTORE bad argument: ' .. #prio.values .. ' priorities for ' .. ring_n .. ' rows')
@@ -595,7 +600,7 @@ end
 local tree, times_key = nil, nil
 if policy ~= nil and policy.alpha ~= nil then
   if prio == nil then
-    error('TDSTORE bad argument: the store has priorities and the ring write gives none (no P op)')
+    return tds_stale(meta)  -- planned by a client that does not know the priorities: nothing written
   end
   tree = tds_tree(prio.tree, tds_num(redis.call('HGET', meta, 'count'), 'count'))
   if policy.mt ~= nil then
@@ -737,7 +742,7 @@ if ring_n > 0 then
     local upd, top = {}, top_priority
     for j = 1, ring_n do
       local p = prio.values[j] or top_priority
-      upd[rows[j]] = p > 0 and p ^ policy.alpha or 0
+      upd[rows[j]] = prio.weights[j] or tds_weight(p, policy.alpha)
       if p > top then
         top = p
       end
@@ -746,6 +751,7 @@ if ring_n > 0 then
       end
     end
     tds_tree_set(tree, upd)
+    tds_tree_flush(tree)
     redis.call('HSET', meta, 'pm', string.format('%.17g', top))
   end
   if channel ~= nil and channel ~= '' then

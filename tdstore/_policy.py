@@ -26,7 +26,8 @@ UNBOUNDED = 1e300
 @dataclass(frozen=True)
 class RateLimit:
     """Reverb's rate limiter: a sample is allowed while ``inserts * spi - samples >= min_diff`` and
-    the table holds ``min_size`` items; an insert while ``inserts * spi - samples <= max_diff``.
+    the table holds ``min_size`` items; an insert while ``inserts * spi - samples <= max_diff``;
+    a batch goes when its first row is allowed (see ``lua/README.md``).
 
     Inserts and samples count from when the limiter was set (header fields ``lb``, the ring
     writes then, and ``sn``, the samples since).

@@ -61,7 +61,8 @@ class ReplayMethods:
         With ``samples_per_insert`` and ``error_buffer`` (``SampleToInsertRatio``): samples (each
         row counts) and inserts (``extend`` rows, counted from now) keep the ratio within the
         buffer: a sample that would run ahead waits for inserts, an ``extend`` that would run
-        ahead waits for samples. Waiting calls block without polling; their ``timeout=`` raises
+        ahead waits for samples. A batch goes when its first row may (Reverb counts row by row),
+        so it may overshoot the buffer by itself, and the two sides never block each other. Waiting calls block without polling; their ``timeout=`` raises
         ``TimeoutError``. ``error_buffer`` must be at least ``max(1, samples_per_insert)``.
         """
         _sampling.set_rate_limit(self._engine, min_size, samples_per_insert, error_buffer)

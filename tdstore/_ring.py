@@ -256,7 +256,6 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         prios = _policy.format_priorities(_sampling.priority_values(priority, n))
         if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first")
-    _sampling.check_batch_fits(engine, n, "extend")
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
@@ -414,6 +413,7 @@ def sample(
     refuse_spread(engine)
     h = engine.header
     policy = _sampling.policy_of(engine)
+    asked = prioritized  # as the caller gave it (None: the store's policy decides)
     if prioritized is None:
         prioritized = policy.prioritized
     elif prioritized and not policy.prioritized:
@@ -425,7 +425,10 @@ def sample(
     if not prioritized and policy.max_times is not None:
         raise ValueError(f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True")
     by_policy = prioritized or min_size is not None or h.sampling is not None
-    _sampling.check_batch_fits(engine, batch_size, "sample")
+    if min_size is not None and min_size > h.count:
+        raise ValueError(f"min_size={min_size} can never be reached by a ring of {h.count} slots")
+    if engine.readonly and (policy.limit is not None or policy.max_times is not None):
+        raise PermissionError(f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it")
     chosen = _selected(h, keys)
     if not by_policy and engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
@@ -435,23 +438,29 @@ def sample(
         _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
         fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
         rw = fields.get("rw")
-        if rw is not None and int(rw) >= h.count and fields.get("sc") is None:
+        if isinstance(res, DenseResult) and rw is not None and int(rw) >= h.count and fields.get("sc") is None:
             return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
-        if fields.get("sc") is not None:
-            return sample(engine, batch_size, generator, device, ragged, keys, prioritized=prioritized, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout)
+        if fields.get("sc") is not None:  # the cached header predates the policy: read it, then sample under it
+            engine.set_header(engine.fetch_header())
+            return sample(engine, batch_size, generator, device, ragged, keys, prioritized=asked, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout)
     packed = _codec.pack_i64(draws.numpy())
     channel = engine.keys.events
 
-    def head(kt: KeyTable) -> list[Any]:
-        if by_policy:
-            return ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if prioritized else "0"]
-        return ["U", batch_size, packed]
-
     def plan_call(h: Header) -> Call:
+        # planned from the header the call is sent with: a policy set since the first plan (a STALE
+        # reply brings it) decides this call too
+        by_prio = asked if asked is not None else (h.sampling is not None and h.sampling.prioritized)
+        use_policy = by_prio or min_size is not None or h.sampling is not None
+
+        def head(kt: KeyTable) -> list[Any]:
+            if use_policy:
+                return ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if by_prio else "0"]
+            return ["U", batch_size, packed]
+
         def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
-            got = _decode_sample(h, rows.leaves, reply, 6 if by_policy else 4, device, rows.block, rows.grouped, ragged, rows.wanted)
+            got = _decode_sample(h, rows.leaves, reply, 6 if use_policy else 4, device, rows.block, rows.grouped, ragged, rows.wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
-            if not prioritized:
+            if not by_prio:
                 return got
             probs, low = _sampling.probabilities(reply)
             return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, beta), probs)

@@ -62,7 +62,7 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     def plan_call(h: Header) -> Call:
         new = build(h.sampling or SamplingPolicy())
         text = new.to_json() if new != SamplingPolicy() else ""
-        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs], lambda r: new)
+        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs, keys.events], lambda r: new)
 
     engine.run(plan_call)
     engine.set_header(engine.fetch_header())
@@ -115,22 +115,6 @@ def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | No
         offset = samples_per_insert * min_size
         limit = RateLimit(float(samples_per_insert), min_size, offset - error_buffer, offset + error_buffer)
     _change(engine, lambda p: replace(p, limit=limit), "limit")
-
-
-def check_batch_fits(engine: Engine, n: int, what: str) -> None:
-    """Refuse a batch the store's rate limiter could never let through, instead of waiting forever:
-    ``n`` rows move the limiter's diff by ``n * samples_per_insert`` (an extend) or ``n`` (a sample),
-    which must fit between its bounds (``2 * error_buffer``)."""
-    lim = policy_of(engine).limit
-    if lim is None:
-        return
-    step = n * lim.samples_per_insert if what == "extend" else float(n)
-    if step > lim.max_diff - lim.min_diff:
-        rows = "rows" if what == "extend" else "samples"
-        raise ValueError(
-            f"{what} of {n} {rows} can never pass the rate limiter of the store with {engine.where()} ({lim.describe()}): "
-            f"split it, or set a larger error_buffer"
-        )
 
 
 def clear_rate_limit(engine: Engine) -> None:
@@ -186,7 +170,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
         raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
-    args = [n, pairs, "0" if generation is None else "1", format_priorities(values)]
+    args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events]
     keys = engine.keys
 
     def plan_call(h: Header) -> Call:

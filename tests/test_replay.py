@@ -220,11 +220,11 @@ def test_sample_to_insert_ratio_holds_both_sides(backend):
     store.sample(2)
     writer.join()
     assert done.is_set() and store.write_count == 7
-    with pytest.raises(ValueError, match="can never pass the rate limiter"):
-        store.extend(rows(7, 5), timeout=0)  # 5 rows move the diff by 10 > 2 * error_buffer
-    with pytest.raises(ValueError, match="can never pass the rate limiter"):
-        store.sample(9, timeout=0)
-    assert store.write_count == 7
+    # a batch goes when its first row may (it may overshoot by itself): batches wider than the
+    # buffer never hold both sides back for good
+    store.sample(9, timeout=0)  # diff 8 -> -1
+    store.extend(rows(7, 5), timeout=0)  # diff -1 -> 9
+    assert store.write_count == 12
     with pytest.raises(ValueError, match="error_buffer"):
         store.set_rate_limit(min_size=1, samples_per_insert=4.0, error_buffer=1.0)
     with pytest.raises(ValueError, match="never be reached"):
@@ -381,3 +381,90 @@ def test_info_shows_the_policy_and_pop_of_a_key_is_still_tensordicts(real):
     assert "sampling:         priorities (alpha=0.6, max_times_sampled=2), rate limit (samples_per_insert=2, min_size=2, error_buffer=4)" in out.stdout, out.stdout + out.stderr
     assert store.pop("obs").shape == (10, 3) and "obs" not in store.keys()  # TensorDict's pop(key)
     assert store.pop("missing", None) is None
+
+
+def test_a_handle_that_cached_the_header_before_a_policy_samples_under_it(backend):
+    """A full homogeneous ring samples through a client-side transaction; a policy another handle set
+    since must still apply (the transaction reads the policy field, and the sample goes through read.lua)."""
+    store = LazyStackedTensorDictStore(count=8, **backend.kwargs())
+    store.extend(rows(0, 8))
+    store.sample(4)  # the ring is full: later samples may take the transaction path
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+    other.enable_priorities(alpha=1.0)
+    other.update_priority(list(range(8)), [0.0] * 7 + [1.0])  # only slot 7 can be drawn
+    s = store.sample(16, torch.Generator().manual_seed(0))
+    assert s.indices.tolist() == [7] * 16 and type(s).__name__ == "PrioritizedSample"
+    other.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=1.0)  # no sample before an insert
+    with pytest.raises(TimeoutError, match="rate limiter"):
+        store.sample(4, timeout=0, prioritized=False)
+
+
+def test_wide_batches_never_hold_each_other_back_for_good(backend):
+    """Batches wider than the limiter's buffer: each goes when its first row may (Reverb's per-row count)."""
+    store = LazyStackedTensorDictStore(count=64, **backend.kwargs())
+    store.set_rate_limit(min_size=2, samples_per_insert=1.0, error_buffer=4.0)  # diff within [-2, 6]
+    store.extend(rows(0, 16), timeout=0)  # diff 0 -> 16: the first row fitted
+    with pytest.raises(TimeoutError):
+        store.extend(rows(16, 1), timeout=0)  # 17 > 6
+    store.sample(20, timeout=0)  # diff 16 -> -4: the first sample fitted
+    with pytest.raises(TimeoutError):
+        store.sample(1, timeout=0)  # -5 < -2
+    store.extend(rows(16, 1), timeout=0)
+
+
+def test_a_failed_pop_or_sample_changes_nothing(real):
+    store = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    store.extend(rows(0, 4))
+    store.enable_priorities(max_times_sampled=1)
+    store.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=100.0)
+    c = real.client()
+    data = [k for k in c.keys(f"{store.prefix}:*") if b":d:" in k]
+    assert data
+    saved = c.dump(data[0])
+    c.delete(data[0])  # the rows' key is lost: every read of it raises
+    before = c.hgetall(store._engine.keys.meta)
+    with pytest.raises(StoreDamagedError):
+        store.pop(2)
+    with pytest.raises(StoreDamagedError):
+        store.sample(2)
+    after = c.hgetall(store._engine.keys.meta)
+    assert {k: before.get(k) for k in (b"rr", b"sn")} == {k: after.get(k) for k in (b"rr", b"sn")}
+    c.restore(data[0], 0, saved)
+    assert sorted(store.sample(4, torch.Generator().manual_seed(0)).indices.tolist()) == [0, 1, 2, 3]  # none was retired
+    assert store.pop(2).td["tag"].tolist() == [0, 1]
+
+
+def test_weights_that_overflow_are_refused_before_anything_is_written(backend):
+    store = LazyStackedTensorDictStore(count=8, **backend.kwargs())
+    store.enable_priorities(alpha=2.0)
+    store.extend(rows(0, 2), priority=[1.0, 2.0])
+    with pytest.raises(ValueError, match="not a finite positive number"):
+        store.update_priority([0], 1e200)
+    with pytest.raises(ValueError, match="not a finite positive number"):
+        store.extend(rows(2, 2), priority=[1.0, 1e200])
+    assert store.write_count == 2
+    s = store.sample(400, torch.Generator().manual_seed(0))
+    assert abs(float((s.indices == 1).double().mean()) - 0.8) < 0.06  # weights 1 and 4, unchanged
+
+
+def test_an_uploaded_store_keeps_every_slot_sampleable_and_updatable(backend):
+    from tensordict import lazy_stack
+
+    local = lazy_stack([rows(k, 1)[0] for k in range(6)])
+    store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
+    store.enable_priorities(alpha=1.0)  # every element of an upload weighs 1
+    store.extend(rows(10, 1))  # the ring's first write: slot 0
+    assert store.update_priority([3, 5], [5.0, 5.0]).tolist() == [True, True]
+    s = store.sample(600, torch.Generator().manual_seed(1))
+    assert set(s.indices.tolist()) == set(range(6)) and abs(float((s.indices == 5).double().mean()) - 5 / 14) < 0.06
+
+
+def test_readonly_handles_and_unreachable_sizes(backend):
+    store = LazyStackedTensorDictStore(count=8, **backend.kwargs())
+    store.extend(rows(0, 4))
+    with pytest.raises(ValueError, match="never be reached"):
+        store.sample(2, min_size=9)
+    store.set_rate_limit(min_size=1)
+    ro = LazyStackedTensorDictStore.from_store(td_id=store.td_id, readonly=True, **backend.kwargs())
+    with pytest.raises(PermissionError, match="counts samples"):
+        ro.sample(2)
