@@ -9,8 +9,9 @@ one run on one private redis-server:
 * ``poll 1 ms``: ``len(store.written)`` in a loop with a 1 ms sleep, the way a learner
   without it polls.
 
-For each: the wake-up latency (from the actor's ``extend`` returning to the learner's
-call returning; both processes read one ``time.perf_counter`` clock) and the commands the
+For each: the wake-up latency (from the actor calling ``extend`` to the learner's call
+returning, the write's own round trip included; both processes read one
+``time.perf_counter`` clock) and the commands the
 server received while the learner waited idle for ``--idle`` seconds (``INFO
 commandstats``). Medians over ``--reps`` wake-ups.
 
@@ -74,8 +75,8 @@ def run(url: str, mode: str, reps: int, idle: float, client: Any) -> dict[str, f
             idle_cmds = (commands(client) - before - 1) / idle
         else:
             time.sleep(0.01)
+        t = time.perf_counter()  # before the write: a poller may see it before the writer's reply arrives
         store.extend(one)
-        t = time.perf_counter()
         lat.append(out.get(timeout=120) - t)
     proc.join(timeout=60)
     store.clear_redis()
