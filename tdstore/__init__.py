@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
-__all__ = ["LazyStackedTensorDictStore", "TensorDictStore", "StoreDamagedError", "StoreFormatError", "PasswordError", "QueueOverrunError", "register_tensorclass"]
+__all__ = [
+    "LazyStackedTensorDictStore",
+    "TensorDictStore",
+    "StoreDamagedError",
+    "StoreFormatError",
+    "PasswordError",
+    "QueueOverrunError",
+    "register_tensorclass",
+]
 __version__ = "0.1.0"
 
 _LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}

@@ -73,7 +73,21 @@ def nbytes(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
 
 
 #: dtypes whose tensors ``.numpy()`` can view directly (bfloat16, float8, complex32 and wide uints go through uint8).
-_NUMPY_NATIVE = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+_NUMPY_NATIVE = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 def to_bytes(tensor: torch.Tensor) -> memoryview:
@@ -82,7 +96,14 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
     redis-py sends a ``memoryview`` as it is, so the bytes are copied only once,
     into the socket buffer.
     """
-    if tensor.dtype in _NUMPY_NATIVE and tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.requires_grad and not tensor.is_conj() and not tensor.is_neg():
+    if (
+        tensor.dtype in _NUMPY_NATIVE
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
         # the common case: numpy sees the tensor's own memory, no torch ops needed
         return memoryview(tensor.numpy()).cast("B") if tensor.numel() else memoryview(b"")
     t = tensor.detach().resolve_conj().resolve_neg()

@@ -51,7 +51,14 @@ def password_message(where: str, err: Exception) -> str:
 
 
 #: What a server (or redis-py) says when it refuses a login, as redis-py's cluster client quotes it.
-_LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "HELLO must be called", "invalid username-password", "Authentication required", "without any password configured")
+_LOGIN_REFUSED = (
+    "NOAUTH",
+    "WRONGPASS",
+    "HELLO must be called",
+    "invalid username-password",
+    "Authentication required",
+    "without any password configured",
+)
 
 
 def default_password(provider: Callable[[], str] | None) -> str | None:
@@ -199,7 +206,14 @@ def open_client(
     kwargs.pop("decode_responses", None)
     if client is not None:
         return _adopt(client, provider)
-    where: dict[str, Any] = {"host": host, "port": port, "db": db, "unix_socket_path": unix_socket_path, "ssl": bool(kwargs.pop("ssl", False)), "cluster": bool(kwargs.pop("cluster", False))}
+    where: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "db": db,
+        "unix_socket_path": unix_socket_path,
+        "ssl": bool(kwargs.pop("ssl", False)),
+        "cluster": bool(kwargs.pop("cluster", False)),
+    }
     if url is not None:
         parsed = _from_url(url)
         kwargs = {**parsed.pop("rest"), **kwargs}
@@ -230,8 +244,30 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         node = client.get_default_node()
         ckw = dict(client.nodes_manager.connection_kwargs)
         password = ckw.get("password")
-        kwargs = {k: v for k, v in ckw.items() if k in ("username", "socket_timeout", "socket_connect_timeout", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")}
-        spec = ConnectionSpec(host=node.host, port=int(node.port), ssl=bool(ckw.get("ssl", False)), kwargs=kwargs, needs_password=password is not None or provider is not None, password_provider=provider, cluster=True)
+        kwargs = {
+            k: v
+            for k, v in ckw.items()
+            if k
+            in (
+                "username",
+                "socket_timeout",
+                "socket_connect_timeout",
+                "ssl_cert_reqs",
+                "ssl_ca_certs",
+                "ssl_certfile",
+                "ssl_keyfile",
+                "client_name",
+            )
+        }
+        spec = ConnectionSpec(
+            host=node.host,
+            port=int(node.port),
+            ssl=bool(ckw.get("ssl", False)),
+            kwargs=kwargs,
+            needs_password=password is not None or provider is not None,
+            password_provider=provider,
+            cluster=True,
+        )
         return client, spec, False  # type: ignore[return-value]
     pool = getattr(client, "connection_pool", None)
     if pool is None:
@@ -241,7 +277,22 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
     for secret in _SECRET_KWARGS:
         ckw.pop(secret, None)
     path = ckw.pop("path", None)
-    kwargs = {k: v for k, v in ckw.items() if k in ("username", "socket_timeout", "socket_connect_timeout", "ssl", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "client_name")}
+    kwargs = {
+        k: v
+        for k, v in ckw.items()
+        if k
+        in (
+            "username",
+            "socket_timeout",
+            "socket_connect_timeout",
+            "ssl",
+            "ssl_cert_reqs",
+            "ssl_ca_certs",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "client_name",
+        )
+    }
     if pool.connection_class.__name__.startswith("SSL"):
         kwargs["ssl"] = True
     ssl = bool(kwargs.pop("ssl", False))
@@ -259,7 +310,6 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         return client, spec, False
     # an asyncio client, or one that decodes replies: open our own sync client with its settings
     return spec.connect(password), spec, True
-
 
 
 def _checkout(pool: Any) -> Any:
@@ -324,7 +374,11 @@ class HeldConnection:
         return self._on_held(client, lambda conn: _wire.transaction(conn, body, n_commands), lambda: None)
 
     def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
-        if type(client).__module__.startswith("fakeredis") or not hasattr(client, "connection_pool") or not self._lock.acquire(blocking=False):
+        if (
+            type(client).__module__.startswith("fakeredis")
+            or not hasattr(client, "connection_pool")
+            or not self._lock.acquire(blocking=False)
+        ):
             return fallback()
         try:
             pool = client.connection_pool

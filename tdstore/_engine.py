@@ -300,7 +300,9 @@ class Engine:
                 self._epoch = header.epoch
             elif header.epoch != self._epoch:
                 self._header = None
-                raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
+                raise KeyError(
+                    f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
+                )
             if self.spec.cluster and self.keys.spread != header.spread:
                 self.keys = replace(self.keys, spread=header.spread)
         self._header = header
@@ -394,7 +396,9 @@ class Engine:
         if epoch is None:
             raise self.gone()
         if self._epoch is not None and epoch.decode() != self._epoch:
-            raise KeyError(f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store")
+            raise KeyError(
+                f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
+            )
         return int(rw) if rw is not None else 0
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
@@ -499,14 +503,21 @@ class Engine:
                 raise MustWait(reply[1].decode(), reply[2].decode())
             if status == b"LOST":
                 lost = int(reply[1])
-                raise QueueOverrunError(f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; the next pop goes on with the oldest item left", lost)
+                raise QueueOverrunError(
+                    f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; the next pop goes on with the oldest item left",
+                    lost,
+                )
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
     @staticmethod
     def _spreads(header: Header, call: Call) -> bool:
         """Whether ``call`` is cut per segment (a spread store's call that reaches past segment 0's slot)."""
-        return header.spread and call.script in ("read", "write", "tx") and (header.segments.n > 1 or (call.schema is not None and call.schema.segments.n > 1))
+        return (
+            header.spread
+            and call.script in ("read", "write", "tx")
+            and (header.segments.n > 1 or (call.schema is not None and call.schema.segments.n > 1))
+        )
 
     def _spread_call(self, plan: Callable[[Header], Call], header: Header, call: Call) -> Any:
         """A spread store's call (see ``_spread``): ``(result,)``, ``_spread.LOCAL`` when it stays in
@@ -652,7 +663,9 @@ class Engine:
         getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
         n = sum(counts)
         extra = call.fields or []
-        results = self._transact(_wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding) + getranges, n + 1)
+        results = self._transact(
+            _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding) + getranges, n + 1
+        )
         if results is None:
             if self.spec.cluster:
                 return _NO_TRANSACTION
@@ -694,7 +707,15 @@ class Engine:
         return enc
 
     # -- reads -------------------------------------------------------------------
-    def read(self, index: Any, paths: Iterable[NestedPath] | None = None, *, under: NestedPath = (), per_element: bool = False, fields: Sequence[str] = ()) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
+    def read(
+        self,
+        index: Any,
+        paths: Iterable[NestedPath] | None = None,
+        *,
+        under: NestedPath = (),
+        per_element: bool = False,
+        fields: Sequence[str] = (),
+    ) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
         """Read leaves at ``index`` in one round trip.
 
         ``paths`` names the leaves; ``None`` reads every leaf below ``under`` (all
@@ -726,14 +747,24 @@ class Engine:
                 call.args[:0] = check
                 return call
             norm = _index.normalize(index, h.batch_size)
-            if len(norm) == 1 and type(norm[0]) is torch.Tensor and norm[0].numel() and not per_element and not any(leaf.het for leaf in leaves):
+            if (
+                len(norm) == 1
+                and type(norm[0]) is torch.Tensor
+                and norm[0].numel()
+                and not per_element
+                and not any(leaf.het for leaf in leaves)
+            ):
                 # a random batch of a one-dim store: the rows are the index itself (no plan, nothing sorted)
                 result["plan"] = None
                 call = self._plan_dense_read(h, norm[0], leaves)
             else:
                 call = self._plan_read(h, norm, leaves, per_element, result)
             if call.script == "tx":
-                call.guards = {"epoch": h.epoch, **({"kv": str(h.keyset_version)} if wanted is None else {}), **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves}}
+                call.guards = {
+                    "epoch": h.epoch,
+                    **({"kv": str(h.keyset_version)} if wanted is None else {}),
+                    **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves},
+                }
                 call.fields = list(fields)
             else:
                 call.args[:0] = check
@@ -786,7 +817,9 @@ class Engine:
         except _NotRagged:
             return None
 
-    def _plan_read(self, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]) -> Call:
+    def _plan_read(
+        self, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]
+    ) -> Call:
         """Plan a read of any index (its plan goes into ``result``, which ``read`` returns)."""
         p = _index.plan(norm, h.batch_size, h.stack_pos)
         result["plan"] = p
@@ -842,7 +875,15 @@ class Engine:
         keys = self.keys
         for leaf in leaves:
             if leaf.het:
-                args += ["E", kt.ref(keys.data(leaf.number, seg)), kt.ref(keys.offsets(leaf.number, seg)), kt.ref(keys.shapes(leaf.number, seg)), 8 * leaf.ndim, 1, run]
+                args += [
+                    "E",
+                    kt.ref(keys.data(leaf.number, seg)),
+                    kt.ref(keys.offsets(leaf.number, seg)),
+                    kt.ref(keys.shapes(leaf.number, seg)),
+                    8 * leaf.ndim,
+                    1,
+                    run,
+                ]
             else:
                 eb = leaf.element_nbytes
                 args += ["R", kt.ref(keys.data(leaf.number, seg)), 1, _PAIR.pack(e * eb, eb), "0"]
@@ -878,7 +919,12 @@ class Engine:
             return self._plan_empty_read(h, tuple(rows.shape), leaves)
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
-        elif self._tx_reads and SCATTERED_MIN_ROWS <= flat.size and flat.size * len(leaves) <= TX_MAX_RANGES and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size:
+        elif (
+            self._tx_reads
+            and SCATTERED_MIN_ROWS <= flat.size
+            and flat.size * len(leaves) <= TX_MAX_RANGES
+            and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size
+        ):
             # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
             # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
             uniq, inverse = flat, None
@@ -896,7 +942,13 @@ class Engine:
         tx = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
-        by_rows = not tx and not h.spread and not h.inner and 2 * n_runs > int(uniq.size) > 8 and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        by_rows = (
+            not tx
+            and not h.spread
+            and not h.inner
+            and 2 * n_runs > int(uniq.size) > 8
+            and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
+        )
         if by_rows:
             args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
         for leaf, rb in zip(leaves, row_bytes):
@@ -915,7 +967,13 @@ class Engine:
             elif tx:
                 ranges.append([(self.keys.data(leaf.number), lo * rb, (hi - lo + 1) * rb)])
             else:
-                args += ["R", kt.ref(self.keys.data(leaf.number)), n_runs, _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), "1" if join else "0"]
+                args += [
+                    "R",
+                    kt.ref(self.keys.data(leaf.number)),
+                    n_runs,
+                    _index.pack_pairs(lo * rb, (hi - lo + 1) * rb),
+                    "1" if join else "0",
+                ]
 
         def parse(reply: list) -> DenseResult:
             pos = 2
@@ -967,12 +1025,26 @@ class Engine:
         joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
         for leaf in leaves:
             if leaf.het:
-                args += ["E", kt.ref(self.keys.data(leaf.number)), kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim, len(el_runs), packed_runs]
+                args += [
+                    "E",
+                    kt.ref(self.keys.data(leaf.number)),
+                    kt.ref(self.keys.offsets(leaf.number)),
+                    kt.ref(self.keys.shapes(leaf.number)),
+                    8 * leaf.ndim,
+                    len(el_runs),
+                    packed_runs,
+                ]
             else:
                 eb = leaf.element_nbytes
                 join = len(el_runs) > 1 and int(ids.size) * eb <= JOIN_LIMIT
                 joined.append(join)
-                args += ["R", kt.ref(self.keys.data(leaf.number)), len(el_runs), _index.pack_pairs(lo * eb, (hi - lo + 1) * eb), "1" if join else "0"]
+                args += [
+                    "R",
+                    kt.ref(self.keys.data(leaf.number)),
+                    len(el_runs),
+                    _index.pack_pairs(lo * eb, (hi - lo + 1) * eb),
+                    "1" if join else "0",
+                ]
 
         def parse(reply: list) -> ElementsResult:
             pieces = reply[2:]
@@ -1035,7 +1107,13 @@ class Engine:
         for leaf in leaves:
             d = kt.ref(self.keys.data(leaf.number))
             if leaf.het:
-                args += [_segments.het_row_read_op(h.segments, leaf.ndim, n), d, kt.ref(self.keys.offsets(leaf.number)), kt.ref(self.keys.shapes(leaf.number)), 8 * leaf.ndim]
+                args += [
+                    _segments.het_row_read_op(h.segments, leaf.ndim, n),
+                    d,
+                    kt.ref(self.keys.offsets(leaf.number)),
+                    kt.ref(self.keys.shapes(leaf.number)),
+                    8 * leaf.ndim,
+                ]
             else:
                 args += [_segments.row_read_op(h.segments, leaf.element_nbytes, n), d, leaf.element_nbytes]
 
@@ -1057,7 +1135,9 @@ class Engine:
         return Call("read", kt.keys, args, parse)
 
     # -- writes ------------------------------------------------------------------
-    def run_write(self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> Header:
+    def run_write(
+        self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False
+    ) -> Header:
         """Run a write planned as (new header or None, ops, leaves touched); returns the header now current.
 
         ``plan`` gets the header to plan with and a fresh key table, and returns the
@@ -1069,7 +1149,9 @@ class Engine:
         """
         return self.run_write_reply(plan, keyset=keyset)[0]
 
-    def run_write_reply(self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False) -> tuple[Header, bytes | None]:
+    def run_write_reply(
+        self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False
+    ) -> tuple[Header, bytes | None]:
         """:meth:`run_write`, also returning the third reply item of ``write.lua`` (ring cursor or applied rows), if any."""
         self.refuse_if_readonly()
         state: dict[str, Header] = {}
@@ -1080,7 +1162,9 @@ class Engine:
             if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
                 # the first keys of a store created empty fix its segment length, and say how large it may grow
                 sizes = _first_element_sizes(self.keys, new_header, ops, kt)
-                new_header = replace(new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), self.segment_size))
+                new_header = replace(
+                    new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), self.segment_size)
+                )
                 self.check_room(new_header, sum(mean for mean, _ in sizes))
             if h.row is not None and new_header is not None and new_header.row is None:
                 ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
@@ -1090,7 +1174,13 @@ class Engine:
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)
             if new_header is not None:
-                args: list[Any] = [f"{h.epoch}:V{h.version}", "", new_header.schema_json(), new_header.version_fields(h), self.max_value_bytes]
+                args: list[Any] = [
+                    f"{h.epoch}:V{h.version}",
+                    "",
+                    new_header.schema_json(),
+                    new_header.version_fields(h),
+                    self.max_value_bytes,
+                ]
             else:
                 args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes]
             staged: list[tuple[str, Any]] = []
@@ -1127,7 +1217,9 @@ class Engine:
         self.refuse_if_readonly()
 
         def plan_call(h: Header) -> Call:
-            return Call("clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1]))
+            return Call(
+                "clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1])
+            )
 
         try:
             deleted = self._run_spread(_spread.clear) if _spread.spreads(self.header) else self.run(plan_call)
@@ -1163,7 +1255,10 @@ class Engine:
 
     def abort_upload(self, next_leaf: int, segments: int) -> None:
         if self.spec.cluster and self.keys.spread and segments > 1:  # one call per segment: they live on several nodes
-            calls = [("clear", [self.keys.guard(seg), *self.keys.segment_keys(next_leaf, seg)], ["*", self.keys.td_id, "noreg"]) for seg in range(1, segments)]
+            calls = [
+                ("clear", [self.keys.guard(seg), *self.keys.segment_keys(next_leaf, seg)], ["*", self.keys.td_id, "noreg"])
+                for seg in range(1, segments)
+            ]
             _scripts.call_many(self.client, calls)
             segments = 1
         _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", *self._clear_args()])
@@ -1181,7 +1276,12 @@ class Engine:
             src = self.keys.all_keys(h.next_leaf, h.segments.n)[1:]
             dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
             epoch = secrets.token_hex(8)
-            return Call("copy", [self.keys.meta, keys.meta, keys.registry, *src, *dst], [f"{h.epoch}:V{h.version}", keys.td_id, epoch], lambda r: replace(h, epoch=epoch))
+            return Call(
+                "copy",
+                [self.keys.meta, keys.meta, keys.registry, *src, *dst],
+                [f"{h.epoch}:V{h.version}", keys.td_id, epoch],
+                lambda r: replace(h, epoch=epoch),
+            )
 
         return self.run(plan_call)
 

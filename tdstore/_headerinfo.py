@@ -133,7 +133,10 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
 
     Anything unexpected raises :class:`StoreFormatError` instead of being guessed at.
     """
-    f = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v) for k, v in raw.items()}
+    f = {
+        (k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v)
+        for k, v in raw.items()
+    }
     fmt = f.get("format")
     if fmt not in FORMATS:
         raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
@@ -165,7 +168,10 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
     if row is not None and fmt == FORMAT_PLAIN:
         raise StoreFormatError(f"store header of format {fmt!r} has a row block")
     if row is not None and not (
-        isinstance(row, list) and len(row) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row) and row[0] < schema["next"]
+        isinstance(row, list)
+        and len(row) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
+        and row[0] < schema["next"]
     ):
         raise StoreFormatError(f"store header has a bad row block {row!r}")
     try:
@@ -179,7 +185,9 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
     for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col or 0):
         assert leaf.col is not None
         if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
-            raise StoreFormatError(f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)")
+            raise StoreFormatError(
+                f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)"
+            )
         end = leaf.col + leaf.element_nbytes
     for leaf in leaves:
         if leaf.json:

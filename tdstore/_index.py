@@ -146,7 +146,9 @@ def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
             continue
         size = batch_size[dim]
         # a 0-dim tensor of any integer dtype is one position, for torch too (it is not an index tensor)
-        if isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.ndim == 0 and not (i.is_floating_point() or i.is_complex())):
+        if isinstance(i, (int, np.integer)) or (
+            isinstance(i, torch.Tensor) and i.ndim == 0 and not (i.is_floating_point() or i.is_complex())
+        ):
             v = int(i)
             if not -size <= v < size:
                 raise IndexError(f"index {v} is out of range for dim {dim} of size {size} (batch size {list(batch_size)})")
@@ -161,7 +163,9 @@ def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
         elif isinstance(i, torch.Tensor):
             out.append(_as_tensor_index(i, size, dim, batch_size))
         elif isinstance(i, np.ndarray):
-            raise IndexError(f"index lists and arrays must hold integers or booleans; got {i.dtype} for dim {dim} (batch size {list(batch_size)})")
+            raise IndexError(
+                f"index lists and arrays must hold integers or booleans; got {i.dtype} for dim {dim} (batch size {list(batch_size)})"
+            )
         else:
             raise IndexError(f"unsupported index {i!r} of type {type(i).__name__} for a store")
     out.extend(slice(0, batch_size[k], 1) for k in range(len(out), ndim))
@@ -223,9 +227,7 @@ def plan(norm: tuple[Component, ...], batch_size: torch.Size, stack_pos: int) ->
             local.append(slice(n - 1 - c.start, n - 1 - c.stop, -c.step))
         else:
             local.append(c)
-    inner_full = all(
-        isinstance(c, slice) and c == slice(0, n, 1) for k, (c, n) in enumerate(zip(norm, batch_size)) if k != stack_pos
-    )
+    inner_full = all(isinstance(c, slice) and c == slice(0, n, 1) for k, (c, n) in enumerate(zip(norm, batch_size)) if k != stack_pos)
     return Plan(elements, tuple(local), stack_pos, isinstance(s, int), inner_full, tuple(flips))
 
 
@@ -295,7 +297,9 @@ def whole_element(index: Any, batch_size: torch.Size, stack_pos: int) -> int | N
         if type(comp) is not int:
             return None
         for d, c in enumerate(index):
-            if d != stack_pos and not (type(c) is slice and c.step in (None, 1) and c.start in (None, 0) and (c.stop is None or c.stop >= batch_size[d])):
+            if d != stack_pos and not (
+                type(c) is slice and c.step in (None, 1) and c.start in (None, 0) and (c.stop is None or c.stop >= batch_size[d])
+            ):
                 return None
     else:
         return None

@@ -85,7 +85,9 @@ def element_docs(path: NestedPath, value: NonTensor, n: int | None, stack_pos: i
         return [doc] * n
     bs = v.batch_size
     if len(bs) <= stack_pos or bs[stack_pos] != n:
-        raise ValueError(f"key {_display(path)!r}: a non-tensor stack of batch size {list(bs)} does not hold {n} elements along dim {stack_pos}")
+        raise ValueError(
+            f"key {_display(path)!r}: a non-tensor stack of batch size {list(bs)} does not hold {n} elements along dim {stack_pos}"
+        )
     return [_doc(path, piece) for piece in v.unbind(stack_pos)]
 
 

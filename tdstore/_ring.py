@@ -93,10 +93,21 @@ def _batch_len(value: Any, h: Header) -> int:
     bs = getattr(value, "batch_size", None)
     if bs is not None and len(bs) == len(h.inner) + 1:
         return int(bs[h.stack_pos])
-    raise ValueError(f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}")
+    raise ValueError(
+        f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}"
+    )
 
 
-def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number: int, path: NestedPath, rows: list[torch.Tensor] | torch.Tensor, json: bool = False) -> tuple[Leaf, list[list[Any]], bool]:
+def _leaf_ops(
+    kt: KeyTable,
+    engine: Engine,
+    h: Header,
+    leaf: Leaf | None,
+    number: int,
+    path: NestedPath,
+    rows: list[torch.Tensor] | torch.Tensor,
+    json: bool = False,
+) -> tuple[Leaf, list[list[Any]], bool]:
     """Ops writing ``rows`` (one per addressed slot) into leaf ``number``: (leaf after, ops, schema changed).
 
     A missing leaf is created for the whole ring (zero-filled slots, or empty
@@ -109,7 +120,9 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
     changed = False
     if json or (leaf is not None and leaf.json):
         if not json or (leaf is not None and not leaf.json):
-            raise TypeError(f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds")
+            raise TypeError(
+                f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds"
+            )
         assert isinstance(rows, list)
         if leaf is None:
             leaf = Leaf(path, number, torch.uint8, 1, None, json=True)
@@ -122,7 +135,9 @@ def _leaf_ops(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf | None, number
             _check_dtype(path, rows, leaf.dtype)
         elem_shape = tuple(rows.shape[1:])
         if tuple(elem_shape[: len(h.inner)]) != h.inner:
-            raise ValueError(f"key {display(path)!r}: element shape {list(elem_shape)} does not start with the inner batch size {list(h.inner)}")
+            raise ValueError(
+                f"key {display(path)!r}: element shape {list(elem_shape)} does not start with the inner batch size {list(h.inner)}"
+            )
         if leaf is None or (not leaf.het and leaf.shape == elem_shape):
             if leaf is None:
                 _codec.dtype_name(rows.dtype)
@@ -176,7 +191,9 @@ def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[
     return [op for op in ops if op[0] != "K"] + [["X", kt.ref(engine.keys.data(number)), width, memoryview(rows).cast("B")]]
 
 
-def _group_first_keys(kt: KeyTable, engine: Engine, h: Header, n: int, pre: list[list[Any]], post: list[list[Any]]) -> tuple[Header, list[list[Any]], list[list[Any]]]:
+def _group_first_keys(
+    kt: KeyTable, engine: Engine, h: Header, n: int, pre: list[list[Any]], post: list[list[Any]]
+) -> tuple[Header, list[list[Any]], list[list[Any]]]:
     """The first ring write of a store without keys: its small homogeneous leaves go to a new row block
     (one zero-filled block instead of their blobs, and one 'X' op of whole rows)."""
     grouped_h = _rows.grouped_header(h, h.next_leaf)
@@ -199,7 +216,17 @@ def _group_first_keys(kt: KeyTable, engine: Engine, h: Header, n: int, pre: list
     return grouped_h, [*keep_pre, *alloc], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
 
 
-def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, Any], n: int, head: list[Any], *, ring: bool, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+def _plan_rows(
+    engine: Engine,
+    h: Header,
+    kt: KeyTable,
+    items: dict[NestedPath, Any],
+    n: int,
+    head: list[Any],
+    *,
+    ring: bool,
+    sub: dict[NestedPath, tuple[int, ...]] | None = None,
+) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
     what = "a ring write" if ring else "update_if"
     if ring and h.leaves:
@@ -207,8 +234,7 @@ def _plan_rows(engine: Engine, h: Header, kt: KeyTable, items: dict[NestedPath, 
         extra = sorted(".".join(p) for p in items if p not in h.leaves)
         if missing or extra:
             raise KeyError(
-                f"a ring write must hold exactly the store's keys (each slot is written whole); "
-                f"missing {missing}, not in the store {extra}"
+                f"a ring write must hold exactly the store's keys (each slot is written whole); missing {missing}, not in the store {extra}"
             )
     if not ring:
         unknown = [p for p in items if p not in h.leaves]
@@ -255,7 +281,9 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     if priority is not None:
         prios = _policy.format_priorities(_sampling.priority_values(priority, n))
         if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
-            raise ValueError(f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first")
+            raise ValueError(
+                f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first"
+            )
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
@@ -421,14 +449,20 @@ def sample(
         if not policy.prioritized:
             raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
     if prioritized and alpha is not None and float(alpha) != policy.alpha:
-        raise ValueError(f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}")
+        raise ValueError(
+            f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"
+        )
     if not prioritized and policy.max_times is not None:
-        raise ValueError(f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True")
+        raise ValueError(
+            f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True"
+        )
     by_policy = prioritized or min_size is not None or h.sampling is not None
     if min_size is not None and min_size > h.count:
         raise ValueError(f"min_size={min_size} can never be reached by a ring of {h.count} slots")
     if engine.readonly and (policy.limit is not None or policy.max_times is not None):
-        raise PermissionError(f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it")
+        raise PermissionError(
+            f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it"
+        )
     chosen = _selected(h, keys)
     if not by_policy and engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
@@ -442,7 +476,19 @@ def sample(
             return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
         if fields.get("sc") is not None:  # the cached header predates the policy: read it, then sample under it
             engine.set_header(engine.fetch_header())
-            return sample(engine, batch_size, generator, device, ragged, keys, prioritized=asked, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout)
+            return sample(
+                engine,
+                batch_size,
+                generator,
+                device,
+                ragged,
+                keys,
+                prioritized=asked,
+                alpha=alpha,
+                beta=beta,
+                min_size=min_size,
+                timeout=timeout,
+            )
     packed = _codec.pack_i64(draws.numpy())
     channel = engine.keys.events
 
@@ -454,7 +500,16 @@ def sample(
 
         def head(kt: KeyTable) -> list[Any]:
             if use_policy:
-                return ["P", batch_size, packed, kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), channel, min_size or 0, "1" if by_prio else "0"]
+                return [
+                    "P",
+                    batch_size,
+                    packed,
+                    kt.ref(engine.keys.priorities),
+                    kt.ref(engine.keys.times_sampled),
+                    channel,
+                    min_size or 0,
+                    "1" if by_prio else "0",
+                ]
             return ["U", batch_size, packed]
 
         def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
@@ -467,10 +522,14 @@ def sample(
 
         return _row_read_call(engine, h, keys, batch_size, head, parse)
 
-    return _sampling.wait_or_raise(engine, lambda: engine.run(plan_call), timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
+    return _sampling.wait_or_raise(
+        engine, lambda: engine.run(plan_call), timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample"
+    )
 
 
-def pop(engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None) -> Sample:
+def pop(
+    engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None
+) -> Sample:
     """The next unread items, in write order, each handed to exactly one caller (see ``LazyStackedTensorDictStore.pop``)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
@@ -479,7 +538,14 @@ def pop(engine: Engine, batch_size: int, device: torch.device | None, timeout: f
     channel = engine.keys.events
 
     def plan_call(h: Header) -> Call:
-        return _row_read_call(engine, h, keys, batch_size, lambda kt: ["F", batch_size, channel], lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted))
+        return _row_read_call(
+            engine,
+            h,
+            keys,
+            batch_size,
+            lambda kt: ["F", batch_size, channel],
+            lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted),
+        )
 
     return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
 
@@ -504,14 +570,30 @@ def _row_read_call(engine: Engine, h: Header, keys: list[NestedPath] | None, row
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head(kt)]
     for leaf in leaves:
         if leaf.het:
-            args += [het_row_read_op(h.segments, leaf.ndim, rows), kt.ref(engine.keys.data(leaf.number)), kt.ref(engine.keys.offsets(leaf.number)), kt.ref(engine.keys.shapes(leaf.number)), 8 * leaf.ndim]
+            args += [
+                het_row_read_op(h.segments, leaf.ndim, rows),
+                kt.ref(engine.keys.data(leaf.number)),
+                kt.ref(engine.keys.offsets(leaf.number)),
+                kt.ref(engine.keys.shapes(leaf.number)),
+                8 * leaf.ndim,
+            ]
         else:
             args += [row_read_op(h.segments, leaf.element_nbytes, rows), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
     unit = _RowRead(leaves, block, grouped, wanted)
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 
 
-def _decode_sample(h: Header, leaves: list[Leaf], reply: list, first: int, device: torch.device | None, block: Leaf | None, grouped: list[Leaf], ragged: dict[str, Any] | None = None, wanted: set[NestedPath] | None = None) -> Sample:
+def _decode_sample(
+    h: Header,
+    leaves: list[Leaf],
+    reply: list,
+    first: int,
+    device: torch.device | None,
+    block: Leaf | None,
+    grouped: list[Leaf],
+    ragged: dict[str, Any] | None = None,
+    wanted: set[NestedPath] | None = None,
+) -> Sample:
     """The batch a 'U', 'P' or 'F' op read: slots in ``reply[2]``, rw in ``reply[3]``, the leaves' pieces from ``reply[first]``."""
     slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
     n = int(slots.numel())
@@ -553,5 +635,7 @@ def _decode_sample(h: Header, leaves: list[Leaf], reply: list, first: int, devic
             make = element_maker(list(rows_of), h.inner, device, h.sub_dims)
             td = lazy_stack([make({p: rows[k] for p, rows in rows_of.items()}) for k in range(n)], dim=sp)
         else:  # build_td moves each element to the device
-            td = lazy_stack([build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp)
+            td = lazy_stack(
+                [build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp
+            )
     return Sample(td, slots, generations(slots, rw, h.count))

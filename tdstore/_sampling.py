@@ -72,7 +72,9 @@ def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | Non
     """Turn priorities on (see ``LazyStackedTensorDictStore.enable_priorities``)."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
-    if max_times_sampled is not None and (isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 1):
+    if max_times_sampled is not None and (
+        isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 1
+    ):
         raise ValueError(f"max_times_sampled must be None or an int >= 1, got {max_times_sampled!r}")
     h = engine.header
     have = policy_of(engine)
@@ -105,13 +107,25 @@ def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | No
             raise ValueError("error_buffer needs samples_per_insert")
         limit = RateLimit(1.0, min_size, -UNBOUNDED, UNBOUNDED)
     else:
-        if isinstance(samples_per_insert, bool) or not isinstance(samples_per_insert, (int, float)) or not math.isfinite(samples_per_insert) or samples_per_insert <= 0:
+        if (
+            isinstance(samples_per_insert, bool)
+            or not isinstance(samples_per_insert, (int, float))
+            or not math.isfinite(samples_per_insert)
+            or samples_per_insert <= 0
+        ):
             raise ValueError(f"samples_per_insert must be a finite number > 0, got {samples_per_insert!r}")
         if error_buffer is None:
             raise ValueError("samples_per_insert needs error_buffer (how far samples may run ahead of or behind the ratio)")
-        if isinstance(error_buffer, bool) or not isinstance(error_buffer, (int, float)) or not math.isfinite(error_buffer) or error_buffer < max(1.0, samples_per_insert):
+        if (
+            isinstance(error_buffer, bool)
+            or not isinstance(error_buffer, (int, float))
+            or not math.isfinite(error_buffer)
+            or error_buffer < max(1.0, samples_per_insert)
+        ):
             # Reverb's rule: below max(1, samples_per_insert) some insert or sample could never go through
-            raise ValueError(f"error_buffer must be at least max(1, samples_per_insert) = {max(1.0, samples_per_insert):g}, got {error_buffer!r}")
+            raise ValueError(
+                f"error_buffer must be at least max(1, samples_per_insert) = {max(1.0, samples_per_insert):g}, got {error_buffer!r}"
+            )
         offset = samples_per_insert * min_size
         limit = RateLimit(float(samples_per_insert), min_size, offset - error_buffer, offset + error_buffer)
     _change(engine, lambda p: replace(p, limit=limit), "limit")
@@ -129,7 +143,11 @@ def set_queue(engine: Engine, on: bool) -> None:
 
 def priority_values(priority: Any, n: int, what: str = "priority") -> list[float]:
     """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise)."""
-    t = torch.as_tensor(priority, dtype=torch.float64) if not isinstance(priority, torch.Tensor) else priority.detach().to("cpu", torch.float64)
+    t = (
+        torch.as_tensor(priority, dtype=torch.float64)
+        if not isinstance(priority, torch.Tensor)
+        else priority.detach().to("cpu", torch.float64)
+    )
     if t.is_complex():
         raise TypeError(f"{what} must be real numbers, got {t.dtype}")
     if t.ndim == 0:
@@ -174,7 +192,12 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     keys = engine.keys
 
     def plan_call(h: Header) -> Call:
-        return Call("priority", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:*", *args], lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool))
+        return Call(
+            "priority",
+            [keys.meta, *keys.sampling_keys],
+            [f"{h.epoch}:*", *args],
+            lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool),
+        )
 
     return engine.run(plan_call)
 

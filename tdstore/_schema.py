@@ -84,7 +84,13 @@ class Leaf:
         return _codec.nbytes(self.shape, self.dtype)
 
     def to_json(self) -> dict:
-        rec: dict = {"path": list(self.path), "n": self.number, "dtype": _codec.dtype_name(self.dtype), "ndim": self.ndim, "v": self.version}
+        rec: dict = {
+            "path": list(self.path),
+            "n": self.number,
+            "dtype": _codec.dtype_name(self.dtype),
+            "ndim": self.ndim,
+            "v": self.version,
+        }
         if self.shape is not None:
             rec["shape"] = list(self.shape)
         if self.json:
@@ -95,7 +101,15 @@ class Leaf:
 
     def same_layout(self, other: Leaf) -> bool:
         """Same name, number, dtype and layout: a data call planned with one is right for the other."""
-        return (self.path, self.number, self.dtype, self.ndim, self.shape, self.json, self.col) == (other.path, other.number, other.dtype, other.ndim, other.shape, other.json, other.col)
+        return (self.path, self.number, self.dtype, self.ndim, self.shape, self.json, self.col) == (
+            other.path,
+            other.number,
+            other.dtype,
+            other.ndim,
+            other.shape,
+            other.json,
+            other.col,
+        )
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,9 @@ class Header:
             schema["sub"] = [[list(p), list(d)] for p, d in self.sub.items()]
         return json.dumps(schema, separators=(",", ":"))
 
-    def with_leaves(self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> Header:
+    def with_leaves(
+        self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None, sub: dict[NestedPath, tuple[int, ...]] | None = None
+    ) -> Header:
         """The header after a schema change (the server will hold ``version + 1``).
 
         Leaves whose name or layout changed get the new version as their leaf
@@ -293,7 +309,10 @@ class Header:
             sub = _parse_sub(schema.get("sub", []))
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
-        leaves = {rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col) for rec in info.leaves}
+        leaves = {
+            rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col)
+            for rec in info.leaves
+        }
         return cls(
             version=info.version,
             count=info.count,
@@ -332,7 +351,9 @@ def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
         raise ValueError(f"bad sub-tree batch dims {raw!r}")
     out: dict[NestedPath, tuple[int, ...]] = {}
     for rec in raw:
-        if not (isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])):
+        if not (
+            isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])
+        ):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
         if not (isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in rec[1])):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
@@ -340,7 +361,9 @@ def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
     return out
 
 
-def _agreed_sub_dims(sub: dict[NestedPath, tuple[int, ...]], leaves: dict[NestedPath, Leaf], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
+def _agreed_sub_dims(
+    sub: dict[NestedPath, tuple[int, ...]], leaves: dict[NestedPath, Leaf], n_inner: int
+) -> dict[NestedPath, tuple[int, ...]]:
     """The entries of ``sub`` that hold leaves which all agree with them (see :attr:`Header.sub_dims`)."""
     if not sub:
         return {}
@@ -356,7 +379,9 @@ def _agreed_sub_dims(sub: dict[NestedPath, tuple[int, ...]], leaves: dict[Nested
     return out
 
 
-def _moved_sub(sub: dict[NestedPath, tuple[int, ...]], old: dict[NestedPath, Leaf], new: dict[NestedPath, Leaf], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
+def _moved_sub(
+    sub: dict[NestedPath, tuple[int, ...]], old: dict[NestedPath, Leaf], new: dict[NestedPath, Leaf], n_inner: int
+) -> dict[NestedPath, tuple[int, ...]]:
     """``sub`` after a schema change: a renamed sub-tree keeps its dims, an emptied one loses them; a
     tensor leaf that contradicts its sub-tree's dims raises ``ValueError`` (nothing is written)."""
     if not sub:
@@ -368,7 +393,11 @@ def _moved_sub(sub: dict[NestedPath, tuple[int, ...]], old: dict[NestedPath, Lea
             out[path] = dims
             continue
         # every leaf that was below it now lies below one other path: the sub-tree was renamed
-        moved = {by_number[leaf.number][: len(by_number[leaf.number]) - len(p) + len(path)] for p, leaf in old.items() if len(p) > len(path) and p[: len(path)] == path and leaf.number in by_number}
+        moved = {
+            by_number[leaf.number][: len(by_number[leaf.number]) - len(p) + len(path)]
+            for p, leaf in old.items()
+            if len(p) > len(path) and p[: len(path)] == path and leaf.number in by_number
+        }
         if len(moved) == 1:
             out[moved.pop()] = dims
     for path, leaf in new.items():

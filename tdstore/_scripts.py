@@ -95,6 +95,7 @@ _REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
 class _Redirected(Exception):
     """A node answered a call with a cluster redirect: its calls go through RedisCluster."""
 
+
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -144,7 +145,15 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
     def job(node: Any, idxs: list[int]) -> None:
         try:
             _node_pipeline(node.redis_connection, calls, idxs, out)
-        except (_Redirected, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+        except (
+            _Redirected,
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.MovedError,
+            redis.exceptions.AskError,
+            redis.exceptions.TryAgainError,
+            redis.exceptions.ClusterDownError,
+        ):
             for i in idxs:
                 if out[i] is None:
                     name, keys, args = calls[i]
@@ -204,9 +213,13 @@ def translate(err: ResponseError) -> Exception:
     if "TDSTORE damaged" in msg:
         return StoreDamagedError(msg[msg.index("TDSTORE damaged") + 17 :], named=False)
     if "TDSTORE out of memory" in msg:
-        return MemoryError(f"the server has no room for this write (it does not evict); nothing was written: {msg[msg.index('TDSTORE out of memory') + 22 :]}")
+        return MemoryError(
+            f"the server has no room for this write (it does not evict); nothing was written: {msg[msg.index('TDSTORE out of memory') + 22 :]}"
+        )
     if "TDSTORE too large" in msg:
-        return ValueError(f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}")
+        return ValueError(
+            f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}"
+        )
     if "TDSTORE exists" in msg:
         return ValueError(msg[msg.index("TDSTORE exists") + 16 :])
     if "TDSTORE refused" in msg:
@@ -217,7 +230,10 @@ def translate(err: ResponseError) -> Exception:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()
     if isinstance(err, ReadOnlyError) or ("replica" in low and ("readonly" in low or "read only" in low)):
-        return ReadOnlyReplicaError(f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}", named=False)
+        return ReadOnlyReplicaError(
+            f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}",
+            named=False,
+        )
     if "unknown command" in low and ("evalsha" in low or "script" in low):
         return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
     if "oom" in low or "maxmemory" in low:

@@ -147,7 +147,9 @@ class LeafShape:
     rec: int
 
 
-def localize_write(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt: KeyTable, ops: list[list[Any]]) -> tuple[KeyTable, list[list[Any]]]:
+def localize_write(
+    segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt: KeyTable, ops: list[list[Any]]
+) -> tuple[KeyTable, list[list[Any]]]:
     """The ops of one ``write.lua`` call, planned on whole leaves, turned into segment-local ops."""
     out = kt.fresh()
     new: list[list[Any]] = []
@@ -204,7 +206,9 @@ def localize_write(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], Lea
                 part = sizes[a - lo : b - lo + 1]
                 nbytes = sum(part)
                 d, o, s = (out.ref(k) for k in keys.leaf_keys(n, seg))
-                new.append(["E", d, o, s, rec, a - base, b - base, shapes[(a - lo) * rec : (b - lo + 1) * rec], data[pos : pos + nbytes], *part])
+                new.append(
+                    ["E", d, o, s, rec, a - base, b - base, shapes[(a - lo) * rec : (b - lo + 1) * rec], data[pos : pos + nbytes], *part]
+                )
                 pos += nbytes
         elif kind in ("X", "K"):
             new.append([kind, out.block([keys.data(n, seg) for seg in range(segs.n)]), *op[2:]])
@@ -217,7 +221,13 @@ def localize_write(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], Lea
             target = what(op[2])
             assert target is not None
             for seg in range(segs.n):
-                new.append(["O", out.ref(keys.leaf_keys(n, seg)["dos".index(role)]), out.ref(keys.leaf_keys(target[1], seg)["dos".index(target[0])])])
+                new.append(
+                    [
+                        "O",
+                        out.ref(keys.leaf_keys(n, seg)["dos".index(role)]),
+                        out.ref(keys.leaf_keys(target[1], seg)["dos".index(target[0])]),
+                    ]
+                )
         elif kind == "Y":
             blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
             new.append(["Y", *blocks, *op[4:]])
@@ -247,7 +257,9 @@ def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[An
         new.append(["R", out.ref(keys.data(n, seg)), len(lo), _pairs(lo, ln), parts[0] if len(parts) == 1 else b"".join(parts)])
 
 
-def _localize_set(segs: Segments, keys: StoreKeys, n: int, role: str, leaf: LeafShape, value: Any, offsets: np.ndarray | None, out: KeyTable) -> list[list[Any]]:
+def _localize_set(
+    segs: Segments, keys: StoreKeys, n: int, role: str, leaf: LeafShape, value: Any, offsets: np.ndarray | None, out: KeyTable
+) -> list[list[Any]]:
     """An 'S' op (a whole blob or table of a leaf): one 'S' op per segment with its part."""
     view = memoryview(value).cast("B")
     ops = []
@@ -271,7 +283,9 @@ def _localize_set(segs: Segments, keys: StoreKeys, n: int, role: str, leaf: Leaf
 # -- reads ------------------------------------------------------------------------
 
 
-def localize_read(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt_keys: list[str], args: list[Any]) -> tuple[list[str], list[Any], Callable[[list], list]]:
+def localize_read(
+    segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], kt_keys: list[str], args: list[Any]
+) -> tuple[list[str], list[Any], Callable[[list], list]]:
     """A ``read.lua`` call planned on whole leaves, turned into segment-local ops.
 
     ``args`` starts with the op count (no version checks yet).  Returns the new

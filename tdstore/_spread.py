@@ -267,7 +267,12 @@ def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: in
 
 def guard_fields(h: Header) -> dict[str, str]:
     """What a segment's guard holds for the header ``h``: its epoch, version, key-set and leaf versions."""
-    return {"epoch": h.epoch, "version": str(h.version), "kv": str(h.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in h.leaves.values()}}
+    return {
+        "epoch": h.epoch,
+        "version": str(h.version),
+        "kv": str(h.keyset_version),
+        **{f"lv:{leaf.number}": str(leaf.version) for leaf in h.leaves.values()},
+    }
 
 
 def release(engine: Engine, token: str) -> None:
@@ -386,7 +391,9 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         stage(engine, call.staged)
     token = _token()
     check = f"{h.epoch}:V{h.version}"
-    reply = _scripts.call(engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine._execute)
+    reply = _scripts.call(
+        engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine._execute
+    )
     status = reply[0]
     if status != b"OK":
         _drop(engine, call)
@@ -407,17 +414,36 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         if after > h.segments.n or h.segments.n == 1:  # the first data: the segments' guards are made first
             at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
             # a round trip of their own: a node that misses guard.lua would run the prepare before the guard exists
-            made = _scripts.call_many(engine.client, [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)])
+            made = _scripts.call_many(
+                engine.client, [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)]
+            )
             for r in made:
                 if isinstance(r, Exception):
                     raise r
             if any(r[0] != b"OK" for r in made):  # a guard of another creation of the store (a delete cut short)
                 _abort(engine, h, token, new, after, call)
-                raise KeyError(f"the store with {engine.where()} has segments left by an earlier store of the same id; delete them with clear_redis() or 'tdstore rm'")
+                raise KeyError(
+                    f"the store with {engine.where()} has segments left by an earlier store of the same id; delete them with clear_redis() or 'tdstore rm'"
+                )
         for seg in range(1, after):
             part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
             # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
-            calls.append(("write", part.kt.keys, [check, "", "-", f"{fields} lk={token}", engine.max_value_bytes, _integrity.checks(keys, h, part.kt.keys, new), len(part.ops), *_flat(part.ops)]))
+            calls.append(
+                (
+                    "write",
+                    part.kt.keys,
+                    [
+                        check,
+                        "",
+                        "-",
+                        f"{fields} lk={token}",
+                        engine.max_value_bytes,
+                        _integrity.checks(keys, h, part.kt.keys, new),
+                        len(part.ops),
+                        *_flat(part.ops),
+                    ],
+                )
+            )
         replies = _scripts.call_many(engine.client, calls)
         for i, r in enumerate(replies):
             if isinstance(r, Exception):
@@ -429,7 +455,16 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
             _abort(engine, h, token, new, after, call)
             return refused(engine, h)
         head = parts.get(0) or Part(KeyTable(keys.meta), [])
-        commit = [f"{check}@{token}", "", schema, fields, engine.max_value_bytes, _integrity.checks(keys, h, head.kt.keys, new), len(head.ops), *_flat(head.ops)]
+        commit = [
+            f"{check}@{token}",
+            "",
+            schema,
+            fields,
+            engine.max_value_bytes,
+            _integrity.checks(keys, h, head.kt.keys, new),
+            len(head.ops),
+            *_flat(head.ops),
+        ]
         sent = True  # from here on the commit may have run even when no reply says so
         try:
             reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine._execute)
@@ -463,7 +498,22 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         for seg, ops in later.items():
             if ops:
                 part = _renumber(keys, parts[seg], ops)
-                cleanup.append(("write", part.kt.keys, [f"{h.epoch}:V{new.version}", "", "", "", engine.max_value_bytes, _integrity.checks(keys, new, part.kt.keys), len(part.ops), *_flat(part.ops)]))
+                cleanup.append(
+                    (
+                        "write",
+                        part.kt.keys,
+                        [
+                            f"{h.epoch}:V{new.version}",
+                            "",
+                            "",
+                            "",
+                            engine.max_value_bytes,
+                            _integrity.checks(keys, new, part.kt.keys),
+                            len(part.ops),
+                            *_flat(part.ops),
+                        ],
+                    )
+                )
         if cleanup:
             _scripts.call_many(engine.client, cleanup)
     finally:
@@ -559,7 +609,9 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
     retire = [["D", kt.ref(k)] for n in remap for k in keys.leaf_keys(n)]
     block_moves = new.row is not None and new.row[0] in remap
     leaves = {
-        path: replace(leaf, number=remap.get(leaf.number, leaf.number), version=new.version) if leaf.number in remap or (block_moves and leaf.col is not None) else leaf
+        path: replace(leaf, number=remap.get(leaf.number, leaf.number), version=new.version)
+        if leaf.number in remap or (block_moves and leaf.col is not None)
+        else leaf
         for path, leaf in new.leaves.items()
     }
     row = (remap[new.row[0]], new.row[1]) if block_moves and new.row is not None else new.row
@@ -571,7 +623,10 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
 
 def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> list[tuple[str, list[str], list[Any]]]:
     keys = engine.keys
-    return [(script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [f"{h.epoch}:V{h.version}", *args]) for seg in range(1, h.segments.n)]
+    return [
+        (script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [f"{h.epoch}:V{h.version}", *args])
+        for seg in range(1, h.segments.n)
+    ]
 
 
 def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[Any, int]:
@@ -581,7 +636,13 @@ def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[An
     lock whose holder died is taken over and its work undone; with ``undo_all``, every guard ahead
     of ``h`` is rolled back even when the lock was free."""
     token = _token()
-    reply = _scripts.call(engine.client, "lock", [engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"], engine._execute)
+    reply = _scripts.call(
+        engine.client,
+        "lock",
+        [engine.keys.meta],
+        ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"],
+        engine._execute,
+    )
     if reply[0] == b"STALE":
         engine.adopt_stale(reply)
         return None, 0
@@ -624,7 +685,9 @@ def clear(engine: Engine, h: Header) -> Any:
             deleted += int(reply[1])
         keys = engine.keys
         # the header goes last, and the lock with it
-        reply = _scripts.call(engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine._execute)
+        reply = _scripts.call(
+            engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine._execute
+        )
     except BaseException:
         release(engine, token)
         raise
@@ -652,7 +715,13 @@ def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
                 raise missing_guard(engine, keys.segment_of(keys_[0]))
             if reply[0] != b"OK":  # cannot be: the lock holds the schema still
                 raise AssertionError(f"segment {keys.segment_of(keys_[0])} refused an expiry under the schema lock: {reply[0]!r}")
-        reply = _scripts.call(engine.client, "expire", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], [f"{h.epoch}:V{h.version}", ttl_ms, at], engine._execute)
+        reply = _scripts.call(
+            engine.client,
+            "expire",
+            [keys.meta, *keys.segment_keys(h.next_leaf, 0)],
+            [f"{h.epoch}:V{h.version}", ttl_ms, at],
+            engine._execute,
+        )
         if reply[0] == b"GONE":
             raise engine.gone()
     finally:

@@ -109,7 +109,8 @@ def _local(name: str) -> Callable[..., Any]:
     method.__name__ = method.__qualname__ = name
     method.__doc__ = (
         f"On a local copy: reads the store in one atomic call and returns ``TensorDict.{name}`` of that copy; "
-        "the store is not changed" + (" (with ``inplace=True``: computed on a copy, then written back in one more call)." if name in INPLACE_KWARG else ".")
+        "the store is not changed"
+        + (" (with ``inplace=True``: computed on a copy, then written back in one more call)." if name in INPLACE_KWARG else ".")
     )
     return method
 

@@ -98,7 +98,9 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
                     scan_.shapes.append(doc.shape)
                 continue
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"key {display(path)!r} of element {i} is a {type(value).__name__}; a store holds tensors and NonTensorData")
+                raise TypeError(
+                    f"key {display(path)!r} of element {i} is a {type(value).__name__}; a store holds tensors and NonTensorData"
+                )
             if scan_ is not None and scan_.json:
                 raise TypeError(f"key {display(path)!r} holds non-tensor data in element 0 but a tensor in element {i}")
             if scan_ is None:
@@ -106,10 +108,14 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
                 leaves[path] = _LeafScan(path, value.dtype, [value], [value.shape])
                 continue
             if value.dtype != scan_.dtype:
-                raise TypeError(f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; every element must use one dtype per key")
+                raise TypeError(
+                    f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; every element must use one dtype per key"
+                )
             shape = value.shape
             if len(shape) != len(scan_.shapes[0]):
-                raise ValueError(f"key {display(path)!r} has {len(scan_.shapes[0])} dims in element 0 but shape {list(shape)} in element {i}")
+                raise ValueError(
+                    f"key {display(path)!r} has {len(scan_.shapes[0])} dims in element 0 but shape {list(shape)} in element {i}"
+                )
             scan_.tensors.append(value)
             scan_.shapes.append(shape)
     partial = [path for path, s in leaves.items() if len(s.tensors) != len(elements)]
@@ -258,12 +264,47 @@ def _chunks(count: int, scans: list[_LeafScan], segs: Segments, max_elements: in
         lo = hi
 
 
-def upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int = 0, kind: str = "lazy", tensorclass: str = "", batchless: bool = False) -> Header:
+def upload(
+    engine: Engine,
+    lazy_td: Any,
+    *,
+    device: Any,
+    pbar: bool,
+    chunk_elements: int,
+    chunk_bytes: int,
+    ttl_ms: int = 0,
+    kind: str = "lazy",
+    tensorclass: str = "",
+    batchless: bool = False,
+) -> Header:
     with gc_paused():
-        return _upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms, kind=kind, tensorclass=tensorclass, batchless=batchless)
+        return _upload(
+            engine,
+            lazy_td,
+            device=device,
+            pbar=pbar,
+            chunk_elements=chunk_elements,
+            chunk_bytes=chunk_bytes,
+            ttl_ms=ttl_ms,
+            kind=kind,
+            tensorclass=tensorclass,
+            batchless=batchless,
+        )
 
 
-def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elements: int, chunk_bytes: int, ttl_ms: int, kind: str, tensorclass: str, batchless: bool) -> Header:
+def _upload(
+    engine: Engine,
+    lazy_td: Any,
+    *,
+    device: Any,
+    pbar: bool,
+    chunk_elements: int,
+    chunk_bytes: int,
+    ttl_ms: int,
+    kind: str,
+    tensorclass: str,
+    batchless: bool,
+) -> Header:
     elements, stack_dim = _elements(lazy_td)
     if isinstance(lazy_td, LazyStackedTensorDict):
         inner, scans = scan_lazy(lazy_td, elements)
@@ -280,7 +321,20 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
     sub = _subtrees(elements, len(inner))
     token = uuid.uuid4().hex
     sizes = {s.path: _leaf_sizes(s) for s in scans}
-    header = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(torch.device(dev)) if dev is not None else "", leaves=leaves, next_leaf=len(leaves), state=f"uploading:{token}", kind=kind, tensorclass=tensorclass, batchless=batchless, sub=sub)
+    header = Header(
+        version=1,
+        count=count,
+        stack_dim=stack_dim,
+        inner=inner,
+        device=str(torch.device(dev)) if dev is not None else "",
+        leaves=leaves,
+        next_leaf=len(leaves),
+        state=f"uploading:{token}",
+        kind=kind,
+        tensorclass=tensorclass,
+        batchless=batchless,
+        sub=sub,
+    )
     header = _rows.grouped_header(header, len(leaves))
     leaves = header.leaves
     width = header.row[1] if header.row is not None else 0
@@ -303,7 +357,9 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                     f"more than the server accepts for one string ({limit}, proto-max-bulk-len); nothing was written"
                 )
     if width and min(count, segs.per) * width > limit:
-        raise ValueError(f"the row block needs {min(count, segs.per) * width} bytes per segment, more than the server accepts for one string ({limit}); nothing was written")
+        raise ValueError(
+            f"the row block needs {min(count, segs.per) * width} bytes per segment, more than the server accepts for one string ({limit}); nothing was written"
+        )
     # each SETRANGE of a chunk holds at most chunk_bytes: within what the server reads as one request
     chunk_bytes = max(1, min(chunk_bytes, limit, engine.limits.query_bytes // 2))
     biggest = max((int(_leaf_sizes(s).max()) for s in scans if count), default=0)
@@ -348,7 +404,9 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
                         pipe.setrange(keys.data(leaf.number, k), het_pos[s.path], data)
                     table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
                     pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
-                    pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape]))
+                    pipe.setrange(
+                        keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape])
+                    )
                     het_pos[s.path] = int(ends[-1]) if len(ends) else het_pos[s.path]
                 if columns:
                     assert header.row is not None
@@ -373,22 +431,31 @@ def _upload(engine: Engine, lazy_td: Any, *, device: Any, pbar: bool, chunk_elem
             # every other segment first (its keys and guard lose the upload's TTL), then the header
             # and segment 0 in one call: until then the store is not ready, and nobody reads it
             at = _spread.deadline(engine, ttl_ms)
-            calls = [("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at]) for k in range(1, segs.n)]
+            calls = [
+                ("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at])
+                for k in range(1, segs.n)
+            ]
             for r in _scripts.call_many(engine.client, calls):
                 if isinstance(r, Exception):
                     raise r
                 if r[0] != b"OK":
-                    raise KeyError(f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)")
+                    raise KeyError(
+                        f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)"
+                    )
             all_keys = [keys.meta, *keys.segment_keys(header.next_leaf, 0)]
         try:
-            reply = _scripts.call(engine.client, "commit", all_keys, [token, ttl_ms, at if spread else "", _integrity.checks(keys, header, all_keys)])
+            reply = _scripts.call(
+                engine.client, "commit", all_keys, [token, ttl_ms, at if spread else "", _integrity.checks(keys, header, all_keys)]
+            )
         except StoreDamagedError as err:
             raise StoreDamagedError(
                 f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
                 "Nothing of the upload was kept; run the server with maxmemory-policy noeviction and enough memory"
             ) from None
         if reply[0] != b"OK":
-            raise KeyError(f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)")
+            raise KeyError(
+                f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)"
+            )
     except BaseException:
         try:
             engine.abort_upload(header.next_leaf, segs.n)

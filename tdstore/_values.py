@@ -85,7 +85,9 @@ def _check_member_dtypes(stack: LazyStackedTensorDict, key: Any, path: NestedPat
         if isinstance(t, torch.Tensor):
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
-        raise TypeError(f"key {display(path)!r} has several dtypes across the elements ({sorted(map(str, dtypes))}); every element must use one dtype")
+        raise TypeError(
+            f"key {display(path)!r} has several dtypes across the elements ({sorted(map(str, dtypes))}); every element must use one dtype"
+        )
 
 
 def usable_device(device: Any) -> bool:
@@ -147,7 +149,11 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
     if isinstance(value, Mapping) and not isinstance(value, TensorDictBase):
         out: dict[NestedPath, Any] = {}
         for k, v in value.items():
-            out.update(leaves_of(v, stack_pos, prefix + as_path(k)) if (isinstance(v, (Mapping, TensorDictBase)) or is_tensorclass(v)) and not is_non_tensor(v) else {prefix + as_path(k): _check_tensor(prefix + as_path(k), v)})
+            out.update(
+                leaves_of(v, stack_pos, prefix + as_path(k))
+                if (isinstance(v, (Mapping, TensorDictBase)) or is_tensorclass(v)) and not is_non_tensor(v)
+                else {prefix + as_path(k): _check_tensor(prefix + as_path(k), v)}
+            )
         return out
     if isinstance(value, TensorDictBase):
         if getattr(value, "_tdstore_reads_remote", False):
@@ -208,7 +214,13 @@ def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedP
     return out
 
 
-def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tuple[int, ...], device: torch.device | None, under: NestedPath = (), sub: dict[NestedPath, tuple[int, ...]] | None = None) -> TensorDict:
+def build_td(
+    leaves: dict[NestedPath, torch.Tensor],
+    batch_size: torch.Size | tuple[int, ...],
+    device: torch.device | None,
+    under: NestedPath = (),
+    sub: dict[NestedPath, tuple[int, ...]] | None = None,
+) -> TensorDict:
     """A TensorDict of ``leaves`` (the part below ``under``), on ``device``.
 
     The tensors were just made from server bytes with the right batch dims, so the
@@ -221,7 +233,9 @@ def build_td(leaves: dict[NestedPath, torch.Tensor], batch_size: torch.Size | tu
     return _element_maker([path for path in leaves if path[:cut] == under], cut, torch.Size(batch_size), device, sub)(leaves)
 
 
-def element_maker(paths: list[NestedPath], inner: tuple[int, ...], device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
+def element_maker(
+    paths: list[NestedPath], inner: tuple[int, ...], device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None
+) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
     """One function building each element (batch size ``inner``) of a read from its ``{path: tensor}``:
     the key tree is worked out once for all the elements (``build_td`` works it out per call)."""
     return _element_maker(paths, 0, torch.Size(inner), device, sub)
@@ -238,7 +252,9 @@ def _subtree_bs(base: torch.Size, path: NestedPath, sub: dict[NestedPath, tuple[
     return base
 
 
-def _element_maker(paths: list[NestedPath], cut: int, base: torch.Size, device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
+def _element_maker(
+    paths: list[NestedPath], cut: int, base: torch.Size, device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None
+) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
     """A function building one TensorDict from a ``{path: tensor}`` holding ``paths`` (each keyed by
     what follows its first ``cut`` parts): the key tree is worked out once, so the elements of one
     read share it instead of walking their paths one by one.  ``base`` is the read's batch size;
@@ -255,7 +271,9 @@ def _element_maker(paths: list[NestedPath], cut: int, base: torch.Size, device: 
         else:
             subtrees[rel[0]].append(path)
     bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
-    parts = [(key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries]
+    parts = [
+        (key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries
+    ]
     new = _td_factory(bs, device)
 
     def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
@@ -298,7 +316,14 @@ def _td_factory(batch_size: torch.Size, device: torch.device | None) -> Callable
     return make
 
 
-def assemble(plan: Plan | None, result: DenseResult | ElementsResult, inner: tuple[int, ...], device: torch.device | None, under: NestedPath = (), sub: dict[NestedPath, tuple[int, ...]] | None = None) -> TensorDictBase:
+def assemble(
+    plan: Plan | None,
+    result: DenseResult | ElementsResult,
+    inner: tuple[int, ...],
+    device: torch.device | None,
+    under: NestedPath = (),
+    sub: dict[NestedPath, tuple[int, ...]] | None = None,
+) -> TensorDictBase:
     """Turn an engine read into the tensordict the index asked for (``sub``: ``Header.sub_dims``)."""
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under, sub)

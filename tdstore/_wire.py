@@ -61,7 +61,12 @@ def pack(*args: bytes | str | int, encoding: tuple[str, str] = ("utf-8", "strict
 def _fast_path_ok(conn: Any, parser: Any) -> bool:
     """Whether replies can be taken from a hiredis reader directly: redis-py's hiredis parser,
     and pushes told apart from replies (hiredis 3.2 or newer, or a RESP2 connection)."""
-    return _HiredisParser is not None and isinstance(parser, _HiredisParser) and getattr(parser, "_reader", None) is not None and (_PUSH is not None or str(getattr(conn, "protocol", 2) or 2) == "2")
+    return (
+        _HiredisParser is not None
+        and isinstance(parser, _HiredisParser)
+        and getattr(parser, "_reader", None) is not None
+        and (_PUSH is not None or str(getattr(conn, "protocol", 2) or 2) == "2")
+    )
 
 
 def _is_push(r: Any, parser: Any) -> bool:
@@ -190,7 +195,9 @@ def _raise_first_error(replies: list[Any]) -> None:
 Piece = tuple[str, np.ndarray, np.ndarray]
 
 
-def pack_chunked_getranges(buffers: Sequence[Sequence[Piece]], chunk: int, encoding: tuple[str, str] = ("utf-8", "strict")) -> tuple[bytes, list[int]]:
+def pack_chunked_getranges(
+    buffers: Sequence[Sequence[Piece]], chunk: int, encoding: tuple[str, str] = ("utf-8", "strict")
+) -> tuple[bytes, list[int]]:
     """``GETRANGE``s reading every range of every piece of every buffer, in order, in pieces of at
     most ``chunk`` bytes, and how many commands each buffer takes (an empty range takes none).
     Key names are encoded as ``encoding`` (name, errors), as the client encodes them."""

@@ -97,7 +97,9 @@ def _element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim
         if tuple(t.shape[: len(inner)]) != inner:
             raise ValueError(f"key {_name(path)}: element shape {list(t.shape)} does not start with the inner batch size {list(inner)}")
         if ndim is not None and t.ndim != ndim:
-            raise ValueError(f"key {_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)")
+            raise ValueError(
+                f"key {_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)"
+            )
 
 
 def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, number: int, kt: KeyTable) -> tuple[Leaf, list[list[Any]]]:
@@ -110,7 +112,11 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
         em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
         shape = tuple(em.shape[1:])
         leaf = Leaf(path, number, value.dtype, len(shape), shape)
-        return leaf, [["S", kt.ref(keys.data(number)), _codec.to_bytes(em)], ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
+        return leaf, [
+            ["S", kt.ref(keys.data(number)), _codec.to_bytes(em)],
+            ["D", kt.ref(keys.offsets(number))],
+            ["D", kt.ref(keys.shapes(number))],
+        ]
     if len(value) != h.count:
         raise ValueError(f"key {_name(path)}: got {len(value)} elements for a store of {h.count}")
     if not value:
@@ -123,10 +129,16 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
         return plan_full_leaf(keys, h, path, torch.stack(value, h.stack_pos), number, kt)
     data, offsets, shape_table = _het_tables(h.inner, value)
     leaf = Leaf(path, number, dtype, value[0].ndim, None)
-    return leaf, [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
+    return leaf, [
+        ["S", kt.ref(keys.data(number)), data],
+        ["S", kt.ref(keys.offsets(number)), offsets],
+        ["S", kt.ref(keys.shapes(number)), shape_table],
+    ]
 
 
-def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: KeyTable) -> tuple[None, list[list[Any]], list[Leaf]] | None:
+def plan_element_write(
+    keys: StoreKeys, h: Header, element: int, items: dict[NestedPath, Value], kt: KeyTable
+) -> tuple[None, list[list[Any]], list[Leaf]] | None:
     """``store[i] = td`` of existing keys: one SETRANGE per homogeneous leaf that keeps its shape, one splice per heterogeneous one.
 
     The common actor write skips the general planner; None hands anything else
@@ -154,7 +166,20 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
             data = _codec.to_bytes(t)
             shape_rec = struct.pack(f"<{t.ndim}q", *t.shape)
             n = leaf.number
-            ops.append(["E", kt.ref(keys.data(n, seg)), kt.ref(keys.offsets(n, seg)), kt.ref(keys.shapes(n, seg)), 8 * leaf.ndim, local, local, shape_rec, data, len(data)])
+            ops.append(
+                [
+                    "E",
+                    kt.ref(keys.data(n, seg)),
+                    kt.ref(keys.offsets(n, seg)),
+                    kt.ref(keys.shapes(n, seg)),
+                    8 * leaf.ndim,
+                    local,
+                    local,
+                    shape_rec,
+                    data,
+                    len(data),
+                ]
+            )
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         elif leaf.col is not None:
@@ -167,7 +192,9 @@ def plan_element_write(keys: StoreKeys, h: Header, element: int, items: dict[Nes
     return None, ops, touched
 
 
-def _element_row_ops(kt: KeyTable, keys: StoreKeys, h: Header, seg: int, local: int, grouped: list[tuple[Leaf, Any]], whole: bool) -> list[list[Any]]:
+def _element_row_ops(
+    kt: KeyTable, keys: StoreKeys, h: Header, seg: int, local: int, grouped: list[tuple[Leaf, Any]], whole: bool
+) -> list[list[Any]]:
     """Grouped leaves of one element (segment-local): its whole row as one SETRANGE when every live column is written, else one per column."""
     assert h.row is not None
     number, width = h.row
@@ -184,7 +211,9 @@ def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray
     return _rows.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes)
 
 
-def _move_out_whole(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> tuple[list[tuple[Leaf, np.ndarray, np.ndarray]], list[tuple[Leaf, list[Any]]]]:
+def _move_out_whole(
+    kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]
+) -> tuple[list[tuple[Leaf, np.ndarray, np.ndarray]], list[tuple[Leaf, list[Any]]]]:
     """Keys of the row block written whole, in order, without the rest of the block: each leaves
     the block for a blob of its own, set in one op (its column becomes a gap), instead of one
     range per element (a million SETRANGEs in the script for a million elements).
@@ -227,7 +256,9 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
         uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
         picked = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
         starts = uniq * width + leaf.col
-        ops.append(["R", kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B")])
+        ops.append(
+            ["R", kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B")]
+        )
     return ops
 
 
@@ -309,7 +340,9 @@ def plan_write(
                 elems = [value]
             else:
                 if value.ndim <= h.stack_pos or value.shape[h.stack_pos] != len(order):
-                    raise ValueError(f"key {_name(path)}: value of shape {list(value.shape)} does not hold {len(order)} elements along dim {h.stack_pos} (indexed batch {list(want)})")
+                    raise ValueError(
+                        f"key {_name(path)}: value of shape {list(value.shape)} does not hold {len(order)} elements along dim {h.stack_pos} (indexed batch {list(want)})"
+                    )
                 elems = list(value.unbind(h.stack_pos))
         else:
             elems = list(value)
@@ -329,7 +362,9 @@ def plan_write(
                 ops += _splice_ops(kt, keys, leaf, order, docs)
                 continue
             if leaf is not None and not (replace and full):
-                raise TypeError(f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data")
+                raise TypeError(
+                    f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data"
+                )
             if not full:
                 # a new key written at some elements: created for every element, the others None
                 leaf = Leaf(path, renumber(None), torch.uint8, 1, None, json=True)
@@ -345,11 +380,17 @@ def plan_write(
                 new_paths.append(path)
             data, offsets, shape_table = _het_tables(h.inner, [by_element[e] for e in range(h.count)])
             leaves[path] = Leaf(path, number, torch.uint8, 1, None, json=True)
-            ops += [["S", kt.ref(keys.data(number)), data], ["S", kt.ref(keys.offsets(number)), offsets], ["S", kt.ref(keys.shapes(number)), shape_table]]
+            ops += [
+                ["S", kt.ref(keys.data(number)), data],
+                ["S", kt.ref(keys.offsets(number)), offsets],
+                ["S", kt.ref(keys.shapes(number)), shape_table],
+            ]
             changed = True
             continue
         if leaf is not None and leaf.json and not (replace and full):
-            raise TypeError(f"key {_name(path)} holds non-tensor data; write NonTensorData or a str, or set() the whole key to replace it with a tensor")
+            raise TypeError(
+                f"key {_name(path)} holds non-tensor data; write NonTensorData or a str, or set() the whole key to replace it with a tensor"
+            )
         if leaf is None and not full:
             # a new key written at some elements: created for every element (the others zeros, or empty
             # elements of a heterogeneous key), then written below as any existing key is
@@ -447,7 +488,9 @@ def plan_write(
     return new_header, ops, touched
 
 
-def _new_subtrees(h: Header, sub: dict[NestedPath, tuple[int, ...]] | None, new_paths: list[NestedPath]) -> dict[NestedPath, tuple[int, ...]] | None:
+def _new_subtrees(
+    h: Header, sub: dict[NestedPath, tuple[int, ...]] | None, new_paths: list[NestedPath]
+) -> dict[NestedPath, tuple[int, ...]] | None:
     """The sub-tree batch dims that a write's new keys bring (those of sub-trees holding one of them)."""
     if not sub or not new_paths:
         return None
@@ -465,7 +508,11 @@ def new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[l
         return [["Z", kt.ref(keys.data(n)), h.count * leaf.element_nbytes]]
     empty = [] if leaf.json else list(h.inner) + [0] * (leaf.ndim - len(h.inner))
     record = _codec.pack_i64([0] if leaf.json else empty)
-    return [["S", kt.ref(keys.data(n)), b""], ["S", kt.ref(keys.offsets(n)), bytes(8 * (h.count + 1))], ["S", kt.ref(keys.shapes(n)), record * h.count]]
+    return [
+        ["S", kt.ref(keys.data(n)), b""],
+        ["S", kt.ref(keys.offsets(n)), bytes(8 * (h.count + 1))],
+        ["S", kt.ref(keys.shapes(n)), record * h.count],
+    ]
 
 
 def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
@@ -499,7 +546,9 @@ def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header, numbe
         ops.append(["C", kt.ref(keys.data(h.row[0])), kt.ref(keys.data(leaf.number)), h.row[1], leaf.col, eb])
     elif number is not None:
         # rows of eb bytes at column 0: the whole blob (a zero-byte leaf has none to copy)
-        ops.append(["C", kt.ref(keys.data(leaf.number)), kt.ref(keys.data(number)), eb, 0, eb] if eb else ["S", kt.ref(keys.data(number)), b""])
+        ops.append(
+            ["C", kt.ref(keys.data(leaf.number)), kt.ref(keys.data(number)), eb, 0, eb] if eb else ["S", kt.ref(keys.data(number)), b""]
+        )
     elif h.tracked:
         # the blobs stay: each segment's is checked, and allocated (zeros) where it was never
         # written, so that the tables below describe bytes that are there
@@ -556,7 +605,9 @@ def plan_rename(h: Header, renames: dict[NestedPath, NestedPath]) -> Header:
     return h.with_leaves(leaves)
 
 
-def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: KeyTable, element: int | None = None) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+def plan_fill(
+    keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, kt: KeyTable, element: int | None = None
+) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
     """``fill_``/``zero_`` of the leaves ``paths`` (of one element, or of the whole store).
 
     The value is cast to each leaf's dtype, as ``Tensor.fill_`` does, and sent as one
@@ -602,7 +653,10 @@ def plan_fill(keys: StoreKeys, h: Header, paths: list[NestedPath], value: Any, k
         leaves = dict(h.leaves)
         for leaf, _, data in fills:
             n = h.count * leaf.element_nbytes
-            ops += [["Z", kt.ref(keys.data(leaf.number)), n], ["F", kt.ref(keys.data(leaf.number)), 0, 0, n, bytes(data[0][: leaf.dtype.itemsize])]]
+            ops += [
+                ["Z", kt.ref(keys.data(leaf.number)), n],
+                ["F", kt.ref(keys.data(leaf.number)), 0, 0, n, bytes(data[0][: leaf.dtype.itemsize])],
+            ]
             leaves[leaf.path] = dataclasses.replace(leaf, col=None)
         return h.with_leaves(leaves), ops, touched
     ops += _grouped_ops(kt, keys, h, fills)

@@ -312,8 +312,19 @@ def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
         ("server keys", str(info.server_keys)),
         *ring,
         *([("sampling", _safe(info.sampling))] if info.sampling else []),
-        ("segments", str(info.segments) + (f" of {info.segment_length} elements" if info.segments > 1 else "") + (", spread over the cluster's nodes" if info.spread else "")),
-        ("row block", ", ".join(_safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)) or "-"),
+        (
+            "segments",
+            str(info.segments)
+            + (f" of {info.segment_length} elements" if info.segments > 1 else "")
+            + (", spread over the cluster's nodes" if info.spread else ""),
+        ),
+        (
+            "row block",
+            ", ".join(
+                _safe(leaf.name) for leaf in sorted((lf for lf in info.leaves if lf.column is not None), key=lambda lf: lf.column or 0)
+            )
+            or "-",
+        ),
     ]
     width = max(len(name) for name, _ in facts) + 1
     lines = [f"store {_safe(info.td_id)} under prefix {_safe(info.prefix)!r} on {where}"]
@@ -330,7 +341,9 @@ def _info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
             ]
             for leaf in info.leaves
         ]
-        lines += ["    " + line for line in _table(["KEY", "DTYPE", "LAYOUT", "ELEMENT SHAPE", "BYTES" if raw else "SIZE"], rows, right={4})]
+        lines += [
+            "    " + line for line in _table(["KEY", "DTYPE", "LAYOUT", "ELEMENT SHAPE", "BYTES" if raw else "SIZE"], rows, right={4})
+        ]
     return lines
 
 
@@ -350,7 +363,10 @@ def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], An
         except NoSuchStore:
             return _no_store(command, args.td_id, args.prefix, conn)
         except UnreadableStore as err:
-            print(f"tdstore {command}: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}", file=sys.stderr)
+            print(
+                f"tdstore {command}: failed: store {_safe(args.td_id)} has a header this tdstore cannot read: {_safe(str(err))}",
+                file=sys.stderr,
+            )
             return EXIT_FAILED
         except redis.RedisError as err:
             return _server_failed(command, conn, err)
@@ -548,12 +564,18 @@ def build_parser() -> argparse.ArgumentParser:
             "a password goes in it (redis://:PASSWORD@host:port) or in $TDSTORE_PASSWORD, and reaches the actor processes"
         ),
     )
-    demo.add_argument("--cluster", action="store_true", help="start an embedded three-primary Redis Cluster instead of one server (not with --url)")
     demo.add_argument(
-        "--spread", action="store_true", help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url)"
+        "--cluster", action="store_true", help="start an embedded three-primary Redis Cluster instead of one server (not with --url)"
     )
     demo.add_argument(
-        "--torchrl", action="store_true", help="go through a torchrl replay buffer (tdstore.torchrl): actors extend it, the learner samples it (needs torchrl)"
+        "--spread",
+        action="store_true",
+        help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url)",
+    )
+    demo.add_argument(
+        "--torchrl",
+        action="store_true",
+        help="go through a torchrl replay buffer (tdstore.torchrl): actors extend it, the learner samples it (needs torchrl)",
     )
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")

@@ -54,7 +54,9 @@ def _free_ports(n: int) -> list[int]:
 class EmbeddedCluster:
     """Three private cluster-enabled redis-servers joined into one cluster of three primaries."""
 
-    def __init__(self, *, nodes: int = 3, binary: str | None = None, extra_args: tuple[str, ...] = (), startup_timeout: float = 20.0) -> None:
+    def __init__(
+        self, *, nodes: int = 3, binary: str | None = None, extra_args: tuple[str, ...] = (), startup_timeout: float = 20.0
+    ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
         self._n = nodes

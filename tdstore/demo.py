@@ -340,7 +340,9 @@ def _actor_main(
         store.close()
 
 
-def _write_until_stopped(write: Callable[[int], int], count: int, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any) -> None:
+def _write_until_stopped(
+    write: Callable[[int], int], count: int, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any
+) -> None:
     """An actor's timed loop: ``write(seq)`` (which returns the slot written) until ``stop`` or the
     clock; reports ready, then done with the last sequence number written to each slot."""
     last_seq = np.full(count, -1, dtype=np.int64)
@@ -356,7 +358,9 @@ def _write_until_stopped(write: Callable[[int], int], count: int, actor: int, se
     results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
 
 
-def _torchrl_actor_main(url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any) -> None:
+def _torchrl_actor_main(
+    url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any
+) -> None:
     """One actor of the torchrl demo: attach to the replay buffer by ``td_id`` and extend it.
 
     The server picks the slot of each write (its ring cursor); the actor records the
@@ -368,7 +372,9 @@ def _torchrl_actor_main(url: str, prefix: str, td_id: str, actor: int, seconds: 
         from .torchrl import attach
 
         rb = attach(td_id, url=url, prefix=prefix)
-        _write_until_stopped(lambda seq: int(rb.extend(lazy_stack([make_element(actor, seq)]))[0]), len(rb), actor, seconds, start, stop, counter, results)
+        _write_until_stopped(
+            lambda seq: int(rb.extend(lazy_stack([make_element(actor, seq)]))[0]), len(rb), actor, seconds, start, stop, counter, results
+        )
     except BaseException:
         results.put(("error", actor, traceback.format_exc()))
 
@@ -495,7 +501,17 @@ class _Progress:
 # -- the demo ------------------------------------------------------------------------------------------
 
 
-def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str | None = None, cluster: bool = False, spread: bool = False, torchrl: bool = False) -> None:
+def _check_args(
+    actors: int,
+    count: int,
+    seconds: float,
+    batch: int,
+    *,
+    url: str | None = None,
+    cluster: bool = False,
+    spread: bool = False,
+    torchrl: bool = False,
+) -> None:
     """Refuse nonsense and contradictions early, before a server is started or a process spawned."""
     for name, value in (("actors", actors), ("count", count), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -503,9 +519,13 @@ def _check_args(actors: int, count: int, seconds: float, batch: int, *, url: str
     if not seconds > 0:
         raise ValueError(f"seconds must be positive, got {seconds!r}")
     if cluster and url is not None:
-        raise ValueError("--cluster starts an embedded cluster, so it cannot be used with --url; for a cluster of yours give --url redis+cluster://HOST:PORT")
+        raise ValueError(
+            "--cluster starts an embedded cluster, so it cannot be used with --url; for a cluster of yours give --url redis+cluster://HOST:PORT"
+        )
     if spread and not cluster and not (url or "").lower().startswith(("redis+cluster://", "rediss+cluster://")):
-        raise ValueError("--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT")
+        raise ValueError(
+            "--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT"
+        )
     if torchrl and spread:
         raise ValueError("--torchrl uses the store as a ring, whose calls need one slot: not with --spread")
     if torchrl:
@@ -564,7 +584,13 @@ def run_demo(
     out = sys.stdout if out is None else out
     say = _Status(progress, sys.stderr)
     with contextlib.ExitStack() as stack:
-        say("starting an embedded Redis Cluster..." if url is None and cluster else "starting an embedded redis-server..." if url is None else f"connecting to {redact_url(url)}...")
+        say(
+            "starting an embedded Redis Cluster..."
+            if url is None and cluster
+            else "starting an embedded redis-server..."
+            if url is None
+            else f"connecting to {redact_url(url)}..."
+        )
         if url is None and cluster:
             local = stack.enter_context(EmbeddedCluster())  # started here, stopped on exit whatever happens
             url = local.url
@@ -598,7 +624,20 @@ def run_demo(
         store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id)
         stack.callback(store.close)
         with _password_for_children(url):
-            figures = _run(store, where=where, actors=actors, count=count, seconds=seconds, batch=batch, progress=progress, seed=seed, say=say, rb=rb, url=url, prefix=prefix)
+            figures = _run(
+                store,
+                where=where,
+                actors=actors,
+                count=count,
+                seconds=seconds,
+                batch=batch,
+                progress=progress,
+                seed=seed,
+                say=say,
+                rb=rb,
+                url=url,
+                prefix=prefix,
+            )
         figures["keys_deleted"] = store.clear_redis()
     _print_summary(figures, out)
     return figures
@@ -640,7 +679,9 @@ def _run(
     procs = [
         ctx.Process(
             target=_actor_main if placed else _torchrl_actor_main,
-            args=(store, a, seconds, start, stop, counters[a], results) if placed else (redact_url(url), prefix, store.td_id, a, seconds, start, stop, counters[a], results),
+            args=(store, a, seconds, start, stop, counters[a], results)
+            if placed
+            else (redact_url(url), prefix, store.td_id, a, seconds, start, stop, counters[a], results),
             name=f"tdstore-demo-actor-{a}",
             daemon=True,
         )
@@ -858,7 +899,13 @@ def _print_summary(f: dict[str, Any], out: TextIO) -> None:
         f"  writes : {f['writes']} element writes, {f['writes_per_s']:.0f}/s in total (per actor: {per_actor})",
         f"  reads  : {f['reads']} batch reads, {f['reads_per_s']:.0f}/s; {f['elements_read']} elements, {f['elements_read_per_s']:.0f}/s",
         f"  torn   : {f['torn']} torn elements seen while sampling",
-        *([f"  ratio  : {f['samples_per_insert']:g} rows sampled per row written (the server's rate limiter: {SAMPLES_PER_INSERT:g}, writers at most {2 * f['count']} rows ahead)"] if "samples_per_insert" in f else []),
+        *(
+            [
+                f"  ratio  : {f['samples_per_insert']:g} rows sampled per row written (the server's rate limiter: {SAMPLES_PER_INSERT:g}, writers at most {2 * f['count']} rows ahead)"
+            ]
+            if "samples_per_insert" in f
+            else []
+        ),
         f"  final  : {f['verified']}/{f['count']} elements verified ({f['inconsistent']} inconsistent, {f['lost_writes']} lost writes)",
         f"  cleanup: {f['keys_deleted']} keys deleted",
     ]

@@ -47,7 +47,9 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     out = {}
     for path, value in items.items():
         if isinstance(value, list):
-            raise TypeError(f"key {display(path)!r} differs in shape across the lazy stack it comes from; a dense store holds one shape per key")
+            raise TypeError(
+                f"key {display(path)!r} differs in shape across the lazy stack it comes from; a dense store holds one shape per key"
+            )
         out[path] = value.unsqueeze(0) if batchless and isinstance(value, torch.Tensor) else value
     return out
 
@@ -99,7 +101,9 @@ class TensorDictStore(_ElementView):
                 cache_metadata=cache_metadata, readonly=readonly, ttl=ttl, _kind="dense", _batchless=not bs, **redis_kwargs,
             )  # fmt: skip
         except ValueError as err:
-            raise ValueError(f"{err} (a dense store of batch size {list(bs)} is kept as count {bs[0] if bs else 1}, inner batch size {list(bs[1:])})") from None
+            raise ValueError(
+                f"{err} (a dense store of batch size {list(bs)} is kept as count {bs[0] if bs else 1}, inner batch size {list(bs[1:])})"
+            ) from None
         self._init_view(store, ())
 
     def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
@@ -140,7 +144,9 @@ class TensorDictStore(_ElementView):
 
     # -- constructors ----------------------------------------------------------------------
     @classmethod
-    def from_tensordict(cls, td: Any, *, pbar: bool = False, ttl: float | None = None, device: Any = None, td_id: str | None = None, **kwargs: Any) -> Any:
+    def from_tensordict(
+        cls, td: Any, *, pbar: bool = False, ttl: float | None = None, device: Any = None, td_id: str | None = None, **kwargs: Any
+    ) -> Any:
         """Upload ``td`` as a new store; a lazy stack becomes a :class:`LazyStackedTensorDictStore`.
 
         A tensorclass instance is uploaded as its tensordict and its class's dotted
@@ -164,17 +170,35 @@ class TensorDictStore(_ElementView):
         if td.batch_size and td.batch_size[0] == 0:
             raise ValueError(f"batch_size {list(td.batch_size)}: a store needs at least one row along its first dim")
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
-        engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=kwargs.get("segment_bytes"), spread=kwargs.get("spread", False))
+        engine = Engine(
+            spec,
+            StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()),
+            redis_client,
+            owns_client=owned,
+            segment_bytes=kwargs.get("segment_bytes"),
+            spread=kwargs.get("spread", False),
+        )
         batchless = not td.batch_size
         upload(
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
             ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
-        store = LazyStackedTensorDictStore._from_engine(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
+        store = LazyStackedTensorDictStore._from_engine(
+            engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True)
+        )
         return cls._open_view(store)
 
     @classmethod
-    def from_dict(cls, input_dict: Any, *, batch_size: Any = None, auto_batch_size: bool = False, batch_dims: int | None = None, device: Any = None, **kwargs: Any) -> TensorDictStore:
+    def from_dict(
+        cls,
+        input_dict: Any,
+        *,
+        batch_size: Any = None,
+        auto_batch_size: bool = False,
+        batch_dims: int | None = None,
+        device: Any = None,
+        **kwargs: Any,
+    ) -> TensorDictStore:
         """A new store holding the entries of a dict (nested dicts become nested keys), uploaded in one commit."""
         if isinstance(input_dict, TensorDictBase):
             td = input_dict
@@ -322,7 +346,13 @@ class TensorDictStore(_ElementView):
     def __getitem__(self, index: Any) -> Any:
         # store[:] (a full slice of every batch dim) is the store itself, written through, as in
         # tensordict.store (torchrl's ReplayBuffer.set_/set_at_ write into it); store[:][key] reads one key
-        if self._batch_size and (index == slice(None) if isinstance(index, slice) else isinstance(index, tuple) and 0 < len(index) <= len(self._batch_size) and all(isinstance(i, slice) and i == slice(None) for i in index)):
+        if self._batch_size and (
+            index == slice(None)
+            if isinstance(index, slice)
+            else isinstance(index, tuple)
+            and 0 < len(index) <= len(self._batch_size)
+            and all(isinstance(i, slice) and i == slice(None) for i in index)
+        ):
             return self
         return super().__getitem__(index)
 
@@ -367,16 +397,26 @@ class TensorDictStore(_ElementView):
             # the copy's hash tag may map to another node, which one script cannot reach:
             # read it whole (one atomic call) and upload it (one atomic commit)
             return type(self).from_tensordict(
-                self.to_tensordict(), client=src._engine.client, prefix=src.prefix, backend=src._backend, device=src._device, segment_bytes=src._engine.segment_bytes, spread=src._engine.header.spread
+                self.to_tensordict(),
+                client=src._engine.client,
+                prefix=src.prefix,
+                backend=src._backend,
+                device=src._device,
+                segment_bytes=src._engine.segment_bytes,
+                spread=src._engine.header.spread,
             )
         keys = StoreKeys(src.prefix, new_td_id())
         header = src._engine.copy_to(keys)
         engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)
         engine.set_header(header)
-        return type(self)._open_view(LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata))
+        return type(self)._open_view(
+            LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata)
+        )
 
     # -- writes ------------------------------------------------------------------------------
-    def _write(self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> None:
+    def _write(
+        self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True, sub: dict[NestedPath, tuple[int, ...]] | None = None
+    ) -> None:
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and self.is_locked:
@@ -389,7 +429,9 @@ class TensorDictStore(_ElementView):
         # for non-tensor data) in the same call that writes these rows
         store._write(self._store_index(index), _dense_values(items, False), sub=sub)
 
-    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def _set_tuple(
+        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
+    ) -> TensorDictBase:
         path = self._under + as_path(key)
         items = leaves_of(value, 0, path)
         if inplace is True:
@@ -408,9 +450,24 @@ class TensorDictStore(_ElementView):
         if not isinstance(value, (TensorDictBase, dict)):
             raise TypeError("store[index] = value needs a TensorDict, a tensorclass, a dict of tensors or a number")
         # keys this write creates take on the extra batch dims of the value's sub-trees (a chat [5, 1])
-        self._write(leaves_of(value, 0, self._under), index, sub=subtree_dims(value, value.batch_dims, self._under) if isinstance(value, TensorDictBase) else None)
+        self._write(
+            leaves_of(value, 0, self._under),
+            index,
+            sub=subtree_dims(value, value.batch_dims, self._under) if isinstance(value, TensorDictBase) else None,
+        )
 
-    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def update(
+        self,
+        input_dict_or_td: Any,
+        clone: bool = False,
+        inplace: bool = False,
+        *,
+        non_blocking: bool = False,
+        keys_to_update: Any = None,
+        is_leaf: Any = None,
+        update_batch_size: bool = False,
+        ignore_lock: bool = False,
+    ) -> TensorDictBase:
         """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""
         items = _only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
         if inplace:
@@ -421,7 +478,9 @@ class TensorDictStore(_ElementView):
             self._write(items, replace=not inplace)
         return self
 
-    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+    def update_(
+        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
+    ) -> TensorDictBase:
         return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
 
     def _del(self, key: tuple) -> None:

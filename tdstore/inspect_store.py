@@ -411,7 +411,9 @@ def _summarise(keys: StoreKeys, header: HeaderInfo, rw: int, lengths: Iterable[i
                 dtype=leaf.dtype,
                 ndim=leaf.ndim,
                 shape=leaf.shape,
-                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments)) if leaf.col is None else leaf.element_nbytes * header.count,
+                data_bytes=sum(size[keys.data(leaf.number, k)] for k in range(header.segments))
+                if leaf.col is None
+                else leaf.element_nbytes * header.count,
                 table_bytes=sum(size[keys.offsets(leaf.number, k)] + size[keys.shapes(leaf.number, k)] for k in range(header.segments)),
                 segments=header.segments,
                 column=leaf.col,
@@ -539,7 +541,13 @@ class Audit:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"td_id": self.td_id, "intact": self.intact, "checked": self.checked, "never_written": self.never_written, "problems": list(self.problems)}
+        return {
+            "td_id": self.td_id,
+            "intact": self.intact,
+            "checked": self.checked,
+            "never_written": self.never_written,
+            "problems": list(self.problems),
+        }
 
 
 def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:

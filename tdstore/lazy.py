@@ -23,7 +23,9 @@ from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, check_device, display, gc_paused, leaves_of, subtree_dims, usable_device
 
-_LOCK_ERROR = "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
+_LOCK_ERROR = (
+    "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
+)
 
 
 class _KeysView:
@@ -33,7 +35,9 @@ class _KeysView:
     header, or from the server (one round trip) with ``cache_metadata=False``.
     """
 
-    def __init__(self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool) -> None:
+    def __init__(
+        self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool
+    ) -> None:
         snapshot = paths()
         self._paths = lambda: snapshot
         self._under = under
@@ -266,11 +270,29 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         ttl_ms = _ttl_ms(ttl)
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
-        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, readonly=readonly, segment_bytes=segment_bytes, spread=spread)
+        redis_client, spec, owned = open_client(
+            url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
+        )
+        engine = Engine(
+            spec,
+            StoreKeys(prefix, td_id or new_td_id()),
+            redis_client,
+            owns_client=owned,
+            readonly=readonly,
+            segment_bytes=segment_bytes,
+            spread=spread,
+        )
         dev = check_device(torch.device(device)) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
-        wanted = Header(version=1, count=count, stack_dim=stack_dim, inner=inner, device=str(dev) if dev is not None else "", kind=_kind, batchless=_batchless)
+        wanted = Header(
+            version=1,
+            count=count,
+            stack_dim=stack_dim,
+            inner=inner,
+            device=str(dev) if dev is not None else "",
+            kind=_kind,
+            batchless=_batchless,
+        )
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is not None:
             if existing.state != "ready":
@@ -279,7 +301,11 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
                 raise TypeError(f"the store with {engine.where()} is a {existing.kind!r} store, not a {_kind!r} one")
             mismatch = [
                 f"{name} {got!r} != stored {have!r}"
-                for name, got, have in (("count", count, existing.count), ("stack_dim", stack_dim, existing.stack_dim), ("inner_batch_size", inner, existing.inner))
+                for name, got, have in (
+                    ("count", count, existing.count),
+                    ("stack_dim", stack_dim, existing.stack_dim),
+                    ("inner_batch_size", inner, existing.inner),
+                )
                 if got != have
             ]
             if mismatch:
@@ -309,11 +335,17 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         self._last_op = None
 
     @classmethod
-    def _from_engine(cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:
+    def _from_engine(
+        cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True
+    ) -> LazyStackedTensorDictStore:
         self = cls.__new__(cls)
         h = engine.header
         # a device the caller names must exist here; the store's own (written where it was made) is used when it does
-        dev = check_device(torch.device(device)) if device is not None else (torch.device(h.device) if h.device and usable_device(h.device) else None)
+        dev = (
+            check_device(torch.device(device))
+            if device is not None
+            else (torch.device(h.device) if h.device and usable_device(h.device) else None)
+        )
         self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
         return self
 
@@ -343,7 +375,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         ``PermissionError`` before sending anything (a learner that must not write
         by mistake); it only needs read commands and ``EVALSHA`` on the server.
         """
-        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        redis_client, spec, owned = open_client(
+            url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
+        )
         engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
         engine.set_header(_fetch_existing(engine))
         if engine.header.kind != "lazy":
@@ -392,15 +426,21 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         from ._upload import upload
 
         ttl_ms = _ttl_ms(ttl)
-        redis_client, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
-        engine = Engine(spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread)
+        redis_client, spec, owned = open_client(
+            url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
+        )
+        engine = Engine(
+            spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread
+        )
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 
     @classmethod
     def from_dict(cls, *args: Any, **kwargs: Any) -> Any:
         """Not supported: a dict has no stack structure. Use :meth:`from_lazy_stack`."""
-        raise NotImplementedError(f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)")
+        raise NotImplementedError(
+            f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)"
+        )
 
     # -- identity and metadata -----------------------------------------------------------
     @property
@@ -439,7 +479,10 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             return None
         h = self._engine.header
         sp = h.stack_pos
-        return {".".join(p): ([*leaf.shape[:sp], h.count, *leaf.shape[sp:]] if leaf.shape is not None else None, leaf.dtype) for p, leaf in h.leaves.items()}
+        return {
+            ".".join(p): ([*leaf.shape[:sp], h.count, *leaf.shape[sp:]] if leaf.shape is not None else None, leaf.dtype)
+            for p, leaf in h.leaves.items()
+        }
 
     def _full_key_path(self, key: Any) -> str:
         """The dotted path of ``key`` (as ``tensordict.store`` names keys)."""
@@ -500,7 +543,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if isinstance(index, (str, tuple)) and (isinstance(index, str) or any(isinstance(i, str) for i in index)):
             return None
         if isinstance(index, (np.integer, torch.Tensor)) and not isinstance(index, bool) and getattr(index, "ndim", 0) == 0:
-            if not (isinstance(index, torch.Tensor) and (index.dtype in _index.MASK_DTYPES or index.is_floating_point() or index.is_complex())):
+            if not (
+                isinstance(index, torch.Tensor) and (index.dtype in _index.MASK_DTYPES or index.is_floating_point() or index.is_complex())
+            ):
                 index = int(index)
         if h.stack_pos == 0 and isinstance(index, int) and not isinstance(index, bool):
             if not -h.count <= index < h.count:
@@ -694,14 +739,18 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if self.is_locked and not ignore_lock and new:
             raise RuntimeError(_LOCK_ERROR)
 
-    def _write(self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None) -> None:
+    def _write(
+        self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None
+    ) -> None:
         keys = self._engine.keys
         self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace, sub=sub))
 
     def _full_index(self) -> Any:
         return (slice(None),) * len(self._batch_size) if self._batch_size else ()
 
-    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def _set_tuple(
+        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
+    ) -> TensorDictBase:
         path = as_path(key)
         items = leaves_of(value, self._engine.header.stack_pos, path)
         exists = all(p in self._engine.header.leaves for p in items)
@@ -713,7 +762,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         self._write(self._full_index(), items, replace=inplace is not True and not locked)
         return self
 
-    def _set_str(self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> TensorDictBase:
+    def _set_str(
+        self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False
+    ) -> TensorDictBase:
         return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
 
     def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
@@ -729,7 +780,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         return self
 
     def _setitem_index(self, index: Any, value: Any) -> None:
-        if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, TensorDictBase)):
+        if isinstance(value, (int, float, bool, complex)) or (
+            isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, TensorDictBase)
+        ):
             value = self._fill_value(index, value)
         elif isinstance(value, torch.Tensor):
             raise TypeError("store[index] = tensor is ambiguous; write a TensorDict (or a dict of tensors) or a number")
@@ -763,11 +816,24 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             if leaf.json:  # non-tensor keys are left as they are, as on a TensorDict
                 continue
             if leaf.het:
-                raise NotImplementedError(f"filling the heterogeneous key {display(path)!r} with a number is not supported; write tensors of each element's shape")
+                raise NotImplementedError(
+                    f"filling the heterogeneous key {display(path)!r} with a number is not supported; write tensors of each element's shape"
+                )
             out[path] = torch.full(shape + tuple(leaf.shape[len(h.inner) :]), value, dtype=leaf.dtype)  # type: ignore[index]
         return out
 
-    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def update(
+        self,
+        input_dict_or_td: Any,
+        clone: bool = False,
+        inplace: bool = False,
+        *,
+        non_blocking: bool = False,
+        keys_to_update: Any = None,
+        is_leaf: Any = None,
+        update_batch_size: bool = False,
+        ignore_lock: bool = False,
+    ) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` (covering the whole stack) in one atomic call."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
         items = _only_keys(items, keys_to_update)
@@ -781,10 +847,14 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         self._write(self._full_index(), items, replace=not inplace)
         return self
 
-    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+    def update_(
+        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
+    ) -> TensorDictBase:
         return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
 
-    def update_at_(self, input_dict_or_td: Any, idx: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+    def update_at_(
+        self, input_dict_or_td: Any, idx: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
+    ) -> TensorDictBase:
         """Write the leaves of ``input_dict_or_td`` at ``idx`` in one atomic call (existing keys only)."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
         items = _only_keys(items, keys_to_update)
@@ -924,7 +994,10 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if isinstance(td, (list, tuple)):
             if not td:
                 raise ValueError("extend got an empty list: nothing to write")
-            elements = [e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._inner_batch_size) if isinstance(e, dict) else e for e in td]
+            elements = [
+                e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._inner_batch_size) if isinstance(e, dict) else e
+                for e in td
+            ]
             bad = [type(e).__name__ for e in elements if not isinstance(e, TensorDictBase)]
             if bad:
                 raise TypeError(f"extend got a list holding {bad[0]}; it takes a list of TensorDicts (one per element)")
@@ -945,7 +1018,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
         if tuple(td.batch_size) != tuple(self._inner_batch_size):
-            raise ValueError(f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches")
+            raise ValueError(
+                f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches"
+            )
         return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout)
 
     def sample(
@@ -986,7 +1061,9 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         ``None``: as long as it takes).
         """
         if ragged and not _ragged.wanted(ragged):
-            raise TypeError(f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}")
+            raise TypeError(
+                f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}"
+            )
         if isinstance(keys, (str, tuple)):
             keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
         return _ring.sample(
@@ -1125,7 +1202,9 @@ def _fetch_existing(engine: Engine) -> Header:
         if err.args != engine.gone().args:
             raise
     keys = engine.keys
-    raise KeyError(f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)")
+    raise KeyError(
+        f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)"
+    )
 
 
 def _restore(cls: type, state: dict[str, Any]) -> Any:
@@ -1282,12 +1361,16 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         # a key the store does not have is created for every element (the others zeros or None)
         store._write(self._store_index(index), items)
 
-    def _set_tuple(self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def _set_tuple(
+        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
+    ) -> TensorDictBase:
         path = self._under + as_path(key)
         self._write(leaves_of(value, self._store._engine.header.stack_pos, path))
         return self
 
-    def _set_str(self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False) -> TensorDictBase:
+    def _set_str(
+        self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False
+    ) -> TensorDictBase:
         return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
 
     def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
@@ -1303,7 +1386,18 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
             raise TypeError("element[index] = value needs a TensorDict or a dict of tensors")
         self._write(leaves_of(value, self._store._engine.header.stack_pos, self._under), index)
 
-    def update(self, input_dict_or_td: Any, clone: bool = False, inplace: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None, is_leaf: Any = None, update_batch_size: bool = False, ignore_lock: bool = False) -> TensorDictBase:
+    def update(
+        self,
+        input_dict_or_td: Any,
+        clone: bool = False,
+        inplace: bool = False,
+        *,
+        non_blocking: bool = False,
+        keys_to_update: Any = None,
+        is_leaf: Any = None,
+        update_batch_size: bool = False,
+        ignore_lock: bool = False,
+    ) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
         items = leaves_of(input_dict_or_td, self._store._engine.header.stack_pos, self._under)
         items = _only_keys(items, keys_to_update, self._under)
@@ -1311,7 +1405,9 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
             self._write(items)
         return self
 
-    def update_(self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None) -> TensorDictBase:
+    def update_(
+        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
+    ) -> TensorDictBase:
         return self.update(input_dict_or_td, keys_to_update=keys_to_update)
 
     def _write_back(self, keys: Any, values: Any, method: str) -> None:
@@ -1338,7 +1434,9 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")
 
     def _delete_keys(self, keys: Sequence[Any]) -> Any:
-        raise RuntimeError("keys cannot be deleted from one element of a store; delete them from the store (store.exclude(..., inplace=True))")
+        raise RuntimeError(
+            "keys cannot be deleted from one element of a store; delete them from the store (store.exclude(..., inplace=True))"
+        )
 
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
         raise RuntimeError("a key cannot be renamed in one element of a store; use store.rename_key_(old, new)")

@@ -273,9 +273,7 @@ class EmbeddedServer:
         ``decode_responses`` defaults to False because tdstore stores binary
         tensor payloads; any keyword (including that one) can be overridden.
         """
-        return redis.Redis(
-            **{**self.connection_kwargs(), "decode_responses": False, **kw}
-        )
+        return redis.Redis(**{**self.connection_kwargs(), "decode_responses": False, **kw})
 
     @property
     def version(self) -> str:
@@ -358,11 +356,7 @@ class EmbeddedServer:
         """mkdtemp, falling back to /tmp if TMPDIR makes the socket path too long."""
         path = tempfile.mkdtemp(prefix="tdstore-redis-")
         sock = os.path.join(path, _SOCKET_NAME)
-        if (
-            self._unix_socket
-            and len(os.fsencode(sock)) > _MAX_UNIX_PATH
-            and os.path.isdir("/tmp")
-        ):
+        if self._unix_socket and len(os.fsencode(sock)) > _MAX_UNIX_PATH and os.path.isdir("/tmp"):
             os.rmdir(path)
             path = tempfile.mkdtemp(prefix="tdstore-redis-", dir="/tmp")
         return path
@@ -455,14 +449,9 @@ class EmbeddedServer:
             code = self._proc.poll()
             if code is not None:
                 tail = _tail(log_path, log_start)
-                raise ServerStartError(
-                    f"redis-server ({self.binary}) exited with code {code} during "
-                    f"startup; log tail:\n{tail}"
-                )
+                raise ServerStartError(f"redis-server ({self.binary}) exited with code {code} during startup; log tail:\n{tail}")
             try:
-                with redis.Redis(
-                    **kwargs, socket_timeout=1.0, socket_connect_timeout=1.0
-                ) as r:
+                with redis.Redis(**kwargs, socket_timeout=1.0, socket_connect_timeout=1.0) as r:
                     # The answer may come from somebody else's server on the
                     # same port (ours then dies with "Address already in use"):
                     # only accept it if the pid is the one we spawned.
@@ -476,8 +465,7 @@ class EmbeddedServer:
             if time.monotonic() >= deadline:
                 tail = _tail(log_path, log_start)
                 raise ServerStartError(
-                    f"redis-server ({self.binary}) did not answer PING within "
-                    f"{self._startup_timeout:g}s; log tail:\n{tail}"
+                    f"redis-server ({self.binary}) did not answer PING within {self._startup_timeout:g}s; log tail:\n{tail}"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.1)

@@ -47,7 +47,15 @@ from ._engine import DenseResult, new_td_id
 from ._values import build_td
 from .lazy import LazyStackedTensorDictStore
 
-__all__ = ["StoreStorage", "StoreWriter", "StoreSampler", "StoreSamplerWithoutReplacement", "StorePrioritizedSampler", "replay_buffer", "attach"]
+__all__ = [
+    "StoreStorage",
+    "StoreWriter",
+    "StoreSampler",
+    "StoreSamplerWithoutReplacement",
+    "StorePrioritizedSampler",
+    "replay_buffer",
+    "attach",
+]
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
@@ -109,7 +117,9 @@ class StoreStorage(_TorchrlStoreStorage):
             gets it from ``password_provider`` or ``$TDSTORE_PASSWORD``).
     """
 
-    def __init__(self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any) -> None:
+    def __init__(
+        self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any
+    ) -> None:
         self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in _SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
@@ -329,7 +339,9 @@ class StoreStorage(_TorchrlStoreStorage):
             "td_id": self._td_id,
             "max_size": self.max_size,
             "conn": {k: v for k, v in self._conn.items() if k in _PUBLIC_CONN},
-            "tensorclass": f"{self._tensorclass_type.__module__}.{self._tensorclass_type.__qualname__}" if self._tensorclass_type is not None else None,
+            "tensorclass": f"{self._tensorclass_type.__module__}.{self._tensorclass_type.__qualname__}"
+            if self._tensorclass_type is not None
+            else None,
             "is_tensor": self._is_tensor,
         }
 
@@ -341,7 +353,9 @@ class StoreStorage(_TorchrlStoreStorage):
         when this process has imported that class already (nothing is imported).
         """
         if int(state_dict["max_size"]) != self.max_size:
-            raise ValueError(f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}")
+            raise ValueError(
+                f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
+            )
         self._conn = {**state_dict.get("conn", {}), **self._conn}
         self._td_id = state_dict["td_id"]
         self._pending = None
@@ -501,7 +515,9 @@ class StoreSampler(Sampler):
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if not isinstance(storage, StoreStorage):
-            raise TypeError(f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages")
+            raise TypeError(
+                f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages"
+            )
         got = storage._call(lambda s: self._draw(storage, s, int(batch_size)))
         storage._stash(got)
         return got.indices, {}
@@ -607,7 +623,9 @@ class StorePrioritizedSampler(PrioritizedSampler):
 
     requires_shared_state = False
 
-    def __init__(self, alpha: float, beta: float, eps: float = 1e-8, *, max_times_sampled: int | None = None, timeout: float | None = None) -> None:  # noqa: D107 (no trees here)
+    def __init__(
+        self, alpha: float, beta: float, eps: float = 1e-8, *, max_times_sampled: int | None = None, timeout: float | None = None
+    ) -> None:  # noqa: D107 (no trees here)
         if alpha < 0 or beta < 0 or eps < 0:
             raise ValueError(f"alpha, beta and eps must be >= 0, got alpha={alpha}, beta={beta}, eps={eps}")
         self._alpha, self._beta, self._eps = float(alpha), float(beta), float(eps)
@@ -775,10 +793,15 @@ def replay_buffer(
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
-    return cls(storage=storage, writer=StoreWriter(track_generations=track_generations), sampler=sampler, batch_size=batch_size, **(buffer_kwargs or {}))
+    return cls(
+        storage=storage,
+        writer=StoreWriter(track_generations=track_generations),
+        sampler=sampler,
+        batch_size=batch_size,
+        **(buffer_kwargs or {}),
+    )
 
 
 def attach(td_id: str, **kwargs: Any) -> ReplayBuffer:
     """``replay_buffer(td_id=td_id, **kwargs)``: the buffer another process made, by its id."""
     return replay_buffer(td_id=td_id, **kwargs)
-

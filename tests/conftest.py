@@ -141,7 +141,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the suite with this default segment size, so that small test stores are cut into many segments",
     )
 
-
     parser.addoption(
         "--cluster-spread",
         action="store_true",

@@ -122,7 +122,9 @@ def load_tool(name: str):
 
 def stamped(stamp: int) -> TensorDict:
     """An element whose every leaf carries ``stamp`` (tokens also in their length): leaves of two writes show."""
-    return TensorDict(obs=torch.full((8,), float(stamp)), tokens=torch.full((stamp % 5 + 1,), stamp, dtype=torch.int64), stamp=torch.tensor(stamp))
+    return TensorDict(
+        obs=torch.full((8,), float(stamp)), tokens=torch.full((stamp % 5 + 1,), stamp, dtype=torch.int64), stamp=torch.tensor(stamp)
+    )
 
 
 def consistent(td: TensorDict) -> bool:

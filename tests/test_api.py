@@ -241,7 +241,12 @@ def test_keys_with_any_characters_do_not_collide(backend):
 
 
 def _write_in_child(store, i):
-    store[i] = TensorDict(obs=torch.full((4,), 42.0), done=torch.ones(1, dtype=torch.bool), nested=TensorDict(b=torch.full((3,), 42)), tokens=torch.full((7,), 42))
+    store[i] = TensorDict(
+        obs=torch.full((4,), 42.0),
+        done=torch.ones(1, dtype=torch.bool),
+        nested=TensorDict(b=torch.full((3,), 42)),
+        tokens=torch.full((7,), 42),
+    )
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
@@ -299,10 +304,14 @@ def test_lazy_results_are_lazy_stacks(backend):
 
 
 def test_handle_on_a_recreated_store_is_refused(backend):
-    a = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.full((4,), 1.5))] * 3), td_id="replay", **backend.kwargs())
+    a = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(obs=torch.full((4,), 1.5))] * 3), td_id="replay", **backend.kwargs()
+    )
     b = LazyStackedTensorDictStore.from_store(td_id="replay", **backend.kwargs())
     b.clear_redis()
-    b2 = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.arange(4, dtype=torch.int32))] * 3), td_id="replay", **backend.kwargs())
+    b2 = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(obs=torch.arange(4, dtype=torch.int32))] * 3), td_id="replay", **backend.kwargs()
+    )
     with pytest.raises(KeyError, match="created again"):
         a[0]["obs"]
     with pytest.raises(KeyError, match="created again"):
@@ -345,7 +354,9 @@ def test_urls_never_carry_secrets(real, redis_server):
             LazyStackedTensorDictStore.from_store(url=url, td_id="missing", prefix=real.prefix)
         assert "p@ss" not in str(err.value) and "p%40ss" not in str(err.value)
         store.clear_redis()
-    _, spec, _ = open_client(url="redis://u:secret@[::1]:6390/3", host="h", port=1, db=0, unix_socket_path=None, client=None, redis_kwargs={"ssl_password": "k"})
+    _, spec, _ = open_client(
+        url="redis://u:secret@[::1]:6390/3", host="h", port=1, db=0, unix_socket_path=None, client=None, redis_kwargs={"ssl_password": "k"}
+    )
     assert spec.describe() == "redis://[::1]:6390/3" and "secret" not in repr(spec) and "k" not in repr(spec.kwargs)
 
 

@@ -15,7 +15,12 @@ from tdstore import LazyStackedTensorDictStore
 
 
 def el(**over):
-    base = {"obs": torch.zeros(4), "done": torch.zeros(1, dtype=torch.bool), ("nested", "b"): torch.zeros(3, dtype=torch.int64), "tokens": torch.zeros(2, dtype=torch.int64)}
+    base = {
+        "obs": torch.zeros(4),
+        "done": torch.zeros(1, dtype=torch.bool),
+        ("nested", "b"): torch.zeros(3, dtype=torch.int64),
+        "tokens": torch.zeros(2, dtype=torch.int64),
+    }
     base.update(over)
     td = TensorDict()
     for k, v in base.items():
@@ -51,7 +56,12 @@ CASES = [
     ("element write wrong dtype", lambda s: s.__setitem__(1, el(obs=torch.zeros(4, dtype=torch.float64))), TypeError, "obs"),
     ("element write wrong ndim", lambda s: s.__setitem__(1, el(obs=torch.zeros(2, 2))), ValueError, "obs"),
     ("element write heterogeneous ndim", lambda s: s.__setitem__(1, el(tokens=torch.zeros(2, 2, dtype=torch.int64))), ValueError, "tokens"),
-    ("element write new key beside a bad one", lambda s: s.__setitem__(1, el(obs=torch.zeros(2, 2), extra=torch.zeros(1))), ValueError, "obs"),
+    (
+        "element write new key beside a bad one",
+        lambda s: s.__setitem__(1, el(obs=torch.zeros(2, 2), extra=torch.zeros(1))),
+        ValueError,
+        "obs",
+    ),
     ("element key write wrong dtype", lambda s: s[1].__setitem__("obs", torch.zeros(4, dtype=torch.int32)), TypeError, "obs"),
     ("element key write new key of junk", lambda s: s[1].__setitem__("fresh", object()), TypeError, "fresh"),
     ("element update with junk", lambda s: s[1].update({"obs": "text"}), TypeError, "obs"),
@@ -62,10 +72,25 @@ CASES = [
     ("slice write too many elements", lambda s: s.__setitem__(slice(0, 2), rows(3)), ValueError, "elements"),
     ("index write wrong count", lambda s: s.__setitem__(torch.tensor([0, 1]), rows(3)), ValueError, "elements"),
     ("mask write wrong mask length", lambda s: s.__setitem__(torch.tensor([True, False, True]), rows(2)), IndexError, "mask"),
-    ("mask write wrong count", lambda s: s.__setitem__(torch.tensor([True, False, True, False, False, False]), rows(3)), ValueError, "elements"),
+    (
+        "mask write wrong count",
+        lambda s: s.__setitem__(torch.tensor([True, False, True, False, False, False]), rows(3)),
+        ValueError,
+        "elements",
+    ),
     ("slice write wrong dtype", lambda s: s.__setitem__(slice(0, 2), rows(2, done=torch.zeros(1))), TypeError, "done"),
-    ("slice write dtype in one element only", lambda s: s.__setitem__(slice(0, 2), lazy_stack([el(), el(obs=torch.zeros(4, dtype=torch.float16))])), TypeError, "obs"),
-    ("slice write new key beside a wrong dtype", lambda s: s.__setitem__(slice(0, 2), rows(2, other=torch.zeros(1), done=torch.zeros(1))), TypeError, "done"),
+    (
+        "slice write dtype in one element only",
+        lambda s: s.__setitem__(slice(0, 2), lazy_stack([el(), el(obs=torch.zeros(4, dtype=torch.float16))])),
+        TypeError,
+        "obs",
+    ),
+    (
+        "slice write new key beside a wrong dtype",
+        lambda s: s.__setitem__(slice(0, 2), rows(2, other=torch.zeros(1), done=torch.zeros(1))),
+        TypeError,
+        "done",
+    ),
     ("set wrong batch size", lambda s: s.set("obs", torch.zeros(5, 4)), ValueError, "obs"),
     ("set new key wrong batch size", lambda s: s.set("new", torch.zeros(3)), ValueError, "new"),
     ("set_ missing key", lambda s: s.set_("nope", torch.zeros(6)), KeyError, "nope"),
@@ -174,7 +199,7 @@ def test_empty_stack_upload_raises(backend):
         ("schema", "{not json", "corrupt"),
         ("format", "999", "format"),
         ("count", "-1", "count"),
-        ("inner", "[\"a\"]", "inner"),
+        ("inner", '["a"]', "inner"),
         ("schema", '{"next": 1, "leaves": [{"path": ["x"], "n": 0, "dtype": "os.system", "ndim": 1, "shape": [2]}]}', "dtype"),
         ("schema", '{"next": 1, "leaves": [{"path": [], "n": 0, "dtype": "float32", "ndim": 1, "shape": [2]}]}', "path"),
     ],

@@ -16,8 +16,18 @@ BENCH = REPO / "tools" / "bench.py"
 EXPECTED = {
     "homogeneous": {"upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"},
     "heterogeneous": {
-        "upload", "element_read", "element_write", "shape_change_write", "batch_read", "slice_read", "full_read",
-        "padded_batch", "nested_batch", "padded_slice", "padded_full", "nested_full",
+        "upload",
+        "element_read",
+        "element_write",
+        "shape_change_write",
+        "batch_read",
+        "slice_read",
+        "full_read",
+        "padded_batch",
+        "nested_batch",
+        "padded_slice",
+        "padded_full",
+        "nested_full",
     },
     "large": {"large_read", "large_write"},
 }

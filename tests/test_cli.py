@@ -255,7 +255,14 @@ def test_info_shows_header_and_schema(capsys, url, prefix) -> None:
         rows = {line.split()[0]: line.split(None, 3) for line in table[1:]}
         assert rows["obs"][1:3] == ["float32", "homogeneous"] and rows["obs"][3].split() == ["[3]", "48", "B"]
         assert rows["meta.step"][1:3] == ["int64", "homogeneous"] and rows["meta.step"][3].split() == ["[]", "32", "B"]
-        assert rows["tokens"][1:3] == ["int32", "heterogeneous"] and rows["tokens"][3].split() == ["ndim", "1,", "shapes", "vary", "40", "B"]
+        assert rows["tokens"][1:3] == ["int32", "heterogeneous"] and rows["tokens"][3].split() == [
+            "ndim",
+            "1,",
+            "shapes",
+            "vary",
+            "40",
+            "B",
+        ]
         # --bytes: exact byte counts, no unit
         code, out, err = _run(capsys, "info", "het", "--url", url, "--prefix", prefix, "--bytes")
         assert "  bytes:            192 (data 120, heterogeneous tables 72)" in out.splitlines()
@@ -532,7 +539,9 @@ def test_human_units() -> None:
 
 
 def test_info_and_ls_of_a_dense_store_show_what_applies(capsys, url, prefix) -> None:
-    store = tdstore.TensorDictStore.from_tensordict(TensorDict(obs=torch.zeros(6, 2, 3), batch_size=[6, 2]), url=url, prefix=prefix, td_id="d")
+    store = tdstore.TensorDictStore.from_tensordict(
+        TensorDict(obs=torch.zeros(6, 2, 3), batch_size=[6, 2]), url=url, prefix=prefix, td_id="d"
+    )
     try:
         code, out, err = _run(capsys, "info", "d", "--url", url, "--prefix", prefix)
         assert code == 0, err
@@ -550,7 +559,9 @@ def test_info_and_ls_of_a_dense_store_show_what_applies(capsys, url, prefix) -> 
 
 def test_info_and_ls_of_a_spread_store_show_no_ring(capsys, redis_cluster, prefix) -> None:
     url = redis_cluster.url
-    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(12), url=url, prefix=prefix, td_id="spread", spread=True, segment_bytes=16)
+    store = LazyStackedTensorDictStore.from_lazy_stack(
+        _het_stack(12), url=url, prefix=prefix, td_id="spread", spread=True, segment_bytes=16
+    )
     ring = LazyStackedTensorDictStore(url=url, prefix=prefix, count=3, td_id="ring")
     ring.extend(TensorDict({"x": torch.ones(2)}, [2]))
     try:

@@ -40,7 +40,12 @@ def ids_on_every_node(stem: str, nodes: int = 3) -> dict[int, str]:
 
 def test_stores_spread_over_every_primary(redis_cluster):
     ids = ids_on_every_node("spread")
-    stores = [LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(20)]), url=redis_cluster.url, prefix="spread", td_id=t) for t in ids.values()]
+    stores = [
+        LazyStackedTensorDictStore.from_lazy_stack(
+            lazy_stack([stamped(i) for i in range(20)]), url=redis_cluster.url, prefix="spread", td_id=t
+        )
+        for t in ids.values()
+    ]
     for n, t in ids.items():
         node = redis_cluster.node_client(n)
         assert node.keys(f"spread:{{{t}}}*"), f"store {t} is not on node {n}"
@@ -84,7 +89,9 @@ def test_scripts_reload_after_a_flush_on_every_primary(redis_cluster):
 
 def test_element_calls_are_one_script_call_on_the_owning_node(redis_cluster):
     td_id = ids_on_every_node("count")[1]
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(10)]), url=redis_cluster.url, prefix="count", td_id=td_id)
+    s = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([stamped(i) for i in range(10)]), url=redis_cluster.url, prefix="count", td_id=td_id
+    )
     s[3] = stamped(30)
     s[3].to_tensordict()
     node = redis_cluster.node_client(1)
@@ -119,7 +126,12 @@ def test_a_primary_goes_down_and_comes_back():
     # append-only files on: a primary that restarts gets back what it acknowledged
     with EmbeddedCluster(extra_args=("--appendonly", "yes", "--appendfsync", "always")) as cluster:
         ids = ids_on_every_node("down")
-        stores = {n: LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(10)]), url=cluster.url, prefix="down", td_id=t) for n, t in ids.items()}
+        stores = {
+            n: LazyStackedTensorDictStore.from_lazy_stack(
+                lazy_stack([stamped(i) for i in range(10)]), url=cluster.url, prefix="down", td_id=t
+            )
+            for n, t in ids.items()
+        }
         stores[1][2] = stamped(21)  # acknowledged before the node goes down
         cluster.stop_node(1)
         with pytest.raises(redis.ConnectionError, match=f"td_id '{ids[1]}'"):
@@ -166,7 +178,9 @@ def test_cli_lists_inspects_and_removes_stores_on_a_cluster(redis_cluster, capsy
 
 def test_calls_go_to_the_owning_primary_and_follow_a_redirect(redis_cluster):
     ids = ids_on_every_node("route")
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(6)]), url=redis_cluster.url, prefix="route", td_id=ids[0])
+    s = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([stamped(i) for i in range(6)]), url=redis_cluster.url, prefix="route", td_id=ids[0]
+    )
     s[1] = stamped(10)
     assert s._engine._node is not None and s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
     # as after a resharding or a failover: the cached node no longer serves the slot and answers MOVED

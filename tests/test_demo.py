@@ -168,7 +168,9 @@ def test_cli_demo_on_a_spread_store(tmp_path: Path) -> None:
 
 
 def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "cluster.py"), "--seconds", "0.5"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "cluster.py"), "--seconds", "0.5"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = next(line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("url: "))
     assert url.startswith("redis+cluster://127.0.0.1:") and proc.stdout.rstrip().endswith("stopped")
@@ -193,7 +195,12 @@ def test_cli_contradictory_flags_are_refused(capsys: pytest.CaptureFixture[str])
     cases = {
         ("demo", "--spread"): "--spread spreads the store over a Redis Cluster's nodes: add --cluster",
         ("demo", "--spread", "--url", "redis://127.0.0.1:1"): "or give --url redis+cluster://HOST:PORT",
-        ("demo", "--cluster", "--url", "redis+cluster://127.0.0.1:1"): "--cluster starts an embedded cluster, so it cannot be used with --url",
+        (
+            "demo",
+            "--cluster",
+            "--url",
+            "redis+cluster://127.0.0.1:1",
+        ): "--cluster starts an embedded cluster, so it cannot be used with --url",
     }
     for argv, message in cases.items():
         assert main([*argv, "--no-progress"]) == 2, argv

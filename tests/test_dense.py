@@ -99,7 +99,9 @@ def test_key_reads_writes_and_schema_changes(pair):
     local.rename_key_("done", "finished")
     assert_same(store.to_tensordict(), local)
     key, value = store.popitem()
-    assert_same(value, local.pop(key)) if not isinstance(value, torch.Tensor) else torch.equal(value, local.pop(key))  # (the order of keys after a rename may differ from a TensorDict's)
+    assert_same(value, local.pop(key)) if not isinstance(value, torch.Tensor) else torch.equal(
+        value, local.pop(key)
+    )  # (the order of keys after a rename may differ from a TensorDict's)
     assert key not in store.keys(include_nested=True)
     assert_same(store.to_tensordict(), local)
     store.update(TensorDict(extra=torch.ones(bs), nested=TensorDict(c=torch.zeros(bs), batch_size=bs), batch_size=bs))
@@ -137,7 +139,9 @@ def test_bad_writes_raise_before_writing(pair):
     with pytest.raises(TypeError, match="obs"):
         store.set_("obs", torch.zeros(*bs, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="done"):
-        store.update({"obs": torch.zeros(*bs, 3), "done": torch.zeros(9, 9, dtype=torch.bool)}, inplace=True)  # 'done' is bad: nothing written
+        store.update(
+            {"obs": torch.zeros(*bs, 3), "done": torch.zeros(9, 9, dtype=torch.bool)}, inplace=True
+        )  # 'done' is bad: nothing written
     if bs:
         with pytest.raises(ValueError, match="one shape per key"):
             store[0] = TensorDict(obs=torch.zeros(*bs[1:], 4), batch_size=bs[1:])
@@ -185,7 +189,9 @@ def test_constructor_attaches_and_refuses_other_layouts(backend):
 def test_from_dict_and_from_schema(backend, real):
     d = TensorDictStore.from_dict({"a": torch.zeros(3, 2), "n": {"b": torch.ones(3)}}, batch_size=[3], **backend.kwargs())
     assert d.batch_size == (3,) and torch.equal(d["n", "b"], torch.ones(3))
-    s = TensorDictStore.from_schema({"obs": ([84, 84, 3], torch.uint8), ("n", "r"): ([], torch.float32)}, batch_size=[16], **backend.kwargs())
+    s = TensorDictStore.from_schema(
+        {"obs": ([84, 84, 3], torch.uint8), ("n", "r"): ([], torch.float32)}, batch_size=[16], **backend.kwargs()
+    )
     assert s["obs"].shape == (16, 84, 84, 3) and s["obs"].dtype == torch.uint8 and not s["obs"].any()
     assert s["n", "r"].shape == (16,)
     with pytest.raises(TypeError, match="dtype"):
@@ -224,7 +230,11 @@ def test_tensorclass_round_trip_by_allow_list(backend, monkeypatch):
     monkeypatch.setattr(tdstore._tensorclass, "_REGISTRY", {})  # registrations stay inside this test
     tc = Transition(obs=torch.ones(4, 2), reward=torch.arange(4.0), batch_size=[4])
     out = TensorDictStore.from_tensordict(tc, **backend.kwargs())  # the store, as tensordict.store returns
-    assert isinstance(out, TensorDictStore) and out.tensorclass_path == f"{__name__}.Transition" and torch.equal(out["reward"], torch.arange(4.0))
+    assert (
+        isinstance(out, TensorDictStore)
+        and out.tensorclass_path == f"{__name__}.Transition"
+        and torch.equal(out["reward"], torch.arange(4.0))
+    )
     td_id = out.td_id
     # not registered and not given: the name on the server is never imported; the plain store comes back
     with pytest.warns(UserWarning, match="tensorclass_cls="), mock.patch.dict(sys.modules, {__name__: None}):
@@ -276,7 +286,12 @@ def test_pickles_and_locks(backend):
         ("to_tensordict", lambda s: s.to_tensordict()),
         ("key write", lambda s: s.__setitem__("obs", torch.zeros(6, 3))),
         ("new key", lambda s: s.set("tmp", torch.zeros(6))),
-        ("row write", lambda s: s.__setitem__(2, TensorDict(obs=torch.ones(3), done=torch.ones(1, dtype=torch.bool), nested=TensorDict(b=torch.tensor(1)), batch_size=[]))),
+        (
+            "row write",
+            lambda s: s.__setitem__(
+                2, TensorDict(obs=torch.ones(3), done=torch.ones(1, dtype=torch.bool), nested=TensorDict(b=torch.tensor(1)), batch_size=[])
+            ),
+        ),
         ("fill", lambda s: s.fill_("obs", 2)),
         ("zero_", lambda s: s.zero_()),
         ("nested view write", lambda s: s["nested"].__setitem__("b", torch.zeros(6, dtype=torch.int64))),

@@ -91,7 +91,9 @@ def test_chat_subtree_keeps_its_batch_size(backend):
     for index in ((0, 0), (slice(1, 3), 0), (Ellipsis, 0), 2):
         got, want = view[index], local["chat", "prompt"][index]
         assert got.batch_size == want.batch_size
-        assert got["content"] == want["content"] if isinstance(want["content"], str) else got["content"].tolist() == want["content"].tolist()
+        assert (
+            got["content"] == want["content"] if isinstance(want["content"], str) else got["content"].tolist() == want["content"].tolist()
+        )
         assert torch.equal(got["tokens"], want["tokens"])
     assert store["chat", "prompt", "content"].tolist() == local["chat", "prompt", "content"].tolist()
 
@@ -190,7 +192,9 @@ def test_nested_tensorclass_written_as_tensordict_keeps_its_non_tensor_fields(ba
     assert store["inner", "name"] == list(local["inner", "name"]) == ["a", "zed", "c", "d", "e"]
     assert torch.equal(store["inner", "x"], local["inner", "x"])
     # a tensorclass field that is a tensorclass, uploaded whole, reads back field by field
-    outer = TensorDictStore.from_tensordict(TensorDict(inner=Inner(x=torch.ones(3, 2), name=NonTensorStack("p", "q", "r"), batch_size=[3]), batch_size=[3]), **backend.kwargs())
+    outer = TensorDictStore.from_tensordict(
+        TensorDict(inner=Inner(x=torch.ones(3, 2), name=NonTensorStack("p", "q", "r"), batch_size=[3]), batch_size=[3]), **backend.kwargs()
+    )
     assert outer["inner", "name"] == ["p", "q", "r"] and torch.equal(outer["inner", "x"], torch.ones(3, 2))
 
 
@@ -268,8 +272,12 @@ def test_tensorclass_resolution_adds_no_round_trip(real):
     client = real.client()
     client.ping()  # connected before counting
     plain = TensorDictStore.from_tensordict(TensorDict(obs=torch.zeros(2, 1), batch_size=[2]), **real.kwargs())
-    tc = round_trips(top_level_commands(real.client, lambda: TensorDictStore.from_store(td_id=store.td_id, client=client, prefix=real.prefix)))
-    pl = round_trips(top_level_commands(real.client, lambda: TensorDictStore.from_store(td_id=plain.td_id, client=client, prefix=real.prefix)))
+    tc = round_trips(
+        top_level_commands(real.client, lambda: TensorDictStore.from_store(td_id=store.td_id, client=client, prefix=real.prefix))
+    )
+    pl = round_trips(
+        top_level_commands(real.client, lambda: TensorDictStore.from_store(td_id=plain.td_id, client=client, prefix=real.prefix))
+    )
     assert tc == pl == ["hgetall"]
 
 
@@ -277,7 +285,9 @@ def test_tensorclass_resolution_adds_no_round_trip(real):
 
 
 def nested_store(backend, **kwargs):
-    return TensorDictStore.from_tensordict(TensorDict(a=torch.zeros(3, 2), nested=TensorDict(b=torch.zeros(3), batch_size=[3]), batch_size=[3]), **backend.kwargs(**kwargs))
+    return TensorDictStore.from_tensordict(
+        TensorDict(a=torch.zeros(3, 2), nested=TensorDict(b=torch.zeros(3), batch_size=[3]), batch_size=[3]), **backend.kwargs(**kwargs)
+    )
 
 
 def test_entry_class_of_a_subtree_is_the_store_class(backend):
@@ -310,12 +320,16 @@ def test_meta_cache_full_key_path_and_td_id(backend):
     expect = {"a": ([3, 2], torch.float32), "nested.b": ([3], torch.float32)}
     assert store._meta_cache == expect and store["nested"]._meta_cache == expect
     assert store._full_key_path("x") == "x" and store["nested"]._full_key_path("b") == "nested.b"
-    assert isinstance(store._td_id, str) and TensorDictStore.from_store(td_id=store._td_id, **backend.kwargs()).batch_size == torch.Size([3])
+    assert isinstance(store._td_id, str) and TensorDictStore.from_store(td_id=store._td_id, **backend.kwargs()).batch_size == torch.Size(
+        [3]
+    )
     assert nested_store(backend, cache_metadata=False)._meta_cache is None
     fresh = TensorDictStore(batch_size=[3], cache_metadata=False, **backend.kwargs())
     fresh["a"] = torch.zeros(3, 2)
     assert fresh._meta_cache is None
-    lazy = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(x=torch.zeros(i + 1), y=torch.zeros(2)) for i in range(3)]), **backend.kwargs())
+    lazy = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(x=torch.zeros(i + 1), y=torch.zeros(2)) for i in range(3)]), **backend.kwargs()
+    )
     assert lazy._meta_cache == {"x": (None, torch.float32), "y": ([3, 2], torch.float32)}
     assert LazyStackedTensorDictStore.from_store(td_id=lazy.td_id, cache_metadata=False, **backend.kwargs())._meta_cache is None
     assert lazy._full_key_path(("p", "q")) == "p.q" and lazy._tensorclass_cls is None
@@ -323,7 +337,7 @@ def test_meta_cache_full_key_path_and_td_id(backend):
 
 def test_full_slice_is_the_store_and_writes_through(backend):
     store = TensorDictStore.from_tensordict(TensorDict(obs=torch.zeros(4, 2), act=torch.zeros(4), batch_size=[4]), **backend.kwargs())
-    assert store[:] is store and store[:, ] is store
+    assert store[:] is store and store[:,] is store
     # torchrl's ReplayBuffer.set_ / set_at_ / update_ write into storage[:]
     store[:].set_("obs", torch.ones(4, 2))
     store[:].set_at_("act", torch.tensor(5.0), 2)

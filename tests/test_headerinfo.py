@@ -32,7 +32,12 @@ def _real_headers() -> dict[str, dict[str, str]]:
     kw: dict[str, Any] = {"client": client, "prefix": "hi"}
     het = lazy_stack([TensorDict(obs=torch.full((3,), float(i)), tok=torch.arange(i + 1), meta={"s": torch.tensor(i)}) for i in range(4)])
     LazyStackedTensorDictStore.from_lazy_stack(het, td_id="het", **kw)
-    inner = lazy_stack([TensorDict(img=torch.zeros(2, 3, dtype=torch.uint8), v=torch.ones(2, i + 1, dtype=torch.bfloat16), batch_size=[2]) for i in range(3)])
+    inner = lazy_stack(
+        [
+            TensorDict(img=torch.zeros(2, 3, dtype=torch.uint8), v=torch.ones(2, i + 1, dtype=torch.bfloat16), batch_size=[2])
+            for i in range(3)
+        ]
+    )
     LazyStackedTensorDictStore.from_lazy_stack(inner, td_id="inner", **kw)
     ring = LazyStackedTensorDictStore(count=5, td_id="ring", **kw)
     ring.extend(TensorDict(x=torch.ones(3, 2), done=torch.zeros(3, dtype=torch.bool), batch_size=[3]))

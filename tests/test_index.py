@@ -53,7 +53,11 @@ def test_plan_matches_torch_indexing(seed):
     n = rng.randrange(1, len(batch) + 1)
     index = tuple(random_component(rng, batch[d]) for d in range(n))
     if sum(1 for c in index if not isinstance(c, (int, slice))) > 1:
-        sizes = {len(c) if isinstance(c, list) else int(c.sum()) if c.dtype == torch.bool else c.numel() for c in index if not isinstance(c, (int, slice))}
+        sizes = {
+            len(c) if isinstance(c, list) else int(c.sum()) if c.dtype == torch.bool else c.numel()
+            for c in index
+            if not isinstance(c, (int, slice))
+        }
         if len(sizes - {1}) > 1:
             index = index[:1]  # index arrays that cannot broadcast together: an error in numpy too
     norm = _index.normalize(index, batch)
@@ -78,7 +82,15 @@ def test_two_advanced_indices_broadcast_like_torch():
 
 @pytest.mark.parametrize(
     ("index", "message"),
-    [(5, "out of range"), (-6, "out of range"), ([0, 5], "5"), (torch.tensor([True]), "mask"), ((0, 0), "too many"), (None, "None"), (1.5, "unsupported")],
+    [
+        (5, "out of range"),
+        (-6, "out of range"),
+        ([0, 5], "5"),
+        (torch.tensor([True]), "mask"),
+        ((0, 0), "too many"),
+        (None, "None"),
+        (1.5, "unsupported"),
+    ],
 )
 def test_normalize_rejects(index, message):
     with pytest.raises(IndexError, match=message):

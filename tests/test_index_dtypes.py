@@ -195,7 +195,10 @@ def test_read_follows_torch(backend, kind, case):
 def new_value(ref: TensorDictBase, het: bool) -> TensorDictBase:
     """Values to write where ``ref`` was read: every number changed (a heterogeneous key gets new lengths)."""
     if het:
-        tds = [TensorDict(pos=t["pos"] + 1000, obs=t["obs"] - 7, flag=~t["flag"], tokens=torch.arange(4 - int(t["pos"]) % 3) - 5) for t in ref.unbind(0)]
+        tds = [
+            TensorDict(pos=t["pos"] + 1000, obs=t["obs"] - 7, flag=~t["flag"], tokens=torch.arange(4 - int(t["pos"]) % 3) - 5)
+            for t in ref.unbind(0)
+        ]
         return lazy_stack(tds) if tds else ref.apply(lambda t: t)
     return TensorDict(pos=ref["pos"] + 1000, obs=ref["obs"] - 7, flag=~ref["flag"], batch_size=ref.batch_size)
 

@@ -75,7 +75,12 @@ def test_lost_key_raises_and_writes_nothing(backend, kind):
     assert st.td_id in msg and _key_of(st, kind) in msg and "tdstore check" in msg and "noeviction" in msg
     assert "script" not in msg and "user_script" not in msg  # no script hash or line
     assert _raw(backend) == before  # nothing written, nothing recreated
-    for read in (lambda: st[0:8].to_tensordict(), lambda: st.to_tensordict(), lambda: st[7].to_tensordict(), lambda: st[torch.tensor([7, 2, 7])].to_tensordict()):
+    for read in (
+        lambda: st[0:8].to_tensordict(),
+        lambda: st.to_tensordict(),
+        lambda: st[7].to_tensordict(),
+        lambda: st[torch.tensor([7, 2, 7])].to_tensordict(),
+    ):
         with pytest.raises(StoreDamagedError):
             read()
     assert isinstance(info.value, KeyError)

@@ -122,6 +122,7 @@ def test_upload_with_ttl(backend):
 def test_a_store_expires_as_a_whole(backend):
     store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=0.3, **backend.kwargs())
     assert store[1]["obs"].tolist() == [10.0, 11.0, 12.0, 13.0]
+
     def store_keys() -> list[bytes]:  # the registry entry stays (stale): `tdstore ls` skips it
         return [k for k in backend.keys() if b"{" in k]
 

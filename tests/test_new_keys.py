@@ -66,7 +66,9 @@ def test_lazy_store_first_writes_create_keys_and_shapes_may_differ(backend):
     store = LazyStackedTensorDictStore(count=5, inner_batch_size=[], **backend.kwargs())
     store[0] = TensorDict(obs=torch.ones(3), tokens=torch.arange(3))
     store[2] = TensorDict(obs=torch.full((3,), 2.0), tokens=torch.arange(5))  # another shape: heterogeneous
-    store[torch.tensor([3, 4])] = lazy_stack([TensorDict(obs=torch.ones(3), tokens=torch.arange(1)), TensorDict(obs=torch.ones(3), tokens=torch.arange(2))])
+    store[torch.tensor([3, 4])] = lazy_stack(
+        [TensorDict(obs=torch.ones(3), tokens=torch.arange(1)), TensorDict(obs=torch.ones(3), tokens=torch.arange(2))]
+    )
     assert store._engine.header.leaves[("tokens",)].het
     assert store[0]["tokens"].tolist() == [0, 1, 2] and store[2]["tokens"].tolist() == [0, 1, 2, 3, 4]
     assert store[4]["tokens"].tolist() == [0, 1] and store[1]["tokens"].tolist() == [0, 0, 0]  # never written: zeros

@@ -44,7 +44,9 @@ def test_round_trip_per_element_and_per_slice(store):
 
 
 def test_element_writes_change_one_element(store):
-    store[2] = TensorDict(obs=torch.zeros(2), text=NonTensorData("a much longer replacement text"), meta={"info": NonTensorData([1, 2])}, batch_size=[])
+    store[2] = TensorDict(
+        obs=torch.zeros(2), text=NonTensorData("a much longer replacement text"), meta={"info": NonTensorData([1, 2])}, batch_size=[]
+    )
     assert list(store["text"]) == ["step 0", "step 1", "a much longer replacement text", "step 3", "step 4"]
     assert store[2]["meta", "info"] == [1, 2] and store[3]["meta", "info"]["i"] == 3
     store.set("text", NonTensorStack.from_list([f"new {i}" for i in range(5)]))

@@ -130,7 +130,9 @@ def test_an_unpickled_store_in_a_child_uses_the_environment(server, tmp_path) ->
     _secret_free(blob.read_bytes())
     code = f"import pickle; s = pickle.loads(open({str(blob)!r}, 'rb').read()); print(s['x'].tolist())"
     env = {k: v for k, v in os.environ.items() if k != "TDSTORE_PASSWORD"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "TDSTORE_PASSWORD": PASSWORD})
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**env, "TDSTORE_PASSWORD": PASSWORD}
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "[7.0, 7.0]", proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and NEEDS in proc.stderr

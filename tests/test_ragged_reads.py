@@ -18,7 +18,9 @@ from tdstore import LazyStackedTensorDictStore
 
 
 def _local(n: int = 40) -> object:
-    return lazy_stack([TensorDict(obs=torch.full((3,), float(i)), tokens=torch.arange(i % 7 + 1, dtype=torch.int32) * (i + 1)) for i in range(n)])
+    return lazy_stack(
+        [TensorDict(obs=torch.full((3,), float(i)), tokens=torch.arange(i % 7 + 1, dtype=torch.int32) * (i + 1)) for i in range(n)]
+    )
 
 
 @pytest.fixture
@@ -39,7 +41,13 @@ PADDED = [
 def test_padded_reads_match_a_local_lazy_stack(pair, kw):
     store, local = pair
     assert torch.equal(store.get("tokens", **kw), local.get("tokens", **kw))
-    for idx in (torch.tensor([5, 1, 5, 39, 0]), [3, 4, 5], slice(2, 30, 3), torch.arange(40) % 3 == 0, torch.randint(40, (25,), generator=torch.Generator().manual_seed(1))):
+    for idx in (
+        torch.tensor([5, 1, 5, 39, 0]),
+        [3, 4, 5],
+        slice(2, 30, 3),
+        torch.arange(40) % 3 == 0,
+        torch.randint(40, (25,), generator=torch.Generator().manual_seed(1)),
+    ):
         assert torch.equal(store.get_at("tokens", idx, **kw), local[idx].get("tokens", **kw)), idx
 
 
@@ -57,7 +65,10 @@ def test_elements_ragged_beyond_their_first_dim_are_read_the_usual_way(backend):
     store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
     assert torch.equal(store.get("img", as_padded_tensor=True), local.get("img", as_padded_tensor=True))
     strided = store.get("img", as_nested_tensor=True, layout=torch.strided)
-    assert all(torch.equal(a, b) for a, b in zip(strided.unbind(), local.get("img", as_nested_tensor=True, layout=torch.strided).unbind(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(strided.unbind(), local.get("img", as_nested_tensor=True, layout=torch.strided).unbind(), strict=True)
+    )
 
 
 def test_a_padded_read_is_one_round_trip_without_a_tensor_per_element(pair, real, monkeypatch):
@@ -95,7 +106,17 @@ def test_ring_samples_as_padded_or_jagged_tensors(backend, real):
 
 @pytest.mark.ring
 def test_samples_read_only_the_keys_asked_for_and_uploads_sample_every_element(backend, real):
-    local = lazy_stack([TensorDict(obs=torch.full((3,), float(i)), act=torch.tensor(i), nested=TensorDict(b=torch.arange(2) + i), tokens=torch.arange(i % 4 + 1)) for i in range(12)])
+    local = lazy_stack(
+        [
+            TensorDict(
+                obs=torch.full((3,), float(i)),
+                act=torch.tensor(i),
+                nested=TensorDict(b=torch.arange(2) + i),
+                tokens=torch.arange(i % 4 + 1),
+            )
+            for i in range(12)
+        ]
+    )
     store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
     assert store.capacity == 12 and len(store.written) == 0  # an upload is not a ring write
     s = store.sample(64, generator=torch.Generator().manual_seed(0))  # every element, not "empty"

@@ -125,7 +125,9 @@ def test_the_docs_link_only_inside_the_repository() -> None:
         for target in link.findall(text):
             assert "://" not in target, f"{doc.relative_to(REPO)}: a link out of the repository: {target}"
             path = (doc.parent / target.split("#")[0]).resolve()
-            assert path.is_relative_to(REPO) and path.exists(), f"{doc.relative_to(REPO)}: a link to {target}, which is not a file of the repository"
+            assert path.is_relative_to(REPO) and path.exists(), (
+                f"{doc.relative_to(REPO)}: a link to {target}, which is not a file of the repository"
+            )
 
 
 def test_the_docs_tell_no_history() -> None:

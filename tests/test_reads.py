@@ -121,7 +121,13 @@ def test_empty_store_has_count_elements(backend):
 @pytest.mark.parametrize("stack_dim", [0, 1])
 @pytest.mark.parametrize(
     "index",
-    [(slice(None, None, -1), slice(None, None, -1)), (slice(None, None, -1), [0, 2]), ([1, 2], slice(None, None, -1)), (slice(2, None, -2), 1), (torch.tensor([2, 0]), slice(None, None, -2))],
+    [
+        (slice(None, None, -1), slice(None, None, -1)),
+        (slice(None, None, -1), [0, 2]),
+        ([1, 2], slice(None, None, -1)),
+        (slice(2, None, -2), 1),
+        (torch.tensor([2, 0]), slice(None, None, -2)),
+    ],
     ids=repr,
 )
 def test_reversed_slices_beside_other_indices(backend, het, stack_dim, index):
@@ -155,7 +161,9 @@ def test_scattered_batch_with_heterogeneous_and_non_tensor_keys(backend, inner):
 
     els = []
     for i in range(40):
-        td = TensorDict({"obs": torch.full((*inner, 3), float(i)), "tok": torch.arange(i % 7 + 1).expand(*inner, i % 7 + 1).clone()}, batch_size=inner)
+        td = TensorDict(
+            {"obs": torch.full((*inner, 3), float(i)), "tok": torch.arange(i % 7 + 1).expand(*inner, i % 7 + 1).clone()}, batch_size=inner
+        )
         if not inner:
             td["note"] = NonTensorData(f"element {i}")
         els.append(td)
@@ -172,7 +180,9 @@ def test_scattered_heterogeneous_batch_is_one_call(real):
     from helpers import top_level_commands
     from tensordict import lazy_stack
 
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(obs=torch.randn(4), tok=torch.arange(i % 5 + 1)) for i in range(100)]), **real.kwargs())
+    s = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(obs=torch.randn(4), tok=torch.arange(i % 5 + 1)) for i in range(100)]), **real.kwargs()
+    )
     idx = torch.randperm(100, generator=torch.Generator().manual_seed(1))[:32]
     s[idx]
     assert top_level_commands(real.client, lambda: s[idx]) == ["evalsha"]

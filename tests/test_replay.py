@@ -31,7 +31,9 @@ def rows(lo: int, n: int, het: bool = False) -> TensorDict:
         return td
     from tensordict import lazy_stack
 
-    return lazy_stack([TensorDict({"obs": td["obs"][k], "tag": td["tag"][k], "tokens": torch.arange(1 + int(t) % 4)}, []) for k, t in enumerate(tags)])
+    return lazy_stack(
+        [TensorDict({"obs": td["obs"][k], "tag": td["tag"][k], "tokens": torch.arange(1 + int(t) % 4)}, []) for k, t in enumerate(tags)]
+    )
 
 
 def chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
@@ -148,7 +150,12 @@ def test_bad_priorities_are_refused_before_anything_is_written(backend):
         store.sample(2, prioritized=True)
     assert store.write_count == 0
     store.enable_priorities()
-    for bad, match in ((-1.0, "row 0"), (float("nan"), "row 0"), ([1.0, float("inf")], "row 1"), ([1.0, 2.0, 3.0], "3 priority values for 2 rows")):
+    for bad, match in (
+        (-1.0, "row 0"),
+        (float("nan"), "row 0"),
+        ([1.0, float("inf")], "row 1"),
+        ([1.0, 2.0, 3.0], "3 priority values for 2 rows"),
+    ):
         with pytest.raises(ValueError, match=match):
             store.extend(rows(0, 2), priority=bad)
     assert store.write_count == 0
@@ -362,7 +369,10 @@ def test_plain_lua_float64_codec_matches_ieee_754():
     lua = Path(__file__).resolve().parent.parent / "lua"
     lib = (lua / "_lib.lua").read_text() + "\n" + (lua / "_tree.lua").read_text() + "\n"
     values = [0.0, 5e-324, 1e-310, 2.2250738585072014e-308, 0.1, 1 / 3, 1.0, 2.0**52 + 1, 1e300, 1.7976931348623157e308]
-    script = lib + "local out = {} for i, v in ipairs(ARGV) do local b = tds_f64_pack_plain(tonumber(v)) out[#out + 1] = b out[#out + 1] = string.format('%.17g', tds_f64_plain(b, 1)) end return out"
+    script = (
+        lib
+        + "local out = {} for i, v in ipairs(ARGV) do local b = tds_f64_pack_plain(tonumber(v)) out[#out + 1] = b out[#out + 1] = string.format('%.17g', tds_f64_plain(b, 1)) end return out"
+    )
     got = fakeredis.FakeRedis().eval(script, 0, *[repr(v) for v in values])
     for k, v in enumerate(values):
         assert got[2 * k] == struct.pack("<d", v), v
@@ -377,8 +387,16 @@ def test_info_shows_the_policy_and_pop_of_a_key_is_still_tensordicts(real):
     store.extend(rows(0, 3))
     store.enable_priorities(0.6, max_times_sampled=2)
     store.set_rate_limit(min_size=2, samples_per_insert=2.0, error_buffer=4)
-    out = subprocess.run([sys.executable, "-m", "tdstore", "info", store.td_id, "--url", real.kwargs()["url"], "--prefix", store.prefix], capture_output=True, text=True, timeout=120)
-    assert "sampling:         priorities (alpha=0.6, max_times_sampled=2), rate limit (samples_per_insert=2, min_size=2, error_buffer=4)" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "tdstore", "info", store.td_id, "--url", real.kwargs()["url"], "--prefix", store.prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        "sampling:         priorities (alpha=0.6, max_times_sampled=2), rate limit (samples_per_insert=2, min_size=2, error_buffer=4)"
+        in out.stdout
+    ), out.stdout + out.stderr
     assert store.pop("obs").shape == (10, 3) and "obs" not in store.keys()  # TensorDict's pop(key)
     assert store.pop("missing", None) is None
 

@@ -204,7 +204,12 @@ def test_ring_calls_are_one_round_trip(real):
     store.extend(batch([1, 2, 3]))
     b = batch([4, 5])
     gen = torch.Generator().manual_seed(0)
-    for fn in (lambda: store.extend(b), lambda: store.sample(16, gen), lambda: store.update_if([0, 1], [1, 1], b), lambda: store.append(element(9))):
+    for fn in (
+        lambda: store.extend(b),
+        lambda: store.sample(16, gen),
+        lambda: store.update_if([0, 1], [1, 1], b),
+        lambda: store.append(element(9)),
+    ):
         assert top_level_commands(real.client, fn) == ["evalsha"]
 
 

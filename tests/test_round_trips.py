@@ -38,7 +38,15 @@ OPS = {
     "element key read": lambda s: s[3]["obs"],
     "nested key read": lambda s: s[3]["nested", "b"],
     "element write": lambda s: s.__setitem__(3, s.prepared["el"]),
-    "shape-changing element write": lambda s: s.__setitem__(2, TensorDict(obs=torch.zeros(9), done=torch.ones(1, dtype=torch.bool), nested=TensorDict(b=torch.zeros(3, dtype=torch.int64)), **({"tokens": torch.zeros(11, dtype=torch.int64)} if "tokens" in s.keys() else {}))),
+    "shape-changing element write": lambda s: s.__setitem__(
+        2,
+        TensorDict(
+            obs=torch.zeros(9),
+            done=torch.ones(1, dtype=torch.bool),
+            nested=TensorDict(b=torch.zeros(3, dtype=torch.int64)),
+            **({"tokens": torch.zeros(11, dtype=torch.int64)} if "tokens" in s.keys() else {}),
+        ),
+    ),
     "element key write": lambda s: s[3].__setitem__("done", torch.zeros(1, dtype=torch.bool)),
     "element update": lambda s: s[3].update(TensorDict(obs=torch.zeros(4), nested=TensorDict(b=torch.ones(3, dtype=torch.int64)))),
     "slice read": lambda s: s[1:5],
@@ -55,7 +63,11 @@ OPS = {
     "index write": lambda s: s.__setitem__(torch.tensor([6, 0]), s.prepared["pair"]),
     "mask write": lambda s: s.__setitem__(torch.arange(8) < 2, s.prepared["pair"]),
     "set nested": lambda s: s.set(("nested", "c"), torch.zeros(8, 2)),
-    "update": lambda s: s.update(TensorDict(obs=torch.ones(8, 4), batch_size=[8])) if "tokens" not in s.keys() else s.update(TensorDict(done=torch.ones(8, 1, dtype=torch.bool), batch_size=[8])),
+    "update": lambda s: (
+        s.update(TensorDict(obs=torch.ones(8, 4), batch_size=[8]))
+        if "tokens" not in s.keys()
+        else s.update(TensorDict(done=torch.ones(8, 1, dtype=torch.bool), batch_size=[8]))
+    ),
     "del": lambda s: (s.set("tmp", torch.zeros(8)), s.__delitem__("tmp")),
     "rename": lambda s: s.rename_key_("done", "finished"),
     "zero_": lambda s: s.zero_(),
@@ -111,10 +123,14 @@ def test_stale_cache_costs_one_extra_round_trip(store, real):
 def test_upload_round_trips_are_bounded_by_chunks(real):
     local = lazy_stack([TensorDict(x=torch.zeros(1000)) for _ in range(50)])  # 4000 bytes per element
     holder = {}
-    cmds = top_level_commands(real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_elements=10, **real.kwargs())))
+    cmds = top_level_commands(
+        real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_elements=10, **real.kwargs()))
+    )
     assert cmds.count("setrange") == 5  # one SETRANGE per chunk and leaf
     holder.pop("s").clear_redis()
-    cmds = top_level_commands(real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_bytes=20_000, **real.kwargs())))
+    cmds = top_level_commands(
+        real.client, lambda: holder.setdefault("s", LazyStackedTensorDictStore.from_lazy_stack(local, chunk_bytes=20_000, **real.kwargs()))
+    )
     assert cmds.count("setrange") == 10  # 5 elements of 4000 bytes per chunk
     holder.pop("s").clear_redis()
 
@@ -228,7 +244,10 @@ def test_plain_scan_matches_the_general_scan():
     """The fast upload scan (plain TensorDicts, key dicts read directly) finds what the general one finds."""
     from tdstore._upload import scan, scan_plain
 
-    els = [TensorDict(a=torch.randn(2, 3), n=TensorDict(b=torch.arange(i + 1), c=TensorDict(d=torch.zeros(1, dtype=torch.int8)))) for i in range(5)]
+    els = [
+        TensorDict(a=torch.randn(2, 3), n=TensorDict(b=torch.arange(i + 1), c=TensorDict(d=torch.zeros(1, dtype=torch.int8))))
+        for i in range(5)
+    ]
     fast, slow = scan_plain(els), scan(els)
     assert fast is not None and fast[0] == slow[0]
     assert [(x.path, x.dtype, x.shapes) for x in fast[1]] == [(x.path, x.dtype, x.shapes) for x in slow[1]]

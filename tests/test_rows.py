@@ -55,11 +55,15 @@ def test_one_leaf_alone_or_an_inner_batch_size_does_not_group(backend) -> None:
     assert one._engine.header.row is None
     inner = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4, het=False, inner=(2,)), **backend.kwargs())
     assert inner._engine.header.row is None
-    big = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([TensorDict(a=torch.ones(2), img=torch.zeros(5000)) for _ in range(3)]), **backend.kwargs())
+    big = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(a=torch.ones(2), img=torch.zeros(5000)) for _ in range(3)]), **backend.kwargs()
+    )
     assert big._engine.header.row is None  # img is over the column limit, which leaves a alone
 
 
-@pytest.mark.parametrize("index", [3, slice(2, 30, 3), slice(None), [5, 1, 5, 39, 0], torch.randperm(40)[:25]], ids=["int", "step", "all", "list", "scattered"])
+@pytest.mark.parametrize(
+    "index", [3, slice(2, 30, 3), slice(None), [5, 1, 5, 39, 0], torch.randperm(40)[:25]], ids=["int", "step", "all", "list", "scattered"]
+)
 def test_reads_of_grouped_leaves_match_local(backend, index) -> None:
     store, local = _store(backend, het=False)
     assert_same(store[index] if not isinstance(index, int) else store[index].to_tensordict(), local[index])
@@ -141,7 +145,15 @@ def test_segments_cut_the_block_like_any_leaf(backend) -> None:
     idx = torch.tensor([0, 39, 4, 3, 17, 22, 8, 9, 12, 30, 31])
     assert_same(store[idx], local[idx])
     store[17] = local[2]
-    store[5] = TensorDict({"obs": torch.zeros(9), "done": torch.zeros(1, dtype=torch.bool), "nested": {"b": torch.zeros(3, dtype=torch.int64)}, "tokens": torch.zeros(2, dtype=torch.int64)}, [])
+    store[5] = TensorDict(
+        {
+            "obs": torch.zeros(9),
+            "done": torch.zeros(1, dtype=torch.bool),
+            "nested": {"b": torch.zeros(3, dtype=torch.int64)},
+            "tokens": torch.zeros(2, dtype=torch.int64),
+        },
+        [],
+    )
     for i in range(40):
         if i != 5:
             assert_same(store[i].to_tensordict(), local[2 if i == 17 else i])
@@ -149,7 +161,9 @@ def test_segments_cut_the_block_like_any_leaf(backend) -> None:
 
 
 def _ring_batch(tags: list[int]) -> object:
-    return lazy_stack([TensorDict({"obs": torch.full((4,), float(t)), "step": torch.tensor([t]), "prio": torch.tensor([0.5])}, []) for t in tags])
+    return lazy_stack(
+        [TensorDict({"obs": torch.full((4,), float(t)), "step": torch.tensor([t]), "prio": torch.tensor([0.5])}, []) for t in tags]
+    )
 
 
 @pytest.mark.ring
@@ -203,7 +217,11 @@ def test_a_bad_column_in_the_header_is_refused() -> None:
         fields["schema"] = json.dumps(bad)
         with pytest.raises(StoreFormatError):
             Header.from_fields(fields)
-    two = {**schema, "leaves": [*schema["leaves"], {"path": ["b"], "n": 1, "dtype": "int32", "ndim": 0, "shape": [], "v": 1, "col": 10}], "row": [2, 16]}
+    two = {
+        **schema,
+        "leaves": [*schema["leaves"], {"path": ["b"], "n": 1, "dtype": "int32", "ndim": 0, "shape": [], "v": 1, "col": 10}],
+        "row": [2, 16],
+    }
     fields["schema"] = json.dumps(two)
     with pytest.raises(StoreFormatError, match="overlaps"):
         Header.from_fields(fields)  # b's bytes 10..13 overlap a's 4..11
@@ -235,7 +253,9 @@ def test_one_getrange_per_row_for_a_batch_and_one_setrange_per_element(real) -> 
 
 
 def test_reads_keep_the_store_key_order(backend) -> None:
-    local = lazy_stack([TensorDict({"a": torch.ones(2) * i, "big": torch.zeros(2000) + i, "b": torch.arange(3) + i}, []) for i in range(12)])
+    local = lazy_stack(
+        [TensorDict({"a": torch.ones(2) * i, "big": torch.zeros(2000) + i, "b": torch.arange(3) + i}, []) for i in range(12)]
+    )
     store = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs())
     assert [leaf.path for leaf in store._engine.header.grouped()] == [("a",), ("b",)]  # big is too large for the block
     want = ["a", "big", "b"]

@@ -38,7 +38,21 @@ MODULES = [
 
 def _run(*options: str) -> None:
     here = Path(__file__).parent
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:warnings", "--segment-bytes", "64", *options, *(str(here / m) for m in MODULES)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:warnings",
+        "--segment-bytes",
+        "64",
+        *options,
+        *(str(here / m) for m in MODULES),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=here.parent, timeout=1200)
     assert proc.returncode == 0, f"segmented suite failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -29,7 +29,9 @@ PREFIX = "spread"
 
 def spread_store(cluster: EmbeddedCluster, n: int = 30, **kw) -> LazyStackedTensorDictStore:
     # 8 float32 + a row of int64 per element: 128-byte segments hold one or two elements
-    return LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(n)]), url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, **kw)
+    return LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([stamped(i) for i in range(n)]), url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, **kw
+    )
 
 
 def keys_per_node(cluster: EmbeddedCluster, td_id: str) -> list[list[bytes]]:
@@ -65,7 +67,9 @@ def test_a_spread_store_puts_its_segments_on_every_primary(redis_cluster):
 
 
 def test_a_spread_store_opens_on_one_server_as_any_other_store(redis_server):
-    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([stamped(i) for i in range(6)]), url=redis_server.url, prefix=PREFIX, spread=True, segment_bytes=128)
+    s = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([stamped(i) for i in range(6)]), url=redis_server.url, prefix=PREFIX, spread=True, segment_bytes=128
+    )
     assert not s._engine.header.spread  # one server: every segment is reached by one script already
     assert all(consistent(s[i].to_tensordict()) for i in range(6))
     s.clear_redis()
@@ -193,7 +197,9 @@ def _dead_keys(cluster: EmbeddedCluster, s: LazyStackedTensorDictStore) -> set[i
     """Leaf numbers that keys of the store still use on the server but its header does not."""
     h = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=cluster.url, prefix=PREFIX)._engine.header
     live = {leaf.number for leaf in h.leaves.values()} | ({h.row[0]} if h.row else set())
-    numbers = {int(k.rsplit(b":", 1)[1]) for keys in keys_per_node(cluster, s.td_id) for k in keys if k.split(b":")[-2] in (b"d", b"o", b"s")}
+    numbers = {
+        int(k.rsplit(b":", 1)[1]) for keys in keys_per_node(cluster, s.td_id) for k in keys if k.split(b":")[-2] in (b"d", b"o", b"s")
+    }
     return numbers - live
 
 
@@ -203,7 +209,9 @@ CHANGES = {
     # obs turns heterogeneous (copied to a new leaf number) while tokens and stamp are written in place
     "an element write that changes a key's layout": lambda s: s.__setitem__(6, stamped(106).set("obs", torch.full((3,), 106.0))),
     # obs gets another dtype (a new leaf) in the same call that writes tokens and stamp of every element
-    "a key retyped with others written": lambda s: s.update({"obs": torch.zeros(30, 8, dtype=torch.float64), "stamp": torch.full((30,), -1)}),
+    "a key retyped with others written": lambda s: s.update(
+        {"obs": torch.zeros(30, 8, dtype=torch.float64), "stamp": torch.full((30,), -1)}
+    ),
 }
 
 
@@ -333,8 +341,12 @@ def test_a_spread_store_outgrows_one_node():
         big = lazy_stack([TensorDict(x=row) for row in x])
         td_id = _balanced_id(cluster, 18)
         with pytest.raises(MemoryError):
-            LazyStackedTensorDictStore.from_lazy_stack(big, url=cluster.url, prefix=PREFIX, td_id=td_id, segment_bytes=2 << 20, chunk_bytes=2 << 20)
-        s = LazyStackedTensorDictStore.from_lazy_stack(big, url=cluster.url, prefix=PREFIX, td_id=td_id, spread=True, segment_bytes=2 << 20, chunk_bytes=2 << 20)
+            LazyStackedTensorDictStore.from_lazy_stack(
+                big, url=cluster.url, prefix=PREFIX, td_id=td_id, segment_bytes=2 << 20, chunk_bytes=2 << 20
+            )
+        s = LazyStackedTensorDictStore.from_lazy_stack(
+            big, url=cluster.url, prefix=PREFIX, td_id=td_id, spread=True, segment_bytes=2 << 20, chunk_bytes=2 << 20
+        )
         assert s._engine.header.segments.n == 18
         assert torch.equal(s["x"], x)
         used = [cluster.node_client(i).info("memory")["used_memory"] for i in range(3)]
@@ -437,7 +449,12 @@ def test_delete_and_expiry_wait_for_a_schema_change_in_flight(redis_cluster):
     s = spread_store(redis_cluster)
     h = s._engine.header
     # another client holds the schema lock for 0.5 s (a change under way, or one whose holder died)
-    _scripts.call(s._engine.client, "lock", [s._engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", "42", 500, h.next_leaf, h.segments.n, 0, "0"])
+    _scripts.call(
+        s._engine.client,
+        "lock",
+        [s._engine.keys.meta],
+        ["acquire", f"{h.epoch}:V{h.version}", "42", 500, h.next_leaf, h.segments.n, 0, "0"],
+    )
     t0 = time.monotonic()
     s.expire(60)
     assert 0.3 < time.monotonic() - t0 < 5  # waited for the lease, then took the lock over
@@ -446,7 +463,12 @@ def test_delete_and_expiry_wait_for_a_schema_change_in_flight(redis_cluster):
     client.close()
     assert all(50_000 < t <= 60_000 for t in ttls), ttls
     h = s._engine.header
-    _scripts.call(s._engine.client, "lock", [s._engine.keys.meta], ["acquire", f"{h.epoch}:V{h.version}", "43", 500, h.next_leaf, h.segments.n, 0, "0"])
+    _scripts.call(
+        s._engine.client,
+        "lock",
+        [s._engine.keys.meta],
+        ["acquire", f"{h.epoch}:V{h.version}", "43", 500, h.next_leaf, h.segments.n, 0, "0"],
+    )
     assert s.clear_redis() > 0 and not any(keys_per_node(redis_cluster, s.td_id))
 
 
@@ -463,7 +485,9 @@ def test_a_first_change_rolled_back_leaves_no_guard_behind(redis_cluster, monkey
     with pytest.raises(redis.ResponseError):
         s.set("obs", torch.zeros(30, 8))  # the first keys: guards are made, then rolled back
     monkeypatch.undo()
-    assert [len(k) for k in keys_per_node(redis_cluster, s.td_id)] != [] and sum(len(k) for k in keys_per_node(redis_cluster, s.td_id)) == 1  # the header only
+    assert [len(k) for k in keys_per_node(redis_cluster, s.td_id)] != [] and sum(
+        len(k) for k in keys_per_node(redis_cluster, s.td_id)
+    ) == 1  # the header only
     s.expire(3600)
     s.set("obs", torch.zeros(30, 8))
     client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])

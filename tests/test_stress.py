@@ -116,7 +116,20 @@ def test_smoke_run(tmp_path: Path) -> None:
 
 def test_segmented_run(tmp_path: Path) -> None:
     """The same mix on a store cut into many segments: batch, slice and schema calls cross them."""
-    proc, fig = run_tool(tmp_path, "--writers", "2", "--readers", "2", "--seconds", "3", "--segment-bytes", "256", "--schema-races", "--schema-interval", "0.05")
+    proc, fig = run_tool(
+        tmp_path,
+        "--writers",
+        "2",
+        "--readers",
+        "2",
+        "--seconds",
+        "3",
+        "--segment-bytes",
+        "256",
+        "--schema-races",
+        "--schema-interval",
+        "0.05",
+    )
     assert fig["server"]["segments"] > 8, fig["server"]
     assert fig["torn"] == 0 and fig["lost"] == 0 and fig["errors"] == 0, fig
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -125,7 +138,9 @@ def test_segmented_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cluster_run(tmp_path: Path) -> None:
     """The same mix on a private three-primary Redis Cluster, with a process changing the schema."""
-    proc, fig = run_tool(tmp_path, "--cluster", "--writers", "2", "--readers", "2", "--seconds", "3", "--schema-races", "--schema-interval", "0.05")
+    proc, fig = run_tool(
+        tmp_path, "--cluster", "--writers", "2", "--readers", "2", "--seconds", "3", "--schema-races", "--schema-interval", "0.05"
+    )
     assert "cluster of 3 primaries" in fig["server"]["version"]
     assert fig["torn"] == 0 and fig["lost"] == 0 and fig["errors"] == 0, fig
     assert fig["writes_total"] > 0 and fig["reads_total"] > 0

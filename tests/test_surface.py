@@ -117,7 +117,9 @@ LOCAL_ROWS = {
     "exclude": lambda t: t.exclude("obs"),
     "masked_fill": lambda t: t.masked_fill(torch.tensor([True, False, True, False, True]), 0.0),
     "where": lambda t: t.where(torch.tensor([True, False, True, False, True]), 0.0),
-    "replace": lambda t: t.replace(obs=torch.zeros(5, 4)) if "tokens" not in t.keys() else t.exclude("tokens").replace(obs=torch.zeros(5, 4)),
+    "replace": lambda t: (
+        t.replace(obs=torch.zeros(5, 4)) if "tokens" not in t.keys() else t.exclude("tokens").replace(obs=torch.zeros(5, 4))
+    ),
     "tolist": lambda t: t.tolist() if "tokens" not in t.keys() else t.exclude("tokens").tolist(),
     "contiguous": lambda t: t.contiguous(),
     "clone": lambda t: t.clone(),
@@ -130,7 +132,11 @@ LOCAL_ROWS = {
     "keys": lambda t: sorted(map(str, t.keys())),
     "keys nested": lambda t: sorted(map(str, t.keys(include_nested=True))),
     "keys leaves": lambda t: sorted(map(str, t.keys(include_nested=True, leaves_only=True))),
-    "items leaves": lambda t: sorted((str(k), v.to_tensordict() if hasattr(v, "_tdstore_reads_remote") else v) for k, v in t.items(include_nested=True, leaves_only=True) if k != "tokens")[0][1],
+    "items leaves": lambda t: sorted(
+        (str(k), v.to_tensordict() if hasattr(v, "_tdstore_reads_remote") else v)
+        for k, v in t.items(include_nested=True, leaves_only=True)
+        if k != "tokens"
+    )[0][1],
     "values": lambda t: [v for k, v in zip(t.keys(), t.values()) if k == "obs"],
     "get": lambda t: t.get("obs"),
     "get nested": lambda t: t.get(("nested", "b")),
@@ -144,7 +150,16 @@ LOCAL_ROWS = {
     "mul op": lambda t: t * 2,
     "truediv op": lambda t: t / 2,
     "neg op": lambda t: -t,
-    "torch.stack of elements": lambda t: torch.stack([t[0], t[1]]) if "tokens" not in t.keys() else lazy_stack([t[0].to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t[0], t[1].to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t[1]]),
+    "torch.stack of elements": lambda t: (
+        torch.stack([t[0], t[1]])
+        if "tokens" not in t.keys()
+        else lazy_stack(
+            [
+                t[0].to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t[0],
+                t[1].to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t[1],
+            ]
+        )
+    ),
     "torch.cat with local": lambda t: torch.cat([t, t.to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t.clone()], 0),
     "torch.stack with local": lambda t: torch.stack([t, t.to_tensordict() if hasattr(t, "_tdstore_reads_remote") else t.clone()], 0),
     "state_dict keys": lambda t: sorted(t.to_tensordict().state_dict() if hasattr(t, "_tdstore_reads_remote") else t.state_dict()),

@@ -26,10 +26,28 @@ def _certs(folder: Path) -> None:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=tdstore-test-ca")
+    run(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=tdstore-test-ca"
+    )
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (folder / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +63,18 @@ def tls_server(tmp_path_factory):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    args = ["--tls-port", str(port), "--tls-cert-file", str(folder / "server.crt"), "--tls-key-file", str(folder / "server.key"), "--tls-ca-cert-file", str(folder / "ca.crt"), "--tls-auth-clients", "no"]
+    args = [
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(folder / "server.crt"),
+        "--tls-key-file",
+        str(folder / "server.key"),
+        "--tls-ca-cert-file",
+        str(folder / "ca.crt"),
+        "--tls-auth-clients",
+        "no",
+    ]
     try:
         srv = EmbeddedServer(binary=binary, extra_args=args).start()
     except ServerStartError as err:
@@ -96,8 +125,12 @@ def test_read_transactions_over_tls(tls_server):
 
 def test_wrong_credentials_give_a_clear_error(tls_server):
     srv, port, folder = tls_server
-    with pytest.raises(redis.AuthenticationError, match=rf"the server at rediss://127.0.0.1:{port}/0 needs a password \(or the one given is wrong\)"):
-        LazyStackedTensorDictStore(url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls")
+    with pytest.raises(
+        redis.AuthenticationError, match=rf"the server at rediss://127.0.0.1:{port}/0 needs a password \(or the one given is wrong\)"
+    ):
+        LazyStackedTensorDictStore(
+            url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls"
+        )
     with pytest.raises(redis.ConnectionError):
         # a client that does not trust the server's certificate refuses the connection
         LazyStackedTensorDictStore(url=f"rediss://actor:s3cret@127.0.0.1:{port}/0", count=2, prefix="tls")
@@ -107,7 +140,9 @@ def test_wrong_credentials_give_a_clear_error(tls_server):
 def test_store_on_a_plain_acl_user(redis_server):
     admin = redis_server.client()
     admin.execute_command("ACL", "SETUSER", "plain", "on", ">pw1", "~*", "+@all")
-    store = LazyStackedTensorDictStore(unix_socket_path=redis_server.unix_socket_path, username="plain", password="pw1", count=2, prefix="acl")
+    store = LazyStackedTensorDictStore(
+        unix_socket_path=redis_server.unix_socket_path, username="plain", password="pw1", count=2, prefix="acl"
+    )
     store.set("x", torch.ones(2))
     assert store["x"].tolist() == [1.0, 1.0]
     assert "pw1" not in repr(store) and b"pw1" not in pickle.dumps(store)

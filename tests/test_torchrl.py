@@ -385,7 +385,9 @@ def torchrl_store(monkeypatch, tcp_server):
     monkeypatch.setattr(tensordict.store, "TensorDictStore", tdstore.TensorDictStore)
     from torchrl.data.replay_buffers.storages.store import StoreStorage as TorchrlStoreStorage
 
-    return lambda n: TorchrlStoreStorage(n, host="127.0.0.1", port=tcp_server.port)  # the default prefix: its load_state_dict drops every other keyword
+    return lambda n: TorchrlStoreStorage(
+        n, host="127.0.0.1", port=tcp_server.port
+    )  # the default prefix: its load_state_dict drops every other keyword
 
 
 def test_torchrls_store_storage_over_tdstore(torchrl_store):
@@ -418,7 +420,23 @@ def test_torchrls_store_storage_over_tdstore_tensorclass_and_samplers(torchrl_st
 def test_benchmark_smoke():
     """A tiny run of tools/torchrl_bench.py as a script (its actors are spawned processes); no speed is asserted."""
     tool = Path(__file__).resolve().parent.parent / "tools" / "torchrl_bench.py"
-    args = ["--max-size", "200", "--fill", "100", "--chunk", "25", "--batch", "16", "--reps", "1", "--samples", "3", "--actors", "2", "--json"]
+    args = [
+        "--max-size",
+        "200",
+        "--fill",
+        "100",
+        "--chunk",
+        "25",
+        "--batch",
+        "16",
+        "--reps",
+        "1",
+        "--samples",
+        "3",
+        "--actors",
+        "2",
+        "--json",
+    ]
     run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
@@ -436,6 +454,25 @@ def test_demo_through_a_torchrl_replay_buffer():
 
 
 def test_demo_torchrl_flag_on_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "tdstore", "demo", "--torchrl", "--actors", "1", "--count", "16", "--seconds", "0.5", "--no-progress", "--json"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tdstore",
+            "demo",
+            "--torchrl",
+            "--actors",
+            "1",
+            "--count",
+            "16",
+            "--seconds",
+            "0.5",
+            "--no-progress",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert '"ok": true' in out.stdout

@@ -46,7 +46,9 @@ def test_getranges_are_packed_byte_for_byte_as_redis_py_packs_them() -> None:
 
 def test_getranges_are_chunked_and_empty_ranges_skipped() -> None:
     conn = redis.Connection()
-    body, counts = _wire.pack_chunked_getranges([[("a", _i64(0, 50), _i64(25, 0))], [("b", _i64(3), _i64(10))], [("c", _i64(), _i64())]], 10)
+    body, counts = _wire.pack_chunked_getranges(
+        [[("a", _i64(0, 50), _i64(25, 0))], [("b", _i64(3), _i64(10))], [("c", _i64(), _i64())]], 10
+    )
     pieces = [("a", 0, 9), ("a", 10, 19), ("a", 20, 24), ("b", 3, 12)]
     assert body == b"".join(b"".join(conn.pack_command("GETRANGE", k, s, e)) for k, s, e in pieces)
     assert counts == [3, 1, 0]  # an empty range is no command (GETRANGE k 0 -1 would read the whole value)
@@ -54,7 +56,9 @@ def test_getranges_are_chunked_and_empty_ranges_skipped() -> None:
 
 def _client(real, parser_class: type | None = None, **kw) -> redis.Redis:
     if parser_class is not None:
-        pool = redis.ConnectionPool(connection_class=redis.UnixDomainSocketConnection, path=real.server.unix_socket_path, parser_class=parser_class, **kw)
+        pool = redis.ConnectionPool(
+            connection_class=redis.UnixDomainSocketConnection, path=real.server.unix_socket_path, parser_class=parser_class, **kw
+        )
         return redis.Redis(connection_pool=pool)
     return redis.Redis(unix_socket_path=real.server.unix_socket_path, **kw)
 
@@ -118,7 +122,9 @@ def test_a_large_reply_arrives_in_many_reads(real) -> None:
 
 
 def _rows_store(backend, n: int = 500):
-    local = lazy_stack([TensorDict(obs=torch.randn(8), act=torch.tensor([i, -i]), nested=TensorDict(b=torch.arange(3) + i)) for i in range(n)])
+    local = lazy_stack(
+        [TensorDict(obs=torch.randn(8), act=torch.tensor([i, -i]), nested=TensorDict(b=torch.arange(3) + i)) for i in range(n)]
+    )
     return LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs()), local
 
 

@@ -56,7 +56,11 @@ def test_element_key_write_and_update(setup):
     check(store, model)
 
 
-@pytest.mark.parametrize("index", [slice(1, 4), slice(0, 6, 2), slice(5, 0, -2), [4, 1], torch.tensor([0, 5]), torch.tensor([True, False, False, True, False, True])], ids=repr)
+@pytest.mark.parametrize(
+    "index",
+    [slice(1, 4), slice(0, 6, 2), slice(5, 0, -2), [4, 1], torch.tensor([0, 5]), torch.tensor([True, False, False, True, False, True])],
+    ids=repr,
+)
 def test_index_writes(setup, index):
     het, store, model = setup
     ids = list(range(6))

@@ -49,7 +49,10 @@ def main() -> None:
     ap.add_argument("--alternatives", action="store_true", help="also measure other ways a script could fetch the rows")
     args = ap.parse_args()
     with EmbeddedServer(binary=args.binary or find_redis_server()) as srv:
-        els = [TensorDict(obs=torch.randn(64), action=torch.randn(4), reward=torch.randn(1), nested=TensorDict(b=torch.arange(3))) for _ in range(args.count)]
+        els = [
+            TensorDict(obs=torch.randn(64), action=torch.randn(4), reward=torch.randn(1), nested=TensorDict(b=torch.arange(3)))
+            for _ in range(args.count)
+        ]
         store = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(els), url=srv.url)
         client = srv.client()
         gen = torch.Generator().manual_seed(0)
@@ -78,7 +81,9 @@ def main() -> None:
             calls = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "exec"))
             usec = sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
             kind = "+".join(c.upper() for c in ("evalsha", "exec") if f"cmdstat_{c}" in stats)
-            print(f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), server CPU {cpu:6.2f} ms per read")
+            print(
+                f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), server CPU {cpu:6.2f} ms per read"
+            )
         if args.reference:
             _versus_reference(srv, lazy_stack(els), store, batches)
         if args.alternatives:
@@ -101,7 +106,10 @@ def _alternatives(client: redis.Redis, count: int, batches: list[torch.Tensor]) 
     client.set("tdstore-alt:rows", row * count)
     for start in range(0, count, 1000):
         client.hset("tdstore-alt:hash", mapping={str(i): row for i in range(start, min(count, start + 1000))})
-    per_row = {"string": client.memory_usage("tdstore-alt:rows") / count, "hash": client.memory_usage("tdstore-alt:hash", samples=0) / count}
+    per_row = {
+        "string": client.memory_usage("tdstore-alt:rows") / count,
+        "hash": client.memory_usage("tdstore-alt:hash", samples=0) / count,
+    }
     print(f"memory per 300-byte row: {per_row['string']:.0f} B as one string, {per_row['hash']:.0f} B in a hash")
     packed = [b.numpy().astype("<i8").tobytes() for b in batches]
     for label, source in _FETCH.items():

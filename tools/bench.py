@@ -93,8 +93,18 @@ GiB = 1 << 30
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"),
     "heterogeneous": (
-        "upload", "element_read", "element_write", "batch_read", "slice_read", "full_read",
-        "padded_batch", "nested_batch", "padded_slice", "padded_full", "nested_full", "shape_change_write",
+        "upload",
+        "element_read",
+        "element_write",
+        "batch_read",
+        "slice_read",
+        "full_read",
+        "padded_batch",
+        "nested_batch",
+        "padded_slice",
+        "padded_full",
+        "nested_full",
+        "shape_change_write",
     ),
     "large": ("large_read", "large_write"),
 }

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
     with EmbeddedCluster(nodes=args.nodes, binary=args.binary) as cluster:
-        print(f"Redis Cluster of {args.nodes} primaries (redis-server {cluster.version}) ready in {time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"Redis Cluster of {args.nodes} primaries (redis-server {cluster.version}) ready in {time.monotonic() - t0:.1f} s", flush=True
+        )
         print(f"url: {cluster.url}", flush=True)
         print(f"ports: {' '.join(map(str, cluster.ports))}", flush=True)
         end = None if args.seconds is None else time.monotonic() + args.seconds

@@ -54,7 +54,9 @@ def measure(url: str, het: bool, calls: int, count: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--binary", default=None, help="redis-server to start (default: /usr/bin/redis-server if present, else find_redis_server())")
+    ap.add_argument(
+        "--binary", default=None, help="redis-server to start (default: /usr/bin/redis-server if present, else find_redis_server())"
+    )
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--count", type=int, default=10_000)
     args = ap.parse_args()

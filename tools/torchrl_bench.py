@@ -54,7 +54,12 @@ IN_MEMORY = "LazyTensorStorage"
 def chunks(fill: int, chunk: int, seed: int = 0) -> list[TensorDict]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        TensorDict(obs=torch.randn(chunk, 64, generator=gen), action=torch.randn(chunk, 4, generator=gen), reward=torch.randn(chunk, 1, generator=gen), batch_size=[chunk])
+        TensorDict(
+            obs=torch.randn(chunk, 64, generator=gen),
+            action=torch.randn(chunk, 4, generator=gen),
+            reward=torch.randn(chunk, 1, generator=gen),
+            batch_size=[chunk],
+        )
         for _ in range(fill // chunk)
     ]
 
@@ -184,9 +189,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rb.storage._store.clear_redis()
 
         contenders = [
-            Contender(IN_MEMORY, lambda: ReplayBuffer(storage=LazyTensorStorage(M), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B)),
+            Contender(
+                IN_MEMORY,
+                lambda: ReplayBuffer(storage=LazyTensorStorage(M), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B),
+            ),
             Contender(f"{IN_MEMORY}, TensorDictReplayBuffer", lambda: TensorDictReplayBuffer(storage=LazyTensorStorage(M), batch_size=B)),
-            Contender(REFERENCE, lambda: ReplayBuffer(storage=TorchrlStoreStorage(M, **ref_conn), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B), ref_cleanup),
+            Contender(
+                REFERENCE,
+                lambda: ReplayBuffer(
+                    storage=TorchrlStoreStorage(M, **ref_conn), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B
+                ),
+                ref_cleanup,
+            ),
             Contender("tdstore.torchrl", lambda: replay_buffer(M, batch_size=B, tensordict=False, **conn), ours_cleanup),
             Contender("tdstore.torchrl, TensorDictReplayBuffer", lambda: replay_buffer(M, batch_size=B, **conn), ours_cleanup),
         ]
@@ -233,16 +247,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         print(json.dumps(result, indent=1))
         return result
-    print(f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; {args.reps} reps x {args.samples} samples, interleaved")
+    print(
+        f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; {args.reps} reps x {args.samples} samples, interleaved"
+    )
     print(f"redis-server {version} over {result['server']['transport']}; PING median {result['server']['ping_ms']:.3f} ms")
     print()
     print(f"| storage | fill {args.fill:,} ms | sample {B} ms | sample vs in-memory | fill: reference / this |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | {r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |")
+        print(
+            f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | {r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |"
+        )
     a = result["actors"]
     print()
-    print(f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = {a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)")
+    print(
+        f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = {a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)"
+    )
     return result
 
 
