@@ -92,6 +92,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             spread=args.spread,
             torchrl=args.torchrl,
+            replay=args.replay,
         )
     except ServerUnreachable as err:
         print(f"tdstore demo: error: {err}", file=sys.stderr)
@@ -576,6 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--torchrl",
         action="store_true",
         help="go through a torchrl replay buffer (tdstore.torchrl): actors extend it, the learner samples it (needs torchrl)",
+    )
+    demo.add_argument(
+        "--replay",
+        action="store_true",
+        help="use the store as a prioritized, rate-limited replay buffer: actors extend it with priorities, the learner samples by priority and updates them",
     )
     demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
     demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")

@@ -26,7 +26,11 @@ check that an element sits where its writer put it, and at the end the final
 content is compared with the last write of each actor to each slot (a lost or
 misplaced write shows up there).
 
-With ``torchrl=True`` (``tdstore demo --torchrl``) the same run goes through a torchrl
+With ``replay=True`` (``tdstore demo --replay``) the store is a ring of ``count`` slots used
+as a prioritized, rate-limited replay buffer: each actor attaches by ``td_id`` and
+``extend``s it with a priority (the server picks the slots), and the learner samples by
+priority and writes priorities back (``update_priority``) under Reverb's samples-per-insert
+limiter, held on the server.  With ``torchrl=True`` (``tdstore demo --torchrl``) the same run goes through a torchrl
 replay buffer (:func:`tdstore.torchrl.replay_buffer`): the store is a ring of ``count``
 slots, each actor attaches to it by ``td_id`` and ``extend``s it (the server picks the
 slots), and the learner calls ``rb.sample()``.  The buffer is prioritized on the server
@@ -358,6 +362,49 @@ def _write_until_stopped(
     results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
 
 
+def _replay_actor_main(
+    url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any
+) -> None:
+    """One actor of the replay demo: attach to the ring by ``td_id`` and ``extend`` it with a priority.
+
+    As in the torchrl demo, the server picks each write's slot and the actor records it. The
+    rate limiter may hold an ``extend`` until the learner has sampled enough.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        store = LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id=td_id)
+
+        def write(seq: int) -> int:
+            return int(store.extend(lazy_stack([make_element(actor, seq)]), priority=1.0 + seq % 3).indices[0])
+
+        _write_until_stopped(write, len(store), actor, seconds, start, stop, counter, results)
+    except BaseException:
+        results.put(("error", actor, traceback.format_exc()))
+
+
+class _RingLearner:
+    """The learner's side of ``tdstore demo --replay``: the calls the demo's loop makes on a torchrl
+    buffer, made on the store itself (``sample`` by priority, ``update_priority`` where not overwritten)."""
+
+    def __init__(self, store: LazyStackedTensorDictStore, batch: int) -> None:
+        self.store, self.batch = store, batch
+        self.sampler = self  # the loop sets ``rb.sampler.timeout``
+        self.timeout: float | None = None
+        self._gen: torch.Generator | None = None
+        self._last: Any = None
+
+    def set_rng(self, gen: torch.Generator) -> None:
+        self._gen = gen
+
+    def sample(self) -> TensorDictBase:
+        s = self.store.sample(self.batch, self._gen, beta=0.4, timeout=self.timeout)
+        self._last = s
+        return s.td.set("index", s.indices)
+
+    def update_tensordict_priority(self, td: TensorDictBase) -> None:
+        self.store.update_priority(self._last.indices, td.get("td_error"), generation=self._last.generations)
+
+
 def _torchrl_actor_main(
     url: str, prefix: str, td_id: str, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any
 ) -> None:
@@ -511,6 +558,7 @@ def _check_args(
     cluster: bool = False,
     spread: bool = False,
     torchrl: bool = False,
+    replay: bool = False,
 ) -> None:
     """Refuse nonsense and contradictions early, before a server is started or a process spawned."""
     for name, value in (("actors", actors), ("count", count), ("batch", batch)):
@@ -526,8 +574,10 @@ def _check_args(
         raise ValueError(
             "--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT"
         )
-    if torchrl and spread:
-        raise ValueError("--torchrl uses the store as a ring, whose calls need one slot: not with --spread")
+    if torchrl and replay:
+        raise ValueError("--torchrl and --replay are two ways to run the replay demo: pick one")
+    if (torchrl or replay) and spread:
+        raise ValueError(f"--{'torchrl' if torchrl else 'replay'} uses the store as a ring, whose calls need one slot: not with --spread")
     if torchrl:
         try:
             import torchrl as _  # noqa: F401
@@ -549,6 +599,7 @@ def run_demo(
     cluster: bool = False,
     spread: bool = False,
     torchrl: bool = False,
+    replay: bool = False,
 ) -> dict[str, Any]:
     """Run the concurrent write/sample demo and return its figures.
 
@@ -569,6 +620,9 @@ def run_demo(
         seed: seed of the learner's sampling.
         torchrl: go through a torchrl replay buffer (``tdstore.torchrl``): actors
             ``extend`` it, the learner calls ``sample()``.
+        replay: the same replay buffer on the store's own calls (no torchrl): actors
+            ``extend(td, priority=...)``, the learner ``sample``s by priority and writes back
+            ``update_priority``, under a rate limiter.
 
     Returns:
         The figures: ``writes``, ``writes_per_s``, ``reads`` (batches),
@@ -580,7 +634,7 @@ def run_demo(
         ServerUnreachable: ``url`` does not answer.
         DemoError: an actor failed or did not start.
     """
-    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread, torchrl=torchrl)
+    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread, torchrl=torchrl, replay=replay)
     out = sys.stdout if out is None else out
     say = _Status(progress, sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -614,6 +668,13 @@ def run_demo(
             # rows per row inserted; actors run at most two laps ahead of that, the learner never ahead
             uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
             where += ", through a prioritized, rate-limited torchrl replay buffer (tdstore.torchrl)"
+        elif replay:
+            uploaded = LazyStackedTensorDictStore(count=count, url=url, prefix=prefix)
+            uploaded.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
+            uploaded.enable_priorities(alpha=0.6)
+            uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
+            rb = _RingLearner(uploaded, batch)
+            where += ", as a prioritized, rate-limited replay buffer (extend, sample, update_priority)"
         else:
             uploaded = LazyStackedTensorDictStore.from_lazy_stack(initial_stack(count), url=url, prefix=prefix, **layout)
         if uploaded._engine.header.spread:
@@ -637,6 +698,7 @@ def run_demo(
                 rb=rb,
                 url=url,
                 prefix=prefix,
+                actor_main=_torchrl_actor_main if torchrl else _replay_actor_main,
             )
         figures["keys_deleted"] = store.clear_redis()
     _print_summary(figures, out)
@@ -665,11 +727,13 @@ def _run(
     rb: Any = None,
     url: str = "",
     prefix: str = DEFAULT_PREFIX,
+    actor_main: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
     """Start the actors, sample as the learner, collect and verify; always stops the actors.
 
-    With ``rb`` (a tdstore.torchrl replay buffer on ``store``), the actors attach to it
-    by td_id and extend it, and the learner samples it with ``rb.sample()``.
+    With ``rb`` (a tdstore.torchrl replay buffer on ``store``, or a ``_RingLearner``), the
+    actors (``actor_main``) attach to it by td_id and extend it, and the learner samples it
+    with ``rb.sample()``.
     """
     placed = rb is None
     ctx = mp.get_context("spawn")
@@ -678,7 +742,7 @@ def _run(
     counters = [ctx.RawValue("q", 0) for _ in range(actors)]
     procs = [
         ctx.Process(
-            target=_actor_main if placed else _torchrl_actor_main,
+            target=_actor_main if placed else (actor_main or _torchrl_actor_main),
             args=(store, a, seconds, start, stop, counters[a], results)
             if placed
             else (redact_url(url), prefix, store.td_id, a, seconds, start, stop, counters[a], results),
@@ -731,7 +795,7 @@ def _run(
                 bar.update(now - t0, sum(c.value for c in counters), reads, torn)
         read_time = time.monotonic() - t0
         if rb is not None:
-            rb.storage._store.clear_rate_limit()  # actors held by the limiter go on, and see stop
+            store.clear_rate_limit()  # actors held by the limiter go on, and see stop
         stop.set()
         done = _collect(procs, results)
         assert bar is not None

@@ -118,6 +118,20 @@ def test_run_demo_in_process(redis_server: EmbeddedServer) -> None:
     assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
 
 
+def test_run_demo_as_a_prioritized_rate_limited_replay_buffer(redis_server: EmbeddedServer) -> None:
+    """``--replay``: actors extend the ring with priorities, the learner samples by priority and
+    updates them, under the server's samples-per-insert limiter; every element checked, none left."""
+    prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
+    out = io.StringIO()
+    figures = run_demo(url=redis_server.url, actors=2, count=32, seconds=1.0, batch=16, prefix=prefix, progress=False, out=out, replay=True)
+    assert figures["ok"] and figures["torn"] == 0 and figures["verified"] == 32 and figures["lost_writes"] == 0
+    assert "prioritized, rate-limited" in figures["server"] and figures["samples_per_insert"] > 0
+    assert redis_server.client().keys(f"{prefix}:*") == []
+    assert "rows sampled per row written" in out.getvalue()
+    with pytest.raises(ValueError, match="pick one"):
+        run_demo(replay=True, torchrl=True, progress=False)
+
+
 def _cli_demo(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """``python -m tdstore demo`` on 2 actors, 32 elements, 1 s, JSON out, in a subprocess; it must succeed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
