@@ -220,10 +220,6 @@ def wait_or_raise(engine: Engine, attempt: Any, timeout: float | None, may_wait:
         return _waiting.until_ready(engine, attempt, timeout, what)
 
 
-def decode_slots(reply: list) -> torch.Tensor:
-    return torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
-
-
 def probabilities(reply: list) -> tuple[torch.Tensor, float]:
     """The rows' probabilities and the smallest probability, from a 'P' op's reply pieces (float64)."""
     probs = torch.from_numpy(np.frombuffer(reply[4], dtype="<f8").astype(np.float64))
