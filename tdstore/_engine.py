@@ -313,9 +313,9 @@ class Engine:
 
     def command(self, *args: Any) -> Any:
         """One plain command on the handle's held connection (the raw reply, no redis-py callbacks)."""
-        return self._execute(self.client, *args)
+        return self.execute(self.client, *args)
 
-    def _execute(self, client: Any, *args: Any) -> Any:
+    def execute(self, client: Any, *args: Any) -> Any:
         """One command on the handle's held connection; on Redis Cluster, to the primary that serves the store.
 
         Every key of a store lives in one slot (of a spread store: its header and segment 0,
@@ -486,7 +486,7 @@ class Engine:
                     out.fields = call.field_values
                 return out
             self._check_argument_sizes(call)
-            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self._execute)
+            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self.execute)
             status = reply[0]
             if status == b"OK":
                 return call.parse(reply)
@@ -578,7 +578,7 @@ class Engine:
         return self._run_with_script_reads(plan)
 
     @property
-    def _tx_reads(self) -> bool:
+    def tx_reads(self) -> bool:
         """Whether this thread's dense reads go as transactions now (see ``transactions``)."""
         return self.transactions and not getattr(self._script_reads, "on", False)
 
@@ -691,7 +691,7 @@ class Engine:
         return pieces
 
     def _transact(self, body: bytes, n_commands: int) -> list | None:
-        """A transaction of packed commands on the held connection (see ``_execute``); None to go through redis-py instead."""
+        """A transaction of packed commands on the held connection (see ``execute``); None to go through redis-py instead."""
         if not self.spec.cluster:
             return self._held.transaction(self.client, body, n_commands)
         return self._on_store_node(self.client, lambda node: self._held.transaction(node, body, n_commands), lambda: None)
@@ -920,7 +920,7 @@ class Engine:
         if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
             uniq, inverse = flat, None  # one contiguous run, already in order
         elif (
-            self._tx_reads
+            self.tx_reads
             and SCATTERED_MIN_ROWS <= flat.size
             and flat.size * len(leaves) <= TX_MAX_RANGES
             and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size
@@ -939,7 +939,7 @@ class Engine:
         feats = []
         row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
         # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
-        tx = self._tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
+        tx = self.tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
         ranges: list[list[_wire.Piece]] = []
         # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
         by_rows = (

@@ -464,7 +464,7 @@ def sample(
             f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it"
         )
     chosen = _selected(h, keys)
-    if not by_policy and engine.ring_full and engine._tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
+    if not by_policy and engine.ring_full and engine.tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
         # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
         # (and the policy field: a policy set since this header was read sends the sample through read.lua)

@@ -276,7 +276,7 @@ def guard_fields(h: Header) -> dict[str, str]:
 
 
 def release(engine: Engine, token: str) -> None:
-    _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine._execute)
+    _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine.execute)
 
 
 def _token() -> str:
@@ -392,7 +392,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     token = _token()
     check = f"{h.epoch}:V{h.version}"
     reply = _scripts.call(
-        engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine._execute
+        engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine.execute
     )
     status = reply[0]
     if status != b"OK":
@@ -467,7 +467,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
         ]
         sent = True  # from here on the commit may have run even when no reply says so
         try:
-            reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine._execute)
+            reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine.execute)
         except BaseException:
             if _commit_outcome(engine, h, new, token) is not True:
                 raise
@@ -641,7 +641,7 @@ def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[An
         "lock",
         [engine.keys.meta],
         ["acquire", f"{h.epoch}:V{h.version}", token, LEASE_MS, h.next_leaf, h.segments.n, 0, "1"],
-        engine._execute,
+        engine.execute,
     )
     if reply[0] == b"STALE":
         engine.adopt_stale(reply)
@@ -686,7 +686,7 @@ def clear(engine: Engine, h: Header) -> Any:
         keys = engine.keys
         # the header goes last, and the lock with it
         reply = _scripts.call(
-            engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine._execute
+            engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine.execute
         )
     except BaseException:
         release(engine, token)
@@ -720,7 +720,7 @@ def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
             "expire",
             [keys.meta, *keys.segment_keys(h.next_leaf, 0)],
             [f"{h.epoch}:V{h.version}", ttl_ms, at],
-            engine._execute,
+            engine.execute,
         )
         if reply[0] == b"GONE":
             raise engine.gone()

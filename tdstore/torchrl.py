@@ -529,7 +529,7 @@ class StoreSampler(Sampler):
         m = h.count
         if self._bound_of != (storage._td_id, storage._reopens):
             self._bound_of, self._bound = (storage._td_id, storage._reopens), 0
-        if engine._tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
+        if engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
             if self._bound == 0:
                 self._bound = s.ring_state().written
             if self._bound > 0:
