@@ -333,6 +333,20 @@ def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
     return torch.where(t < 0, t + count, t)
 
 
+def generations_arg(generation: Any, n: int, what: str) -> torch.Tensor:
+    """The generations a caller gives for ``n`` slots as a 1-D int64 tensor (``TypeError`` for a
+    non-integer dtype, ``ValueError`` for another count or a negative one)."""
+    g = _int_tensor(generation)
+    if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
+        raise TypeError(f"generations must be integers, got {g.dtype}")
+    gens = g.reshape(-1).to(torch.int64)
+    if gens.numel() != n:
+        raise ValueError(f"{what} got {n} slots and {gens.numel()} generations")
+    if bool((gens < 0).any()):
+        raise ValueError(f"generations are never negative, got {gens.tolist()}")
+    return gens
+
+
 def _last_of_each(slots: torch.Tensor, gens: torch.Tensor) -> tuple[list[int], list[int]]:
     """Rows to send (the last row naming each slot, as sequential writes would leave it) and, per row, its kept row's position.
 
@@ -357,14 +371,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     h0 = engine.header
     scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
     slots = slots_of(index, h0.count)
-    g = _int_tensor(generation)
-    if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
-        raise TypeError(f"generations must be integers, got {g.dtype}")
-    gens = g.reshape(-1).to(torch.int64)
-    if gens.shape != slots.shape:
-        raise ValueError(f"update_if got {slots.numel()} slots and {gens.numel()} generations")
-    if bool((gens < 0).any()):
-        raise ValueError(f"generations are never negative, got {gens.tolist()}")
+    gens = generations_arg(generation, int(slots.numel()), "update_if")
     n = int(slots.numel())
     if n == 0:
         return torch.zeros(0, dtype=torch.bool)

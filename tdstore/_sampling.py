@@ -164,7 +164,7 @@ def priority_values(priority: Any, n: int, what: str = "priority") -> list[float
 
 def update_priority(engine: Engine, index: Any, priority: Any, generation: Any | None) -> torch.Tensor:
     """Set the priorities of slots ``index`` (see ``LazyStackedTensorDictStore.update_priority``)."""
-    from ._ring import _int_tensor, refuse_spread, slots_of
+    from ._ring import generations_arg, refuse_spread, slots_of
 
     engine.refuse_if_readonly()
     refuse_spread(engine)
@@ -175,14 +175,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     if generation is None:
         gens = torch.zeros(n, dtype=torch.int64)
     else:
-        g = _int_tensor(generation)
-        if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
-            raise TypeError(f"generations must be integers, got {g.dtype}")
-        gens = g.reshape(-1).to(torch.int64)
-        if gens.numel() != n:
-            raise ValueError(f"update_priority got {n} slots and {gens.numel()} generations")
-        if bool((gens < 0).any()):
-            raise ValueError(f"generations are never negative, got {gens.tolist()}")
+        gens = generations_arg(generation, n, "update_priority")
     if n == 0:
         return torch.zeros(0, dtype=torch.bool)
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
