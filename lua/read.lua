@@ -66,6 +66,11 @@
           the same as 'Y', but each segment's offset and shape tables a row falls in
           are read whole once (GET) and the rows' records cut from them in Lua, as 'B'
           does for a homogeneous leaf: one GETRANGE per row (its data) instead of three
+    'T', ko
+          the whole offset table KEYS[ko] of one segment of a heterogeneous leaf, as the
+          server holds it ('' when absent): one piece. The client keeps it to read the
+          leaf's rows later as plain GETRANGEs in a transaction that reads each row's
+          offsets back (tdstore/_offsets.py); it checks the table's size itself
     'Q', per
           the store is cut into segments of 'per' elements (must come before 'U'/'I'):
           the key indices of the 'X'/'Y' ops after it each name the first of a block
@@ -383,6 +388,9 @@ for _ = 1, nops do
     out[#out + 1] = table.concat(bounds)
     out[#out + 1] = table.concat(shapes)
     out[#out + 1] = table.concat(data)
+  elseif kind == 'T' then
+    out[#out + 1] = redis.call('GET', KEYS[tds_num(ARGV[a + 1], 'key index')]) or ''
+    a = a + 2
   elseif kind == 'Q' then
     seg_per = tds_segment_length(a, rows)
     a = a + 2

@@ -29,6 +29,7 @@ from . import _codec, _index, _integrity, _limits, _nontensor, _rows, _scripts, 
 from ._connection import ConnectionSpec, HeldConnection
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from ._keys import KeyTable, StoreKeys
+from ._offsets import OffsetTables, RowPlan
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 
 MAX_RETRIES = 64
@@ -94,6 +95,7 @@ class Call:
     field_values: dict[str, bytes | None] | None = None  # ... and what it read
     ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
     schema: Header | None = None  # a write's new header (a schema change), else None
+    verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _offsets)
 
 
 @dataclass
@@ -210,6 +212,7 @@ class Engine:
         self.transactions = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
         self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
+        self.offsets = OffsetTables()  # heterogeneous leaves' offset tables: their rows read as plain GETRANGEs
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
@@ -481,6 +484,10 @@ class Engine:
                     continue
                 if self.short(call, reply):  # a key never allocated, or one lost: read.lua tells which
                     return self._run_with_script_reads(plan)
+                if call.verify is not None:
+                    reply = call.verify(reply)
+                    if reply is None:  # rows moved since their offsets were kept: read.lua reads them
+                        return self._run_with_script_reads(plan)
                 out = call.parse(reply)
                 if call.fields and isinstance(out, DenseResult):
                     out.fields = call.field_values
@@ -787,27 +794,32 @@ class Engine:
             if not leaf.het or leaf.json:
                 raise _NotRagged
             lo, hi = _index.run_bounds(ids)
-            kt = self.key_table(h)
-            keys = self.keys
-            d, o, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
-            args: list[Any] = [f"{h.epoch}:*", leaf_checks([leaf])]
-            scattered = not h.spread and int(lo.size) > 8 and 2 * int(lo.size) > int(ids.size)
-            if scattered:
-                # mostly single rows (a random batch): the ids travel once and the offset and shape
-                # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
-                n = int(ids.size)
-                args += [2, "I", n, _codec.pack_i64(ids), _segments.het_row_read_op(h.segments, leaf.ndim, n), d, o, sk, 8 * leaf.ndim]
-            else:
-                args += [1, "E", d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi)]
+            n = int(ids.size)
+            scattered = not h.spread and int(lo.size) > 8 and 2 * int(lo.size) > n
 
             def parse(reply: list) -> tuple[Leaf, np.ndarray, Any]:
                 pieces = reply[2:]
                 if scattered:  # bounds, shape records, data, each joined in row order
-                    return leaf, _codec.unpack_i64(pieces[1]).reshape(int(ids.size), leaf.ndim), pieces[2]
-                shapes = _codec.unpack_i64(b"".join(pieces[1::3])).reshape(int(ids.size), leaf.ndim)
+                    return leaf, _codec.unpack_i64(pieces[1]).reshape(n, leaf.ndim), pieces[2]
+                shapes = _codec.unpack_i64(b"".join(pieces[1::3])).reshape(n, leaf.ndim)
                 data = pieces[2] if len(pieces) == 3 else b"".join(pieces[2::3])
                 return leaf, shapes, data
 
+            if scattered:
+                tx = self._plan_rows_tx(h, ids, [leaf])
+                if tx is not None:  # the leaf's offset tables are kept: plain GETRANGEs, checked (see _offsets)
+                    guards = {"epoch": h.epoch, f"lv:{leaf.number}": str(leaf.version)}
+                    return Call("tx", [], [], parse, ranges=tx[0], guards=guards, verify=tx[1])
+            kt = self.key_table(h)
+            keys = self.keys
+            d, o, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
+            args: list[Any] = [f"{h.epoch}:*", leaf_checks([leaf])]
+            if scattered:
+                # mostly single rows (a random batch): the ids travel once and the offset and shape
+                # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
+                args += [2, "I", n, _codec.pack_i64(ids), _segments.het_row_read_op(h.segments, leaf.ndim, n), d, o, sk, 8 * leaf.ndim]
+                return self._with_tables(h, Call("read", kt.keys, args, parse), kt, [leaf], ids, count_at=2)
+            args += [1, "E", d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi)]
             return Call("read", kt.keys, args, parse)
 
         if not ids.size:
@@ -816,6 +828,74 @@ class Engine:
             return self.run(plan_call)
         except _NotRagged:
             return None
+
+    def _plan_rows_tx(
+        self, h: Header, ids: np.ndarray, units: list[Leaf]
+    ) -> tuple[list[list[_wire.Piece]], Callable[[list], list | None]] | None:
+        """A read transaction of rows ``ids`` (in that order, duplicates included) of every leaf of
+        ``units``: its buffers, and the check that turns its reply into the one ``read.lua``'s
+        ``X``/``Y`` ops give (a homogeneous leaf: its rows; a heterogeneous one: bounds, shape records,
+        data). None when a heterogeneous leaf's offset tables are not kept (see ``_offsets``) or reads
+        go through the script."""
+        if not self.tx_reads or h.spread or 3 * len(units) * int(ids.size) > TX_MAX_RANGES:
+            return None
+        ranges: list[list[_wire.Piece]] = []
+        layout: list[tuple[Leaf, RowPlan | None]] = []
+        for leaf in units:
+            if not leaf.het:
+                nb = leaf.element_nbytes
+                ranges.append([(self.keys.data(leaf.number), ids * nb, np.full(ids.size, nb, dtype=np.int64))])
+                layout.append((leaf, None))
+                continue
+            rows = self.offsets.plan(h, self.keys, leaf, ids)
+            if rows is None:
+                return None
+            ranges += rows.buffers
+            layout.append((leaf, rows))
+
+        def verify(reply: list) -> list | None:
+            out, pos, moved = reply[:2], 2, []
+            for leaf, rows in layout:
+                if rows is None:
+                    out.append(reply[pos])
+                    pos += 1
+                    continue
+                k = len(rows.buffers)
+                pieces = rows.pieces(reply[pos : pos + k])
+                pos += k
+                if pieces is None:
+                    moved.append(leaf)
+                else:
+                    out += pieces
+            for leaf, rows in layout:
+                if rows is not None:
+                    (self.offsets.changed if leaf in moved else self.offsets.confirmed)(h, leaf)
+            return None if moved else out
+
+        return ranges, verify
+
+    def _with_tables(self, h: Header, call: Call, kt: KeyTable, leaves: list[Leaf], ids: np.ndarray, count_at: int = 0) -> Call:
+        """``call`` (a ``read.lua`` read of rows ``ids`` of ``leaves`` whose op count is ``call.args[count_at]``)
+        also bringing back the offset tables the handle should keep (its ``T`` ops, last), so later reads
+        of those rows go as transactions."""
+        if not self.transactions or h.spread:
+            return call
+        fills = [(leaf, seg) for leaf in leaves if leaf.het and not leaf.json for seg in self.offsets.wanted(h, leaf, ids)]
+        if not fills:
+            return call
+        call.args[count_at] += len(fills)
+        for leaf, seg in fills:
+            call.args += ["T", kt.ref(self.keys.offsets(leaf.number, seg))]
+        call.keys = kt.keys
+        parse, k = call.parse, len(fills)
+
+        def parse_and_keep(reply: list) -> Any:
+            for (leaf, seg), table in zip(fills, reply[len(reply) - k :]):
+                self.offsets.keep(h, leaf, seg, table)
+            return parse(reply[: len(reply) - k])
+
+        call.parse = parse_and_keep
+        return call
 
     def _plan_read(
         self, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]
@@ -1103,8 +1183,9 @@ class Engine:
         kt = self.key_table(h)
         order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
-        args: list[Any] = [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
-        for leaf in leaves:
+        tx = self._plan_rows_tx(h, ids, leaves)
+        args: list[Any] = [] if tx is not None else [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
+        for leaf in leaves if tx is None else ():
             d = kt.ref(self.keys.data(leaf.number))
             if leaf.het:
                 args += [
@@ -1132,7 +1213,9 @@ class Engine:
             elements = [{path: col[k] for path, col in columns.items()} for k in range(n)]
             return ElementsResult(ids.tolist(), elements, order)
 
-        return Call("read", kt.keys, args, parse)
+        if tx is not None:  # every heterogeneous leaf's offset tables are kept (see _offsets)
+            return Call("tx", [], [], parse, ranges=tx[0], verify=tx[1])
+        return self._with_tables(h, Call("read", kt.keys, args, parse), kt, leaves, ids)
 
     # -- writes ------------------------------------------------------------------
     def run_write(

@@ -33,7 +33,7 @@ from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
-from ._values import build_td, display, element_maker, leaves_of, subtree_dims
+from ._values import build_td, display, element_maker, leaves_of, stack_members, subtree_dims
 from ._writes import _check_dtype, _element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
@@ -640,7 +640,7 @@ def _decode_sample(
         rows_of.update(per_el)
         if device is None or device.type == "cpu":
             make = element_maker(list(rows_of), h.inner, device, h.sub_dims)
-            td = lazy_stack([make({p: rows[k] for p, rows in rows_of.items()}) for k in range(n)], dim=sp)
+            td = stack_members([make({p: rows[k] for p, rows in rows_of.items()}) for k in range(n)], sp)
         else:  # build_td moves each element to the device
             td = lazy_stack(
                 [build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp

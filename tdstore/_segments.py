@@ -311,6 +311,11 @@ def localize_read(
             merges.append(("pass", {"U": 2, "I": 0, "P": 4, "F": 2}[kind]))
             a += size
             continue
+        if kind == "T":  # planned on a segment's own offset table already
+            new += ["T", out.ref(kt_keys[int(args[a + 1]) - 1])]
+            merges.append(("pass", 1))
+            a += 2
+            continue
         w = _whole_leaf_key(keys, kt_keys[int(args[a + 1]) - 1])
         if kind == "R":
             k, count, ranges, join = args[a + 1 : a + 5]
@@ -406,7 +411,7 @@ def localize_read(
 
 
 #: Arguments of each ``read.lua`` op, its marker included (see the script's header).
-_READ_OP_SIZES = {"R": 5, "E": 7, "U": 3, "P": 8, "F": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "Q": 2}
+_READ_OP_SIZES = {"R": 5, "E": 7, "U": 3, "P": 8, "F": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "T": 2, "Q": 2}
 
 
 def _ops(flat: list[Any]) -> Iterator[str]:

@@ -316,6 +316,16 @@ def _td_factory(batch_size: torch.Size, device: torch.device | None) -> Callable
     return make
 
 
+def stack_members(tds: list[TensorDict], dim: int) -> LazyStackedTensorDict:
+    """The lazy stack of ``tds``, TensorDicts one ``element_maker`` made (one batch size, one device):
+    tensordict's unchecked constructor, a fifth of ``lazy_stack``'s time for 256 members, whose
+    checks (each member a tensordict on the stack's device) these members pass by construction."""
+    unchecked = getattr(LazyStackedTensorDict, "_new_lazy_unsafe", None)
+    if unchecked is None or not tds:
+        return lazy_stack(tds, dim=dim)
+    return unchecked(*tds, stack_dim=dim)
+
+
 def assemble(
     plan: Plan | None,
     result: DenseResult | ElementsResult,
@@ -328,7 +338,8 @@ def assemble(
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under, sub)
     first = result.elements[0] if result.elements else None
-    if first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements):
+    uniform = first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements)
+    if uniform and first is not None:
         # elements of one read hold the same keys: build the key tree once
         paths = result.paths if result.paths is not None and len(result.paths) == len(first) else list(first)
         make = _element_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device, sub)
@@ -351,8 +362,9 @@ def assemble(
     if sp == 0 and len(local) == 1 and isinstance(local[0], torch.Tensor) and local[0].ndim == 1 and local[0].dtype == torch.int64:
         # a batch of elements read once each, in another order or repeated: pick the members as
         # LazyStackedTensorDict indexing does (a repeated element is the same member), without its machinery
-        return lazy_stack([tds[i] for i in local[0].tolist()], dim=0)
-    stacked = lazy_stack(tds, dim=sp)
+        members = [tds[i] for i in local[0].tolist()]
+        return stack_members(members, 0) if uniform else lazy_stack(members, dim=0)
+    stacked = stack_members(tds, sp) if uniform else lazy_stack(tds, dim=sp)
     if all(isinstance(c, slice) and c == slice(0, n, 1) for c, n in zip(local, stacked.batch_size)):
         return stacked
     return stacked[local]

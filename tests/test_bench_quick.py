@@ -26,6 +26,7 @@ EXPECTED = {
         "padded_batch",
         "nested_batch",
         "padded_slice",
+        "nested_slice",
         "padded_full",
         "nested_full",
     },
@@ -62,6 +63,14 @@ def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
             assert entry["ratio_ref"] > 0
         assert entry["ratio_raw"] > 0
     assert seen == EXPECTED
+    # each heterogeneous read against its homogeneous yardstick (or the raw floor), from the same run
+    het = {r["op"]: r for r in report["het_vs_hom"]}
+    assert set(het) == {f"{kind}_{what}" for kind in ("padded", "nested") for what in ("batch", "slice", "full")} | {
+        "batch_read",
+        "slice_read",
+        "full_read",
+    }
+    assert all(r["ratio"] > 0 and r["ms"] > 0 and r["against_ms"] > 0 for r in het.values())
 
     # the large leaf of --quick stays at 8 MiB
     assert all(e["leaf_bytes"] <= 8 << 20 for e in report["results"] if e["case"] == "large")

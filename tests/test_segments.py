@@ -330,6 +330,7 @@ def test_scattered_heterogeneous_rows_read_their_small_tables_whole(real):
     n = 900
     local = lazy_stack([TensorDict(tok=torch.arange(i % 5 + 1) + 10 * i, x=torch.tensor([i, -i])) for i in range(n)])
     s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
+    s._engine.transactions = False  # the script's way (a server or ACL user without MULTI)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:200]
     s[idx]  # warm (the first call of a script on a fresh server loads it)
     before = real.commandstats()
@@ -341,3 +342,24 @@ def test_scattered_heterogeneous_rows_read_their_small_tables_whole(real):
     # x's blob, tok's offset table and its shape table read whole once ('B', 'V'); one GETRANGE per row for tok's data
     assert after.get("get", 0) - before.get("get", 0) == 3
     assert after.get("getrange", 0) - before.get("getrange", 0) == 200
+
+
+def test_scattered_heterogeneous_rows_read_as_a_transaction_once_the_offsets_are_kept(real):
+    n = 900
+    local = lazy_stack([TensorDict(tok=torch.arange(i % 5 + 1) + 10 * i, x=torch.tensor([i, -i])) for i in range(n)])
+    s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:200]
+    s[idx]  # read.lua, which sends tok's offset tables back with the rows
+    segs = s._engine.header.segments
+    touched = sorted({i // segs.per for i in idx.tolist()})  # one segment, unless the suite runs with tiny ones
+    assert s._engine.offsets.nbytes == sum(8 * (segs.size(k) + 1) for k in touched)
+    before = real.commandstats()
+    got = s[idx]
+    after = real.commandstats()
+    for k, i in enumerate(idx.tolist()):
+        assert torch.equal(got[k]["tok"], local[i]["tok"]) and torch.equal(got[k]["x"], local[i]["x"])
+    assert after.get("evalsha", 0) - before.get("evalsha", 0) == 0
+    assert after.get("exec", 0) - before.get("exec", 0) == 1
+    # each segment's offset table of tok read back whole (to check the kept one), its rows' bytes, x's
+    # rows; no shape records (one-dim elements: their byte sizes tell them)
+    assert after.get("getrange", 0) - before.get("getrange", 0) == len(touched) + 200 + 200

@@ -102,6 +102,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
         "padded_batch",
         "nested_batch",
         "padded_slice",
+        "nested_slice",
         "padded_full",
         "nested_full",
         "shape_change_write",
@@ -146,6 +147,7 @@ FULL_REPS = {
     "padded_batch": 60,
     "nested_batch": 60,
     "padded_slice": 100,
+    "nested_slice": 100,
     "padded_full": 10,
     "nested_full": 10,
     "large_read": 7,
@@ -162,6 +164,7 @@ QUICK_REPS = {
     "padded_batch": 10,
     "nested_batch": 10,
     "padded_slice": 10,
+    "nested_slice": 10,
     "padded_full": 3,
     "nested_full": 3,
     "large_read": 3,
@@ -772,6 +775,12 @@ class Runner:
                 "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
             }
             self.run(case, "padded_slice", with_ref(lambda n: Contender(n, padded_slices[n])), slice_args, {"batch": batch})
+            jagged_slices = {
+                "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_nested_tensor=True),
+                "reference": lambda a: ref[a : a + batch].get("tokens", as_nested_tensor=True),
+                "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
+            }
+            self.run(case, "nested_slice", with_ref(lambda n: Contender(n, jagged_slices[n])), slice_args, {"batch": batch})
             whole = {
                 "tdstore": lambda a: s.tdstore.get("tokens", as_padded_tensor=True),
                 "reference": lambda a: ref.get("tokens", as_padded_tensor=True),
@@ -1026,6 +1035,40 @@ def _row(e: dict[str, Any]) -> str:
     )
 
 
+#: Heterogeneous reads and what each is held against in ``het_vs_hom``: the same read of the
+#: homogeneous store (both stores hold the same keys but ``tokens``), or the raw floor of the
+#: heterogeneous store's whole read.
+HET_AGAINST = {
+    "batch_read": ("homogeneous", "batch_read"),
+    "padded_batch": ("homogeneous", "batch_read"),
+    "nested_batch": ("homogeneous", "batch_read"),
+    "slice_read": ("homogeneous", "slice_read"),
+    "padded_slice": ("homogeneous", "slice_read"),
+    "nested_slice": ("homogeneous", "slice_read"),
+    "full_read": ("raw", "full_read"),
+    "padded_full": ("raw", "full_read"),
+    "nested_full": ("raw", "full_read"),
+}
+
+
+def het_vs_hom(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each heterogeneous read's tdstore median over its yardstick's (see ``HET_AGAINST``), same run."""
+    ms = {(e["case"], e["op"]): e for e in results}
+    out = []
+    for op, (against, base_op) in HET_AGAINST.items():
+        het = ms.get(("heterogeneous", op))
+        if het is None:
+            continue
+        if against == "raw":
+            base, label = het["raw"].get("median_ms"), f"raw floor of heterogeneous {base_op}"
+        else:
+            e = ms.get(("homogeneous", base_op))
+            base, label = (e["tdstore"].get("median_ms") if e else None), f"homogeneous {base_op}"
+        mine = het["tdstore"].get("median_ms")
+        out.append({"op": op, "against": label, "ms": mine, "against_ms": base, "ratio": mine / base if mine and base else None})
+    return out
+
+
 def print_table(report: dict[str, Any]) -> None:
     """The summary table: medians in ms and the two ratios (below 1: tdstore is faster)."""
     print()
@@ -1033,6 +1076,11 @@ def print_table(report: dict[str, Any]) -> None:
     print("-" * len(HEADER))
     for e in report["results"]:
         print(_row(e))
+    if report.get("het_vs_hom"):
+        print()
+        print("heterogeneous reads against the homogeneous store's (tdstore ms / tdstore ms) or the raw floor:")
+        for r in report["het_vs_hom"]:
+            print(f"  {r['op']:<14} {_ratio(r['ratio']):>8}  against {r['against']}")
     mp = report.get("mp")
     if mp:
         print()
@@ -1155,7 +1203,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["seconds"] = round(time.monotonic() - t_start, 1)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["git_end"] = _git_commit()  # differs from "git" when the code changed during the run
-    report = {"meta": meta, "results": runner.results, "mp": mp_report, "problems": runner.problems, "notes": runner.notes}
+    report = {
+        "meta": meta,
+        "results": runner.results,
+        "het_vs_hom": het_vs_hom(runner.results),
+        "mp": mp_report,
+        "problems": runner.problems,
+        "notes": runner.notes,
+    }
     print_table(report)
     print(f"\n{meta['seconds']} s in all")
     if args.json:

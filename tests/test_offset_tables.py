@@ -1,0 +1,163 @@
+"""Rows of heterogeneous keys read as plain GETRANGEs from offset tables the handle keeps (``tdstore/_offsets.py``).
+
+The kept tables are never trusted: the transaction reads each row's offsets (or the segment's
+whole table) back, and a read whose offsets moved since is read again through ``read.lua``. Every
+test here changes the store behind a reader's back and checks the reader still gets exactly what
+was written, on every engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import round_trips, top_level_commands
+from tensordict import TensorDict, lazy_stack
+
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _offsets
+from tdstore._offsets import MAX_HOLD, OffsetTables
+
+N = 64
+
+
+def _element(i: int, length: int | None = None) -> TensorDict:
+    n = i % 7 + 1 if length is None else length
+    return TensorDict(
+        obs=torch.full((3,), float(i)),
+        tokens=torch.arange(n, dtype=torch.int64) + 100 * i,
+        grid=torch.full((1 + i % 2, 2 + i % 3), i, dtype=torch.int16),  # two dims, differing
+    )
+
+
+@pytest.fixture(
+    params=[(None, True), (256, True), (None, False), (256, False)], ids=["one-segment", "segments", "one-segment-rows", "segments-rows"]
+)
+def stores(request, backend, monkeypatch):
+    """A writer's handle and a reader's handle on one store, and the local copy. The reader checks
+    each segment's whole table, or (``-rows``) each row's two offsets."""
+    segment_bytes, whole = request.param
+    if not whole:
+        monkeypatch.setattr(_offsets, "WHOLE_TABLE_BYTES_PER_ROW", 0)
+    local = lazy_stack([_element(i) for i in range(N)])
+    extra = {"segment_bytes": segment_bytes} if segment_bytes else {}
+    writer = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs(), **extra)
+    reader = LazyStackedTensorDictStore.from_store(td_id=writer.td_id, **backend.kwargs())
+    yield writer, reader, [local[i] for i in range(N)]
+    writer.clear_redis()
+
+
+IDX = torch.tensor([40, 3, 17, 3, 60, 9, 25, 51, 33, 12, 1, 47, 22, 58, 6, 30])  # scattered, 3 twice
+
+
+def _check(reader: LazyStackedTensorDictStore, els: list[TensorDict]) -> None:
+    got = reader[IDX]
+    for k, i in enumerate(IDX.tolist()):
+        for key in ("obs", "tokens", "grid"):
+            assert torch.equal(got[k][key], els[i][key]), (i, key)
+    want = lazy_stack([els[i] for i in IDX.tolist()])
+    for kw in ({"as_padded_tensor": True}, {"as_padded_tensor": True, "padding_side": "left", "padding_value": -1}):
+        assert torch.equal(reader.get_at("tokens", IDX, **kw), want.get("tokens", **kw))
+    nested = reader.get_at("tokens", IDX, as_nested_tensor=True)
+    assert all(torch.equal(a, b) for a, b in zip(nested.unbind(), want.get("tokens", as_nested_tensor=True).unbind(), strict=True))
+
+
+def test_reads_after_the_tables_are_kept_match_the_local_stack(stores):
+    writer, reader, els = stores
+    _check(reader, els)  # read.lua: the tables come back with the rows
+    assert reader._engine.offsets.nbytes > 0
+    _check(reader, els)  # transactions
+
+
+def test_a_size_change_behind_the_reader_is_read_correctly(stores):
+    writer, reader, els = stores
+    _check(reader, els)
+    for i, length in ((3, 30), (17, 1), (40, 0)):  # grow, shrink, empty: every later offset of the segment moves
+        els[i] = _element(i, length)
+        writer[i] = els[i]
+        _check(reader, els)
+    _check(reader, els)
+
+
+def test_same_sizes_new_bytes_and_reshaped_records(stores):
+    writer, reader, els = stores
+    _check(reader, els)
+    # same byte size everywhere (the offsets stay), new values, and a 2-dim element reshaped in place
+    for i in (3, 9, 60):
+        el = els[i].clone()
+        el["tokens"] = -el["tokens"]
+        el["grid"] = torch.arange(el["grid"].numel(), dtype=torch.int16).reshape(tuple(reversed(el["grid"].shape)))
+        els[i] = el
+        writer[i] = el
+    _check(reader, els)
+
+
+def test_a_ring_writer_moving_rows_under_a_sampler(stores):
+    writer, reader, els = stores
+    for step in range(6):
+        batch = [_element(1000 + 7 * step + j, (step + j) % 9) for j in range(5)]
+        state = writer.ring_state()
+        writer.extend(lazy_stack(batch))
+        for j, el in enumerate(batch):
+            els[(state.cursor + j) % N] = el
+        _check(reader, els)
+
+
+def test_kept_tables_turn_reads_into_one_transaction(real):
+    writer = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([_element(i) for i in range(N)]), **real.kwargs())
+    reader = LazyStackedTensorDictStore.from_store(td_id=writer.td_id, **real.kwargs())
+    assert reader.batch_size == (N,)  # the header read
+    for read in (lambda: reader[IDX], lambda: reader.get_at("tokens", IDX, as_padded_tensor=True)):
+        read()  # warm: scripts loaded, tables kept
+        assert round_trips(top_level_commands(real.client, read)) == ["transaction"]
+    # a size change: the reader's transaction finds the offsets moved and reads through read.lua
+    writer[IDX[2].item()] = _element(int(IDX[2]), 33)
+    assert round_trips(top_level_commands(real.client, lambda: reader[IDX])) == ["transaction", "evalsha"]
+    assert round_trips(top_level_commands(real.client, lambda: reader[IDX])) == ["transaction"]
+    writer.clear_redis()
+
+
+@pytest.mark.parametrize("lost", ["o", "d"])
+def test_a_lost_table_or_data_key_is_damage_not_zeros(real, lost):
+    writer = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([_element(i) for i in range(N)]), **real.kwargs())
+    writer[IDX]  # tables kept
+    leaf = writer._engine.header.leaves[("tokens",)]
+    key = writer._engine.keys.offsets(leaf.number) if lost == "o" else writer._engine.keys.data(leaf.number)
+    real.client().delete(key)
+    with pytest.raises(StoreDamagedError, match="tokens|:o:|:d:"):
+        writer[IDX]
+    with pytest.raises(StoreDamagedError):
+        writer.get_at("tokens", IDX, as_padded_tensor=True)
+    writer.clear_redis()
+
+
+def test_no_tables_kept_past_the_budget(backend):
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([_element(i) for i in range(N)]), **backend.kwargs())
+    s._engine.offsets = OffsetTables(max_bytes=8 * N)  # less than one table: reads stay with read.lua
+    els = [_element(i) for i in range(N)]
+    _check(s, els)
+    _check(s, els)
+    assert s._engine.offsets.nbytes == 0
+    s.clear_redis()
+
+
+def test_a_leaf_that_keeps_changing_is_left_to_the_script_for_longer_each_time(backend):
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([_element(i) for i in range(N)]), **backend.kwargs())
+    tables = s._engine.offsets
+    h = s._engine.header
+    leaf = h.leaves[("tokens",)]
+    tables.keep(h, leaf, 0, b"\0" * 8 * (N + 1))
+    holds = []
+    for _ in range(9):
+        tables.changed(h, leaf)
+        holds.append(tables._leaves[leaf.number].hold)
+    assert holds == [0, 1, 3, 7, 15, 31, 63, MAX_HOLD, MAX_HOLD]
+    # while held back, no table is asked for nor used; then the first read asks again
+    ids = IDX.numpy()
+    for _ in range(MAX_HOLD):
+        assert tables.wanted(h, leaf, ids) == [] and tables.plan(h, s._engine.keys, leaf, ids) is None
+    assert tables.wanted(h, leaf, ids) == [0]
+    tables.keep(h, leaf, 0, b"\0" * 8 * (N + 1))
+    tables.confirmed(h, leaf)
+    assert tables._leaves[leaf.number].misses == 0
+    tables.keep(h, leaf, 0, b"\0" * 8)  # a table of the wrong size (a key never written) is not kept
+    assert tables.nbytes == 8 * (N + 1)
+    s.clear_redis()
