@@ -167,6 +167,10 @@ def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: 
     if leaf.json:
         ends = np.cumsum([0, *sizes]).tolist()
         return [_nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
+    item = leaf.dtype.itemsize
+    if leaf.ndim == 1 and data and not any(size % item for size in sizes):
+        # one-dim elements: split the typed buffer into its rows, one view each, already shaped
+        return list(torch.frombuffer(bytearray(data), dtype=leaf.dtype).split([size // item for size in sizes]))
     dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]

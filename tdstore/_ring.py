@@ -480,6 +480,8 @@ def sample(
         fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
         rw = fields.get("rw")
         if isinstance(res, DenseResult) and rw is not None and int(rw) >= h.count and fields.get("sc") is None:
+            if ragged and ragged.get("return_mask"):
+                with_masks(h, res.leaves, {}, ragged)
             return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
         if fields.get("sc") is not None:  # the cached header predates the policy: read it, then sample under it
             engine.set_header(engine.fetch_header())
@@ -590,6 +592,16 @@ def _row_read_call(engine: Engine, h: Header, keys: list[NestedPath] | None, row
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 
 
+def with_masks(h: Header, dense: dict[NestedPath, torch.Tensor], masks: dict[NestedPath, torch.Tensor], ragged: dict[str, Any]) -> None:
+    """Add to a sample's ``dense`` leaves the masks ``return_mask`` asks for, where ``tensordict.pad_sequence``
+    puts them (under ``"masks"`` or the key it names): a padded key's own, every other key's all True
+    along its first dim (a key whose elements all have one length so far is masked like the others)."""
+    where = _ragged.mask_root(ragged, h.leaves)
+    for path, t in list(dense.items()):
+        m = masks.get(path)
+        dense[(*where, *path)] = m if m is not None else torch.ones(t.shape[: min(2, t.ndim)], dtype=torch.bool, device=t.device)
+
+
 def _decode_sample(
     h: Header,
     leaves: list[Leaf],
@@ -608,6 +620,7 @@ def _decode_sample(
     pieces = reply[first:]
     pos = 0
     dense: dict[NestedPath, torch.Tensor] = {}
+    masks: dict[NestedPath, torch.Tensor] = {}
     per_el: dict[NestedPath, list[torch.Tensor]] = {}
     for leaf in leaves:
         if not leaf.het:
@@ -623,13 +636,21 @@ def _decode_sample(
         if ragged and not leaf.json and not h.inner and h.stack_pos == 0:
             # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
             one = _ragged.build(leaf, _codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], ragged)
-        if one is not None:
+        elif ragged:
+            _ragged.check_mask(ragged, display(leaf.path))
+        if isinstance(one, tuple):
+            dense[leaf.path], masks[leaf.path] = one
+        elif one is not None:
             dense[leaf.path] = one
         else:
             per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
     if block is not None or ragged or wanted is not None:  # the store's key order (and only the keys asked for)
         dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
+    if ragged and ragged.get("return_mask"):
+        if per_el:
+            _ragged.check_mask(ragged, display(next(iter(per_el))))
+        with_masks(h, dense, masks, ragged)
     sp = h.stack_pos
     if not per_el:
         bs = list(h.inner)

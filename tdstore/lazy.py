@@ -596,8 +596,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
                     if fast is not None:
                         return fast
                 if leaf.het or kwargs:
-                    stacked = self._read_index(slice(None), [path])
-                    return stacked.get(display(path), **kwargs)
+                    return self._get_local(self._read_index(slice(None), [path]), path, kwargs)
                 plan, result = self._engine.read(slice(None), [path])
                 t = result.leaves[path]  # type: ignore[union-attr]
                 return t.to(self._device) if self._device is not None else t
@@ -629,8 +628,20 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             return None
         out = _ragged.build(*raw, kwargs)
         if out is not None and self._device is not None:
-            out = out.to(self._device)
+            out = tuple(t.to(self._device) for t in out) if isinstance(out, tuple) else out.to(self._device)
         return out
+
+    def _get_local(self, td: TensorDictBase, path: NestedPath, kwargs: dict[str, Any]) -> Any:
+        """``td.get(key, **kwargs)`` on a local read of the store, with ``return_mask`` answered for a key
+        whose elements all have one shape (a padded read of it is the stacked tensor, every cell data)."""
+        if not kwargs.get("return_mask"):
+            return td.get(display(path), **kwargs)
+        h = self._header
+        leaf = h.leaves.get(path)
+        if kwargs.get("as_nested_tensor") or leaf is None or leaf.het or h.inner or h.stack_pos != 0 or not leaf.shape:
+            _ragged.check_mask(kwargs, display(path))
+        out = td.get(display(path), **{k: v for k, v in kwargs.items() if k != "return_mask"})
+        return out, torch.ones(out.shape[:2], dtype=torch.bool, device=out.device)
 
     def _ragged_ids(self, idx: Any) -> np.ndarray | None:
         """The element ids of a one-dim index along the stack (a slice, list, index tensor or mask), in its order."""
@@ -655,13 +666,15 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             fast = self._read_ragged(path, ids, kwargs) if ids is not None and ids.size else None
             if fast is not None:
                 return fast
+        if kwargs.get("return_mask") and self._ragged_ids(idx) is None:  # one element: nothing to mask
+            _ragged.check_mask(kwargs, display(path))
         try:
             td = self._read_index(idx, None, under=path, strip=False)
         except KeyError:
             if default is not NO_DEFAULT:
                 return default
             raise
-        return td.get(display(path), **kwargs)
+        return self._get_local(td, path, kwargs)
 
     def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
         """All of the store in one round trip: a TensorDict, or a lazy stack when elements differ."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import top_level_commands
-from tensordict import TensorDict, lazy_stack
+from tensordict import TensorDict, lazy_stack, pad_sequence
 
 from tdstore import LazyStackedTensorDictStore
 
@@ -130,3 +130,57 @@ def test_samples_read_only_the_keys_asked_for_and_uploads_sample_every_element(b
         store.sample(4, keys=["nope"])
     if backend.name == "redis":
         assert top_level_commands(real.client, lambda: store.sample(8, keys=["obs"])) == ["evalsha"]
+
+
+def _pad_mask(elements: list, key: str, side: str) -> torch.Tensor:
+    """The mask tensordict.pad_sequence gives for ``key`` of these elements."""
+    return pad_sequence([el.select(key) for el in elements], return_mask=True, padding_side=side)["masks", key]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_reads_return_the_mask_pad_sequence_gives(pair, side):
+    store, local = pair
+    kw = {"as_padded_tensor": True, "padding_side": side, "return_mask": True}
+    padded, mask = store.get("tokens", **kw)
+    assert torch.equal(padded, local.get("tokens", as_padded_tensor=True, padding_side=side))
+    assert torch.equal(mask, _pad_mask(list(local.unbind(0)), "tokens", side))
+    for idx in (torch.tensor([5, 1, 5, 39, 0]), slice(2, 30, 3), torch.randint(40, (25,), generator=torch.Generator().manual_seed(2))):
+        for _ in range(2):  # the second read goes as a transaction (its offset table kept)
+            padded, mask = store.get_at("tokens", idx, **kw)
+            assert torch.equal(padded, local[idx].get("tokens", as_padded_tensor=True, padding_side=side))
+            assert torch.equal(mask, _pad_mask(list(local[idx].unbind(0)), "tokens", side))
+    # a key whose elements all have one shape: the stacked tensor, every cell data
+    obs, mask = store.get_at("obs", [4, 2], as_padded_tensor=True, return_mask=True)
+    assert torch.equal(obs, local[[4, 2]].get("obs")) and mask.shape == (2, 3) and bool(mask.all())
+
+
+def test_return_mask_where_it_cannot_apply_is_refused(pair, backend):
+    store, _ = pair
+    with pytest.raises(ValueError, match="return_mask goes with as_padded_tensor"):
+        store.get_at("tokens", [1, 2], as_nested_tensor=True, return_mask=True)
+    with pytest.raises(ValueError, match="return_mask goes with as_padded_tensor"):
+        store.get("tokens", return_mask=True)
+    with pytest.raises(ValueError, match="return_mask needs a batch"):
+        store.get_at("tokens", 3, as_padded_tensor=True, return_mask=True)
+    img = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(img=torch.zeros(i % 3 + 1, i % 2 + 1)) for i in range(6)]), **backend.kwargs()
+    )
+    with pytest.raises(ValueError, match="'img' that differ in their first dim only"):
+        img.get("img", as_padded_tensor=True, return_mask=True)
+
+
+@pytest.mark.ring
+def test_ring_samples_carry_masks_where_pad_sequence_puts_them(backend):
+    store = LazyStackedTensorDictStore(count=64, **backend.kwargs())
+    els = [TensorDict(obs=torch.full((3,), float(i)), tokens=torch.arange(1 + i % 5) * (i + 1)) for i in range(40)]
+    store.extend(els)
+    s = store.sample(16, generator=torch.Generator().manual_seed(3), as_padded_tensor=True, padding_side="left", return_mask=True)
+    drawn = [els[i] for i in s.indices.tolist()]
+    assert torch.equal(s.td["masks", "tokens"], _pad_mask(drawn, "tokens", "left"))
+    assert s.td["masks", "obs"].shape == (16, 3) and bool(s.td["masks", "obs"].all())
+    named = store.sample(4, as_padded_tensor=True, return_mask=("aux", "valid"))
+    assert set(named.td.keys(True, True)) >= {("aux", "valid", "tokens"), ("aux", "valid", "obs")}
+    with pytest.raises(ValueError, match="where the store has keys"):
+        store.sample(4, as_padded_tensor=True, return_mask="tokens")
+    with pytest.raises(TypeError, match="as_padded_tensor"):
+        store.sample(4, return_mask=True)
