@@ -60,3 +60,10 @@ def test_wait_bench_compares_pubsub_and_polling() -> None:
     out = _run("wait_bench.py", "--reps", "3", "--idle", "0.2")
     assert re.search(r"^pubsub\s+\|\s+[\d.]+ \|\s+[\d.]+ \|\s+\d+$", out, re.M), out
     assert re.search(r"^poll 1 ms\s+\|\s+[\d.]+ \|", out, re.M), out
+
+
+@pytest.mark.slow
+def test_lazy_floor_times_both_sizes_and_every_way() -> None:
+    out = _run("lazy_floor.py", "--reps", "3")
+    for n in ("256", "10,000"):
+        assert re.search(rf"^\s+{n}(\s+[\d.]+){{4}}$", out, re.M), out

@@ -805,10 +805,76 @@ class Runner:
             self.run(case, "shape_change_write", with_ref(lambda n: Contender(n, writes[n])), change_args)
             self.check_written(case, "shape_change_write", s, last["write"])
 
-        if not het:
-            self.mp_stores[case] = s  # kept for the multi-process case
-        else:
-            self.drop(s)
+        self.mp_stores[case] = s  # kept for the side-by-side pass (and, homogeneous, the multi-process case)
+
+    # -- heterogeneous against homogeneous ------------------------------------------
+    def het_vs_hom_case(self) -> list[dict[str, Any]]:
+        """tdstore's heterogeneous reads against the same reads of the homogeneous store (same rows),
+        or against the raw floor of the heterogeneous store for whole reads: timed side by side,
+        alternating within each round, away from the reference's much slower calls (whose
+        aftermath would fall on whichever read comes next)."""
+        het, hom = self.mp_stores["heterogeneous"], self.mp_stores["homogeneous"]
+        count, batch = self.settings.count, self.settings.batch
+
+        def batch_args() -> torch.Tensor:
+            return torch.from_numpy(self.rng.integers(0, count, size=batch, dtype=np.int64))
+
+        def slice_args() -> slice:
+            a = int(self.rng.integers(0, count - batch + 1))
+            return slice(a, a + batch)
+
+        tokens = {"padded": {"as_padded_tensor": True}, "nested": {"as_nested_tensor": True}}
+        pairs: list[tuple[str, Callable[[Any], Any], str, Callable[[Any], Any], Callable[[], Any]]] = [
+            ("batch_read", lambda a: het.tdstore[a], "homogeneous batch_read", lambda a: hom.tdstore[a], batch_args),
+            (
+                "slice_read",
+                lambda a: _materialize(het.tdstore[a]),
+                "homogeneous slice_read",
+                lambda a: _materialize(hom.tdstore[a]),
+                slice_args,
+            ),
+            (
+                "full_read",
+                lambda a: het.tdstore.to_tensordict(),
+                "raw floor of heterogeneous full_read",
+                lambda a: het.raw.read_all(),
+                lambda: None,
+            ),
+        ]
+        for kind, kw in tokens.items():
+            pairs += [
+                (
+                    f"{kind}_batch",
+                    lambda a, kw=kw: het.tdstore.get_at("tokens", a, **kw),
+                    "homogeneous batch_read",
+                    lambda a: hom.tdstore[a],
+                    batch_args,
+                ),
+                (
+                    f"{kind}_slice",
+                    lambda a, kw=kw: het.tdstore.get_at("tokens", a, **kw),
+                    "homogeneous slice_read",
+                    lambda a: _materialize(hom.tdstore[a]),
+                    slice_args,
+                ),
+                (
+                    f"{kind}_full",
+                    lambda a, kw=kw: het.tdstore.get("tokens", **kw),
+                    "raw floor of heterogeneous full_read",
+                    lambda a: het.raw.read_all(),
+                    lambda: None,
+                ),
+            ]
+        out = []
+        for op, mine, label, theirs, next_args in pairs:
+            reps = self.settings.reps_for(op)
+            got = measure(
+                [Contender("het", mine), Contender("against", theirs)], next_args, reps=reps, settings=self.settings, stats_client=None
+            )
+            a, b = got["het"].summary().get("median_ms"), got["against"].summary().get("median_ms")
+            out.append({"op": op, "against": label, "ms": a, "against_ms": b, "ratio": a / b if a and b else None})
+            print(f"  {op:<14} {_ratio(out[-1]['ratio']):>8}  against {label}", flush=True)
+        return out
 
     # -- the large leaf ----------------------------------------------------------
     def large_case(self, leaf_bytes: int) -> None:
@@ -1035,40 +1101,6 @@ def _row(e: dict[str, Any]) -> str:
     )
 
 
-#: Heterogeneous reads and what each is held against in ``het_vs_hom``: the same read of the
-#: homogeneous store (both stores hold the same keys but ``tokens``), or the raw floor of the
-#: heterogeneous store's whole read.
-HET_AGAINST = {
-    "batch_read": ("homogeneous", "batch_read"),
-    "padded_batch": ("homogeneous", "batch_read"),
-    "nested_batch": ("homogeneous", "batch_read"),
-    "slice_read": ("homogeneous", "slice_read"),
-    "padded_slice": ("homogeneous", "slice_read"),
-    "nested_slice": ("homogeneous", "slice_read"),
-    "full_read": ("raw", "full_read"),
-    "padded_full": ("raw", "full_read"),
-    "nested_full": ("raw", "full_read"),
-}
-
-
-def het_vs_hom(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each heterogeneous read's tdstore median over its yardstick's (see ``HET_AGAINST``), same run."""
-    ms = {(e["case"], e["op"]): e for e in results}
-    out = []
-    for op, (against, base_op) in HET_AGAINST.items():
-        het = ms.get(("heterogeneous", op))
-        if het is None:
-            continue
-        if against == "raw":
-            base, label = het["raw"].get("median_ms"), f"raw floor of heterogeneous {base_op}"
-        else:
-            e = ms.get(("homogeneous", base_op))
-            base, label = (e["tdstore"].get("median_ms") if e else None), f"homogeneous {base_op}"
-        mine = het["tdstore"].get("median_ms")
-        out.append({"op": op, "against": label, "ms": mine, "against_ms": base, "ratio": mine / base if mine and base else None})
-    return out
-
-
 def print_table(report: dict[str, Any]) -> None:
     """The summary table: medians in ms and the two ratios (below 1: tdstore is faster)."""
     print()
@@ -1078,7 +1110,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(_row(e))
     if report.get("het_vs_hom"):
         print()
-        print("heterogeneous reads against the homogeneous store's (tdstore ms / tdstore ms) or the raw floor:")
+        print("heterogeneous reads against the homogeneous store's (tdstore ms / tdstore ms, side by side) or the raw floor:")
         for r in report["het_vs_hom"]:
             print(f"  {r['op']:<14} {_ratio(r['ratio']):>8}  against {r['against']}")
     mp = report.get("mp")
@@ -1189,11 +1221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(HEADER)
         print("-" * len(HEADER), flush=True)
         mp_report = None
+        het_report: list[dict[str, Any]] = []
         try:
             runner.element_case("homogeneous", het=False)
             runner.element_case("heterogeneous", het=True)
             for leaf_bytes in settings.large_leaf_bytes:
                 runner.large_case(leaf_bytes)
+            print("\nheterogeneous reads against the homogeneous store's (tdstore ms / tdstore ms, side by side) or the raw floor:")
+            het_report = runner.het_vs_hom_case()
+            runner.drop(runner.mp_stores.pop("heterogeneous"))
             if not args.no_mp and settings.mp_writers > 0:
                 mp_report = runner.mp_case()
             else:
@@ -1206,7 +1242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "meta": meta,
         "results": runner.results,
-        "het_vs_hom": het_vs_hom(runner.results),
+        "het_vs_hom": het_report,
         "mp": mp_report,
         "problems": runner.problems,
         "notes": runner.notes,
