@@ -810,7 +810,7 @@ class Engine:
                 return leaf, shapes, data
 
             if scattered:
-                tx = self._plan_rows_tx(h, ids, [leaf])
+                tx = self.plan_rows_tx(h, ids, [leaf])
                 if tx is not None:  # the leaf's offset tables are kept: plain GETRANGEs, checked (see _offsets)
                     guards = {"epoch": h.epoch, f"lv:{leaf.number}": str(leaf.version)}
                     return Call("tx", [], [], parse, ranges=tx[0], guards=guards, verify=tx[1])
@@ -822,7 +822,7 @@ class Engine:
                 # mostly single rows (a random batch): the ids travel once and the offset and shape
                 # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
                 args += [2, "I", n, _codec.pack_i64(ids), _segments.het_row_read_op(h.segments, leaf.ndim, n), d, o, sk, 8 * leaf.ndim]
-                return self._with_tables(h, Call("read", kt.keys, args, parse), kt, [leaf], ids, count_at=2)
+                return self.with_tables(h, Call("read", kt.keys, args, parse), kt, [leaf], ids, count_at=2)
             args += [1, "E", d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi)]
             return Call("read", kt.keys, args, parse)
 
@@ -833,7 +833,7 @@ class Engine:
         except _NotRagged:
             return None
 
-    def _plan_rows_tx(
+    def plan_rows_tx(
         self, h: Header, ids: np.ndarray, units: list[Leaf]
     ) -> tuple[list[list[_wire.Piece]], Callable[[list], list | None]] | None:
         """A read transaction of rows ``ids`` (in that order, duplicates included) of every leaf of
@@ -878,7 +878,7 @@ class Engine:
 
         return ranges, verify
 
-    def _with_tables(self, h: Header, call: Call, kt: KeyTable, leaves: list[Leaf], ids: np.ndarray, count_at: int = 0) -> Call:
+    def with_tables(self, h: Header, call: Call, kt: KeyTable, leaves: list[Leaf], ids: np.ndarray, count_at: int = 0) -> Call:
         """``call`` (a ``read.lua`` read of rows ``ids`` of ``leaves`` whose op count is ``call.args[count_at]``)
         also bringing back the offset tables the handle should keep (its ``T`` ops, last), so later reads
         of those rows go as transactions."""
@@ -1187,7 +1187,7 @@ class Engine:
         kt = self.key_table(h)
         order = [leaf.path for leaf in leaves]
         leaves, block, grouped = _rows.units(h, leaves)
-        tx = self._plan_rows_tx(h, ids, leaves)
+        tx = self.plan_rows_tx(h, ids, leaves)
         args: list[Any] = [] if tx is not None else [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
         for leaf in leaves if tx is None else ():
             d = kt.ref(self.keys.data(leaf.number))
@@ -1219,7 +1219,7 @@ class Engine:
 
         if tx is not None:  # every heterogeneous leaf's offset tables are kept (see _offsets)
             return Call("tx", [], [], parse, ranges=tx[0], verify=tx[1])
-        return self._with_tables(h, Call("read", kt.keys, args, parse), kt, leaves, ids)
+        return self.with_tables(h, Call("read", kt.keys, args, parse), kt, leaves, ids)
 
     # -- writes ------------------------------------------------------------------
     def run_write(

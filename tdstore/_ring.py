@@ -500,12 +500,17 @@ def sample(
             )
     packed = _codec.pack_i64(draws.numpy())
     channel = engine.keys.events
+    as_tx = [not by_policy]  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
 
     def plan_call(h: Header) -> Call:
         # planned from the header the call is sent with: a policy set since the first plan (a STALE
         # reply brings it) decides this call too
         by_prio = asked if asked is not None else (h.sampling is not None and h.sampling.prioritized)
         use_policy = by_prio or min_size is not None or h.sampling is not None
+        if as_tx[0] and not use_policy and engine.ring_full and h.stack_pos == 0:
+            tx = _tx_sample_call(engine, h, keys, draws, device, ragged)
+            if tx is not None:
+                return tx
 
         def head(kt: KeyTable) -> list[Any]:
             if use_policy:
@@ -529,11 +534,61 @@ def sample(
             probs, low = _sampling.probabilities(reply)
             return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, beta), probs)
 
-        return _row_read_call(engine, h, keys, batch_size, head, parse)
+        call = _row_read_call(engine, h, keys, batch_size, head, parse)
+        if use_policy:
+            return call
+        # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
+        # draws fall in once the ring is full), so that the next samples of a full ring go as transactions
+        selected = _selected(h, keys)
+        return engine.with_tables(h, call, KeyTable(*call.keys), _rows.units(h, selected)[0], (draws % h.count).numpy(), count_at=2)
 
-    return _sampling.wait_or_raise(
-        engine, lambda: engine.run(plan_call), timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample"
-    )
+    def run() -> Any:
+        try:
+            return engine.run(plan_call)
+        except _RingMoved:  # the ring is under a policy now (or was recreated): the script samples
+            as_tx[0] = False
+            engine.set_header(engine.fetch_header())
+            return engine.run(plan_call)
+
+    return _sampling.wait_or_raise(engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
+
+
+class _RingMoved(Exception):
+    """A transaction sample found the ring not full, or under a sampling policy: ``read.lua`` samples it."""
+
+
+def _tx_sample_call(
+    engine: Engine,
+    h: Header,
+    keys: list[NestedPath] | None,
+    draws: torch.Tensor,
+    device: torch.device | None,
+    ragged: dict[str, Any] | None,
+) -> Call | None:
+    """A uniform sample of a full ring with heterogeneous keys as one read transaction: the client maps
+    the draws to slots as ``read.lua``'s ``U`` op would (``draw % count``) and reads the rows from the
+    offset tables it keeps (``Engine.plan_rows_tx``), ``rw`` and the policy field with them. None when
+    a table is not kept, or every key read is homogeneous (``engine.read`` samples those)."""
+    selected = _selected(h, keys)
+    if not selected or not any(leaf.het for leaf in selected):
+        return None
+    leaves, block, grouped = _rows.units(h, selected)
+    slots = (draws % h.count).numpy()
+    tx = engine.plan_rows_tx(h, slots, leaves)
+    if tx is None:
+        return None
+    wanted = None if keys is None else {leaf.path for leaf in selected}
+    guards = {"epoch": h.epoch, "kv": str(h.keyset_version), **{f"lv:{leaf.number}": str(leaf.version) for leaf in selected}}
+
+    def parse(reply: list) -> Sample:
+        fields = call.field_values or {}
+        rw = fields.get("rw")
+        if rw is None or int(rw) < h.count or fields.get("sc") is not None:
+            raise _RingMoved
+        return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), rw, *reply[2:]], 4, device, block, grouped, ragged, wanted)
+
+    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=["rw", "sc"], verify=tx[1])
+    return call
 
 
 def pop(
