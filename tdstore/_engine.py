@@ -26,6 +26,7 @@ import redis
 import torch
 
 from . import _codec, _index, _integrity, _limits, _nontensor, _rows, _scripts, _segments, _spread, _wire
+from ._call import BULK_CHUNK, Call
 from ._connection import ConnectionSpec, HeldConnection
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from ._keys import KeyTable, StoreKeys
@@ -51,8 +52,6 @@ TX_WHOLE_BYTES_PER_RANGE = 2048
 #: A read of more ranges than this (a random batch of many thousands of rows) goes through read.lua:
 #: the server keeps every queued command of a transaction until EXEC (about 200 bytes each).
 TX_MAX_RANGES = 50_000
-#: Chunk size of those GETRANGEs.
-BULK_CHUNK = 1 << 20
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
 #: (measured, store.set of a key of 1 MiB: 0.94 ms staged against 2.12 ms through the script on Redis 7.0;
 #: 1.00 / 0.93 on 6.2; at 256 KiB 0.57 / 0.71 and 0.50 / 0.87).
@@ -71,31 +70,6 @@ class StaleSchemaError(RuntimeError):
 
 def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
-
-
-@dataclass
-class Call:
-    """One planned script call: KEYS, ARGV and how to turn the reply into a result.
-
-    A dense read (``script == "tx"``, homogeneous leaves only) is sent instead as one MULTI/EXEC
-    transaction of plain ``GETRANGE`` commands in ~1 MiB chunks (``ranges``: per buffer of the
-    reply, runs of key, starts, lengths), preceded by an ``HMGET`` of the header guards; the client compares them with
-    ``guards`` and, on a mismatch, refreshes and plans again. Atomic and one round
-    trip like a script, without pushing megabytes through Lua.
-    """
-
-    script: str
-    keys: list[str]
-    args: list[Any]
-    parse: Callable[[list], Any]
-    ranges: list[list[_wire.Piece]] | None = None  # per buffer of the reply: its byte ranges, in order
-    guards: dict[str, str] | None = None
-    staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
-    fields: list[str] | None = None  # header fields a transaction also reads (HMGET, after the guards)
-    field_values: dict[str, bytes | None] | None = None  # ... and what it read
-    ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
-    schema: Header | None = None  # a write's new header (a schema change), else None
-    verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _offsets)
 
 
 @dataclass

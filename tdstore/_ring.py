@@ -28,7 +28,8 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from . import _codec, _policy, _ragged, _rows, _sampling, _waiting
-from ._engine import Call, DenseResult, Engine, het_rows, leaf_checks
+from ._call import Call
+from ._engine import DenseResult, Engine, het_rows, leaf_checks
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths

@@ -27,7 +27,8 @@ import torch
 from tensordict import TensorDictBase
 
 from . import _codec, _waiting
-from ._engine import Call, Engine
+from ._call import Call
+from ._engine import Engine
 from ._errors import MustWait
 from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 from ._schema import Header

@@ -37,16 +37,14 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from . import _integrity, _scripts, _wire
+from ._call import BULK_CHUNK, Call, SegmentHost
 from ._keys import KeyTable, StoreKeys
 from ._schema import Header
-
-if TYPE_CHECKING:
-    from ._engine import Call, Engine
 
 #: Lease of the schema lock: a changer that died is taken over after this long.
 LEASE_MS = 30_000
@@ -126,7 +124,7 @@ def _flat(ops: list[list[Any]]) -> list[Any]:
 # -- data calls ----------------------------------------------------------------------------
 
 
-def run_data(engine: Engine, h: Header, call: Call) -> Any:
+def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
     """A read or write script call (no schema change) cut per segment; the reply its parser expects,
     None when the caller must plan again (it refreshed the header), or :data:`LOCAL`."""
     keys = engine.keys
@@ -174,7 +172,7 @@ def run_data(engine: Engine, h: Header, call: Call) -> Any:
     return out
 
 
-def stage(engine: Engine, staged: list[tuple[str, Any]]) -> None:
+def stage(engine: SegmentHost, staged: list[tuple[str, Any]]) -> None:
     """Large new blobs sent by plain SETRANGE to their staging keys (see ``Engine._staged_call``), before
     the per-segment scripts that move them into place."""
     pipe = engine.client.pipeline(transaction=False)
@@ -182,7 +180,7 @@ def stage(engine: Engine, staged: list[tuple[str, Any]]) -> None:
     pipe.execute()
 
 
-def settle(engine: Engine, h: Header, replies: dict[int, Any], *, staged: list[tuple[str, Any]] | None = None) -> Any:
+def settle(engine: SegmentHost, h: Header, replies: dict[int, Any], *, staged: list[tuple[str, Any]] | None = None) -> Any:
     """True when every segment's reply is OK; else refresh what is needed and return None (plan
     again) or :data:`WAIT` (another client's schema change is under way, see :func:`refused`).
 
@@ -208,7 +206,7 @@ def settle(engine: Engine, h: Header, replies: dict[int, Any], *, staged: list[t
     return refused(engine, h)  # only guards refused: the header decides
 
 
-def missing_guard(engine: Engine, seg: int) -> KeyError:
+def missing_guard(engine: SegmentHost, seg: int) -> KeyError:
     """The error for a segment whose guard is gone while the header is not (checked here: a store
     deleted meanwhile gives the usual one). A delete cut short, or a guard expired a moment
     before its header: nothing to wait for; ``clear_redis()`` or ``tdstore rm`` deletes the rest."""
@@ -219,7 +217,7 @@ def missing_guard(engine: Engine, seg: int) -> KeyError:
     )
 
 
-def refused(engine: Engine, h: Header) -> Any:
+def refused(engine: SegmentHost, h: Header) -> Any:
     """A segment's guard refused a call planned at ``h``: adopt the header and return None (plan
     again); when it has not moved, a schema change is under way or was left half done: wait a
     little, undo a dead one's work, and return :data:`WAIT`."""
@@ -231,7 +229,7 @@ def refused(engine: Engine, h: Header) -> Any:
     return None
 
 
-def unstick(engine: Engine, h: Header) -> None:
+def unstick(engine: SegmentHost, h: Header) -> None:
     """Segments ahead of the header ``h``: wait while a live changer holds the lock; take it over when it is
     free or its lease ran out, roll every guard ahead of ``h`` back, and let it go."""
     try:
@@ -245,7 +243,7 @@ def unstick(engine: Engine, h: Header) -> None:
         time.sleep(0.001 + 0.004 * random.random())
 
 
-def rollback(engine: Engine, h: Header, token: str, upto_leaf: int, segments: int) -> int:
+def rollback(engine: SegmentHost, h: Header, token: str, upto_leaf: int, segments: int) -> int:
     """Every guard of segments 1..segments-1 that a change (``token``, or any: ``*``) moved ahead of
     ``h`` goes back to ``h``'s version, and the keys of leaf numbers the change added are deleted."""
     keys = engine.keys
@@ -275,7 +273,7 @@ def guard_fields(h: Header) -> dict[str, str]:
     }
 
 
-def release(engine: Engine, token: str) -> None:
+def release(engine: SegmentHost, token: str) -> None:
     _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine.execute)
 
 
@@ -286,11 +284,10 @@ def _token() -> str:
 # -- read transactions ---------------------------------------------------------------------
 
 
-def run_transaction(engine: Engine, h: Header, call: Call) -> Any:
+def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
     """A read transaction (see ``Engine._transaction``) as one MULTI/EXEC per segment (a transaction
     may not leave its slot), led by the segment's guard, sent as one pipeline per node, all nodes at
     once; the reply as ``Engine._transaction`` gives it, None to plan again."""
-    from ._engine import BULK_CHUNK
 
     assert call.ranges is not None and call.guards is not None
     keys = engine.keys
@@ -366,7 +363,7 @@ def run_transaction(engine: Engine, h: Header, call: Call) -> Any:
 # -- schema changes ------------------------------------------------------------------------
 
 
-def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
+def run_schema_change(engine: SegmentHost, h: Header, call: Call) -> Any:
     """A write with a schema change on a spread store: lock, prepare the segments, commit the header,
     clean up (see the module docstring). The commit's reply, or None to plan again."""
     new = call.schema
@@ -521,7 +518,7 @@ def run_schema_change(engine: Engine, h: Header, call: Call) -> Any:
     return reply
 
 
-def _commit_outcome(engine: Engine, h: Header, new: Header, token: str) -> bool | None:
+def _commit_outcome(engine: SegmentHost, h: Header, new: Header, token: str) -> bool | None:
     """Whether this change's commit ran, from the header: True (at the new version, still locked by
     ``token``), False (still at the version it was planned on), None when the header cannot tell
     (unreachable, or moved on by another client after the lock was taken over)."""
@@ -551,7 +548,7 @@ def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
     return only
 
 
-def _abort(engine: Engine, h: Header, token: str, new: Header, after: int, call: Call) -> None:
+def _abort(engine: SegmentHost, h: Header, token: str, new: Header, after: int, call: Call) -> None:
     """Undo what this change prepared, then let the lock go. When the undo fails the lock is kept:
     its lease runs out and the next holder undoes the rest, with the leaf numbers and segments
     the lock records (a released lock would forget them)."""
@@ -560,7 +557,7 @@ def _abort(engine: Engine, h: Header, token: str, new: Header, after: int, call:
     release(engine, token)
 
 
-def _drop(engine: Engine, call: Call) -> None:
+def _drop(engine: SegmentHost, call: Call) -> None:
     if call.staged:
         engine.client.delete(*(k for k, _ in call.staged))
 
@@ -621,7 +618,7 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
 # -- the whole store -----------------------------------------------------------------------
 
 
-def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> list[tuple[str, list[str], list[Any]]]:
+def _segment_calls(engine: SegmentHost, h: Header, script: str, args: list[Any]) -> list[tuple[str, list[str], list[Any]]]:
     keys = engine.keys
     return [
         (script, [keys.guard(seg), *keys.segment_keys(h.next_leaf, seg)], [f"{h.epoch}:V{h.version}", *args])
@@ -629,7 +626,7 @@ def _segment_calls(engine: Engine, h: Header, script: str, args: list[Any]) -> l
     ]
 
 
-def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[Any, int]:
+def _take_lock(engine: SegmentHost, h: Header, *, undo_all: bool = False) -> tuple[Any, int]:
     """Take the schema lock for a call that must not run while a schema change is half-way (delete,
     expiry, an undo): ``(token, guards rolled back)``, or ``(None, 0)`` when the header moved (the
     fresh one adopted: plan again) or ``(WAIT, 0)`` when a change holds it (after a short wait). A
@@ -662,7 +659,7 @@ def _take_lock(engine: Engine, h: Header, *, undo_all: bool = False) -> tuple[An
     return token, undone
 
 
-def clear(engine: Engine, h: Header) -> Any:
+def clear(engine: SegmentHost, h: Header) -> Any:
     """Delete every segment k > 0 (its guard and keys), then the header and segment 0 (one call), under
     the schema lock; the number of keys deleted, or None / :data:`WAIT` to plan again."""
     token, _ = _take_lock(engine, h)
@@ -694,7 +691,7 @@ def clear(engine: Engine, h: Header) -> Any:
     return deleted + int(reply[1])
 
 
-def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
+def expire(engine: SegmentHost, h: Header, ttl_ms: int) -> Any:
     """Every segment's keys and guard get the time to live, then the header and segment 0, under the
     schema lock; True, or None / :data:`WAIT` to plan again.
 
@@ -729,7 +726,7 @@ def expire(engine: Engine, h: Header, ttl_ms: int) -> Any:
     return True
 
 
-def deadline(engine: Engine, ttl_ms: int) -> str:
+def deadline(engine: SegmentHost, ttl_ms: int) -> str:
     """The absolute deadline (Unix ms, from the header node's clock) of a time to live; '' for none."""
     if ttl_ms <= 0:
         return ""

@@ -1,7 +1,7 @@
 """Many commands in one write and their replies read in one go: the wire side of a read transaction.
 
 A random batch read is one ``MULTI``/``EXEC`` of hundreds of plain ``GETRANGE``s (see
-``_engine.Call``). Through redis-py's pipeline, packing each command and reading each
+``_call.Call``). Through redis-py's pipeline, packing each command and reading each
 ``QUEUED`` reply costs several microseconds of Python, more than the server spends on
 the whole transaction; here the commands are packed straight into RESP bytes, the
 ``+OK``/``+QUEUED`` replies are compared as bytes and only the ``EXEC`` array is parsed
