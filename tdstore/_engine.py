@@ -858,7 +858,7 @@ class Engine:
         of those rows go as transactions."""
         if not self.transactions or h.spread:
             return call
-        fills = [(leaf, seg) for leaf in leaves if leaf.het and not leaf.json for seg in self.offsets.wanted(h, leaf, ids)]
+        fills = [(leaf, seg) for leaf in leaves if leaf.het for seg in self.offsets.wanted(h, leaf, ids)]
         if not fills:
             return call
         call.args[count_at] += len(fills)

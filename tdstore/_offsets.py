@@ -59,25 +59,27 @@ class RowPlan:
     its shape record, its bytes), once the offsets read back are the ones the byte ranges used."""
 
     offsets: list[Piece]  # per segment: its whole table, or each row's two offsets
-    shapes: list[Piece] | None  # each row's shape record; None when its bytes tell it (one dim)
+    shapes: list[Piece]  # each row's shape record; for one-dim elements, whose bytes tell their shape,
+    # the last byte of each segment's shape table instead: a table lost or cut short is then found
     data: list[Piece]  # each row's bytes, in row order
+    records: bool  # whether ``shapes`` reads the rows' records
     expected: bytes  # what ``offsets`` must bring back
     bounds: bytes  # each row's (start, end), packed as the server keeps them
     itemsize: int  # of the leaf's dtype (shape records of one-dim elements are their byte sizes / itemsize)
 
     @property
     def buffers(self) -> list[list[Piece]]:
-        return [self.offsets, *([self.shapes] if self.shapes is not None else []), self.data]
+        return [self.offsets, self.shapes, self.data]
 
     def pieces(self, got: list) -> list | None:
         """``Y``'s three pieces from this plan's buffers as read (``got``, in ``buffers`` order); None when
         the offsets moved since they were kept (the bytes read are then not the rows')."""
         if got[0] != self.expected:
             return None
-        if self.shapes is not None:
+        if self.records:
             return [self.bounds, got[1], got[2]]
         b = np.frombuffer(self.bounds, dtype="<i8").reshape(-1, 2)
-        return [self.bounds, ((b[:, 1] - b[:, 0]) // self.itemsize).astype("<i8").tobytes(), got[1]]
+        return [self.bounds, ((b[:, 1] - b[:, 0]) // self.itemsize).astype("<i8").tobytes(), got[2]]
 
 
 class OffsetTables:
@@ -111,7 +113,10 @@ class OffsetTables:
         local = ids if one else ids - segs * per
         bounds = np.empty((ids.size, 2), dtype="<i8")
         offsets: list[Piece] = []
+        probes: list[Piece] = []
         expected = []
+        rec = 8 * leaf.ndim
+        read_shapes = leaf.json or leaf.ndim != 1
         with self._lock:
             t = self._tables(h, leaf)
             if t.hold:
@@ -126,16 +131,22 @@ class OffsetTables:
                 bounds[rows, 0] = table[at]
                 bounds[rows, 1] = table[at + 1]
                 okey = keys.offsets(leaf.number, seg)
+                if not read_shapes:
+                    probes.append(
+                        (
+                            keys.shapes(leaf.number, seg),
+                            np.full(1, rec * (len(raw) // 8 - 1) - 1, dtype=np.int64),
+                            np.ones(1, dtype=np.int64),
+                        )
+                    )
                 if len(raw) <= at.size * WHOLE_TABLE_BYTES_PER_ROW:
                     offsets.append((okey, np.zeros(1, dtype=np.int64), np.full(1, len(raw), dtype=np.int64)))
                     expected.append(raw)
                 else:
                     offsets.append((okey, 8 * at, np.full(at.size, 16, dtype=np.int64)))
                     expected.append(bounds[rows].tobytes())
-        rec = 8 * leaf.ndim
         # one piece per stretch of rows in one segment, so the rows come back in their order
         cuts = np.flatnonzero(np.diff(segs)) + 1 if not one else np.zeros(0, dtype=np.int64)
-        read_shapes = leaf.json or leaf.ndim != 1
         shapes: list[Piece] = []
         data: list[Piece] = []
         for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [ids.size])).tolist()):
@@ -145,7 +156,9 @@ class OffsetTables:
                 shapes.append((keys.shapes(leaf.number, seg), rec * at, np.full(at.size, rec, dtype=np.int64)))
             first = bounds[lo:hi, 0]
             data.append((keys.data(leaf.number, seg), first, bounds[lo:hi, 1] - first))
-        return RowPlan(offsets, shapes if read_shapes else None, data, b"".join(expected), bounds.tobytes(), leaf.dtype.itemsize)
+        return RowPlan(
+            offsets, shapes if read_shapes else probes, data, read_shapes, b"".join(expected), bounds.tobytes(), leaf.dtype.itemsize
+        )
 
     def wanted(self, h: Header, leaf: Leaf, ids: np.ndarray) -> list[int]:
         """The segments whose tables a read of rows ``ids`` through read.lua should bring back (its
@@ -174,12 +187,10 @@ class OffsetTables:
         with self._lock:
             t = self._tables(h, leaf)
             old = t.segments.get(seg)
-            if old is not None:
-                self._bytes -= len(old)
-            if self._bytes + len(raw) > self.max_bytes:
+            if self._bytes - (len(old) if old is not None else 0) + len(raw) > self.max_bytes:
                 return
             t.segments[seg] = raw
-            self._bytes += len(raw)
+            self._bytes += len(raw) - (len(old) if old is not None else 0)
 
     def confirmed(self, h: Header, leaf: Leaf) -> None:
         """A transaction found ``leaf``'s rows where the kept tables said."""

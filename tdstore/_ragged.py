@@ -36,13 +36,19 @@ def wanted(kwargs: dict[str, Any]) -> bool:
     return bool(kwargs.get("as_padded_tensor") or kwargs.get("as_nested_tensor")) and set(kwargs) <= KEYWORDS and not kwargs.get("as_list")
 
 
-def check_mask(kwargs: dict[str, Any], key: Any) -> None:
-    """Refuse ``return_mask`` where it cannot apply: a jagged result (it carries its own lengths) or a
-    key not read as one padded tensor of elements differing in their first dim."""
+def check_mask(kwargs: dict[str, Any], key: Any, scalars: bool = False) -> None:
+    """Refuse ``return_mask`` where it cannot apply: without ``as_padded_tensor=True``, elements of no
+    dims (``scalars``), or a key not read as one padded tensor of elements differing in their first dim."""
     if not kwargs.get("return_mask"):
         return
-    if not kwargs.get("as_padded_tensor") or kwargs.get("as_nested_tensor"):
-        raise ValueError(f"return_mask goes with as_padded_tensor=True (a nested tensor knows its lengths), for key {key!r}")
+    if kwargs.get("as_nested_tensor"):
+        raise ValueError(
+            f"return_mask goes with as_padded_tensor=True, not as_nested_tensor (a nested tensor knows its lengths), for key {key!r}"
+        )
+    if not kwargs.get("as_padded_tensor"):
+        raise ValueError(f"return_mask goes with as_padded_tensor=True, for key {key!r}")
+    if scalars:
+        raise ValueError(f"return_mask: the elements of {key!r} have no dims to pad")
     raise ValueError(
         f"return_mask needs a batch of elements of {key!r} that differ in their first dim only, stacked along "
         "the store's first dim (the mask marks the data along that dim)"
@@ -70,7 +76,7 @@ def build(leaf: Leaf, shapes: np.ndarray, data: Any, kwargs: dict[str, Any]) -> 
     if kwargs.get("return_mask") and kwargs.get("as_nested_tensor"):
         check_mask(kwargs, key)
     if ndim == 0 or n == 0:
-        check_mask(kwargs, key)
+        check_mask(kwargs, key, scalars=ndim == 0)
         return None
     rest = shapes[:, 1:]
     if (rest != rest[0]).any():

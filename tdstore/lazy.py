@@ -639,7 +639,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         h = self._header
         leaf = h.leaves.get(path)
         if kwargs.get("as_nested_tensor") or leaf is None or leaf.het or h.inner or h.stack_pos != 0 or not leaf.shape:
-            _ragged.check_mask(kwargs, display(path))
+            _ragged.check_mask(kwargs, display(path), scalars=leaf is not None and not leaf.het and not leaf.shape)
         out = td.get(display(path), **{k: v for k, v in kwargs.items() if k != "return_mask"})
         return out, torch.ones(out.shape[:2], dtype=torch.bool, device=out.device)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import round_trips, top_level_commands
-from tensordict import TensorDict, lazy_stack
+from tensordict import NonTensorData, TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _offsets
 from tdstore._offsets import MAX_HOLD, OffsetTables
@@ -115,14 +115,14 @@ def test_kept_tables_turn_reads_into_one_transaction(real):
     writer.clear_redis()
 
 
-@pytest.mark.parametrize("lost", ["o", "d"])
+@pytest.mark.parametrize("lost", ["o", "d", "s"])
 def test_a_lost_table_or_data_key_is_damage_not_zeros(real, lost):
     writer = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([_element(i) for i in range(N)]), **real.kwargs())
     writer[IDX]  # tables kept
     leaf = writer._engine.header.leaves[("tokens",)]
-    key = writer._engine.keys.offsets(leaf.number) if lost == "o" else writer._engine.keys.data(leaf.number)
+    key = {"o": writer._engine.keys.offsets, "d": writer._engine.keys.data, "s": writer._engine.keys.shapes}[lost](leaf.number)
     real.client().delete(key)
-    with pytest.raises(StoreDamagedError, match="tokens|:o:|:d:"):
+    with pytest.raises(StoreDamagedError, match="tokens|:o:|:d:|:s:"):
         writer[IDX]
     with pytest.raises(StoreDamagedError):
         writer.get_at("tokens", IDX, as_padded_tensor=True)
@@ -198,3 +198,29 @@ def test_samples_of_a_full_ring_with_heterogeneous_keys(backend, real):
         fresh.sample(16)  # read.lua: the ring is full, the tables come back with the rows
         assert round_trips(top_level_commands(real.client, lambda: fresh.sample(16))) == ["transaction"]
     writer.clear_redis()
+
+
+def test_a_store_with_a_non_tensor_heterogeneous_key_reads_its_rows_as_a_transaction_too(real):
+    els = [TensorDict(tokens=torch.arange(i % 5 + 1), note=NonTensorData("x" * (i % 9))) for i in range(N)]
+    s = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(els), **real.kwargs())
+    s[IDX]  # read.lua: both keys' tables come back with the rows
+    got = []
+    assert round_trips(top_level_commands(real.client, lambda: got.append(s[IDX]))) == ["transaction"]
+    for k, i in enumerate(IDX.tolist()):
+        assert torch.equal(got[0][k]["tokens"], els[i]["tokens"]) and got[0][k]["note"] == "x" * (i % 9)
+    s.clear_redis()
+
+
+def test_keeping_a_table_again_counts_its_bytes_once():
+    from types import SimpleNamespace
+
+    from tdstore._segments import Segments
+
+    h = SimpleNamespace(epoch="e", segments=Segments(4, 4))
+    leaf = SimpleNamespace(number=1, version=1)
+    tables = OffsetTables(max_bytes=60)
+    tables.keep(h, leaf, 0, b"\0" * 40)
+    tables.keep(h, leaf, 0, b"\1" * 40)  # the same segment again: replaced, counted once
+    assert tables.nbytes == 40 and tables._leaves[1].segments[0] == b"\1" * 40
+    tables.changed(h, leaf)
+    assert tables.nbytes == 0

@@ -160,6 +160,11 @@ def test_return_mask_where_it_cannot_apply_is_refused(pair, backend):
         store.get_at("tokens", [1, 2], as_nested_tensor=True, return_mask=True)
     with pytest.raises(ValueError, match="return_mask goes with as_padded_tensor"):
         store.get("tokens", return_mask=True)
+    scalars = LazyStackedTensorDictStore.from_lazy_stack(
+        lazy_stack([TensorDict(r=torch.tensor(float(i))) for i in range(4)]), **backend.kwargs()
+    )
+    with pytest.raises(ValueError, match="no dims to pad"):
+        scalars.get_at("r", [0, 2], as_padded_tensor=True, return_mask=True)
     with pytest.raises(ValueError, match="return_mask needs a batch"):
         store.get_at("tokens", 3, as_padded_tensor=True, return_mask=True)
     img = LazyStackedTensorDictStore.from_lazy_stack(
