@@ -1,7 +1,8 @@
 """tdstore: TensorDicts shared between processes and machines through a Redis-wire server.
 
-Every operation is one atomic round trip: a Lua script call (EVALSHA), or for plain reads of
-homogeneous keys one MULTI/EXEC that checks the schema versions in the same transaction.
+Every operation is one atomic round trip: a Lua script call (EVALSHA), or for reads whose byte
+ranges the client can name (homogeneous keys, heterogeneous rows whose offset tables it keeps) one
+MULTI/EXEC that checks the schema versions in the same transaction.
 Handles keep a cached view of the schema that the server validates on every call.
 
 The store classes are imported on first use (``tdstore.TensorDictStore``), not

@@ -1,11 +1,13 @@
-"""The storage engine shared by every front class: plans, one script call, results.
+"""The storage engine shared by every front class: plans, one server call, results.
 
-Every public operation of a store ends here as *one* call to a script of
-``lua/`` (one round trip).  The engine plans the call from its cached
-:class:`~tdstore._schema.Header`; the script checks the header version first and,
-when the cache is stale, answers with the current header instead of running.
-The engine then re-plans with the fresh header and calls again.  So the common
-case costs one round trip, and a stale cache costs one more, never wrong data.
+Every public operation of a store ends here as *one* round trip: a call to a script of
+``lua/`` (``EVALSHA``), or, for reads whose byte ranges the client can name itself
+(homogeneous keys, heterogeneous rows whose offset tables it keeps, see ``_offsets``), one
+``MULTI``/``EXEC`` of plain ``GETRANGE``s that reads the header's versions in the same
+transaction. The engine plans the call from its cached :class:`~tdstore._schema.Header`;
+the script (or the client, for a transaction) checks the versions first and, when the cache
+is stale, the engine adopts the current header and plans again. So the common case costs
+one round trip, and a stale cache costs one more, never wrong data.
 """
 
 from __future__ import annotations

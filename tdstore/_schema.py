@@ -74,11 +74,6 @@ class Leaf:
         return self.shape is None
 
     @property
-    def grouped(self) -> bool:
-        """Whether the leaf's elements live in the store's row block, not in a blob of its own."""
-        return self.col is not None
-
-    @property
     def element_nbytes(self) -> int:
         assert self.shape is not None
         return _codec.nbytes(self.shape, self.dtype)
