@@ -86,12 +86,14 @@ class DenseResult:
 
 @dataclass
 class ElementsResult:
-    """Leaves read per element: ``elements[k]`` holds element ``ids[k]``'s tensors."""
+    """Leaves read per element: ``elements[k]`` holds element ``ids[k]``'s tensors, or, when ``columns``
+    is set (``elements`` then empty), ``columns[path][k]`` does."""
 
     ids: list[int]
     elements: list[dict[NestedPath, torch.Tensor]]
     paths: list[NestedPath] | None = None
     """The keys in the order the store lists them (the elements' dicts may hold them in another)."""
+    columns: dict[NestedPath, Sequence[Any]] | None = None
 
 
 def leaf_checks(leaves: Iterable[Leaf]) -> str:
@@ -139,7 +141,13 @@ def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: 
     """The ``n`` elements of a heterogeneous leaf read by row ('Y' of ``read.lua``): packed (start,
     end) byte bounds, shape records and the data joined; non-tensor leaves decode their JSON."""
     b = _codec.unpack_i64(bounds).reshape(n, 2)
-    sizes = (b[:, 1] - b[:, 0]).tolist()
+    return split_elements(leaf, inner, n, (b[:, 1] - b[:, 0]).tolist(), shapes, data)
+
+
+def split_elements(leaf: Leaf, inner: tuple[int, ...], n: int, sizes: list[int], shapes: bytes, data: bytes) -> list[Any]:
+    """The ``n`` elements of a heterogeneous leaf whose bytes are ``data``, back to back (``sizes``
+    bytes each), and whose shape records are ``shapes``: one view of one buffer each (non-tensor
+    leaves decode their JSON)."""
     if leaf.json:
         ends = np.cumsum([0, *sizes]).tolist()
         return [_nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
@@ -1108,38 +1116,24 @@ class Engine:
 
         def parse(reply: list) -> ElementsResult:
             pieces = reply[2:]
-            elements: list[dict[NestedPath, torch.Tensor]] = [{} for _ in range(ids.size)]
+            columns: dict[NestedPath, list[Any]] = {}  # per leaf: one tensor (or value) per element, in id order
             pos = 0
             homog_seen = 0
             for leaf in leaves:
-                k = 0
                 if leaf.het:
+                    col = columns[leaf.path] = []
                     for rlo, rhi in el_runs:
                         offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
                         pos += 3
-                        n = rhi - rlo + 1
                         sizes = np.diff(_codec.unpack_i64(offs)).tolist()
-                        dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
                         # one buffer per run, split into one view per element in a single call
-                        if leaf.json:
-                            pos_b = 0
-                            for size in sizes:
-                                elements[k][leaf.path] = _nontensor.decode(data[pos_b : pos_b + size], h.leaf_inner(leaf.path))
-                                pos_b += size
-                                k += 1
-                            continue
-                        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                        for piece, dim in zip(buf.split(sizes), dims):
-                            elements[k][leaf.path] = piece.view(leaf.dtype).reshape(dim)
-                            k += 1
+                        col += split_elements(leaf, h.leaf_inner(leaf.path), rhi - rlo + 1, sizes, shapes, data)
                 elif joined[homog_seen]:
                     # every touched element of this leaf in one buffer: one view per element
                     homog_seen += 1
                     rows = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *leaf.shape))  # type: ignore[misc]
                     pos += 1
-                    for path, col in _columns(leaf, rows, block, grouped):
-                        for k, t in enumerate(col.unbind(0)):
-                            elements[k][path] = t
+                    columns.update((path, list(col.unbind(0))) for path, col in _columns(leaf, rows, block, grouped))
                 else:
                     homog_seen += 1
                     shape = leaf.shape
@@ -1147,11 +1141,9 @@ class Engine:
                     for rlo, rhi in el_runs:
                         rows = _codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
                         for path, col in _columns(leaf, rows, block, grouped):
-                            for j, t in enumerate(col.unbind(0)):
-                                elements[k + j][path] = t
-                        k += rhi - rlo + 1
+                            columns.setdefault(path, []).extend(col.unbind(0))
                         pos += 1
-            return ElementsResult([int(i) for i in ids], elements, order)
+            return ElementsResult([int(i) for i in ids], [], order, columns)
 
         return Call("read", kt.keys, args, parse)
 
@@ -1189,9 +1181,7 @@ class Engine:
                     rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]
                     columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                     pos += 1
-            columns = {path: columns[path] for path in order}  # the store's key order
-            elements = [{path: col[k] for path, col in columns.items()} for k in range(n)]
-            return ElementsResult(ids.tolist(), elements, order)
+            return ElementsResult(ids.tolist(), [], order, columns)
 
         if tx is not None:  # every heterogeneous leaf's offset tables are kept (see _offsets)
             return Call("tx", [], [], parse, ranges=tx[0], verify=tx[1])

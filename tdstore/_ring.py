@@ -34,7 +34,7 @@ from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
-from ._values import build_td, display, element_maker, leaves_of, stack_members, subtree_dims
+from ._values import build_td, columns_maker, display, leaves_of, stack_members, subtree_dims
 from ._writes import _check_dtype, _element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
@@ -716,8 +716,7 @@ def _decode_sample(
         rows_of: dict[NestedPath, Any] = {p: t.unbind(0) for p, t in dense.items()}  # one view per row, made in one call
         rows_of.update(per_el)
         if device is None or device.type == "cpu":
-            make = element_maker(list(rows_of), h.inner, device, h.sub_dims)
-            td = stack_members([make({p: rows[k] for p, rows in rows_of.items()}) for k in range(n)], sp)
+            td = stack_members(columns_maker(list(rows_of), 0, torch.Size(h.inner), device, h.sub_dims)(rows_of, n), sp)
         else:  # build_td moves each element to the device
             td = lazy_stack(
                 [build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp

@@ -233,14 +233,6 @@ def build_td(
     return _element_maker([path for path in leaves if path[:cut] == under], cut, torch.Size(batch_size), device, sub)(leaves)
 
 
-def element_maker(
-    paths: list[NestedPath], inner: tuple[int, ...], device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None
-) -> Callable[[dict[NestedPath, torch.Tensor]], TensorDict]:
-    """One function building each element (batch size ``inner``) of a read from its ``{path: tensor}``:
-    the key tree is worked out once for all the elements (``build_td`` works it out per call)."""
-    return _element_maker(paths, 0, torch.Size(inner), device, sub)
-
-
 def _subtree_bs(base: torch.Size, path: NestedPath, sub: dict[NestedPath, tuple[int, ...]] | None) -> torch.Size:
     """The batch size of the sub-tree at ``path`` in a read of batch size ``base``: ``base`` and the
     extra dims of the deepest recorded sub-tree holding it."""
@@ -259,7 +251,23 @@ def _element_maker(
     what follows its first ``cut`` parts): the key tree is worked out once, so the elements of one
     read share it instead of walking their paths one by one.  ``base`` is the read's batch size;
     each sub-tree adds its extra dims from ``sub``."""
-    entries: list[tuple[str, Any]] = []  # (key, full path) for a leaf, (key, [paths]) for a sub-tree, in first-seen order
+    entries = _key_tree(paths, cut)
+    bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
+    parts = [
+        (key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries
+    ]
+    new = _td_factory(bs, device)
+
+    def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
+        return new({key: el[target] if below is None else below(el) for key, below, target in parts})
+
+    return make
+
+
+def _key_tree(paths: list[NestedPath], cut: int) -> list[tuple[str, Any]]:
+    """The keys of one level (what follows the first ``cut`` parts of ``paths``), in first-seen order:
+    ``(key, full path)`` for a leaf, ``(key, [paths below it])`` for a sub-tree."""
+    entries: list[tuple[str, Any]] = []
     subtrees: dict[str, list[NestedPath]] = {}
     for path in paths:
         rel = path[cut:]
@@ -270,14 +278,26 @@ def _element_maker(
             entries.append((rel[0], subtrees[rel[0]]))
         else:
             subtrees[rel[0]].append(path)
+    return entries
+
+
+def columns_maker(
+    paths: list[NestedPath], cut: int, base: torch.Size, device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None = None
+) -> Callable[[Mapping[NestedPath, Any], int], list[TensorDict]]:
+    """A function building the ``n`` TensorDicts of a read from its columns (``{path: one tensor per
+    element}``), level by level: each sub-tree's members are built once for all the elements, and each
+    member from ``zip``ped columns, without a ``{path: tensor}`` dict per element (see ``_element_maker``)."""
+    entries = _key_tree(paths, cut)
     bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
-    parts = [
-        (key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries
-    ]
+    keys = [key for key, _ in entries]
+    below = [columns_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None for _, target in entries]
     new = _td_factory(bs, device)
 
-    def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
-        return new({key: el[target] if below is None else below(el) for key, below, target in parts})
+    def make(columns: Mapping[NestedPath, Any], n: int) -> list[TensorDict]:
+        if not entries:
+            return [new({}) for _ in range(n)]
+        cols = [columns[target] if sub_make is None else sub_make(columns, n) for (_, target), sub_make in zip(entries, below)]
+        return [new(dict(zip(keys, values))) for values in zip(*cols)]
 
     return make
 
@@ -317,7 +337,7 @@ def _td_factory(batch_size: torch.Size, device: torch.device | None) -> Callable
 
 
 def stack_members(tds: list[TensorDict], dim: int) -> LazyStackedTensorDict:
-    """The lazy stack of ``tds``, TensorDicts one ``element_maker`` made (one batch size, one device):
+    """The lazy stack of ``tds``, TensorDicts one maker made (``columns_maker``: one batch size, one device):
     tensordict's unchecked constructor, a fifth of ``lazy_stack``'s time for 256 members, whose
     checks (each member a tensordict on the stack's device) these members pass by construction."""
     unchecked = getattr(LazyStackedTensorDict, "_new_lazy_unsafe", None)
@@ -337,6 +357,12 @@ def assemble(
     """Turn an engine read into the tensordict the index asked for (``sub``: ``Header.sub_dims``)."""
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under, sub)
+    if result.columns is not None and (device is None or device.type == "cpu"):
+        paths = result.paths if result.paths is not None else list(result.columns)
+        make_all = columns_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device, sub)
+        return _stacked(plan, make_all(result.columns, len(result.ids)), True)
+    if result.columns is not None:  # another device: build_td moves each element there
+        result = ElementsResult(result.ids, [{p: c[k] for p, c in result.columns.items()} for k in range(len(result.ids))], result.paths)
     first = result.elements[0] if result.elements else None
     uniform = first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements)
     if uniform and first is not None:
@@ -346,6 +372,12 @@ def assemble(
         tds = [make(el) for el in result.elements]
     else:
         tds = [build_td(el, inner, device, under, sub) for el in result.elements]
+    return _stacked(plan, tds, uniform)
+
+
+def _stacked(plan: Plan | None, tds: list[TensorDict], uniform: bool) -> TensorDictBase:
+    """The elements read (``tds``, in id order) as the index asked for them: one element, or a lazy
+    stack, reversed, repeated or sliced as the plan says (``uniform``: one factory made them all)."""
     assert plan is not None
     if plan.element_int and plan.inner_full:
         return tds[0]
