@@ -76,18 +76,23 @@ def dense(c: dict[str, torch.Tensor]) -> TensorDict:
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median of ``reps`` calls, with the cyclic GC paused during each (as tdstore's reads pause it:
-    otherwise tens of thousands of new objects set off collections that walk every live object)."""
+    """Median of ``reps`` calls, with the cyclic GC paused during each, as tdstore's reads pause it
+    (otherwise tens of thousands of new objects set off collections that walk every live object),
+    and the one collection of the young objects that re-enabling it leads to counted in, as it is in
+    a read's time."""
     fn()
     times = []
     for _ in range(reps):
         gc.disable()
         try:
             t = time.perf_counter()
-            fn()
+            out = fn()
+            gc.enable()
+            gc.collect(0)
             times.append(time.perf_counter() - t)
         finally:
             gc.enable()
+        del out
     return statistics.median(times) * 1e3
 
 
