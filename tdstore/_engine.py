@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,7 +93,7 @@ class ElementsResult:
     elements: list[dict[NestedPath, torch.Tensor]]
     paths: list[NestedPath] | None = None
     """The keys in the order the store lists them (the elements' dicts may hold them in another)."""
-    columns: dict[NestedPath, Sequence[Any]] | None = None
+    columns: Mapping[NestedPath, Sequence[Any]] | None = None
 
 
 def leaf_checks(leaves: Iterable[Leaf]) -> str:
@@ -1121,13 +1121,13 @@ class Engine:
             homog_seen = 0
             for leaf in leaves:
                 if leaf.het:
-                    col = columns[leaf.path] = []
+                    elements = columns[leaf.path] = []
                     for rlo, rhi in el_runs:
                         offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
                         pos += 3
                         sizes = np.diff(_codec.unpack_i64(offs)).tolist()
                         # one buffer per run, split into one view per element in a single call
-                        col += split_elements(leaf, h.leaf_inner(leaf.path), rhi - rlo + 1, sizes, shapes, data)
+                        elements += split_elements(leaf, h.leaf_inner(leaf.path), rhi - rlo + 1, sizes, shapes, data)
                 elif joined[homog_seen]:
                     # every touched element of this leaf in one buffer: one view per element
                     homog_seen += 1
