@@ -325,42 +325,39 @@ def test_bad_segment_bytes_is_refused_before_anything_is_written(backend, bad):
     assert not store_keys(backend)
 
 
-@pytest.mark.layout
-def test_scattered_heterogeneous_rows_read_their_small_tables_whole(real):
+def _scattered_het_read(real, transactions: bool):
+    """A store of 900 elements (tok heterogeneous, x homogeneous), a random batch of 200 read twice:
+    the store and the server's command counts of the second read, checked against the local stack."""
     n = 900
     local = lazy_stack([TensorDict(tok=torch.arange(i % 5 + 1) + 10 * i, x=torch.tensor([i, -i])) for i in range(n)])
     s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
-    s._engine.transactions = False  # the script's way (a server or ACL user without MULTI)
+    s._engine.transactions = transactions  # False: the script's way (a server or ACL user without MULTI)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:200]
-    s[idx]  # warm (the first call of a script on a fresh server loads it)
+    s[idx]  # the first read: scripts loaded, (with transactions) tok's offset tables kept
     before = real.commandstats()
     got = s[idx]
     after = real.commandstats()
     for k, i in enumerate(idx.tolist()):
         assert torch.equal(got[k]["tok"], local[i]["tok"]) and torch.equal(got[k]["x"], local[i]["x"])
-    assert after.get("evalsha", 0) - before.get("evalsha", 0) == 1
+    return s, idx, {c: after.get(c, 0) - before.get(c, 0) for c in ("evalsha", "exec", "get", "getrange")}
+
+
+@pytest.mark.layout
+def test_scattered_heterogeneous_rows_read_their_small_tables_whole(real):
+    _, _, count = _scattered_het_read(real, transactions=False)
+    assert count["evalsha"] == 1
     # x's blob, tok's offset table and its shape table read whole once ('B', 'V'); one GETRANGE per row for tok's data
-    assert after.get("get", 0) - before.get("get", 0) == 3
-    assert after.get("getrange", 0) - before.get("getrange", 0) == 200
+    assert count["get"] == 3
+    assert count["getrange"] == 200
 
 
 def test_scattered_heterogeneous_rows_read_as_a_transaction_once_the_offsets_are_kept(real):
-    n = 900
-    local = lazy_stack([TensorDict(tok=torch.arange(i % 5 + 1) + 10 * i, x=torch.tensor([i, -i])) for i in range(n)])
-    s = LazyStackedTensorDictStore.from_lazy_stack(local, **real.kwargs())
-    idx = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:200]
-    s[idx]  # read.lua, which sends tok's offset tables back with the rows
+    s, idx, count = _scattered_het_read(real, transactions=True)  # the first read: read.lua, tables sent back
     segs = s._engine.header.segments
     touched = sorted({i // segs.per for i in idx.tolist()})  # one segment, unless the suite runs with tiny ones
     assert s._engine.offsets.nbytes == sum(8 * (segs.size(k) + 1) for k in touched)
-    before = real.commandstats()
-    got = s[idx]
-    after = real.commandstats()
-    for k, i in enumerate(idx.tolist()):
-        assert torch.equal(got[k]["tok"], local[i]["tok"]) and torch.equal(got[k]["x"], local[i]["x"])
-    assert after.get("evalsha", 0) - before.get("evalsha", 0) == 0
-    assert after.get("exec", 0) - before.get("exec", 0) == 1
+    assert count["evalsha"] == 0 and count["exec"] == 1
     # per segment, tok's offset table read back whole (to check the kept one) and the last byte of its
     # shape table (still there?); its rows' bytes; x's rows. No shape records: one-dim elements' byte
     # sizes tell them
-    assert after.get("getrange", 0) - before.get("getrange", 0) == 2 * len(touched) + 200 + 200
+    assert count["getrange"] == 2 * len(touched) + 200 + 200
