@@ -25,7 +25,8 @@
               writer has not overwritten, unless items were popped before
   ARGV[4]     the store's Pub/Sub channel: waiting clients retry under the new policy
 
-  Reply       {'OK', version}; {'STALE', header...}; {'GONE'}.
+  Reply       {'OK', header field, value, ...}: the header as the change left it (the
+              client adopts it, no second round trip); {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' for a malformed call.
 ]]
 local meta = KEYS[1]
@@ -74,4 +75,6 @@ local ttl = redis.call('PTTL', meta)
 if ttl > 0 then
   tds_expire_keys(2, 3, ttl)
 end
-return {'OK', redis.call('HGET', meta, 'version')}
+local out = redis.call('HGETALL', meta)
+table.insert(out, 1, 'OK')
+return out

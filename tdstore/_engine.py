@@ -378,7 +378,8 @@ class Engine:
         return header
 
     def adopt_stale(self, reply: list) -> None:
-        """Adopt the current header that a script's ``STALE`` reply carries (field, value, ... after the marker)."""
+        """Adopt the current header that a script's reply carries (field, value, ... after the marker):
+        a ``STALE`` reply's, or the new header a schema-changing script sends back with its ``OK``."""
         self.set_header(self._parse_header(_pairs(reply[1:])))
 
     def ring_writes(self) -> int:

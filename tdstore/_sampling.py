@@ -63,10 +63,10 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     def plan_call(h: Header) -> Call:
         new = build(h.sampling or SamplingPolicy())
         text = new.to_json() if new != SamplingPolicy() else ""
-        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs, keys.events], lambda r: new)
+        # the reply carries the header as the change left it: adopted at once, no second round trip
+        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs, keys.events], engine.adopt_stale)
 
     engine.run(plan_call)
-    engine.set_header(engine.fetch_header())
 
 
 def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | None) -> None:

@@ -330,6 +330,21 @@ def test_policy_calls_are_one_round_trip(real):
         assert top_level_commands(real.client, fn) == ["evalsha"]
 
 
+def test_policy_changes_are_one_round_trip_and_known_at_once(real):
+    """A policy change's script sends the header back: the handle knows the new policy without another call."""
+    store = LazyStackedTensorDictStore(count=16, **real.kwargs())
+    store.extend(rows(0, 8))
+    for change, check in (
+        (lambda: store.enable_priorities(alpha=0.5), lambda p: p.alpha == 0.5 and p.limit is None),
+        (lambda: store.set_rate_limit(min_size=2, samples_per_insert=2.0, error_buffer=50.0), lambda p: p.limit is not None),
+        (lambda: store.clear_rate_limit(), lambda p: p.limit is None and p.alpha == 0.5),
+        (lambda: store.set_queue(True), lambda p: p.queue),
+    ):
+        assert top_level_commands(real.client, change) == ["evalsha"]
+        assert check(store._engine.header.sampling)  # the cached header, as the script left it
+        assert store._engine.header.sampling == store.sampling_policy  # and as the server holds it
+
+
 def test_priorities_on_a_store_of_several_segments(backend):
     store = LazyStackedTensorDictStore(count=40, segment_bytes=64, **backend.kwargs())
     store.enable_priorities(alpha=1.0)
