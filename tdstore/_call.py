@@ -9,7 +9,7 @@ imports nothing of the engine's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,7 +17,7 @@ import redis
 
 from . import _wire
 from ._keys import StoreKeys
-from ._schema import Header
+from ._schema import Header, Leaf
 
 #: Read transactions ask for at most this many bytes per ``GETRANGE``.
 BULK_CHUNK = 1 << 20
@@ -47,6 +47,11 @@ class Call:
     ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
     schema: Header | None = None  # a write's new header (a schema change), else None
     verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _offsets)
+
+
+def leaf_checks(leaves: Iterable[Leaf]) -> str:
+    """The 'number:version' words that make a script refuse a call planned with stale leaves."""
+    return " ".join(f"{leaf.number}:{leaf.version}" for leaf in leaves)
 
 
 class SegmentHost(Protocol):

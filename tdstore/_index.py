@@ -16,6 +16,7 @@ sends the touched elements, or the touched rows of them.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,6 +257,10 @@ def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
         return [(v, v)]
     lo, hi = run_bounds(sorted_ids)
     return list(zip(lo.tolist(), hi.tolist()))
+
+
+#: One (int64, int64) pair as a script argument packs it: ``PAIR.pack(start, length)``.
+PAIR = struct.Struct("<qq")
 
 
 def pack_pairs(a: np.ndarray, b: np.ndarray) -> bytes:

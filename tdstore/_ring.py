@@ -28,10 +28,11 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from . import _codec, _policy, _ragged, _rows, _sampling, _waiting
-from ._call import Call
-from ._engine import DenseResult, Engine, het_rows, leaf_checks
+from ._call import Call, leaf_checks
+from ._engine import Engine
 from ._keys import KeyTable
 from ._nontensor import NonTensor, element_docs
+from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, columns_maker, display, leaves_of, stack_members, subtree_dims
@@ -541,7 +542,7 @@ def sample(
         # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
         # draws fall in once the ring is full), so that the next samples of a full ring go as transactions
         selected = _selected(h, keys)
-        return engine.with_tables(h, call, KeyTable(*call.keys), _rows.units(h, selected)[0], (draws % h.count).numpy(), count_at=2)
+        return with_tables(engine, h, call, KeyTable(*call.keys), _rows.units(h, selected)[0], (draws % h.count).numpy(), count_at=2)
 
     def run() -> Any:
         try:
@@ -568,14 +569,14 @@ def _tx_sample_call(
 ) -> Call | None:
     """A uniform sample of a full ring with heterogeneous keys as one read transaction: the client maps
     the draws to slots as ``read.lua``'s ``U`` op would (``draw % count``) and reads the rows from the
-    offset tables it keeps (``Engine.plan_rows_tx``), ``rw`` and the policy field with them. None when
+    offset tables it keeps (``_reads.plan_rows_tx``), ``rw`` and the policy field with them. None when
     a table is not kept, or every key read is homogeneous (``engine.read`` samples those)."""
     selected = _selected(h, keys)
     if not selected or not any(leaf.het for leaf in selected):
         return None
     leaves, block, grouped = _rows.units(h, selected)
     slots = (draws % h.count).numpy()
-    tx = engine.plan_rows_tx(h, slots, leaves)
+    tx = plan_rows_tx(engine, h, slots, leaves)
     if tx is None:
         return None
     wanted = None if keys is None else {leaf.path for leaf in selected}

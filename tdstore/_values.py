@@ -22,9 +22,9 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass, lazy_stack
 from tensordict.base import _is_leaf_nontensor
 
-from ._engine import DenseResult, ElementsResult
 from ._index import Plan
 from ._nontensor import NonTensor
+from ._reads import DenseResult, ElementsResult
 from ._schema import NestedPath
 
 

@@ -25,7 +25,6 @@ from ._nontensor import NonTensor, element_docs
 from ._schema import Header, Leaf, NestedPath, check_paths
 
 Value = torch.Tensor | list[torch.Tensor]
-_PAIR = struct.Struct("<qq")
 
 
 def _name(path: NestedPath) -> str:
@@ -201,8 +200,8 @@ def _element_row_ops(
     key = kt.ref(keys.data(number, seg))
     if whole:
         row = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped])
-        return [["R", key, 1, _PAIR.pack(local * width, width), memoryview(row).cast("B")]]
-    return [["R", key, 1, _PAIR.pack(local * width + leaf.col, len(data)), data] for leaf, data in grouped if len(data)]  # type: ignore[operator]
+        return [["R", key, 1, _index.PAIR.pack(local * width, width), memoryview(row).cast("B")]]
+    return [["R", key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data] for leaf, data in grouped if len(data)]  # type: ignore[operator]
 
 
 def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
@@ -269,7 +268,7 @@ def _element_op(kt: KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: 
         return []
     seg = h.segments.of(element)
     local = element - h.segments.start(seg)
-    return [["R", kt.ref(keys.data(leaf.number, seg)), 1, _PAIR.pack(local * eb, eb), _codec.to_bytes(value)]]
+    return [["R", kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(local * eb, eb), _codec.to_bytes(value)]]
 
 
 def plan_write(

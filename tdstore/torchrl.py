@@ -43,7 +43,8 @@ from torchrl.data.replay_buffers.writers import Writer
 
 from . import _ring
 from ._connection import _SECRET_KWARGS
-from ._engine import DenseResult, new_td_id
+from ._engine import new_td_id
+from ._reads import DenseResult
 from ._values import build_td
 from .lazy import LazyStackedTensorDictStore
 

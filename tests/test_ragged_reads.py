@@ -74,9 +74,10 @@ def test_elements_ragged_beyond_their_first_dim_are_read_the_usual_way(backend):
 def test_a_padded_read_is_one_round_trip_without_a_tensor_per_element(pair, real, monkeypatch):
     store = LazyStackedTensorDictStore.from_lazy_stack(_local(), **real.kwargs())
     store.get("tokens", as_padded_tensor=True)  # warm
-    from tdstore import _engine
+    from tdstore import _reads
 
-    monkeypatch.setattr(_engine, "het_rows", None)  # the per-element builders are not used
+    monkeypatch.setattr(_reads, "het_rows", None)  # the per-element builders are not used
+    monkeypatch.setattr(_reads, "split_elements", None)
     assert top_level_commands(real.client, lambda: store.get("tokens", as_padded_tensor=True)) == ["evalsha"]
     assert top_level_commands(real.client, lambda: store.get_at("tokens", torch.randint(40, (30,)), as_padded_tensor=True)) == ["evalsha"]
 

@@ -18,7 +18,7 @@ from helpers import assert_same, make_stack
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._engine import TX_WHOLE_BYTES_PER_RANGE
+from tdstore._reads import TX_WHOLE_BYTES_PER_RANGE
 from tdstore._schema import Header, StoreFormatError
 
 

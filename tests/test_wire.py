@@ -193,11 +193,11 @@ def test_a_schema_change_between_plan_and_read_is_caught_by_the_guards(real) -> 
 
 def test_a_read_of_very_many_ranges_goes_through_the_script(real, monkeypatch) -> None:
     """Past TX_MAX_RANGES the server would hold every queued command until EXEC: read.lua instead."""
-    from tdstore import _engine
+    from tdstore import _reads
 
     store, local = _rows_store(real)
     idx = torch.randint(500, (300,), generator=torch.Generator().manual_seed(5))
-    monkeypatch.setattr(_engine, "TX_MAX_RANGES", 100)
+    monkeypatch.setattr(_reads, "TX_MAX_RANGES", 100)
     store[0].to_tensordict()  # read.lua loaded
     before = real.commandstats()
     got = store[idx]
