@@ -90,7 +90,8 @@ def call(client: redis.Redis, name: str, keys: list[str], args: list[Any], execu
         raise translate(err) from None
 
 
-_REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+#: The error prefixes of a cluster redirect (redis-py 5.0 gives some as plain ResponseErrors).
+REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
 
 
 class _Redirected(Exception):
@@ -187,7 +188,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
             if isinstance(reply, NoScriptError):
                 missing.append(i)
             elif isinstance(reply, ResponseError):
-                if str(reply).split(" ", 1)[0] in _REDIRECTS:  # redis-py 5.0 gives redirects as plain errors
+                if str(reply).split(" ", 1)[0] in REDIRECTS:  # redis-py 5.0 gives redirects as plain errors
                     raise _Redirected(str(reply))
                 out[i] = translate(reply)
             else:

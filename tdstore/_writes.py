@@ -660,3 +660,23 @@ def plan_fill(
         return h.with_leaves(leaves), ops, touched
     ops += _grouped_ops(kt, keys, h, fills)
     return None, ops, touched
+
+
+def first_element_sizes(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: KeyTable) -> list[tuple[int, int]]:
+    """``(mean, largest)`` bytes per element of each blob that the first write of an empty store sets.
+
+    Homogeneous leaves with a blob of their own and the row block give them exactly; a
+    heterogeneous one gives the mean of the blob the write sets (its size over the count), or
+    the mean and the largest of the rows of the first ring write.
+    """
+    sizes = [(leaf.element_nbytes,) * 2 for leaf in h.leaves.values() if not leaf.het and leaf.col is None]
+    if h.row is not None:
+        sizes.append((h.row[1],) * 2)
+    data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
+    for op in ops:
+        if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
+            mean = -(-len(op[2]) // max(1, h.count))
+            sizes.append((mean, mean))
+        elif op[0] == "Y" and op[7:]:
+            sizes.append((-(-sum(op[7:]) // len(op[7:])), max(op[7:])))
+    return sizes
