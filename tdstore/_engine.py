@@ -58,6 +58,14 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
     return table.__getitem__
 
 
+def lost_race(attempt: int) -> None:
+    """The one back-off of every retry loop: a call that lost its ``attempt``-th race against another
+    client's schema change retries at once the first 8 times, then after a random wait that doubles
+    up to 20 ms, so clients racing each other drift apart instead of colliding in step."""
+    if attempt >= 8:
+        time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+
+
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
@@ -242,8 +250,7 @@ class Engine(Transport):
             if self._spreads(header, call):
                 reply = self._spread_call(plan, header, call)
                 if reply is None:  # refreshed: plan again
-                    if attempt >= 8:
-                        time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+                    lost_race(attempt)
                     continue
                 if reply is not _spread.LOCAL:
                     return reply[0]
@@ -276,8 +283,7 @@ class Engine(Transport):
                 self.client.delete(*(k for k, _ in call.staged))
             if status == b"STALE":
                 self.adopt_stale(reply)
-                if attempt >= 8:
-                    time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+                lost_race(attempt)
                 continue
             if status == b"GONE":
                 raise self.gone()
@@ -539,8 +545,7 @@ class Engine(Transport):
             if out is not None:
                 return out
             attempt += 1
-            if attempt >= 8:
-                time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
+            lost_race(attempt)
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
     def abort_upload(self, next_leaf: int, segments: int) -> None:
