@@ -22,12 +22,13 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from tensordict.base import NO_DEFAULT
 
 from . import _index, _nontensor
+from ._common import LOCK_ERROR, KeysView, fetch_existing, only_keys, ttl_to_ms
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._schema import NestedPath
 from ._values import as_path, display, leaves_of, subtree_dims
-from .lazy import _LOCK_ERROR, LazyStackedTensorDictStore, _ElementView, _fetch_existing, _KeysView, _only_keys, _ttl_ms
+from .lazy import ElementView, LazyStackedTensorDictStore
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:
@@ -54,7 +55,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(_ElementView):
+class TensorDictStore(ElementView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:
@@ -107,7 +108,7 @@ class TensorDictStore(_ElementView):
         self._init_view(store, ())
 
     def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
-        _ElementView.__init__(self, store, 0, under)
+        ElementView.__init__(self, store, 0, under)
         self._batchless = store._engine.header.batchless
         # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
         self._batch_size = torch.Size((*(() if self._batchless else store._batch_size), *store._engine.header.subtree_dims(under)))
@@ -181,7 +182,7 @@ class TensorDictStore(_ElementView):
         batchless = not td.batch_size
         upload(
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
-            ttl_ms=_ttl_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
+            ttl_ms=ttl_to_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
         store = LazyStackedTensorDictStore._from_engine(
             engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True)
@@ -262,7 +263,7 @@ class TensorDictStore(_ElementView):
 
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
-        engine.set_header(_fetch_existing(engine))
+        engine.set_header(fetch_existing(engine))
         store = LazyStackedTensorDictStore._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
         if engine.header.kind == "lazy":
             return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
@@ -332,8 +333,8 @@ class TensorDictStore(_ElementView):
         self._store.device = value
         self._device = self._store._device
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
-        return _KeysView(self._paths, self._under, include_nested, leaves_only, sort)
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+        return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
 
     def __len__(self) -> int:
         return self._batch_size[0] if len(self._batch_size) else 0
@@ -420,7 +421,7 @@ class TensorDictStore(_ElementView):
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         if index is None:
             # whole entries: new keys are added, and (unless in place) a key may change dtype or shape, as set() replaces
             store._write(store._full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
@@ -469,7 +470,7 @@ class TensorDictStore(_ElementView):
         ignore_lock: bool = False,
     ) -> TensorDictBase:
         """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""
-        items = _only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
+        items = only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
         if inplace:
             missing = [p for p in items if p not in self._store._engine.header.leaves]
             if missing:
@@ -485,12 +486,12 @@ class TensorDictStore(_ElementView):
 
     def _del(self, key: tuple) -> None:
         if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         self._store._del(self._under + as_path(key))
 
     def _delete_keys(self, keys: Sequence[Any]) -> TensorDictStore:
         if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         self._store._delete_keys([self._under + as_path(k) for k in keys])
         return self
 
@@ -500,7 +501,7 @@ class TensorDictStore(_ElementView):
 
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
         if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         self._store._rename_key(self._under + as_path(old_key), self._under + as_path(new_key))
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
-from tensordict.base import BEST_ATTEMPT_INPLACE, NO_DEFAULT
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
+from tensordict.base import NO_DEFAULT
 
 from . import _index, _nontensor, _ragged, _ring, _writes
+from ._common import LOCK_ERROR, KeysView, StoreCommon, fetch_existing, only_keys, ttl_to_ms
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -23,180 +24,8 @@ from ._surface import SurfaceMixin
 from ._unsupported import StoreUnsupported
 from ._values import as_path, assemble, check_device, display, gc_paused, leaves_of, subtree_dims, usable_device
 
-_LOCK_ERROR = (
-    "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
-)
 
-
-class _KeysView:
-    """Keys of a store or of an element view (insertion order).
-
-    A snapshot of the schema taken when ``keys()`` is called: from the cached
-    header, or from the server (one round trip) with ``cache_metadata=False``.
-    """
-
-    def __init__(
-        self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool
-    ) -> None:
-        snapshot = paths()
-        self._paths = lambda: snapshot
-        self._under = under
-        self.include_nested = include_nested
-        self.leaves_only = leaves_only
-        self.sort = sort
-
-    def _items(self) -> list[Any]:
-        cut = len(self._under)
-        seen: dict[NestedPath, None] = {}
-        for path in self._paths():
-            if path[:cut] != self._under or len(path) == cut:
-                continue
-            rel = path[cut:]
-            if not self.include_nested:
-                if len(rel) == 1 or not self.leaves_only:
-                    seen.setdefault(rel[:1])
-                continue
-            if not self.leaves_only:
-                for k in range(1, len(rel)):
-                    seen.setdefault(rel[:k])
-            seen.setdefault(rel)
-        keys = [display(p) for p in seen]
-        if self.sort:
-            keys.sort(key=lambda k: ".".join(k) if isinstance(k, tuple) else k)
-        return keys
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items())
-
-    def __len__(self) -> int:
-        return len(self._items())
-
-    def __contains__(self, key: Any) -> bool:
-        try:
-            path = as_path(key)
-        except (TypeError, KeyError):
-            return False
-        if len(path) > 1 and not self.include_nested:
-            return False
-        return display(path) in self._items()
-
-    def __repr__(self) -> str:
-        return f"_KeysView({self._items()})"
-
-
-class _StoreCommon:
-    """What the store and its element views share: TensorDictBase class flags (see
-    tensordict.base for each), a fixed batch size, no dim names, no sub-tensordicts to lock.
-    """
-
-    _td_dim_names = None
-    _masking_on_dense_copy = True
-    _masked_select_on_dense_copy = True
-    _masked_select_inplace_unsupported = True
-    _reads_return_copies = True
-    _nested_reads_return_copies = True
-    _update_stores_copy_of_self = True
-    _leaves_built_on_read = True
-    _contiguous_via_to_tensordict = True
-    _pin_memory_unsupported = True
-    _storage_holds_no_gradients = True
-    _copy_shares_storage = True
-    _setitem_key_inplace = BEST_ATTEMPT_INPLACE
-    _get_ignores_kwargs = False
-    _tdstore_reads_remote = True
-    _batch_size: torch.Size
-
-    @property
-    def batch_size(self) -> torch.Size:
-        return self._batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: Any) -> None:
-        if torch.Size(value) != self._batch_size:
-            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
-
-    def _change_batch_size(self, new_size: torch.Size) -> None:
-        self.batch_size = new_size
-
-    def _check_new_batch_size(self, new_size: torch.Size) -> None:
-        self.batch_size = new_size
-
-    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
-        self.batch_size = new_batch_size
-
-    @property
-    def names(self) -> list[None]:
-        return [None] * len(self._batch_size)
-
-    @names.setter
-    def names(self, value: Any) -> None:
-        self._rename_subtds(value)
-
-    def rename(self, *names: Any, **rename_map: Any) -> Any:
-        """Dim names are not stored: name a local copy instead (``to_tensordict().rename(...)``)."""
-        raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().rename(...)")
-
-    def _has_names(self) -> bool:
-        return False
-
-    def _erase_names(self) -> None:
-        return None
-
-    def _rename_subtds(self, value: Any) -> None:
-        if value is not None and any(v is not None for v in value):
-            raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self.keys(include_nested=isinstance(key, tuple))  # type: ignore[attr-defined]
-
-    def _lock_sub_tensordicts(self) -> list:
-        return []
-
-    def _set_non_tensor(self, key: Any, value: Any) -> Any:
-        """``set_non_tensor(key, value)``: ``value`` (JSON-able) for every element, in one atomic call."""
-        return self.set(key, NonTensorData(value, batch_size=self.batch_size))  # type: ignore[attr-defined]
-
-    def _popped_value(self, value: Any) -> Any:
-        """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""
-        return value.to_tensordict() if getattr(value, "_tdstore_reads_remote", False) else value
-
-    # in-place methods
-    _fills_without_reading = True
-
-    def zero_(self) -> Any:
-        """Zero every leaf on the server in one atomic call, without reading or sending the data."""
-        self._fill_paths((), 0)
-        return self
-
-    def _fill_(self, key: tuple, value: Any) -> None:
-        """``fill_(key, value)``: one atomic call on the server; the value is cast to each leaf's dtype, as ``Tensor.fill_`` does."""
-        self._fill_paths(as_path(key), value)
-
-    def _inplace_on_copies(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """Other in-place methods (``add_``, ``apply_``, ``clamp_``...): one read, a local update, one write.
-
-        Two round trips, each atomic, but not atomic together: a write by another
-        process between them is overwritten. ``zero_`` and ``fill_`` run on the server.
-        """
-        local = self.to_tensordict()  # type: ignore[attr-defined]
-        result = method(local, *args, **kwargs)
-        if result is not local:
-            return result
-        self._write_local(local)
-        return self
-
-    def apply_(self, fn: Any, *others: Any, **kwargs: Any) -> Any:
-        """``fn`` on every leaf of a local copy, written back (one read, one write; see ``_inplace_on_copies``)."""
-        return self._inplace_on_copies(lambda local: local.apply_(fn, *others, **kwargs))
-
-    def _fill_paths(self, under: NestedPath, value: Any) -> None:
-        raise NotImplementedError
-
-    def _write_local(self, local: TensorDictBase) -> None:
-        raise NotImplementedError
-
-
-class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, StoreUnsupported, TensorDictBase):
+class LazyStackedTensorDictStore(StoreCommon, ReplayMethods, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -267,7 +96,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         **redis_kwargs: Any,
     ) -> None:
         count, inner = _check_layout(count, stack_dim, inner_batch_size)
-        ttl_ms = _ttl_ms(ttl)
+        ttl_ms = ttl_to_ms(ttl)
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         redis_client, spec, owned = open_client(
@@ -379,7 +208,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
         engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
-        engine.set_header(_fetch_existing(engine))
+        engine.set_header(fetch_existing(engine))
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
@@ -425,7 +254,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         """
         from ._upload import upload
 
-        ttl_ms = _ttl_ms(ttl)
+        ttl_ms = ttl_to_ms(ttl)
         redis_client, spec, owned = open_client(
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
@@ -510,8 +339,8 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     def device(self, value: Any) -> None:
         self._device = check_device(torch.device(value) if value is not None else None)
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
-        return _KeysView(self._paths, (), include_nested, leaves_only, sort)
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+        return KeysView(self._paths, (), include_nested, leaves_only, sort)
 
     def __len__(self) -> int:
         return self._batch_size[0] if len(self._batch_size) else 0
@@ -565,7 +394,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
             return self
         element = self._element_of(index)
         if element is not None:
-            return _ElementView(self, element)
+            return ElementView(self, element)
         return self._read_index(index)
 
     __getitems__ = __getitem__
@@ -750,7 +579,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     # -- writes --------------------------------------------------------------------------------
     def _check_writable(self, path: NestedPath, *, new: bool, ignore_lock: bool = False) -> None:
         if self.is_locked and not ignore_lock and new:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
 
     def _write(
         self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None
@@ -804,7 +633,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         items = leaves_of(value, self._engine.header.stack_pos)
         new = [p for p in items if p not in self._engine.header.leaves]
         if new and self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         if isinstance(index, int) and not isinstance(index, bool) and not new:
             keys = self._engine.keys
             e = index % self._count if -self._count <= index < self._count else index
@@ -849,12 +678,12 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     ) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` (covering the whole stack) in one atomic call."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
-        items = _only_keys(items, keys_to_update)
+        items = only_keys(items, keys_to_update)
         if not items:
             return self
         new = [p for p in items if p not in self._engine.header.leaves]
         if (new or not inplace) and self.is_locked and not ignore_lock and new:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         if inplace and new:
             raise KeyError(f"key {display(new[0])!r} is not in the store (update_ writes existing keys only)")
         self._write(self._full_index(), items, replace=not inplace)
@@ -870,7 +699,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     ) -> TensorDictBase:
         """Write the leaves of ``input_dict_or_td`` at ``idx`` in one atomic call (existing keys only)."""
         items = leaves_of(input_dict_or_td, self._engine.header.stack_pos)
-        items = _only_keys(items, keys_to_update)
+        items = only_keys(items, keys_to_update)
         missing = [p for p in items if p not in self._engine.header.leaves]
         if missing:
             raise KeyError(f"key {display(missing[0])!r} is not in the store (update_at_ writes existing keys only)")
@@ -890,7 +719,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if not paths:
             return self
         if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         store_keys = self._engine.keys
 
         def plan(h: Header, kt: Any) -> Any:
@@ -910,7 +739,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         if not -nd <= dim < nd:
             raise IndexError(f"dim {dim} is out of range for a batch size of {nd} dims")
         if dim % nd == self._engine.header.stack_pos:
-            return tuple(_ElementView(self, e) for e in range(self._count))
+            return tuple(ElementView(self, e) for e in range(self._count))
         return self.to_tensordict().unbind(dim)
 
     def __delitem__(self, key: Any) -> None:
@@ -934,7 +763,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     def _allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Add (or replace) homogeneous keys of zeros, ``{path: (feature_shape, dtype)}``, allocated by the server in one call."""
         if self.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         keys = self._engine.keys
 
         def plan(h: Header, kt: Any) -> Any:
@@ -1131,7 +960,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
     def _writable_engine(self) -> Engine:
         """The engine, for a ring write; a locked store refuses only the first one, which creates keys."""
         if self.is_locked and not self._engine.header.leaves:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         return self._engine
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -1150,7 +979,7 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         Keys added later (new keys, a key that becomes heterogeneous) take the same
         deadline, so the store never expires in part.
         """
-        ms = _ttl_ms(seconds)
+        ms = ttl_to_ms(seconds)
         if ms == 0:
             raise ValueError(f"expire needs a positive number of seconds, got {seconds!r}; use persist() to remove the time to live")
         self._engine.expire(ms)
@@ -1199,40 +1028,10 @@ class LazyStackedTensorDictStore(_StoreCommon, ReplayMethods, SurfaceMixin, Stor
         return (_restore, (type(self), self.__getstate__()))
 
 
-def _only_keys(items: dict[NestedPath, Any], keys_to_update: Any, under: NestedPath = ()) -> dict[NestedPath, Any]:
-    """The leaves of ``items`` at or below one of ``keys_to_update`` (all of them when it is None)."""
-    if keys_to_update is None:
-        return items
-    wanted = [under + as_path(k) for k in keys_to_update]
-    return {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
-
-
-def _fetch_existing(engine: Engine) -> Header:
-    """The header of the store ``from_store`` attaches to; an unknown id raises ``KeyError`` worded as ``tensordict.store`` words it."""
-    try:
-        return engine.fetch_header()
-    except KeyError as err:
-        if err.args != engine.gone().args:
-            raise
-    keys = engine.keys
-    raise KeyError(
-        f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)"
-    )
-
-
 def _restore(cls: type, state: dict[str, Any]) -> Any:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
-
-
-def _ttl_ms(ttl: Any) -> int:
-    """A time to live in seconds as whole milliseconds (at least 1); ``None`` is 0, no expiry."""
-    if ttl is None:
-        return 0
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
-        raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl!r}")
-    return max(1, round(ttl * 1000))
 
 
 def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:
@@ -1251,7 +1050,7 @@ def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[in
     return count, inner
 
 
-class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
+class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -1286,8 +1085,8 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
     def _paths(self) -> list[NestedPath]:
         return self._store._paths()
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> _KeysView:  # type: ignore[override]
-        return _KeysView(self._paths, self._under, include_nested, leaves_only, sort)
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+        return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
 
     def entry_class(self, key: Any) -> type:
         return self._store.entry_class(self._under + as_path(key))
@@ -1318,7 +1117,7 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
                     return default
                 raise
         if any(p[: len(path)] == path for p in h.leaves):
-            return _ElementView(self._store, self._element, path)
+            return ElementView(self._store, self._element, path)
         if default is not NO_DEFAULT:
             return default
         raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
@@ -1363,14 +1162,14 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         """An in-memory copy of the element (clone(False) gives another view of it)."""
         if recurse:
             return self.to_tensordict()
-        return _ElementView(self._store, self._element, self._under)
+        return ElementView(self._store, self._element, self._under)
 
     # writes
     def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
         store = self._store
         new = [p for p in items if p not in store._engine.header.leaves]
         if new and store.is_locked:
-            raise RuntimeError(_LOCK_ERROR)
+            raise RuntimeError(LOCK_ERROR)
         # a key the store does not have is created for every element (the others zeros or None)
         store._write(self._store_index(index), items)
 
@@ -1413,7 +1212,7 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
     ) -> TensorDictBase:
         """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
         items = leaves_of(input_dict_or_td, self._store._engine.header.stack_pos, self._under)
-        items = _only_keys(items, keys_to_update, self._under)
+        items = only_keys(items, keys_to_update, self._under)
         if items:
             self._write(items)
         return self
@@ -1459,4 +1258,4 @@ class _ElementView(_StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase)
         raise NotImplementedError("store elements are made by indexing a store: store[i]")
 
     def __reduce__(self) -> Any:
-        return (_ElementView, (self._store, self._element, self._under))
+        return (ElementView, (self._store, self._element, self._under))

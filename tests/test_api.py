@@ -385,7 +385,7 @@ def test_review_edge_cases(backend):
     assert again.batch_size == store.batch_size
     flat = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3, het=False), **backend.kwargs())
     # numpy and 0-d tensor ints give the element view
-    assert type(flat[np.int64(1)]).__name__ == "_ElementView" and type(flat[torch.tensor(2)]).__name__ == "_ElementView"
+    assert type(flat[np.int64(1)]).__name__ == "ElementView" and type(flat[torch.tensor(2)]).__name__ == "ElementView"
     # a locked store keeps its schema: no dtype change through set
     flat.lock_()
     with pytest.raises(TypeError, match="obs"):

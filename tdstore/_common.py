@@ -1,0 +1,222 @@
+"""What the two store classes share: the keys view, the TensorDictBase class flags and the rules
+for a fixed batch size and no dim names, the in-place methods that run on the server or through a
+copy, the message of a locked store, and small argument helpers.
+
+``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` and the dense ``TensorDictStore``
+(``dense``) build on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, TensorDictBase
+from tensordict.base import BEST_ATTEMPT_INPLACE
+
+from ._engine import Engine
+from ._schema import Header, NestedPath
+from ._values import as_path, display
+
+LOCK_ERROR = (
+    "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
+)
+
+
+class KeysView:
+    """Keys of a store or of an element view (insertion order).
+
+    A snapshot of the schema taken when ``keys()`` is called: from the cached
+    header, or from the server (one round trip) with ``cache_metadata=False``.
+    """
+
+    def __init__(
+        self, paths: Callable[[], list[NestedPath]], under: NestedPath, include_nested: bool, leaves_only: bool, sort: bool
+    ) -> None:
+        snapshot = paths()
+        self._paths = lambda: snapshot
+        self._under = under
+        self.include_nested = include_nested
+        self.leaves_only = leaves_only
+        self.sort = sort
+
+    def _items(self) -> list[Any]:
+        cut = len(self._under)
+        seen: dict[NestedPath, None] = {}
+        for path in self._paths():
+            if path[:cut] != self._under or len(path) == cut:
+                continue
+            rel = path[cut:]
+            if not self.include_nested:
+                if len(rel) == 1 or not self.leaves_only:
+                    seen.setdefault(rel[:1])
+                continue
+            if not self.leaves_only:
+                for k in range(1, len(rel)):
+                    seen.setdefault(rel[:k])
+            seen.setdefault(rel)
+        keys = [display(p) for p in seen]
+        if self.sort:
+            keys.sort(key=lambda k: ".".join(k) if isinstance(k, tuple) else k)
+        return keys
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            path = as_path(key)
+        except (TypeError, KeyError):
+            return False
+        if len(path) > 1 and not self.include_nested:
+            return False
+        return display(path) in self._items()
+
+    def __repr__(self) -> str:
+        return f"KeysView({self._items()})"
+
+
+class StoreCommon:
+    """What the store and its element views share: TensorDictBase class flags (see
+    tensordict.base for each), a fixed batch size, no dim names, no sub-tensordicts to lock.
+    """
+
+    _td_dim_names = None
+    _masking_on_dense_copy = True
+    _masked_select_on_dense_copy = True
+    _masked_select_inplace_unsupported = True
+    _reads_return_copies = True
+    _nested_reads_return_copies = True
+    _update_stores_copy_of_self = True
+    _leaves_built_on_read = True
+    _contiguous_via_to_tensordict = True
+    _pin_memory_unsupported = True
+    _storage_holds_no_gradients = True
+    _copy_shares_storage = True
+    _setitem_key_inplace = BEST_ATTEMPT_INPLACE
+    _get_ignores_kwargs = False
+    _tdstore_reads_remote = True
+    _batch_size: torch.Size
+
+    @property
+    def batch_size(self) -> torch.Size:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: Any) -> None:
+        if torch.Size(value) != self._batch_size:
+            raise RuntimeError(f"the batch size of a {type(self).__name__} is fixed at {list(self._batch_size)}")
+
+    def _change_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _check_new_batch_size(self, new_size: torch.Size) -> None:
+        self.batch_size = new_size
+
+    def _batch_size_setter(self, new_batch_size: torch.Size) -> None:
+        self.batch_size = new_batch_size
+
+    @property
+    def names(self) -> list[None]:
+        return [None] * len(self._batch_size)
+
+    @names.setter
+    def names(self, value: Any) -> None:
+        self._rename_subtds(value)
+
+    def rename(self, *names: Any, **rename_map: Any) -> Any:
+        """Dim names are not stored: name a local copy instead (``to_tensordict().rename(...)``)."""
+        raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().rename(...)")
+
+    def _has_names(self) -> bool:
+        return False
+
+    def _erase_names(self) -> None:
+        return None
+
+    def _rename_subtds(self, value: Any) -> None:
+        if value is not None and any(v is not None for v in value):
+            raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.keys(include_nested=isinstance(key, tuple))  # type: ignore[attr-defined]
+
+    def _lock_sub_tensordicts(self) -> list:
+        return []
+
+    def _set_non_tensor(self, key: Any, value: Any) -> Any:
+        """``set_non_tensor(key, value)``: ``value`` (JSON-able) for every element, in one atomic call."""
+        return self.set(key, NonTensorData(value, batch_size=self.batch_size))  # type: ignore[attr-defined]
+
+    def _popped_value(self, value: Any) -> Any:
+        """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""
+        return value.to_tensordict() if getattr(value, "_tdstore_reads_remote", False) else value
+
+    # in-place methods
+    _fills_without_reading = True
+
+    def zero_(self) -> Any:
+        """Zero every leaf on the server in one atomic call, without reading or sending the data."""
+        self._fill_paths((), 0)
+        return self
+
+    def _fill_(self, key: tuple, value: Any) -> None:
+        """``fill_(key, value)``: one atomic call on the server; the value is cast to each leaf's dtype, as ``Tensor.fill_`` does."""
+        self._fill_paths(as_path(key), value)
+
+    def _inplace_on_copies(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Other in-place methods (``add_``, ``apply_``, ``clamp_``...): one read, a local update, one write.
+
+        Two round trips, each atomic, but not atomic together: a write by another
+        process between them is overwritten. ``zero_`` and ``fill_`` run on the server.
+        """
+        local = self.to_tensordict()  # type: ignore[attr-defined]
+        result = method(local, *args, **kwargs)
+        if result is not local:
+            return result
+        self._write_local(local)
+        return self
+
+    def apply_(self, fn: Any, *others: Any, **kwargs: Any) -> Any:
+        """``fn`` on every leaf of a local copy, written back (one read, one write; see ``_inplace_on_copies``)."""
+        return self._inplace_on_copies(lambda local: local.apply_(fn, *others, **kwargs))
+
+    def _fill_paths(self, under: NestedPath, value: Any) -> None:
+        raise NotImplementedError
+
+    def _write_local(self, local: TensorDictBase) -> None:
+        raise NotImplementedError
+
+
+def only_keys(items: dict[NestedPath, Any], keys_to_update: Any, under: NestedPath = ()) -> dict[NestedPath, Any]:
+    """The leaves of ``items`` at or below one of ``keys_to_update`` (all of them when it is None)."""
+    if keys_to_update is None:
+        return items
+    wanted = [under + as_path(k) for k in keys_to_update]
+    return {p: v for p, v in items.items() if any(p[: len(w)] == w for w in wanted)}
+
+
+def fetch_existing(engine: Engine) -> Header:
+    """The header of the store ``from_store`` attaches to; an unknown id raises ``KeyError`` worded as ``tensordict.store`` words it."""
+    try:
+        return engine.fetch_header()
+    except KeyError as err:
+        if err.args != engine.gone().args:
+            raise
+    keys = engine.keys
+    raise KeyError(
+        f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)"
+    )
+
+
+def ttl_to_ms(ttl: Any) -> int:
+    """A time to live in seconds as whole milliseconds (at least 1); ``None`` is 0, no expiry."""
+    if ttl is None:
+        return 0
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
+        raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl!r}")
+    return max(1, round(ttl * 1000))
