@@ -36,7 +36,7 @@ from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, columns_maker, display, leaves_of, stack_members, subtree_dims
-from ._writes import _check_dtype, _element_checks, het_payload, new_leaf_ops, to_heterogeneous
+from ._writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
 DRAW_HIGH = 1 << 53
@@ -134,7 +134,7 @@ def _leaf_ops(
         return leaf, [*ops, ["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes]], changed
     if isinstance(rows, torch.Tensor):
         if leaf is not None:
-            _check_dtype(path, rows, leaf.dtype)
+            check_dtype(path, rows, leaf.dtype)
         elem_shape = tuple(rows.shape[1:])
         if tuple(elem_shape[: len(h.inner)]) != h.inner:
             raise ValueError(
@@ -151,7 +151,7 @@ def _leaf_ops(
     else:
         elems = rows
     dtype = leaf.dtype if leaf is not None else (elems[0].dtype if elems else None)
-    _element_checks(h, path, elems, leaf.ndim if leaf is not None else (elems[0].ndim if elems else None), dtype)
+    element_checks(h, path, elems, leaf.ndim if leaf is not None else (elems[0].ndim if elems else None), dtype)
     if leaf is None:
         assert dtype is not None
         _codec.dtype_name(dtype)

@@ -73,7 +73,7 @@ def _as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
     return raw.reshape(n, -1) if n else np.zeros((0, 0), np.uint8)
 
 
-def _check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
+def check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise TypeError(f"key {_name(path)} holds {_codec.dtype_name(dtype)}, got {t.dtype}; cast the value explicitly (no silent casts)")
 
@@ -86,13 +86,13 @@ def _het_tables(inner: tuple[int, ...], elems: list[torch.Tensor]) -> tuple[byte
     return data, offsets.tobytes(), shapes
 
 
-def _element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim: int | None, dtype: torch.dtype | None) -> None:
+def element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim: int | None, dtype: torch.dtype | None) -> None:
     inner = h.inner
     for k, t in enumerate(elems):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"key {_name(path)}: element {k} is a {type(t).__name__}, not a tensor")
         if dtype is not None:
-            _check_dtype(path, t, dtype)
+            check_dtype(path, t, dtype)
         if tuple(t.shape[: len(inner)]) != inner:
             raise ValueError(f"key {_name(path)}: element shape {list(t.shape)} does not start with the inner batch size {list(inner)}")
         if ndim is not None and t.ndim != ndim:
@@ -122,7 +122,7 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
         raise ValueError(f"key {_name(path)}: cannot infer a dtype and shape from zero elements")
     dtype = value[0].dtype
     _codec.dtype_name(dtype)
-    _element_checks(h, path, value, value[0].ndim, dtype)
+    element_checks(h, path, value, value[0].ndim, dtype)
     shapes = {tuple(t.shape) for t in value}
     if len(shapes) == 1:
         return plan_full_leaf(keys, h, path, torch.stack(value, h.stack_pos), number, kt)
@@ -398,7 +398,7 @@ def plan_write(
             if dtype is None:
                 raise ValueError(f"key {_name(path)}: no element to take the new key's dtype and shape from")
             _codec.dtype_name(dtype)
-            _element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
+            element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
             shapes = {tuple(t.shape) for t in elems}
             if len(shapes) > 1 and h.kind == "dense":
                 raise ValueError(f"key {_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
@@ -418,9 +418,9 @@ def plan_write(
             changed = True
             continue
         if isinstance(value, torch.Tensor):
-            _check_dtype(path, value, leaf.dtype)
+            check_dtype(path, value, leaf.dtype)
         else:
-            _element_checks(h, path, value, None, leaf.dtype)
+            element_checks(h, path, value, None, leaf.dtype)
         if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
             if leaf.col is not None:
@@ -448,7 +448,7 @@ def plan_write(
             if not p.inner_full or value.ndim != len(want):
                 raise ValueError(f"key {_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
         order, elems = per_element(path, value)
-        _element_checks(h, path, elems, leaf.ndim, leaf.dtype)
+        element_checks(h, path, elems, leaf.ndim, leaf.dtype)
         if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
             eb = leaf.element_nbytes
             data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
