@@ -59,9 +59,10 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
 
 
 def lost_race(attempt: int) -> None:
-    """The one back-off of every retry loop: a call that lost its ``attempt``-th race against another
-    client's schema change retries at once the first 8 times, then after a random wait that doubles
-    up to 20 ms, so clients racing each other drift apart instead of colliding in step."""
+    """The back-off of a call that lost a race against another client's schema change (``attempt``
+    counts the losses so far, from 0): none for the first 8, then a random wait that doubles up to
+    20 ms, so clients racing each other drift apart instead of colliding in step. (A spread store's
+    call waiting for another client's change to finish waits on that instead: ``_spread_call``.)"""
     if attempt >= 8:
         time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
 

@@ -259,7 +259,7 @@ def runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(lo.tolist(), hi.tolist()))
 
 
-#: One (int64, int64) pair as a script argument packs it: ``PAIR.pack(start, length)``.
+#: One (int64, int64) pair as script arguments pack them: ``PAIR.pack(start, length)``, ``PAIR.pack(first, last)``.
 PAIR = struct.Struct("<qq")
 
 

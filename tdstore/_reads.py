@@ -1,6 +1,6 @@
 """Read planning: which bytes a read needs, as one ``Call``, and how its reply becomes tensors.
 
-Pure: no I/O. Each planner takes the header the call is planned from and a ``ReadHost`` (the
+No I/O: each planner takes the header the call is planned from and a ``ReadHost`` (the
 engine: key names, whether reads may go as transactions, the offset tables it keeps) and
 returns a ``Call``: a ``read.lua`` script call, or a ``MULTI``/``EXEC`` of plain ``GETRANGE``s
 (``script == "tx"``) when the client can name every byte range itself (homogeneous keys, and

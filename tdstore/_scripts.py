@@ -1,5 +1,5 @@
 """Loads the Lua scripts in ``lua/`` and calls them (``call``, ``call_many``); the engine's staged
-writes send the same ``EVALSHA`` at the end of their pipeline (``Engine._staged_call``).
+writes send the same ``EVALSHA`` at the end of their pipeline (``Transport._staged_call``).
 
 Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
 call costs no extra round trip when the server already knows the script.  On

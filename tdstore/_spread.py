@@ -173,7 +173,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
 
 
 def stage(engine: SegmentHost, staged: list[tuple[str, Any]]) -> None:
-    """Large new blobs sent by plain SETRANGE to their staging keys (see ``Engine._staged_call``), before
+    """Large new blobs sent by plain SETRANGE to their staging keys (see ``Transport._staged_call``), before
     the per-segment scripts that move them into place."""
     pipe = engine.client.pipeline(transaction=False)
     engine.queue_staged(pipe, staged)
@@ -285,9 +285,9 @@ def _token() -> str:
 
 
 def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
-    """A read transaction (see ``Engine._transaction``) as one MULTI/EXEC per segment (a transaction
+    """A read transaction (see ``Transport._transaction``) as one MULTI/EXEC per segment (a transaction
     may not leave its slot), led by the segment's guard, sent as one pipeline per node, all nodes at
-    once; the reply as ``Engine._transaction`` gives it, None to plan again."""
+    once; the reply as ``Transport._transaction`` gives it, None to plan again."""
 
     assert call.ranges is not None and call.guards is not None
     keys = engine.keys

@@ -1,8 +1,8 @@
 """The connection side of a store's engine: held connections, cluster routing and redirects,
 script calls (``EVALSHA``, through ``_scripts``), staged writes and read transactions on the wire.
 
-``Transport`` knows nothing of plans or headers: it sends one planned ``Call`` (or one command)
-to the node that serves the store and gives the reply back. ``Engine`` (``_engine``) builds on it:
+``Transport`` does not plan: it sends one planned ``Call`` (or one command) to the node that
+serves the store and gives the reply back (for a read transaction, after checking its guards). ``Engine`` (``_engine``) builds on it:
 it plans, runs the loop and handles what comes back.
 """
 

@@ -202,7 +202,7 @@ def test_bulk_reads_are_one_transaction_of_plain_getrange(real):
         s.to_tensordict()
 
 
-def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real):
+def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real, monkeypatch):
     big = lazy_stack([TensorDict(x=torch.full((300_000,), float(i)), y=torch.arange(3) + i) for i in range(4)])  # 4.8 MB
     s = LazyStackedTensorDictStore.from_lazy_stack(big, segment_bytes=64 << 20, **real.kwargs())  # one segment
     s["y"]
@@ -219,21 +219,18 @@ def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real):
     # a stale handle: the script refuses, the staging key is deleted, the retry succeeds
     other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **real.kwargs())
     other.rename_key_("y", "w")
-    import tdstore._engine as engine_module
+    from tdstore._transport import Transport
 
     deleted = []
-    real_call = engine_module.Engine._staged_call
+    real_call = Transport._staged_call
 
     def spy(self, call):
         reply = real_call(self, call)
         deleted.append(reply[0])
         return reply
 
-    engine_module.Engine._staged_call = spy
-    try:
-        s.set("x", (new + 1).double())  # a schema change planned from a stale header: STALE, then retried
-    finally:
-        engine_module.Engine._staged_call = real_call
+    monkeypatch.setattr(Transport, "_staged_call", spy)
+    s.set("x", (new + 1).double())  # a schema change planned from a stale header: STALE, then retried
     assert deleted == [b"STALE", b"OK"]
     assert torch.equal(other["x"], (new + 1).double())
     assert not real.client().keys("*:stage:*")
