@@ -9,7 +9,7 @@ against 0.13 ms for the same rows of a homogeneous key read as a ``MULTI``/``EXE
 in one such transaction.
 
 The table is never trusted. The transaction that reads a row's bytes also reads the row's two
-offsets back (and its shape record): ``RowPlan.check`` compares them with the offsets the byte
+offsets back (and its shape record): ``RowPlan.pieces`` compares them with the offsets the byte
 ranges were computed from. The server runs the transaction with no other command in between, so
 when they match the bytes are the row's; when they do not (another client changed an element's
 size since), the read goes through ``read.lua``, which sends the current table back with the
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _wire
 from ._keys import StoreKeys
 from ._schema import Header, Leaf
 from ._wire import Piece
@@ -37,11 +38,6 @@ MAX_BYTES = 64 << 20
 FILL_BYTES_PER_CALL = 4 << 20
 #: After this many changed tables in a row, a leaf is left to read.lua for at most this many reads.
 MAX_HOLD = 64
-
-
-#: A segment's table is read back whole (one GETRANGE) when it holds at most this many bytes per row
-#: read from it, else each row's two offsets are (one GETRANGE each), as homogeneous reads do.
-WHOLE_TABLE_BYTES_PER_ROW = 2048
 
 
 @dataclass
@@ -100,9 +96,14 @@ class OffsetTables:
         t = self._leaves.get(leaf.number)
         if t is None or t.version != leaf.version:
             if t is not None:
-                self._bytes -= sum(len(raw) for raw in t.segments.values())
+                self._forget(t)
             t = self._leaves[leaf.number] = _LeafTables(leaf.version, {})
         return t
+
+    def _forget(self, t: _LeafTables) -> None:
+        """Drop every table kept for one leaf (the caller holds the lock)."""
+        self._bytes -= sum(len(raw) for raw in t.segments.values())
+        t.segments.clear()
 
     def plan(self, h: Header, keys: StoreKeys, leaf: Leaf, ids: np.ndarray) -> RowPlan | None:
         """The transaction's buffers for rows ``ids`` (in that order) of ``leaf``; None when a table
@@ -139,7 +140,8 @@ class OffsetTables:
                             np.ones(1, dtype=np.int64),
                         )
                     )
-                if len(raw) <= at.size * WHOLE_TABLE_BYTES_PER_ROW:
+                # the whole table back, or each row's two offsets (see _wire.TX_WHOLE_BYTES_PER_RANGE)
+                if len(raw) <= at.size * _wire.TX_WHOLE_BYTES_PER_RANGE:
                     offsets.append((okey, np.zeros(1, dtype=np.int64), np.full(1, len(raw), dtype=np.int64)))
                     expected.append(raw)
                 else:
@@ -202,8 +204,7 @@ class OffsetTables:
         that follows fetches them again, then each time in a row leaves twice as many reads to read.lua."""
         with self._lock:
             t = self._tables(h, leaf)
-            self._bytes -= sum(len(raw) for raw in t.segments.values())
-            t.segments.clear()
+            self._forget(t)
             t.hold = min(MAX_HOLD, (1 << t.misses) - 1)
             t.misses += 1
 

@@ -33,8 +33,6 @@ JOIN_LIMIT = 4 << 20
 #: A random batch of at least this many rows is read in the order asked, duplicates included
 #: (smaller ones are sorted and deduplicated, which costs less than it saves there).
 SCATTERED_MIN_ROWS = 32
-#: In such a read, a leaf whose whole blob is at most this many bytes per run is read whole and cut on the client.
-TX_WHOLE_BYTES_PER_RANGE = 2048
 #: A read of more ranges than this (a random batch of many thousands of rows) goes through read.lua:
 #: the server keeps every queued command of a transaction until EXEC (about 200 bytes each).
 TX_MAX_RANGES = 50_000
@@ -71,14 +69,12 @@ class DenseResult:
 
 @dataclass
 class ElementsResult:
-    """Leaves read per element: ``elements[k]`` holds element ``ids[k]``'s tensors, or, when ``columns``
-    is set (``elements`` then empty), ``columns[path][k]`` does."""
+    """Leaves read per element: ``columns[path][k]`` holds element ``ids[k]``'s tensor (or value) of leaf ``path``."""
 
     ids: list[int]
-    elements: list[dict[NestedPath, torch.Tensor]]
-    paths: list[NestedPath] | None = None
-    """The keys in the order the store lists them (the elements' dicts may hold them in another)."""
-    columns: Mapping[NestedPath, Sequence[Any]] | None = None
+    paths: list[NestedPath]
+    """The keys in the order the store lists them."""
+    columns: Mapping[NestedPath, Sequence[Any]]
 
 
 def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
@@ -398,7 +394,7 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
             continue
         blob = h.count * leaf.element_nbytes
         # a small blob read whole and cut on the client costs less than one range per run
-        whole = tx and n_runs > 1 and rb > 0 and blob <= n_runs * TX_WHOLE_BYTES_PER_RANGE
+        whole = tx and n_runs > 1 and rb > 0 and blob <= n_runs * _wire.TX_WHOLE_BYTES_PER_RANGE
         join = tx or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
         feats.append((feat, join, whole))
         if whole:
@@ -515,7 +511,7 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
                     for path, col in _columns(leaf, rows, block, grouped):
                         columns.setdefault(path, []).extend(col.unbind(0))
                     pos += 1
-        return ElementsResult([int(i) for i in ids], [], order, columns)
+        return ElementsResult([int(i) for i in ids], order, columns)
 
     return Call("read", kt.keys, args, parse)
 
@@ -554,7 +550,7 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
                 rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]
                 columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                 pos += 1
-        return ElementsResult(ids.tolist(), [], order, columns)
+        return ElementsResult(ids.tolist(), order, columns)
 
     if tx is not None:  # every heterogeneous leaf's offset tables are kept (see _offsets)
         return Call("tx", [], [], parse, ranges=tx[0], verify=tx[1])

@@ -357,22 +357,12 @@ def assemble(
     """Turn an engine read into the tensordict the index asked for (``sub``: ``Header.sub_dims``)."""
     if isinstance(result, DenseResult):
         return build_td(result.leaves, result.batch_size, device, under, sub)
-    if result.columns is not None and (device is None or device.type == "cpu"):
-        paths = result.paths if result.paths is not None else list(result.columns)
-        make_all = columns_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device, sub)
-        return _stacked(plan, make_all(result.columns, len(result.ids)), True)
-    if result.columns is not None:  # another device: build_td moves each element there
-        result = ElementsResult(result.ids, [{p: c[k] for p, c in result.columns.items()} for k in range(len(result.ids))], result.paths)
-    first = result.elements[0] if result.elements else None
-    uniform = first is not None and (device is None or device.type == "cpu") and all(len(el) == len(first) for el in result.elements)
-    if uniform and first is not None:
-        # elements of one read hold the same keys: build the key tree once
-        paths = result.paths if result.paths is not None and len(result.paths) == len(first) else list(first)
-        make = _element_maker([p for p in paths if p[: len(under)] == under], len(under), torch.Size(inner), device, sub)
-        tds = [make(el) for el in result.elements]
-    else:
-        tds = [build_td(el, inner, device, under, sub) for el in result.elements]
-    return _stacked(plan, tds, uniform)
+    n = len(result.ids)
+    if device is None or device.type == "cpu":
+        paths = [p for p in result.paths if p[: len(under)] == under]
+        return _stacked(plan, columns_maker(paths, len(under), torch.Size(inner), device, sub)(result.columns, n), True)
+    # another device: build_td moves each element there
+    return _stacked(plan, [build_td({p: c[k] for p, c in result.columns.items()}, inner, device, under, sub) for k in range(n)], False)
 
 
 def _stacked(plan: Plan | None, tds: list[TensorDict], uniform: bool) -> TensorDictBase:

@@ -193,6 +193,10 @@ def _raise_first_error(replies: list[Any]) -> None:
 
 #: One byte range run: a key and the starts and lengths of its ranges (int64 arrays), read in order.
 Piece = tuple[str, np.ndarray, np.ndarray]
+#: In a read transaction, a value of at most this many bytes per range the read needs from it (a
+#: homogeneous leaf's blob, a heterogeneous leaf's offset table) is read whole, in one GETRANGE,
+#: and cut on the client instead of one GETRANGE per range.
+TX_WHOLE_BYTES_PER_RANGE = 2048
 
 
 def pack_chunked_getranges(

@@ -13,7 +13,7 @@ import torch
 from helpers import round_trips, top_level_commands
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _offsets
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _wire
 from tdstore._offsets import MAX_HOLD, OffsetTables
 
 N = 64
@@ -36,7 +36,7 @@ def stores(request, backend, monkeypatch):
     each segment's whole table, or (``-rows``) each row's two offsets."""
     segment_bytes, whole = request.param
     if not whole:
-        monkeypatch.setattr(_offsets, "WHOLE_TABLE_BYTES_PER_ROW", 0)
+        monkeypatch.setattr(_wire, "TX_WHOLE_BYTES_PER_RANGE", 0)
     local = lazy_stack([_element(i) for i in range(N)])
     extra = {"segment_bytes": segment_bytes} if segment_bytes else {}
     writer = LazyStackedTensorDictStore.from_lazy_stack(local, **backend.kwargs(), **extra)
