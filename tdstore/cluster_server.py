@@ -26,12 +26,15 @@ from redis.cluster import RedisCluster
 
 from .server import EmbeddedServer, ServerStartError
 
+__all__ = ["EmbeddedCluster"]
+
 SLOTS = 16384
 #: The cluster bus listens on the port + 10000: both must be free and below 65536.
 _BUS_OFFSET = 10000
 
 
 def _port_pair_free(port: int) -> bool:
+    """Whether ``port`` and its cluster-bus port can both be bound on loopback now."""
     for p in (port, port + _BUS_OFFSET):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -141,11 +144,13 @@ class EmbeddedCluster:
 
     def stop_node(self, i: int) -> None:
         """Kill node ``i`` (its folder and cluster config stay, so it can come back)."""
-        self.servers[i]._terminate()
+        self.servers[i].stop_process()
 
     def start_node(self, i: int) -> None:
-        """Start node ``i`` again on its port with its cluster config (its data is gone: no persistence), and wait until the cluster is ok."""
-        self.servers[i]._launch()
+        """Start node ``i`` again on its port with its cluster config, and wait until the cluster is ok.
+
+        Its data is gone: the nodes keep nothing on disk."""
+        self.servers[i].start_process()
         clients = [self.node_client(j) for j in range(self._n)]
         try:
             self._wait_ok(clients)
@@ -164,11 +169,9 @@ class EmbeddedCluster:
 
 
 def _info_ok(info: Any, n: int) -> bool:
+    """Whether a node's ``CLUSTER INFO`` (parsed or raw text) shows a whole cluster of ``n`` nodes."""
     if isinstance(info, (bytes, str)):
         text = info.decode() if isinstance(info, bytes) else info
         info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     get = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else str(v)) for k, v in info.items()}
     return get.get("cluster_state") == "ok" and get.get("cluster_slots_ok") == str(SLOTS) and get.get("cluster_known_nodes") == str(n)
-
-
-__all__ = ["EmbeddedCluster"]

