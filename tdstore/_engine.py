@@ -30,6 +30,7 @@ from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
+from ._ops import Write
 from ._reads import DenseResult, ElementsResult
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from ._transport import NO_TRANSACTION, Transport
@@ -464,7 +465,7 @@ class Engine(Transport):
                 )
                 self.check_room(new_header, sum(mean for mean, _ in sizes))
             if h.row is not None and new_header is not None and new_header.row is None:
-                ops = [*ops, ["D", kt.ref(self.keys.data(h.row[0]))]]  # the block's last leaf left it
+                ops = [*ops, Write.D(kt.ref(self.keys.data(h.row[0])))]  # the block's last leaf left it
             if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit
                 new_header, ops = _spread.copy_on_write(self.keys, h, new_header, kt, ops)
             after = new_header or h
@@ -483,12 +484,12 @@ class Engine(Transport):
             staged: list[tuple[str, Any]] = []
             sent = []
             for op in ops:
-                if op[0] == "S" and len(op[2]) >= BULK_WRITE_BYTES:
+                if op[0] == Write.S.marker and len(op[2]) >= BULK_WRITE_BYTES:
                     # a large new blob: staged by plain SETRANGE in the same round trip, moved by the script
                     target = kt.keys[op[1] - 1]
                     stage = self.keys.staging(target, uuid.uuid4().hex[:12])
                     staged.append((stage, op[2]))
-                    op = ["M", kt.ref(stage), op[1], len(op[2])]
+                    op = Write.M(kt.ref(stage), op[1], len(op[2]))
                 sent.append(op)
             args += [_integrity.checks(self.keys, h, kt.keys, new_header), len(sent)]
             for op in sent:

@@ -21,6 +21,7 @@ from . import _codec, _index, _nontensor, _rows, _segments, _wire
 from ._call import Call, leaf_checks
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables, RowPlan
+from ._ops import Read
 from ._schema import Header, Leaf, NestedPath
 
 #: Replies of many small ranges are joined on the server up to this many bytes per leaf.
@@ -185,9 +186,9 @@ def ragged_call(host: ReadHost, h: Header, path: NestedPath, ids: np.ndarray) ->
     if scattered:
         # mostly single rows (a random batch): the ids travel once and the offset and shape
         # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
-        args += [2, "I", n, _codec.pack_i64(ids), _segments.het_row_read_op(h.segments, leaf.ndim, n), d, o, sk, 8 * leaf.ndim]
+        args += [2, *Read.I(n, _codec.pack_i64(ids)), *_segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, sk, 8 * leaf.ndim)]
         return with_tables(host, h, Call("read", kt.keys, args, parse), kt, [leaf], ids, count_at=2)
-    args += [1, "E", d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi)]
+    args += [1, *Read.E(d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi))]
     return Call("read", kt.keys, args, parse)
 
 
@@ -248,7 +249,7 @@ def with_tables(host: ReadHost, h: Header, call: Call, kt: KeyTable, leaves: lis
         return call
     call.args[count_at] += len(fills)
     for leaf, seg in fills:
-        call.args += ["T", kt.ref(host.keys.offsets(leaf.number, seg))]
+        call.args += Read.T(kt.ref(host.keys.offsets(leaf.number, seg)))
     call.keys = kt.keys
     parse, k = call.parse, len(fills)
 
@@ -309,18 +310,11 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
     keys = host.keys
     for leaf in leaves:
         if leaf.het:
-            args += [
-                "E",
-                kt.ref(keys.data(leaf.number, seg)),
-                kt.ref(keys.offsets(leaf.number, seg)),
-                kt.ref(keys.shapes(leaf.number, seg)),
-                8 * leaf.ndim,
-                1,
-                run,
-            ]
+            d, o, s = (kt.ref(key) for key in keys.leaf_keys(leaf.number, seg))
+            args += Read.E(d, o, s, 8 * leaf.ndim, 1, run)
         else:
             eb = leaf.element_nbytes
-            args += ["R", kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(e * eb, eb), "0"]
+            args += Read.R(kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(e * eb, eb), "0")
 
     def parse(reply: list) -> DenseResult:
         out: dict[NestedPath, Any] = {}
@@ -385,12 +379,12 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
         and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
     )
     if by_rows:
-        args = [1 + len(leaves), "I", int(uniq.size), _codec.pack_i64(uniq)]
+        args = [1 + len(leaves), *Read.I(int(uniq.size), _codec.pack_i64(uniq))]
     for leaf, rb in zip(leaves, row_bytes):
         feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
         if by_rows:
             feats.append((feat, True, False))
-            args += [_segments.row_read_op(h.segments, rb, int(uniq.size)), kt.ref(host.keys.data(leaf.number)), rb]
+            args += _segments.row_read_op(h.segments, rb, int(uniq.size))(kt.ref(host.keys.data(leaf.number)), rb)
             continue
         blob = h.count * leaf.element_nbytes
         # a small blob read whole and cut on the client costs less than one range per run
@@ -402,13 +396,8 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
         elif tx:
             ranges.append([(host.keys.data(leaf.number), lo * rb, (hi - lo + 1) * rb)])
         else:
-            args += [
-                "R",
-                kt.ref(host.keys.data(leaf.number)),
-                n_runs,
-                _index.pack_pairs(lo * rb, (hi - lo + 1) * rb),
-                "1" if join else "0",
-            ]
+            pairs = _index.pack_pairs(lo * rb, (hi - lo + 1) * rb)
+            args += Read.R(kt.ref(host.keys.data(leaf.number)), n_runs, pairs, "1" if join else "0")
 
     def parse(reply: list) -> DenseResult:
         pos = 2
@@ -461,26 +450,14 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
     joined: list[bool] = []  # per homogeneous leaf: its ranges come back as one string
     for leaf in leaves:
         if leaf.het:
-            args += [
-                "E",
-                kt.ref(host.keys.data(leaf.number)),
-                kt.ref(host.keys.offsets(leaf.number)),
-                kt.ref(host.keys.shapes(leaf.number)),
-                8 * leaf.ndim,
-                len(el_runs),
-                packed_runs,
-            ]
+            d, o, s = (kt.ref(key) for key in host.keys.leaf_keys(leaf.number))
+            args += Read.E(d, o, s, 8 * leaf.ndim, len(el_runs), packed_runs)
         else:
             eb = leaf.element_nbytes
             join = len(el_runs) > 1 and int(ids.size) * eb <= JOIN_LIMIT
             joined.append(join)
-            args += [
-                "R",
-                kt.ref(host.keys.data(leaf.number)),
-                len(el_runs),
-                _index.pack_pairs(lo * eb, (hi - lo + 1) * eb),
-                "1" if join else "0",
-            ]
+            pairs = _index.pack_pairs(lo * eb, (hi - lo + 1) * eb)
+            args += Read.R(kt.ref(host.keys.data(leaf.number)), len(el_runs), pairs, "1" if join else "0")
 
     def parse(reply: list) -> ElementsResult:
         pieces = reply[2:]
@@ -525,19 +502,14 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
     order = [leaf.path for leaf in leaves]
     leaves, block, grouped = _rows.units(h, leaves)
     tx = plan_rows_tx(host, h, ids, leaves)
-    args: list[Any] = [] if tx is not None else [1 + len(leaves), "I", n, _codec.pack_i64(ids)]
+    args: list[Any] = [] if tx is not None else [1 + len(leaves), *Read.I(n, _codec.pack_i64(ids))]
     for leaf in leaves if tx is None else ():
         d = kt.ref(host.keys.data(leaf.number))
         if leaf.het:
-            args += [
-                _segments.het_row_read_op(h.segments, leaf.ndim, n),
-                d,
-                kt.ref(host.keys.offsets(leaf.number)),
-                kt.ref(host.keys.shapes(leaf.number)),
-                8 * leaf.ndim,
-            ]
+            o, s = kt.ref(host.keys.offsets(leaf.number)), kt.ref(host.keys.shapes(leaf.number))
+            args += _segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, s, 8 * leaf.ndim)
         else:
-            args += [_segments.row_read_op(h.segments, leaf.element_nbytes, n), d, leaf.element_nbytes]
+            args += _segments.row_read_op(h.segments, leaf.element_nbytes, n)(d, leaf.element_nbytes)
 
     def parse(reply: list) -> ElementsResult:
         columns: dict[NestedPath, Any] = {}

@@ -31,12 +31,13 @@ from . import _codec, _policy, _ragged, _rows, _sampling, _waiting
 from ._call import Call, leaf_checks
 from ._engine import Engine
 from ._keys import KeyTable
+from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
+from ._ops import Read, Write, write_kind
 from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, columns_maker, display, leaves_of, stack_members, subtree_dims
-from ._writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 
 #: Draws are uniform integers below 2**53 (exact in a Lua double); the modulo bias is below 2**-33 for any count under 2**20.
 DRAW_HIGH = 1 << 53
@@ -131,7 +132,7 @@ def _leaf_ops(
             ops += new_leaf_ops(kt, keys, h, leaf)  # slots not written yet read as None
             changed = True
         shapes_b, data, sizes = het_payload(rows)
-        return leaf, [*ops, ["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes]], changed
+        return leaf, [*ops, Write.Y(kt.ref(dk), kt.ref(ok), kt.ref(sk), 8, shapes_b, data, *sizes)], changed
     if isinstance(rows, torch.Tensor):
         if leaf is not None:
             check_dtype(path, rows, leaf.dtype)
@@ -169,28 +170,28 @@ def _leaf_ops(
         ops += table_ops
         changed = True
     shapes_b, data, sizes = het_payload(elems)
-    ops.append(["Y", kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes])
+    ops.append(Write.Y(kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes))
     return leaf, ops, changed
 
 
 def _row_op(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf, data: Any) -> list[Any]:
     """The op writing one element per addressed row of a homogeneous leaf: 'X' on its blob, 'K' on its column of the row block."""
     if leaf.col is None:
-        return ["X", kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes, data]
+        return Write.X(kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes, data)
     assert h.row is not None
-    return ["K", kt.ref(engine.keys.data(h.row[0])), leaf.element_nbytes, h.row[1], leaf.col, data]
+    return Write.K(kt.ref(engine.keys.data(h.row[0])), leaf.element_nbytes, h.row[1], leaf.col, data)
 
 
 def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[Any]]) -> list[list[Any]]:
     """``ops`` with the 'K' ops of every live column of the block (a ring write) joined into one 'X' op of whole rows."""
     assert h.row is not None
     number, width = h.row
-    by_col = {op[4]: op for op in ops if op[0] == "K"}
+    by_col = {op[4]: op for op in ops if op[0] == Write.K.marker}
     grouped = h.grouped()
     if sorted(by_col) != [leaf.col for leaf in grouped]:
         return ops
     rows = _rows.join(width, [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped])  # type: ignore[index]
-    return [op for op in ops if op[0] != "K"] + [["X", kt.ref(engine.keys.data(number)), width, memoryview(rows).cast("B")]]
+    return [op for op in ops if op[0] != Write.K.marker] + [Write.X(kt.ref(engine.keys.data(number)), width, memoryview(rows).cast("B"))]
 
 
 def _group_first_keys(
@@ -206,16 +207,20 @@ def _group_first_keys(
     columns = []
     keep_post = []
     for op in post:
-        leaf = cols.get(kt.keys[op[1] - 1]) if op[0] == "X" else None
+        leaf = cols.get(kt.keys[op[1] - 1]) if op[0] == Write.X.marker else None
         if leaf is None:
             keep_post.append(op)
         else:
             columns.append((leaf, np.frombuffer(op[3], dtype=np.uint8).reshape(n, -1)))
-    keep_pre = [op for op in pre if not (op[0] == "Z" and kt.keys[op[1] - 1] in cols)]
+    keep_pre = [op for op in pre if not (op[0] == Write.Z.marker and kt.keys[op[1] - 1] in cols)]
     block = kt.ref(engine.keys.data(number))
     rows = _rows.join(width, columns)
-    alloc = [] if h.tracked else [["Z", block, h.count * width]]  # a tracked store allocates each segment when first written
-    return grouped_h, [*keep_pre, *alloc], [*keep_post, ["X", block, width, memoryview(rows).cast("B")]]
+    alloc = [] if h.tracked else [Write.Z(block, h.count * width)]  # a tracked store allocates each segment when first written
+    return grouped_h, [*keep_pre, *alloc], [*keep_post, Write.X(block, width, memoryview(rows).cast("B"))]
+
+
+#: Ops that set or allocate a whole key (a key a ring write creates): they go before the row-picking head.
+_WHOLE_KEY_OPS = (Write.S, Write.Z)
 
 
 def _plan_rows(
@@ -255,8 +260,8 @@ def _plan_rows(
         new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what), isinstance(value, NonTensor))
         leaves[path] = new_leaf
         changed |= ch
-        pre += [op for op in ops if op[0] in ("S", "Z")]
-        post += [op for op in ops if op[0] not in ("S", "Z")]
+        pre += [op for op in ops if write_kind(op) in _WHOLE_KEY_OPS]
+        post += [op for op in ops if write_kind(op) not in _WHOLE_KEY_OPS]
     if len(leaves) != len(h.leaves):
         check_paths(list(leaves))
     new_header = h.with_leaves(leaves, next_leaf, sub=sub if len(leaves) != len(h.leaves) else None) if changed else None
@@ -289,9 +294,9 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
-        new_header, ops, touched = _plan_rows(engine, h, kt, items, n, ["W", n, channel], ring=True, sub=sub)
+        new_header, ops, touched = _plan_rows(engine, h, kt, items, n, Write.W(n, channel), ring=True, sub=sub)
         if h.sampling is not None and h.sampling.prioritized:
-            ops.append(["P", kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios])
+            ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
         return new_header, ops, touched
@@ -397,7 +402,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
 
     def plan(h: Header, kt: KeyTable) -> Any:
-        return _plan_rows(engine, h, kt, items, m, ["G", m, pairs], ring=False)
+        return _plan_rows(engine, h, kt, items, m, Write.G(m, pairs), ring=False)
 
     _, extra = engine.run_write_reply(plan)
     assert extra is not None
@@ -516,17 +521,9 @@ def sample(
 
         def head(kt: KeyTable) -> list[Any]:
             if use_policy:
-                return [
-                    "P",
-                    batch_size,
-                    packed,
-                    kt.ref(engine.keys.priorities),
-                    kt.ref(engine.keys.times_sampled),
-                    channel,
-                    min_size or 0,
-                    "1" if by_prio else "0",
-                ]
-            return ["U", batch_size, packed]
+                tree, counts = kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled)
+                return Read.P(batch_size, packed, tree, counts, channel, min_size or 0, "1" if by_prio else "0")
+            return Read.U(batch_size, packed)
 
         def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
             got = _decode_sample(h, rows.leaves, reply, 6 if use_policy else 4, device, rows.block, rows.grouped, ragged, rows.wanted)
@@ -609,7 +606,7 @@ def pop(
             h,
             keys,
             batch_size,
-            lambda kt: ["F", batch_size, channel],
+            lambda kt: Read.F(batch_size, channel),
             lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted),
         )
 
@@ -636,15 +633,10 @@ def _row_read_call(engine: Engine, h: Header, keys: list[NestedPath] | None, row
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head(kt)]
     for leaf in leaves:
         if leaf.het:
-            args += [
-                het_row_read_op(h.segments, leaf.ndim, rows),
-                kt.ref(engine.keys.data(leaf.number)),
-                kt.ref(engine.keys.offsets(leaf.number)),
-                kt.ref(engine.keys.shapes(leaf.number)),
-                8 * leaf.ndim,
-            ]
+            d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))
+            args += het_row_read_op(h.segments, leaf.ndim, rows)(d, o, s, 8 * leaf.ndim)
         else:
-            args += [row_read_op(h.segments, leaf.element_nbytes, rows), kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes]
+            args += row_read_op(h.segments, leaf.element_nbytes, rows)(kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes)
     unit = _RowRead(leaves, block, grouped, wanted)
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ._keys import KeyTable, StoreKeys
+from ._ops import OpKind, Read, Write, read_kind, read_ops, write_kind
 from ._wire import Piece
 
 #: Default target size of one segment's blob of one leaf.  Small enough that a
@@ -93,16 +95,16 @@ def check_segment_bytes(value: object) -> int:
 ROW_BLOB_BYTES = 1536
 
 
-def row_read_op(segs: Segments, row_bytes: int, rows: int) -> str:
+def row_read_op(segs: Segments, row_bytes: int, rows: int) -> OpKind:
     """'B' or 'X' for reading ``rows`` scattered rows of ``row_bytes`` each (see ROW_BLOB_BYTES)."""
     fetched = min(segs.n, rows) * min(segs.per, segs.count) * row_bytes
-    return "B" if fetched <= rows * ROW_BLOB_BYTES else "X"
+    return Read.B if fetched <= rows * ROW_BLOB_BYTES else Read.X
 
 
-def het_row_read_op(segs: Segments, ndim: int, rows: int) -> str:
+def het_row_read_op(segs: Segments, ndim: int, rows: int) -> OpKind:
     """'V' or 'Y' for reading ``rows`` scattered elements of a heterogeneous leaf: its offset and
     shape tables (8 + 8 * ndim bytes per element) read whole, or three ranges per row (see ROW_BLOB_BYTES)."""
-    return "V" if row_read_op(segs, 8 + 8 * ndim, rows) == "B" else "Y"
+    return Read.V if row_read_op(segs, 8 + 8 * ndim, rows) is Read.B else Read.Y
 
 
 #: The most segments a store may have: a call addressed by rows the server picks (a ring write, a
@@ -153,94 +155,167 @@ def localize_write(
     """The ops of one ``write.lua`` call, planned on whole leaves, turned into segment-local ops."""
     out = kt.fresh()
     new: list[list[Any]] = []
-
-    def what(k: int) -> tuple[str, int] | None:
-        return _whole_leaf_key(keys, kt.keys[k - 1])
-
     offsets_set = {}  # leaf number -> offset table an 'S' op of this call sets (global)
     for op in ops:
-        if op[0] == "S" and (w := what(op[1])) and w[0] == "o":
+        if op[0] == Write.S.marker and (w := _whole_leaf_key(keys, kt.keys[op[1] - 1])) and w[0] == "o":
             offsets_set[w[1]] = _i64(op[2])
     queued = False
     for op in ops:
-        kind = op[0]
-        if kind in ("W", "G"):
+        kind = write_kind(op)
+        if kind.picks_rows:
             if not queued:
-                new.append(["Q", segs.per])
+                new.append(Write.Q(segs.per))
                 queued = True
             new.append(op)
             continue
-        w = what(op[1])
+        w = _whole_leaf_key(keys, kt.keys[op[1] - 1])
         if w is None:  # already segment-local (a key of another segment): as planned
-            # (an 'F' op's second key index is 0 for a homogeneous leaf: no key)
-            new.append([kind, *(out.ref(kt.keys[x - 1]) if i in _KEY_ARGS.get(kind, ()) and x else x for i, x in enumerate(op[1:], 1))])
+            new.append(_rekeyed(kind, op, kt.keys, out))
             continue
         role, n = w
-        leaf = leaf_of(n)
-        if kind in ("D", "T"):
-            for seg in range(segs.n):
-                new.append([kind, out.ref(keys.leaf_keys(n, seg)["dos".index(role)])])
-        elif kind == "R":
-            _localize_rows(segs, keys, n, leaf.eb, op, out, new)
-        elif kind == "Z":
-            unit = op[2] // max(1, segs.count)
-            if unit * segs.count != op[2]:
-                raise AssertionError(f"a zero blob of {op[2]} bytes is not one size per element of {segs.count}")
-            for seg in range(segs.n):
-                new.append(["Z", out.ref(keys.data(n, seg)), unit * segs.size(seg)])
-        elif kind == "S":
-            new.extend(_localize_set(segs, keys, n, role, leaf, op[2], offsets_set.get(n), out))
-        elif kind == "F":
-            if op[2] == 0:
-                for seg, local, length in segs.split_bytes(op[3], op[4] - op[3], leaf.eb):
-                    new.append(["F", out.ref(keys.data(n, seg)), 0, local, local + length, op[5]])
-            else:
-                for seg, lo, hi in segs.split(op[3], op[4]):
-                    base = segs.start(seg)
-                    new.append(["F", out.ref(keys.data(n, seg)), out.ref(keys.offsets(n, seg)), lo - base, hi - base, op[5]])
-        elif kind == "E":
-            lo, hi, rec, shapes, data, sizes = op[5], op[6], op[4], op[7], memoryview(op[8]).cast("B"), op[9:]
-            pos = 0
-            for seg, a, b in segs.split(lo, hi):
-                base = segs.start(seg)
-                part = sizes[a - lo : b - lo + 1]
-                nbytes = sum(part)
-                d, o, s = (out.ref(k) for k in keys.leaf_keys(n, seg))
-                new.append(
-                    ["E", d, o, s, rec, a - base, b - base, shapes[(a - lo) * rec : (b - lo + 1) * rec], data[pos : pos + nbytes], *part]
-                )
-                pos += nbytes
-        elif kind in ("X", "K"):
-            new.append([kind, out.block([keys.data(n, seg) for seg in range(segs.n)]), *op[2:]])
-        elif kind == "C":
-            target = what(op[2])
-            assert target is not None
-            for seg in range(segs.n):
-                new.append(["C", out.ref(keys.data(n, seg)), out.ref(keys.data(target[1], seg)), *op[3:]])
-        elif kind == "O":  # a key copied to another leaf number's: in every segment
-            target = what(op[2])
-            assert target is not None
-            for seg in range(segs.n):
-                new.append(
-                    [
-                        "O",
-                        out.ref(keys.leaf_keys(n, seg)["dos".index(role)]),
-                        out.ref(keys.leaf_keys(target[1], seg)["dos".index(target[0])]),
-                    ]
-                )
-        elif kind == "Y":
-            blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
-            new.append(["Y", *blocks, *op[4:]])
+        local = _WriteLocal(segs, keys, out, n, role, leaf_of(n), kt)
+        if kind in (Write.S, Write.R, Write.F, Write.E):
+            value = offsets_set.get(n) if kind is Write.S else None
+            new.extend(_LOCALIZE_DATA[kind.marker](local, op, value))
         else:
-            raise AssertionError(f"cannot localize write op {kind!r}")
+            new.extend(_LOCALIZE_WHOLE[kind.marker](local, op))
     return out, new
 
 
-# arguments (1-based positions within an op) that are key indices, for ops passed through
-_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "O": (1, 2), "P": (1, 2)}
+def _rekeyed(kind: OpKind, op: list[Any], kt_keys: Sequence[str], out: KeyTable) -> list[Any]:
+    """``op`` with its key indices (into ``kt_keys``) renumbered into ``out``."""
+    new = list(op)
+    for i in kind.keys:
+        if op[i]:
+            new[i] = out.ref(kt_keys[op[i] - 1])
+    return new
 
 
-def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[list[Any]]) -> None:
+@dataclass(frozen=True)
+class _WriteLocal:
+    """One write op's leaf, as localizing it needs: the call's key tables and the leaf's shape."""
+
+    segs: Segments
+    keys: StoreKeys
+    out: KeyTable
+    n: int  # the leaf's number
+    role: str  # which of its keys the op names: 'd'ata, 'o'ffsets or 's'hapes
+    leaf: LeafShape
+    kt: KeyTable  # the planned call's key table
+
+    def key(self, seg: int, role: str | None = None) -> int:
+        return self.out.ref(self.keys.leaf_keys(self.n, seg)["dos".index(role or self.role)])
+
+    def other(self, index: int) -> tuple[str, int]:
+        """``(role, leaf number)`` of another whole-leaf key the op names."""
+        w = _whole_leaf_key(self.keys, self.kt.keys[index - 1])
+        assert w is not None
+        return w
+
+
+def _local_each_segment(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    """'D' and 'T': the same op on the key of every segment."""
+    for seg in range(loc.segs.n):
+        yield [op[0], loc.key(seg)]
+
+
+def _local_zeros(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    """'Z': each segment's share of the zero blob."""
+    segs = loc.segs
+    unit = op[2] // max(1, segs.count)
+    if unit * segs.count != op[2]:
+        raise AssertionError(f"a zero blob of {op[2]} bytes is not one size per element of {segs.count}")
+    for seg in range(segs.n):
+        yield Write.Z(loc.key(seg, "d"), unit * segs.size(seg))
+
+
+def _local_fill(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+    """'F': the filled byte range (homogeneous) or element run (heterogeneous) cut per segment."""
+    segs = loc.segs
+    if op[2] == 0:
+        for seg, start, length in segs.split_bytes(op[3], op[4] - op[3], loc.leaf.eb):
+            yield Write.F(loc.key(seg, "d"), 0, start, start + length, op[5])
+    else:
+        for seg, lo, hi in segs.split(op[3], op[4]):
+            base = segs.start(seg)
+            yield Write.F(loc.key(seg, "d"), loc.key(seg, "o"), lo - base, hi - base, op[5])
+
+
+def _local_elements(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+    """'E': the run of heterogeneous elements cut per segment, with its shapes, bytes and sizes."""
+    lo, hi, rec, shapes, data, sizes = op[5], op[6], op[4], op[7], memoryview(op[8]).cast("B"), op[9:]
+    pos = 0
+    for seg, a, b in loc.segs.split(lo, hi):
+        base = loc.segs.start(seg)
+        part = sizes[a - lo : b - lo + 1]
+        nbytes = sum(part)
+        shape_part = shapes[(a - lo) * rec : (b - lo + 1) * rec]
+        yield Write.E(
+            loc.key(seg, "d"), loc.key(seg, "o"), loc.key(seg, "s"), rec, a - base, b - base, shape_part, data[pos : pos + nbytes], *part
+        )
+        pos += nbytes
+
+
+def _local_rows(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    """'X', 'K' and 'Y' (addressed by rows): each key index becomes a block of that key in every segment."""
+    yield _row_blocks(loc.segs, loc.keys, loc.kt.keys, loc.out, write_kind(op), op)
+
+
+def _row_blocks(segs: Segments, keys: StoreKeys, kt_keys: Sequence[str], out: KeyTable, kind: OpKind, op: list[Any]) -> list[Any]:
+    """A row-addressed op whose key indices (whole-leaf keys in ``kt_keys``) each become a block
+    of ``out``: the same key of every segment, in segment order (the script picks a row's one)."""
+    new = list(op)
+    for i in kind.keys:
+        w = _whole_leaf_key(keys, kt_keys[op[i] - 1])
+        if w is None:
+            raise AssertionError(f"op {op[0]!r} addressed by rows names a key of one segment")
+        new[i] = out.block([keys.leaf_keys(w[1], seg)["dos".index(w[0])] for seg in range(segs.n)])
+    return new
+
+
+def _local_column(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    """'C': a column of the row block copied out in every segment."""
+    target = loc.other(op[2])
+    for seg in range(loc.segs.n):
+        yield [op[0], loc.out.ref(loc.keys.data(loc.n, seg)), loc.out.ref(loc.keys.data(target[1], seg)), *op[3:]]
+
+
+def _local_copy(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    """'O': a key copied to another leaf number's, in every segment."""
+    role, m = loc.other(op[2])
+    for seg in range(loc.segs.n):
+        yield Write.O(loc.key(seg), loc.out.ref(loc.keys.leaf_keys(m, seg)["dos".index(role)]))
+
+
+def _local_rows_set(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+    yield from _localize_rows(loc.segs, loc.keys, loc.n, loc.leaf.eb, op, loc.out)
+
+
+def _local_set(loc: _WriteLocal, op: list[Any], offsets: np.ndarray | None) -> Iterator[list[Any]]:
+    yield from _localize_set(loc.segs, loc.keys, loc.n, loc.role, loc.leaf, op[2], offsets, loc.out)
+
+
+#: How each write op planned on a whole leaf becomes segment-local ops.
+_LOCALIZE_WHOLE: dict[str, Callable[[_WriteLocal, list[Any]], Iterator[list[Any]]]] = {
+    Write.D.marker: _local_each_segment,
+    Write.T.marker: _local_each_segment,
+    Write.Z.marker: _local_zeros,
+    Write.X.marker: _local_rows,
+    Write.K.marker: _local_rows,
+    Write.Y.marker: _local_rows,
+    Write.C.marker: _local_column,
+    Write.O.marker: _local_copy,
+}
+#: ... and those that carry the leaf's bytes (and may need the offset table the call sets).
+_LOCALIZE_DATA: dict[str, Callable[[_WriteLocal, list[Any], Any], Iterator[list[Any]]]] = {
+    Write.R.marker: _local_rows_set,
+    Write.S.marker: _local_set,
+    Write.F.marker: _local_fill,
+    Write.E.marker: _local_elements,
+}
+
+
+def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable) -> list[list[Any]]:
     """An 'R' write op (byte ranges of a homogeneous leaf): one 'R' op per segment it touches."""
     ranges = _i64(op[3]).reshape(-1, 2)
     data = memoryview(op[4]).cast("B")
@@ -253,8 +328,10 @@ def _localize_rows(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[An
             ln.append(take)
             parts.append(data[pos : pos + take])
             pos += take
-    for seg, (lo, ln, parts) in per_seg.items():
-        new.append(["R", out.ref(keys.data(n, seg)), len(lo), _pairs(lo, ln), parts[0] if len(parts) == 1 else b"".join(parts)])
+    return [
+        Write.R(out.ref(keys.data(n, seg)), len(lo), _pairs(lo, ln), parts[0] if len(parts) == 1 else b"".join(parts))
+        for seg, (lo, ln, parts) in per_seg.items()
+    ]
 
 
 def _localize_set(
@@ -276,7 +353,7 @@ def _localize_set(
             part = view[int(offsets[a]) : int(offsets[b])]
         else:
             part = view[a * leaf.eb : b * leaf.eb]
-        ops.append(["S", out.ref(key), part])
+        ops.append(Write.S(out.ref(key), part))
     return ops
 
 
@@ -295,131 +372,101 @@ def localize_read(
     out = KeyTable(*kt_keys[: 2 if len(kt_keys) > 1 and kt_keys[1] == keys.inventory else 1])
     new: list[Any] = []
     merges: list[tuple[str, Any]] = []  # per original op: how to rebuild its pieces
-    nops, a = int(args[0]), 1
     queued = False
-    for _ in range(nops):
-        kind = args[a]
-        if kind in ("U", "I", "P", "F"):
-            if not queued:
-                new += ["Q", segs.per]
-                queued = True
-            size = _READ_OP_SIZES[kind]
-            op = list(args[a : a + size])
-            if kind == "P":  # its tree and sample-count keys
-                op[3], op[4] = out.ref(kt_keys[int(op[3]) - 1]), out.ref(kt_keys[int(op[4]) - 1])
-            new += op
-            merges.append(("pass", {"U": 2, "I": 0, "P": 4, "F": 2}[kind]))
-            a += size
-            continue
-        if kind == "T":  # planned on a segment's own offset table already
-            new += ["T", out.ref(kt_keys[int(args[a + 1]) - 1])]
-            merges.append(("pass", 1))
-            a += 2
-            continue
-        w = _whole_leaf_key(keys, kt_keys[int(args[a + 1]) - 1])
-        if kind == "R":
-            k, count, ranges, join = args[a + 1 : a + 5]
-            a += 5
-            if w is None:
-                new += ["R", out.ref(kt_keys[k - 1]), count, ranges, join]
-                merges.append(("pass", 1 if join == "1" else count))
-                continue
-            n = w[1]
-            pieces_per_range, groups = [], []  # groups: (segment, [(local, length)])
-            for start, length in _i64(ranges).reshape(-1, 2).tolist():
-                c = 0
-                # an empty range (elements of zero bytes) still has its piece in the reply
-                pieces = list(segs.split_bytes(start, length, leaf_of(n).eb)) or [(groups[-1][0] if groups else 0, 0, 0)]
-                for seg, local, take in pieces:
-                    if groups and groups[-1][0] == seg:
-                        groups[-1][1].append((local, take))
-                    else:
-                        groups.append((seg, [(local, take)]))
-                    c += 1
-                pieces_per_range.append(c)
-            for seg, rs in groups:
-                new += ["R", out.ref(keys.data(n, seg)), len(rs), _pairs([r[0] for r in rs], [r[1] for r in rs]), join]
-            merges.append(("join", len(groups)) if join == "1" else ("ranges", pieces_per_range))
-        elif kind == "E":
-            kd, ko, ks, rec, count, runs = args[a + 1 : a + 7]
-            a += 7
-            if w is None:
-                new += ["E", out.ref(kt_keys[kd - 1]), out.ref(kt_keys[ko - 1]), out.ref(kt_keys[ks - 1]), rec, count, runs]
-                merges.append(("pass", 3 * count))
-                continue
-            n = w[1]
-            pieces_per_run, egroups = [], []
-            for lo, hi in _i64(runs).reshape(-1, 2).tolist():
-                c = 0
-                for seg, x, y in segs.split(lo, hi):
-                    base = segs.start(seg)
-                    if egroups and egroups[-1][0] == seg:
-                        egroups[-1][1].append((x - base, y - base))
-                    else:
-                        egroups.append((seg, [(x - base, y - base)]))
-                    c += 1
-                pieces_per_run.append(c)
-            for seg, rs in egroups:
-                d, o, s = (out.ref(key) for key in keys.leaf_keys(n, seg))
-                new += ["E", d, o, s, rec, len(rs), _pairs([r[0] for r in rs], [r[1] for r in rs])]
-            merges.append(("runs", pieces_per_run))
-        elif kind in ("X", "B"):
-            n = w[1]  # type: ignore[index]
-            new += [kind, out.block([keys.data(n, seg) for seg in range(segs.n)]), args[a + 2]]
-            merges.append(("pass", 1))
-            a += 3
-        elif kind in ("Y", "V"):
-            n = w[1]  # type: ignore[index]
-            blocks = [out.block([keys.leaf_keys(n, seg)[r] for seg in range(segs.n)]) for r in range(3)]
-            new += [kind, *blocks, args[a + 4]]
-            merges.append(("pass", 3))
-            a += 5
+    for op in read_ops(args[1:]):
+        kind = read_kind(op)
+        if kind.picks_rows and not queued:
+            new += Read.Q(segs.per)
+            queued = True
+        w = None if kind.picks_rows else _whole_leaf_key(keys, kt_keys[op[1] - 1])
+        if w is None or kind is Read.T:  # no leaf key, or planned on one segment's keys already: as planned
+            new += _rekeyed(kind, op, kt_keys, out)
+            merges.append(("pass", kind.reply_pieces(op)))
+        elif kind is Read.R:
+            merges.append(_local_ranges(segs, keys, w[1], leaf_of(w[1]).eb, op, out, new))
+        elif kind is Read.E:
+            merges.append(_local_runs(segs, keys, w[1], op, out, new))
+        elif kind.by_row:
+            new += _row_blocks(segs, keys, kt_keys, out, kind, op)
+            merges.append(("pass", kind.reply_pieces(op)))
         else:
-            raise AssertionError(f"cannot localize read op {kind!r}")
-    n_new = sum(1 for _ in _ops(new))  # ops as sent (one planned op may become several)
-
-    def merge(reply: list) -> list:
-        if reply[0] != b"OK":
-            return reply
-        fixed = [reply[0], reply[1]]
-        pos = 2
-        for how, what in merges:
-            if how == "pass":
-                fixed.extend(reply[pos : pos + what])
-                pos += what
-            elif how == "join":
-                fixed.append(b"".join(reply[pos : pos + what]))
-                pos += what
-            elif how == "ranges":
-                for c in what:
-                    fixed.append(reply[pos] if c == 1 else b"".join(reply[pos : pos + c]))
-                    pos += c
-            else:  # runs of heterogeneous elements: 3 pieces per run
-                for c in what:
-                    if c == 1:
-                        fixed.extend(reply[pos : pos + 3])
-                    else:
-                        parts = reply[pos : pos + 3 * c]
-                        sizes = np.concatenate([np.diff(_i64(parts[3 * j])) for j in range(c)])
-                        offs = np.zeros(sizes.size + 1, dtype="<i8")
-                        np.cumsum(sizes, out=offs[1:])
-                        fixed += [offs.tobytes(), b"".join(parts[1::3]), b"".join(parts[2::3])]
-                    pos += 3 * c
-        return fixed
-
-    return out.keys, [n_new, *new], merge
+            raise AssertionError(f"cannot localize read op {kind.marker!r}")
+    return out.keys, [sum(1 for _ in read_ops(new)), *new], partial(_merge_reply, merges)
 
 
-#: Arguments of each ``read.lua`` op, its marker included (see the script's header).
-_READ_OP_SIZES = {"R": 5, "E": 7, "U": 3, "P": 8, "F": 3, "I": 3, "X": 3, "B": 3, "Y": 5, "V": 5, "T": 2, "Q": 2}
+def _local_ranges(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any], out: KeyTable, new: list[Any]) -> tuple[str, Any]:
+    """An 'R' read op of a whole homogeneous leaf cut into one 'R' op per run of ranges in one segment;
+    how its reply pieces join back: one piece ('join') or one per planned range ('ranges')."""
+    _, _, _, ranges, join = op
+    pieces_per_range, groups = [], []  # groups: (segment, [(local, length)])
+    for start, length in _i64(ranges).reshape(-1, 2).tolist():
+        c = 0
+        # an empty range (elements of zero bytes) still has its piece in the reply
+        pieces = list(segs.split_bytes(start, length, eb)) or [(groups[-1][0] if groups else 0, 0, 0)]
+        for seg, local, take in pieces:
+            if groups and groups[-1][0] == seg:
+                groups[-1][1].append((local, take))
+            else:
+                groups.append((seg, [(local, take)]))
+            c += 1
+        pieces_per_range.append(c)
+    for seg, rs in groups:
+        new += Read.R(out.ref(keys.data(n, seg)), len(rs), _pairs([r[0] for r in rs], [r[1] for r in rs]), join)
+    return ("join", len(groups)) if join == "1" else ("ranges", pieces_per_range)
 
 
-def _ops(flat: list[Any]) -> Iterator[str]:
-    """The op kinds of a flat read op list (to count them)."""
-    a = 0
-    while a < len(flat):
-        yield flat[a]
-        a += _READ_OP_SIZES[flat[a]]
+def _local_runs(segs: Segments, keys: StoreKeys, n: int, op: list[Any], out: KeyTable, new: list[Any]) -> tuple[str, Any]:
+    """An 'E' read op of a whole heterogeneous leaf cut into one 'E' op per segment it touches;
+    how its reply pieces join back (per planned run, the pieces of each segment it crossed)."""
+    rec, runs = op[4], op[6]
+    pieces_per_run, groups = [], []
+    for lo, hi in _i64(runs).reshape(-1, 2).tolist():
+        c = 0
+        for seg, x, y in segs.split(lo, hi):
+            base = segs.start(seg)
+            if groups and groups[-1][0] == seg:
+                groups[-1][1].append((x - base, y - base))
+            else:
+                groups.append((seg, [(x - base, y - base)]))
+            c += 1
+        pieces_per_run.append(c)
+    for seg, rs in groups:
+        d, o, s = (out.ref(key) for key in keys.leaf_keys(n, seg))
+        new += Read.E(d, o, s, rec, len(rs), _pairs([r[0] for r in rs], [r[1] for r in rs]))
+    return ("runs", pieces_per_run)
+
+
+def _merge_reply(merges: list[tuple[str, Any]], reply: list) -> list:
+    """A localized read's reply turned back into the one its planner's parser expects."""
+    if reply[0] != b"OK":
+        return reply
+    fixed = [reply[0], reply[1]]
+    pos = 2
+    for how, what in merges:
+        if how == "pass":
+            fixed.extend(reply[pos : pos + what])
+            pos += what
+        elif how == "join":
+            fixed.append(b"".join(reply[pos : pos + what]))
+            pos += what
+        elif how == "ranges":
+            for c in what:
+                fixed.append(reply[pos] if c == 1 else b"".join(reply[pos : pos + c]))
+                pos += c
+        else:  # runs of heterogeneous elements: 3 pieces per run
+            for c in what:
+                fixed.extend(reply[pos : pos + 3] if c == 1 else _joined_runs(reply[pos : pos + 3 * c]))
+                pos += 3 * c
+    return fixed
+
+
+def _joined_runs(parts: list[bytes]) -> list[bytes]:
+    """The three pieces of one run of heterogeneous elements read from several segments, as one run's."""
+    c = len(parts) // 3
+    sizes = np.concatenate([np.diff(_i64(parts[3 * j])) for j in range(c)])
+    offs = np.zeros(sizes.size + 1, dtype="<i8")
+    np.cumsum(sizes, out=offs[1:])
+    return [offs.tobytes(), b"".join(parts[1::3]), b"".join(parts[2::3])]
 
 
 def localize_ranges(segs: Segments, keys: StoreKeys, leaf_of: Callable[[int], LeafShape], buffers: list[list[Piece]]) -> list[list[Piece]]:

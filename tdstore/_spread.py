@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +44,7 @@ import redis
 from . import _integrity, _scripts, _wire
 from ._call import BULK_CHUNK, Call, SegmentHost
 from ._keys import KeyTable, StoreKeys
+from ._ops import READ_OPS, WRITE_OPS, OpKind, Write, read_kind, read_ops, write_kind
 from ._schema import Header
 
 #: Lease of the schema lock: a changer that died is taken over after this long.
@@ -51,10 +52,6 @@ LEASE_MS = 30_000
 #: After a schema change that held a client off, the lock stays free of changers this long (see
 #: ``lua/lock.lua``), so that client gets through before the next change.
 QUIET_MS = 10
-#: Key-index arguments (1-based, within an op) of the ``write.lua`` and ``read.lua`` ops a spread call may hold.
-WRITE_KEY_ARGS = {"R": (1,), "S": (1,), "D": (1,), "T": (1,), "Z": (1,), "F": (1, 2), "E": (1, 2, 3), "C": (1, 2), "M": (1, 2), "O": (1, 2)}
-READ_KEY_ARGS = {"R": (1,), "E": (1, 2, 3)}
-_READ_SIZES = {"R": 5, "E": 7}
 
 #: :func:`run_data` / :func:`run_transaction`: the call touches segment 0 only, run it as usual.
 LOCAL = object()
@@ -77,14 +74,14 @@ class Part:
     at: list[int] = field(default_factory=list)  # each op's position among the call's ops as planned
 
 
-def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], key_args: dict[str, tuple[int, ...]]) -> dict[int, Part]:
-    """Group ``ops`` (localized: each addresses one segment) by segment, their key indices renumbered."""
+def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], kinds: Mapping[str, OpKind]) -> dict[int, Part]:
+    """Group ``ops`` (localized: each addresses one segment; ``kinds``: their script's) by segment, their key indices renumbered."""
     parts: dict[int, Part] = {}
     for pos, op in enumerate(ops):
-        where = key_args.get(op[0])
-        if where is None:
+        kind = kinds[op[0]]
+        if kind.picks_rows or kind.by_row or not kind.keys:
             raise AssertionError(f"op {op[0]!r} addresses rows the server picks, which a spread store cannot split")
-        segs = {keys.segment_of(kt_keys[op[i] - 1]) for i in where if op[i]}
+        segs = {keys.segment_of(kt_keys[i - 1]) for i in kind.key_indices(op)}
         if len(segs) != 1:
             raise AssertionError(f"op {op[0]!r} spans segments {sorted(segs)}")
         seg = segs.pop()
@@ -92,29 +89,12 @@ def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], key_arg
         if part is None:
             part = parts[seg] = Part(KeyTable(keys.guard(seg)), [])
         new = list(op)
-        for i in where:
+        for i in kind.keys:
             if op[i]:
                 new[i] = part.kt.ref(kt_keys[op[i] - 1])
         part.ops.append(new)
         part.at.append(pos)
     return parts
-
-
-def read_ops(flat: Sequence[Any]) -> list[list[Any]]:
-    """The ops of a flat ``read.lua`` op list."""
-    out, a = [], 0
-    while a < len(flat):
-        size = _READ_SIZES.get(flat[a])
-        if size is None:
-            raise AssertionError(f"read op {flat[a]!r} addresses rows the server picks, which a spread store cannot split")
-        out.append(list(flat[a : a + size]))
-        a += size
-    return out
-
-
-def _reply_items(op: list[Any]) -> int:
-    """How many reply items a ``read.lua`` op gives ('R': one joined piece or one per range; 'E': three per run)."""
-    return (1 if op[4] == "1" else int(op[2])) if op[0] == "R" else 3 * int(op[5])
 
 
 def _flat(ops: list[list[Any]]) -> list[Any]:
@@ -130,10 +110,10 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
     keys = engine.keys
     if call.script == "write":
         assert call.ops is not None
-        head, ops, key_args = call.args[:5], call.ops, WRITE_KEY_ARGS  # then each part's checks (_integrity)
+        head, ops, kinds = call.args[:5], call.ops, WRITE_OPS  # then each part's checks (_integrity)
     else:
-        head, ops, key_args = call.args[:2], read_ops(call.args[3:]), READ_KEY_ARGS
-    parts = split(keys, call.keys, ops, key_args)
+        head, ops, kinds = call.args[:2], list(read_ops(call.args[3:])), READ_OPS
+    parts = split(keys, call.keys, ops, kinds)
     if set(parts) <= {0}:
         return LOCAL
     segs = sorted(parts)
@@ -163,7 +143,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
     for seg, reply in zip(segs, replies):
         pos = 2
         for i, op in zip(parts[seg].at, parts[seg].ops):
-            n = _reply_items(op)
+            n = read_kind(op).reply_pieces(op)
             items[i] = reply[pos : pos + n]
             pos += n
     out: list[Any] = [b"OK", str(h.version).encode()]
@@ -370,7 +350,7 @@ def run_schema_change(engine: SegmentHost, h: Header, call: Call) -> Any:
     assert new is not None and call.ops is not None
     keys = engine.keys
     after = max(new.segments.n, h.segments.n)
-    parts = split(keys, call.keys, call.ops, WRITE_KEY_ARGS)
+    parts = split(keys, call.keys, call.ops, WRITE_OPS)
     later: dict[int, list[list[Any]]] = {}  # deletes: after the commit, when nothing the old schema uses may go
     for seg, part in parts.items():
         if seg == 0:
@@ -379,7 +359,7 @@ def run_schema_change(engine: SegmentHost, h: Header, call: Call) -> Any:
         for i, op in enumerate(part.ops):
             # a delete stays in place only when a later op of the call writes that key again (a key
             # set anew); one that is only read afterwards (the source of a copy) goes after the commit
-            if op[0] == "D" and not any(op[1] in _written(after) for after in part.ops[i + 1 :]):
+            if op[0] == Write.D.marker and not any(op[1] in write_kind(after).written(after) for after in part.ops[i + 1 :]):
                 later[seg].append(op)
             else:
                 keep.append(op)
@@ -533,17 +513,9 @@ def _commit_outcome(engine: SegmentHost, h: Header, new: Header, token: str) -> 
     return False if int(version) == h.version else None
 
 
-#: Key-index arguments of the ``write.lua`` ops that the op writes (the others it only reads).
-_WRITES = {"R": (1,), "S": (1,), "Z": (1,), "M": (2,), "F": (1,), "E": (1, 2, 3), "C": (2,), "D": (1,), "O": (2,)}
-
-
-def _written(op: list[Any]) -> list[int]:
-    return [op[i] for i in _WRITES[op[0]] if op[i]]
-
-
 def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
     """``ops`` (key indices into ``part``'s KEYS) on a key table of their own."""
-    out = split(keys, part.kt.keys, ops, WRITE_KEY_ARGS)
+    out = split(keys, part.kt.keys, ops, WRITE_OPS)
     ((_, only),) = out.items()
     return only
 
@@ -585,9 +557,9 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
                 names[key] = (role, n, seg)
     written = set()
     for op in ops:
-        if op[0] != "D":
-            for i in _WRITES[op[0]]:
-                w = names.get(kt.keys[op[i] - 1]) if op[i] else None
+        if op[0] != Write.D.marker:
+            for k in write_kind(op).written(op):
+                w = names.get(kt.keys[k - 1])
                 if w is not None and w[1] in live:
                     written.add(w[1])
     if not written:
@@ -596,14 +568,14 @@ def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: li
 
     def retarget(op: list[Any]) -> list[Any]:
         out = list(op)
-        for i in WRITE_KEY_ARGS[op[0]]:
+        for i in write_kind(op).keys:
             w = names.get(kt.keys[op[i] - 1]) if op[i] else None
             if w is not None and w[1] in remap:
                 out[i] = kt.ref(keys.leaf_keys(remap[w[1]], w[2])["dos".index(w[0])])
         return out
 
-    copies = [["O", kt.ref(src), kt.ref(dst)] for n, m in remap.items() for src, dst in zip(keys.leaf_keys(n), keys.leaf_keys(m))]
-    retire = [["D", kt.ref(k)] for n in remap for k in keys.leaf_keys(n)]
+    copies = [Write.O(kt.ref(src), kt.ref(dst)) for n, m in remap.items() for src, dst in zip(keys.leaf_keys(n), keys.leaf_keys(m))]
+    retire = [Write.D(kt.ref(k)) for n in remap for k in keys.leaf_keys(n)]
     block_moves = new.row is not None and new.row[0] in remap
     leaves = {
         path: replace(leaf, number=remap.get(leaf.number, leaf.number), version=new.version)

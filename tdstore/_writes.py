@@ -21,14 +21,24 @@ import torch
 
 from . import _codec, _index, _rows
 from ._keys import KeyTable, StoreKeys
+from ._leaf_ops import (
+    Value,
+    as_rows,
+    check_dtype,
+    element_checks,
+    element_op,
+    fits,
+    het_tables,
+    key_name,
+    new_leaf_ops,
+    plan_full_leaf,
+    rows_op,
+    splice_ops,
+    to_heterogeneous,
+)
 from ._nontensor import NonTensor, element_docs
+from ._ops import Write
 from ._schema import Header, Leaf, NestedPath, check_paths
-
-Value = torch.Tensor | list[torch.Tensor]
-
-
-def _name(path: NestedPath) -> str:
-    return repr(path[0]) if len(path) == 1 else repr(path)
 
 
 def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[int]:
@@ -41,98 +51,6 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
     if s.ndim != 1:
         raise NotImplementedError("writing whole elements with a multi-dimensional index tensor; flatten the index first")
     return [int(i) for i in s.tolist()]
-
-
-def _rows_op(kt: KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[Any] | None:
-    """One 'R' op writing ``data[k]`` (a uint8 row) at row ``rows[k]``; a later duplicate wins.
-
-    None when there is nothing to write (no rows, or rows of zero bytes).
-
-    Rows are grouped into runs of consecutive rows, one SETRANGE each on the server;
-    the ranges travel packed in one argument and the bytes back to back in another.
-    """
-    rb = data.shape[1] if data.ndim == 2 else 0
-    if rows.size == 0 or rb == 0:
-        return None
-    if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
-        # one contiguous ascending run (an element, a slice): a single SETRANGE
-        ranges = _index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
-        return ["R", kt.ref(key), 1, ranges, memoryview(np.ascontiguousarray(data)).cast("B")]
-    # keep the last occurrence of each row, as sequential assignment would
-    uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
-    data = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
-    lo, hi = _index.run_bounds(uniq)
-    return ["R", kt.ref(key), int(lo.size), _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), memoryview(data).cast("B")]
-
-
-def _as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
-    """A (rows, bytes per row) uint8 view of ``t`` whose first ``lead`` dims are rows."""
-    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    n = int(np.prod(t.shape[:lead])) if lead else 1
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-    return raw.reshape(n, -1) if n else np.zeros((0, 0), np.uint8)
-
-
-def check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"key {_name(path)} holds {_codec.dtype_name(dtype)}, got {t.dtype}; cast the value explicitly (no silent casts)")
-
-
-def _het_tables(inner: tuple[int, ...], elems: list[torch.Tensor]) -> tuple[bytes, bytes, bytes]:
-    """Data, offset table and shape table of a heterogeneous leaf built from element tensors."""
-    shapes, data, sizes = het_payload(elems)
-    offsets = np.zeros(len(elems) + 1, dtype="<i8")
-    np.cumsum(sizes, out=offsets[1:])
-    return data, offsets.tobytes(), shapes
-
-
-def element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim: int | None, dtype: torch.dtype | None) -> None:
-    inner = h.inner
-    for k, t in enumerate(elems):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"key {_name(path)}: element {k} is a {type(t).__name__}, not a tensor")
-        if dtype is not None:
-            check_dtype(path, t, dtype)
-        if tuple(t.shape[: len(inner)]) != inner:
-            raise ValueError(f"key {_name(path)}: element shape {list(t.shape)} does not start with the inner batch size {list(inner)}")
-        if ndim is not None and t.ndim != ndim:
-            raise ValueError(
-                f"key {_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)"
-            )
-
-
-def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, number: int, kt: KeyTable) -> tuple[Leaf, list[list[Any]]]:
-    """Ops that (re)create leaf ``number`` at ``path`` from a value covering every element."""
-    if isinstance(value, torch.Tensor):
-        bs = h.batch_size
-        if tuple(value.shape[: len(bs)]) != tuple(bs):
-            raise ValueError(f"key {_name(path)}: a value of shape {list(value.shape)} does not start with the batch size {list(bs)}")
-        _codec.dtype_name(value.dtype)
-        em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
-        shape = tuple(em.shape[1:])
-        leaf = Leaf(path, number, value.dtype, len(shape), shape)
-        return leaf, [
-            ["S", kt.ref(keys.data(number)), _codec.to_bytes(em)],
-            ["D", kt.ref(keys.offsets(number))],
-            ["D", kt.ref(keys.shapes(number))],
-        ]
-    if len(value) != h.count:
-        raise ValueError(f"key {_name(path)}: got {len(value)} elements for a store of {h.count}")
-    if not value:
-        raise ValueError(f"key {_name(path)}: cannot infer a dtype and shape from zero elements")
-    dtype = value[0].dtype
-    _codec.dtype_name(dtype)
-    element_checks(h, path, value, value[0].ndim, dtype)
-    shapes = {tuple(t.shape) for t in value}
-    if len(shapes) == 1:
-        return plan_full_leaf(keys, h, path, torch.stack(value, h.stack_pos), number, kt)
-    data, offsets, shape_table = _het_tables(h.inner, value)
-    leaf = Leaf(path, number, dtype, value[0].ndim, None)
-    return leaf, [
-        ["S", kt.ref(keys.data(number)), data],
-        ["S", kt.ref(keys.offsets(number)), offsets],
-        ["S", kt.ref(keys.shapes(number)), shape_table],
-    ]
 
 
 def plan_element_write(
@@ -165,26 +83,14 @@ def plan_element_write(
             data = _codec.to_bytes(t)
             shape_rec = struct.pack(f"<{t.ndim}q", *t.shape)
             n = leaf.number
-            ops.append(
-                [
-                    "E",
-                    kt.ref(keys.data(n, seg)),
-                    kt.ref(keys.offsets(n, seg)),
-                    kt.ref(keys.shapes(n, seg)),
-                    8 * leaf.ndim,
-                    local,
-                    local,
-                    shape_rec,
-                    data,
-                    len(data),
-                ]
-            )
+            d, o, s = (kt.ref(key) for key in keys.leaf_keys(n, seg))
+            ops.append(Write.E(d, o, s, 8 * leaf.ndim, local, local, shape_rec, data, len(data)))
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         elif leaf.col is not None:
             grouped.append((leaf, _codec.to_bytes(value)))
         else:
-            ops.extend(_element_op(kt, keys, leaf, element, value, h))
+            ops.extend(element_op(kt, keys, leaf, element, value, h))
         touched.append(leaf)
     if grouped:
         ops.extend(_element_row_ops(kt, keys, h, seg, local, grouped, _rows.covers_block(h, items)))
@@ -200,8 +106,8 @@ def _element_row_ops(
     key = kt.ref(keys.data(number, seg))
     if whole:
         row = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped])
-        return [["R", key, 1, _index.PAIR.pack(local * width, width), memoryview(row).cast("B")]]
-    return [["R", key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data] for leaf, data in grouped if len(data)]  # type: ignore[operator]
+        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), memoryview(row).cast("B"))]
+    return [Write.R(key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data) for leaf, data in grouped if len(data)]  # type: ignore[operator]
 
 
 def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
@@ -225,7 +131,7 @@ def _move_out_whole(
     keep, moved = [], []
     for leaf, rows, data in writes:
         if rows.size == h.count and np.array_equal(rows, everything):
-            op = ["S", kt.ref(keys.data(leaf.number)), memoryview(np.ascontiguousarray(data)).cast("B")]
+            op = Write.S(kt.ref(keys.data(leaf.number)), memoryview(np.ascontiguousarray(data)).cast("B"))
             moved.append((dataclasses.replace(leaf, col=None), op))
         else:
             keep.append((leaf, rows, data))
@@ -245,7 +151,7 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
     number, width = h.row
     key = keys.data(number)
     if _whole_rows_write(h, writes):
-        op = _rows_op(kt, key, writes[0][1], _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
+        op = rows_op(kt, key, writes[0][1], _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
         return [op] if op is not None else []
     ops = []
     for leaf, rows, data in writes:
@@ -256,19 +162,9 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
         picked = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
         starts = uniq * width + leaf.col
         ops.append(
-            ["R", kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B")]
+            Write.R(kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B"))
         )
     return ops
-
-
-def _element_op(kt: KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: torch.Tensor, h: Header) -> list[list[Any]]:
-    """The one SETRANGE that writes a whole element of a homogeneous leaf (none for zero bytes), in its segment."""
-    eb = leaf.element_nbytes
-    if not eb:
-        return []
-    seg = h.segments.of(element)
-    local = element - h.segments.start(seg)
-    return [["R", kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(local * eb, eb), _codec.to_bytes(value)]]
 
 
 def plan_write(
@@ -291,200 +187,236 @@ def plan_write(
     key that is not in the store can only be added by a write that covers every
     element.
     """
-    norm = _index.normalize(index, h.batch_size)
-    p = _index.plan(norm, h.batch_size, h.stack_pos)
-    full = _index.is_full(norm, h.batch_size)
-    leaves = dict(h.leaves)
-    next_leaf = h.next_leaf
-    changed = False
-    ops: list[list[Any]] = []
-    grouped: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # rows of grouped leaves, written together at the end
-    rows_cache: dict[str, Any] = {}
-    # a spread store changes a key's layout copy-on-write: the new layout gets a new leaf number
-    # and the old keys are deleted at the end (after the commit, see _spread), so a change that is
-    # rolled back has written nothing that its segments' current schema uses
-    retire: list[list[Any]] = []
+    plan = _WritePlan(keys, h, index, kt, replace)
+    for path, value in items.items():
+        if isinstance(value, NonTensor):
+            plan.non_tensor(path, value)
+        else:
+            plan.tensors(path, value)
+    return plan.finish(items, sub)
 
-    def renumber(leaf: Leaf | None) -> int:
-        nonlocal next_leaf
-        if leaf is not None and not h.spread:
+
+class _WritePlan:
+    """The state of one :func:`plan_write`: the leaves as the write leaves them, and its ops so far."""
+
+    def __init__(self, keys: StoreKeys, h: Header, index: Any, kt: KeyTable, replace: bool) -> None:
+        self.keys, self.h, self.kt = keys, h, kt
+        self.norm = _index.normalize(index, h.batch_size)
+        self.p = _index.plan(self.norm, h.batch_size, h.stack_pos)
+        self.full = _index.is_full(self.norm, h.batch_size)
+        self.replace_whole = replace and self.full  # a set() of whole keys: a key may change dtype or shape
+        self.leaves = dict(h.leaves)
+        self.next_leaf = h.next_leaf
+        self.changed = False
+        self.ops: list[list[Any]] = []
+        self.grouped: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # rows of grouped leaves, written together at the end
+        self.new_paths: list[NestedPath] = []
+        # a spread store changes a key's layout copy-on-write: the new layout gets a new leaf number
+        # and the old keys are deleted at the end (after the commit, see _spread), so a change that is
+        # rolled back has written nothing that its segments' current schema uses
+        self.retire: list[list[Any]] = []
+        self._rows: tuple[np.ndarray, tuple[int, ...]] | None = None
+
+    def renumber(self, leaf: Leaf | None) -> int:
+        """The leaf number a key gets when its layout changes (or it is new)."""
+        if leaf is not None and not self.h.spread:
             return leaf.number
         if leaf is not None:
-            retire.extend(["D", kt.ref(k)] for k in keys.leaf_keys(leaf.number))
-        next_leaf += 1
-        return next_leaf - 1
+            self.retire.extend(Write.D(self.kt.ref(k)) for k in self.keys.leaf_keys(leaf.number))
+        self.next_leaf += 1
+        return self.next_leaf - 1
 
-    def rows() -> np.ndarray:
-        if "rows" not in rows_cache:
-            r = _index.storage_rows(p, h.inner)
-            rows_cache["shape"] = tuple(r.shape)
-            rows_cache["rows"] = r.reshape(-1).numpy()
-        return rows_cache["rows"]
+    def set_leaf(self, leaf: Leaf, *, new: bool) -> None:
+        self.leaves[leaf.path] = leaf
+        if new:
+            self.new_paths.append(leaf.path)
+        self.changed = True
 
-    def rows_shape() -> tuple[int, ...]:
-        rows()
-        return rows_cache["shape"]
+    def rows(self) -> np.ndarray:
+        """The storage rows the index selects, flat (computed once)."""
+        if self._rows is None:
+            r = _index.storage_rows(self.p, self.h.inner)
+            self._rows = (r.reshape(-1).numpy(), tuple(r.shape))
+        return self._rows[0]
 
-    def per_element(path: NestedPath, value: Value) -> tuple[list[int], list[torch.Tensor]]:
+    def rows_shape(self) -> tuple[int, ...]:
+        self.rows()
+        assert self._rows is not None
+        return self._rows[1]
+
+    def per_element(self, path: NestedPath, value: Value) -> tuple[list[int], list[torch.Tensor]]:
         """The element ids along the stack dim, in the value's order, and the value split per element."""
-        order = element_order(p, norm)
+        p, h = self.p, self.h
+        order = element_order(p, self.norm)
         if not p.inner_full:
             raise ValueError(
-                f"key {_name(path)}: this write changes element shapes (or the key is heterogeneous), "
+                f"key {key_name(path)}: this write changes element shapes (or the key is heterogeneous), "
                 "which needs whole elements; index the stack dim only (e.g. store[i] = td)"
             )
         if isinstance(value, torch.Tensor):
-            want = rows_shape()
+            want = self.rows_shape()
             if p.element_int:
                 elems = [value]
             else:
                 if value.ndim <= h.stack_pos or value.shape[h.stack_pos] != len(order):
                     raise ValueError(
-                        f"key {_name(path)}: value of shape {list(value.shape)} does not hold {len(order)} elements along dim {h.stack_pos} (indexed batch {list(want)})"
+                        f"key {key_name(path)}: value of shape {list(value.shape)} does not hold {len(order)} elements "
+                        f"along dim {h.stack_pos} (indexed batch {list(want)})"
                     )
                 elems = list(value.unbind(h.stack_pos))
         else:
             elems = list(value)
         if len(elems) != len(order):
-            raise ValueError(f"key {_name(path)}: got {len(elems)} elements for an index that selects {len(order)}")
+            raise ValueError(f"key {key_name(path)}: got {len(elems)} elements for an index that selects {len(order)}")
         return order, elems
 
-    new_paths = []
-    for path, value in items.items():
-        leaf = leaves.get(path)
-        if isinstance(value, NonTensor):
-            if not p.inner_full:
-                raise ValueError(f"key {_name(path)} holds non-tensor data, written per whole element; index the stack dim only")
-            order = element_order(p, norm)
-            docs = element_docs(path, value, None if p.element_int else len(order), h.stack_pos)
-            if leaf is not None and leaf.json:
-                ops += _splice_ops(kt, keys, leaf, order, docs)
-                continue
-            if leaf is not None and not (replace and full):
-                raise TypeError(
-                    f"key {_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data"
-                )
-            if not full:
-                # a new key written at some elements: created for every element, the others None
-                leaf = Leaf(path, renumber(None), torch.uint8, 1, None, json=True)
-                leaves[path] = leaf
-                new_paths.append(path)
-                changed = True
-                ops += new_leaf_ops(kt, keys, h, leaf)
-                ops += _splice_ops(kt, keys, leaf, order, docs)
-                continue
-            by_element = dict(zip(order, docs))
-            number = renumber(leaf)
-            if leaf is None:
-                new_paths.append(path)
-            data, offsets, shape_table = _het_tables(h.inner, [by_element[e] for e in range(h.count)])
-            leaves[path] = Leaf(path, number, torch.uint8, 1, None, json=True)
-            ops += [
-                ["S", kt.ref(keys.data(number)), data],
-                ["S", kt.ref(keys.offsets(number)), offsets],
-                ["S", kt.ref(keys.shapes(number)), shape_table],
-            ]
-            changed = True
-            continue
-        if leaf is not None and leaf.json and not (replace and full):
+    def non_tensor(self, path: NestedPath, value: NonTensor) -> None:
+        """A key of non-tensor data: its elements spliced in, or the whole key set (or created)."""
+        keys, h, kt, p = self.keys, self.h, self.kt, self.p
+        leaf = self.leaves.get(path)
+        if not p.inner_full:
+            raise ValueError(f"key {key_name(path)} holds non-tensor data, written per whole element; index the stack dim only")
+        order = element_order(p, self.norm)
+        docs = element_docs(path, value, None if p.element_int else len(order), h.stack_pos)
+        if leaf is not None and leaf.json:
+            self.ops += splice_ops(kt, keys, leaf, order, docs)
+            return
+        if leaf is not None and not self.replace_whole:
             raise TypeError(
-                f"key {_name(path)} holds non-tensor data; write NonTensorData or a str, or set() the whole key to replace it with a tensor"
+                f"key {key_name(path)} holds tensors; write a tensor, or set() the whole key to replace it with non-tensor data"
             )
-        if leaf is None and not full:
-            # a new key written at some elements: created for every element (the others zeros, or empty
-            # elements of a heterogeneous key), then written below as any existing key is
-            _, elems = per_element(path, value)
-            dtype = elems[0].dtype if elems else value.dtype if isinstance(value, torch.Tensor) else None
-            if dtype is None:
-                raise ValueError(f"key {_name(path)}: no element to take the new key's dtype and shape from")
-            _codec.dtype_name(dtype)
-            element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
-            shapes = {tuple(t.shape) for t in elems}
-            if len(shapes) > 1 and h.kind == "dense":
-                raise ValueError(f"key {_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
-            shape = shapes.pop() if len(shapes) == 1 else None
-            leaf = Leaf(path, renumber(None), dtype, elems[0].ndim if elems else len(shape or ()), shape)
-            leaves[path] = leaf
-            new_paths.append(path)
-            changed = True
-            ops += new_leaf_ops(kt, keys, h, leaf)
-        elif leaf is None or (replace and full and (leaf.json or not _fits(leaf, value, h))):
-            number = renumber(leaf)
-            if leaf is None:
-                new_paths.append(path)
-            new_leaf, leaf_ops = plan_full_leaf(keys, h, path, value, number, kt)
-            leaves[path] = new_leaf
-            ops += leaf_ops
-            changed = True
-            continue
+        if not self.full:
+            # a new key written at some elements: created for every element, the others None
+            leaf = Leaf(path, self.renumber(None), torch.uint8, 1, None, json=True)
+            self.set_leaf(leaf, new=True)
+            self.ops += new_leaf_ops(kt, keys, h, leaf)
+            self.ops += splice_ops(kt, keys, leaf, order, docs)
+            return
+        by_element = dict(zip(order, docs))
+        number = self.renumber(leaf)
+        data, offsets, shape_table = het_tables(h.inner, [by_element[e] for e in range(h.count)])
+        self.set_leaf(Leaf(path, number, torch.uint8, 1, None, json=True), new=leaf is None)
+        self.ops += [
+            Write.S(kt.ref(keys.data(number)), data),
+            Write.S(kt.ref(keys.offsets(number)), offsets),
+            Write.S(kt.ref(keys.shapes(number)), shape_table),
+        ]
+
+    def tensors(self, path: NestedPath, value: Value) -> None:
+        """A key of tensors: a new key or a replaced one, else the value written into the key as it is."""
+        leaf = self.leaves.get(path)
+        if leaf is not None and leaf.json and not self.replace_whole:
+            raise TypeError(
+                f"key {key_name(path)} holds non-tensor data; write NonTensorData or a str, "
+                "or set() the whole key to replace it with a tensor"
+            )
+        if leaf is None and not self.full:
+            leaf = self.new_partial_key(path, value)
+        elif leaf is None or (self.replace_whole and (leaf.json or not fits(leaf, value, self.h))):
+            new_leaf, leaf_ops = plan_full_leaf(self.keys, self.h, path, value, self.renumber(leaf), self.kt)
+            self.set_leaf(new_leaf, new=leaf is None)
+            self.ops += leaf_ops
+            return
         if isinstance(value, torch.Tensor):
             check_dtype(path, value, leaf.dtype)
         else:
-            element_checks(h, path, value, None, leaf.dtype)
-        if not leaf.het and isinstance(value, torch.Tensor) and p.element_int and p.inner_full and value.shape == leaf.shape:
+            element_checks(self.h, path, value, None, leaf.dtype)
+        if not leaf.het and isinstance(value, torch.Tensor) and self.dense_value(path, leaf, value):
+            return
+        self.elements(path, leaf, value)
+
+    def new_partial_key(self, path: NestedPath, value: Value) -> Leaf:
+        """A new key written at some elements: created for every element (the others zeros, or empty
+        elements of a heterogeneous key), then written as any existing key is."""
+        h = self.h
+        _, elems = self.per_element(path, value)
+        dtype = elems[0].dtype if elems else value.dtype if isinstance(value, torch.Tensor) else None
+        if dtype is None:
+            raise ValueError(f"key {key_name(path)}: no element to take the new key's dtype and shape from")
+        _codec.dtype_name(dtype)
+        element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
+        shapes = {tuple(t.shape) for t in elems}
+        if len(shapes) > 1 and h.kind == "dense":
+            raise ValueError(f"key {key_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
+        shape = shapes.pop() if len(shapes) == 1 else None
+        leaf = Leaf(path, self.renumber(None), dtype, elems[0].ndim if elems else len(shape or ()), shape)
+        self.set_leaf(leaf, new=True)
+        self.ops += new_leaf_ops(self.kt, self.keys, h, leaf)
+        return leaf
+
+    def dense_value(self, path: NestedPath, leaf: Leaf, value: torch.Tensor) -> bool:
+        """A homogeneous leaf written from one tensor of the indexed batch shape; False when the value
+        must be written per element instead (it changes element shapes)."""
+        h, p = self.h, self.p
+        if p.element_int and p.inner_full and value.shape == leaf.shape:
             # store[i] = td on a homogeneous leaf: one SETRANGE of the element's bytes
             if leaf.col is not None:
-                grouped.append((leaf, np.array([int(p.elements[0])], dtype=np.int64), _as_rows(value, 0).reshape(1, -1)))
+                self.grouped.append((leaf, np.array([int(p.elements[0])], dtype=np.int64), as_rows(value, 0).reshape(1, -1)))
             else:
-                ops.extend(_element_op(kt, keys, leaf, int(p.elements[0]), value, h))
-            continue
-        if not leaf.het and isinstance(value, torch.Tensor):
-            feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
-            want = rows_shape() + tuple(feat)
-            if tuple(value.shape) == want and leaf.col is not None:
-                # a grouped leaf (no inner batch size: storage rows are elements)
-                grouped.append((leaf, rows(), _as_rows(value, len(rows_shape()))))
-                continue
-            if tuple(value.shape) == want and full and not p.flips:
-                # the whole leaf, in order: replace the blob (large ones are staged, see Engine.run_write)
-                em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
-                ops.append(["S", kt.ref(keys.data(leaf.number)), _codec.to_bytes(em)])
-                continue
-            if tuple(value.shape) == want:
-                op = _rows_op(kt, keys.data(leaf.number), rows(), _as_rows(value, len(rows_shape())))
-                if op is not None:
-                    ops.append(op)
-                continue
+                self.ops.extend(element_op(self.kt, self.keys, leaf, int(p.elements[0]), value, h))
+            return True
+        assert leaf.shape is not None
+        want = self.rows_shape() + tuple(leaf.shape[len(h.inner) :])
+        if tuple(value.shape) != want:
             if not p.inner_full or value.ndim != len(want):
-                raise ValueError(f"key {_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
-        order, elems = per_element(path, value)
+                raise ValueError(f"key {key_name(path)}: expected a value of shape {list(want)}, got {list(value.shape)} (no broadcasting)")
+            return False
+        if leaf.col is not None:
+            # a grouped leaf (no inner batch size: storage rows are elements)
+            self.grouped.append((leaf, self.rows(), as_rows(value, len(self.rows_shape()))))
+        elif self.full and not p.flips:
+            # the whole leaf, in order: replace the blob (large ones are staged, see Engine.run_write)
+            em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
+            self.ops.append(Write.S(self.kt.ref(self.keys.data(leaf.number)), _codec.to_bytes(em)))
+        elif (op := rows_op(self.kt, self.keys.data(leaf.number), self.rows(), as_rows(value, len(self.rows_shape())))) is not None:
+            self.ops.append(op)
+        return True
+
+    def elements(self, path: NestedPath, leaf: Leaf, value: Value) -> None:
+        """Whole elements of a key: rows of a homogeneous leaf that keeps its shape, else spliced
+        into a heterogeneous leaf (a homogeneous one turns heterogeneous in the same call)."""
+        keys, h, kt = self.keys, self.h, self.kt
+        order, elems = self.per_element(path, value)
         element_checks(h, path, elems, leaf.ndim, leaf.dtype)
         if not leaf.het and all(tuple(t.shape) == leaf.shape for t in elems):
             eb = leaf.element_nbytes
-            data = np.stack([_as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
+            data = np.stack([as_rows(t, 0).reshape(-1) for t in elems]) if eb else np.zeros((len(elems), 0), np.uint8)
             if leaf.col is not None:
-                grouped.append((leaf, np.asarray(order, dtype=np.int64), data))
-                continue
-            op = _rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data)
-            if op is not None:
-                ops.append(op)
-            continue
+                self.grouped.append((leaf, np.asarray(order, dtype=np.int64), data))
+            elif (op := rows_op(kt, keys.data(leaf.number), np.asarray(order, dtype=np.int64), data)) is not None:
+                self.ops.append(op)
+            return
         if not leaf.het and h.kind == "dense":
+            assert leaf.shape is not None
             shapes = sorted({tuple(t.shape) for t in elems} - {leaf.shape})
             raise ValueError(
-                f"key {_name(path)} has shape {list(leaf.shape)} per row in this dense store, got {list(shapes[0])}; "  # type: ignore[arg-type]
+                f"key {key_name(path)} has shape {list(leaf.shape)} per row in this dense store, got {list(shapes[0])}; "
                 "a dense store keeps one shape per key: replace the whole key (store[key] = tensor) to change it"
             )
         if not leaf.het:
             # a homogeneous key gets a new element shape: it becomes heterogeneous, in this same call
-            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h, renumber(leaf) if h.spread and leaf.col is None else None)
-            ops += table_ops
-            leaves[path] = leaf
-            changed = True
-        ops += _splice_ops(kt, keys, leaf, order, elems)
-    if grouped:
-        grouped, moved = _move_out_whole(kt, keys, h, grouped)
-        for leaf, op in moved:
-            leaves[leaf.path] = leaf
-            ops.append(op)
-            changed = True
-    ops += _grouped_ops(kt, keys, h, grouped)
-    ops += retire
-    if new_paths:
-        check_paths(list(leaves))
-    new_header = h.with_leaves(leaves, next_leaf, sub=_new_subtrees(h, sub, new_paths)) if changed else None
-    touched = [h.leaves[p] for p in items if p in h.leaves]
-    return new_header, ops, touched
+            leaf, table_ops = to_heterogeneous(kt, keys, leaf, h, self.renumber(leaf) if h.spread and leaf.col is None else None)
+            self.ops += table_ops
+            self.set_leaf(leaf, new=False)
+        self.ops += splice_ops(kt, keys, leaf, order, elems)
+
+    def finish(
+        self, items: dict[NestedPath, Value], sub: dict[NestedPath, tuple[int, ...]] | None
+    ) -> tuple[Header | None, list[list[Any]], list[Leaf]]:
+        """The row block's writes, the retired keys, and the new header (None when the schema stays)."""
+        h = self.h
+        grouped = self.grouped
+        if grouped:
+            grouped, moved = _move_out_whole(self.kt, self.keys, h, grouped)
+            for leaf, op in moved:
+                self.set_leaf(leaf, new=False)
+                self.ops.append(op)
+        ops = [*self.ops, *_grouped_ops(self.kt, self.keys, h, grouped), *self.retire]
+        if self.new_paths:
+            check_paths(list(self.leaves))
+        new_header = h.with_leaves(self.leaves, self.next_leaf, sub=_new_subtrees(h, sub, self.new_paths)) if self.changed else None
+        touched = [h.leaves[p] for p in items if p in h.leaves]
+        return new_header, ops, touched
 
 
 def _new_subtrees(
@@ -496,91 +428,6 @@ def _new_subtrees(
     return {path: dims for path, dims in sub.items() if any(p[: len(path)] == path for p in new_paths)} or None
 
 
-def new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[list[Any]]:
-    """What a new leaf needs before its first elements are written. Nothing in a store that keeps an
-    inventory: each segment is allocated by the write that first touches it (zeros; empty elements,
-    read as None for non-tensor data). A spread store allocates every segment now, on the server."""
-    if h.tracked:
-        return []
-    n = leaf.number
-    if leaf.shape is not None:
-        return [["Z", kt.ref(keys.data(n)), h.count * leaf.element_nbytes]]
-    empty = [] if leaf.json else list(h.inner) + [0] * (leaf.ndim - len(h.inner))
-    record = _codec.pack_i64([0] if leaf.json else empty)
-    return [
-        ["S", kt.ref(keys.data(n)), b""],
-        ["S", kt.ref(keys.offsets(n)), bytes(8 * (h.count + 1))],
-        ["S", kt.ref(keys.shapes(n)), record * h.count],
-    ]
-
-
-def _fits(leaf: Leaf, value: Value, h: Header) -> bool:
-    """Whether a value covering the whole store can overwrite ``leaf`` without a schema change.
-
-    Anything else (another dtype or shape, or a heterogeneous leaf) is replaced by a
-    leaf built from the value, as ``set`` on a TensorDict replaces the entry.
-    """
-    if not isinstance(value, torch.Tensor) or leaf.het or value.dtype != leaf.dtype:
-        return False
-    em_shape = list(value.shape)
-    if len(em_shape) <= h.stack_pos:
-        return False
-    em_shape.pop(h.stack_pos)
-    return tuple(em_shape) == leaf.shape
-
-
-def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header, number: int | None = None) -> tuple[Leaf, list[list[Any]]]:
-    """A homogeneous leaf as a heterogeneous one: its offset and shape tables, built from its arithmetic layout.
-
-    A grouped leaf first gets its data blob, copied out of the row block on the server ('C').
-    With ``number`` (a spread store, copy-on-write) the blob is copied on the server to that
-    new leaf number, which gets the tables; the caller deletes the old keys.
-    """
-    assert leaf.shape is not None
-    eb = leaf.element_nbytes
-    count = h.count
-    ops: list[list[Any]] = []
-    if leaf.col is not None:
-        assert h.row is not None and number is None
-        ops.append(["C", kt.ref(keys.data(h.row[0])), kt.ref(keys.data(leaf.number)), h.row[1], leaf.col, eb])
-    elif number is not None:
-        # rows of eb bytes at column 0: the whole blob (a zero-byte leaf has none to copy)
-        ops.append(
-            ["C", kt.ref(keys.data(leaf.number)), kt.ref(keys.data(number)), eb, 0, eb] if eb else ["S", kt.ref(keys.data(number)), b""]
-        )
-    elif h.tracked:
-        # the blobs stay: each segment's is checked, and allocated (zeros) where it was never
-        # written, so that the tables below describe bytes that are there
-        ops.append(["T", kt.ref(keys.data(leaf.number))])
-    n = leaf.number if number is None else number
-    ops += [
-        ["S", kt.ref(keys.offsets(n)), (np.arange(count + 1, dtype="<i8") * eb).tobytes()],
-        ["S", kt.ref(keys.shapes(n)), np.tile(np.asarray(leaf.shape, dtype="<i8"), count).tobytes()],
-    ]
-    return Leaf(leaf.path, n, leaf.dtype, leaf.ndim, None), ops
-
-
-def het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
-    """Shape records, data and byte sizes of whole elements of a heterogeneous leaf, as 'E' and 'Y' ops take them."""
-    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
-    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
-    return shapes, data, [t.numel() * t.element_size() for t in elems]
-
-
-def _splice_ops(kt: KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elems: list[torch.Tensor]) -> list[list[Any]]:
-    """'E' ops writing whole elements of a heterogeneous leaf, one op per run of consecutive ids."""
-    last: dict[int, torch.Tensor] = {}
-    for e, t in zip(order, elems):
-        last[e] = t
-    ids = np.array(sorted(last), dtype=np.int64)
-    dk, ok, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
-    ops = []
-    for lo, hi in _index.runs(ids):
-        shapes, data, sizes = het_payload([last[e] for e in range(lo, hi + 1)])
-        ops.append(["E", dk, ok, sk, 8 * leaf.ndim, lo, hi, shapes, data, *sizes])
-    return ops
-
-
 def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: KeyTable) -> tuple[Header, list[list[Any]], list[Leaf]]:
     """Delete the leaves ``paths`` (their numbers are never reused)."""
     leaves = dict(h.leaves)
@@ -588,7 +435,7 @@ def plan_delete(keys: StoreKeys, h: Header, paths: list[NestedPath], kt: KeyTabl
     for path in paths:
         leaf = leaves.pop(path)
         for key in keys.leaf_keys(leaf.number):
-            ops.append(["D", kt.ref(key)])
+            ops.append(Write.D(kt.ref(key)))
     return h.with_leaves(leaves), ops, []
 
 
@@ -617,7 +464,7 @@ def plan_fill(
     touched = []
     fills: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # grouped leaves: rows of the block
     if all(h.leaves[p].json for p in paths) and len(paths) == 1:
-        raise TypeError(f"key {_name(paths[0])} holds non-tensor data, which cannot be filled with a number")
+        raise TypeError(f"key {key_name(paths[0])} holds non-tensor data, which cannot be filled with a number")
     for path in paths:
         leaf = h.leaves[path]
         if leaf.json:  # zero_() and fill_ of a sub-tree leave non-tensor data alone, as on a TensorDict
@@ -626,7 +473,7 @@ def plan_fill(
         pattern = bytes(_codec.to_bytes(torch.full((), value, dtype=leaf.dtype)))
         if leaf.het:
             lo, hi = (0, h.count - 1) if element is None else (element, element)
-            ops.append(["F", kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), lo, hi, pattern])
+            ops.append(Write.F(kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), lo, hi, pattern))
         elif leaf.col is not None:
             # a grouped leaf: its column of every row (or of one), written as rows of the block
             eb = leaf.element_nbytes
@@ -638,13 +485,13 @@ def plan_fill(
             eb = leaf.element_nbytes
             a, b = (0, h.count * eb) if element is None else (element * eb, (element + 1) * eb)
             if b > a:
-                ops.append(["F", kt.ref(keys.data(leaf.number)), 0, a, b, pattern])
+                ops.append(Write.F(kt.ref(keys.data(leaf.number)), 0, a, b, pattern))
     if fills and element is None and _whole_rows_write(h, fills):
         # every key of the block filled whole: one row of patterns, repeated by the server
         assert h.row is not None
         number, width = h.row
         row = _rows.join(width, [(leaf, np.ascontiguousarray(data[:1])) for leaf, _, data in fills])
-        ops.append(["F", kt.ref(keys.data(number)), 0, 0, h.count * width, row.tobytes()])
+        ops.append(Write.F(kt.ref(keys.data(number)), 0, 0, h.count * width, row.tobytes()))
         return None, ops, touched
     if fills and element is None:
         # keys of the block filled whole without the rest of it: each gets a blob of its own,
@@ -653,8 +500,8 @@ def plan_fill(
         for leaf, _, data in fills:
             n = h.count * leaf.element_nbytes
             ops += [
-                ["Z", kt.ref(keys.data(leaf.number)), n],
-                ["F", kt.ref(keys.data(leaf.number)), 0, 0, n, bytes(data[0][: leaf.dtype.itemsize])],
+                Write.Z(kt.ref(keys.data(leaf.number)), n),
+                Write.F(kt.ref(keys.data(leaf.number)), 0, 0, n, bytes(data[0][: leaf.dtype.itemsize])),
             ]
             leaves[leaf.path] = dataclasses.replace(leaf, col=None)
         return h.with_leaves(leaves), ops, touched
@@ -674,9 +521,9 @@ def first_element_sizes(keys: StoreKeys, h: Header, ops: list[list[Any]], kt: Ke
         sizes.append((h.row[1],) * 2)
     data_keys = {keys.data(leaf.number) for leaf in h.leaves.values() if leaf.het}
     for op in ops:
-        if op[0] == "S" and kt.keys[op[1] - 1] in data_keys:
+        if op[0] == Write.S.marker and kt.keys[op[1] - 1] in data_keys:
             mean = -(-len(op[2]) // max(1, h.count))
             sizes.append((mean, mean))
-        elif op[0] == "Y" and op[7:]:
+        elif op[0] == Write.Y.marker and op[7:]:
             sizes.append((-(-sum(op[7:]) // len(op[7:])), max(op[7:])))
     return sizes

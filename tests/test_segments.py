@@ -19,6 +19,7 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._keys import StoreKeys
+from tdstore._ops import Read
 from tdstore._segments import Segments, row_read_op, segment_length
 from tdstore.server import EmbeddedServer
 
@@ -288,11 +289,11 @@ def test_copy_ttl_and_clear_cover_every_segment(backend):
 
 def test_row_read_op_reads_small_blobs_whole():
     one = Segments(count=10_000, per=10_000)
-    assert row_read_op(one, row_bytes=16, rows=256) == "B"  # a 160 kB blob for 256 rows
-    assert row_read_op(one, row_bytes=256, rows=256) == "X"  # 2.5 MB for 256 rows: GETRANGE each
+    assert row_read_op(one, row_bytes=16, rows=256) is Read.B  # a 160 kB blob for 256 rows
+    assert row_read_op(one, row_bytes=256, rows=256) is Read.X  # 2.5 MB for 256 rows: GETRANGE each
     many = Segments(count=10_000, per=100)
-    assert row_read_op(many, row_bytes=256, rows=256) == "X"  # 256 rows over 100 segments: the whole store
-    assert row_read_op(Segments(count=1000, per=100), row_bytes=16, rows=256) == "B"  # 10 segments of 1.6 kB
+    assert row_read_op(many, row_bytes=256, rows=256) is Read.X  # 256 rows over 100 segments: the whole store
+    assert row_read_op(Segments(count=1000, per=100), row_bytes=16, rows=256) is Read.B  # 10 segments of 1.6 kB
 
 
 @pytest.mark.layout
