@@ -82,7 +82,8 @@ def main() -> None:
             usec = sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
             kind = "+".join(c.upper() for c in ("evalsha", "exec") if f"cmdstat_{c}" in stats)
             print(
-                f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), server CPU {cpu:6.2f} ms per read"
+                f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), "
+                f"server CPU {cpu:6.2f} ms per read"
             )
         if args.reference:
             _versus_reference(srv, lazy_stack(els), store, batches)

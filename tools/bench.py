@@ -920,7 +920,8 @@ class Runner:
                 line = report[name]
                 if line.get("status") == "ok":
                     print(
-                        f"  mp {name:<10} {line['writes_per_s']:>12,.0f} element writes/s  ({st.mp_writers} writers, {line['writes']:,} writes)",
+                        f"  mp {name:<10} {line['writes_per_s']:>12,.0f} element writes/s  "
+                        f"({st.mp_writers} writers, {line['writes']:,} writes)",
                         flush=True,
                     )
                 else:
@@ -1117,7 +1118,8 @@ def print_table(report: dict[str, Any]) -> None:
     if mp:
         print()
         print(
-            f"multi-process: {mp['writers']} writers x {mp['seconds']:g} s of store[i] = td on {mp['count']:,} elements (element writes/s, higher is better)"
+            f"multi-process: {mp['writers']} writers x {mp['seconds']:g} s of store[i] = td on {mp['count']:,} elements "
+            "(element writes/s, higher is better)"
         )
         for name in CONTENDERS:
             line = mp.get(name, {"status": "unavailable"})

@@ -748,7 +748,10 @@ class CuttingProxy:
         start = (link.request if direction == "request" else link.reply).starts[cut.index]
         part = "request" if direction == "request" else "reply to"
         cut.at = at
-        cut.where = f"{'held' if cut.hold else 'cut'} {at - start:,} B into the {part} {name} #{cut.nth + 1} (connection {link.number}, byte {at:,} of what it {'sent' if direction == 'request' else 'received'})"
+        cut.where = (
+            f"{'held' if cut.hold else 'cut'} {at - start:,} B into the {part} {name} #{cut.nth + 1} "
+            f"(connection {link.number}, byte {at:,} of what it {'sent' if direction == 'request' else 'received'})"
+        )
         if cut.hold:
             link.frozen[direction] = True
         cut.landed.set()  # before the close: the call that sees it fail then sees the cut landed
@@ -813,7 +816,8 @@ def case_restart(env: Env) -> list[Check]:
         Check(
             "nothing left or recreated",
             not left and not after_calls,
-            proof=f"server pid {pid_before}->{pid_after}; keys under prefix: {len(left)} after restart, {len(after_calls)} after the refused calls; NOSCRIPT answered {noscript}x and reloaded",
+            proof=f"server pid {pid_before}->{pid_after}; keys under prefix: {len(left)} after restart, "
+            f"{len(after_calls)} after the refused calls; NOSCRIPT answered {noscript}x and reloaded",
         )
     )
     # a fresh store on the restarted server
@@ -982,7 +986,8 @@ def _flush_inside_calls(env: Env, store: LazyStackedTensorDictStore, expected: l
         Check(
             "data intact",
             intact,
-            proof=f"{sum(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))}/{n} elements and the bulk leaf = last successful write, none torn"
+            proof=f"{sum(s == expected[j] or s == maybe.get(j) for j, s in enumerate(seqs))}/{n} elements "
+            "and the bulk leaf = last successful write, none torn"
             if intact
             else f"NOT intact: {problems[:2]}",
         ),
@@ -1359,7 +1364,8 @@ def case_maxmemory(env: Env) -> list[Check]:
             "upload of 30 MB",
             is_oom(exc) and not left,
             describe_exc(exc, 90) + f" ({secs:.1f} s)",
-            f"upload: peak {int(mem['used_memory_peak']) / 2**20:.1f} MB, {len(left)} keys left under its prefix, used {used0 / 2**20:.1f}->{int(mem['used_memory']) / 2**20:.1f} MB",
+            f"upload: peak {int(mem['used_memory_peak']) / 2**20:.1f} MB, {len(left)} keys left under its prefix, "
+            f"used {used0 / 2**20:.1f}->{int(mem['used_memory']) / 2**20:.1f} MB",
         )
     )
     # (b) writes while memory is full
@@ -1423,7 +1429,8 @@ def case_maxmemory(env: Env) -> list[Check]:
         Check(
             "memory full",
             all(full),
-            proof=f"{len(fillers)} filler keys; before each of {len(full)} calls: used >= {lowest[0]:.1f} MB > 20 MB and a probe SET refused",
+            proof=f"{len(fillers)} filler keys; before each of {len(full)} calls: "
+            f"used >= {lowest[0]:.1f} MB > 20 MB and a probe SET refused",
         ),
     )
     checks.append(Check("script read while full", exc1 is None, "works" if exc1 is None else describe_exc(exc1, 70)))
@@ -1884,7 +1891,8 @@ def case_eviction(env: Env) -> list[Check]:
         Check(
             "eviction hit the stores",
             len(damaged) >= 2,
-            proof=f"maxmemory 16mb allkeys-lru: {len(fillers)} fillers of 64 KiB, {evicted} keys evicted; {len(hit)}/{len(stores)} stores lost keys "
+            proof=f"maxmemory 16mb allkeys-lru: {len(fillers)} fillers of 64 KiB, {evicted} keys evicted; "
+            f"{len(hit)}/{len(stores)} stores lost keys "
             f"({len(damaged)} kept their header: " + ", ".join(f"{st.kind} {len(st.lost)}/{len(st.keys)} keys" for st in damaged) + ")",
         )
     ]
@@ -2020,7 +2028,8 @@ def case_store_deleted(env: Env) -> list[Check]:
             "reads and writes refused",
             ok,
             saw,
-            f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError naming the td_id; {len(left)} keys under the prefix after",
+            f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError naming the td_id; "
+            f"{len(left)} keys under the prefix after",
         )
     )
     checks.extend(c for c in results if not c.ok)
@@ -2056,7 +2065,8 @@ def case_store_recreated(env: Env) -> list[Check]:
             "old handle refused",
             ok,
             saw,
-            f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError 'created again'; new store {how}; new handle reads {n}/{n} float64 elements exact",
+            f"{sum(c.ok for c in results)}/{len(results)} reads/writes raised KeyError 'created again'; "
+            f"new store {how}; new handle reads {n}/{n} float64 elements exact",
         )
     )
     checks.extend(c for c in results if not c.ok)

@@ -137,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     print(where)
     print(f"leaf {r['leaf_mib']:.0f} MiB over {r['count']} elements; the server's largest string: {r['proto_max_bulk_len'] / MiB:.0f} MiB")
     print(
-        f"segments {r['segments']} ({r['elements_per_segment']} elements each), {r['string_keys']} string keys, largest {r['largest_string'] / MiB:.1f} MiB"
+        f"segments {r['segments']} ({r['elements_per_segment']} elements each), {r['string_keys']} string keys, "
+        f"largest {r['largest_string'] / MiB:.1f} MiB"
     )
     for what, key in (("upload", "upload_s"), ("read whole", "read_s"), ("write whole", "write_s"), ("read again", "reread_s")):
         print(f"{what:>12}: {r[key]:6.2f} s  {r['leaf_mib'] / r[key]:7.0f} MiB/s")
     ok = r["read_equal"] and r["write_equal"] and r["slice_equal"] and r["keys_left"] == 0
     print(
-        f"byte for byte: upload {'equal' if r['read_equal'] else 'DIFFERENT'}, write {'equal' if r['write_equal'] else 'DIFFERENT'}, slice {r['slice']} {'equal' if r['slice_equal'] else 'DIFFERENT'}; keys left after clear: {r['keys_left']}"
+        f"byte for byte: upload {'equal' if r['read_equal'] else 'DIFFERENT'}, write {'equal' if r['write_equal'] else 'DIFFERENT'}, "
+        f"slice {r['slice']} {'equal' if r['slice_equal'] else 'DIFFERENT'}; keys left after clear: {r['keys_left']}"
     )
     if "reference" in r:
         ref = r["reference"]

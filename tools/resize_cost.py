@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     with server_or_url(args.url, args.binary) as (url, where):
         print(where)
         print(
-            f"{'store':>9} {'count':>9} {'segments':>9} {'first ms':>9} {'middle ms':>10} {'last ms':>8} {'same-size ms':>13} {'first / smallest':>17}"
+            f"{'store':>9} {'count':>9} {'segments':>9} {'first ms':>9} {'middle ms':>10} {'last ms':>8} "
+            f"{'same-size ms':>13} {'first / smallest':>17}"
         )
         for size in args.sizes:
             r = measure(url, size, args.reps, args.segment_bytes)
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_first"] = r["first"] / base
             rows[size] = r
             print(
-                f"{_human(size):>9} {r['count']:>9,} {r['segments']:>9,} {r['first']:>9.2f} {r['middle']:>10.2f} {r['last']:>8.2f} {r['same size']:>13.2f} {r['ratio_first']:>17.2f}"
+                f"{_human(size):>9} {r['count']:>9,} {r['segments']:>9,} {r['first']:>9.2f} {r['middle']:>10.2f} {r['last']:>8.2f} "
+                f"{r['same size']:>13.2f} {r['ratio_first']:>17.2f}"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in stores.values():
             s.clear_redis()
     print(
-        f"three-primary Redis Cluster (redis-server {version}) on loopback; {count} elements, {args.mib} MiB, {segments} segments of {args.segment_mib} MiB"
+        f"three-primary Redis Cluster (redis-server {version}) on loopback; {count} elements, {args.mib} MiB, "
+        f"{segments} segments of {args.segment_mib} MiB"
     )
     print(f"{'call':45s} {'one slot ms':>12s} {'spread ms':>10s} {'spread / one slot':>18s}")
     for name, r in results.items():

@@ -850,7 +850,9 @@ def report(fig: dict[str, Any]) -> str:
     where = f"redis {s['version']} ({s['binary']})" if s.get("embedded") else s["url"]
     lines = [
         f"tdstore stress: {c['writers']} writers, {c['readers']} readers{', schema races' if c['schema_races'] else ''}, "
-        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s){' spread over the nodes' if s.get('spread') else ''}, row block {', '.join(s.get('row_block', [])) or '-'}, server {where}",
+        f"{fig['run_seconds']:.1f} s, {c['rows']} rows in {s.get('segments', 1)} segment(s)"
+        f"{' spread over the nodes' if s.get('spread') else ''}, "
+        f"row block {', '.join(s.get('row_block', [])) or '-'}, server {where}",
         "operations:",
     ]
     for kind, n in fig["ops"].items():

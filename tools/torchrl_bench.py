@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(result, indent=1))
         return result
     print(
-        f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; {args.reps} reps x {args.samples} samples, interleaved"
+        f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; "
+        f"{args.reps} reps x {args.samples} samples, interleaved"
     )
     print(f"redis-server {version} over {result['server']['transport']}; PING median {result['server']['ping_ms']:.3f} ms")
     print()
@@ -256,12 +257,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | {r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |"
+            f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | "
+            f"{r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |"
         )
     a = result["actors"]
     print()
     print(
-        f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = {a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)"
+        f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = "
+        f"{a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)"
     )
     return result
 
