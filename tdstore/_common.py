@@ -8,8 +8,8 @@ copy, the message of a locked store, and small argument helpers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from tensordict import NonTensorData, TensorDictBase
@@ -78,6 +78,109 @@ class KeysView:
 
     def __repr__(self) -> str:
         return f"KeysView({self._items()})"
+
+
+class StackOps(Protocol):
+    """What the views of a lazy store (``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
+
+    These are the store's own reads and writes, each one atomic call, with no check of a view's
+    lock or sub-tree (the view checks those first).  They live on this separate object so that the
+    store's user-facing methods stay those of a tensordict.
+    """
+
+    @property
+    def engine(self) -> Engine:
+        """The store's engine: its server calls, keys and cached header."""
+        ...
+
+    @property
+    def backend(self) -> str:
+        """The label of the server kind the store was opened with ("redis", "valkey"...)."""
+        ...
+
+    @property
+    def cache_metadata(self) -> bool:
+        """Whether the handle keeps the schema (``cache_metadata=``)."""
+        ...
+
+    @property
+    def header(self) -> Header:
+        """The cached header, or the server's when the handle keeps no metadata."""
+        ...
+
+    def paths(self) -> list[NestedPath]:
+        """The store's leaf paths, in the order their keys were created."""
+        ...
+
+    def full_index(self) -> Any:
+        """The index of the whole stack."""
+        ...
+
+    def read(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
+        """``paths`` (default: every leaf below ``under``) at ``index`` of the stack, in one call."""
+        ...
+
+    def write(
+        self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None
+    ) -> None:
+        """Write ``items`` at ``index`` of the stack in one call (``replace``: a key may change dtype or shape)."""
+        ...
+
+    def set_rows(self, index: Any, value: Any) -> None:
+        """``store[index] = value`` on the stack (a tensordict, a dict of tensors or a number)."""
+        ...
+
+    def allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Add (or replace) keys of zeros, ``{path: (feature_shape, dtype)}``, allocated by the server."""
+        ...
+
+    def delete_keys(self, keys: Sequence[Any], *, missing_ok: bool = True) -> None:
+        """Delete keys and everything below them; ``KeyError`` for a missing one unless ``missing_ok``."""
+        ...
+
+    def rename_key(self, old_key: Any, new_key: Any) -> None:
+        """Rename a key (and everything below it)."""
+        ...
+
+
+class StackStore(Protocol):
+    """A lazy store as its views see it: its public members and :class:`StackOps`."""
+
+    @property
+    def stack_ops(self) -> StackOps: ...
+
+    @property
+    def td_id(self) -> str: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+    @property
+    def readonly(self) -> bool: ...
+
+    @property
+    def is_locked(self) -> bool: ...
+
+    @property
+    def batch_size(self) -> torch.Size: ...
+
+    @property
+    def device(self) -> torch.device | None: ...
+
+    @device.setter
+    def device(self, value: Any) -> None: ...
+
+    def entry_class(self, key: Any) -> type: ...
+
+    def close(self) -> None: ...
+
+    def clear_redis(self) -> int: ...
+
+    def expire(self, seconds: float) -> None: ...
+
+    def persist(self) -> None: ...
+
+    def ttl(self) -> float | None: ...
 
 
 class StoreCommon:

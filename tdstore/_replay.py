@@ -1,7 +1,8 @@
-"""The replay-buffer and queue methods of a lazy store: priorities, rate limiter, queue, waiting.
+"""The ring-buffer, replay-buffer and queue methods of a lazy store.
 
-A mixin of ``LazyStackedTensorDictStore`` (it uses the store's ``_engine``, ``_count``
-and ``_device``); the work is done in ``_sampling``, ``_ring`` and ``_waiting``.
+The ring (``extend``, ``append``, ``sample``, ``update_if`` and the ring's state), server-side
+priorities, the rate limiter, the queue and waiting: a mixin of ``LazyStackedTensorDictStore``
+whose work is done in ``_ring``, ``_sampling`` and ``_waiting``.
 """
 
 from __future__ import annotations
@@ -10,20 +11,173 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
-from . import _ring, _sampling, _waiting
+from . import _ragged, _ring, _sampling, _waiting
+from ._common import LOCK_ERROR
 from ._engine import Engine
 from ._errors import MustWait
+from ._lazy_state import LazyState
 from ._policy import SamplingPolicy
+from ._sampling import PrioritizedSample
 from ._values import as_path
 
 
-class ReplayMethods:
-    """Server-side priorities, rate limiting and queues, shared by every handle on the store."""
+class ReplayMethods(LazyState):
+    """The shared ring buffer, and server-side priorities, rate limiting and queues, shared by every handle on the store."""
 
-    _engine: Engine
-    _count: int
-    _device: torch.device | None
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
+        """Write the elements of ``td`` into the next slots of the ring, atomically, in one call.
+
+        The store's ``count`` is the ring's capacity.  The server reserves the slots
+        at its cursor (wrapping around), writes every key of every element, and
+        advances the cursor, in one script call: processes on any number of
+        machines may ``extend`` the same store at once, and no slot is written
+        twice in one lap.  ``td`` has the store's batch size with the element dim
+        (of 1 to ``count`` elements) at the stack dim, and exactly the store's keys;
+        on a store without keys, the first ``extend`` creates them (the other slots
+        hold zeros).  Elements may differ in shape (heterogeneous keys).
+
+        ``td`` may also be a list or tuple of element tensordicts (stacked lazily, so
+        their shapes may differ) or a tensorclass batch. Returns the slots written and
+        their new generations (:class:`RingWrite`).
+
+        On a store with priorities (:meth:`enable_priorities`), ``priority`` (one number, or
+        one per element) is each new slot's priority, set in the same atomic call; by
+        default, the largest priority given so far. When the store's rate limiter or queue
+        mode holds inserts back, ``extend`` waits (``timeout`` seconds at most, then
+        ``TimeoutError``; ``None``: as long as it takes) and nothing is written meanwhile.
+        """
+        if isinstance(td, (list, tuple)):
+            if not td:
+                raise ValueError("extend got an empty list: nothing to write")
+            elements = [
+                e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._inner_batch_size) if isinstance(e, dict) else e
+                for e in td
+            ]
+            bad = [type(e).__name__ for e in elements if not isinstance(e, TensorDictBase)]
+            if bad:
+                raise TypeError(f"extend got a list holding {bad[0]}; it takes a list of TensorDicts (one per element)")
+            td = lazy_stack(elements, dim=self._engine.header.stack_pos)
+        elif is_tensorclass(td):
+            td = td.to_tensordict()
+        if isinstance(td, TensorDictBase) and tuple(td.batch_size) == tuple(self._inner_batch_size):
+            raise ValueError(
+                f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
+                f"with the element dim at {self._engine.header.stack_pos}"
+            )
+        return _ring.extend(self._writable_engine(), td, priority, timeout)
+
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
+        """``extend`` with one element (a tensordict of the inner batch size)."""
+        if isinstance(td, dict):
+            td = TensorDict(td, batch_size=self._inner_batch_size)
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
+        if tuple(td.batch_size) != tuple(self._inner_batch_size):
+            raise ValueError(
+                f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches"
+            )
+        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout)
+
+    def sample(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        keys: Sequence[Any] | None = None,
+        prioritized: bool | None = None,
+        alpha: float | None = None,
+        beta: float = 1.0,
+        min_size: int | None = None,
+        timeout: float | None = None,
+        **ragged: Any,
+    ) -> _ring.Sample | PrioritizedSample:
+        """A uniform random batch of written slots (with replacement), in one round trip.
+
+        Only slots the ring has written are drawn (``store.written``).  The random
+        numbers come from ``generator`` (``torch.Generator``; the global one by
+        default), so a seeded generator draws the same batch from the same ring.
+        Returns ``Sample(td, indices, generations)``: ``td`` is a TensorDict, or a
+        lazy stack when keys are heterogeneous; keep the generations to write back
+        with :meth:`update_if`.  Raises ``ValueError`` when nothing was written yet.
+
+        ``keys`` reads only those keys (nested keys take every leaf below them).
+        ``as_padded_tensor=True`` (with ``padding_side``, ``padding_value``) or
+        ``as_nested_tensor=True`` make each heterogeneous key one padded or jagged tensor of
+        the batch, as ``get`` does, so ``td`` is a TensorDict (token sequences padded for a
+        learner, built without a tensor per row).
+
+        On a store with priorities (:meth:`enable_priorities`) the draw follows them
+        (``prioritized=False`` draws uniformly): each row is drawn on the server, in
+        O(log capacity), and the result is ``PrioritizedSample(td, indices, generations,
+        weights, probabilities)`` with importance weights ``(P(i) / min_j P(j)) ** -beta``
+        (``alpha``, if given, must be the store's). ``min_size`` waits until the ring holds that
+        many items, as the store's rate limiter (:meth:`set_rate_limit`) does; a waiting
+        sample blocks without polling, ``timeout`` seconds at most (``TimeoutError``;
+        ``None``: as long as it takes).
+        """
+        if ragged and not _ragged.wanted(ragged):
+            raise TypeError(
+                f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}"
+            )
+        if isinstance(keys, (str, tuple)):
+            keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
+        return _ring.sample(
+            self._engine,
+            batch_size,
+            generator,
+            self._device,
+            ragged or None,
+            None if keys is None else [as_path(k) for k in keys],
+            prioritized=prioritized,
+            alpha=alpha,
+            beta=beta,
+            min_size=min_size,
+            timeout=timeout,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """The ring's capacity: the store's element count (``len(store.written)`` is how many it holds)."""
+        return self._count
+
+    def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
+        """Write ``td`` at slots ``index`` only where the slot's generation still equals ``generation``.
+
+        A learner that sampled a batch writes back (new priorities, say) without
+        clobbering slots an actor has overwritten since: rows whose slot was
+        rewritten by a later ``extend`` are skipped.  One atomic call; every row is
+        checked (keys, dtypes, shapes) before anything is written.  ``td`` may hold
+        a subset of the store's keys.  Returns a bool tensor: which rows were applied.
+        """
+        return _ring.update_if(self._writable_engine(), index, generation, td)
+
+    def ring_state(self) -> _ring.RingState:
+        """``(write_count, cursor, written)`` of the ring, read from the server in one round trip."""
+        return _ring.state(self._engine.ring_writes(), self._count)
+
+    @property
+    def written(self) -> range:
+        """The slots the ring has written so far (``range(n)``; ``len(store.written)`` is n), read from the server."""
+        return range(self.ring_state().written)
+
+    @property
+    def cursor(self) -> int:
+        """The slot the next ``extend`` writes first, read from the server."""
+        return self.ring_state().cursor
+
+    @property
+    def write_count(self) -> int:
+        """How many elements ``extend``/``append`` have written in total (all laps), read from the server."""
+        return self._engine.ring_writes()
+
+    def _writable_engine(self) -> Engine:
+        """The engine, for a ring write; a locked store refuses only the first one, which creates keys."""
+        if self.is_locked and not self._engine.header.leaves:
+            raise RuntimeError(LOCK_ERROR)
+        return self._engine
+
 
     @property
     def sampling_policy(self) -> SamplingPolicy:

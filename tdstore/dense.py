@@ -22,13 +22,14 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from tensordict.base import NO_DEFAULT
 
 from . import _index, _nontensor
-from ._common import LOCK_ERROR, KeysView, fetch_existing, only_keys, ttl_to_ms
+from ._common import LOCK_ERROR, KeysView, StackStore, fetch_existing, only_keys, ttl_to_ms
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
+from ._lazy_element import ElementView
 from ._schema import NestedPath
 from ._values import as_path, display, leaves_of, subtree_dims
-from .lazy import ElementView, LazyStackedTensorDictStore
+from .lazy import LazyStackedTensorDictStore, attach
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:
@@ -107,11 +108,12 @@ class TensorDictStore(ElementView):
             ) from None
         self._init_view(store, ())
 
-    def _init_view(self, store: LazyStackedTensorDictStore, under: NestedPath, locked: bool = False) -> None:
+    def _init_view(self, store: StackStore, under: NestedPath, locked: bool = False) -> None:
         ElementView.__init__(self, store, 0, under)
-        self._batchless = store._engine.header.batchless
+        header = self._ops.engine.header
+        self._batchless = header.batchless
         # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
-        self._batch_size = torch.Size((*(() if self._batchless else store._batch_size), *store._engine.header.subtree_dims(under)))
+        self._batch_size = torch.Size((*(() if self._batchless else store.batch_size), *header.subtree_dims(under)))
         self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
         if locked:
             self.lock_()
@@ -121,16 +123,16 @@ class TensorDictStore(ElementView):
         if self._batchless:
             return (0, *_index.normalize(index, torch.Size([]))) if index is not None else (0,)
         if index is None:
-            return tuple(slice(0, n, 1) for n in self._store._engine.header.batch_size)
+            return tuple(slice(0, n, 1) for n in self._ops.engine.header.batch_size)
         return index if isinstance(index, tuple) else (index,)
 
     def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
-        store_dims = 0 if self._batchless else len(self._store._batch_size)
+        store_dims = 0 if self._batchless else len(self._store.batch_size)
         if strip and index is not None and len(self._batch_size) > store_dims and _reaches_subtree_dims(index, store_dims):
             # the index reaches a sub-tree's own batch dims, which the server does not index: read
             # the store's rows in one call and index the rest locally
             return self._read(paths, None, under, strip)[index]
-        out = self._store._read_index(self._store_index(index), paths, under=under, strip=strip)
+        out = self._ops.read(self._store_index(index), paths, under=under, strip=strip)
         if isinstance(out, LazyStackedTensorDict):
             # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
             # value repeated over the rows as one NonTensorData (what TensorDict.set(key, value) holds)
@@ -138,7 +140,7 @@ class TensorDictStore(ElementView):
         return out
 
     @classmethod
-    def _open_view(cls, store: LazyStackedTensorDictStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
+    def _open_view(cls, store: StackStore, under: NestedPath = (), locked: bool = False) -> TensorDictStore:
         self = cls.__new__(cls)
         self._init_view(store, under, locked)
         return self
@@ -184,9 +186,7 @@ class TensorDictStore(ElementView):
             engine, lazy_stack([td]) if batchless else td, device=device, pbar=pbar, chunk_elements=10_000, chunk_bytes=64 << 20,
             ttl_ms=ttl_to_ms(ttl), kind="dense", tensorclass=tc_name, batchless=batchless,
         )  # fmt: skip
-        store = LazyStackedTensorDictStore._from_engine(
-            engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True)
-        )
+        store = attach(engine, backend=kwargs.get("backend", "redis"), device=device, cache_metadata=kwargs.get("cache_metadata", True))
         return cls._open_view(store)
 
     @classmethod
@@ -232,7 +232,7 @@ class TensorDictStore(ElementView):
             if any(s < 0 for s in shape):
                 raise ValueError(f"schema entry {key!r}: negative size in {list(shape)}")
             specs[as_path(key)] = (shape, dtype)
-        store._store._allocate(specs)
+        store._store.stack_ops.allocate(specs)
         return store
 
     @classmethod
@@ -264,7 +264,7 @@ class TensorDictStore(ElementView):
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
         engine.set_header(fetch_existing(engine))
-        store = LazyStackedTensorDictStore._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
+        store = attach(engine, backend=backend, device=device, cache_metadata=cache_metadata)
         if engine.header.kind == "lazy":
             return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
         if engine.header.kind != "dense":
@@ -290,7 +290,7 @@ class TensorDictStore(ElementView):
 
     @property
     def _backend(self) -> str:
-        return self._store._backend
+        return self._ops.backend
 
     @property
     def _meta_cache(self) -> dict[str, tuple[list[int] | None, torch.dtype]] | None:
@@ -300,9 +300,9 @@ class TensorDictStore(ElementView):
         elements differ in shape); every key of the store, whatever sub-tree this
         view is.  ``None`` when the handle keeps no metadata (``cache_metadata=False``).
         """
-        if not self._store._cache_metadata:
+        if not self._ops.cache_metadata:
             return None
-        h = self._store._engine.header
+        h = self._ops.engine.header
         lead = [] if self._batchless else [h.count]
         return {".".join(p): (lead + list(leaf.shape) if leaf.shape is not None else None, leaf.dtype) for p, leaf in h.leaves.items()}
 
@@ -313,7 +313,7 @@ class TensorDictStore(ElementView):
     @property
     def tensorclass_path(self) -> str | None:
         """``module.QualName`` of the tensorclass the store was uploaded from, or ``None`` (a name only: never imported)."""
-        return (self._store._engine.header.tensorclass or None) if not self._under else None
+        return (self._ops.engine.header.tensorclass or None) if not self._under else None
 
     @property
     def _tensorclass_cls(self) -> str | None:
@@ -322,16 +322,16 @@ class TensorDictStore(ElementView):
 
     @property
     def _engine(self) -> Engine:
-        return self._store._engine
+        return self._ops.engine
 
     @property
     def device(self) -> torch.device | None:
-        return self._store._device
+        return self._store.device
 
     @device.setter
     def device(self, value: Any) -> None:
         self._store.device = value
-        self._device = self._store._device
+        self._device = self._store.device
 
     def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
         return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
@@ -368,7 +368,7 @@ class TensorDictStore(ElementView):
     # -- reads -------------------------------------------------------------------------------
     def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
         path = self._under + rel
-        h = self._store._header
+        h = self._ops.header
         if path in h.leaves:
             try:
                 value = self._read([path]).get(display(path))
@@ -381,7 +381,7 @@ class TensorDictStore(ElementView):
             return type(self)._open_view(self._store, path, self.is_locked)
         if default is not NO_DEFAULT:
             return default
-        raise KeyError(f"key {display(rel)!r} is not in the store ({self._store._engine.where()})")
+        raise KeyError(f"key {display(rel)!r} is not in the store ({self._ops.engine.where()})")
 
     def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
         """``clone()`` copies the store into a new td_id on the server (one atomic call); ``clone(False)`` is another handle on it.
@@ -393,42 +393,40 @@ class TensorDictStore(ElementView):
             return type(self)._open_view(self._store, self._under)
         if self._under:
             return self.to_tensordict()
-        src = self._store
-        if src._engine.spec.cluster:
+        src, ops = self._store, self._ops
+        if ops.engine.spec.cluster:
             # the copy's hash tag may map to another node, which one script cannot reach:
             # read it whole (one atomic call) and upload it (one atomic commit)
             return type(self).from_tensordict(
                 self.to_tensordict(),
-                client=src._engine.client,
+                client=ops.engine.client,
                 prefix=src.prefix,
-                backend=src._backend,
-                device=src._device,
-                segment_bytes=src._engine.segment_bytes,
-                spread=src._engine.header.spread,
+                backend=ops.backend,
+                device=src.device,
+                segment_bytes=ops.engine.segment_bytes,
+                spread=ops.engine.header.spread,
             )
         keys = StoreKeys(src.prefix, new_td_id())
-        header = src._engine.copy_to(keys)
-        engine = Engine(src._engine.spec, keys, src._engine.client, owns_client=False)
+        header = ops.engine.copy_to(keys)
+        engine = Engine(ops.engine.spec, keys, ops.engine.client, owns_client=False)
         engine.set_header(header)
-        return type(self)._open_view(
-            LazyStackedTensorDictStore._from_engine(engine, backend=src._backend, device=src._device, cache_metadata=src._cache_metadata)
-        )
+        return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))
 
     # -- writes ------------------------------------------------------------------------------
     def _write(
         self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True, sub: dict[NestedPath, tuple[int, ...]] | None = None
     ) -> None:
-        store = self._store
-        new = [p for p in items if p not in store._engine.header.leaves]
+        ops = self._ops
+        new = [p for p in items if p not in ops.engine.header.leaves]
         if new and self.is_locked:
             raise RuntimeError(LOCK_ERROR)
         if index is None:
             # whole entries: new keys are added, and (unless in place) a key may change dtype or shape, as set() replaces
-            store._write(store._full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
+            ops.write(ops.full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
             return
         # a key the store does not have is created for every row (the others read as zeros, or None
         # for non-tensor data) in the same call that writes these rows
-        store._write(self._store_index(index), _dense_values(items, False), sub=sub)
+        ops.write(self._store_index(index), _dense_values(items, False), sub=sub)
 
     def _set_tuple(
         self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
@@ -436,7 +434,7 @@ class TensorDictStore(ElementView):
         path = self._under + as_path(key)
         items = leaves_of(value, 0, path)
         if inplace is True:
-            missing = [p for p in items if p not in self._store._engine.header.leaves]
+            missing = [p for p in items if p not in self._ops.engine.header.leaves]
             if missing:
                 raise KeyError(f"key {display(missing[0])!r} is not in the store (set_ writes existing keys only)")
         self._write(items, replace=inplace is not True)
@@ -444,7 +442,7 @@ class TensorDictStore(ElementView):
 
     def _setitem_index(self, index: Any, value: Any) -> None:
         if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
-            self._store._setitem_index(self._store_index(index), value)
+            self._ops.set_rows(self._store_index(index), value)
             return
         if is_tensorclass(value):
             value = value.to_tensordict()
@@ -472,7 +470,7 @@ class TensorDictStore(ElementView):
         """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""
         items = only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
         if inplace:
-            missing = [p for p in items if p not in self._store._engine.header.leaves]
+            missing = [p for p in items if p not in self._ops.engine.header.leaves]
             if missing:
                 raise KeyError(f"key {display(missing[0])!r} is not in the store (update_ writes existing keys only)")
         if items:
@@ -487,12 +485,12 @@ class TensorDictStore(ElementView):
     def _del(self, key: tuple) -> None:
         if self.is_locked:
             raise RuntimeError(LOCK_ERROR)
-        self._store._del(self._under + as_path(key))
+        self._ops.delete_keys([self._under + as_path(key)], missing_ok=False)
 
     def _delete_keys(self, keys: Sequence[Any]) -> TensorDictStore:
         if self.is_locked:
             raise RuntimeError(LOCK_ERROR)
-        self._store._delete_keys([self._under + as_path(k) for k in keys])
+        self._ops.delete_keys([self._under + as_path(k) for k in keys])
         return self
 
     def unbind(self, dim: int) -> tuple[TensorDictBase, ...]:
@@ -502,7 +500,7 @@ class TensorDictStore(ElementView):
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
         if self.is_locked:
             raise RuntimeError(LOCK_ERROR)
-        self._store._rename_key(self._under + as_path(old_key), self._under + as_path(new_key))
+        self._ops.rename_key(self._under + as_path(old_key), self._under + as_path(new_key))
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,0 +1,85 @@
+"""What a lazy store handle is, and the accessors every part of ``LazyStackedTensorDictStore`` uses.
+
+``LazyStackedTensorDictStore`` (``lazy``) is assembled from mixins that each do one job: reads
+(``_lazy_reads``), writes (``_lazy_writes``), key changes (``_lazy_keys``), the handle's lifetime
+(``_lazy_lifecycle``) and the ring (``_replay``).  They all build on :class:`LazyState`, which
+holds the handle's state: its engine (server calls and the cached header), the label of the
+server kind, where reads land, and the layout of the stack.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+
+from ._engine import Engine
+from ._schema import Header, NestedPath
+from ._values import check_device, usable_device
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase as _TensorDictBase
+else:
+    # at run time the mixins are plain classes listed before TensorDictBase in the store's bases;
+    # the type checker checks them against TensorDictBase, whose methods they use and override
+    _TensorDictBase = object
+
+
+class LazyState(_TensorDictBase):
+    """The state of a handle on a lazy store, set by :meth:`_init_handle` (construction and unpickling)."""
+
+    _engine: Engine
+    _backend: str
+    _device: torch.device | None
+    _cache_metadata: bool
+    _count: int
+    _stack_dim: int
+    _inner_batch_size: torch.Size
+    _batch_size: torch.Size
+
+    def _init_handle(self, engine: Engine, *, backend: str, device: torch.device | None, cache_metadata: bool) -> None:
+        h = engine.header
+        engine.limits  # noqa: B018  (read once per server and process: warns when the server may evict a store's keys)
+        self._engine = engine
+        self._backend = backend
+        self._device = device
+        self._cache_metadata = cache_metadata
+        self._count = h.count
+        self._stack_dim = h.stack_dim
+        self._inner_batch_size = torch.Size(h.inner)
+        self._batch_size = h.batch_size
+        self._is_locked = False
+        self._lock_id: set[int] = set()
+        self._locked_tensordicts: list[Any] = []
+        self._is_shared = False
+        self._is_memmap = False
+        self._last_op = None
+
+    @classmethod
+    def _from_engine(cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> Self:
+        self = cls.__new__(cls)
+        h = engine.header
+        # a device the caller names must exist here; the store's own (written where it was made) is used when it does
+        dev = (
+            check_device(torch.device(device))
+            if device is not None
+            else (torch.device(h.device) if h.device and usable_device(h.device) else None)
+        )
+        self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
+        return self
+
+    @property
+    def _header(self) -> Header:
+        """The store's header: the cached one, or read again from the server when the handle keeps no metadata."""
+        if not self._cache_metadata:
+            self._engine.set_header(self._engine.fetch_header())
+        return self._engine.header
+
+    def _paths(self) -> list[NestedPath]:
+        """The store's leaf paths, in the order their keys were created."""
+        h = self._header
+        return [leaf.path for leaf in sorted(h.leaves.values(), key=lambda leaf: leaf.number)]
+
+    def _full_index(self) -> Any:
+        """The index that covers the whole stack."""
+        return (slice(None),) * len(self._batch_size) if self._batch_size else ()
