@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,13 @@ from ._progress import progress
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import Segments, segment_length
 from ._values import as_path, display, gc_paused, subtree_dims
+
+if TYPE_CHECKING:
+    from redis.client import Pipeline
+    from redis.cluster import RedisCluster
+    from redis.typing import EncodableT, FieldT
+
+    from ._keys import StoreKeys
 
 UPLOAD_TTL_MS = 120_000
 RENEW_S = 10.0
@@ -109,7 +116,8 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
                 continue
             if value.dtype != scan_.dtype:
                 raise TypeError(
-                    f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; every element must use one dtype per key"
+                    f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; "
+                    "every element must use one dtype per key"
                 )
             shape = value.shape
             if len(shape) != len(scan_.shapes[0]):
@@ -122,8 +130,8 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_LeafSca
     if partial:
         missing = {}
         for path in partial:
-            key = path if len(path) > 1 else path[0]
-            missing[display(path)] = [i for i, el in enumerate(elements) if key not in el.keys(include_nested=True, leaves_only=True)][:5]
+            name = path if len(path) > 1 else path[0]
+            missing[display(path)] = [i for i, el in enumerate(elements) if name not in el.keys(include_nested=True, leaves_only=True)][:5]
         raise ValueError(f"keys present in only some elements (missing from elements {missing}); every element must hold the same keys")
     check_paths(list(leaves))
     return tuple(inner), list(leaves.values())
@@ -167,19 +175,19 @@ def scan_plain(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[_L
         return None
     inner = first.batch_size
     for el in elements:
-        if el.batch_size != inner or not _same_tree(el, first):  # type: ignore[arg-type]
+        if el.batch_size != inner or not _same_tree(el, first):
             return None
     leaves = []
     for path in paths:
         if len(path) == 1:
             key = path[0]
-            tensors = [el._tensordict[key] for el in elements]  # type: ignore[attr-defined]
+            tensors = [el._tensordict[key] for el in elements]
         else:
             tensors = []
             for el in elements:
                 node = el
                 for part in path:
-                    node = node._tensordict[part]  # type: ignore[attr-defined]
+                    node = node._tensordict[part]
                 tensors.append(node)
         dtype = tensors[0].dtype
         shapes = [t.shape for t in tensors]
@@ -209,7 +217,7 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
     leaves = []
     for key in stack.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
         path = as_path(key)
-        tensors = stack.get(key, as_list=True)
+        tensors = stack.get(key, as_list=True)  # type: ignore[call-overload]  # TensorDictBase.get's overloads omit the keywords
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             return scan(elements)  # non-tensor leaves: scan names the element
         dtype = tensors[0].dtype
@@ -277,6 +285,10 @@ def upload(
     tensorclass: str = "",
     batchless: bool = False,
 ) -> Header:
+    """Upload the elements of ``lazy_td`` into the new store of ``engine`` and return its ready header.
+
+    The garbage collector is paused meanwhile: the scan and the chunks make many small objects.
+    """
     with gc_paused():
         return _upload(
             engine,
@@ -305,28 +317,68 @@ def _upload(
     tensorclass: str,
     batchless: bool,
 ) -> Header:
+    """The steps of the module docstring; a failure after the header is created deletes what was written."""
     elements, stack_dim = _elements(lazy_td)
     if isinstance(lazy_td, LazyStackedTensorDict):
         inner, scans = scan_lazy(lazy_td, elements)
     else:
         inner, scans = (elements and scan_plain(elements)) or scan(elements)
+    token = uuid.uuid4().hex
+    sizes = {s.path: _leaf_sizes(s) for s in scans}
+    dev = device if device is not None else getattr(lazy_td, "device", None)
+    header = _new_header(
+        engine, elements, stack_dim, inner, scans, sizes, token=token, device=dev, kind=kind, tensorclass=tensorclass, batchless=batchless
+    )
+    chunk_bytes = _check_fits(engine, header, scans, sizes, chunk_bytes)
+    spread = engine.spread and header.segments.n > 1  # segments on several cluster nodes, each with its guard (see _spread)
+    existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
+    if existing is not None:
+        raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
+    header = engine.header  # as created (a store on one slot keeps an inventory of its keys)
+    try:
+        _send(engine, header, scans, sizes, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, spread=spread)
+        _commit(engine, header, token, ttl_ms, spread)
+    except BaseException:
+        try:
+            engine.abort_upload(header.next_leaf, header.segments.n)
+        finally:
+            engine.set_header(None)
+        raise
+    header = header.ready()
+    engine.set_header(header)
+    return header
+
+
+def _new_header(
+    engine: Engine,
+    elements: list[TensorDictBase],
+    stack_dim: int,
+    inner: tuple[int, ...],
+    scans: list[_LeafScan],
+    sizes: dict[NestedPath, np.ndarray],
+    *,
+    token: str,
+    device: Any,
+    kind: str,
+    tensorclass: str,
+    batchless: bool,
+) -> Header:
+    """The header the upload creates, in state ``uploading:<token>``: one leaf per scanned key, the
+    row block, and segments long enough for the largest element (a leaf is one string per segment)."""
     count = len(elements)
     if stack_dim < 0:
         stack_dim += len(inner) + 1
-    dev = device if device is not None else getattr(lazy_td, "device", None)
     leaves = {}
     for n, s in enumerate(scans):
-        shape = s.shapes[0] if s.homogeneous else None
-        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), tuple(shape) if shape is not None else None, json=s.json)
+        shape = tuple(s.shapes[0]) if s.homogeneous else None
+        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), shape, json=s.json)
     sub = _subtrees(elements, len(inner))
-    token = uuid.uuid4().hex
-    sizes = {s.path: _leaf_sizes(s) for s in scans}
     header = Header(
         version=1,
         count=count,
         stack_dim=stack_dim,
         inner=inner,
-        device=str(torch.device(dev)) if dev is not None else "",
+        device=str(torch.device(device)) if device is not None else "",
         leaves=leaves,
         next_leaf=len(leaves),
         state=f"uploading:{token}",
@@ -336,17 +388,18 @@ def _upload(
         sub=sub,
     )
     header = _rows.grouped_header(header, len(leaves))
-    leaves = header.leaves
     width = header.row[1] if header.row is not None else 0
     largest = max((int(v.max()) for v in sizes.values() if v.size), default=1)
-    header = replace(header, seg=segment_length(count, max(largest, width), engine.segment_size), spread=engine.spread)
-    segs = header.segments
+    return replace(header, seg=segment_length(count, max(largest, width), engine.segment_size), spread=engine.spread)
+
+
+def _check_fits(engine: Engine, header: Header, scans: list[_LeafScan], sizes: dict[NestedPath, np.ndarray], chunk_bytes: int) -> int:
+    """Refuse, before anything is written, an upload the server cannot hold; return the bytes one
+    ``SETRANGE`` of a chunk may carry (within what the server reads as one request)."""
+    count, segs = header.count, header.segments
     total_bytes = sum(int(v.sum()) for v in sizes.values())
-    engine.check_room(header, -(-total_bytes // max(count, 1)), declared=total_bytes)  # before anything is written
-    spread = engine.spread and segs.n > 1  # segments on several cluster nodes, each with its guard (see _spread)
-    # a leaf is one string per segment: refuse, before writing anything, a segment the
-    # server cannot hold (one element larger than a string), and never send a piece larger
-    # than the server accepts in one request
+    engine.check_room(header, -(-total_bytes // max(count, 1)), declared=total_bytes)
+    # a leaf is one string per segment: no segment may need more than one string holds
     limit = engine.max_value_bytes
     for s in scans:
         for k in range(segs.n):
@@ -356,112 +409,167 @@ def _upload(
                     f"key {display(s.path)!r} needs {total} bytes for elements {segs.start(k)}..{segs.start(k) + segs.size(k) - 1}, "
                     f"more than the server accepts for one string ({limit}, proto-max-bulk-len); nothing was written"
                 )
+    width = header.row[1] if header.row is not None else 0
     if width and min(count, segs.per) * width > limit:
         raise ValueError(
-            f"the row block needs {min(count, segs.per) * width} bytes per segment, more than the server accepts for one string ({limit}); nothing was written"
+            f"the row block needs {min(count, segs.per) * width} bytes per segment, "
+            f"more than the server accepts for one string ({limit}); nothing was written"
         )
-    # each SETRANGE of a chunk holds at most chunk_bytes: within what the server reads as one request
     chunk_bytes = max(1, min(chunk_bytes, limit, engine.limits.query_bytes // 2))
-    biggest = max((int(_leaf_sizes(s).max()) for s in scans if count), default=0)
+    biggest = max((int(sizes[s.path].max()) for s in scans if count), default=0)
     if biggest > engine.limits.query_bytes // 2:
         raise ValueError(
             f"an element of {biggest} bytes of one key is more than half of what the server reads from a client in one request "
             f"(client-query-buffer-limit {engine.limits.query_bytes}); raise client-query-buffer-limit; nothing was written"
         )
-    existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
-    if existing is not None:
-        raise ValueError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
-    header = engine.header  # as created (a store on one slot keeps an inventory of its keys)
+    return chunk_bytes
+
+
+def _send(
+    engine: Engine,
+    header: Header,
+    scans: list[_LeafScan],
+    sizes: dict[NestedPath, np.ndarray],
+    *,
+    pbar: bool,
+    chunk_elements: int,
+    chunk_bytes: int,
+    spread: bool,
+) -> None:
+    """Write every element, one pipelined round trip of plain ``SETRANGE``s per chunk.
+
+    Each round trip gives the keys it wrote the upload's TTL, and all the upload's keys
+    again every ``RENEW_S`` seconds, so a long upload of many segments does not lose its
+    first ones.  A spread store's segment gets its guard with its first chunk.
+    """
     keys = engine.keys
-    all_keys = keys.all_keys(header.next_leaf, segs.n)
-    guards = [keys.guard(k) for k in range(1, segs.n)] if spread else []
+    segs = header.segments
+    all_keys = [*keys.all_keys(header.next_leaf, segs.n), *([keys.guard(k) for k in range(1, segs.n)] if spread else [])]
+    guard: dict[FieldT, EncodableT] = {f: v for f, v in _spread.guard_fields(header).items()} if spread else {}
+    het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
+    renewed = time.monotonic()
+    with progress(pbar, header.count, "upload") as bar:
+        for lo, hi in _chunks(header.count, scans, segs, chunk_elements, chunk_bytes):
+            pipe = engine.client.pipeline(transaction=False)
+            k = segs.of(lo)
+            _queue_chunk(pipe, keys, header, scans, sizes, het_pos, lo, hi)
+            if spread and k:
+                pipe.hset(keys.guard(k), mapping=guard)
+            if time.monotonic() - renewed > RENEW_S:
+                renew = all_keys
+                renewed = time.monotonic()
+            else:
+                renew = [keys.meta, *keys.segment_keys(header.next_leaf, k), *([keys.guard(k)] if spread and k else [])]
+            for key in renew:
+                pipe.pexpire(key, UPLOAD_TTL_MS)
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, Exception):
+                    raise _scripts.translate(reply)  # type: ignore[arg-type]  # a cluster pipeline's replies hold other errors too
+            if bar is not None:
+                bar.update(hi - lo)
+
+
+def _queue_chunk(
+    pipe: Pipeline,
+    keys: StoreKeys,
+    header: Header,
+    scans: list[_LeafScan],
+    sizes: dict[NestedPath, np.ndarray],
+    het_pos: dict[NestedPath, int],
+    lo: int,
+    hi: int,
+) -> None:
+    """Queue on ``pipe`` the ``SETRANGE``s writing elements ``[lo, hi)``, all in one segment: the row
+    block's rows, each other homogeneous leaf's elements, each heterogeneous leaf's bytes, offsets
+    and shapes (``het_pos``: where each heterogeneous leaf's bytes end in the segment so far)."""
+    segs = header.segments
+    k = segs.of(lo)
+    local = lo - segs.start(k)  # the chunk's first element within its segment
+    columns: list[tuple[Leaf, np.ndarray]] = []
+    for s in scans:
+        leaf = header.leaves[s.path]
+        tensors = s.tensors[lo:hi]
+        if leaf.col is not None:
+            columns.append((leaf, np.frombuffer(_codec.to_bytes(torch.stack(tensors)), dtype=np.uint8).reshape(hi - lo, -1)))
+        elif leaf.shape is not None:
+            data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
+            if len(data):
+                pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, data)
+        else:
+            start = het_pos[s.path] if local else 0
+            het_pos[s.path] = _queue_ragged(pipe, keys, leaf, k, local, start, tensors, sizes[s.path][lo:hi], s.shapes[lo:hi])
+    if columns:
+        assert header.row is not None
+        block, width = header.row
+        pipe.setrange(keys.data(block, k), local * width, _rows.join(width, columns).data.cast("B"))
+
+
+def _queue_ragged(
+    pipe: Pipeline,
+    keys: StoreKeys,
+    leaf: Leaf,
+    k: int,
+    local: int,
+    start: int,
+    tensors: list[torch.Tensor],
+    sizes: np.ndarray,
+    shapes: list[torch.Size],
+) -> int:
+    """Queue one heterogeneous leaf's part of a chunk in segment ``k``: its bytes at ``start`` of the
+    segment's blob, their ends in the offset table (which starts with a 0 at element 0 of the
+    segment), and their shapes.  Returns where the leaf's bytes end now."""
+    ends = start + np.cumsum(sizes, dtype=np.int64)
+    data = _codec.to_bytes(torch.cat([t.reshape(-1) for t in tensors]))
+    if len(data):
+        pipe.setrange(keys.data(leaf.number, k), start, data)
+    table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
+    pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
+    pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in shapes for d in shape]))
+    return int(ends[-1]) if len(ends) else start
+
+
+def _commit(engine: Engine, header: Header, token: str, ttl_ms: int, spread: bool) -> None:
+    """Make the store ready: ``commit.lua`` flips the state and drops the upload's TTLs atomically
+    (of a spread store, the header's and segment 0's, once every other segment is released)."""
+    keys = engine.keys
+    if spread:
+        at = _release_segments(engine, header, ttl_ms)
+        commit_keys = [keys.meta, *keys.segment_keys(header.next_leaf, 0)]
+    else:
+        at = ""
+        commit_keys = keys.all_keys(header.next_leaf, header.segments.n)
     try:
-        het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
-        renewed = time.monotonic()
-        bar_ctx = progress(pbar, count, "upload")
-        with bar_ctx as bar:
-            for lo, hi in _chunks(count, scans, segs, chunk_elements, chunk_bytes):
-                pipe = engine.client.pipeline(transaction=False)
-                k = segs.of(lo)
-                local = lo - segs.start(k)  # the chunk's first element within its segment
-                columns: list[tuple[Leaf, np.ndarray]] = []
-                for s in scans:
-                    leaf = leaves[s.path]
-                    tensors = s.tensors[lo:hi]
-                    if leaf.col is not None:
-                        columns.append((leaf, np.frombuffer(_codec.to_bytes(torch.stack(tensors)), dtype=np.uint8).reshape(hi - lo, -1)))
-                        continue
-                    if leaf.shape is not None:
-                        data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
-                        if len(data):
-                            pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, data)
-                        continue
-                    if not local:
-                        het_pos[s.path] = 0
-                    ends = het_pos[s.path] + np.cumsum(sizes[s.path][lo:hi], dtype=np.int64)
-                    data = _codec.to_bytes(torch.cat([t.reshape(-1) for t in tensors]))
-                    if len(data):
-                        pipe.setrange(keys.data(leaf.number, k), het_pos[s.path], data)
-                    table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
-                    pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
-                    pipe.setrange(
-                        keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in s.shapes[lo:hi] for d in shape])
-                    )
-                    het_pos[s.path] = int(ends[-1]) if len(ends) else het_pos[s.path]
-                if columns:
-                    assert header.row is not None
-                    pipe.setrange(keys.data(header.row[0], k), local * width, memoryview(_rows.join(width, columns)).cast("B"))
-                # the keys this chunk wrote get the upload's TTL; all of them again every
-                # few seconds, so a long upload of many segments does not lose its first ones
-                if spread and k:
-                    pipe.hset(keys.guard(k), mapping=_spread.guard_fields(header))
-                if time.monotonic() - renewed > RENEW_S:
-                    renew = [*all_keys, *guards]
-                    renewed = time.monotonic()
-                else:
-                    renew = [keys.meta, *keys.segment_keys(header.next_leaf, k), *([keys.guard(k)] if spread and k else [])]
-                for key in renew:
-                    pipe.pexpire(key, UPLOAD_TTL_MS)
-                for reply in pipe.execute(raise_on_error=False):
-                    if isinstance(reply, Exception):
-                        raise _scripts.translate(reply)  # type: ignore[arg-type]
-                if bar is not None:
-                    bar.update(hi - lo)
-        if spread:
-            # every other segment first (its keys and guard lose the upload's TTL), then the header
-            # and segment 0 in one call: until then the store is not ready, and nobody reads it
-            at = _spread.deadline(engine, ttl_ms)
-            calls = [
-                ("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at])
-                for k in range(1, segs.n)
-            ]
-            for r in _scripts.call_many(engine.client, calls):
-                if isinstance(r, Exception):
-                    raise r
-                if r[0] != b"OK":
-                    raise KeyError(
-                        f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)"
-                    )
-            all_keys = [keys.meta, *keys.segment_keys(header.next_leaf, 0)]
-        try:
-            reply = _scripts.call(
-                engine.client, "commit", all_keys, [token, ttl_ms, at if spread else "", _integrity.checks(keys, header, all_keys)]
-            )
-        except StoreDamagedError as err:
-            raise StoreDamagedError(
-                f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
-                "Nothing of the upload was kept; run the server with maxmemory-policy noeviction and enough memory"
-            ) from None
-        if reply[0] != b"OK":
-            raise KeyError(
-                f"the upload of {engine.where()} lost its header before it finished (its time to live ran out, the server evicted it, or someone deleted it)"
-            )
-    except BaseException:
-        try:
-            engine.abort_upload(header.next_leaf, segs.n)
-        finally:
-            engine.set_header(None)  # type: ignore[arg-type]
-        raise
-    header = header.ready()
-    engine.set_header(header)
-    return header
+        reply = _scripts.call(engine.client, "commit", commit_keys, [token, ttl_ms, at, _integrity.checks(keys, header, commit_keys)])
+    except StoreDamagedError as err:
+        raise StoreDamagedError(
+            f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
+            "Nothing of the upload was kept; run the server with maxmemory-policy noeviction and enough memory"
+        ) from None
+    if reply[0] != b"OK":
+        raise _lost_header(engine)
+
+
+def _release_segments(engine: Engine, header: Header, ttl_ms: int) -> str:
+    """A spread store's segments other than 0: their keys and guard lose the upload's TTL (and get
+    the store's, ``ttl_ms``).  The header and segment 0 follow in one call (:func:`_commit`): until
+    then the store is not ready, and nobody reads it.  Returns the deadline of the store's TTL."""
+    keys = engine.keys
+    at = _spread.deadline(engine, ttl_ms)
+    calls: list[tuple[str, list[str], list[Any]]] = [
+        ("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at])
+        for k in range(1, header.segments.n)
+    ]
+    # a spread store lives on a cluster, whose client _connection types as redis.Redis
+    for r in _scripts.call_many(cast("RedisCluster", engine.client), calls):
+        if isinstance(r, Exception):
+            raise r
+        if r[0] != b"OK":
+            raise _lost_header(engine)
+    return at
+
+
+def _lost_header(engine: Engine) -> KeyError:
+    return KeyError(
+        f"the upload of {engine.where()} lost its header before it finished "
+        "(its time to live ran out, the server evicted it, or someone deleted it)"
+    )
