@@ -16,7 +16,9 @@
   ARGV[1]     '<epoch>:K<key-set version>' when the leaves were chosen by prefix,
               '<epoch>:*' otherwise (see tds_check in _lib.lua)
   ARGV[2]     'number:version' of every leaf read
-  ARGV[3]     number of ops, then each op:
+  ARGV[3]     number of ops, then each op. The client declares each kind once, in
+              tdstore/_ops.py (class Read: its arguments, which are KEYS indices, and
+              how many reply pieces it adds); a new kind is an entry there and its parser here:
     'R', k, n, ranges, join
           n byte ranges of KEYS[k] (a homogeneous leaf); 'ranges' packs n pairs
           (start, length) as little-endian int64; join = '1' returns them as one

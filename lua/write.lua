@@ -30,7 +30,9 @@
               the first write, every key an op writes in place (not a key the call sets,
               allocates or deletes whole) is checked; a key the inventory says was never
               allocated is allocated (zeros) first; any other mismatch refuses the call.
-  ARGV[7]     number of ops, then each op:
+  ARGV[7]     number of ops, then each op. The client declares each kind once, in
+              tdstore/_ops.py (class Write: its arguments, which are KEYS indices, and
+              which keys it writes); a new kind is an entry there and its parser here:
     'R', k, n, ranges, data
           n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
           little-endian int64, 'data' holds the n values back to back

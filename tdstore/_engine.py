@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread, _writes
+from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread, _spread_change, _writes
 from ._call import Call, leaf_checks
 from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
@@ -317,7 +317,7 @@ class Engine(Transport):
         while True:
             self._check_argument_sizes(call)
             if call.schema is not None:
-                reply = _spread.run_schema_change(self, header, call)
+                reply = _spread_change.run_schema_change(self, header, call)
             elif call.script == "tx":
                 try:
                     reply = _spread.run_transaction(self, header, call)
@@ -467,7 +467,7 @@ class Engine(Transport):
             if h.row is not None and new_header is not None and new_header.row is None:
                 ops = [*ops, Write.D(kt.ref(self.keys.data(h.row[0])))]  # the block's last leaf left it
             if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit
-                new_header, ops = _spread.copy_on_write(self.keys, h, new_header, kt, ops)
+                new_header, ops = _spread_change.copy_on_write(self.keys, h, new_header, kt, ops)
             after = new_header or h
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)

@@ -14,15 +14,16 @@ one store may outgrow one node.  A script can only touch one slot, so here:
   written whole; a call over several segments is not atomic as a whole.
 - A read transaction is one MULTI/EXEC per segment (a transaction cannot leave its
   slot), led by the ``HMGET`` of its guard, in one pipeline per node (:func:`run_transaction`).
-- A schema change (:func:`run_schema_change`) takes the header's schema lock
+- A schema change (``_spread_change.run_schema_change``) takes the header's schema lock
   (``lua/lock.lua``, with a lease), *prepares* every other segment (its ops, and its
   guard moved to the new versions: a client of the old schema is refused there for
   what the change touches from then on, and none has the new one yet), then *commits*
   the header with segment 0's ops in one script that checks the lock is still its own,
   then deletes what the change left unreferenced in the other segments and releases
   the lock.  The change writes nothing the old schema uses before its commit: keys it
-  would write in place are copied to new leaf numbers first (:func:`copy_on_write`),
-  so nobody sees a half-made change and a rolled-back one leaves the data as it was.
+  would write in place are copied to new leaf numbers first,
+  so nobody sees a half-made change and a rolled-back one leaves the data as it was
+  (``_spread_change.copy_on_write``).
   A changer that fails rolls back what it prepared (``lua/guard.lua``); one that dies
   leaves a lock whose lease runs out, and the next client that finds a segment ahead
   of the header takes the lock over and rolls the guards back (:func:`unstick`).
@@ -36,7 +37,7 @@ import random
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -44,7 +45,7 @@ import redis
 from . import _integrity, _scripts, _wire
 from ._call import BULK_CHUNK, Call, SegmentHost
 from ._keys import KeyTable, StoreKeys
-from ._ops import READ_OPS, WRITE_OPS, OpKind, Write, read_kind, read_ops, write_kind
+from ._ops import READ_OPS, WRITE_OPS, OpKind, read_kind, read_ops
 from ._schema import Header
 
 #: Lease of the schema lock: a changer that died is taken over after this long.
@@ -97,7 +98,8 @@ def split(keys: StoreKeys, kt_keys: Sequence[str], ops: list[list[Any]], kinds: 
     return parts
 
 
-def _flat(ops: list[list[Any]]) -> list[Any]:
+def flat(ops: list[list[Any]]) -> list[Any]:
+    """Ops as a script takes them: markers and arguments back to back."""
     return [x for op in ops for x in op]
 
 
@@ -121,7 +123,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
     for seg in segs:  # every segment checks what segment 0 checks, against its own guard
         part = parts[seg]
         checks = [_integrity.checks(keys, h, part.kt.keys)] if call.script == "write" else []
-        calls.append((call.script, part.kt.keys, [*head, *checks, len(part.ops), *_flat(part.ops)]))
+        calls.append((call.script, part.kt.keys, [*head, *checks, len(part.ops), *flat(part.ops)]))
     if call.staged:
         stage(engine, call.staged)
     if len(calls) == 1:  # one segment (an element): one script on a connection held to its node
@@ -257,7 +259,8 @@ def release(engine: SegmentHost, token: str) -> None:
     _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine.execute)
 
 
-def _token() -> str:
+def new_token() -> str:
+    """A schema lock holder's token: random, so a lock taken over is told from its old holder."""
     return str(secrets.randbelow(10**15) + 1)
 
 
@@ -340,253 +343,6 @@ def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
     return [b"OK", head[0], *(bytearray().join(parts) for parts in chunks)]
 
 
-# -- schema changes ------------------------------------------------------------------------
-
-
-def run_schema_change(engine: SegmentHost, h: Header, call: Call) -> Any:
-    """A write with a schema change on a spread store: lock, prepare the segments, commit the header,
-    clean up (see the module docstring). The commit's reply, or None to plan again."""
-    new = call.schema
-    assert new is not None and call.ops is not None
-    keys = engine.keys
-    after = max(new.segments.n, h.segments.n)
-    parts = split(keys, call.keys, call.ops, WRITE_OPS)
-    later: dict[int, list[list[Any]]] = {}  # deletes: after the commit, when nothing the old schema uses may go
-    for seg, part in parts.items():
-        if seg == 0:
-            continue
-        keep, later[seg] = [], []
-        for i, op in enumerate(part.ops):
-            # a delete stays in place only when a later op of the call writes that key again (a key
-            # set anew); one that is only read afterwards (the source of a copy) goes after the commit
-            if op[0] == Write.D.marker and not any(op[1] in write_kind(after).written(after) for after in part.ops[i + 1 :]):
-                later[seg].append(op)
-            else:
-                keep.append(op)
-        part.ops = keep
-    if call.staged:
-        stage(engine, call.staged)
-    token = _token()
-    check = f"{h.epoch}:V{h.version}"
-    reply = _scripts.call(
-        engine.client, "lock", [keys.meta], ["acquire", check, token, LEASE_MS, new.next_leaf, after, QUIET_MS, "0"], engine.execute
-    )
-    status = reply[0]
-    if status != b"OK":
-        _drop(engine, call)
-        if status == b"STALE":
-            engine.adopt_stale(reply)
-            return None
-        if status == b"GONE":
-            raise engine.gone()
-        # BUSY: another change is under way
-        time.sleep(min(int(reply[1]) / 1000, 0.001 + 0.01 * random.random()))
-        return WAIT
-    committed = sent = False
-    try:
-        if len(reply) > 2:  # an expired lock taken over: undo what its holder left first
-            rollback(engine, h, "*", int(reply[2]), int(reply[3]))
-        schema, fields = new.schema_json(), new.version_fields(h)
-        calls: list[tuple[str, list[str], list[Any]]] = []
-        if after > h.segments.n or h.segments.n == 1:  # the first data: the segments' guards are made first
-            at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
-            # a round trip of their own: a node that misses guard.lua would run the prepare before the guard exists
-            made = _scripts.call_many(
-                engine.client, [("guard", [keys.guard(seg)], ["ensure", h.epoch, h.version, at]) for seg in range(1, after)]
-            )
-            for r in made:
-                if isinstance(r, Exception):
-                    raise r
-            if any(r[0] != b"OK" for r in made):  # a guard of another creation of the store (a delete cut short)
-                _abort(engine, h, token, new, after, call)
-                raise KeyError(
-                    f"the store with {engine.where()} has segments left by an earlier store of the same id; delete them with clear_redis() or 'tdstore rm'"
-                )
-        for seg in range(1, after):
-            part = parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
-            # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
-            calls.append(
-                (
-                    "write",
-                    part.kt.keys,
-                    [
-                        check,
-                        "",
-                        "-",
-                        f"{fields} lk={token}",
-                        engine.max_value_bytes,
-                        _integrity.checks(keys, h, part.kt.keys, new),
-                        len(part.ops),
-                        *_flat(part.ops),
-                    ],
-                )
-            )
-        replies = _scripts.call_many(engine.client, calls)
-        for i, r in enumerate(replies):
-            if isinstance(r, Exception):
-                raise r
-            if r[0] == b"GONE":
-                _abort(engine, h, token, new, after, call)
-                raise missing_guard(engine, engine.keys.segment_of(calls[i][1][0]))
-        if any(r[0] != b"OK" for r in replies):
-            _abort(engine, h, token, new, after, call)
-            return refused(engine, h)
-        head = parts.get(0) or Part(KeyTable(keys.meta), [])
-        commit = [
-            f"{check}@{token}",
-            "",
-            schema,
-            fields,
-            engine.max_value_bytes,
-            _integrity.checks(keys, h, head.kt.keys, new),
-            len(head.ops),
-            *_flat(head.ops),
-        ]
-        sent = True  # from here on the commit may have run even when no reply says so
-        try:
-            reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine.execute)
-        except BaseException:
-            if _commit_outcome(engine, h, new, token) is not True:
-                raise
-            reply = [b"OK", str(new.version).encode()]  # it ran; its reply was lost
-        if reply[0] != b"OK":
-            # a commit sent again after a lost reply finds the header already moved: ask the header
-            outcome = _commit_outcome(engine, h, new, token)
-            if outcome is not True:
-                if outcome is False:
-                    _abort(engine, h, token, new, after, call)
-                if reply[0] == b"GONE":
-                    raise engine.gone()
-                engine.adopt_stale(reply)
-                return None
-        committed = True
-    except BaseException:
-        # before the commit was sent, undo what was prepared; after, only once the header says it did not
-        # run (when it cannot say, the lock stays: its lease runs out and the next holder decides)
-        if not committed and (not sent or _commit_outcome(engine, h, new, token) is False):
-            try:
-                _abort(engine, h, token, new, after, call)
-            except Exception:
-                pass  # the lease runs out and the next client rolls back
-        raise
-    # the old schema's keys that the change left unreferenced (best effort: a failure leaves garbage only)
-    try:
-        cleanup = []
-        for seg, ops in later.items():
-            if ops:
-                part = _renumber(keys, parts[seg], ops)
-                cleanup.append(
-                    (
-                        "write",
-                        part.kt.keys,
-                        [
-                            f"{h.epoch}:V{new.version}",
-                            "",
-                            "",
-                            "",
-                            engine.max_value_bytes,
-                            _integrity.checks(keys, new, part.kt.keys),
-                            len(part.ops),
-                            *_flat(part.ops),
-                        ],
-                    )
-                )
-        if cleanup:
-            _scripts.call_many(engine.client, cleanup)
-    finally:
-        release(engine, token)  # a failure here leaves a lock whose lease runs out, and garbage only
-    return reply
-
-
-def _commit_outcome(engine: SegmentHost, h: Header, new: Header, token: str) -> bool | None:
-    """Whether this change's commit ran, from the header: True (at the new version, still locked by
-    ``token``), False (still at the version it was planned on), None when the header cannot tell
-    (unreachable, or moved on by another client after the lock was taken over)."""
-    try:
-        version, holder = engine.command("HMGET", engine.keys.meta, "version", "lk")
-    except Exception:
-        return None
-    if version is None:
-        return False  # the store is gone: nothing to keep
-    if int(version) == new.version and holder is not None and holder.decode() == token:
-        return True
-    return False if int(version) == h.version else None
-
-
-def _renumber(keys: StoreKeys, part: Part, ops: list[list[Any]]) -> Part:
-    """``ops`` (key indices into ``part``'s KEYS) on a key table of their own."""
-    out = split(keys, part.kt.keys, ops, WRITE_OPS)
-    ((_, only),) = out.items()
-    return only
-
-
-def _abort(engine: SegmentHost, h: Header, token: str, new: Header, after: int, call: Call) -> None:
-    """Undo what this change prepared, then let the lock go. When the undo fails the lock is kept:
-    its lease runs out and the next holder undoes the rest, with the leaf numbers and segments
-    the lock records (a released lock would forget them)."""
-    rollback(engine, h, token, new.next_leaf, after)
-    _drop(engine, call)
-    release(engine, token)
-
-
-def _drop(engine: SegmentHost, call: Call) -> None:
-    if call.staged:
-        engine.client.delete(*(k for k, _ in call.staged))
-
-
-def copy_on_write(keys: StoreKeys, h: Header, new: Header, kt: KeyTable, ops: list[list[Any]]) -> tuple[Header, list[list[Any]]]:
-    """A spread store's schema change with its in-place writes turned into writes to copies.
-
-    A schema change prepares the other segments before it commits the header, on other
-    nodes: a key it wrote in place there would show its new bytes before the commit (next
-    to the old bytes of a key whose layout changes, which appear only at the commit: a torn
-    element), and would keep them if the change is rolled back. So every key of a leaf that
-    lives on (the row block included) and that the call writes is first copied, on the
-    server, to a new leaf number ('O'), the call writes the copy, the new header names the
-    copy (with a new leaf version, so clients of the old schema are refused), and the old
-    keys are deleted after the commit. Runs before localizing: ops name segment 0's keys (whole
-    leaves), or one segment's (an element's own write), and each keeps its segment.
-    """
-    live = {leaf.number for leaf in new.leaves.values()} & {leaf.number for leaf in h.leaves.values()}
-    if h.row is not None and new.row is not None and h.row[0] == new.row[0]:
-        live.add(h.row[0])
-    names = {}  # key -> (role, leaf number, segment), in every segment
-    for seg in range(max(h.segments.n, new.segments.n)):
-        for n in range(max(h.next_leaf, new.next_leaf)):
-            for role, key in zip("dos", keys.leaf_keys(n, seg)):
-                names[key] = (role, n, seg)
-    written = set()
-    for op in ops:
-        if op[0] != Write.D.marker:
-            for k in write_kind(op).written(op):
-                w = names.get(kt.keys[k - 1])
-                if w is not None and w[1] in live:
-                    written.add(w[1])
-    if not written:
-        return new, ops
-    remap = {n: new.next_leaf + i for i, n in enumerate(sorted(written))}
-
-    def retarget(op: list[Any]) -> list[Any]:
-        out = list(op)
-        for i in write_kind(op).keys:
-            w = names.get(kt.keys[op[i] - 1]) if op[i] else None
-            if w is not None and w[1] in remap:
-                out[i] = kt.ref(keys.leaf_keys(remap[w[1]], w[2])["dos".index(w[0])])
-        return out
-
-    copies = [Write.O(kt.ref(src), kt.ref(dst)) for n, m in remap.items() for src, dst in zip(keys.leaf_keys(n), keys.leaf_keys(m))]
-    retire = [Write.D(kt.ref(k)) for n in remap for k in keys.leaf_keys(n)]
-    block_moves = new.row is not None and new.row[0] in remap
-    leaves = {
-        path: replace(leaf, number=remap.get(leaf.number, leaf.number), version=new.version)
-        if leaf.number in remap or (block_moves and leaf.col is not None)
-        else leaf
-        for path, leaf in new.leaves.items()
-    }
-    row = (remap[new.row[0]], new.row[1]) if block_moves and new.row is not None else new.row
-    return replace(new, leaves=leaves, row=row, next_leaf=new.next_leaf + len(remap)), [*copies, *(retarget(op) for op in ops), *retire]
-
-
 # -- the whole store -----------------------------------------------------------------------
 
 
@@ -604,7 +360,7 @@ def _take_lock(engine: SegmentHost, h: Header, *, undo_all: bool = False) -> tup
     fresh one adopted: plan again) or ``(WAIT, 0)`` when a change holds it (after a short wait). A
     lock whose holder died is taken over and its work undone; with ``undo_all``, every guard ahead
     of ``h`` is rolled back even when the lock was free."""
-    token = _token()
+    token = new_token()
     reply = _scripts.call(
         engine.client,
         "lock",
@@ -706,4 +462,4 @@ def deadline(engine: SegmentHost, ttl_ms: int) -> str:
     return str(int(sec) * 1000 + int(usec) // 1000 + ttl_ms)
 
 
-__all__ = ["spreads", "run_data", "run_transaction", "run_schema_change", "clear", "expire", "LOCAL"]
+__all__ = ["spreads", "run_data", "run_transaction", "clear", "expire", "LOCAL"]

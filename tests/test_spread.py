@@ -19,7 +19,7 @@ from helpers import consistent, stamp_writer, stamped, torn_while_running
 from redis.client import Pipeline
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _scripts, _spread
+from tdstore import LazyStackedTensorDictStore, TensorDictStore, _scripts, _spread, _spread_change
 from tdstore._keys import StoreKeys
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import commandstats
@@ -230,7 +230,7 @@ def test_a_schema_change_cut_short_leaves_the_store_as_it_was(redis_cluster, mon
 
     monkeypatch.setattr(_scripts, "call", fail_at_commit)
     if die:
-        monkeypatch.setattr(_spread, "_abort", lambda *a, **k: None)  # a dead process cleans nothing up
+        monkeypatch.setattr(_spread_change, "_abort", lambda *a, **k: None)  # a dead process cleans nothing up
     with pytest.raises((SystemExit, redis.ConnectionError)):
         CHANGES[change](s)
     monkeypatch.undo()
@@ -432,7 +432,7 @@ def test_an_element_write_beside_a_key_changing_layout_is_all_or_nothing(redis_c
 
     monkeypatch.setattr(_spread, "LEASE_MS", 300)
     monkeypatch.setattr(_scripts, "call", fail_at_commit)
-    monkeypatch.setattr(_spread, "_abort", lambda *a, **k: None)
+    monkeypatch.setattr(_spread_change, "_abort", lambda *a, **k: None)
     with pytest.raises(SystemExit):
         s[9] = TensorDict(wide=torch.full((1100,), 99.0), small=torch.full((3,), 99.0))  # small turns heterogeneous
     monkeypatch.undo()
