@@ -1,0 +1,145 @@
+"""``tdstore check``: every data and table key of a store against what its header implies.
+
+The rules are the ones every write and read applies to the keys it touches (see
+``tdstore._integrity``); this module applies them to all the keys of a store at once,
+in two pipelines, without writing anything.  ``_integrity`` (and so numpy) is imported
+when a check runs, so that ``tdstore ls`` does not pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import redis
+
+from ._headerinfo import HeaderInfo, LeafRecord, StoreFormatError
+from ._inspect_read import read_header, store_layout
+from ._inspect_results import Audit, NoSuchStore, UnreadableStore
+from ._keys import StoreKeys
+
+__all__ = ["audit"]
+
+
+class _Wanted(NamedTuple):
+    """One key to check: its name, the check ``_integrity.expected`` gives for it, and the offsets
+    key of a heterogeneous data key (whose last offset is the least the data must hold)."""
+
+    key: str
+    check: tuple[int, int, int]
+    offsets_key: str | None
+
+
+class _KeyState(NamedTuple):
+    """What the server holds for one wanted key."""
+
+    wanted: _Wanted
+    exists: bool
+    length: int
+    last_offset: int | None
+
+
+def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
+    """Check every data and table key of a store against what its header implies (two pipelines).
+
+    The rules are the ones every write and read applies to the keys it touches (see
+    ``tdstore._integrity``): a key holds exactly what its layout implies (a heterogeneous
+    leaf's data at least its last offset); an absent key is fine only when the store's
+    inventory is whole and does not list it (a segment never written). Read-only; a snapshot
+    (not atomic with writes other processes make meanwhile).
+    """
+    keys = StoreKeys(prefix, td_id)
+    raw = client.hgetall(keys.meta)
+    if not raw:
+        raise NoSuchStore(td_id)
+    try:
+        header, _ = read_header(raw)
+    except StoreFormatError as err:
+        raise UnreadableStore(str(err)) from None
+    keys = store_layout(client, keys, header)
+    na_raw = raw.get(b"na") if b"na" in raw else raw.get("na")
+    wanted = _wanted_keys(keys, header)
+    replies = _query(client, keys, wanted, tracked=na_raw is not None)
+    states, pos = _key_states(wanted, replies)
+    problems: list[str] = []
+    listed: list[bool] = [False] * len(wanted)
+    whole = True
+    if na_raw is not None:
+        count = int(replies[pos])
+        pos += 1
+        listed = [bool(r) for r in replies[pos : pos + len(wanted)]]
+        if count != int(na_raw):
+            whole = False
+            problems.append(f"{keys.inventory}: the inventory lists {count} keys, the header counts {int(na_raw)} (it lost entries)")
+    never = _judge(states, listed, tracked=na_raw is not None, whole=whole, problems=problems)
+    return Audit(td_id, len(wanted), never, tuple(problems))
+
+
+def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:
+    """Every key whose length the header implies: each leaf's (and the row block's) data and tables, per segment."""
+    from ._integrity import EXACT, HET_DATA, expected
+
+    leaves = list(header.leaves)
+    if header.row is not None:
+        leaves.append(LeafRecord(("\0row",), header.row[0], "uint8", 1, (header.row[1],)))
+    per = header.seg or max(header.count, 1)
+    wanted: list[_Wanted] = []
+    for seg in range(header.segments):
+        m = min(per, header.count - seg * per)
+        for leaf in leaves:
+            for role, name in (("d", keys.data), ("o", keys.offsets), ("s", keys.shapes)):
+                check = expected(role, leaf, m)
+                if check[0] in (EXACT, HET_DATA):
+                    wanted.append(_Wanted(name(leaf.number, seg), check, keys.offsets(leaf.number, seg) if check[0] == HET_DATA else None))
+    return wanted
+
+
+def _query(client: redis.Redis, keys: StoreKeys, wanted: list[_Wanted], *, tracked: bool) -> list[Any]:
+    """One pipeline: each key's existence and length (and last offset), then the inventory's size and entries."""
+    pipe = client.pipeline(transaction=False)
+    for key, _, okey in wanted:
+        pipe.exists(key)
+        pipe.strlen(key)
+        if okey is not None:
+            pipe.getrange(okey, -8, -1)
+    if tracked:
+        pipe.hlen(keys.inventory)
+        for key, _, _ in wanted:
+            pipe.hexists(keys.inventory, key)
+    return list(pipe.execute())
+
+
+def _key_states(wanted: list[_Wanted], replies: list[Any]) -> tuple[list[_KeyState], int]:
+    """The replies of :func:`_query` per wanted key, and the position of the inventory's replies."""
+    pos = 0
+    states = []
+    for item in wanted:
+        exists, have = bool(replies[pos]), int(replies[pos + 1])
+        pos += 2
+        last = None
+        if item.offsets_key is not None:
+            tail = replies[pos]
+            pos += 1
+            last = int.from_bytes(tail, "little") if len(tail) == 8 else 0
+        states.append(_KeyState(item, exists, have, last))
+    return states, pos
+
+
+def _judge(states: list[_KeyState], listed: list[bool], *, tracked: bool, whole: bool, problems: list[str]) -> int:
+    """Append a line per damaged key to ``problems``; return the keys absent because never written."""
+    from ._integrity import HET_DATA
+
+    never = 0
+    for state, in_inventory in zip(states, listed):
+        key, (code, length, _), _ = state.wanted
+        exists, have, last = state.exists, state.length, state.last_offset
+        if code == HET_DATA:
+            if have < (last or 0):
+                problems.append(f"{key}: holds {have} bytes, its offset table says {last}" + ("" if exists else " (lost)"))
+        elif have != length:
+            if not exists and length and tracked and whole and not in_inventory:
+                never += 1
+            elif not exists:
+                problems.append(f"{key}: lost (the header implies {length} bytes)")
+            else:
+                problems.append(f"{key}: holds {have} bytes, the header implies {length}")
+    return never
