@@ -21,6 +21,7 @@ maps them onto the written slots it sees, so the batch only holds written slots.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -34,6 +35,7 @@ from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
 from ._ops import Read, Write, write_kind
+from ._policy import SamplingPolicy
 from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._segments import het_row_read_op, row_read_op
@@ -445,53 +447,20 @@ def sample(
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
     the batch (see ``_ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
     reads only those keys (and the keys below them)."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
-    if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0):
-        raise ValueError(f"min_size must be None or an int >= 0, got {min_size!r}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
-        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+    _check_sample_args(batch_size, min_size, beta)
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
-    policy = _sampling.policy_of(engine)
     asked = prioritized  # as the caller gave it (None: the store's policy decides)
-    if prioritized is None:
-        prioritized = policy.prioritized
-    elif prioritized and not policy.prioritized:
-        policy = _sampling.policy_of(engine, fresh=True)
-        if not policy.prioritized:
-            raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
-    if prioritized and alpha is not None and float(alpha) != policy.alpha:
-        raise ValueError(
-            f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"
-        )
-    if not prioritized and policy.max_times is not None:
-        raise ValueError(
-            f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, which only a prioritized sample counts: sample with prioritized=True"
-        )
-    by_policy = prioritized or min_size is not None or h.sampling is not None
-    if min_size is not None and min_size > h.count:
-        raise ValueError(f"min_size={min_size} can never be reached by a ring of {h.count} slots")
-    if engine.readonly and (policy.limit is not None or policy.max_times is not None):
-        raise PermissionError(
-            f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it"
-        )
+    policy = _sample_policy(engine, h, prioritized, alpha, min_size)
+    by_policy = policy.prioritized if prioritized is None else prioritized
+    by_policy = by_policy or min_size is not None or h.sampling is not None
     chosen = _selected(h, keys)
     if not by_policy and engine.ring_full and engine.tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
-        # a full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
-        # and the rows are one transaction of plain GETRANGEs, with rw read in it for the generations
-        # (and the policy field: a policy set since this header was read sends the sample through read.lua)
-        slots = draws % h.count
-        _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
-        fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
-        rw = fields.get("rw")
-        if isinstance(res, DenseResult) and rw is not None and int(rw) >= h.count and fields.get("sc") is None:
-            if ragged and ragged.get("return_mask"):
-                with_masks(h, res.leaves, {}, ragged)
-            return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
-        if fields.get("sc") is not None:  # the cached header predates the policy: read it, then sample under it
-            engine.set_header(engine.fetch_header())
+        got = _full_ring_sample(engine, h, draws, keys, chosen, device, ragged)
+        if isinstance(got, Sample):
+            return got
+        if got is _UNDER_POLICY:  # the cached header predated a sampling policy: sample under it
             return sample(
                 engine,
                 batch_size,
@@ -505,51 +474,137 @@ def sample(
                 min_size=min_size,
                 timeout=timeout,
             )
-    packed = _codec.pack_i64(draws.numpy())
-    channel = engine.keys.events
-    as_tx = [not by_policy]  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
+    planner = _SamplePlanner(engine, batch_size, draws, keys, device, ragged, asked, min_size, beta, as_tx=not by_policy)
 
-    def plan_call(h: Header) -> Call:
-        # planned from the header the call is sent with: a policy set since the first plan (a STALE
-        # reply brings it) decides this call too
-        by_prio = asked if asked is not None else (h.sampling is not None and h.sampling.prioritized)
-        use_policy = by_prio or min_size is not None or h.sampling is not None
-        if as_tx[0] and not use_policy and engine.ring_full and h.stack_pos == 0:
-            tx = _tx_sample_call(engine, h, keys, draws, device, ragged)
+    def run() -> Any:
+        try:
+            return engine.run(planner.plan)
+        except _RingMoved:  # the ring is under a policy now (or was recreated): the script samples
+            planner.as_tx = False
+            engine.set_header(engine.fetch_header())
+            return engine.run(planner.plan)
+
+    return _sampling.wait_or_raise(engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
+
+
+def _check_sample_args(batch_size: Any, min_size: Any, beta: Any) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
+    if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0):
+        raise ValueError(f"min_size must be None or an int >= 0, got {min_size!r}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+
+
+def _sample_policy(engine: Engine, h: Header, prioritized: bool | None, alpha: float | None, min_size: int | None) -> SamplingPolicy:
+    """The store's sampling policy, once the sample's arguments are checked against it."""
+    policy = _sampling.policy_of(engine)
+    if prioritized is None:
+        prioritized = policy.prioritized
+    elif prioritized and not policy.prioritized:
+        policy = _sampling.policy_of(engine, fresh=True)
+        if not policy.prioritized:
+            raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+    if prioritized and alpha is not None and float(alpha) != policy.alpha:
+        raise ValueError(
+            f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"
+        )
+    if not prioritized and policy.max_times is not None:
+        raise ValueError(
+            f"the store with {engine.where()} retires slots after max_times_sampled={policy.max_times} samples, "
+            "which only a prioritized sample counts: sample with prioritized=True"
+        )
+    if min_size is not None and min_size > h.count:
+        raise ValueError(f"min_size={min_size} can never be reached by a ring of {h.count} slots")
+    if engine.readonly and (policy.limit is not None or policy.max_times is not None):
+        raise PermissionError(
+            f"the store with {engine.where()} counts samples (rate limiter or max_times_sampled): a read-only handle cannot sample it"
+        )
+    return policy
+
+
+#: :func:`_full_ring_sample`: the ring is under a sampling policy that the cached header did not know.
+_UNDER_POLICY = object()
+
+
+def _full_ring_sample(
+    engine: Engine,
+    h: Header,
+    draws: torch.Tensor,
+    keys: list[NestedPath] | None,
+    chosen: list[Leaf],
+    device: torch.device | None,
+    ragged: dict[str, Any] | None,
+) -> Sample | object | None:
+    """A uniform sample of a full ring of homogeneous keys as one transaction of plain GETRANGEs.
+
+    A full ring stays full (rw only grows): the client maps the draws to slots as read.lua would,
+    and reads rw in the same transaction for the generations, and the policy field: a policy set
+    since this header was read sends the sample through read.lua (the header is read again, and
+    :data:`_UNDER_POLICY` returned). None when the ring turns out not to be full.
+    """
+    slots = draws % h.count
+    _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
+    fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
+    rw = fields.get("rw")
+    if isinstance(res, DenseResult) and rw is not None and int(rw) >= h.count and fields.get("sc") is None:
+        if ragged and ragged.get("return_mask"):
+            with_masks(h, res.leaves, {}, ragged)
+        return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
+    if fields.get("sc") is not None:
+        engine.set_header(engine.fetch_header())
+        return _UNDER_POLICY
+    return None
+
+
+@dataclass
+class _SamplePlanner:
+    """Plans a sample's call from the header it is sent with: a policy set since the first plan (a
+    STALE reply brings it) decides the call too."""
+
+    engine: Engine
+    batch_size: int
+    draws: torch.Tensor
+    keys: list[NestedPath] | None
+    device: torch.device | None
+    ragged: dict[str, Any] | None
+    asked: bool | None  # prioritized, as the caller gave it (None: the store's policy decides)
+    min_size: int | None
+    beta: float
+    as_tx: bool  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
+
+    def plan(self, h: Header) -> Call:
+        engine, keys = self.engine, self.keys
+        by_prio = self.asked if self.asked is not None else (h.sampling is not None and h.sampling.prioritized)
+        use_policy = by_prio or self.min_size is not None or h.sampling is not None
+        if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0:
+            tx = _tx_sample_call(engine, h, keys, self.draws, self.device, self.ragged)
             if tx is not None:
                 return tx
+        packed = _codec.pack_i64(self.draws.numpy())
 
         def head(kt: KeyTable) -> list[Any]:
             if use_policy:
                 tree, counts = kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled)
-                return Read.P(batch_size, packed, tree, counts, channel, min_size or 0, "1" if by_prio else "0")
-            return Read.U(batch_size, packed)
+                return Read.P(self.batch_size, packed, tree, counts, engine.keys.events, self.min_size or 0, "1" if by_prio else "0")
+            return Read.U(self.batch_size, packed)
 
         def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
-            got = _decode_sample(h, rows.leaves, reply, 6 if use_policy else 4, device, rows.block, rows.grouped, ragged, rows.wanted)
+            pieces = 6 if use_policy else 4
+            got = _decode_sample(h, rows.leaves, reply, pieces, self.device, rows.block, rows.grouped, self.ragged, rows.wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             if not by_prio:
                 return got
             probs, low = _sampling.probabilities(reply)
-            return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, beta), probs)
+            return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, self.beta), probs)
 
-        call = _row_read_call(engine, h, keys, batch_size, head, parse)
+        call = _row_read_call(engine, h, keys, self.batch_size, head, parse)
         if use_policy:
             return call
         # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
         # draws fall in once the ring is full), so that the next samples of a full ring go as transactions
-        selected = _selected(h, keys)
-        return with_tables(engine, h, call, KeyTable(*call.keys), _rows.units(h, selected)[0], (draws % h.count).numpy(), count_at=2)
-
-    def run() -> Any:
-        try:
-            return engine.run(plan_call)
-        except _RingMoved:  # the ring is under a policy now (or was recreated): the script samples
-            as_tx[0] = False
-            engine.set_header(engine.fetch_header())
-            return engine.run(plan_call)
-
-    return _sampling.wait_or_raise(engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
+        units = _rows.units(h, _selected(h, keys))[0]
+        return with_tables(engine, h, call, KeyTable(*call.keys), units, (self.draws % h.count).numpy(), count_at=2)
 
 
 class _RingMoved(Exception):
