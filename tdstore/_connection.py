@@ -31,7 +31,8 @@ from redis.connection import SSLConnection, parse_url
 
 from . import _wire
 
-_SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
+#: Keyword arguments that are secrets: never kept in a :class:`ConnectionSpec`, a pickle or a state dict.
+SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
 PASSWORD_ENV = "TDSTORE_PASSWORD"
 
 
@@ -131,7 +132,7 @@ class ConnectionSpec:
             if self.ssl:
                 kwargs["ssl"] = True
             try:  # the seed node is reached here (the cluster's own connect hook runs first, so no hook of ours)
-                return RedisCluster(host=self.host, port=self.port, **kwargs)  # type: ignore[return-value]
+                return RedisCluster(host=self.host, port=self.port, **kwargs)  # type: ignore[return-value]  # serves the same commands as redis.Redis
             except redis.AuthenticationError as err:
                 raise PasswordError(password_message(self.describe(), err)) from None
             except redis.RedisClusterException as err:  # redis-py wraps a refused seed node's error in this
@@ -218,7 +219,7 @@ def open_client(
         parsed = _from_url(url)
         kwargs = {**parsed.pop("rest"), **kwargs}
         where.update(parsed)
-    secrets = {k: kwargs.pop(k) for k in _SECRET_KWARGS if k in kwargs}
+    secrets = {k: kwargs.pop(k) for k in SECRET_KWARGS if k in kwargs}
     password = secrets.pop("password", None)
     spec = ConnectionSpec(
         host=where["host"],
@@ -236,63 +237,34 @@ def open_client(
     return spec.connect(password, secrets), spec, True
 
 
+#: The settings of a caller's client that a store's own clients copy (the rest are redis-py's defaults).
+_ADOPTED_SETTINGS = (
+    "username",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "client_name",
+)
+
+
 def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis, ConnectionSpec, bool]:
     """Use a caller's client: a sync ``redis.Redis`` or ``RedisCluster`` as it is, an asyncio one through its settings."""
     from redis.cluster import RedisCluster
 
     if isinstance(client, RedisCluster):
-        node = client.get_default_node()
-        ckw = dict(client.nodes_manager.connection_kwargs)
-        password = ckw.get("password")
-        kwargs = {
-            k: v
-            for k, v in ckw.items()
-            if k
-            in (
-                "username",
-                "socket_timeout",
-                "socket_connect_timeout",
-                "ssl_cert_reqs",
-                "ssl_ca_certs",
-                "ssl_certfile",
-                "ssl_keyfile",
-                "client_name",
-            )
-        }
-        spec = ConnectionSpec(
-            host=node.host,
-            port=int(node.port),
-            ssl=bool(ckw.get("ssl", False)),
-            kwargs=kwargs,
-            needs_password=password is not None or provider is not None,
-            password_provider=provider,
-            cluster=True,
-        )
-        return client, spec, False  # type: ignore[return-value]
+        return client, _cluster_spec(client, provider), False  # type: ignore[return-value]  # serves the same commands as redis.Redis
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         raise TypeError(f"client must be a redis.Redis or redis.asyncio.Redis, got {type(client).__name__}")
     ckw = dict(pool.connection_kwargs)
     password = ckw.pop("password", None)
-    for secret in _SECRET_KWARGS:
+    for secret in SECRET_KWARGS:
         ckw.pop(secret, None)
     path = ckw.pop("path", None)
-    kwargs = {
-        k: v
-        for k, v in ckw.items()
-        if k
-        in (
-            "username",
-            "socket_timeout",
-            "socket_connect_timeout",
-            "ssl",
-            "ssl_cert_reqs",
-            "ssl_ca_certs",
-            "ssl_certfile",
-            "ssl_keyfile",
-            "client_name",
-        )
-    }
+    kwargs = {k: v for k, v in ckw.items() if k in (*_ADOPTED_SETTINGS, "ssl")}
     if pool.connection_class.__name__.startswith("SSL"):
         kwargs["ssl"] = True
     ssl = bool(kwargs.pop("ssl", False))
@@ -310,6 +282,22 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         return client, spec, False
     # an asyncio client, or one that decodes replies: open our own sync client with its settings
     return spec.connect(password), spec, True
+
+
+def _cluster_spec(client: Any, provider: Callable[[], str] | None) -> ConnectionSpec:
+    """The spec of a caller's ``RedisCluster``: its default node as the seed, its settings minus secrets."""
+    node = client.get_default_node()
+    ckw = dict(client.nodes_manager.connection_kwargs)
+    password = ckw.get("password")
+    return ConnectionSpec(
+        host=node.host,
+        port=int(node.port),
+        ssl=bool(ckw.get("ssl", False)),
+        kwargs={k: v for k, v in ckw.items() if k in _ADOPTED_SETTINGS},
+        needs_password=password is not None or provider is not None,
+        password_provider=provider,
+        cluster=True,
+    )
 
 
 def _checkout(pool: Any) -> Any:

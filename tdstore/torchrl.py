@@ -42,7 +42,7 @@ from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlS
 from torchrl.data.replay_buffers.writers import Writer
 
 from . import _ring
-from ._connection import _SECRET_KWARGS
+from ._connection import SECRET_KWARGS
 from ._engine import new_td_id
 from ._reads import DenseResult
 from ._values import build_td
@@ -62,7 +62,7 @@ __all__ = [
 TENSOR_KEY = "_tensor"
 #: Keys a TensorDictReplayBuffer puts into the data it is given or returns; buffer metadata, never stored.
 METADATA_KEYS = ("index", "index_generation")
-#: Connection keywords kept in ``state_dict`` (never a secret: see ``_SECRET_KWARGS``).
+#: Connection keywords kept in ``state_dict`` (never a secret: see ``SECRET_KWARGS``).
 _PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "backend", "username", "ssl")
 _EMPTY_ERROR = "Cannot sample from an empty storage: nothing has been written to the replay buffer yet."
 
@@ -121,7 +121,7 @@ class StoreStorage(_TorchrlStoreStorage):
     def __init__(
         self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any
     ) -> None:
-        self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in _SECRET_KWARGS}
+        self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
             store_kwargs["url"] = _public_url(store_kwargs["url"])
