@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -346,19 +347,7 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
     flat = rows.reshape(-1).numpy()
     if flat.size == 0:
         return _plan_empty_read(host, h, tuple(rows.shape), leaves)
-    if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
-        uniq, inverse = flat, None  # one contiguous run, already in order
-    elif (
-        host.tx_reads
-        and SCATTERED_MIN_ROWS <= flat.size
-        and flat.size * len(leaves) <= TX_MAX_RANGES
-        and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size
-    ):
-        # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
-        # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
-        uniq, inverse = flat, None
-    else:
-        uniq, inverse = np.unique(flat, return_inverse=True)
+    uniq, inverse = _rows_to_read(host, flat, len(leaves))
     lo, hi = _index.run_bounds(uniq)
     n_runs = int(lo.size)
     kt = host.key_table(h)
@@ -399,39 +388,71 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
             pairs = _index.pack_pairs(lo * rb, (hi - lo + 1) * rb)
             args += Read.R(kt.ref(host.keys.data(leaf.number)), n_runs, pairs, "1" if join else "0")
 
-    def parse(reply: list) -> DenseResult:
-        pos = 2
-        out = {}
-        shape = (int(uniq.size),)
-        for leaf, (feat, join, whole) in zip(leaves, feats):
-            if whole:
-                every = _codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // _codec.nbytes(feat, leaf.dtype), *feat))
-                pos += 1
-                pick = uniq if inverse is None else uniq[inverse]
-                buf = every.index_select(0, torch.from_numpy(pick.astype(np.int64, copy=False)))
-                out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
-                if leaf is block:
-                    out.update(_rows.split(out.pop(leaf.path), grouped))
-                continue
-            if join or n_runs == 1:
-                buf = _codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
-                pos += 1
-            else:
-                buf = _codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
-                pos += n_runs
-            if inverse is not None:
-                buf = buf.index_select(0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
-            if leaf is block:
-                out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
-            else:
-                out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
-        if block is not None:  # the store's key order, not the order the block gathered them in
-            out = {path: out[path] for path in order}
-        return DenseResult(rows.shape, out)
-
+    parse = partial(_parse_dense, rows, uniq, inverse, n_runs, leaves, feats, block, grouped, order)
     if tx:
         return Call("tx", kt.keys, [], parse, ranges=ranges)
     return Call("read", kt.keys, args, parse)
+
+
+def _rows_to_read(host: ReadHost, flat: np.ndarray, n_leaves: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The storage rows a dense read reads, in order, and where each row asked for is among them
+    (None: the rows as asked)."""
+    if flat.size == 1 or (int(flat[-1]) - int(flat[0]) == flat.size - 1 and bool(np.all(np.diff(flat) == 1))):
+        return flat, None  # one contiguous run, already in order
+    if (
+        host.tx_reads
+        and SCATTERED_MIN_ROWS <= flat.size
+        and flat.size * n_leaves <= TX_MAX_RANGES
+        and 2 * int(np.count_nonzero(np.diff(np.sort(flat)) != 1)) >= flat.size
+    ):
+        # scattered rows (a random batch), scattered even once sorted: read in the order asked for,
+        # one range per row (duplicates included), so nothing is sorted, deduplicated or reordered back
+        return flat, None
+    return np.unique(flat, return_inverse=True)
+
+
+def _parse_dense(
+    rows: torch.Tensor,
+    uniq: np.ndarray,
+    inverse: np.ndarray | None,
+    n_runs: int,
+    leaves: list[Leaf],
+    feats: list[tuple[Any, bool, bool]],
+    block: Leaf | None,
+    grouped: list[Leaf],
+    order: list[NestedPath],
+    reply: list,
+) -> DenseResult:
+    """A dense read's reply (per leaf: its blob read whole, its runs joined, or one piece per run)
+    as tensors of the indexed batch shape."""
+    pos = 2
+    out = {}
+    shape = (int(uniq.size),)
+    for leaf, (feat, join, whole) in zip(leaves, feats):
+        if whole:
+            every = _codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // _codec.nbytes(feat, leaf.dtype), *feat))
+            pos += 1
+            pick = uniq if inverse is None else uniq[inverse]
+            buf = every.index_select(0, torch.from_numpy(pick.astype(np.int64, copy=False)))
+            out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
+            if leaf is block:
+                out.update(_rows.split(out.pop(leaf.path), grouped))
+            continue
+        if join or n_runs == 1:
+            buf = _codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
+            pos += 1
+        else:
+            buf = _codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
+            pos += n_runs
+        if inverse is not None:
+            buf = buf.index_select(0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
+        if leaf is block:
+            out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
+        else:
+            out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
+    if block is not None:  # the store's key order, not the order the block gathered them in
+        out = {path: out[path] for path in order}
+    return DenseResult(rows.shape, out)
 
 
 def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
