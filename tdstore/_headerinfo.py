@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ._policy import SamplingPolicy
 
@@ -154,46 +155,9 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         seg = int(f.get("seg", "0"))
     except (KeyError, ValueError, TypeError) as err:
         raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
-    if not epoch or any(c not in "0123456789abcdef" for c in epoch):
-        raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
-    if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
-        raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
-    if seg < 0:
-        raise StoreFormatError(f"store header has a bad segment length {seg}")
-    if not -(len(inner) + 1) <= stack_dim <= len(inner):
-        raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
-    if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
-        raise StoreFormatError("store header has a corrupt schema")
-    row = schema.get("row")
-    if row is not None and fmt == FORMAT_PLAIN:
-        raise StoreFormatError(f"store header of format {fmt!r} has a row block")
-    if row is not None and not (
-        isinstance(row, list)
-        and len(row) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
-        and row[0] < schema["next"]
-    ):
-        raise StoreFormatError(f"store header has a bad row block {row!r}")
-    try:
-        leaves = [_leaf(rec) for rec in schema["leaves"]]
-    except (KeyError, TypeError, ValueError) as err:
-        raise StoreFormatError(f"store header has a corrupt leaf record: {err}") from None
-    numbers = {leaf.number for leaf in leaves}
-    if len({leaf.path for leaf in leaves}) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
-        raise StoreFormatError("store header has duplicate leaves or leaf numbers")
-    end = 0
-    for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col or 0):
-        assert leaf.col is not None
-        if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
-            raise StoreFormatError(
-                f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)"
-            )
-        end = leaf.col + leaf.element_nbytes
-    for leaf in leaves:
-        if leaf.json:
-            continue
-        if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
-            raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+    _check_layout(epoch, count, inner, seg, stack_dim)
+    row = _row_block(schema, fmt)
+    leaves = _leaves(schema, row, inner)
     try:
         sampling = SamplingPolicy.from_json(f.get("sc"))
     except (ValueError, TypeError) as err:
@@ -218,3 +182,60 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         tracked="na" in f,
         sampling=sampling,
     )
+
+
+def _check_layout(epoch: str, count: int, inner: Any, seg: int, stack_dim: int) -> None:
+    """The header's scalar fields: a hex epoch, the element count, the inner batch size (a JSON
+    value, checked to be a list of sizes), the segment length and a stack dim within the batch dims."""
+    if not epoch or any(c not in "0123456789abcdef" for c in epoch):
+        raise StoreFormatError(f"store header has a bad epoch {epoch!r}")
+    if count < 0 or not isinstance(inner, list) or not all(isinstance(i, int) and i >= 0 for i in inner):
+        raise StoreFormatError(f"store header has a bad count or inner batch size: {count!r}, {inner!r}")
+    if seg < 0:
+        raise StoreFormatError(f"store header has a bad segment length {seg}")
+    if not -(len(inner) + 1) <= stack_dim <= len(inner):
+        raise StoreFormatError(f"store header has a bad stack_dim {stack_dim}")
+
+
+def _row_block(schema: Any, fmt: str) -> list[int] | None:
+    """The schema's row block ``[leaf number, width]``, or None; ``schema`` (a JSON value) is checked
+    to hold a leaf list and the next leaf number, which the row block's number must be below."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("leaves"), list) or not isinstance(schema.get("next"), int):
+        raise StoreFormatError("store header has a corrupt schema")
+    row = schema.get("row")
+    if row is not None and fmt == FORMAT_PLAIN:
+        raise StoreFormatError(f"store header of format {fmt!r} has a row block")
+    if row is not None and not (
+        isinstance(row, list)
+        and len(row) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
+        and row[0] < schema["next"]
+    ):
+        raise StoreFormatError(f"store header has a bad row block {row!r}")
+    return row
+
+
+def _leaves(schema: dict[str, Any], row: list[int] | None, inner: list[int]) -> list[LeafRecord]:
+    """The schema's leaf records: distinct paths and numbers below the next leaf number, row-block
+    columns that fit the row without overlapping, and tensor shapes that start with ``inner``."""
+    try:
+        leaves = [_leaf(rec) for rec in schema["leaves"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise StoreFormatError(f"store header has a corrupt leaf record: {err}") from None
+    numbers = {leaf.number for leaf in leaves}
+    if len({leaf.path for leaf in leaves}) != len(leaves) or len(numbers) != len(leaves) or any(n >= schema["next"] for n in numbers):
+        raise StoreFormatError("store header has duplicate leaves or leaf numbers")
+    end = 0
+    for leaf in sorted((lf for lf in leaves if lf.col is not None), key=lambda lf: lf.col or 0):
+        assert leaf.col is not None
+        if row is None or row[0] in numbers or inner or leaf.col < end or leaf.col + leaf.element_nbytes > row[1]:
+            raise StoreFormatError(
+                f"leaf {leaf.path} has a row-block column that the header's row block {row!r} cannot hold (or that overlaps another)"
+            )
+        end = leaf.col + leaf.element_nbytes
+    for leaf in leaves:
+        if leaf.json:
+            continue
+        if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
+            raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
+    return leaves
