@@ -1,0 +1,329 @@
+"""The commands on the stores of a server: ``ls``, ``info``, ``check`` and ``rm``, and their options.
+
+They connect to ``--url``, else ``$TDSTORE_URL``, else ``redis://localhost:6379/0`` (see
+:func:`tdstore.inspect_store.resolve_url`), read through :mod:`tdstore.inspect_store` (imported
+when a command runs, so that ``--help`` stays quick) and print with :mod:`tdstore._cli_output`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._cli_output import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    human_size,
+    info_lines,
+    integrity_text,
+    safe,
+    size_text,
+    state_text,
+    table,
+    ttl_text,
+)
+
+if TYPE_CHECKING:
+    from .inspect_store import ServerConnection
+
+__all__ = ["DEFAULT_PREFIX", "add_store_commands"]
+
+DEFAULT_PREFIX = "tensordict"
+
+
+def _connect(command: str, url: str | None) -> ServerConnection | int:
+    """The connection, or the exit code after printing why there is none (a refused password included)."""
+    from .inspect_store import InvalidURL, ServerUnreachable, connect, resolve_url
+
+    target = resolve_url(url)
+    try:
+        return connect(target)
+    except InvalidURL as err:
+        # the message is redis-py's parse error, which may quote the URL: scrub its password
+        print(f"tdstore {command}: error: invalid server url: {_scrub_url_password(target, str(err))}", file=sys.stderr)
+    except ServerUnreachable as err:  # LoginRefused too: "the server at ... needs a password ..."
+        print(f"tdstore {command}: error: {err}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _scrub_url_password(url: str | None, text: str) -> str:
+    """``text`` without the password of ``url`` (a URL redis-py could not parse is parsed by hand here)."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(url or "").password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
+def _server_failed(command: str, conn: ServerConnection, err: Exception) -> int:
+    print(
+        f"tdstore {command}: failed: the server at {conn.where} answered with an error: {type(err).__name__}: {conn.scrub(str(err))}",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _no_store(command: str, td_id: str, prefix: str, conn: ServerConnection) -> int:
+    print(f"tdstore {command}: error: no store {safe(td_id)} under prefix {safe(prefix)!r} on {conn.where}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    """One row per store of the prefix; stale registry entries are noted on stderr, never removed."""
+    import redis
+
+    from .inspect_store import list_stores
+
+    conn = _connect("ls", args.url)
+    if isinstance(conn, int):
+        return conn
+    with conn:
+        try:
+            listing = list_stores(conn.client, args.prefix)
+        except redis.RedisError as err:
+            return _server_failed("ls", conn, err)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "server": conn.where,
+                    "prefix": args.prefix,
+                    "stores": [info.to_json(schema=False) for info in listing.stores],
+                    "unreadable": [bad.to_json() for bad in listing.unreadable],
+                    "stale": listing.stale,
+                },
+                indent=2,
+            )
+        )
+        return EXIT_OK
+    rows = [
+        [
+            safe(i.td_id),
+            safe(i.kind),
+            str(i.count),
+            str(len(i.leaves)),
+            size_text(i.bytes, args.bytes),
+            ttl_text(i),
+            state_text(i.state),
+            f"{i.written}/{i.count}" if i.has_ring else "-",
+        ]
+        for i in listing.stores
+    ]
+    rows += [[safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
+    rows.sort(key=lambda row: row[0])
+    total = len(listing.stores) + len(listing.unreadable)
+    if rows:
+        size = "BYTES" if args.bytes else "SIZE"
+        for line in table(["TD_ID", "TYPE", "COUNT", "KEYS", size, "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
+            print(line)
+        for bad in listing.unreadable:
+            print(f"unreadable {safe(bad.td_id)}: {safe(bad.error)}")
+    noun = "store" if total == 1 else "stores"
+    print(f"{total} {noun} under prefix {safe(args.prefix)!r} on {conn.where}")
+    if listing.stale:
+        ids = ", ".join(safe(t) for t in listing.stale)
+        print(
+            f"tdstore ls: note: skipped {len(listing.stale)} registry entr{'y' if len(listing.stale) == 1 else 'ies'} "
+            f"of stores that no longer exist (expired?): {ids}; 'tdstore rm ID' removes an entry",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], Any]) -> tuple[Any, Any] | int:
+    """``(connection, read(client))`` for a command on one store (``info``, ``check``), or the exit
+    code after printing why not: no server, no such store, an unreadable header, a server error."""
+    import redis
+
+    from .inspect_store import NoSuchStore, UnreadableStore
+
+    conn = _connect(command, args.url)
+    if isinstance(conn, int):
+        return conn
+    with conn:
+        try:
+            return conn, read(conn.client)
+        except NoSuchStore:
+            return _no_store(command, args.td_id, args.prefix, conn)
+        except UnreadableStore as err:
+            print(
+                f"tdstore {command}: failed: store {safe(args.td_id)} has a header this tdstore cannot read: {safe(str(err))}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        except redis.RedisError as err:
+            return _server_failed(command, conn, err)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .inspect_store import audit, store_info
+
+    got = _read_store("info", args, lambda client: (store_info(client, args.prefix, args.td_id), audit(client, args.prefix, args.td_id)))
+    if isinstance(got, int):
+        return got
+    conn, (info, found) = got
+    if args.json:
+        print(json.dumps({"server": conn.where, **info.to_json(schema=True), "integrity": found.to_json()}, indent=2))
+    else:
+        lines = info_lines(info, conn.where, raw=args.bytes)
+        lines.insert(1, f"  integrity: {integrity_text(found)}")
+        print("\n".join(lines))
+    return EXIT_OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .inspect_store import audit
+
+    got = _read_store("check", args, lambda client: audit(client, args.prefix, args.td_id))
+    if isinstance(got, int):
+        return got
+    conn, found = got
+    if args.json:
+        print(json.dumps({"server": conn.where, **found.to_json()}, indent=2))
+    else:
+        print(f"store {safe(found.td_id)} under prefix {safe(args.prefix)!r} on {conn.where}: {integrity_text(found)}")
+        for line in found.problems:
+            print(f"  {safe(line)}")
+        if not found.intact:
+            print(
+                "  The server evicted these keys (a maxmemory-policy other than noeviction) or someone deleted them; reads and writes "
+                f"of them raise StoreDamagedError. Delete the store ('tdstore rm {safe(found.td_id)}') and write it again."
+            )
+    return EXIT_OK if found.intact else EXIT_FAILED
+
+
+def _confirm(question: str) -> bool | None:
+    """Ask on stderr, read one line from stdin; ``None`` when stdin is no terminal (nobody to answer)."""
+    stdin = sys.stdin
+    if stdin is None or not stdin.isatty():
+        return None
+    print(question, end="", file=sys.stderr, flush=True)
+    answer = stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    """Delete one store after confirmation; a registry entry whose store is gone is removed without asking."""
+    import redis
+
+    from .inspect_store import NoSuchStore, StoreBusy, UnreadableStore, delete_store, inspect_for_delete
+
+    conn = _connect("rm", args.url)
+    if isinstance(conn, int):
+        return conn
+    shown = safe(args.td_id)
+    with conn:
+        try:
+            info, error, registered = inspect_for_delete(conn.client, args.prefix, args.td_id)
+            if info is None and not registered:
+                if error is None:
+                    return _no_store("rm", args.td_id, args.prefix, conn)
+                print(
+                    f"tdstore rm: failed: store {shown} has a header this tdstore cannot read, and is not in the registry; "
+                    f"not deleting it: {safe(error)}",
+                    file=sys.stderr,
+                )
+                return EXIT_FAILED
+            if info is not None and not args.yes:
+                answer = _confirm(f"Delete store {shown} ({len(info.leaves)} keys, {human_size(info.bytes)})? [y/N] ")
+                if answer is None:
+                    print(
+                        f"tdstore rm: error: not deleting store {shown}: stdin is not a terminal, so nobody can confirm; pass --yes",
+                        file=sys.stderr,
+                    )
+                    return EXIT_USAGE
+                if not answer:
+                    print(f"tdstore rm: store {shown} not deleted", file=sys.stderr)
+                    return EXIT_FAILED
+            done = delete_store(conn.client, args.prefix, args.td_id)
+        except NoSuchStore:
+            return _no_store("rm", args.td_id, args.prefix, conn)
+        except StoreBusy as err:
+            print(f"tdstore rm: failed: {safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except UnreadableStore as err:
+            print(f"tdstore rm: failed: cannot delete store {shown}: {safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except redis.RedisError as err:
+            return _server_failed("rm", conn, err)
+    if done.registry_only:
+        print(f"removed the registry entry of store {shown}: {safe(done.reason)}")
+    else:
+        print(f"deleted store {shown}: {done.keys_deleted} server keys")
+    return EXIT_OK
+
+
+def _add_server_options(parser: argparse.ArgumentParser, *, json_help: str | None, sizes: bool = False) -> None:
+    """The options every store command takes: the server, the prefix, and ``--json``/``--bytes`` where they apply."""
+    parser.add_argument(
+        "--url",
+        default=None,
+        help=(
+            "redis://, rediss://, unix:// or redis+cluster:// URL of the server (default: $TDSTORE_URL, else redis://localhost:6379/0); "
+            "a password goes in it (redis://:PASSWORD@host:port) or in $TDSTORE_PASSWORD"
+        ),
+    )
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"key prefix the stores were created under (default: {DEFAULT_PREFIX})")
+    if json_help is not None:
+        parser.add_argument("--json", action="store_true", help=json_help)
+    if sizes:
+        parser.add_argument("--bytes", action="store_true", help="print sizes as exact byte counts instead of KiB/MiB/GiB")
+
+
+def add_store_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The parsers of ``ls``, ``info``, ``check`` and ``rm`` on ``sub`` (``add_subparsers()``'s result)."""
+    ls = sub.add_parser(
+        "ls",
+        help="list the stores under a prefix",
+        description=(
+            "One row per store of the prefix: id, type, element count, number of keys, size on the server, "
+            "time to live, state, and ring slots written / count ('-' where the ring does not apply). Read-only: "
+            "registry entries of expired stores are skipped (and named on stderr), not removed."
+        ),
+    )
+    _add_server_options(ls, json_help="print JSON on stdout instead of the table (raw numbers: bytes, seconds)", sizes=True)
+    ls.set_defaults(handler=_cmd_ls)
+
+    info = sub.add_parser(
+        "info",
+        help="show the header and the schema of one store",
+        description=(
+            "Header facts (count, stack dim, inner batch size, device, version, state, ttl, size, server keys, ring where it applies, "
+            "segments, row block) and one row per key."
+        ),
+    )
+    info.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(info, json_help="print JSON on stdout instead of text (raw numbers: bytes, seconds)", sizes=True)
+    info.set_defaults(handler=_cmd_info)
+
+    check = sub.add_parser(
+        "check",
+        help="check every key of one store against its header (lost or cut-short keys)",
+        description=(
+            "Check each data and table key of one store against the length its header implies, as every read and write does "
+            "for the keys it touches; list the keys lost (evicted or deleted) or cut short. "
+            "Exit 0 when intact, 1 when damaged. Never writes."
+        ),
+    )
+    check.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(check, json_help="print JSON on stdout instead of text")
+    check.set_defaults(handler=_cmd_check)
+
+    rm = sub.add_parser(
+        "rm",
+        help="delete one store",
+        description=(
+            "Delete every key of one store in one atomic call, after a confirmation read from the terminal "
+            "(or --yes). A registry entry whose store is already gone is removed without asking."
+        ),
+    )
+    rm.add_argument("td_id", metavar="TD_ID", help="id of the store")
+    _add_server_options(rm, json_help=None)
+    rm.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    rm.set_defaults(handler=_cmd_rm)
