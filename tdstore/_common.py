@@ -9,7 +9,7 @@ copy, the message of a locked store, and small argument helpers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import NonTensorData, TensorDictBase
@@ -18,6 +18,14 @@ from tensordict.base import BEST_ATTEMPT_INPLACE
 from ._engine import Engine
 from ._schema import Header, NestedPath
 from ._values import as_path, display
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase as MixinBase
+else:
+    # The base of the store mixins (StoreCommon, SurfaceMixin, StoreUnsupported and the lazy store's
+    # parts): at run time a plain class listed before TensorDictBase in a store's bases; for the type
+    # checker TensorDictBase itself, whose methods the mixins call and override.
+    MixinBase = object
 
 LOCK_ERROR = (
     "Cannot modify locked TensorDict. For in-place modification, consider using the `set_()` method and make sure the key is present."
@@ -183,12 +191,12 @@ class StackStore(Protocol):
     def ttl(self) -> float | None: ...
 
 
-class StoreCommon:
+class StoreCommon(MixinBase):
     """What the store and its element views share: TensorDictBase class flags (see
     tensordict.base for each), a fixed batch size, no dim names, no sub-tensordicts to lock.
     """
 
-    _td_dim_names = None
+    _td_dim_names: list[str] | None = None
     _masking_on_dense_copy = True
     _masked_select_on_dense_copy = True
     _masked_select_inplace_unsupported = True
@@ -200,7 +208,7 @@ class StoreCommon:
     _pin_memory_unsupported = True
     _storage_holds_no_gradients = True
     _copy_shares_storage = True
-    _setitem_key_inplace = BEST_ATTEMPT_INPLACE
+    _setitem_key_inplace = BEST_ATTEMPT_INPLACE  # type: ignore[assignment]  # tensordict's sentinel, in a flag it types as bool
     _get_ignores_kwargs = False
     _tdstore_reads_remote = True
     _batch_size: torch.Size
@@ -246,14 +254,15 @@ class StoreCommon:
             raise RuntimeError(f"{type(self).__name__} has no dim names; name a local copy: to_tensordict().refine_names(...)")
 
     def __contains__(self, key: Any) -> bool:
-        return key in self.keys(include_nested=isinstance(key, tuple))  # type: ignore[attr-defined]
+        return key in self.keys(include_nested=isinstance(key, tuple))
 
     def _lock_sub_tensordicts(self) -> list:
         return []
 
     def _set_non_tensor(self, key: Any, value: Any) -> Any:
         """``set_non_tensor(key, value)``: ``value`` (JSON-able) for every element, in one atomic call."""
-        return self.set(key, NonTensorData(value, batch_size=self.batch_size))  # type: ignore[attr-defined]
+        # NonTensorData is a tensorclass, which tensordict's annotation of set() leaves out
+        return self.set(key, NonTensorData(value, batch_size=self.batch_size))  # type: ignore[arg-type]
 
     def _popped_value(self, value: Any) -> Any:
         """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""
@@ -277,7 +286,7 @@ class StoreCommon:
         Two round trips, each atomic, but not atomic together: a write by another
         process between them is overwritten. ``zero_`` and ``fill_`` run on the server.
         """
-        local = self.to_tensordict()  # type: ignore[attr-defined]
+        local = self.to_tensordict()
         result = method(local, *args, **kwargs)
         if result is not local:
             return result
@@ -312,7 +321,8 @@ def fetch_existing(engine: Engine) -> Header:
             raise
     keys = engine.keys
     raise KeyError(
-        f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} (it was deleted, expired, or never created)"
+        f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} "
+        "(it was deleted, expired, or never created)"
     )
 
 

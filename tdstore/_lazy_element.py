@@ -40,8 +40,8 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
         self._batch_size = torch.Size((*self._ops.engine.header.inner, *self._ops.engine.header.subtree_dims(under)))
         self._device = store.device
         self._is_locked = False
-        self._lock_id = set()
-        self._locked_tensordicts = []
+        self._lock_id: set[int] = set()
+        self._locked_tensordicts: list[Any] = []
         self._is_shared = False
         self._is_memmap = False
         self._last_op = None
@@ -58,7 +58,7 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     def _paths(self) -> list[NestedPath]:
         return self._ops.paths()
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
         return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
 
     def entry_class(self, key: Any) -> type:
@@ -170,7 +170,7 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
             raise TypeError("element[index] = value needs a TensorDict or a dict of tensors")
         self._write(leaves_of(value, self._ops.engine.header.stack_pos, self._under), index)
 
-    def update(
+    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
         self,
         input_dict_or_td: Any,
         clone: bool = False,
@@ -189,7 +189,7 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
             self._write(items)
         return self
 
-    def update_(
+    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
         self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
     ) -> TensorDictBase:
         return self.update(input_dict_or_td, keys_to_update=keys_to_update)

@@ -48,8 +48,7 @@ class LazyKeys(LazyState):
         self._engine.run_write(plan)
         return self
 
-
-    def __delitem__(self, key: Any) -> None:
+    def __delitem__(self, key: Any) -> None:  # type: ignore[override]  # returns nothing, as ``del`` of a mapping does
         self._del(as_path(key))
 
     def _rename_key(self, old_key: Any, new_key: Any) -> None:
@@ -95,4 +94,3 @@ class LazyKeys(LazyState):
             return after, ops, []
 
         self._engine.run_write(plan)
-

@@ -73,4 +73,3 @@ class LazyLifecycle(LazyState):
         self._init_handle(engine, backend=state["backend"], device=state["device"], cache_metadata=state["cache_metadata"])
         if state.get("is_locked"):
             self.lock_()
-

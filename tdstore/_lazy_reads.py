@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, TensorDictBase, cat, lazy_stack
 from tensordict.base import NO_DEFAULT
 
 from . import _index, _ragged
@@ -47,7 +47,6 @@ class LazyReads(LazyState):
                 return int(p.elements[0])
         return None
 
-
     def _read_index(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         """Read ``paths`` (default: every leaf below ``under``) at ``index`` in one call.
 
@@ -76,7 +75,7 @@ class LazyReads(LazyState):
                 if leaf.het or kwargs:
                     return self._get_local(self._read_index(slice(None), [path]), path, kwargs)
                 plan, result = self._engine.read(slice(None), [path])
-                t = result.leaves[path]  # type: ignore[union-attr]
+                t = result.leaves[path]  # type: ignore[union-attr]  # one homogeneous leaf reads as a DenseResult
                 return t.to(self._device) if self._device is not None else t
             # a nested key: every leaf below it, as the server has them now
             return self._read_index(slice(None), None, under=path)
@@ -194,7 +193,7 @@ class LazyReads(LazyState):
             return parts[0]
         if any(isinstance(p, LazyStackedTensorDict) for p in parts):
             return lazy_stack([td for p in parts for td in p.unbind(sp)], dim=sp)
-        return torch.cat(parts, dim=sp)
+        return cat(parts, dim=sp)
 
     def flatten_keys(self, separator: str = ".", inplace: bool = False, is_leaf: Any = None) -> TensorDictBase:
         """An in-memory copy whose nested keys are joined by ``separator`` (read with ``to_tensordict()``).
@@ -218,10 +217,12 @@ class LazyReads(LazyState):
         return self.to_tensordict()
 
     def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
-        """``clone()`` is an in-memory copy (``to_tensordict()``, ``pbar=True`` for a progress bar); ``clone(False)`` a new handle on the same store."""
+        """``clone()`` is an in-memory copy (``to_tensordict()``, ``pbar=True`` for a progress bar).
+
+        ``clone(False)`` is a new handle on the same store.
+        """
         if recurse:
             return self.to_tensordict(pbar=pbar)
         engine = Engine(self._engine.spec, self._engine.keys, self._engine.client, owns_client=False, readonly=self._engine.readonly)
         engine.set_header(self._engine.header)
         return type(self)._from_engine(engine, backend=self._backend, device=self._device, cache_metadata=self._cache_metadata)
-

@@ -9,23 +9,17 @@ server kind, where reads land, and the layout of the stack.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import torch
 
+from ._common import MixinBase
 from ._engine import Engine
 from ._schema import Header, NestedPath
 from ._values import check_device, usable_device
 
-if TYPE_CHECKING:
-    from tensordict import TensorDictBase as _TensorDictBase
-else:
-    # at run time the mixins are plain classes listed before TensorDictBase in the store's bases;
-    # the type checker checks them against TensorDictBase, whose methods they use and override
-    _TensorDictBase = object
 
-
-class LazyState(_TensorDictBase):
+class LazyState(MixinBase):
     """The state of a handle on a lazy store, set by :meth:`_init_handle` (construction and unpickling)."""
 
     _engine: Engine

@@ -31,7 +31,6 @@ class LazyWrites(LazyState):
         keys = self._engine.keys
         self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace, sub=sub))
 
-
     def _set_tuple(
         self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
     ) -> TensorDictBase:
@@ -103,10 +102,10 @@ class LazyWrites(LazyState):
                 raise NotImplementedError(
                     f"filling the heterogeneous key {display(path)!r} with a number is not supported; write tensors of each element's shape"
                 )
-            out[path] = torch.full(shape + tuple(leaf.shape[len(h.inner) :]), value, dtype=leaf.dtype)  # type: ignore[index]
+            out[path] = torch.full(shape + tuple(leaf.shape[len(h.inner) :]), value, dtype=leaf.dtype)  # type: ignore[index]  # a homogeneous leaf has a shape
         return out
 
-    def update(
+    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
         self,
         input_dict_or_td: Any,
         clone: bool = False,
@@ -131,7 +130,7 @@ class LazyWrites(LazyState):
         self._write(self._full_index(), items, replace=not inplace)
         return self
 
-    def update_(
+    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
         self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
     ) -> TensorDictBase:
         return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
@@ -147,7 +146,6 @@ class LazyWrites(LazyState):
             raise KeyError(f"key {display(missing[0])!r} is not in the store (update_at_ writes existing keys only)")
         self._write(idx, items)
         return self
-
 
     def _write_back(self, keys: Any, values: Any, method: str) -> None:
         """Results of in-place methods written back in one call."""
@@ -169,4 +167,3 @@ class LazyWrites(LazyState):
             return _writes.plan_fill(keys, h, paths, value, kt)
 
         self._engine.run_write(plan)
-

@@ -76,7 +76,8 @@ class ReplayMethods(LazyState):
             raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
         if tuple(td.batch_size) != tuple(self._inner_batch_size):
             raise ValueError(
-                f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; use extend for batches"
+                f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; "
+                "use extend for batches"
             )
         return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout)
 
@@ -178,7 +179,6 @@ class ReplayMethods(LazyState):
             raise RuntimeError(LOCK_ERROR)
         return self._engine
 
-
     @property
     def sampling_policy(self) -> SamplingPolicy:
         """The ring's sampling policy as the server holds it (read again from the server)."""
@@ -216,8 +216,9 @@ class ReplayMethods(LazyState):
         row counts) and inserts (``extend`` rows, counted from now) keep the ratio within the
         buffer: a sample that would run ahead waits for inserts, an ``extend`` that would run
         ahead waits for samples. A batch goes when its first row may (Reverb counts row by row),
-        so it may overshoot the buffer by itself, and the two sides never block each other. Waiting calls block without polling; their ``timeout=`` raises
-        ``TimeoutError``. ``error_buffer`` must be at least ``max(1, samples_per_insert)``.
+        so it may overshoot the buffer by itself, and the two sides never block each other. Waiting
+        calls block without polling; their ``timeout=`` raises ``TimeoutError``. ``error_buffer``
+        must be at least ``max(1, samples_per_insert)``.
         """
         _sampling.set_rate_limit(self._engine, min_size, samples_per_insert, error_buffer)
 
@@ -234,7 +235,7 @@ class ReplayMethods(LazyState):
         """``pop(batch_size=1, *, timeout=None, keys=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
         if (args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs:
-            return super().pop(*args, **kwargs)  # type: ignore[misc]  # TensorDictBase.pop, further along the MRO
+            return super().pop(*args, **kwargs)  # TensorDictBase.pop, further along the MRO
         return self.pop_items(*args, **kwargs)
 
     def pop_items(self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None) -> _ring.Sample:

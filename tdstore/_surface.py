@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ._common import MixinBase
+
 #: Out-of-place methods answered on a local copy.
 LOCAL_METHODS: tuple[str, ...] = (
     # arithmetic and maths
@@ -124,7 +126,10 @@ def _through_copy(name: str) -> Callable[..., Any]:
         return self
 
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = f"Through a copy: reads the store, applies ``TensorDict.{name}`` locally and writes the result back (two atomic calls, not atomic together)."
+    method.__doc__ = (
+        f"Through a copy: reads the store, applies ``TensorDict.{name}`` locally and writes the result back "
+        "(two atomic calls, not atomic together)."
+    )
     return method
 
 
@@ -146,7 +151,7 @@ def _refused(name: str, why: str) -> Callable[..., Any]:
     return method
 
 
-class SurfaceMixin:
+class SurfaceMixin(MixinBase):
     """Listed before ``TensorDictBase`` in a store class's bases, so these answers replace its defaults."""
 
     @classmethod
@@ -154,33 +159,33 @@ class SurfaceMixin:
         """torch functions (``torch.stack``, ``torch.cat``...) run on local copies of the stores they are given."""
         return func(*materialize(args), **materialize(kwargs or {}))
 
-    @property
+    @property  # type: ignore[misc]  # read-only: a store holds no gradients to set
     def grad(self) -> Any:
         raise RuntimeError(f"{type(self).__name__} holds no gradients; a local copy (to_tensordict()) can")
 
-    @property
+    @property  # type: ignore[misc]  # read-only: the data lives on the server, set by writes
     def data(self) -> Any:
         """A local copy of the data (``TensorDict.data`` detaches; a store holds no autograd graph)."""
-        return self.to_tensordict()  # type: ignore[attr-defined]
+        return self.to_tensordict()
 
-    def select(self, *keys: Any, inplace: bool = False, strict: bool = True) -> Any:
+    def select(self, *keys: Any, inplace: bool = False, strict: bool = True) -> Any:  # type: ignore[override]  # no as_tensordict: a copy is one
         """A local copy of ``keys``; ``inplace=True`` deletes every other key on the server instead."""
         if not inplace:
-            return self.to_tensordict().select(*keys, strict=strict)  # type: ignore[attr-defined]
+            return self.to_tensordict().select(*keys, strict=strict)
         keep = {_path(k) for k in keys}
-        doomed = [k for k in self.keys(include_nested=True, leaves_only=True) if not any(_path(k)[: len(p)] == p for p in keep)]  # type: ignore[attr-defined]
-        return self._delete_keys(doomed)  # type: ignore[attr-defined]
+        doomed = [k for k in self.keys(include_nested=True, leaves_only=True) if not any(_path(k)[: len(p)] == p for p in keep)]
+        return self._delete_keys(doomed)
 
     def exclude(self, *keys: Any, inplace: bool = False) -> Any:
         """A local copy without ``keys``; ``inplace=True`` deletes them on the server (one atomic call)."""
         if not inplace:
-            return self.to_tensordict().exclude(*keys)  # type: ignore[attr-defined]
-        present = [k for k in keys if k in self.keys(include_nested=True)]  # type: ignore[attr-defined]
-        return self._delete_keys(present)  # type: ignore[attr-defined]
+            return self.to_tensordict().exclude(*keys)
+        present = [k for k in keys if k in self.keys(include_nested=True)]
+        return self._delete_keys(present)
 
     def separates(self, *keys: Any, default: Any = None, strict: bool = True, filter_empty: bool = True) -> Any:
         """Local copies of ``keys``, which are deleted from the store (two atomic calls: read, then delete)."""
-        out = self.to_tensordict().select(*keys, strict=strict)  # type: ignore[attr-defined]
+        out = self.to_tensordict().select(*keys, strict=strict)
         self.exclude(*keys, inplace=True)
         return out
 
@@ -190,7 +195,7 @@ class SurfaceMixin:
 
     def clear_device_(self) -> Any:
         """Reads land on the CPU with no device from now on (the data on the server is not touched)."""
-        self.device = None  # type: ignore[attr-defined]
+        self.device = None  # type: ignore[assignment]  # a store's device setter takes None: reads land on the CPU
         return self
 
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from tensordict import is_tensorclass
 
-_REGISTRY: dict[str, type] = {}
+# a tensorclass has no nominal type (the decorator makes plain classes): type[Any] lets its class methods be called
+_REGISTRY: dict[str, type[Any]] = {}
 
 
 def qualified_name(cls: type) -> str:
@@ -59,7 +60,7 @@ def _walk(obj: Any, attrs: list[str], *, plain: bool = False) -> Any:
     return obj
 
 
-def _from_loaded(path: str) -> type | None:
+def _from_loaded(path: str) -> type[Any] | None:
     """The class at ``path`` when its module is already imported (``sys.modules`` only; nothing is imported)."""
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -71,7 +72,7 @@ def _from_loaded(path: str) -> type | None:
     return None
 
 
-def _import_path(path: str) -> type:
+def _import_path(path: str) -> type[Any]:
     """The class at a dotted path the caller gave: its module is imported (the caller chose it)."""
     parts = path.split(".")
     if len(parts) < 2 or not all(p.isidentifier() for p in parts):
@@ -91,7 +92,7 @@ def _import_path(path: str) -> type:
     raise ImportError(f"tensorclass_cls {path!r}: no such class could be imported ({err})") from err
 
 
-def resolve(stored_name: str, cls: type | str | None) -> type | None:
+def resolve(stored_name: str, cls: type | str | None) -> type[Any] | None:
     """The tensorclass to wrap a store in, or None (see the module docstring); warns when the class is unavailable."""
     if isinstance(cls, str):
         cls = _import_path(cls)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._common import MixinBase
+
 
 def _msg(obj: Any, op: str, hint: str = "Call to_tensordict() first and work on the local copy.") -> str:
     return f"{type(obj).__name__} does not support {op}: its leaves live on a server. {hint}"
 
 
-class StoreUnsupported:
+class StoreUnsupported(MixinBase):
     """Mixin listed before ``TensorDictBase`` so these bodies replace its abstract hooks."""
 
     def _view(self, *args: Any, **kwargs: Any) -> Any:
@@ -61,4 +63,4 @@ class StoreUnsupported:
     def _memmap_(self, *, inplace: bool = True, **kwargs: Any) -> Any:
         if inplace:
             raise RuntimeError(_msg(self, "memmap_ (in place)", "Use store.memmap(prefix) for a memory-mapped local copy."))
-        return self.to_tensordict()._memmap_(inplace=False, **kwargs)  # type: ignore[attr-defined]
+        return self.to_tensordict()._memmap_(inplace=False, **kwargs)

@@ -14,7 +14,7 @@ mistake, nor the other way round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -195,7 +195,7 @@ class TensorDictStore(ElementView):
         input_dict: Any,
         *,
         batch_size: Any = None,
-        auto_batch_size: bool = False,
+        auto_batch_size: bool | None = False,
         batch_dims: int | None = None,
         device: Any = None,
         **kwargs: Any,
@@ -208,7 +208,9 @@ class TensorDictStore(ElementView):
         return cls.from_tensordict(td, device=device, **kwargs)
 
     @classmethod
-    def from_schema(cls, schema: dict[Any, tuple[Sequence[int], torch.dtype]], *, batch_size: Any = None, **kwargs: Any) -> TensorDictStore:
+    def from_schema(
+        cls, schema: Mapping[Any, tuple[Sequence[int], torch.dtype]], *, batch_size: Any = None, **kwargs: Any
+    ) -> TensorDictStore:
         """A new store with zero-filled entries of the given feature shapes and dtypes, allocated by the server.
 
         ``schema`` maps each key (a str or a tuple for a nested key) to
@@ -333,7 +335,7 @@ class TensorDictStore(ElementView):
         self._store.device = value
         self._device = self._store.device
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
         return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
 
     def __len__(self) -> int:
@@ -363,7 +365,10 @@ class TensorDictStore(ElementView):
         except Exception as err:  # the repr must not raise, e.g. for a deleted store
             keys = [f"<unavailable: {type(err).__name__}>"]
         where = f", under={display(self._under)!r}" if self._under else ""
-        return f"TensorDictStore(keys={keys}, batch_size={self._batch_size}, device={self.device}, backend={self._backend!r}, td_id={self.td_id!r}{where})"
+        return (
+            f"TensorDictStore(keys={keys}, batch_size={self._batch_size}, device={self.device}, "
+            f"backend={self._backend!r}, td_id={self.td_id!r}{where})"
+        )
 
     # -- reads -------------------------------------------------------------------------------
     def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
@@ -455,7 +460,7 @@ class TensorDictStore(ElementView):
             sub=subtree_dims(value, value.batch_dims, self._under) if isinstance(value, TensorDictBase) else None,
         )
 
-    def update(
+    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
         self,
         input_dict_or_td: Any,
         clone: bool = False,
@@ -477,7 +482,7 @@ class TensorDictStore(ElementView):
             self._write(items, replace=not inplace)
         return self
 
-    def update_(
+    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
         self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
     ) -> TensorDictBase:
         return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)

@@ -152,7 +152,6 @@ class LazyStackedTensorDictStore(
                 dev = torch.device(existing.device) if usable_device(existing.device) else None
         self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
 
-
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_store(
@@ -247,7 +246,6 @@ class LazyStackedTensorDictStore(
             f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)"
         )
 
-
     # -- identity and metadata -----------------------------------------------------------
     @property
     def td_id(self) -> str:
@@ -306,7 +304,7 @@ class LazyStackedTensorDictStore(
     def device(self, value: Any) -> None:
         self._device = check_device(torch.device(value) if value is not None else None)
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]
+    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
         return KeysView(self._paths, (), include_nested, leaves_only, sort)
 
     def __len__(self) -> int:
@@ -354,7 +352,6 @@ class LazyStackedTensorDictStore(
             return tuple(ElementView(self, e) for e in range(self._count))
         return self.to_tensordict().unbind(dim)
 
-
     @property
     def stack_ops(self) -> LazyStackOps:
         """Internal: the reads and writes this store's views run on it (see :class:`~tdstore._common.StackOps`)."""
@@ -364,9 +361,7 @@ class LazyStackedTensorDictStore(
         return (_restore, (type(self), self.__getstate__()))
 
 
-
-
-def _restore(cls: type, state: dict[str, Any]) -> Any:
+def _restore(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> LazyStackedTensorDictStore:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
@@ -386,8 +381,6 @@ def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[in
     if isinstance(stack_dim, bool) or not isinstance(stack_dim, int) or not -(len(inner) + 1) <= stack_dim <= len(inner):
         raise ValueError(f"stack_dim {stack_dim!r} is out of range for an inner batch size of {len(inner)} dims")
     return count, inner
-
-
 
 
 def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:
