@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+from redis.cluster import RedisCluster
 
 from . import _wire
 from ._keys import StoreKeys
@@ -61,6 +62,9 @@ class SegmentHost(Protocol):
 
     @property
     def client(self) -> redis.Redis: ...
+
+    @property
+    def cluster(self) -> RedisCluster: ...
 
     @property
     def max_value_bytes(self) -> int: ...

@@ -46,7 +46,7 @@ class StaleSchemaError(RuntimeError):
     """The schema kept changing under this client for ``MAX_RETRIES`` calls in a row."""
 
 
-def _pairs(flat: Sequence[bytes]) -> dict[bytes, bytes]:
+def _pairs(flat: Sequence[bytes]) -> dict[bytes | str, bytes | str]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
@@ -134,7 +134,8 @@ class Engine(Transport):
     def header(self) -> Header:
         if self._header is None:
             self.set_header(self.fetch_header())
-        return self._header  # type: ignore[return-value]
+        assert self._header is not None  # set_header keeps the header it is given
+        return self._header
 
     def set_header(self, header: Header | None) -> None:
         """Adopt ``header``; refuse one of another creation of the store (same id, recreated)."""
@@ -294,7 +295,8 @@ class Engine(Transport):
             if status == b"LOST":
                 lost = int(reply[1])
                 raise QueueOverrunError(
-                    f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; the next pop goes on with the oldest item left",
+                    f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; "
+                    "the next pop goes on with the oldest item left",
                     lost,
                 )
             raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
@@ -556,7 +558,7 @@ class Engine(Transport):
                 ("clear", [self.keys.guard(seg), *self.keys.segment_keys(next_leaf, seg)], ["*", self.keys.td_id, "noreg"])
                 for seg in range(1, segments)
             ]
-            _scripts.call_many(self.client, calls)
+            _scripts.call_many(self.cluster, calls)
             segments = 1
         _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", *self._clear_args()])
         if self.spec.cluster:

@@ -41,12 +41,12 @@ def rows_op(kt: KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[
     if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
         # one contiguous ascending run (an element, a slice): a single SETRANGE
         ranges = _index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
-        return Write.R(kt.ref(key), 1, ranges, memoryview(np.ascontiguousarray(data)).cast("B"))
+        return Write.R(kt.ref(key), 1, ranges, np.ascontiguousarray(data).data.cast("B"))
     # keep the last occurrence of each row, as sequential assignment would
     uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
     data = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
     lo, hi = _index.run_bounds(uniq)
-    return Write.R(kt.ref(key), int(lo.size), _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), memoryview(data).cast("B"))
+    return Write.R(kt.ref(key), int(lo.size), _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), data.data.cast("B"))
 
 
 def as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
@@ -85,7 +85,8 @@ def element_checks(h: Header, path: NestedPath, elems: list[torch.Tensor], ndim:
             raise ValueError(f"key {key_name(path)}: element shape {list(t.shape)} does not start with the inner batch size {list(inner)}")
         if ndim is not None and t.ndim != ndim:
             raise ValueError(
-                f"key {key_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} (the number of dims cannot change)"
+                f"key {key_name(path)} has {ndim} dims per element, got a tensor of shape {list(t.shape)} "
+                "(the number of dims cannot change)"
             )
 
 

@@ -79,6 +79,12 @@ class ElementsResult:
     columns: Mapping[NestedPath, Sequence[Any]]
 
 
+def _shape(leaf: Leaf) -> tuple[int, ...]:
+    """The element shape of a homogeneous leaf (a heterogeneous one has none)."""
+    assert leaf.shape is not None, leaf.path
+    return leaf.shape
+
+
 def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
     """(path, tensor of the rows read) for a homogeneous leaf read, or for each grouped leaf when it is the row block."""
     if leaf is block:
@@ -326,7 +332,7 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
                 pos += 1
                 continue
             if not leaf.het:
-                out[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, leaf.shape)  # type: ignore[arg-type]
+                out[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, _shape(leaf))
                 pos += 1
                 continue
             shape_rec, data = reply[pos + 1], reply[pos + 2]
@@ -355,7 +361,7 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
     leaves, block, grouped = _rows.units(h, leaves)
     args: list[Any] = [len(leaves)]
     feats = []
-    row_bytes = [_codec.nbytes(leaf.shape[len(h.inner) :], leaf.dtype) for leaf in leaves]  # type: ignore[index]
+    row_bytes = [_codec.nbytes(_shape(leaf)[len(h.inner) :], leaf.dtype) for leaf in leaves]
     # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
     tx = host.tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
     ranges: list[list[_wire.Piece]] = []
@@ -370,7 +376,7 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
     if by_rows:
         args = [1 + len(leaves), *Read.I(int(uniq.size), _codec.pack_i64(uniq))]
     for leaf, rb in zip(leaves, row_bytes):
-        feat = leaf.shape[len(h.inner) :]  # type: ignore[index]
+        feat = _shape(leaf)[len(h.inner) :]
         if by_rows:
             feats.append((feat, True, False))
             args += _segments.row_read_op(h.segments, rb, int(uniq.size))(kt.ref(host.keys.data(leaf.number)), rb)
@@ -497,7 +503,7 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
             elif joined[homog_seen]:
                 # every touched element of this leaf in one buffer: one view per element
                 homog_seen += 1
-                rows = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *leaf.shape))  # type: ignore[misc]
+                rows = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *_shape(leaf)))
                 pos += 1
                 columns.update((path, list(col.unbind(0))) for path, col in _columns(leaf, rows, block, grouped))
             else:
@@ -540,7 +546,7 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
                 columns[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, reply[pos], reply[pos + 1], reply[pos + 2])
                 pos += 3
             else:
-                rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *leaf.shape))  # type: ignore[misc]
+                rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *_shape(leaf)))
                 columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                 pos += 1
         return ElementsResult(ids.tolist(), order, columns)

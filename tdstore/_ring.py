@@ -99,7 +99,8 @@ def _batch_len(value: Any, h: Header) -> int:
     if bs is not None and len(bs) == len(h.inner) + 1:
         return int(bs[h.stack_pos])
     raise ValueError(
-        f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; got {list(bs) if bs is not None else type(value).__name__}"
+        f"a batch for this store must have batch size {list(h.inner)} with the element dim inserted at {h.stack_pos}; "
+        f"got {list(bs) if bs is not None else type(value).__name__}"
     )
 
 
@@ -126,7 +127,8 @@ def _leaf_ops(
     if json or (leaf is not None and leaf.json):
         if not json or (leaf is not None and not leaf.json):
             raise TypeError(
-                f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; a ring write must keep what each key holds"
+                f"key {display(path)!r} holds {'non-tensor data' if leaf is not None and leaf.json else 'tensors'}; "
+                "a ring write must keep what each key holds"
             )
         assert isinstance(rows, list)
         if leaf is None:
@@ -192,8 +194,8 @@ def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[
     grouped = h.grouped()
     if sorted(by_col) != [leaf.col for leaf in grouped]:
         return ops
-    rows = _rows.join(width, [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped])  # type: ignore[index]
-    return [op for op in ops if op[0] != Write.K.marker] + [Write.X(kt.ref(engine.keys.data(number)), width, memoryview(rows).cast("B"))]
+    rows = _rows.join(width, [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped])
+    return [op for op in ops if op[0] != Write.K.marker] + [Write.X(kt.ref(engine.keys.data(number)), width, rows.data.cast("B"))]
 
 
 def _group_first_keys(
@@ -218,7 +220,7 @@ def _group_first_keys(
     block = kt.ref(engine.keys.data(number))
     rows = _rows.join(width, columns)
     alloc = [] if h.tracked else [Write.Z(block, h.count * width)]  # a tracked store allocates each segment when first written
-    return grouped_h, [*keep_pre, *alloc], [*keep_post, Write.X(block, width, memoryview(rows).cast("B"))]
+    return grouped_h, [*keep_pre, *alloc], [*keep_post, Write.X(block, width, rows.data.cast("B"))]
 
 
 #: Ops that set or allocate a whole key (a key a ring write creates): they go before the row-picking head.
@@ -757,8 +759,7 @@ def _decode_sample(
         with_masks(h, dense, masks, ragged)
     sp = h.stack_pos
     if not per_el:
-        bs = list(h.inner)
-        bs.insert(sp, n)
+        bs = (*h.inner[:sp], n, *h.inner[sp:])
         td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device, sub=h.sub_dims)
     else:
         rows_of: dict[NestedPath, Any] = {p: t.unbind(0) for p, t in dense.items()}  # one view per row, made in one call

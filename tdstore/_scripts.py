@@ -17,7 +17,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from functools import cache
+from functools import cache, partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,9 @@ def script_source(name: str) -> tuple[str, str]:
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
-def call(client: redis.Redis, name: str, keys: list[str], args: list[Any], execute: Callable[..., Any] | None = None) -> list:
+def call(
+    client: redis.Redis | RedisCluster, name: str, keys: list[str], args: list[Any], execute: Callable[..., Any] | None = None
+) -> list:
     """Run script ``name`` in one round trip (two more only after NOSCRIPT).
 
     ``execute(client, *command)`` sends one command (a handle's held connection,
@@ -166,7 +168,7 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
                     except Exception as err:  # a refusal of this call: the caller decides
                         out[i] = err
 
-    on_nodes([lambda node=node, idxs=idxs: job(node, idxs) for node, idxs in groups.values()])
+    on_nodes([partial(job, node, idxs) for node, idxs in groups.values()])
     return out
 
 
@@ -216,7 +218,8 @@ def translate(err: ResponseError) -> Exception:
         return StoreDamagedError(msg[msg.index("TDSTORE damaged") + 17 :], named=False)
     if "TDSTORE out of memory" in msg:
         return MemoryError(
-            f"the server has no room for this write (it does not evict); nothing was written: {msg[msg.index('TDSTORE out of memory') + 22 :]}"
+            "the server has no room for this write (it does not evict); nothing was written: "
+            f"{msg[msg.index('TDSTORE out of memory') + 22 :]}"
         )
     if "TDSTORE too large" in msg:
         return ValueError(

@@ -398,7 +398,8 @@ def _local_ranges(segs: Segments, keys: StoreKeys, n: int, eb: int, op: list[Any
     """An 'R' read op of a whole homogeneous leaf cut into one 'R' op per run of ranges in one segment;
     how its reply pieces join back: one piece ('join') or one per planned range ('ranges')."""
     _, _, _, ranges, join = op
-    pieces_per_range, groups = [], []  # groups: (segment, [(local, length)])
+    pieces_per_range: list[int] = []
+    groups: list[tuple[int, list[tuple[int, int]]]] = []  # (segment, [(local, length)])
     for start, length in _i64(ranges).reshape(-1, 2).tolist():
         c = 0
         # an empty range (elements of zero bytes) still has its piece in the reply
@@ -419,7 +420,8 @@ def _local_runs(segs: Segments, keys: StoreKeys, n: int, op: list[Any], out: Key
     """An 'E' read op of a whole heterogeneous leaf cut into one 'E' op per segment it touches;
     how its reply pieces join back (per planned run, the pieces of each segment it crossed)."""
     rec, runs = op[4], op[6]
-    pieces_per_run, groups = [], []
+    pieces_per_run: list[int] = []
+    groups: list[tuple[int, list[tuple[int, int]]]] = []  # (segment, [(local lo, local hi)])
     for lo, hi in _i64(runs).reshape(-1, 2).tolist():
         c = 0
         for seg, x, y in segs.split(lo, hi):

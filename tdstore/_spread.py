@@ -38,6 +38,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import redis
@@ -134,7 +135,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
         except Exception as err:  # a refusal: settle() drops the staged keys and raises it
             replies = [err]
     else:
-        replies = _scripts.call_many(engine.client, calls)
+        replies = _scripts.call_many(engine.cluster, calls)
     status = settle(engine, h, dict(zip(segs, replies)), staged=call.staged)
     if status is not True:
         return status
@@ -238,7 +239,7 @@ def rollback(engine: SegmentHost, h: Header, token: str, upto_leaf: int, segment
     gone = range(h.segments.n, max(segments, h.segments.n))
     calls += [("clear", [keys.guard(seg), *keys.segment_keys(upto_leaf, seg)], ["*", keys.td_id, "noreg"]) for seg in gone]
     undone = 0
-    for (name, _, _), reply in zip(calls, _scripts.call_many(engine.client, calls) if calls else []):
+    for (name, _, _), reply in zip(calls, _scripts.call_many(engine.cluster, calls) if calls else []):
         if isinstance(reply, Exception):
             raise reply
         undone += int(reply[1]) if name == "guard" else min(1, int(reply[1]))
@@ -276,7 +277,7 @@ def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
     keys = engine.keys
     if all(keys.segment_of(key) == 0 for pieces in call.ranges for key, _, _ in pieces):
         return LOCAL  # segment 0 only: one transaction on the header's node, as on any store
-    client = engine.client
+    client = engine.cluster
     names = list(call.guards)
     extra = call.fields or []
     # per segment: its commands (the guard's HMGET first) and where each GETRANGE's reply goes
@@ -320,7 +321,7 @@ def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
         return out
 
     jobs = list(by_node.values())
-    results = _scripts.on_nodes([lambda node=node, segs=segs: job(node, segs) for node, segs in jobs])
+    results = _scripts.on_nodes([partial(job, node, segs) for node, segs in jobs])
     chunks: list[list[Any]] = [[None] * n for n in sizes]
     head = None
     for (_, segs), per_seg in zip(jobs, results):
@@ -397,14 +398,14 @@ def clear(engine: SegmentHost, h: Header) -> Any:
         calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
         deleted = 0
         orphans = []  # segments whose guard is gone (a delete cut short): their keys go without a check
-        for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.client, calls)):
+        for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.cluster, calls)):
             if isinstance(reply, Exception):
                 raise reply
             if reply[0] == b"OK":
                 deleted += int(reply[1])
             else:
                 orphans.append((name, keys_, ["*", *args[1:]]))
-        for reply in _scripts.call_many(engine.client, orphans) if orphans else []:
+        for reply in _scripts.call_many(engine.cluster, orphans) if orphans else []:
             if isinstance(reply, Exception):
                 raise reply
             deleted += int(reply[1])
@@ -433,7 +434,7 @@ def expire(engine: SegmentHost, h: Header, ttl_ms: int) -> Any:
         keys = engine.keys
         at = deadline(engine, ttl_ms)
         calls = _segment_calls(engine, h, "expire", [ttl_ms, at])
-        for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.client, calls)):
+        for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.cluster, calls)):
             if isinstance(reply, Exception):
                 raise reply
             if reply[0] == b"GONE":

@@ -77,7 +77,7 @@ class _SchemaChange:
     def check(self) -> str:
         return f"{self.h.epoch}:V{self.h.version}"
 
-    def write_args(self, check: str, schema: str, fields: str, checks: str, ops: list[list[Any]]) -> list[Any]:
+    def write_args(self, check: str, schema: str, fields: str, checks: bytes, ops: list[list[Any]]) -> list[Any]:
         """The ARGV of a ``write.lua`` call of one segment."""
         return [check, "", schema, fields, self.engine.max_value_bytes, checks, len(ops), *flat(ops)]
 
@@ -127,7 +127,7 @@ class _SchemaChange:
         engine, keys = self.engine, self.engine.keys
         at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
         made = _scripts.call_many(
-            engine.client, [("guard", [keys.guard(seg)], ["ensure", self.h.epoch, self.h.version, at]) for seg in range(1, self.after)]
+            engine.cluster, [("guard", [keys.guard(seg)], ["ensure", self.h.epoch, self.h.version, at]) for seg in range(1, self.after)]
         )
         for r in made:
             if isinstance(r, Exception):
@@ -152,7 +152,7 @@ class _SchemaChange:
             # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
             checks = _integrity.checks(keys, h, part.kt.keys, new)
             calls.append(("write", part.kt.keys, self.write_args(self.check, "-", fields, checks, part.ops)))
-        replies = _scripts.call_many(engine.client, calls)
+        replies = _scripts.call_many(engine.cluster, calls)
         for i, r in enumerate(replies):
             if isinstance(r, Exception):
                 raise r
@@ -201,7 +201,7 @@ class _SchemaChange:
                     args = self.write_args(f"{h.epoch}:V{new.version}", "", "", _integrity.checks(keys, new, part.kt.keys), part.ops)
                     cleanup.append(("write", part.kt.keys, args))
             if cleanup:
-                _scripts.call_many(engine.client, cleanup)
+                _scripts.call_many(engine.cluster, cleanup)
         finally:
             release(engine, self.token)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
+from redis.cluster import RedisCluster
 
 from . import _limits, _scripts, _wire
 from ._call import BULK_CHUNK, Call
@@ -54,6 +55,12 @@ class Transport:
         if self._client is None:
             self._client = self.spec.connect()
         return self._client
+
+    @property
+    def cluster(self) -> RedisCluster:
+        """The client as what it is on Redis Cluster (``spec.cluster``): the node routing, a spread
+        store's calls and its per-node pipelines use it."""
+        return cast(RedisCluster, self.client)
 
     def close(self) -> None:
         """Release our connection; a caller's own client is left open. The next call reconnects."""
@@ -98,8 +105,8 @@ class Transport:
 
         Every key of a store lives in one slot (of a spread store: its header and segment 0,
         see ``segment_call`` for the others), so its calls go straight to that node's client
-        instead of through ``RedisCluster``'s per-command routing (about 150 us a call). A redirect (the slot moved: resharding, failover) or a
-        node that cannot be reached hands the command to ``RedisCluster``, which
+        instead of through ``RedisCluster``'s per-command routing (about 150 us a call). A redirect
+        (the slot moved: resharding, failover) or a node that cannot be reached hands the command to ``RedisCluster``, which
         refreshes its map and routes or raises; the next call looks the node up again.
         """
         if not self.spec.cluster:
@@ -129,7 +136,7 @@ class Transport:
     def segment_call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """One script call on the keys of one slot (a spread store's segment), on a connection held to the
         node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster``."""
-        node = self.client.get_node_from_key(keys[0])
+        node = self.cluster.get_node_from_key(keys[0])
         held = self._node_held.get(node.name)
         if held is None:
             held = self._node_held[node.name] = HeldConnection()
@@ -238,13 +245,13 @@ class Transport:
         if [v.decode() if v is not None else None for v in head[1 : 1 + len(names)]] != [call.guards[n] for n in names]:
             return None
         call.field_values = dict(zip(extra, head[1 + len(names) :]))
-        pieces: list[Any] = [b"OK", head[0]]
+        reply: list[Any] = [b"OK", head[0]]
         pos = 1
         for k in counts:
             # the chunks of a buffer joined into one bytearray the result tensor then owns (see from_bytes)
-            pieces.append(bytearray().join(results[pos : pos + k]))
+            reply.append(bytearray().join(results[pos : pos + k]))
             pos += k
-        return pieces
+        return reply
 
     def _transact(self, body: bytes, n_commands: int) -> list | None:
         """A transaction of packed commands on the held connection (see ``execute``); None to go through redis-py instead."""

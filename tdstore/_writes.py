@@ -100,14 +100,20 @@ def plan_element_write(
 def _element_row_ops(
     kt: KeyTable, keys: StoreKeys, h: Header, seg: int, local: int, grouped: list[tuple[Leaf, Any]], whole: bool
 ) -> list[list[Any]]:
-    """Grouped leaves of one element (segment-local): its whole row as one SETRANGE when every live column is written, else one per column."""
+    """Grouped leaves of one element (segment-local): its whole row as one SETRANGE when every live
+    column is written, else one per column."""
     assert h.row is not None
     number, width = h.row
     key = kt.ref(keys.data(number, seg))
     if whole:
         row = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped])
-        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), memoryview(row).cast("B"))]
-    return [Write.R(key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data) for leaf, data in grouped if len(data)]  # type: ignore[operator]
+        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), row.data.cast("B"))]
+    ops = []
+    for leaf, data in grouped:
+        assert leaf.col is not None  # a grouped leaf has its column
+        if len(data):
+            ops.append(Write.R(key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data))
+    return ops
 
 
 def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
@@ -131,7 +137,7 @@ def _move_out_whole(
     keep, moved = [], []
     for leaf, rows, data in writes:
         if rows.size == h.count and np.array_equal(rows, everything):
-            op = Write.S(kt.ref(keys.data(leaf.number)), memoryview(np.ascontiguousarray(data)).cast("B"))
+            op = Write.S(kt.ref(keys.data(leaf.number)), np.ascontiguousarray(data).data.cast("B"))
             moved.append((dataclasses.replace(leaf, col=None), op))
         else:
             keep.append((leaf, rows, data))
@@ -162,7 +168,7 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
         picked = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
         starts = uniq * width + leaf.col
         ops.append(
-            Write.R(kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), memoryview(picked).cast("B"))
+            Write.R(kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), picked.data.cast("B"))
         )
     return ops
 
