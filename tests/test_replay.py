@@ -386,7 +386,8 @@ def test_plain_lua_float64_codec_matches_ieee_754():
     values = [0.0, 5e-324, 1e-310, 2.2250738585072014e-308, 0.1, 1 / 3, 1.0, 2.0**52 + 1, 1e300, 1.7976931348623157e308]
     script = (
         lib
-        + "local out = {} for i, v in ipairs(ARGV) do local b = tds_f64_pack_plain(tonumber(v)) out[#out + 1] = b out[#out + 1] = string.format('%.17g', tds_f64_plain(b, 1)) end return out"
+        + "local out = {} for i, v in ipairs(ARGV) do local b = tds_f64_pack_plain(tonumber(v)) "
+        + "out[#out + 1] = b out[#out + 1] = string.format('%.17g', tds_f64_plain(b, 1)) end return out"
     )
     got = fakeredis.FakeRedis().eval(script, 0, *[repr(v) for v in values])
     for k, v in enumerate(values):

@@ -29,7 +29,8 @@ def test_element_cost_prints_both_cases_and_ratios() -> None:
 def test_batch_server_time_reports_server_time_and_the_reference() -> None:
     out = _run("batch_server_time.py", "--count", "300", "--reads", "3", "--reference", "--alternatives")
     assert re.search(
-        r"store\[idx\], 256 random\s+wall\s+[\d.]+ ms per read, server\s+[\d.]+ ms per call \(3 EXEC calls\), server CPU\s+[\d.]+ ms per read",
+        r"store\[idx\], 256 random\s+wall\s+[\d.]+ ms per read, server\s+[\d.]+ ms per call \(3 EXEC calls\), "
+        r"server CPU\s+[\d.]+ ms per read",
         out,
     )
     assert re.search(r"ring.sample\(256\), half\s+wall\s+[\d.]+ ms per read, server\s+[\d.]+ ms per call \(3 EVALSHA calls\)", out)
