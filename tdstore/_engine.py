@@ -8,6 +8,26 @@ transaction. The engine plans the call from its cached :class:`~tdstore._schema.
 the script (or the client, for a transaction) checks the versions first and, when the cache
 is stale, the engine adopts the current header and plans again. So the common case costs
 one round trip, and a stale cache costs one more, never wrong data.
+
+How ``store[i] = td`` becomes one call:
+
+1. The store (``_lazy_writes``) splits ``td`` into its leaves and hands :meth:`Engine.run_write`
+   a *plan*: a function of the cached header that returns the ops, built with the op kinds of
+   ``_ops.Write`` (``_writes.plan_element_write``: one ``R`` op, a SETRANGE of the element's
+   bytes, per homogeneous leaf, one ``E`` splice per heterogeneous one; ``_writes.plan_write``
+   for any other index, new keys or a key changing shape). Every check of the value happens
+   there, before anything is sent.
+2. :meth:`Engine.run_write_reply` turns the ops into ``write.lua``'s ARGV: the header's epoch,
+   the ``number:version`` of each leaf touched, what each key must hold (``_integrity``), and the
+   ops, cut per segment by ``_segments.localize_write`` when the store has several.
+3. :meth:`Engine.run` sends it (``_scripts.call``: one ``EVALSHA`` on the handle's held
+   connection, ``_transport``). The script checks the versions, checks every argument, then
+   writes; a ``STALE`` reply carries the current header, which the engine adopts before it
+   plans again. A spread store's call goes per segment and node instead (``_spread``).
+
+A read goes the same way: ``_reads`` plans it (a transaction of GETRANGEs when the client
+can name the bytes, else ``read.lua`` ops built with ``_ops.Read``) and the call's ``parse``
+turns the reply into tensors.
 """
 
 from __future__ import annotations
