@@ -265,7 +265,7 @@ def test_prioritized_sampler_keeps_the_tree_on_the_server(real):
     drawn = set(s["step"].tolist())
     total = 30.0 + (len(drawn) - 1) + (8 - len(drawn))  # rows never drawn keep priority 1
     assert abs(share - 30.0 / total) < 0.05
-    assert isinstance(other.sampler, StorePrioritizedSampler) and other.storage._call(lambda st: st.sampling_policy.alpha) == 1.0
+    assert isinstance(other.sampler, StorePrioritizedSampler) and other.storage.with_store(lambda st: st.sampling_policy.alpha) == 1.0
     # the weights are torchrl's: (P(i) / min P) ** -beta, at most 1
     w = big["priority_weight"]
     assert float(w.max()) <= 1.0 and torch.allclose(w[big["step"] == 3], torch.full_like(w[big["step"] == 3], 30.0**-0.5))

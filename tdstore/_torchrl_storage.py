@@ -1,0 +1,391 @@
+"""The torchrl ``Storage`` of :mod:`tdstore.torchrl`: a tdstore ring whose length, cursor and generations are the server's.
+
+Every process that opens a :class:`StoreStorage` with the same ``td_id`` and server
+shares one buffer.  The writer and samplers (:mod:`tdstore._torchrl_writer`,
+:mod:`tdstore._torchrl_samplers`) reach the ring through :meth:`StoreStorage.with_store`,
+which reopens it when another handle emptied the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Callable
+from copy import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
+from torchrl.data.replay_buffers.storages import Storage
+from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
+
+from . import _ring
+from ._connection import SECRET_KWARGS
+from ._engine import new_td_id
+from ._sampling import PrioritizedSample
+from .lazy import LazyStackedTensorDictStore
+
+#: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
+TENSOR_KEY = "_tensor"
+#: Keys a TensorDictReplayBuffer puts into the data it is given or returns; buffer metadata, never stored.
+METADATA_KEYS = ("index", "index_generation")
+#: Connection keywords kept in ``state_dict`` (never a secret: see ``SECRET_KWARGS``).
+_PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "backend", "username", "ssl")
+#: The message of the ``RuntimeError`` that sampling a buffer nothing was written to raises.
+EMPTY_ERROR = "Cannot sample from an empty storage: nothing has been written to the replay buffer yet."
+#: A batch a sampler read: ``StoreStorage.get`` of its very indices returns it without reading again.
+Drawn = _ring.Sample | PrioritizedSample
+
+
+def _public_url(url: str) -> str:
+    """``url`` without a password (user info or ``?password=``), for pickles and state dicts."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{parts.username}@{host}" if parts.username else host
+    query = urllib.parse.urlencode([(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "password"])
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _is_reattach_error(err: KeyError) -> bool:
+    """The store was emptied (deleted and created again) by another handle since this one opened it."""
+    text = str(err)
+    return "created again" in text or "it was deleted, expired, or never created" in text
+
+
+def has_keys(s: LazyStackedTensorDictStore) -> bool:
+    """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
+    if not s._engine.header.leaves:
+        s._engine.set_header(s._engine.fetch_header())
+    return bool(s._engine.header.leaves)
+
+
+class StoreStorage(_TorchrlStoreStorage):
+    """A torchrl ``Storage`` over a tdstore ring of ``max_size`` slots on a Redis-wire server.
+
+    It subclasses torchrl's ``StoreStorage`` only so that torchrl treats it alike (its
+    default collate function); every method is this class's own.  The ring store is
+    opened (created when missing, attached to when it exists) on first use, with the id
+    ``td_id`` (a new one unless given): every process that opens a ``StoreStorage`` with
+    the same ``td_id`` and server shares one buffer.  Keys come from the first data written.
+
+    Homogeneous data samples as a ``TensorDict``; data whose elements vary in shape
+    samples as a ``LazyStackedTensorDict`` (as torchrl's ``LazyStackStorage``).  Plain
+    tensors are stored under the key ``"_tensor"``; tensorclass data is stored as its
+    tensordict and rebuilt with the class on reads (a process that never wrote learns the
+    class from ``tensorclass_cls=``, or from a pickled/state-dict-loaded storage).
+
+    Args:
+        max_size: the ring's capacity. ``None`` with ``td_id`` reads it from the server.
+
+    Keyword Args:
+        td_id: the store's id (attach to an existing buffer); a new id when ``None``.
+        tensorclass_cls: the tensorclass the data is read back as (when another process wrote it).
+        url, host, port, db, unix_socket_path, prefix, password, password_provider, ...:
+            tdstore's connection keywords (see ``LazyStackedTensorDictStore``). Secrets stay
+            in this process: pickles and ``state_dict`` never hold a password (a child process
+            gets it from ``password_provider`` or ``$TDSTORE_PASSWORD``).
+    """
+
+    def __init__(
+        self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any
+    ) -> None:
+        self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
+        if "url" in store_kwargs and store_kwargs["url"] is not None:
+            self._secrets["url"] = store_kwargs["url"]
+            store_kwargs["url"] = _public_url(store_kwargs["url"])
+        self._conn = store_kwargs
+        self._td_id = td_id or new_td_id()
+        self._ring: LazyStackedTensorDictStore | None = None
+        self._pending: Drawn | None = None
+        self._reopens = 0
+        if max_size is None:
+            if td_id is None:
+                raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
+            self._ring = self._attach_existing()
+            max_size = self._ring._count
+        Storage.__init__(self, max_size=max_size)
+        self._tensorclass_type: type[Any] | None = tensorclass_cls  # any @tensorclass: its methods come from the decorator
+        self._is_tensor: bool | None = None  # None: not known in this process yet (read from the store's keys)
+        self.initialized = True
+
+    # -- the ring store --------------------------------------------------------------------
+    def _open_kwargs(self) -> dict[str, Any]:
+        return {**self._conn, **self._secrets}
+
+    def _attach_existing(self) -> LazyStackedTensorDictStore:
+        return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
+
+    @property
+    def _store(self) -> LazyStackedTensorDictStore:
+        """The ring store, created (or attached to, by td_id) on first use: one round trip."""
+        if self._ring is None:
+            self._ring = LazyStackedTensorDictStore(count=self.max_size, inner_batch_size=(), td_id=self._td_id, **self._open_kwargs())
+        return self._ring
+
+    @property
+    def _storage(self) -> LazyStackedTensorDictStore:
+        """The store (torchrl's samplers, SliceSampler for one, look for the data under ``_storage``)."""
+        return self._store
+
+    @property
+    def td_id(self) -> str:
+        """The id other processes attach to this buffer with (``replay_buffer(td_id=...)``).
+
+        Asking for it creates the store on the server when it is not there yet, so that
+        ``attach(td_id)`` finds it (and reads its size) before anything is written.
+        """
+        self._store  # noqa: B018
+        return self._td_id
+
+    @property
+    def store_identity(self) -> tuple[str, int]:
+        """Which store this handle is on: ``(td_id, reopen count)``, which changes when the buffer is emptied
+        or another one is loaded (a sampler forgets what it knew of the old one).  No round trip."""
+        return self._td_id, self._reopens
+
+    def with_store(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> Any:
+        """Run ``fn`` on the store; when another handle emptied the buffer (deleted and
+        recreated the store), reopen it once and run ``fn`` on the new one.  The writer and
+        samplers reach the store through this, so that they follow a reopen too."""
+        try:
+            return fn(self._store)
+        except KeyError as err:
+            if not _is_reattach_error(err):
+                raise
+        self._ring = None
+        self._reopens += 1
+        return fn(self._store)
+
+    # -- what torchrl reads ----------------------------------------------------------------
+    def __len__(self) -> int:
+        """The number of written slots, read from the server (one round trip)."""
+        return self.with_store(lambda s: s.ring_state().written)
+
+    @property
+    def _len(self) -> int:
+        return len(self)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        """Ignored: the length is the server's (torchrl's writers assign it after a write)."""
+
+    @property
+    def _last_cursor_index(self) -> int | None:
+        """The slot written last, from the server (SliceSampler cuts trajectories there)."""
+        rw = self.with_store(lambda s: s.write_count)
+        return None if rw == 0 else (rw - 1) % self.max_size
+
+    def _set_last_cursor(self, cursor: Any) -> None:
+        """Ignored: the cursor is the server's."""
+
+    @property
+    def _mutation_revision(self) -> int:
+        """Changes whenever any process writes (the server's ring write count) or the buffer is emptied."""
+        return (self._reopens << 40) + self.with_store(lambda s: s.write_count)
+
+    def _bump_mutation_revision(self) -> None:
+        """Nothing to bump: the revision is derived from the server's write count."""
+
+    def _data_kind(self) -> None:
+        """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
+        if self._is_tensor is None and has_keys(self._store):
+            self._is_tensor = list(self._store._engine.header.leaves) == [(TENSOR_KEY,)]
+
+    # -- writes ----------------------------------------------------------------------------
+    def _to_rows(self, data: Any) -> TensorDictBase:
+        """``data`` (a batch) as the tensordict the ring stores; remembers the data kind."""
+        if isinstance(data, list):
+            data = lazy_stack(list(data)) if data and is_tensor_collection(data[0]) else torch.stack(list(data))
+        if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
+            self._is_tensor = True
+            return TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+        if not is_tensor_collection(data):
+            raise TypeError(f"StoreStorage stores TensorDicts, tensorclasses and tensors, not {type(data).__name__}")
+        self._is_tensor = False
+        if is_tensorclass(data):
+            self._tensorclass_type = type(data)
+            data = data._tensordict
+        present = [k for k in METADATA_KEYS if k in data.keys()]
+        return data.exclude(*present) if present else data
+
+    def extend_ring(self, data: Any) -> torch.Tensor:
+        """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
+
+        One atomic ``store.extend`` call per ``max_size`` rows: a batch longer than the
+        ring is written in ``max_size`` chunks, the later ones overwriting the earlier
+        ones, as torchrl's own writer does with ``index % max_size``.
+        """
+        rows = self._to_rows(data)
+        n = rows.batch_size[0] if rows.batch_dims else 0
+        if n == 0:
+            raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
+        if n <= self.max_size:
+            return self.with_store(lambda s: s.extend(rows).indices)
+
+        def write_chunk(start: int) -> torch.Tensor:
+            return self.with_store(lambda s: s.extend(rows[start : start + self.max_size]).indices)
+
+        return torch.cat([write_chunk(i) for i in range(0, n, self.max_size)])
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Write ``data`` at explicit slots (``rb[index] = data``): one atomic call.
+
+        A writer that picks its own slots (torchrl's ``RoundRobinWriter``) would keep its
+        cursor in its process and never advance the server's: it is refused.  Slots written
+        this way keep their generation (only ring writes count), and ``len`` is unchanged.
+        """
+        if set_cursor:
+            raise RuntimeError(
+                "StoreStorage is written through StoreWriter, whose add/extend reserve slots on the server "
+                "(a writer that keeps its cursor in its process, like RoundRobinWriter, would make processes "
+                "overwrite each other's rows); build the buffer with tdstore.torchrl.replay_buffer(...) or "
+                "writer=StoreWriter()"
+            )
+        if isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0):
+            rows = self._to_rows(data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data])
+            cursor = torch.as_tensor([int(cursor)])
+        else:
+            rows = self._to_rows(data)
+
+        def write(s: LazyStackedTensorDictStore) -> None:
+            s[cursor] = rows
+
+        self.with_store(write)
+
+    # -- reads -----------------------------------------------------------------------------
+    def stash(self, sample: Drawn) -> None:
+        """Keep a batch ``store.sample`` read; ``get`` of these very indices returns it (no second round trip)."""
+        self._pending = sample
+
+    def stashed(self, index: Any) -> Drawn | None:
+        """The batch :meth:`stash` kept when ``index`` is its very indices tensor (not consumed)."""
+        p = self._pending
+        return p if p is not None and index is p.indices else None
+
+    def get(self, index: Any) -> Any:
+        """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store."""
+        p = self.stashed(index)
+        if p is not None:
+            self._pending = None
+            td = p.td
+        else:
+            td = self.with_store(lambda s: self._read(s, index))
+        self._data_kind()
+        if self._is_tensor:
+            if not isinstance(td, LazyStackedTensorDict):
+                return td.get(TENSOR_KEY)
+            return td.get(TENSOR_KEY, as_nested_tensor=False)  # type: ignore[call-overload]  # tensordict's overloads omit get's keywords
+        if self._tensorclass_type is not None:
+            return self._tensorclass_type.from_tensordict(td)
+        return td
+
+    def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
+        if not has_keys(s):
+            raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
+        if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
+            index = slice(*index.indices(len(self)))
+            if index.step == 1:
+                return s._read_index(index)
+            index = torch.arange(index.start, index.stop, index.step)
+        if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0):
+            return s._read_index(torch.as_tensor([int(index)]))[0]
+        return s._read_index(index)
+
+    def contains(self, item: Any) -> Any:
+        n = len(self)
+        if isinstance(item, int):
+            if item < 0:
+                item += n
+            return 0 <= item < n
+        if isinstance(item, torch.Tensor):
+            if item.dtype == torch.bool:
+                return item.sum() <= n
+            return (item >= 0) & (item < n) if item.ndim else torch.tensor(0 <= int(item) < n)
+        raise NotImplementedError(f"type {type(item)} is not supported yet.")
+
+    # -- emptying, state, pickling ---------------------------------------------------------
+    def _empty(self) -> None:
+        """Delete the buffer's store on the server (one atomic call); the next use recreates it
+        with the same ``td_id``, empty.  The ring has no server operation that empties it in
+        place, so this is not safe while other processes write: a write racing the delete
+        either lands before it (and is dropped) or recreates the store itself.  Other
+        handles reopen the new store on their next call."""
+        self._pending = None
+        self.with_store(lambda s: s.clear_redis())
+        self._ring = None
+        self._reopens += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """td_id, max_size and the non-secret connection fields: what another handle needs to attach."""
+        return {
+            "td_id": self._td_id,
+            "max_size": self.max_size,
+            "conn": {k: v for k, v in self._conn.items() if k in _PUBLIC_CONN},
+            "tensorclass": f"{self._tensorclass_type.__module__}.{self._tensorclass_type.__qualname__}"
+            if self._tensorclass_type is not None
+            else None,
+            "is_tensor": self._is_tensor,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Attach to the buffer ``state_dict`` names (by td_id; one round trip).
+
+        Connection fields this handle was given win over the saved ones (its password
+        for one stays in this process).  A tensorclass is only taken from the saved name
+        when this process has imported that class already (nothing is imported).
+        """
+        if int(state_dict["max_size"]) != self.max_size:
+            raise ValueError(
+                f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
+            )
+        self._conn = {**state_dict.get("conn", {}), **self._conn}
+        self._td_id = state_dict["td_id"]
+        self._pending = None
+        self._ring = self._attach_existing()
+        self._reopens += 1
+        self._is_tensor = state_dict.get("is_tensor")
+        path = state_dict.get("tensorclass")
+        if path is not None and self._tensorclass_type is None:
+            import sys
+
+            module, _, name = path.rpartition(".")
+            cls = getattr(sys.modules.get(module), name, None)
+            if cls is not None and is_tensorclass(cls):
+                self._tensorclass_type = cls
+
+    def dumps(self, path: Any) -> None:
+        """Write the state dict as JSON in ``path`` (the data stays on the server)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "store.json").write_text(json.dumps(self.state_dict()))
+
+    def loads(self, path: Any) -> None:
+        """Attach to the buffer a ``dumps`` saved in ``path``."""
+        self.load_state_dict(json.loads((Path(path) / "store.json").read_text()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``Storage.__getstate__`` keeps, minus its ``multiprocessing.Value`` counters.
+
+        torchrl's own StoreStorage forgets to drop them (``pickle.dumps(storage)`` raises
+        "Synchronized objects should only be shared between processes through
+        inheritance").  ``Storage.__getstate__`` itself would read them through this
+        class's properties, i.e. ask the server, for values this class never uses: the
+        revision and the last cursor are the server's.  Secrets are never pickled.
+        """
+        state = copy(self.__dict__)
+        state["_rng"] = None
+        state.pop("_mutation_revision_value", None)
+        state.pop("_last_cursor_index_value", None)
+        state["_secrets"] = {}  # a child gets the password from password_provider or $TDSTORE_PASSWORD
+        state["_pending"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)  # makes fresh (unused) counters where torchrl expects them
+
+    def __repr__(self) -> str:
+        where = {k: v for k, v in self._conn.items() if k in _PUBLIC_CONN}
+        return f"{type(self).__name__}(td_id={self._td_id!r}, max_size={self.max_size}, {where})"

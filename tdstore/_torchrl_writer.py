@@ -1,0 +1,93 @@
+"""The torchrl ``Writer`` of :mod:`tdstore.torchrl`: slots reserved on the server, in the call that writes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.writers import Writer
+
+from . import _ring
+from ._torchrl_storage import StoreStorage
+
+
+class StoreWriter(Writer):
+    """A torchrl ``Writer`` whose slots are reserved on the server, in the call that writes them.
+
+    ``add`` and ``extend`` are one ``store.extend`` each (see :class:`StoreStorage`), so
+    writers in any number of processes and machines share one cursor and never write the
+    same slot in one lap.  The cursor and write count are read from the server.
+    Generations come from the server's write counter too, in torchrl's convention (the
+    first write of a slot is generation 0, a never-written slot -1), whatever
+    ``track_generations`` says; that flag only makes samples carry ``"index_generation"``.
+    """
+
+    def __init__(self, *, track_generations: bool = False) -> None:
+        super().__init__()
+        self._track_generations = track_generations
+
+    @property
+    def tracks_generations(self) -> bool:
+        return self._track_generations
+
+    def _ring_storage(self) -> StoreStorage:
+        if not isinstance(self._storage, StoreStorage):
+            raise TypeError(f"StoreWriter writes a tdstore.torchrl.StoreStorage, got {type(self._storage).__name__}")
+        return self._storage
+
+    def add(self, data: Any) -> int:
+        storage = self._ring_storage()
+        one = data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]
+        index = int(storage.extend_ring(one)[0])
+        self._mark_update_entities(index)
+        return index
+
+    def extend(self, data: Any) -> torch.Tensor:
+        index = self._ring_storage().extend_ring(data)
+        self._mark_update_entities(index)
+        return index
+
+    def _mark_update_entities(self, index: Any) -> None:
+        for ent in self._storage._attached_entities_iter():
+            ent.mark_update(index)
+
+    def generations_of(self, index: Any) -> torch.Tensor:
+        """Each slot's generation: from the batch a ``StoreSampler`` just drew, else one round trip."""
+        storage = self._ring_storage()
+        p = storage.stashed(index)
+        if p is not None:
+            return p.generations - 1
+        if isinstance(index, tuple):
+            index = index[0]
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rw = storage.with_store(lambda s: s.write_count)
+        slots = idx.clamp(0, storage.max_size - 1)
+        gen = _ring.generations(slots, rw, storage.max_size) - 1
+        return torch.where((idx >= 0) & (idx < storage.max_size), gen, torch.full_like(gen, -1))
+
+    @property
+    def _cursor(self) -> int:
+        return self._ring_storage().with_store(lambda s: s.cursor)
+
+    @property
+    def _write_count(self) -> int:
+        return self._ring_storage().with_store(lambda s: s.write_count)
+
+    def _empty(self, empty_write_count: bool = True) -> None:
+        """Nothing here: ``StoreStorage._empty`` empties the store, and with it the cursor and the write count."""
+
+    def dumps(self, path: Any) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def loads(self, path: Any) -> None:
+        """Nothing to load: the cursor and write count are the server's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the cursor and write count are the server's."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(track_generations={self._track_generations})"
