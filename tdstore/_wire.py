@@ -25,14 +25,18 @@ import redis
 try:  # redis-py's hiredis parser and the sentinel its reader returns when a reply is incomplete
     from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
     from redis._parsers.hiredis import _HiredisParser
+
+    _HAS_HIREDIS_PARSER = True
 except ImportError:  # pragma: no cover - another redis-py layout: read reply by reply
-    _HiredisParser = None  # type: ignore[assignment,misc]
+    _HAS_HIREDIS_PARSER = False
     _NOT_ENOUGH_DATA = object()
 try:
     import hiredis
+
+    _HAS_HIREDIS = True
 except ImportError:  # pragma: no cover - redis[hiredis] is a dependency; without it, read reply by reply
-    hiredis = None
-_PUSH = getattr(hiredis, "PushNotification", None)  # hiredis < 3.2 has no push type
+    _HAS_HIREDIS = False
+_PUSH = getattr(hiredis, "PushNotification", None) if _HAS_HIREDIS else None  # hiredis < 3.2 has no push type
 
 MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 EXEC = b"*1\r\n$4\r\nEXEC\r\n"
@@ -62,7 +66,7 @@ def _fast_path_ok(conn: Any, parser: Any) -> bool:
     """Whether replies can be taken from a hiredis reader directly: redis-py's hiredis parser,
     and pushes told apart from replies (hiredis 3.2 or newer, or a RESP2 connection)."""
     return (
-        _HiredisParser is not None
+        _HAS_HIREDIS_PARSER
         and isinstance(parser, _HiredisParser)
         and getattr(parser, "_reader", None) is not None
         and (_PUSH is not None or str(getattr(conn, "protocol", 2) or 2) == "2")
@@ -87,7 +91,7 @@ def exchange(conn: Any, packed: Sequence[bytes], n_replies: int) -> list[Any]:
     caller must then drop the connection.
     """
     conn.send_packed_command([b"".join(packed)], check_health=False)
-    parser = getattr(conn, "_parser", None)
+    parser: Any = getattr(conn, "_parser", None)  # redis-py's parser of the connection, private to it
     replies: list[Any] = []
     if _fast_path_ok(conn, parser):
         gets, more = parser._reader.gets, parser.read_from_socket
@@ -120,14 +124,14 @@ def transaction(conn: Any, body: bytes, n_commands: int) -> list[Any]:
     buffered; otherwise ``exchange`` does the same more slowly.
     """
     sock = getattr(conn, "_sock", None)
-    parser = getattr(conn, "_parser", None)
-    if sock is None or hiredis is None or not _fast_path_ok(conn, parser) or parser._reader.has_data():
+    parser: Any = getattr(conn, "_parser", None)  # redis-py's parser of the connection, private to it
+    if sock is None or not _HAS_HIREDIS or not _fast_path_ok(conn, parser) or parser._reader.has_data():
         replies = exchange(conn, [MULTI, body, EXEC], n_commands + 2)
         return _exec_reply(conn, replies[-1], n_commands)
     conn.send_packed_command([MULTI + body + EXEC], check_health=False)
     reader = hiredis.Reader(protocolError=redis.exceptions.InvalidResponse, replyError=parser.parse_error, notEnoughData=_INCOMPLETE)
     prefix = _OK + _QUEUED * n_commands
-    got = bytearray()
+    got = b""  # bytes, as Reader.feed takes them (the first recv is kept without a copy)
     try:
         while len(got) < len(prefix) and prefix.startswith(got):
             got += _recv(sock)
