@@ -73,7 +73,7 @@ def nbytes(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
 
 
 #: dtypes whose tensors ``.numpy()`` can view directly (bfloat16, float8, complex32 and wide uints go through uint8).
-_NUMPY_NATIVE = frozenset(
+NUMPY_NATIVE = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -97,7 +97,7 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
     into the socket buffer.
     """
     if (
-        tensor.dtype in _NUMPY_NATIVE
+        tensor.dtype in NUMPY_NATIVE
         and tensor.device.type == "cpu"
         and tensor.is_contiguous()
         and not tensor.requires_grad
@@ -105,14 +105,14 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
         and not tensor.is_neg()
     ):
         # the common case: numpy sees the tensor's own memory, no torch ops needed
-        return memoryview(tensor.numpy()).cast("B") if tensor.numel() else memoryview(b"")
+        return tensor.numpy().data.cast("B") if tensor.numel() else memoryview(b"")
     t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
@@ -128,7 +128,7 @@ def from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: 
         return torch.empty(tuple(shape), dtype=dtype)
     # a bytearray is taken over as it is (callers hand over a buffer they built); anything else is copied once
     owned = data if isinstance(data, bytearray) else bytearray(data)
-    flat = torch.frombuffer(owned, dtype=dtype) if dtype in _NUMPY_NATIVE else torch.frombuffer(owned, dtype=torch.uint8).view(dtype)
+    flat = torch.frombuffer(owned, dtype=dtype) if dtype in NUMPY_NATIVE else torch.frombuffer(owned, dtype=torch.uint8).view(dtype)
     return flat if len(shape) == 1 else flat.reshape(tuple(shape))
 
 

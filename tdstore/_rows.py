@@ -85,7 +85,7 @@ def units(h: Header, leaves: list[Leaf]) -> tuple[list[Leaf], Leaf | None, list[
     return out, block, grouped
 
 
-_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _codec._NUMPY_NATIVE}
+_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _codec.NUMPY_NATIVE}
 
 
 def split(rows: torch.Tensor | np.ndarray, grouped: list[Leaf]) -> dict[NestedPath, torch.Tensor]:
@@ -99,9 +99,10 @@ def split(rows: torch.Tensor | np.ndarray, grouped: list[Leaf]) -> dict[NestedPa
     flat = rows if isinstance(rows, np.ndarray) else rows.numpy()
     out = {}
     for leaf in grouped:
+        col, leaf_shape = leaf.col, leaf.shape
+        assert col is not None and leaf_shape is not None  # a grouped leaf: a homogeneous leaf with a column
         eb = leaf.element_nbytes
-        col: int = leaf.col  # type: ignore[assignment]
-        shape = lead + tuple(leaf.shape)  # type: ignore[arg-type]
+        shape = lead + tuple(leaf_shape)
         np_dtype = _NUMPY.get(leaf.dtype)
         if np_dtype is not None:
             out[leaf.path] = torch.from_numpy(flat[..., col : col + eb].copy().view(np_dtype).reshape(shape))
@@ -116,7 +117,8 @@ def join(width: int, columns: list[tuple[Leaf, np.ndarray]]) -> np.ndarray:
     n = columns[0][1].shape[0]
     rows = np.zeros((n, width), dtype=np.uint8)
     for leaf, data in columns:
-        col: int = leaf.col  # type: ignore[assignment]
+        col = leaf.col
+        assert col is not None  # a grouped leaf
         rows[:, col : col + data.shape[1]] = data
     return rows
 
