@@ -203,7 +203,7 @@ class Header:
 
     def grouped(self) -> list[Leaf]:
         """The leaves living in the row block, by column."""
-        return sorted((leaf for leaf in self.leaves.values() if leaf.col is not None), key=lambda leaf: leaf.col)  # type: ignore[arg-type, return-value]
+        return sorted((leaf for leaf in self.leaves.values() if leaf.col is not None), key=lambda leaf: leaf.col or 0)
 
     @property
     def inner_numel(self) -> int:
@@ -234,8 +234,8 @@ class Header:
         stamped = {}
         for path, leaf in leaves.items():
             old = old_by_number.get(leaf.number)
-            keep = old is not None and old.same_layout(leaf)
-            stamped[path] = replace(leaf, version=old.version if keep else new_version)  # type: ignore[union-attr]
+            version = old.version if old is not None and old.same_layout(leaf) else new_version
+            stamped[path] = replace(leaf, version=version)
         names = {(p, leaf.number) for p, leaf in self.leaves.items()}
         new_names = {(p, leaf.number) for p, leaf in stamped.items()}
         return replace(
@@ -298,9 +298,9 @@ class Header:
         of being guessed at. Here the dtypes become torch dtypes.
         """
         info = parse_header(raw)
-        schema_raw = raw.get(b"schema") if b"schema" in raw else raw.get("schema")
         try:
-            schema = json.loads(schema_raw)  # parse_header has checked that it is a JSON object
+            # parse_header has checked that the field is there and holds a JSON object
+            schema = json.loads(raw[b"schema"] if b"schema" in raw else raw["schema"])
             sub = _parse_sub(schema.get("sub", []))
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
@@ -399,12 +399,13 @@ def _moved_sub(
         if leaf.json or leaf.shape is None:
             continue
         for k in range(len(path) - 1, 0, -1):
-            dims = out.get(path[:k])
-            if dims is not None:
-                if leaf.shape[n_inner : n_inner + len(dims)] != dims:
+            sub_dims = out.get(path[:k])
+            if sub_dims is not None:
+                if leaf.shape[n_inner : n_inner + len(sub_dims)] != sub_dims:
                     raise ValueError(
-                        f"key {path if len(path) > 1 else path[0]!r} of element shape {list(leaf.shape)} does not start with the batch dims "
-                        f"{list(dims)} of its sub-tree {path[:k]!r} (after the store's {n_inner} inner dims); nothing was written"
+                        f"key {path if len(path) > 1 else path[0]!r} of element shape {list(leaf.shape)} "
+                        f"does not start with the batch dims {list(sub_dims)} of its sub-tree {path[:k]!r} "
+                        f"(after the store's {n_inner} inner dims); nothing was written"
                     )
                 break
     return out
