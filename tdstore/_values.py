@@ -65,7 +65,7 @@ def display(path: NestedPath) -> str | NestedPath:
 def exclusive_keys(stack: LazyStackedTensorDict) -> set:
     """Leaf keys present in some but not all elements of a lazy stack (recursively)."""
     members = stack.tensordicts
-    sets = []
+    sets: list[set[NestedPath]] = []
     for td in members:
         if isinstance(td, LazyStackedTensorDict):
             extra = exclusive_keys(td)
@@ -74,7 +74,8 @@ def exclusive_keys(stack: LazyStackedTensorDict) -> set:
         sets.append({as_path(k) for k in td.keys(include_nested=True, leaves_only=True)})
     if not sets:
         return set()
-    return set.union(*sets) - set.intersection(*sets)
+    first, *rest = sets
+    return first.union(*rest) - first.intersection(*rest)
 
 
 def _check_member_dtypes(stack: LazyStackedTensorDict, key: Any, path: NestedPath) -> None:
@@ -162,7 +163,7 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
         if lazy:
             extra = exclusive_keys(value)
             if extra:
-                names = sorted(display(prefix + p) for p in extra)  # type: ignore[type-var]
+                names = sorted(display(prefix + p) for p in extra)
                 raise ValueError(f"keys {names} are present in only some elements of the lazy stack; every element must hold the same keys")
         if not lazy and type(value) is TensorDict:
             # the common case (store[i] = td): one pass over the items
@@ -320,13 +321,14 @@ def _td_factory(batch_size: torch.Size, device: torch.device | None) -> Callable
     probe = TensorDict._new_unsafe(source={"x": torch.zeros(*batch_size, 1)}, batch_size=batch_size, device=device)
     state = vars(probe)
     if set(state) != _TD_STATE or state["_td_dim_names"] is not None:
-        return lambda source: TensorDict._new_unsafe(source=source, batch_size=batch_size, device=device)
+        # the source's keys are str, which tensordict's stub types as dict[NestedKey, ...] (dict keys are invariant)
+        return lambda source: TensorDict._new_unsafe(source=source, batch_size=batch_size, device=device)  # type: ignore[arg-type]
     stored_bs, stored_device = state["_batch_size"], state["_device"]
     blank = object.__new__
 
     def make(source: dict[str, Any]) -> TensorDict:
         td = blank(TensorDict)
-        d = vars(td)
+        d = td.__dict__
         d["_tensordict"] = source
         d["_batch_size"] = stored_bs
         d["_device"] = stored_device
@@ -365,6 +367,13 @@ def assemble(
     return _stacked(plan, [build_td({p: c[k] for p, c in result.columns.items()}, inner, device, under, sub) for k in range(n)], False)
 
 
+def _flipped(td: TensorDict, dim: int) -> TensorDict:
+    """``td`` with every tensor flipped along ``dim`` (``apply`` returns None only for a function returning None)."""
+    out = td.apply(lambda t: t.flip(dim))
+    assert out is not None
+    return out
+
+
 def _stacked(plan: Plan | None, tds: list[TensorDict], uniform: bool) -> TensorDictBase:
     """The elements read (``tds``, in id order) as the index asked for them: one element, or a lazy
     stack, reversed, repeated or sliced as the plan says (``uniform``: one factory made them all)."""
@@ -379,7 +388,7 @@ def _stacked(plan: Plan | None, tds: list[TensorDict], uniform: bool) -> TensorD
             tds = tds[::-1]
         else:
             el_dim = d if d < sp else d - 1
-            tds = [td.apply(lambda t, el_dim=el_dim: t.flip(el_dim)) for td in tds]
+            tds = [_flipped(td, el_dim) for td in tds]
     local = plan.local
     if sp == 0 and len(local) == 1 and isinstance(local[0], torch.Tensor) and local[0].ndim == 1 and local[0].dtype == torch.int64:
         # a batch of elements read once each, in another order or repeated: pick the members as
