@@ -90,19 +90,19 @@ class StoreSampler(Sampler):
         return _ring.Sample(build_td(res.leaves, res.batch_size, s._device), slots, _ring.generations(slots, int(rw), m))
 
     def _empty(self) -> None:
-        pass
+        """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""
 
     def dumps(self, path: Any) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
 
     def loads(self, path: Any) -> None:
-        pass
+        """Nothing to load: the one thing the sampler knows, the written length, is the server's."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        return
+        """Nothing to restore (see :meth:`loads`)."""
 
 
 class StoreSamplerWithoutReplacement(SamplerWithoutReplacement):
