@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ from ._values import display, gc_paused, subtree_dims
 
 if TYPE_CHECKING:
     from redis.client import Pipeline
-    from redis.cluster import RedisCluster
     from redis.typing import EncodableT, FieldT
 
     from ._keys import StoreKeys
@@ -368,8 +367,7 @@ def _release_segments(engine: Engine, header: Header, ttl_ms: int) -> str:
         ("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at])
         for k in range(1, header.segments.n)
     ]
-    # a spread store lives on a cluster, whose client _connection types as redis.Redis
-    for r in _scripts.call_many(cast("RedisCluster", engine.client), calls):
+    for r in _scripts.call_many(engine.cluster, calls):
         if isinstance(r, Exception):
             raise r
         if r[0] != b"OK":
