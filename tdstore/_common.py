@@ -2,8 +2,10 @@
 for a fixed batch size and no dim names, the in-place methods that run on the server or through a
 copy, the message of a locked store, and small argument helpers.
 
-``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` and the dense ``TensorDictStore``
-(``dense``) build on them.
+``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` (``_lazy_element``) and the dense
+``TensorDictStore`` (``dense``) build on them.  :class:`StackStore` and :class:`StackOps` say what
+a view or the dense store may use of the lazy store it wraps; :data:`MixinBase` is the base of the
+mixins the store classes are made of.
 """
 
 from __future__ import annotations
