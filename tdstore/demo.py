@@ -230,7 +230,7 @@ def _upload(
 
         rb = replay_buffer(count, url=url, prefix=prefix, batch_size=batch, sampler="prioritized", alpha=0.6, beta=0.4)
         rb.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
-        uploaded = rb.storage._store
+        uploaded = rb.storage.with_store(lambda ring: ring)  # the ring store under the buffer
         # Reverb's SampleToInsertRatio on the server: the learner draws about SAMPLES_PER_INSERT
         # rows per row inserted; actors run at most two laps ahead of that, the learner never ahead
         uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
