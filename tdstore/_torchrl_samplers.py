@@ -56,10 +56,10 @@ class StoreSampler(Sampler):
     def _draw(self, storage: StoreStorage, s: LazyStackedTensorDictStore, batch_size: int) -> Drawn:
         if not has_keys(s):
             raise RuntimeError(EMPTY_ERROR)
-        h = s._engine.header
+        h = s.stack_ops.engine.header
         if self._bound_of != storage.store_identity:
             self._bound_of, self._bound = storage.store_identity, 0
-        if s._engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
+        if s.stack_ops.engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
             got = self._draw_here(s, batch_size, h.count)
             if got is not None:
                 return got
@@ -78,7 +78,7 @@ class StoreSampler(Sampler):
         if self._bound == 0:
             return None
         slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
-        _, res = s._engine.read(slots, fields=("rw", "sc"))
+        _, res = s.stack_ops.engine.read(slots, fields=("rw", "sc"))
         if not isinstance(res, DenseResult) or res.fields is None:
             return None
         rw = res.fields.get("rw")
@@ -87,7 +87,7 @@ class StoreSampler(Sampler):
         self._bound = min(int(rw), m)
         if int(slots.max()) >= self._bound:
             return None
-        return _ring.Sample(build_td(res.leaves, res.batch_size, s._device), slots, _ring.generations(slots, int(rw), m))
+        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, int(rw), m))
 
     def _empty(self) -> None:
         """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""

@@ -57,9 +57,9 @@ def _is_reattach_error(err: KeyError) -> bool:
 
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
     """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
-    if not s._engine.header.leaves:
-        s._engine.set_header(s._engine.fetch_header())
-    return bool(s._engine.header.leaves)
+    if not s.stack_ops.engine.header.leaves:
+        s.stack_ops.engine.set_header(s.stack_ops.engine.fetch_header())
+    return bool(s.stack_ops.engine.header.leaves)
 
 
 class StoreStorage(_TorchrlStoreStorage):
@@ -105,7 +105,7 @@ class StoreStorage(_TorchrlStoreStorage):
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
             self._ring = self._attach_existing()
-            max_size = self._ring._count
+            max_size = self._ring.capacity
         Storage.__init__(self, max_size=max_size)
         self._tensorclass_type: type[Any] | None = tensorclass_cls  # any @tensorclass: its methods come from the decorator
         self._is_tensor: bool | None = None  # None: not known in this process yet (read from the store's keys)
@@ -192,7 +192,7 @@ class StoreStorage(_TorchrlStoreStorage):
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
         if self._is_tensor is None and has_keys(self._store):
-            self._is_tensor = list(self._store._engine.header.leaves) == [(TENSOR_KEY,)]
+            self._is_tensor = list(self._store.stack_ops.engine.header.leaves) == [(TENSOR_KEY,)]
 
     # -- writes ----------------------------------------------------------------------------
     def _to_rows(self, data: Any) -> TensorDictBase:
@@ -288,11 +288,11 @@ class StoreStorage(_TorchrlStoreStorage):
         if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
             index = slice(*index.indices(len(self)))
             if index.step == 1:
-                return s._read_index(index)
+                return s.stack_ops.read(index)
             index = torch.arange(index.start, index.stop, index.step)
         if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0):
-            return s._read_index(torch.as_tensor([int(index)]))[0]
-        return s._read_index(index)
+            return s.stack_ops.read(torch.as_tensor([int(index)]))[0]
+        return s.stack_ops.read(index)
 
     def contains(self, item: Any) -> Any:
         n = len(self)
