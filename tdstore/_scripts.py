@@ -209,7 +209,7 @@ def _tdstore_part(msg: str) -> str:
     return msg[:cut] if cut >= 0 else msg
 
 
-def translate(err: ResponseError) -> Exception:
+def translate(err: Exception) -> Exception:
     """Turn a server error into the exception a user should see (never showing a script hash or line)."""
     msg = str(err)
     if "TDSTORE" in msg:

@@ -272,7 +272,7 @@ def _send(
                 pipe.pexpire(key, UPLOAD_TTL_MS)
             for reply in pipe.execute(raise_on_error=False):
                 if isinstance(reply, Exception):
-                    raise _scripts.translate(reply)  # type: ignore[arg-type]  # a cluster pipeline's replies hold other errors too
+                    raise _scripts.translate(reply)
             if bar is not None:
                 bar.update(hi - lo)
 

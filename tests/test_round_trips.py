@@ -239,7 +239,7 @@ def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real, monkeypatch):
 
 def test_plain_scan_matches_the_general_scan():
     """The fast upload scan (plain TensorDicts, key dicts read directly) finds what the general one finds."""
-    from tdstore._upload import scan, scan_plain
+    from tdstore._upload_scan import scan, scan_plain
 
     els = [
         TensorDict(a=torch.randn(2, 3), n=TensorDict(b=torch.arange(i + 1), c=TensorDict(d=torch.zeros(1, dtype=torch.int8))))
