@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
-from . import _ragged, _ring, _sampling, _waiting
+from . import _ragged, _ring, _ring_reads, _sampling, _waiting
 from ._common import LOCK_ERROR
 from ._engine import Engine
 from ._errors import MustWait
@@ -124,7 +124,7 @@ class ReplayMethods(LazyState):
             )
         if isinstance(keys, (str, tuple)):
             keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
-        return _ring.sample(
+        return _ring_reads.sample(
             self._engine,
             batch_size,
             generator,
@@ -249,7 +249,7 @@ class ReplayMethods(LazyState):
         """
         if isinstance(keys, (str, tuple)):
             keys = [keys]
-        return _ring.pop(self._engine, batch_size, self._device, timeout, None if keys is None else [as_path(k) for k in keys])
+        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, None if keys is None else [as_path(k) for k in keys])
 
     def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> _ring.RingState:
         """Block until the ring holds ``written`` items (``len(store.written)``) or has had ``write_count``
