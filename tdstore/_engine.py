@@ -33,7 +33,6 @@ turns the reply into tensors.
 from __future__ import annotations
 
 import random
-import secrets
 import threading
 import time
 import uuid
@@ -532,30 +531,7 @@ class Engine(Transport):
         if self.readonly:
             raise PermissionError(f"the store with {self.where()} is open read-only (readonly=True); open another handle to write")
 
-    def clear(self) -> int:
-        """Delete every key of this store (one round trip); 0 when it is already gone."""
-        self.refuse_if_readonly()
-
-        def plan_call(h: Header) -> Call:
-            return Call(
-                "clear", self._clear_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *self._clear_args()], lambda r: int(r[1])
-            )
-
-        try:
-            deleted = self._run_spread(_spread.clear) if _spread.spreads(self.header) else self.run(plan_call)
-        except KeyError:
-            deleted = 0
-        finally:
-            self._header = None
-        if self.spec.cluster:  # the registry lives in another slot (see create)
-            self.client.srem(self.keys.registry, self.keys.td_id)
-        return deleted
-
-    def _clear_args(self) -> list[str]:
-        """ARGV after the version check of ``clear.lua``: the td_id, and on Cluster no registry key."""
-        return [self.keys.td_id, "noreg"] if self.spec.cluster else [self.keys.td_id]
-
-    def _run_spread(self, step: Callable[[Engine, Header], Any]) -> Any:
+    def run_spread(self, step: Callable[[Engine, Header], Any]) -> Any:
         """``step(self, header)`` until it gives a result (None: it refreshed the header, try again;
         ``_spread.WAIT``: a schema change holds the lock, wait for it, at most its lease)."""
         deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
@@ -571,56 +547,6 @@ class Engine(Transport):
             attempt += 1
             lost_race(attempt)
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
-
-    def abort_upload(self, next_leaf: int, segments: int) -> None:
-        if self.spec.cluster and self.keys.spread and segments > 1:  # one call per segment: they live on several nodes
-            calls = [
-                ("clear", [self.keys.guard(seg), *self.keys.segment_keys(next_leaf, seg)], ["*", self.keys.td_id, "noreg"])
-                for seg in range(1, segments)
-            ]
-            _scripts.call_many(self.cluster, calls)
-            segments = 1
-        _scripts.call(self.client, "clear", self._clear_keys(next_leaf, segments), ["*", *self._clear_args()])
-        if self.spec.cluster:
-            self.client.srem(self.keys.registry, self.keys.td_id)
-
-    def copy_to(self, keys: StoreKeys) -> Header:
-        """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``).
-
-        Returns the copy's header: the one the call was checked against, with the new
-        epoch, so the new handle needs no round trip of its own.
-        """
-
-        def plan_call(h: Header) -> Call:
-            src = self.keys.all_keys(h.next_leaf, h.segments.n)[1:]
-            dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
-            epoch = secrets.token_hex(8)
-            return Call(
-                "copy",
-                [self.keys.meta, keys.meta, keys.registry, *src, *dst],
-                [f"{h.epoch}:V{h.version}", keys.td_id, epoch],
-                lambda r: replace(h, epoch=epoch),
-            )
-
-        return self.run(plan_call)
-
-    def _clear_keys(self, next_leaf: int, segments: int) -> list[str]:
-        keys = self.keys.all_keys(next_leaf, segments)
-        if self.spec.cluster:
-            return keys
-        return [keys[0], self.keys.registry, *keys[1:]]
-
-    def expire(self, ttl_ms: int) -> None:
-        """Give every key of the store a time to live of ``ttl_ms`` (0: none), in one atomic call."""
-        self.refuse_if_readonly()
-
-        def plan_call(h: Header) -> Call:
-            return Call("expire", self.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
-
-        if _spread.spreads(self.header):
-            self._run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
-        else:
-            self.run(plan_call)
 
     def ttl_ms(self) -> int | None:
         """Milliseconds left before the store expires, ``None`` when it does not (one round trip)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _whole_store
 from ._common import ttl_to_ms
 from ._engine import Engine
 from ._keys import StoreKeys
@@ -32,11 +33,11 @@ class LazyLifecycle(LazyState):
         ms = ttl_to_ms(seconds)
         if ms == 0:
             raise ValueError(f"expire needs a positive number of seconds, got {seconds!r}; use persist() to remove the time to live")
-        self._engine.expire(ms)
+        _whole_store.expire(self._engine, ms)
 
     def persist(self) -> None:
         """Remove the store's time to live (every key), in one atomic call."""
-        self._engine.expire(0)
+        _whole_store.expire(self._engine, 0)
 
     def ttl(self) -> float | None:
         """Seconds left before the store expires, or ``None`` when it has no time to live."""
@@ -45,7 +46,7 @@ class LazyLifecycle(LazyState):
 
     def clear_redis(self) -> int:
         """Delete every key of this store, and nothing else, in one atomic call. Returns the count deleted."""
-        return self._engine.clear()
+        return _whole_store.clear(self._engine)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
         last = self._last_op_queue[-1] if getattr(self, "_last_op_queue", None) else None

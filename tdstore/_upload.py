@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from . import _codec, _integrity, _rows, _scripts, _spread
+from . import _codec, _integrity, _rows, _scripts, _spread, _whole_store
 from ._engine import Engine
 from ._errors import StoreDamagedError
 from ._progress import progress
@@ -148,7 +148,7 @@ def _upload(
         _commit(engine, header, token, ttl_ms, spread)
     except BaseException:
         try:
-            engine.abort_upload(header.next_leaf, header.segments.n)
+            _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
         finally:
             engine.set_header(None)
         raise

@@ -21,7 +21,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tensordict.base import NO_DEFAULT
 
-from . import _index, _nontensor
+from . import _index, _nontensor, _whole_store
 from ._common import LOCK_ERROR, KeysView, StackStore, fetch_existing, only_keys, ttl_to_ms
 from ._connection import open_client
 from ._engine import Engine, new_td_id
@@ -412,7 +412,7 @@ class TensorDictStore(ElementView):
                 spread=ops.engine.header.spread,
             )
         keys = StoreKeys(src.prefix, new_td_id())
-        header = ops.engine.copy_to(keys)
+        header = _whole_store.copy_to(ops.engine, keys)
         engine = Engine(ops.engine.spec, keys, ops.engine.client, owns_client=False)
         engine.set_header(header)
         return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))

@@ -1,0 +1,98 @@
+"""Operations on a store as a whole: delete it, copy it, give it a time to live, undo an upload.
+
+Each is one atomic call of its own script (``clear.lua``, ``copy.lua``, ``expire.lua``) naming
+every key the store may own, or, on a store spread over a cluster's nodes, one call per segment
+(``_spread.clear`` / ``_spread.expire``, the header last).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+
+from . import _scripts, _spread
+from ._call import Call
+from ._engine import Engine
+from ._keys import StoreKeys
+from ._schema import Header
+
+
+def clear(engine: Engine) -> int:
+    """Delete every key of this store (one round trip); 0 when it is already gone."""
+    engine.refuse_if_readonly()
+
+    def plan_call(h: Header) -> Call:
+        return Call(
+            "clear", _clear_keys(engine, h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", *_clear_args(engine)], lambda r: int(r[1])
+        )
+
+    try:
+        deleted = engine.run_spread(_spread.clear) if _spread.spreads(engine.header) else engine.run(plan_call)
+    except KeyError:
+        deleted = 0
+    finally:
+        engine.set_header(None)
+    if engine.spec.cluster:  # the registry lives in another slot (see create)
+        engine.client.srem(engine.keys.registry, engine.keys.td_id)
+    return deleted
+
+
+def _clear_args(engine: Engine) -> list[str]:
+    """ARGV after the version check of ``clear.lua``: the td_id, and on Cluster no registry key."""
+    return [engine.keys.td_id, "noreg"] if engine.spec.cluster else [engine.keys.td_id]
+
+
+def abort_upload(engine: Engine, next_leaf: int, segments: int) -> None:
+    """Delete what an upload cut short wrote (its header was never committed)."""
+    if engine.spec.cluster and engine.keys.spread and segments > 1:  # one call per segment: they live on several nodes
+        calls = [
+            ("clear", [engine.keys.guard(seg), *engine.keys.segment_keys(next_leaf, seg)], ["*", engine.keys.td_id, "noreg"])
+            for seg in range(1, segments)
+        ]
+        _scripts.call_many(engine.cluster, calls)
+        segments = 1
+    _scripts.call(engine.client, "clear", _clear_keys(engine, next_leaf, segments), ["*", *_clear_args(engine)])
+    if engine.spec.cluster:
+        engine.client.srem(engine.keys.registry, engine.keys.td_id)
+
+
+def copy_to(engine: Engine, keys: StoreKeys) -> Header:
+    """Copy the whole store to the keys ``keys`` on the server, in one atomic call (see ``lua/copy.lua``).
+
+    Returns the copy's header: the one the call was checked against, with the new
+    epoch, so the new handle needs no round trip of its own.
+    """
+
+    def plan_call(h: Header) -> Call:
+        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]
+        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
+        epoch = secrets.token_hex(8)
+        return Call(
+            "copy",
+            [engine.keys.meta, keys.meta, keys.registry, *src, *dst],
+            [f"{h.epoch}:V{h.version}", keys.td_id, epoch],
+            lambda r: replace(h, epoch=epoch),
+        )
+
+    return engine.run(plan_call)
+
+
+def _clear_keys(engine: Engine, next_leaf: int, segments: int) -> list[str]:
+    """``clear.lua``'s KEYS: every key the store may own (and the registry, but on Cluster)."""
+    keys = engine.keys.all_keys(next_leaf, segments)
+    if engine.spec.cluster:
+        return keys
+    return [keys[0], engine.keys.registry, *keys[1:]]
+
+
+def expire(engine: Engine, ttl_ms: int) -> None:
+    """Give every key of the store a time to live of ``ttl_ms`` (0: none), in one atomic call."""
+    engine.refuse_if_readonly()
+
+    def plan_call(h: Header) -> Call:
+        return Call("expire", engine.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
+
+    if _spread.spreads(engine.header):
+        engine.run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
+    else:
+        engine.run(plan_call)
