@@ -110,7 +110,7 @@ class Engine(Transport):
         # call may still touch the header and any segment, unless the store is spread over the
         # nodes (see _spread; the header says which, and set_header follows it)
         self.spread = spread and spec.cluster  # a store this handle creates is spread
-        super().__init__(spec, replace(keys, spread=self.spread) if spec.cluster else keys, client, owns_client)
+        super().__init__(spec, replace(keys, segment_tags=self.spread) if spec.cluster else keys, client, owns_client)
         self.readonly = readonly
         self._header: Header | None = None
         self._epoch: str | None = None  # the creation this handle belongs to
@@ -166,8 +166,8 @@ class Engine(Transport):
                 raise KeyError(
                     f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
                 )
-            if self.spec.cluster and self.keys.spread != header.spread:
-                self.keys = replace(self.keys, spread=header.spread)
+            if self.spec.cluster and self.keys.segment_tags != header.spread:
+                self.keys = replace(self.keys, segment_tags=header.spread)
         self._header = header
 
     def key_table(self, h: Header) -> KeyTable:

@@ -58,10 +58,10 @@ def describe_policy(policy: SamplingPolicy | None) -> str:
 
 def store_layout(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> StoreKeys:
     """The store's key names as its header says they are laid out: on Redis Cluster every segment
-    in the header's slot unless the store is spread (see ``StoreKeys.spread``)."""
+    in the header's slot unless the store is spread (see ``StoreKeys.segment_tags``)."""
     from redis.cluster import RedisCluster
 
-    return replace(keys, spread=header.spread or not isinstance(client, RedisCluster))
+    return replace(keys, segment_tags=header.spread or not isinstance(client, RedisCluster))
 
 
 def _size_keys(keys: StoreKeys, header: HeaderInfo) -> list[str]:

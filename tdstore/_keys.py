@@ -30,7 +30,7 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
 one segment has exactly the keys above, O(K) for K leaves) and ``P:{I%s<k>}`` for
 segment k > 0.  Segments are ranges of elements of the stack (see ``_segments``);
 each has its own hash tag (on Redis Cluster only in a *spread* store; the others keep
-every segment under the header's: see ``StoreKeys.spread``).  The
+every segment under the header's: see ``StoreKeys.segment_tags``).  The
 ``%s`` cannot come out of :func:`escape` (which writes ``%`` followed by two upper-case
 hex digits), so no id's segment 0 can be named like another id's segment k.
 
@@ -73,14 +73,16 @@ def registry_key(prefix: str) -> str:
 class StoreKeys:
     """Key names of one store, computed once per handle.
 
-    ``spread=False`` (stores on Redis Cluster that are not spread) keeps every segment
-    under the header's hash tag, as ``P:{I}%s<k>:d:<n>``, so that a call may still touch
-    the header and several segments in one slot.
+    ``segment_tags`` gives each segment k > 0 a hash tag of its own (a store spread over a Redis
+    Cluster's nodes, or a store off Cluster, where tags change nothing); ``segment_tags=False`` (a
+    store on Redis Cluster that is not spread) keeps every segment under the header's hash tag,
+    as ``P:{I}%s<k>:d:<n>``, so that a call may still touch the header and several segments in
+    one slot.
     """
 
     prefix: str
     td_id: str
-    spread: bool = True
+    segment_tags: bool = True
     base: str = field(init=False, repr=False, compare=False)
     meta: str = field(init=False, repr=False, compare=False)
     _escaped: tuple[str, str] = field(init=False, repr=False, compare=False)
@@ -102,7 +104,7 @@ class StoreKeys:
         """The hash-tagged base of segment ``seg`` (segment 0 shares the header's tag)."""
         if seg == 0:
             return self.base
-        if not self.spread:
+        if not self.segment_tags:
             return f"{self.base}%s{seg}"
         return f"{self._escaped[0]}:{{{self._escaped[1]}%s{seg}}}"
 

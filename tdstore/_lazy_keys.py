@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from . import _writes
 from ._common import LOCK_ERROR
 from ._lazy_state import LazyState
+from ._ops import Write
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import as_path, display
 
@@ -85,8 +86,9 @@ class LazyKeys(LazyState):
                 leaves[path] = leaf
                 # a store that keeps an inventory allocates each segment when it is first written (reads of
                 # the others give zeros); a spread store's segments are allocated here, one call per node
-                alloc = ["D", kt.ref(keys.data(number))] if h.tracked else ["Z", kt.ref(keys.data(number)), h.count * leaf.element_nbytes]
-                ops += [alloc, ["D", kt.ref(keys.offsets(number))], ["D", kt.ref(keys.shapes(number))]]
+                data = kt.ref(keys.data(number))
+                alloc = Write.D(data) if h.tracked else Write.Z(data, h.count * leaf.element_nbytes)
+                ops += [alloc, Write.D(kt.ref(keys.offsets(number))), Write.D(kt.ref(keys.shapes(number)))]
             check_paths(list(leaves))
             after = h.with_leaves(leaves, next_leaf)
             if h.leaves:  # (the first keys of an empty store are checked where they fix its segment length)

@@ -44,7 +44,7 @@ def _clear_args(engine: Engine) -> list[str]:
 
 def abort_upload(engine: Engine, next_leaf: int, segments: int) -> None:
     """Delete what an upload cut short wrote (its header was never committed)."""
-    if engine.spec.cluster and engine.keys.spread and segments > 1:  # one call per segment: they live on several nodes
+    if engine.spec.cluster and engine.keys.segment_tags and segments > 1:  # one call per segment: they live on several nodes
         calls = [
             ("clear", [engine.keys.guard(seg), *engine.keys.segment_keys(next_leaf, seg)], ["*", engine.keys.td_id, "noreg"])
             for seg in range(1, segments)

@@ -103,7 +103,7 @@ def test_segments_spread_keys_over_hash_tags(backend):
     keys = store_keys(backend)
     tags = {tag(k) for k in keys}
     # segment 0 shares the header's tag; on Redis Cluster every segment does, unless the store is
-    # spread (StoreKeys.spread), where each segment k > 0 also has its guard
+    # spread (StoreKeys.segment_tags), where each segment k > 0 also has its guard
     spread = getattr(backend, "spread", False)
     assert len(tags) == (1 if backend.name == "cluster" and not spread else 10)
     # the header, the inventory (a spread store keeps none), per segment: the row block, tokens' blob and tables

@@ -60,7 +60,7 @@ def test_a_spread_store_puts_its_segments_on_every_primary(redis_cluster):
     # every segment k > 0 has its guard, at the header's version and epoch
     assert guard_versions(redis_cluster, s) == {h.version}
     other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, url=redis_cluster.url, prefix=PREFIX)
-    assert other._engine.keys.spread and all(consistent(other[i].to_tensordict()) for i in range(30))
+    assert other._engine.keys.segment_tags and all(consistent(other[i].to_tensordict()) for i in range(30))
     assert [int(v) for v in other[torch.tensor([29, 3, 17, 3])]["stamp"]] == [29, 3, 17, 3]
     assert s.clear_redis() == sum(len(k) for k in per_node)
     assert not any(keys_per_node(redis_cluster, s.td_id))
