@@ -41,7 +41,8 @@ class RateLimit:
     def describe(self) -> str:
         if self.min_diff <= -UNBOUNDED and self.max_diff >= UNBOUNDED:
             return f"min_size={self.min_size}"
-        return f"samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, error_buffer={(self.max_diff - self.min_diff) / 2:g}"
+        error_buffer = (self.max_diff - self.min_diff) / 2
+        return f"samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, error_buffer={error_buffer:g}"
 
 
 @dataclass(frozen=True)
