@@ -51,7 +51,7 @@
     'O', ks, kd
           KEYS[kd] becomes a copy of KEYS[ks] (COPY on the server; deleted when KEYS[ks]
           does not exist): a spread store's schema change writes a copy of each key it
-          would change in place, so the change appears at its commit (see _spread.py)
+          would change in place, so the change appears at its commit (see _spread_change.py)
     'C', kb, kd, stride, col, nb
           KEYS[kd] becomes the column of the row block KEYS[kb] whose rows are
           stride bytes: nb bytes at col of every row, back to back (a leaf leaving

@@ -14,7 +14,8 @@ How ``store[i] = td`` becomes one call:
 1. The store (``_lazy_writes``) splits ``td`` into its leaves and hands :meth:`Engine.run_write`
    a *plan*: a function of the cached header that returns the ops, built with the op kinds of
    ``_ops.Write`` (``_writes.plan_element_write``: one ``R`` op, a SETRANGE of the element's
-   bytes, per homogeneous leaf, one ``E`` splice per heterogeneous one; ``_writes.plan_write``
+   bytes, per homogeneous leaf, or one for the row of the small leaves the row block groups,
+   and one ``E`` splice per heterogeneous leaf; ``_writes.plan_write``
    for any other index, new keys or a key changing shape). Every check of the value happens
    there, before anything is sent.
 2. :meth:`Engine.run_write_reply` turns the ops into ``write.lua``'s ARGV: the header's epoch,

@@ -8,8 +8,9 @@ those keys it changes), whether it picks rows or is addressed by them, and, for 
 many pieces it adds to the reply. The planners build ops by calling the kind
 (``Write.S(key, blob)``, which checks the argument count), and the code that rewrites planned
 ops — per segment (``_segments``), per cluster node (``_spread``), for staging (``_engine``) —
-reads these declarations instead of restating them. A new op kind is one entry here and its
-parser in the Lua script.
+reads these declarations. A new op kind is one entry here, its parser in the Lua script, the
+planner that emits it, and, when it names a whole leaf's keys, how ``_segments`` cuts it per
+segment (``localize_write`` / ``localize_read`` refuse a kind they do not know).
 """
 
 from __future__ import annotations

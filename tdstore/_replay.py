@@ -2,7 +2,7 @@
 
 The ring (``extend``, ``append``, ``sample``, ``update_if`` and the ring's state), server-side
 priorities, the rate limiter, the queue and waiting: a mixin of ``LazyStackedTensorDictStore``
-whose work is done in ``_ring``, ``_sampling`` and ``_waiting``.
+whose work is done in ``_ring`` (writes), ``_ring_reads`` (samples, pops), ``_sampling`` and ``_waiting``.
 """
 
 from __future__ import annotations

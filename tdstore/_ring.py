@@ -33,6 +33,7 @@ from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
 from ._ops import Write, write_kind
+from ._ring_args import generations_arg, refuse_spread, slots_of
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import display, leaves_of, subtree_dims
 
@@ -308,49 +309,6 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     start = int(extra)
     writes = torch.arange(start, start + n, dtype=torch.int64)
     return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
-
-
-def refuse_spread(engine: Engine) -> None:
-    """Ring calls reserve slots and pick rows on the server, over every segment at once: one slot only."""
-    if engine.header.spread:
-        raise NotImplementedError(
-            f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
-            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True"
-        )
-
-
-def _int_tensor(value: Any) -> torch.Tensor:
-    """``torch.as_tensor``, except that an empty list is an empty int64 tensor (not float32)."""
-    if isinstance(value, (list, tuple)) and not value:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.as_tensor(value)
-
-
-def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
-    """A 1-D int64 tensor of slots from an int, list or tensor (negative ints count from the end)."""
-    t = _int_tensor(index)
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise IndexError(f"{what} must hold integer slots, got {t.dtype}")
-    t = t.reshape(-1).to(torch.int64)
-    if t.numel():
-        bad = t[(t < -count) | (t >= count)]
-        if bad.numel():
-            raise IndexError(f"slot {int(bad[0])} is out of range for a ring of {count} slots")
-    return torch.where(t < 0, t + count, t)
-
-
-def generations_arg(generation: Any, n: int, what: str) -> torch.Tensor:
-    """The generations a caller gives for ``n`` slots as a 1-D int64 tensor (``TypeError`` for a
-    non-integer dtype, ``ValueError`` for another count or a negative one)."""
-    g = _int_tensor(generation)
-    if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
-        raise TypeError(f"generations must be integers, got {g.dtype}")
-    gens = g.reshape(-1).to(torch.int64)
-    if gens.numel() != n:
-        raise ValueError(f"{what} got {n} slots and {gens.numel()} generations")
-    if bool((gens < 0).any()):
-        raise ValueError(f"generations are never negative, got {gens.tolist()}")
-    return gens
 
 
 def _last_of_each(slots: torch.Tensor, gens: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -25,7 +25,8 @@ from ._keys import KeyTable
 from ._ops import Read
 from ._policy import SamplingPolicy
 from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
-from ._ring import DRAW_HIGH, Sample, generations, refuse_spread
+from ._ring import DRAW_HIGH, Sample, generations
+from ._ring_args import refuse_spread
 from ._schema import Header, Leaf, NestedPath
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, columns_maker, display, stack_members

@@ -31,6 +31,7 @@ from ._call import Call
 from ._engine import Engine
 from ._errors import MustWait
 from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
+from ._ring_args import generations_arg, refuse_spread, slots_of
 from ._schema import Header
 
 
@@ -54,8 +55,6 @@ def policy_of(engine: Engine, fresh: bool = False) -> SamplingPolicy:
 
 def _change(engine: Engine, build: Any, needs: str) -> None:
     """Set the policy ``build(current policy)`` returns, in one call checked against the header it was built from."""
-    from ._ring import refuse_spread
-
     engine.refuse_if_readonly()
     refuse_spread(engine)
     keys = engine.keys
@@ -165,8 +164,6 @@ def priority_values(priority: Any, n: int, what: str = "priority") -> list[float
 
 def update_priority(engine: Engine, index: Any, priority: Any, generation: Any | None) -> torch.Tensor:
     """Set the priorities of slots ``index`` (see ``LazyStackedTensorDictStore.update_priority``)."""
-    from ._ring import generations_arg, refuse_spread, slots_of
-
     engine.refuse_if_readonly()
     refuse_spread(engine)
     count = engine.header.count

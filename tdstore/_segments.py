@@ -178,7 +178,10 @@ def localize_write(
             value = offsets_set.get(n) if kind is Write.S else None
             new.extend(_LOCALIZE_DATA[kind.marker](local, op, value))
         else:
-            new.extend(_LOCALIZE_WHOLE[kind.marker](local, op))
+            whole = _LOCALIZE_WHOLE.get(kind.marker)
+            if whole is None:
+                raise AssertionError(f"cannot localize write op {kind.marker!r}")
+            new.extend(whole(local, op))
     return out, new
 
 

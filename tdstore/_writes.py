@@ -218,7 +218,7 @@ class _WritePlan:
         self.grouped: list[tuple[Leaf, np.ndarray, np.ndarray]] = []  # rows of grouped leaves, written together at the end
         self.new_paths: list[NestedPath] = []
         # a spread store changes a key's layout copy-on-write: the new layout gets a new leaf number
-        # and the old keys are deleted at the end (after the commit, see _spread), so a change that is
+        # and the old keys are deleted at the end (after the commit, see _spread_change), so a change that is
         # rolled back has written nothing that its segments' current schema uses
         self.retire: list[list[Any]] = []
         self._rows: tuple[np.ndarray, tuple[int, ...]] | None = None

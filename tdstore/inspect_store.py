@@ -29,7 +29,9 @@ from . import _scripts
 from ._headerinfo import HeaderInfo, StoreFormatError
 from ._inspect_audit import audit
 from ._inspect_connect import (
+    CONNECT_TIMEOUT,
     DEFAULT_URL,
+    REPLY_TIMEOUT,
     URL_ENV,
     InvalidURL,
     LoginRefused,
@@ -38,7 +40,7 @@ from ._inspect_connect import (
     connect,
     resolve_url,
 )
-from ._inspect_read import inspect_for_delete, list_stores, lookup, read_header, store_info, store_layout
+from ._inspect_read import describe_policy, inspect_for_delete, list_stores, lookup, read_header, store_info, store_layout
 from ._inspect_results import (
     Audit,
     Deletion,
@@ -54,7 +56,9 @@ from ._keys import StoreKeys, registry_key
 
 __all__ = [
     "Audit",
+    "CONNECT_TIMEOUT",
     "DEFAULT_URL",
+    "REPLY_TIMEOUT",
     "URL_ENV",
     "Deletion",
     "InvalidURL",
@@ -71,6 +75,7 @@ __all__ = [
     "audit",
     "connect",
     "delete_store",
+    "describe_policy",
     "inspect_for_delete",
     "list_stores",
     "resolve_url",

@@ -34,7 +34,7 @@ from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictR
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from ._torchrl_samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
-from ._torchrl_storage import StoreStorage
+from ._torchrl_storage import METADATA_KEYS, TENSOR_KEY, StoreStorage
 from ._torchrl_writer import StoreWriter
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "StorePrioritizedSampler",
     "replay_buffer",
     "attach",
+    "TENSOR_KEY",
+    "METADATA_KEYS",
 ]
 
 
