@@ -215,6 +215,15 @@ class StoreCommon(MixinBase):
     _tdstore_reads_remote = True
     _batch_size: torch.Size
 
+    def _init_tensordict_state(self) -> None:
+        """The per-instance state tensordict's methods read: unlocked, not shared, not memory-mapped."""
+        self._is_locked = False
+        self._lock_id: set[int] = set()
+        self._locked_tensordicts: list[Any] = []
+        self._is_shared = False
+        self._is_memmap = False
+        self._last_op = None
+
     @property
     def batch_size(self) -> torch.Size:
         return self._batch_size

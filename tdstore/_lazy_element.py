@@ -39,12 +39,7 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
         self._under = under
         self._batch_size = torch.Size((*self._ops.engine.header.inner, *self._ops.engine.header.subtree_dims(under)))
         self._device = store.device
-        self._is_locked = False
-        self._lock_id: set[int] = set()
-        self._locked_tensordicts: list[Any] = []
-        self._is_shared = False
-        self._is_memmap = False
-        self._last_op = None
+        self._init_tensordict_state()
 
     # identity / metadata
     @property

@@ -42,12 +42,7 @@ class LazyState(MixinBase):
         self._stack_dim = h.stack_dim
         self._inner_batch_size = torch.Size(h.inner)
         self._batch_size = h.batch_size
-        self._is_locked = False
-        self._lock_id: set[int] = set()
-        self._locked_tensordicts: list[Any] = []
-        self._is_shared = False
-        self._is_memmap = False
-        self._last_op = None
+        self._init_tensordict_state()
 
     @classmethod
     def _from_engine(cls, engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> Self:
