@@ -11,7 +11,7 @@ field. ``pop`` hands the next unread items to one reader ('F').
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -192,6 +192,10 @@ class _SamplePlanner:
     min_size: int | None
     beta: float
     as_tx: bool  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
+    packed: bytes = field(init=False)  # the draws as read.lua takes them, packed once for every try
+
+    def __post_init__(self) -> None:
+        self.packed = _codec.pack_i64(self.draws.numpy())
 
     def plan(self, h: Header) -> Call:
         engine, keys = self.engine, self.keys
@@ -201,7 +205,7 @@ class _SamplePlanner:
             tx = _tx_sample_call(engine, h, keys, self.draws, self.device, self.ragged)
             if tx is not None:
                 return tx
-        packed = _codec.pack_i64(self.draws.numpy())
+        packed = self.packed
 
         def head(kt: KeyTable) -> list[Any]:
             if use_policy:

@@ -173,15 +173,10 @@ def localize_write(
             new.append(_rekeyed(kind, op, kt.keys, out))
             continue
         role, n = w
-        local = _WriteLocal(segs, keys, out, n, role, leaf_of(n), kt)
-        if kind in (Write.S, Write.R, Write.F, Write.E):
-            value = offsets_set.get(n) if kind is Write.S else None
-            new.extend(_LOCALIZE_DATA[kind.marker](local, op, value))
-        else:
-            whole = _LOCALIZE_WHOLE.get(kind.marker)
-            if whole is None:
-                raise AssertionError(f"cannot localize write op {kind.marker!r}")
-            new.extend(whole(local, op))
+        localize = _LOCALIZE_WRITE.get(kind.marker)
+        if localize is None:
+            raise AssertionError(f"cannot localize write op {kind.marker!r}")
+        new.extend(localize(_WriteLocal(segs, keys, out, n, role, leaf_of(n), kt, offsets_set.get(n)), op))
     return out, new
 
 
@@ -205,6 +200,7 @@ class _WriteLocal:
     role: str  # which of its keys the op names: 'd'ata, 'o'ffsets or 's'hapes
     leaf: LeafShape
     kt: KeyTable  # the planned call's key table
+    offsets: np.ndarray | None  # the leaf's whole offset table, when an 'S' op of the call sets it
 
     def key(self, seg: int, role: str | None = None) -> int:
         return self.out.ref(self.keys.leaf_keys(self.n, seg)["dos".index(role or self.role)])
@@ -232,7 +228,7 @@ def _local_zeros(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
         yield Write.Z(loc.key(seg, "d"), unit * segs.size(seg))
 
 
-def _local_fill(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+def _local_fill(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
     """'F': the filled byte range (homogeneous) or element run (heterogeneous) cut per segment."""
     segs = loc.segs
     if op[2] == 0:
@@ -244,7 +240,7 @@ def _local_fill(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
             yield Write.F(loc.key(seg, "d"), loc.key(seg, "o"), lo - base, hi - base, op[5])
 
 
-def _local_elements(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+def _local_elements(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
     """'E': the run of heterogeneous elements cut per segment, with its shapes, bytes and sizes."""
     lo, hi, rec, shapes, data, sizes = op[5], op[6], op[4], op[7], memoryview(op[8]).cast("B"), op[9:]
     pos = 0
@@ -290,16 +286,16 @@ def _local_copy(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
         yield Write.O(loc.key(seg), loc.out.ref(loc.keys.leaf_keys(m, seg)["dos".index(role)]))
 
 
-def _local_rows_set(loc: _WriteLocal, op: list[Any], _: Any) -> Iterator[list[Any]]:
+def _local_rows_set(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
     yield from _localize_rows(loc.segs, loc.keys, loc.n, loc.leaf.eb, op, loc.out)
 
 
-def _local_set(loc: _WriteLocal, op: list[Any], offsets: np.ndarray | None) -> Iterator[list[Any]]:
-    yield from _localize_set(loc.segs, loc.keys, loc.n, loc.role, loc.leaf, op[2], offsets, loc.out)
+def _local_set(loc: _WriteLocal, op: list[Any]) -> Iterator[list[Any]]:
+    yield from _localize_set(loc.segs, loc.keys, loc.n, loc.role, loc.leaf, op[2], loc.offsets, loc.out)
 
 
 #: How each write op planned on a whole leaf becomes segment-local ops.
-_LOCALIZE_WHOLE: dict[str, Callable[[_WriteLocal, list[Any]], Iterator[list[Any]]]] = {
+_LOCALIZE_WRITE: dict[str, Callable[[_WriteLocal, list[Any]], Iterator[list[Any]]]] = {
     Write.D.marker: _local_each_segment,
     Write.T.marker: _local_each_segment,
     Write.Z.marker: _local_zeros,
@@ -308,9 +304,6 @@ _LOCALIZE_WHOLE: dict[str, Callable[[_WriteLocal, list[Any]], Iterator[list[Any]
     Write.Y.marker: _local_rows,
     Write.C.marker: _local_column,
     Write.O.marker: _local_copy,
-}
-#: ... and those that carry the leaf's bytes (and may need the offset table the call sets).
-_LOCALIZE_DATA: dict[str, Callable[[_WriteLocal, list[Any], Any], Iterator[list[Any]]]] = {
     Write.R.marker: _local_rows_set,
     Write.S.marker: _local_set,
     Write.F.marker: _local_fill,

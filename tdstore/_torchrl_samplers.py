@@ -56,10 +56,11 @@ class StoreSampler(Sampler):
     def _draw(self, storage: StoreStorage, s: LazyStackedTensorDictStore, batch_size: int) -> Drawn:
         if not has_keys(s):
             raise RuntimeError(EMPTY_ERROR)
-        h = s.stack_ops.engine.header
+        engine = s.stack_ops.engine
+        h = engine.header
         if self._bound_of != storage.store_identity:
             self._bound_of, self._bound = storage.store_identity, 0
-        if s.stack_ops.engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
+        if engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
             got = self._draw_here(s, batch_size, h.count)
             if got is not None:
                 return got

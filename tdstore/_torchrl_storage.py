@@ -57,9 +57,10 @@ def _is_reattach_error(err: KeyError) -> bool:
 
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
     """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
-    if not s.stack_ops.engine.header.leaves:
-        s.stack_ops.engine.set_header(s.stack_ops.engine.fetch_header())
-    return bool(s.stack_ops.engine.header.leaves)
+    engine = s.stack_ops.engine
+    if not engine.header.leaves:
+        engine.set_header(engine.fetch_header())
+    return bool(engine.header.leaves)
 
 
 class StoreStorage(_TorchrlStoreStorage):
