@@ -122,9 +122,20 @@ def _check_args(
         raise ValueError(f"--{'torchrl' if torchrl else 'replay'} uses the store as a ring, whose calls need one slot: not with --spread")
     if torchrl:
         try:
-            import torchrl as _  # noqa: F401
-        except ImportError:
-            raise ValueError("--torchrl needs torchrl: pip install --no-deps torchrl-nightly==2026.10.27 && pip install hoptorch") from None
+            import tdstore.torchrl as _  # noqa: F401  (torchrl, and everything torchrl imports)
+        except ImportError as err:
+            raise ValueError(torchrl_missing(err)) from None
+
+
+TORCHRL_INSTALL = 'pip install "torch==2.13.0" ".[torchrl]" && pip install --no-deps torchrl-nightly==2026.10.27'
+
+
+def torchrl_missing(err: ImportError) -> str:
+    """What to install when ``import tdstore.torchrl`` failed: the module actually missing, then the README's line."""
+    missing = err.name or str(err)
+    if missing.split(".")[0] == "torchrl":
+        return f"--torchrl needs torchrl, which is not installed: {TORCHRL_INSTALL}"
+    return f"--torchrl needs torchrl, which cannot be imported: the module {missing!r} is missing ({TORCHRL_INSTALL} installs it)"
 
 
 def run_demo(

@@ -27,15 +27,20 @@ torchrl is imported only by these modules: ``import tdstore`` never imports it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
+import redis
+from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from ._torchrl_samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from ._torchrl_storage import METADATA_KEYS, TENSOR_KEY, StoreStorage
 from ._torchrl_writer import StoreWriter
+from .lazy import LazyStackedTensorDictStore
 
 __all__ = [
     "StoreStorage",
@@ -56,6 +61,52 @@ _SAMPLERS: dict[str, Callable[[], Sampler]] = {
 }
 
 
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    return {n for n, p in inspect.signature(fn).parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+
+
+@cache
+def _buffer_keywords(tensordict: bool) -> frozenset[str]:
+    """torchrl's buffer keywords that :func:`replay_buffer` passes on (the storage, sampler and writer are its own)."""
+    names = _parameters(ReplayBuffer.__init__) | (_parameters(TensorDictReplayBuffer.__init__) if tensordict else set())
+    return frozenset(names - {"storage", "sampler", "writer", "batch_size", "kwargs"})
+
+
+@cache
+def _store_keywords() -> frozenset[str]:
+    """What a store constructor takes: its own keywords, and any ``redis.Redis`` / ``RedisCluster`` keyword."""
+    own = _parameters(LazyStackedTensorDictStore.__init__) - {"count", "td_id", "_kind", "_batchless"}
+    return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | {"password_provider", "cluster"})
+
+
+def _split_keywords(kwargs: dict[str, Any], buffer_kwargs: dict[str, Any] | None, tensordict: bool) -> tuple[dict, dict]:
+    """``kwargs`` cut into (buffer keywords, store keywords); a keyword neither takes raises ``TypeError`` at once.
+
+    Without this, a buffer keyword such as ``prefetch`` would reach ``redis.Redis`` at the
+    first ``extend``, 13 frames deep.
+    """
+    buffer = dict(buffer_kwargs or {})
+    store: dict[str, Any] = {}
+    unknown = []
+    for name, value in kwargs.items():
+        if name in _buffer_keywords(tensordict):
+            if name in buffer:
+                raise TypeError(f"replay_buffer got {name!r} twice: as a keyword and in buffer_kwargs")
+            buffer[name] = value
+        elif name in _store_keywords():
+            store[name] = value
+        else:
+            unknown.append(name)
+    bad = [n for n in buffer if n not in _buffer_keywords(tensordict)]
+    if unknown or bad:
+        kind = "TensorDictReplayBuffer" if tensordict else "ReplayBuffer"
+        raise TypeError(
+            f"replay_buffer got unexpected keyword argument(s) {sorted(unknown + bad)}: neither torchrl's {kind} "
+            f"({', '.join(sorted(_buffer_keywords(tensordict)))}) nor a store's connection keywords take them"
+        )
+    return buffer, store
+
+
 def replay_buffer(
     max_size: int | None = None,
     *,
@@ -70,7 +121,7 @@ def replay_buffer(
     beta: float = 0.4,
     eps: float = 1e-8,
     max_times_sampled: int | None = None,
-    **store_kwargs: Any,
+    **kwargs: Any,
 ) -> ReplayBuffer:
     """A torchrl replay buffer on a tdstore server, in one line.
 
@@ -92,10 +143,16 @@ def replay_buffer(
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
         tensorclass_cls: the tensorclass the data is read back as, in a process that did
             not write it.
-        buffer_kwargs: more keyword arguments for the buffer (``transform``, ``prefetch``...).
-        **store_kwargs: tdstore's connection keywords (``url``, ``host``, ``port``,
-            ``unix_socket_path``, ``prefix``, ``password_provider``...).
+        buffer_kwargs: more keyword arguments for the buffer, as a dict (the same as
+            passing them directly).
+        **kwargs: torchrl's ``ReplayBuffer`` keywords (``transform``, ``prefetch``,
+            ``collate_fn``, ``pin_memory``, ``dim_extend``, ``compilable``, ``priority_key``...),
+            passed to the buffer, and tdstore's connection keywords (``url``, ``host``,
+            ``port``, ``unix_socket_path``, ``prefix``, ``password_provider``, any
+            ``redis.Redis`` keyword...), passed to the store. Any other keyword raises
+            ``TypeError`` here, before anything is created.
     """
+    buffer_kwargs, store_kwargs = _split_keywords(kwargs, buffer_kwargs, tensordict)
     storage = StoreStorage(max_size, td_id=td_id, tensorclass_cls=tensorclass_cls, **store_kwargs)
     if isinstance(sampler, str):
         if sampler == "prioritized":
@@ -112,7 +169,7 @@ def replay_buffer(
         writer=StoreWriter(track_generations=track_generations),
         sampler=sampler,
         batch_size=batch_size,
-        **(buffer_kwargs or {}),
+        **buffer_kwargs,
     )
 
 

@@ -45,3 +45,35 @@ def test_installed_package_loads_its_scripts(tmp_path):
     assert proc.returncode == 0, proc.stderr
     path, size = proc.stdout.split()
     assert int(size) > 1000
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    from packaging.requirements import Requirement
+
+    return {Requirement(r).name.lower().replace("_", "-") for r in reqs if "extra ==" not in r}
+
+
+def test_the_torchrl_extra_installs_what_torchrl_imports():
+    """torchrl-nightly is installed with --no-deps (its tensordict-nightly would replace tensordict): the
+    ``torchrl`` extra must bring every other package it requires, or ``import tdstore.torchrl`` fails."""
+    import importlib.metadata
+    import tomllib
+
+    try:
+        torchrl_requires = importlib.metadata.requires("torchrl-nightly") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torchrl-nightly is not installed")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    ours = _requirement_names(project["dependencies"]) | _requirement_names(project["optional-dependencies"]["torchrl"])
+    # tensordict-nightly is what --no-deps leaves out on purpose (tensordict is ours)
+    missing = _requirement_names(torchrl_requires) - ours - {"tensordict-nightly"}
+    assert not missing, f"the torchrl extra lacks {sorted(missing)}"
+    assert _requirement_names(project["optional-dependencies"]["torchrl"]) <= _requirement_names(project["optional-dependencies"]["test"])
+
+
+def test_the_demo_names_the_module_torchrl_misses():
+    from tdstore.demo import torchrl_missing
+
+    err = ModuleNotFoundError("No module named 'packaging'", name="packaging")
+    assert "'packaging' is missing" in torchrl_missing(err) and '".[torchrl]"' in torchrl_missing(err)
+    assert "not installed" in torchrl_missing(ModuleNotFoundError("No module named 'torchrl'", name="torchrl"))

@@ -72,6 +72,30 @@ def test_extend_add_sample_len(real):
     assert rb.storage.contains(6) and not rb.storage.contains(7)
 
 
+def test_torchrls_buffer_keywords_are_taken_directly(real):
+    """``prefetch``, ``transform``... go to torchrl's buffer; tdstore's own keywords to the store."""
+    rb = replay_buffer(10, batch_size=4, prefetch=2, pin_memory=False, dim_extend=0, **real.kwargs(socket_timeout=30))
+    try:
+        assert rb._prefetch_cap == 2
+        rb.extend(rows(0, 6))
+        assert rb.sample().batch_size == torch.Size([4])
+    finally:
+        rb.empty()
+
+
+def test_unknown_keywords_are_refused_before_anything_is_made(real):
+    before = real.keys()
+    with pytest.raises(TypeError, match=r"unexpected keyword.*\['prefetchh'\]"):
+        replay_buffer(10, prefetchh=4, **real.kwargs())
+    with pytest.raises(TypeError, match="twice"):
+        replay_buffer(10, prefetch=4, buffer_kwargs={"prefetch": 2}, **real.kwargs())
+    with pytest.raises(TypeError, match=r"\['not_a_buffer_keyword'\]"):
+        replay_buffer(10, buffer_kwargs={"not_a_buffer_keyword": 1}, **real.kwargs())
+    with pytest.raises(TypeError, match="priority_key"):  # a TensorDictReplayBuffer keyword, not a plain buffer's
+        replay_buffer(10, tensordict=False, priority_key="td_error", **real.kwargs())
+    assert real.keys() == before
+
+
 def test_writes_at_explicit_slots(real):
     rb = replay_buffer(10, batch_size=4, **real.kwargs())
     rb.extend(rows(0, 5))
