@@ -34,9 +34,10 @@ class ReplayMethods(LazyState):
         advances the cursor, in one script call: processes on any number of
         machines may ``extend`` the same store at once, and no slot is written
         twice in one lap.  ``td`` has the store's batch size with the element dim
-        (of 1 to ``count`` elements) at the stack dim, and exactly the store's keys;
-        on a store without keys, the first ``extend`` creates them (the other slots
-        hold zeros).  Elements may differ in shape (heterogeneous keys).
+        (of 1 to ``count`` elements) at the stack dim, and every key of the store;
+        a key the store does not have yet is created for every element (the other slots
+        hold zeros), as ``store[i] = td`` does, and on a store without keys the first
+        ``extend`` creates them all.  Elements may differ in shape (heterogeneous keys).
 
         ``td`` may also be a list or tuple of element tensordicts (stacked lazily, so
         their shapes may differ) or a tensorclass batch. Returns the slots written and

@@ -237,11 +237,13 @@ def _plan_rows(
     """The ops of a ring write (``ring``) or a conditional write: ``head`` (the W/G op), then one X/Y op per leaf."""
     what = "a ring write" if ring else "update_if"
     if ring and h.leaves:
+        # a key the store lacks is created for every slot (zeros elsewhere), as store[i] = td does;
+        # a key the batch lacks would leave its slots holding an older element's value
         missing = sorted(".".join(p) for p in h.leaves if p not in items)
-        extra = sorted(".".join(p) for p in items if p not in h.leaves)
-        if missing or extra:
+        if missing:
             raise KeyError(
-                f"a ring write must hold exactly the store's keys (each slot is written whole); missing {missing}, not in the store {extra}"
+                f"a ring write must hold every key of the store (each slot is written whole); missing {missing}: "
+                "add them to the batch, or delete the key first (del store[key])"
             )
     if not ring:
         unknown = [p for p in items if p not in h.leaves]

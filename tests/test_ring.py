@@ -175,7 +175,6 @@ def test_update_if_applies_only_current_generations(backend, het):
     ("name", "call", "exc", "text"),
     [
         ("missing key", lambda s: s.extend(lazy_stack([TensorDict({"obs": torch.zeros(4)}, [])])), KeyError, "missing"),
-        ("extra key", lambda s: s.extend(lazy_stack([element(1).set("new", torch.zeros(1))])), KeyError, "new"),
         ("wrong dtype", lambda s: s.extend(lazy_stack([element(1).set("obs", torch.zeros(4, dtype=torch.float64))])), TypeError, "obs"),
         ("too many", lambda s: s.extend(batch(list(range(1, 7)))), ValueError, "ring of 5"),
         ("not a batch", lambda s: s.extend(element(1)), ValueError, "batch size"),
@@ -197,6 +196,18 @@ def test_bad_ring_calls_write_nothing(backend, name, call, exc, text):
     after = store[0:3]
     for a, b in zip(before.unbind(0), after.unbind(0)):
         assert tag_of(a) == tag_of(b)
+
+
+def test_extend_with_a_new_key_adds_it_to_every_element(backend):
+    """As ``store[i] = td`` does: the batch's slots hold the new key, every other slot zeros."""
+    store = LazyStackedTensorDictStore(count=5, **backend.kwargs())
+    store.extend(batch([1, 2, 3]))
+    got = store.extend(lazy_stack([element(4).set("new", torch.full((2,), 4.0)), element(5).set("new", torch.full((2,), 5.0))]))
+    assert got.indices.tolist() == [3, 4] and store.write_count == 5
+    assert store["new"].tolist() == [[0.0, 0.0]] * 3 + [[4.0, 4.0], [5.0, 5.0]]
+    assert [tag_of(store[i].to_tensordict()) for i in range(5)] == [1, 2, 3, 4, 5]
+    with pytest.raises(KeyError, match=r"missing \['new'\].*del store\[key\]"):
+        store.extend(batch([6]))
 
 
 def test_ring_calls_are_one_round_trip(real):
