@@ -35,8 +35,8 @@ if sc.alpha == nil then
   error('TDSTORE refused: the store has no priorities (enable_priorities first)')
 end
 local count = tds_num(h[1], 'count')
-local rw = tonumber(h[2] or '0')
-local written = tds_written(count, rw, h[5])
+local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
+local written = math.min(rw, count)
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
 if #pairs_ ~= 16 * n then

@@ -79,16 +79,16 @@ class StoreSampler(Sampler):
         if self._bound == 0:
             return None
         slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
-        _, res = s.stack_ops.engine.read(slots, fields=("rw", "sc"))
+        _, res = s.stack_ops.engine.read(slots, fields=_ring.RING_FIELDS)
         if not isinstance(res, DenseResult) or res.fields is None:
             return None
-        rw = res.fields.get("rw")
-        if rw is None or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
+        rw = _ring.ring_writes_of(res.fields, s.stack_ops.engine.header)
+        if rw == 0 or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
             return None
-        self._bound = min(int(rw), m)
+        self._bound = min(rw, m)
         if int(slots.max()) >= self._bound:
             return None
-        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, int(rw), m))
+        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, rw, m))
 
     def _empty(self) -> None:
         """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""
