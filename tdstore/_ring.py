@@ -30,14 +30,14 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _policy, _rows, _sampling, _waiting
+from . import _codec, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine
 from ._headerinfo import ring_writes
 from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
 from ._ops import Write, write_kind
-from ._ring_args import generations_arg, refuse_spread, slots_of
+from ._ring_args import generations_arg, refuse_spread
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import display, leaves_of, subtree_dims
 
@@ -349,8 +349,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     """Write ``value`` at the slots whose generation still matches; returns which rows were applied."""
     refuse_spread(engine)
     h0 = engine.header
-    scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-    slots = slots_of(index, h0.count)
+    slots, scalar = _index.positions(index, h0.count)
     gens = generations_arg(generation, int(slots.numel()), "update_if")
     n = int(slots.numel())
     if n == 0:
