@@ -83,7 +83,7 @@ def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:
     from ._integrity import EXACT, HET_DATA, expected
 
     leaves = list(header.leaves)
-    holds = {leaf.number: (".".join(leaf.path),) for leaf in leaves}
+    holds: dict[int, tuple[str, ...]] = {leaf.number: (".".join(leaf.path),) for leaf in leaves}
     if header.row is not None:
         leaves.append(LeafRecord(("\0row",), header.row[0], "uint8", 1, (header.row[1],)))
         holds[header.row[0]] = tuple(".".join(leaf.path) for leaf in header.leaves if leaf.col is not None)
