@@ -67,8 +67,8 @@ for j = 1, n do
   if s >= count then
     error('TDSTORE bad argument: slot ' .. s .. ' out of range of ' .. count)
   end
-  -- a slot holds data when the ring wrote it, or (a store filled otherwise, then extended) when
-  -- the tree gave it a weight
+  -- a slot holds data when the ring wrote it (a store filled by index or uploaded is a full ring:
+  -- tds_ring_rw), or when the tree gave it a weight
   local ok = s < written or tds_tree_leaf(t, s) > 0
   if ok and check then
     local gen = 0
