@@ -257,15 +257,27 @@ local function tds_segkey(first, seg)
   return k
 end
 
--- How many slots a sample may draw from: the ring's written slots, min(rw, count); a store
--- with keys that the ring never wrote (an upload, writes by index) offers all its count.
--- 'schema' is the header's schema JSON.
-local function tds_written(count, rw, schema)
-  local written = math.min(rw, count)
-  if written == 0 and not string.find(schema or '', '"leaves":[]', 1, true) then
-    return count, true
+-- The ring write count every ring call works with (lua/README.md, "The ring keeps one counter
+-- per store"): the header's 'rw' ('rw_raw', a number). A store that holds data the ring never
+-- wrote ('rw' 0 or absent: written by index, or filled otherwise) is a full ring of 'count'
+-- slots, each written once: count. A store whose keys hold no data yet (a ring before its
+-- first extend, a from_schema store) has written nothing: 0. Holding data: an inventory
+-- ('na') that lists a key; a store without one (no inventory kept) holds data when it has keys.
+local function tds_ring_rw(meta, count, rw_raw)
+  if rw_raw > 0 then
+    return rw_raw
   end
-  return written, false
+  local f = redis.call('HMGET', meta, 'na', 'schema')
+  local holds
+  if f[1] then
+    holds = (tonumber(f[1]) or 0) > 0
+  else
+    holds = f[2] ~= nil and not string.find(f[2], '"leaves":[]', 1, true)
+  end
+  if holds then
+    return count
+  end
+  return 0
 end
 
 -- Bytes from..to (1-based, inclusive) of s: s itself when that is all of it. A Lua string of

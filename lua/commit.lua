@@ -6,7 +6,8 @@
   leaves no keys behind once the TTL runs out. This script checks that the upload
   is still the caller's, marks the store ready and removes every TTL (or sets the
   store's own, the same on every key), atomically: readers either see no store or
-  the whole store.
+  the whole store. The store becomes a full ring: its ring write count 'rw' is set to
+  its count (every slot written once).
 
   The upload's keys carry a TTL until now, so a server with a volatile-* maxmemory-policy may
   have evicted some: every key is checked against the length the header implies (as
@@ -60,5 +61,10 @@ for _, k in ipairs(present) do
   tds_record(meta, inv, k)
 end
 redis.call('HSET', meta, 'state', 'ready')
+-- an uploaded store is a full ring of count written slots (generation 1 each): its first
+-- extend overwrites slot 0, the oldest (lua/README.md, "The ring keeps one counter per store")
+if redis.call('HEXISTS', meta, 'rw') == 0 then
+  redis.call('HSET', meta, 'rw', string.format('%.0f', tds_num(redis.call('HGET', meta, 'count'), 'count')))
+end
 tds_expire_keys(1, #KEYS, tds_num(ARGV[2], 'ttl'), ARGV[3])
 return {'OK'}

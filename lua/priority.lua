@@ -35,8 +35,8 @@ if sc.alpha == nil then
   error('TDSTORE refused: the store has no priorities (enable_priorities first)')
 end
 local count = tds_num(h[1], 'count')
-local rw = tonumber(h[2] or '0')
-local written = tds_written(count, rw, h[5])
+local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
+local written = math.min(rw, count)
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
 if #pairs_ ~= 16 * n then
@@ -67,8 +67,8 @@ for j = 1, n do
   if s >= count then
     error('TDSTORE bad argument: slot ' .. s .. ' out of range of ' .. count)
   end
-  -- a slot holds data when the ring wrote it, or (a store filled otherwise, then extended) when
-  -- the tree gave it a weight
+  -- a slot holds data when the ring wrote it (a store filled by index or uploaded is a full ring:
+  -- tds_ring_rw), or when the tree gave it a weight
   local ok = s < written or tds_tree_leaf(t, s) > 0
   if ok and check then
     local gen = 0

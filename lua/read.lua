@@ -32,8 +32,9 @@
           sample n rows uniformly from the written slots of the ring: 'draws' packs
           n int64 values drawn by the client in [0, 2^53) (so a seeded generator
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
-          the header's ring write counter (a store with keys that the ring never wrote,
-          an upload say, samples all its count elements). Must come before its 'X'/'Y' ops.
+          the header's ring write counter (a store holding data the ring never wrote,
+          written by index, is a full ring: rw = count; see tds_ring_rw in _lib.lua).
+          Must come before its 'X'/'Y' ops.
           A store with a sampling policy answers STALE: its samples take a 'P' op.
     'P', n, draws, kt, kc, channel, min_size, prioritized
           sample n rows under the ring's sampling policy (header field 'sc', see
@@ -192,8 +193,8 @@ for _ = 1, nops do
       do return tds_stale(meta) end  -- a client that does not know the sampling policy: it must sample under it
     end
     local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
-    local written = tds_written(count, rw, head[3])
+    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
+    local written = math.min(rw, count)
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
     end
@@ -221,9 +222,9 @@ for _ = 1, nops do
     end
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'schema')
     local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
+    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
     local policy = head[3] and cjson.decode(head[3]) or {}
-    local written = tds_written(count, rw, head[6])
+    local written = math.min(rw, count)
     local lim = policy.limit
     if lim ~= nil then
       min_size = math.max(min_size, lim[2])
@@ -309,7 +310,7 @@ for _ = 1, nops do
     a = a + 3
     local head = redis.call('HMGET', meta, 'count', 'rw', 'rr')
     local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
+    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
     local rr = tonumber(head[3] or '0')
     if rw - rr > count then
       -- writers lapped unread items: skip to the oldest item still there, and say how many were lost

@@ -36,13 +36,13 @@ if bad then
 end
 local h = redis.call('HMGET', meta, 'count', 'rw', 'schema')
 local count = tds_num(h[1], 'count')
-local rw = tonumber(h[2] or '0')
+local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
 local needs = {}
 for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true
 end
 if needs.tree then
-  local written = tds_written(count, rw, h[3])
+  local written = math.min(rw, count)
   local _, size = tds_tree_layout(count)
   redis.call('DEL', KEYS[2])
   redis.call('SETRANGE', KEYS[2], size - 1, '\0')

@@ -104,7 +104,9 @@
           of consecutive KEYS, one per segment, and row r goes to segment
           floor(r / per) at index r % per; a run of slots never crosses a segment.
           The generation of slot s is the number of ring writes ('W') it received:
-          0 when s >= rw, else floor((rw - 1 - s) / count) + 1.
+          0 when s >= rw, else floor((rw - 1 - s) / count) + 1. A store holding
+          data the ring never wrote (written by index) is a full ring, rw = count
+          (tds_ring_rw in _lib.lua): its first 'W' overwrites slot 0 and sets rw past it.
 
   Reply       {'OK', version} with the version now current; with a 'W' op
               {'OK', version, rw before the call}; with a 'G' op
@@ -218,6 +220,7 @@ end
 -- consecutive row positions whose rows are applied and sit in consecutive slots: each run is
 -- one SETRANGE ('X') or one splice ('Y')
 local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
+local ring_from = 0  -- what a W op adds to 'rw' before its rows (see tds_ring_rw in _lib.lua)
 -- a ring write's sampling policy (header field 'sc'), the priorities its 'P' op gives,
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
@@ -372,7 +375,8 @@ for _ = 1, nops do
     local n = tds_num(ARGV[a + 1], 'row count')
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm')
     local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
+    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
+    ring_from = rw - tonumber(head[2] or '0')  -- a store filled by index: its first extend starts at rw = count
     rows, applied = {}, {}
     if kind == 'W' then
       if n < 1 or n > count then
@@ -738,7 +742,7 @@ if ARGV[3] ~= '' then
   redis.call('HINCRBY', meta, 'version', 1)
 end
 if ring_n > 0 then
-  redis.call('HINCRBY', meta, 'rw', ring_n)
+  redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
   if tree ~= nil then
     -- each written slot weighs its priority ^ alpha: the one given, else the largest so far
     local upd, top = {}, top_priority

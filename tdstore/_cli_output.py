@@ -19,10 +19,12 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "damage_advice",
     "human_duration",
     "human_size",
     "info_lines",
     "integrity_text",
+    "plural",
     "safe",
     "shape_text",
     "size_text",
@@ -168,8 +170,41 @@ def info_lines(info: StoreInfo, where: str, raw: bool = False) -> list[str]:
     return lines
 
 
-def integrity_text(found: Audit) -> str:
-    """The one-line verdict of ``check`` (and the ``integrity`` line of ``info``)."""
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the noun in the number it takes: ``1 key``, ``2 keys``, ``0 keys``."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def integrity_text(found: Audit, *, from_info: bool = False) -> str:
+    """The one-line verdict of ``check``, and (``from_info``) the ``integrity`` line of ``info``,
+    which points to ``check`` for the list and what to do."""
     if found.intact:
-        return f"intact ({found.checked} keys checked; {found.never_written} of them absent, in segments never written)"
-    return f"DAMAGED: {len(found.problems)} keys lost or cut short; 'tdstore check {safe(found.td_id)}' lists them"
+        absent = f"; {found.never_written} of them absent, in segments never written" if found.never_written else ""
+        return f"intact ({plural(found.checked, 'key')} checked{absent})"
+    verdict = f"DAMAGED: {plural(len(found.problems), 'key')} lost or cut short"
+    if from_info:
+        verdict += f"; 'tdstore check {safe(found.td_id)}' lists them and what to do"
+    return verdict
+
+
+def damage_advice(found: Audit, prefix: str) -> list[str]:
+    """What ``check`` tells the owner of a damaged store to do next: keep the rest by deleting the
+    damaged keys (naming them) and writing them again, or restore the whole store."""
+    where = "" if prefix == "tensordict" else f" --prefix {safe(prefix)}"
+    lines = [
+        "The server evicted these keys (a maxmemory-policy other than noeviction) or someone deleted them; every read "
+        "or write that touches them raises StoreDamagedError, and nothing rebuilds them. What to do next:",
+    ]
+    if found.damaged_keys:
+        names = ", ".join(repr(safe(k)) for k in found.damaged_keys)
+        dels = "; ".join(f"del store[{safe(k)!r}]" for k in found.damaged_keys[:3]) + ("; ..." if len(found.damaged_keys) > 3 else "")
+        lines.append(
+            f"  - to keep the rest, delete the damaged {'key' if len(found.damaged_keys) == 1 else 'keys'} "
+            f"({names}) from the store ({dels}) and write them again from your data (store.set(key, value))"
+        )
+    lines.append(
+        f"  - or restore the whole store from a checkpoint or its source: 'tdstore rm {safe(found.td_id)}{where}' "
+        "deletes it, then upload it again (TensorDictStore.from_tensordict(..., td_id=...))"
+    )
+    lines.append("  - and run the server with maxmemory-policy noeviction, so that it refuses writes instead of losing data")
+    return lines

@@ -10,16 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._cli_output import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    damage_advice,
     human_size,
     info_lines,
     integrity_text,
+    plural,
     safe,
     size_text,
     state_text,
@@ -28,7 +30,7 @@ from ._cli_output import (
 )
 
 if TYPE_CHECKING:
-    from .inspect_store import ServerConnection
+    from .inspect_store import Audit, ServerConnection, StoreInfo
 
 __all__ = ["DEFAULT_PREFIX", "add_store_commands"]
 
@@ -86,15 +88,19 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     with conn:
         try:
             listing = list_stores(conn.client, args.prefix)
+            audits = _audit_all(conn.client, args.prefix, listing.stores)
         except redis.RedisError as err:
             return _server_failed("ls", conn, err)
+    damaged = sorted(td_id for td_id, found in audits.items() if found is not None and not found.intact)
     if args.json:
         print(
             json.dumps(
                 {
                     "server": conn.where,
                     "prefix": args.prefix,
-                    "stores": [info.to_json(schema=False) for info in listing.stores],
+                    "stores": [
+                        {**info.to_json(schema=False), "integrity": _json_or_none(audits.get(info.td_id))} for info in listing.stores
+                    ],
                     "unreadable": [bad.to_json() for bad in listing.unreadable],
                     "stale": listing.stale,
                 },
@@ -110,7 +116,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             str(len(i.leaves)),
             size_text(i.bytes, args.bytes),
             ttl_text(i),
-            state_text(i.state),
+            "DAMAGED" if i.td_id in damaged else state_text(i.state),
             f"{i.written}/{i.count}" if i.has_ring else "-",
         ]
         for i in listing.stores
@@ -124,8 +130,15 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             print(line)
         for bad in listing.unreadable:
             print(f"unreadable {safe(bad.td_id)}: {safe(bad.error)}")
-    noun = "store" if total == 1 else "stores"
-    print(f"{total} {noun} under prefix {safe(args.prefix)!r} on {conn.where}")
+    print(f"{plural(total, 'store')} under prefix {safe(args.prefix)!r} on {conn.where}")
+    for td_id in damaged:
+        found = audits[td_id]
+        assert found is not None
+        print(
+            f"tdstore ls: note: store {safe(td_id)} is DAMAGED ({plural(len(found.problems), 'key')} lost or cut short); "
+            f"'tdstore check {safe(td_id)}' lists them and what to do",
+            file=sys.stderr,
+        )
     if listing.stale:
         ids = ", ".join(safe(t) for t in listing.stale)
         print(
@@ -134,6 +147,26 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _audit_all(client: Any, prefix: str, stores: Sequence[StoreInfo]) -> dict[str, Audit | None]:
+    """Every key of each ready store checked against its header (what ``check`` does), so that ``ls``
+    shows a damaged store as damaged; None for a store being uploaded or gone meanwhile. Reads only."""
+    from .inspect_store import NoSuchStore, UnreadableStore, audit
+
+    out: dict[str, Audit | None] = {}
+    for info in stores:
+        out[info.td_id] = None
+        if info.state == "ready":
+            try:
+                out[info.td_id] = audit(client, prefix, info.td_id)
+            except (NoSuchStore, UnreadableStore):
+                pass
+    return out
+
+
+def _json_or_none(found: Audit | None) -> dict[str, Any] | None:
+    return None if found is None else {k: v for k, v in found.to_json().items() if k != "td_id"}
 
 
 def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], Any]) -> tuple[Any, Any] | int:
@@ -172,7 +205,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps({"server": conn.where, **info.to_json(schema=True), "integrity": found.to_json()}, indent=2))
     else:
         lines = info_lines(info, conn.where, raw=args.bytes)
-        lines.insert(1, f"  integrity: {integrity_text(found)}")
+        lines.insert(1, f"  integrity: {integrity_text(found, from_info=True)}")
         print("\n".join(lines))
     return EXIT_OK
 
@@ -191,10 +224,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for line in found.problems:
             print(f"  {safe(line)}")
         if not found.intact:
-            print(
-                "  The server evicted these keys (a maxmemory-policy other than noeviction) or someone deleted them; reads and writes "
-                f"of them raise StoreDamagedError. Delete the store ('tdstore rm {safe(found.td_id)}') and write it again."
-            )
+            for line in damage_advice(found, args.prefix):
+                print(f"  {line}")
     return EXIT_OK if found.intact else EXIT_FAILED
 
 
@@ -231,7 +262,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
                 )
                 return EXIT_FAILED
             if info is not None and not args.yes:
-                answer = _confirm(f"Delete store {shown} ({len(info.leaves)} keys, {human_size(info.bytes)})? [y/N] ")
+                answer = _confirm(f"Delete store {shown} ({plural(len(info.leaves), 'key')}, {human_size(info.bytes)})? [y/N] ")
                 if answer is None:
                     print(
                         f"tdstore rm: error: not deleting store {shown}: stdin is not a terminal, so nobody can confirm; pass --yes",
@@ -255,7 +286,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     if done.registry_only:
         print(f"removed the registry entry of store {shown}: {safe(done.reason)}")
     else:
-        print(f"deleted store {shown}: {done.keys_deleted} server keys")
+        print(f"deleted store {shown}: {plural(done.keys_deleted, 'server key')}")
     return EXIT_OK
 
 

@@ -48,6 +48,7 @@ from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread,
 from ._call import Call, leaf_checks
 from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
+from ._headerinfo import ring_writes
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
 from ._ops import Write
@@ -200,15 +201,20 @@ class Engine(Transport):
         self.set_header(self._parse_header(_pairs(reply[1:])))
 
     def ring_writes(self) -> int:
-        """The ring write counter ``rw`` of the header, in one round trip (``HMGET``); never writes."""
-        rw, epoch = self.command("HMGET", self.keys.meta, "rw", "epoch")
+        """The ring write counter of the header, in one round trip (``HMGET``); never writes.
+
+        ``rw`` as ring calls see it (``_headerinfo.ring_writes``): a store holding data the ring
+        never wrote counts as a full ring of ``count`` writes.
+        """
+        rw, epoch, na = self.command("HMGET", self.keys.meta, "rw", "epoch", "na")
         if epoch is None:
             raise self.gone()
         if self._epoch is not None and epoch.decode() != self._epoch:
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
-        return int(rw) if rw is not None else 0
+        h = self.header
+        return ring_writes(int(rw) if rw is not None else 0, int(na) if na is not None else None, bool(h.leaves), h.count)
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""

@@ -239,3 +239,19 @@ def _leaves(schema: dict[str, Any], row: list[int] | None, inner: list[int]) -> 
         if leaf.ndim < len(inner) or (leaf.shape is not None and list(leaf.shape[: len(inner)]) != inner):
             raise StoreFormatError(f"leaf {leaf.path} does not start with the inner batch size {inner}")
     return leaves
+
+
+def ring_writes(rw: int, na: int | None, has_leaves: bool, count: int) -> int:
+    """The ring write count every ring call works with, from the header's ``rw`` (``tds_ring_rw``
+    in ``lua/_lib.lua`` derives the same on the server).
+
+    A store that holds data the ring never wrote (``rw`` 0: written by index, or uploaded by an
+    older tdstore) is a full ring of ``count`` slots written once each, so its first ``extend``
+    overwrites slot 0, the oldest. A store whose keys hold no data yet (a ring before its first
+    ``extend``, a ``from_schema`` store never written) has written nothing. Holding data: an
+    inventory (``na``) that lists a key; a store without one holds data when it has keys.
+    """
+    if rw > 0:
+        return rw
+    holds = na > 0 if na is not None else has_leaves
+    return count if holds else 0

@@ -173,6 +173,26 @@ def normalize(index: Any, batch_size: torch.Size) -> tuple[Component, ...]:
     return tuple(out)
 
 
+def positions(index: Any, size: int) -> tuple[torch.Tensor, bool]:
+    """The positions ``index`` selects along one dim of ``size`` (a ring's slots), as a 1-D int64
+    tensor, and whether ``index`` names one position (an int: a call then takes one element).
+
+    The one meaning of an index for every call that takes slots (``update_priority``,
+    ``update_if``, torchrl's storage paths) as for indexing (``store[index]``, ``get_at``,
+    ``set_at_``): :func:`normalize` over a batch of ``size``, so a bool or uint8 tensor, list or
+    array is a mask (torch's meaning, with its warning for uint8), ints, lists, ranges, slices,
+    int tensors and arrays are positions (negative ones counting from the end), and floats,
+    0-dim masks and anything out of range raise ``IndexError``. A position tensor of several
+    dims is read in order (flattened).
+    """
+    (c,) = normalize(index, torch.Size([size]))
+    if isinstance(c, int):
+        return torch.tensor([c], dtype=torch.int64), True
+    if isinstance(c, slice):
+        return torch.arange(c.start, c.stop, c.step, dtype=torch.int64), False
+    return c.reshape(-1), False
+
+
 @dataclass(frozen=True)
 class Plan:
     """Where an index lands: the touched elements and the index into a local copy of them."""

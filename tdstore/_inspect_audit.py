@@ -21,12 +21,14 @@ __all__ = ["audit"]
 
 
 class _Wanted(NamedTuple):
-    """One key to check: its name, the check ``_integrity.expected`` gives for it, and the offsets
-    key of a heterogeneous data key (whose last offset is the least the data must hold)."""
+    """One key to check: its name, the check ``_integrity.expected`` gives for it, the offsets
+    key of a heterogeneous data key (whose last offset is the least the data must hold), and the
+    store keys whose data it holds (one, or each key of the row block), as a user names them."""
 
     key: str
     check: tuple[int, int, int]
     offsets_key: str | None
+    holds: tuple[str, ...] = ()
 
 
 class _KeyState(NamedTuple):
@@ -69,9 +71,11 @@ def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
         listed = [bool(r) for r in replies[pos : pos + len(wanted)]]
         if count != int(na_raw):
             whole = False
-            problems.append(f"{keys.inventory}: the inventory lists {count} keys, the header counts {int(na_raw)} (it lost entries)")
-    never = _judge(states, listed, tracked=na_raw is not None, whole=whole, problems=problems)
-    return Audit(td_id, len(wanted), never, tuple(problems))
+            listed_n = f"{count} key" if count == 1 else f"{count} keys"
+            problems.append(f"{keys.inventory}: the inventory lists {listed_n}, the header counts {int(na_raw)} (it lost entries)")
+    damaged: list[str] = []
+    never = _judge(states, listed, tracked=na_raw is not None, whole=whole, problems=problems, damaged=damaged)
+    return Audit(td_id, len(wanted), never, tuple(problems), tuple(sorted(set(damaged))))
 
 
 def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:
@@ -79,8 +83,10 @@ def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:
     from ._integrity import EXACT, HET_DATA, expected
 
     leaves = list(header.leaves)
+    holds: dict[int, tuple[str, ...]] = {leaf.number: (".".join(leaf.path),) for leaf in leaves}
     if header.row is not None:
         leaves.append(LeafRecord(("\0row",), header.row[0], "uint8", 1, (header.row[1],)))
+        holds[header.row[0]] = tuple(".".join(leaf.path) for leaf in header.leaves if leaf.col is not None)
     per = header.seg or max(header.count, 1)
     wanted: list[_Wanted] = []
     for seg in range(header.segments):
@@ -89,21 +95,22 @@ def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:
             for role, name in (("d", keys.data), ("o", keys.offsets), ("s", keys.shapes)):
                 check = expected(role, leaf, m)
                 if check[0] in (EXACT, HET_DATA):
-                    wanted.append(_Wanted(name(leaf.number, seg), check, keys.offsets(leaf.number, seg) if check[0] == HET_DATA else None))
+                    okey = keys.offsets(leaf.number, seg) if check[0] == HET_DATA else None
+                    wanted.append(_Wanted(name(leaf.number, seg), check, okey, holds[leaf.number]))
     return wanted
 
 
 def _query(client: redis.Redis, keys: StoreKeys, wanted: list[_Wanted], *, tracked: bool) -> list[Any]:
     """One pipeline: each key's existence and length (and last offset), then the inventory's size and entries."""
     pipe = client.pipeline(transaction=False)
-    for key, _, okey in wanted:
+    for key, _, okey, _ in wanted:
         pipe.exists(key)
         pipe.strlen(key)
         if okey is not None:
             pipe.getrange(okey, -8, -1)
     if tracked:
         pipe.hlen(keys.inventory)
-        for key, _, _ in wanted:
+        for key, _, _, _ in wanted:
             pipe.hexists(keys.inventory, key)
     return list(pipe.execute())
 
@@ -124,22 +131,30 @@ def _key_states(wanted: list[_Wanted], replies: list[Any]) -> tuple[list[_KeySta
     return states, pos
 
 
-def _judge(states: list[_KeyState], listed: list[bool], *, tracked: bool, whole: bool, problems: list[str]) -> int:
-    """Append a line per damaged key to ``problems``; return the keys absent because never written."""
+def _bytes(n: int | None) -> str:
+    return f"{n} byte" if n == 1 else f"{n} bytes"
+
+
+def _judge(states: list[_KeyState], listed: list[bool], *, tracked: bool, whole: bool, problems: list[str], damaged: list[str]) -> int:
+    """Append a line per damaged key to ``problems`` (and the store keys it holds to ``damaged``);
+    return the keys absent because never written."""
     from ._integrity import HET_DATA
 
     never = 0
     for state, in_inventory in zip(states, listed):
-        key, (code, length, _), _ = state.wanted
+        key, (code, length, _), _, holds = state.wanted
         exists, have, last = state.exists, state.length, state.last_offset
+        found = len(problems)
         if code == HET_DATA:
             if have < (last or 0):
-                problems.append(f"{key}: holds {have} bytes, its offset table says {last}" + ("" if exists else " (lost)"))
+                problems.append(f"{key}: holds {_bytes(have)}, its offset table says {last}" + ("" if exists else " (lost)"))
         elif have != length:
             if not exists and length and tracked and whole and not in_inventory:
                 never += 1
             elif not exists:
-                problems.append(f"{key}: lost (the header implies {length} bytes)")
+                problems.append(f"{key}: lost (the header implies {_bytes(length)})")
             else:
-                problems.append(f"{key}: holds {have} bytes, the header implies {length}")
+                problems.append(f"{key}: holds {_bytes(have)}, the header implies {length}")
+        if len(problems) > found:
+            damaged.extend(holds)
     return never

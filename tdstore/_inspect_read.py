@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import redis
 
-from ._headerinfo import HeaderInfo, StoreFormatError, parse_header
+from ._headerinfo import HeaderInfo, StoreFormatError, parse_header, ring_writes
 from ._inspect_results import LeafInfo, Listing, NoSuchStore, StoreInfo, Unreadable, UnreadableStore
 from ._keys import StoreKeys, registry_key
 from ._policy import SamplingPolicy
@@ -25,7 +25,8 @@ def _decode_id(raw: bytes | str) -> str:
 
 
 def read_header(raw: Mapping[bytes | str, bytes | str]) -> tuple[HeaderInfo, int]:
-    """The header and its ring write counter; :class:`StoreFormatError` for anything unexpected."""
+    """The header and its ring write counter (as ring calls see it: ``_headerinfo.ring_writes``);
+    :class:`StoreFormatError` for anything unexpected."""
     try:
         header = parse_header(dict(raw))
     except StoreFormatError:
@@ -39,7 +40,12 @@ def read_header(raw: Mapping[bytes | str, bytes | str]) -> tuple[HeaderInfo, int
         raise StoreFormatError(f"store header has a bad ring write counter {rw_raw!r}") from None
     if rw < 0:
         raise StoreFormatError(f"store header has a negative ring write counter {rw}")
-    return header, rw
+    na_raw = raw.get(b"na") if b"na" in raw else raw.get("na")
+    try:
+        na = int(na_raw) if na_raw is not None else None
+    except ValueError:
+        raise StoreFormatError(f"store header has a bad inventory size {na_raw!r}") from None
+    return header, ring_writes(rw, na, bool(header.leaves), header.count)
 
 
 def describe_policy(policy: SamplingPolicy | None) -> str:

@@ -208,6 +208,8 @@ class Audit:
     """Keys absent because their segment was never written (the inventory vouches for them)."""
     problems: tuple[str, ...]
     """One line per key lost, short or too long, and for an inventory that lost entries."""
+    damaged_keys: tuple[str, ...] = ()
+    """The store's keys (``obs``, ``nested.b``) whose data or tables are among the problems, sorted."""
 
     @property
     def intact(self) -> bool:
@@ -220,4 +222,5 @@ class Audit:
             "checked": self.checked,
             "never_written": self.never_written,
             "problems": list(self.problems),
+            "damaged_keys": list(self.damaged_keys),
         }

@@ -152,6 +152,7 @@ class ReplayMethods(LazyState):
         rewritten by a later ``extend`` are skipped.  One atomic call; every row is
         checked (keys, dtypes, shapes) before anything is written.  ``td`` may hold
         a subset of the store's keys.  Returns a bool tensor: which rows were applied.
+        ``index`` means what it means to ``store[index]`` (a bool or uint8 mask included).
         """
         return _ring.update_if(self._writable_engine(), index, generation, td)
 
@@ -200,7 +201,9 @@ class ReplayMethods(LazyState):
         _sampling.enable_priorities(self._engine, alpha, max_times_sampled)
 
     def update_priority(self, index: Any, priority: Any, *, generation: Any = None) -> torch.Tensor:
-        """Set the priority of slots ``index`` (an int, list or tensor), in one atomic call.
+        """Set the priority of slots ``index``, in one atomic call. ``index`` means what it means
+        to ``store[index]`` (``_index.positions``): ints, lists, ranges, slices, int tensors and
+        arrays are slots; bool and uint8 tensors, lists and arrays are masks over the slots.
 
         ``priority`` is one number or one per slot (finite, >= 0; 0 is never drawn). With
         ``generation`` (from ``sample``), a slot is updated only if it still holds that

@@ -7,7 +7,9 @@ Everything else follows from it, inside the script that reads it, so nothing can
 drift between processes or machines:
 
 * the cursor (next slot to write) is ``rw % count``;
-* the written slots are ``0 .. min(rw, count) - 1``;
+* the written slots are ``0 .. min(rw, count) - 1``; a store holding data the ring never
+  wrote (an upload, writes by index) is a full ring, ``rw = count`` (``_headerinfo.ring_writes``),
+  so its first ``extend`` overwrites slot 0, the oldest;
 * the *generation* of slot ``s`` (how many ring writes it received) is ``0`` when
   ``s >= rw``, else ``(rw - 1 - s) // count + 1``.
 
@@ -21,19 +23,21 @@ maps them onto the written slots it sees, so the batch only holds written slots.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _policy, _rows, _sampling, _waiting
+from . import _codec, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine
+from ._headerinfo import ring_writes
 from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
 from ._ops import Write, write_kind
-from ._ring_args import generations_arg, refuse_spread, slots_of
+from ._ring_args import generations_arg, refuse_spread
 from ._schema import Header, Leaf, NestedPath, check_paths
 from ._values import display, leaves_of, subtree_dims
 
@@ -67,6 +71,18 @@ class RingState(NamedTuple):
 def generations(slots: torch.Tensor, rw: int, count: int) -> torch.Tensor:
     """The generation of each slot when the ring has had ``rw`` writes (see the module docstring)."""
     return torch.where(slots < rw, torch.div(rw - 1 - slots, count, rounding_mode="floor") + 1, torch.zeros_like(slots))
+
+
+#: Header fields a read transaction takes with a full ring's sample: the ring write count (and the
+#: inventory's size, for a store filled by index) and the sampling policy field.
+RING_FIELDS = ("rw", "na", "sc")
+
+
+def ring_writes_of(fields: Mapping[str, Any], h: Header) -> int:
+    """The ring write count from the header fields :data:`RING_FIELDS` a transaction read
+    (``_headerinfo.ring_writes``: a store filled by index is a full ring)."""
+    rw, na = fields.get("rw"), fields.get("na")
+    return ring_writes(int(rw) if rw is not None else 0, int(na) if na is not None else None, bool(h.leaves), h.count)
 
 
 def state(rw: int, count: int) -> RingState:
@@ -335,8 +351,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     """Write ``value`` at the slots whose generation still matches; returns which rows were applied."""
     refuse_spread(engine)
     h0 = engine.header
-    scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0)
-    slots = slots_of(index, h0.count)
+    slots, scalar = _index.positions(index, h0.count)
     gens = generations_arg(generation, int(slots.numel()), "update_if")
     n = int(slots.numel())
     if n == 0:

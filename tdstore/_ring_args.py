@@ -1,7 +1,8 @@
-"""The arguments that ring calls share: slot indices, generations, and the one-slot rule.
+"""The arguments that ring calls share: generations and the one-slot rule.
 
 ``_ring`` (writes), ``_ring_reads`` (samples, pops) and ``_sampling`` (priority updates) check
-their arguments with these, before anything is sent.
+their arguments with these, before anything is sent. Slot indices mean what they mean to
+indexing: ``_index.positions``.
 """
 
 from __future__ import annotations
@@ -27,19 +28,6 @@ def _int_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, (list, tuple)) and not value:
         return torch.zeros(0, dtype=torch.int64)
     return torch.as_tensor(value)
-
-
-def slots_of(index: Any, count: int, what: str = "index") -> torch.Tensor:
-    """A 1-D int64 tensor of slots from an int, list or tensor (negative ints count from the end)."""
-    t = _int_tensor(index)
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise IndexError(f"{what} must hold integer slots, got {t.dtype}")
-    t = t.reshape(-1).to(torch.int64)
-    if t.numel():
-        bad = t[(t < -count) | (t >= count)]
-        if bad.numel():
-            raise IndexError(f"slot {int(bad[0])} is out of range for a ring of {count} slots")
-    return torch.where(t < 0, t + count, t)
 
 
 def generations_arg(generation: Any, n: int, what: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ._keys import KeyTable
 from ._ops import Read
 from ._policy import SamplingPolicy
 from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
-from ._ring import DRAW_HIGH, Sample, generations
+from ._ring import DRAW_HIGH, RING_FIELDS, Sample, generations, ring_writes_of
 from ._ring_args import refuse_spread
 from ._schema import Header, Leaf, NestedPath
 from ._segments import het_row_read_op, row_read_op
@@ -164,13 +164,13 @@ def _full_ring_sample(
     :data:`_UNDER_POLICY` returned). None when the ring turns out not to be full.
     """
     slots = draws % h.count
-    _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
+    _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=RING_FIELDS)
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
-    rw = fields.get("rw")
-    if isinstance(res, DenseResult) and rw is not None and int(rw) >= h.count and fields.get("sc") is None:
+    rw = ring_writes_of(fields, h)
+    if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
-        return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
+        return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))
     if fields.get("sc") is not None:
         engine.set_header(engine.fetch_header())
         return _UNDER_POLICY
@@ -260,12 +260,13 @@ def _tx_sample_call(
 
     def parse(reply: list) -> Sample:
         fields = call.field_values or {}
-        rw = fields.get("rw")
-        if rw is None or int(rw) < h.count or fields.get("sc") is not None:
+        rw = ring_writes_of(fields, h)
+        if rw < h.count or fields.get("sc") is not None:
             raise _RingMoved
-        return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), rw, *reply[2:]], 4, device, block, grouped, ragged, wanted)
+        piece = str(rw).encode()
+        return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
-    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=["rw", "sc"], verify=tx[1])
+    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1])
     return call
 
 

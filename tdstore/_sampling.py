@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _waiting
+from . import _codec, _index, _waiting
 from ._call import Call
 from ._engine import Engine
 from ._errors import MustWait
 from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
-from ._ring_args import generations_arg, refuse_spread, slots_of
+from ._ring_args import generations_arg, refuse_spread
 from ._schema import Header
 
 
@@ -166,8 +166,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     """Set the priorities of slots ``index`` (see ``LazyStackedTensorDictStore.update_priority``)."""
     engine.refuse_if_readonly()
     refuse_spread(engine)
-    count = engine.header.count
-    slots = slots_of(index, count)
+    slots, _ = _index.positions(index, engine.header.count)
     n = int(slots.numel())
     values = priority_values(priority, n)
     if generation is None:

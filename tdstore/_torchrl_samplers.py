@@ -10,7 +10,7 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler, Sa
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH  # see the registration at the end
 from torchrl.data.replay_buffers.storages import Storage
 
-from . import _ring
+from . import _index, _ring
 from ._reads import DenseResult
 from ._sampling import PrioritizedSample
 from ._torchrl_storage import EMPTY_ERROR, Drawn, StoreStorage, has_keys
@@ -79,16 +79,16 @@ class StoreSampler(Sampler):
         if self._bound == 0:
             return None
         slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
-        _, res = s.stack_ops.engine.read(slots, fields=("rw", "sc"))
+        _, res = s.stack_ops.engine.read(slots, fields=_ring.RING_FIELDS)
         if not isinstance(res, DenseResult) or res.fields is None:
             return None
-        rw = res.fields.get("rw")
-        if rw is None or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
+        rw = _ring.ring_writes_of(res.fields, s.stack_ops.engine.header)
+        if rw == 0 or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
             return None
-        self._bound = min(int(rw), m)
+        self._bound = min(rw, m)
         if int(slots.max()) >= self._bound:
             return None
-        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, int(rw), m))
+        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, rw, m))
 
     def _empty(self) -> None:
         """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""
@@ -222,17 +222,17 @@ class StorePrioritizedSampler(PrioritizedSampler):
         for slots that still hold the rows it read (an actor may have overwritten some since)."""
         if isinstance(index, tuple):
             index = index[0]
-        idx = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         p = torch.as_tensor(priority, dtype=torch.float64).detach().reshape(-1)
         if p.numel() and bool(p.isnan().all()):
             return  # torchrl seeding a new buffer's existing rows with default_priority: the server's stand
-        p = p.abs() + self._eps
-        if p.numel() == 1 and idx.numel() > 1:
-            p = p.expand(idx.numel())
         last = self._last
         target = storage if isinstance(storage, StoreStorage) else (last[0] if last is not None else None)
         if target is None:
             raise RuntimeError("update_priority needs the storage: sample first, or pass storage=")
+        idx, _ = _index.positions(index, target.max_size)  # a mask means what it means to indexing
+        p = p.abs() + self._eps
+        if p.numel() == 1 and idx.numel() > 1:
+            p = p.expand(idx.numel())
         gens = None
         if last is not None and last[0] is target and last[1].indices.shape == idx.shape and torch.equal(last[1].indices, idx):
             gens = last[1].generations

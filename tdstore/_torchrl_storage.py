@@ -20,7 +20,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torchrl.data.replay_buffers.storages import Storage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from . import _ring
+from . import _index, _ring
 from ._connection import SECRET_KWARGS
 from ._engine import new_td_id
 from ._sampling import PrioritizedSample
@@ -245,14 +245,11 @@ class StoreStorage(_TorchrlStoreStorage):
                 "overwrite each other's rows); build the buffer with tdstore.torchrl.replay_buffer(...) or "
                 "writer=StoreWriter()"
             )
-        if isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0):
-            rows = self._to_rows(data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data])
-            cursor = torch.as_tensor([int(cursor)])
-        else:
-            rows = self._to_rows(data)
+        slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
+        rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
 
         def write(s: LazyStackedTensorDictStore) -> None:
-            s[cursor] = rows
+            s[slots] = rows
 
         self.with_store(write)
 
@@ -291,9 +288,9 @@ class StoreStorage(_TorchrlStoreStorage):
             if index.step == 1:
                 return s.stack_ops.read(index)
             index = torch.arange(index.start, index.stop, index.step)
-        if isinstance(index, int) or (isinstance(index, torch.Tensor) and index.ndim == 0):
-            return s.stack_ops.read(torch.as_tensor([int(index)]))[0]
-        return s.stack_ops.read(index)
+        slots, one = _index.positions(index, self.max_size)  # a mask means what it means to indexing
+        got = s.stack_ops.read(slots)
+        return got[0] if one else got
 
     def contains(self, item: Any) -> Any:
         n = len(self)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.writers import Writer
 
-from . import _ring
+from . import _index, _ring
 from ._torchrl_storage import StoreStorage
 
 
@@ -60,11 +60,14 @@ class StoreWriter(Writer):
             return p.generations - 1
         if isinstance(index, tuple):
             index = index[0]
-        idx = torch.as_tensor(index, dtype=torch.long)
+        slots, one = _index.positions(index, storage.max_size)  # a mask means what it means to indexing
         rw = storage.with_store(lambda s: s.write_count)
-        slots = idx.clamp(0, storage.max_size - 1)
         gen = _ring.generations(slots, rw, storage.max_size) - 1
-        return torch.where((idx >= 0) & (idx < storage.max_size), gen, torch.full_like(gen, -1))
+        if one:
+            return gen[0]
+        if isinstance(index, torch.Tensor) and index.dtype not in _index.MASK_DTYPES:
+            return gen.reshape(index.shape)  # positions keep their shape
+        return gen
 
     @property
     def _cursor(self) -> int:

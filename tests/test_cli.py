@@ -102,10 +102,10 @@ def test_ls_lists_homogeneous_heterogeneous_and_ttl_stores(capsys, url, prefix) 
         rows = _rows(out, size="BYTES")
         assert set(rows) == {"het", "dense", "with-ttl"}
         # TD_ID TYPE COUNT KEYS BYTES TTL STATE RING
-        assert rows["het"][1:4] == ["lazy", "4", "3"] and rows["het"][5:] == ["-", "ready", "0/4"]
+        assert rows["het"][1:4] == ["lazy", "4", "3"] and rows["het"][5:] == ["-", "ready", "4/4"]  # an upload is a full ring
         # obs 4*3 float32 + tokens 1+2+3+4 int32 + step 4 int64 + the offset (5 int64) and shape (4x1 int64) tables
         assert int(rows["het"][4]) == 48 + 40 + 32 + 40 + 32
-        assert rows["dense"][1:] == ["lazy", "5", "2", str(5 * 4 * 8 + 5 * 1), "-", "ready", "0/5"]
+        assert rows["dense"][1:] == ["lazy", "5", "2", str(5 * 4 * 8 + 5 * 1), "-", "ready", "5/5"]
         assert rows["with-ttl"][1:4] == ["lazy", "7", "0"] and rows["with-ttl"][6:] == ["ready", "0/7"]
         assert rows["with-ttl"][5] in {*(f"{s}s" for s in range(55, 60)), "1m00s"}  # a unit, rounded up
         assert out.splitlines()[-1] == f"3 stores under prefix {prefix!r} on unix://{Path(url[len('unix://') :])}?db=0"
@@ -152,7 +152,7 @@ def test_ls_json_is_only_json_with_every_field(capsys, url, prefix) -> None:
         assert r["ring"] == {"cursor": 2, "write_count": 6, "written": 4}
         assert 50 < r["ttl_seconds"] <= 60
         h = by_id["het"]
-        assert h["ttl_seconds"] is None and h["keys"] == 3 and h["ring"] == {"cursor": 0, "write_count": 0, "written": 0}
+        assert h["ttl_seconds"] is None and h["keys"] == 3 and h["ring"] == {"cursor": 0, "write_count": 3, "written": 3}
         # header, inventory, the row block of the two small homogeneous keys, the heterogeneous key's blob and tables
         assert h["server_keys"] == 1 + 1 + 1 + 3
     finally:
@@ -248,7 +248,7 @@ def test_info_shows_header_and_schema(capsys, url, prefix) -> None:
         assert facts["inner batch size"] == "[]" and facts["device"] == "-" and facts["state"] == "ready"
         assert facts["ttl"] == "-" and facts["segments"] == "1" and facts["keys"] == "3"
         assert facts["row block"] == "obs, meta.step"  # side by side, in column order
-        assert facts["ring"] == "cursor 0, write_count 0, written 0/4"
+        assert facts["ring"] == "cursor 0, write_count 4, written 4/4"  # an upload is a full ring
         assert facts["size"] == "192 B (data 120 B, heterogeneous tables 72 B)"
         table = [line for line in lines if line.startswith("    ")]
         assert table[0].split() == ["KEY", "DTYPE", "LAYOUT", "ELEMENT", "SHAPE", "SIZE"]
@@ -302,7 +302,7 @@ def test_info_json(capsys, url, prefix) -> None:
         assert (doc["td_id"], doc["prefix"], doc["type"], doc["count"], doc["inner_batch_size"]) == ("inner", prefix, "lazy", 3, [2])
         assert doc["state"] == "ready" and doc["segments"] == 1 and doc["keys"] == 2
         assert 100 < doc["ttl_seconds"] <= 120
-        assert doc["ring"] == {"cursor": 0, "write_count": 0, "written": 0}
+        assert doc["ring"] == {"cursor": 0, "write_count": 3, "written": 3}
         schema = {leaf["key"]: leaf for leaf in doc["schema"]}
         assert schema["img"]["dtype"] == "uint8" and schema["img"]["layout"] == "homogeneous"
         assert schema["img"]["shape"] == [2, 5, 5] and schema["img"]["bytes"] == 3 * 2 * 25 and schema["img"]["table_bytes"] == 0
@@ -627,3 +627,69 @@ def test_rm_refuses_a_store_whose_schema_changed_and_reads_it_again(capsys, url,
     assert out.strip() == "deleted store moving: 4 server keys"  # header, inventory, the key a, the late key
     with pytest.raises(KeyError):
         LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id="moving")
+
+
+# -- damaged stores, and words in the number they take ---------------------------------------------
+
+
+def _one_key_stack(n: int = 3) -> TensorDict:
+    """Elements of one homogeneous key, too large for a row block: one blob, one server data key."""
+    return lazy_stack([TensorDict({"img": torch.full((64,), float(i))}, []) for i in range(n)])
+
+
+def test_ls_shows_a_damaged_store_as_damaged(capsys, url, prefix, redis_server) -> None:
+    ok = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(4), url=url, prefix=prefix, td_id="ok")
+    hurt = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(4), url=url, prefix=prefix, td_id="hurt")
+    try:
+        lost = hurt._engine.keys.data(hurt._engine.header.leaves[("tokens",)].number)
+        assert redis_server.client().delete(lost) == 1  # evicted, say
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert code == 0, err
+        rows = _rows(out)
+        assert rows["hurt"][6] == "DAMAGED" and rows["ok"][6] == "ready"
+        assert "store hurt is DAMAGED (1 key lost or cut short); 'tdstore check hurt'" in err and "store ok" not in err
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix, "--json")
+        assert code == 0, err
+        by_id = {s["td_id"]: s for s in json.loads(out)["stores"]}
+        assert by_id["hurt"]["integrity"]["intact"] is False and by_id["hurt"]["integrity"]["damaged_keys"] == ["tokens"]
+        assert by_id["ok"]["integrity"]["intact"] is True
+    finally:
+        ok.clear_redis()
+        hurt.clear_redis()
+
+
+def test_check_says_what_to_do_next_naming_the_keys(capsys, url, prefix, redis_server) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_het_stack(4), url=url, prefix=prefix, td_id="hurt")
+    try:
+        lost = store._engine.keys.data(store._engine.header.leaves[("tokens",)].number)
+        redis_server.client().delete(lost)
+        code, out, err = _run(capsys, "check", "hurt", "--url", url, "--prefix", prefix)
+        assert code == 1, err
+        assert "DAMAGED: 1 key lost or cut short" in out and lost in out
+        assert "tdstore check" not in out  # the advice is the next step, not this command again
+        assert "del store['tokens']" in out and "'tokens'" in out  # keep the rest: which key to delete and rewrite
+        assert f"'tdstore rm hurt --prefix {prefix}'" in out and "checkpoint" in out  # or restore the whole store
+        assert "noeviction" in out
+        code, out, err = _run(capsys, "info", "hurt", "--url", url, "--prefix", prefix)
+        assert code == 0 and "integrity: DAMAGED: 1 key lost or cut short; 'tdstore check hurt' lists them and what to do" in out
+        del store["tokens"]  # the advice works: the rest of the store is intact again
+        code, out, err = _run(capsys, "check", "hurt", "--url", url, "--prefix", prefix)
+        assert code == 0 and "intact" in out
+    finally:
+        store.clear_redis()
+
+
+def test_counts_take_the_singular_for_one(capsys, url, prefix, monkeypatch) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_one_key_stack(), url=url, prefix=prefix, td_id="single")
+    try:
+        code, out, err = _run(capsys, "check", "single", "--url", url, "--prefix", prefix)
+        assert code == 0 and "intact (1 key checked)" in out
+        code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
+        assert out.splitlines()[-1].startswith("1 store under prefix")
+        monkeypatch.setattr(sys, "stdin", _Terminal("n\n"))
+        code, out, err = _run(capsys, "rm", "single", "--url", url, "--prefix", prefix)
+        assert err.startswith("Delete store single (1 key, ")
+        for text in (out, err):
+            assert not re.search(r"\b1 (keys|stores|server keys|bytes)\b", text)
+    finally:
+        store.clear_redis()

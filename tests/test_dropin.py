@@ -375,4 +375,5 @@ def test_chat_ring_sample_keeps_element_subtrees(backend):
     got = store.sample(6, generator=torch.Generator().manual_seed(0))
     assert got.td["chat", "prompt"].batch_size == torch.Size([6, 1])
     words = [row[0] for row in got.td["chat", "prompt", "content"].tolist()]
-    assert words == [f"new{int(s)}" for s in got.indices]
+    # an upload is a full ring: the extend overwrote slots 0 and 1, slots 2 and 3 still hold the upload
+    assert words == [f"new{int(s)}" if s < 2 else f"w{int(s)}" for s in got.indices]

@@ -273,6 +273,24 @@ def test_store_sampler_without_replacement_follows_a_growing_buffer(real):
     assert sorted(seen) == list(range(16))
 
 
+def test_storage_writer_and_sampler_read_a_mask_as_indexing_does(real):
+    """A bool or uint8 mask selects slots in every torchrl path, as ``store[mask]`` does (never slots 0 and 1)."""
+    rb = replay_buffer(8, batch_size=4, sampler="prioritized", alpha=1.0, eps=0.0, **real.kwargs())
+    rb.extend(rows(0, 8))
+    mask = torch.tensor([0, 0, 0, 1, 0, 1, 0, 0], dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="uint8"):
+        assert rb.storage.get(mask)["step"].tolist() == [3, 5]
+    assert rb.storage.get(mask.bool())["step"].tolist() == [3, 5]
+    assert rb.writer.generations_of(mask.bool()).tolist() == [0, 0]
+    rb.storage.set(mask.bool(), rows(50, 2), set_cursor=False)
+    assert rb.storage[:]["step"].tolist() == [0, 1, 2, 50, 4, 51, 6, 7]
+    rb.sample()  # the sampler needs its storage: the last batch drawn names it
+    rb.sampler.update_priority(mask.bool(), torch.tensor([30.0, 30.0]))
+    drawn = rb.storage.with_store(lambda st: st.sample(2048, generator=torch.Generator().manual_seed(0), prioritized=True))
+    boosted = {int(i) for i, p in zip(drawn.indices, drawn.probabilities) if p > 1 / 8}
+    assert boosted == {3, 5}
+
+
 def test_prioritized_sampler_keeps_the_tree_on_the_server(real):
     """torchrl's PrioritizedSampler API: weights in the sample, update_tensordict_priority, a second
     process's buffer on the same store draws by the same priorities."""
