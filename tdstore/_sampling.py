@@ -68,31 +68,69 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     engine.run(plan_call)
 
 
+#: Bytes of tree one step of ``lua/tree_build.lua`` writes at most (about 5 ms of server time here).
+BUILD_STEP_BYTES = 1 << 20
+
+#: A build nobody resumes expires this long after its last step (``lua/tree_build.lua``).
+BUILD_LEASE_MS = 60_000
+
+#: The largest ring ``enable_priorities`` accepts: its tree (about 9 bytes per slot) is allocated by
+#: one zero-filling command, about 0.4 ms per MB on an idle machine (37 ms for 10^7 slots, ~45 ms at
+#: this limit, on Redis 7): the one step of the build whose cost grows with the ring (lua/README.md).
+MAX_PRIORITY_SLOTS = 12 << 20
+
+
 def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | None) -> None:
-    """Turn priorities on (see ``LazyStackedTensorDictStore.enable_priorities``)."""
+    """Turn priorities on (see ``LazyStackedTensorDictStore.enable_priorities``).
+
+    The tree is built in steps of bounded server work, one call each (``lua/tree_build.lua``), so a
+    ring of 10^7 slots never blocks other clients for long; meanwhile the ring works as without
+    priorities, and the last step switches them on atomically. A builder that dies is resumed by
+    the next call with the same parameters.
+    """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
     if max_times_sampled is not None and (
         isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) or max_times_sampled < 1
     ):
         raise ValueError(f"max_times_sampled must be None or an int >= 1, got {max_times_sampled!r}")
+    engine.refuse_if_readonly()
+    refuse_spread(engine)
     h = engine.header
+    if not policy_of(engine).prioritized:
+        if h.count > MAX_PRIORITY_SLOTS:
+            raise ValueError(
+                f"the store with {engine.where()} has {h.count} slots; priorities are kept for rings of at most "
+                f"{MAX_PRIORITY_SLOTS} slots (their tree is allocated in one server command, which must stay short)"
+            )
+        engine.check_room(h, 0, declared=tree_bytes(h.count) + (4 * h.count if max_times_sampled else 0))
+        keys = engine.keys
+        args = [f"{float(alpha)!r}", str(max_times_sampled) if max_times_sampled else "-", keys.events, BUILD_STEP_BYTES, BUILD_LEASE_MS]
+
+        def plan_call(h: Header) -> Call:
+            new = replace(h.sampling or SamplingPolicy(), alpha=float(alpha), max_times=max_times_sampled)
+            return Call(
+                "tree_build",
+                [keys.meta, *keys.sampling_keys, *keys.build_keys],
+                [f"{h.epoch}:V{h.version}", new.to_json(), *args],
+                done,
+            )
+
+        def done(reply: list) -> bool:
+            """True once the policy is on (the reply then carries the header, adopted at once)."""
+            if reply[1] != b"ON":
+                return False  # 'MORE': a step was made
+            engine.adopt_stale(reply[1:])
+            return True
+
+        while not engine.run(plan_call):
+            pass
     have = policy_of(engine)
-    if have.prioritized:
-        if (have.alpha, have.max_times) == (float(alpha), max_times_sampled):
-            return
+    if (have.alpha, have.max_times) != (float(alpha), max_times_sampled):
         raise ValueError(
             f"the store with {engine.where()} has priorities with alpha={have.alpha:g} and max_times_sampled={have.max_times}; "
             f"a store keeps the ones it was given (asked for alpha={alpha:g}, max_times_sampled={max_times_sampled})"
         )
-    engine.check_room(h, 0, declared=tree_bytes(h.count) + (4 * h.count if max_times_sampled else 0))
-
-    def build(p: SamplingPolicy) -> SamplingPolicy:
-        if p.prioritized:
-            raise ValueError(f"another client turned priorities on for the store with {engine.where()} (alpha={p.alpha:g})")
-        return replace(p, alpha=float(alpha), max_times=max_times_sampled)
-
-    _change(engine, build, "tree times" if max_times_sampled else "tree")
 
 
 def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | None, error_buffer: float | None) -> None:
