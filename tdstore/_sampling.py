@@ -96,34 +96,8 @@ def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | Non
         raise ValueError(f"max_times_sampled must be None or an int >= 1, got {max_times_sampled!r}")
     engine.refuse_if_readonly()
     refuse_spread(engine)
-    h = engine.header
     if not policy_of(engine).prioritized:
-        if h.count > MAX_PRIORITY_SLOTS:
-            raise ValueError(
-                f"the store with {engine.where()} has {h.count} slots; priorities are kept for rings of at most "
-                f"{MAX_PRIORITY_SLOTS} slots (their tree is allocated in one server command, which must stay short)"
-            )
-        engine.check_room(h, 0, declared=tree_bytes(h.count) + (4 * h.count if max_times_sampled else 0))
-        keys = engine.keys
-        args = [f"{float(alpha)!r}", str(max_times_sampled) if max_times_sampled else "-", keys.events, BUILD_STEP_BYTES, BUILD_LEASE_MS]
-
-        def plan_call(h: Header) -> Call:
-            new = replace(h.sampling or SamplingPolicy(), alpha=float(alpha), max_times=max_times_sampled)
-            return Call(
-                "tree_build",
-                [keys.meta, *keys.sampling_keys, *keys.build_keys],
-                [f"{h.epoch}:V{h.version}", new.to_json(), *args],
-                done,
-            )
-
-        def done(reply: list) -> bool:
-            """True once the policy is on (the reply then carries the header, adopted at once)."""
-            if reply[1] != b"ON":
-                return False  # 'MORE': a step was made
-            engine.adopt_stale(reply[1:])
-            return True
-
-        while not engine.run(plan_call):
+        while not build_step(engine, alpha, max_times_sampled):
             pass
     have = policy_of(engine)
     if (have.alpha, have.max_times) != (float(alpha), max_times_sampled):
@@ -131,6 +105,32 @@ def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | Non
             f"the store with {engine.where()} has priorities with alpha={have.alpha:g} and max_times_sampled={have.max_times}; "
             f"a store keeps the ones it was given (asked for alpha={alpha:g}, max_times_sampled={max_times_sampled})"
         )
+
+
+def build_step(engine: Engine, alpha: float, max_times_sampled: int | None) -> bool:
+    """One step of the tree's build (``lua/tree_build.lua``): True once the priorities are on (the
+    reply then carries the header, adopted at once), False after a step of bounded work."""
+    h = engine.header
+    if h.count > MAX_PRIORITY_SLOTS:
+        raise ValueError(
+            f"the store with {engine.where()} has {h.count} slots; priorities are kept for rings of at most "
+            f"{MAX_PRIORITY_SLOTS} slots (their tree is allocated by one server command, which must stay short)"
+        )
+    engine.check_room(h, 0, declared=tree_bytes(h.count) + (4 * h.count if max_times_sampled else 0))
+    keys = engine.keys
+    args = [f"{float(alpha)!r}", str(max_times_sampled) if max_times_sampled else "-", keys.events, BUILD_STEP_BYTES, BUILD_LEASE_MS]
+
+    def plan_call(h: Header) -> Call:
+        new = replace(h.sampling or SamplingPolicy(), alpha=float(alpha), max_times=max_times_sampled)
+        return Call("tree_build", [keys.meta, *keys.sampling_keys, *keys.build_keys], [f"{h.epoch}:V{h.version}", new.to_json(), *args], done)
+
+    def done(reply: list) -> bool:
+        if reply[1] != b"ON":
+            return False  # 'MORE': a step was made
+        engine.adopt_stale(reply[1:])
+        return True
+
+    return engine.run(plan_call)
 
 
 def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | None, error_buffer: float | None) -> None:
