@@ -122,7 +122,8 @@ def build_step(engine: Engine, alpha: float, max_times_sampled: int | None) -> b
 
     def plan_call(h: Header) -> Call:
         new = replace(h.sampling or SamplingPolicy(), alpha=float(alpha), max_times=max_times_sampled)
-        return Call("tree_build", [keys.meta, *keys.sampling_keys, *keys.build_keys], [f"{h.epoch}:V{h.version}", new.to_json(), *args], done)
+        script_keys = [keys.meta, *keys.sampling_keys, *keys.build_keys]
+        return Call("tree_build", script_keys, [f"{h.epoch}:V{h.version}", new.to_json(), *args], done)
 
     def done(reply: list) -> bool:
         if reply[1] != b"ON":
