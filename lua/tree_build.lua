@@ -70,7 +70,6 @@ local budget = math.max(256, tds_num(ARGV[6], 'chunk bytes'))
 local lease = tds_num(ARGV[7], 'lease')
 local alpha, mt = ARGV[3], ARGV[4]
 local levels, size = tds_tree_layout(count)
-
 local st = nil
 local raw = redis.call('GET', KEYS[6])
 if raw then
@@ -80,7 +79,9 @@ if raw then
   end
   st = {epoch = f[1], count = tonumber(f[2]), alpha = f[3], mt = f[4], step = f[5], lo = tonumber(f[6]), hi = tonumber(f[7]),
         w = tonumber(f[8]), k = tonumber(f[9]), j = tonumber(f[10])}
-  if #f ~= 10 or st.epoch ~= h[5] or st.count ~= count then
+  local steps = {tree = true, times = true, fill = true}
+  if #f ~= 10 or st.epoch ~= h[5] or st.count ~= count or not steps[st.step] or not (st.lo and st.hi and st.w and st.k and st.j)
+     or st.lo < 0 or st.hi < st.lo or st.hi > count or st.w < 0 or st.w > count or st.k < 1 or st.k > #levels + 1 or st.j < 0 then
     st = nil  -- another store's (deleted and created again) or a damaged state: start again
   elseif st.alpha ~= alpha or st.mt ~= mt then
     error('TDSTORE refused: another client is turning priorities on with alpha=' .. st.alpha .. ', max_times_sampled=' ..

@@ -74,6 +74,7 @@ def test_the_steps_build_the_tree_of_the_written_slots(backend, monkeypatch, cou
     assert client.get(store._engine.keys.priorities) == reference_tree(ones(count, written))
     assert client.get(store._engine.keys.times_sampled) == b"\0" * (4 * count)
     assert build_keys_left(store) == 0
+    assert client.pttl(store._engine.keys.priorities) == client.pttl(store._engine.keys.times_sampled) == -1  # not the build's lease
     p = store.sampling_policy
     assert (p.alpha, p.max_times) == (0.5, 3)
     if written:
@@ -138,15 +139,25 @@ def test_a_dead_builder_is_resumed_and_other_parameters_are_refused(backend, mon
         store.enable_priorities(alpha=0.5)
 
 
-def test_a_lost_build_key_restarts_the_build(backend, monkeypatch):
+@pytest.mark.parametrize("damage", ["tree lost", "state garbled"])
+def test_a_lost_build_restarts(backend, monkeypatch, damage):
     monkeypatch.setattr(_sampling, "BUILD_STEP_BYTES", 256)
-    store = LazyStackedTensorDictStore(count=400, **backend.kwargs())
+    store = LazyStackedTensorDictStore(count=400, ttl=600, **backend.kwargs())
     store.extend(rows(0, 400))
     for _ in range(3):
         _sampling.build_step(store._engine, 1.0, None)
-    store._engine.client.delete(store._engine.keys.build_keys[0])  # evicted
+    tree, _, state = store._engine.keys.build_keys
+    client = store._engine.client
+    if damage == "tree lost":
+        client.delete(tree)  # evicted
+    else:
+        fields = client.get(state).split()
+        fields[5] = b"-5"  # the pass's first leaf
+        client.set(state, b" ".join(fields), keepttl=True)
     store.enable_priorities(alpha=1.0)
-    assert store._engine.client.get(store._engine.keys.priorities) == reference_tree(ones(400, 400))
+    assert client.get(store._engine.keys.priorities) == reference_tree(ones(400, 400))
+    assert 0 < client.pttl(store._engine.keys.priorities) <= 600_000  # the store's time to live, not the build's lease
+    assert build_keys_left(store) == 0
 
 
 def test_policy_changes_and_deletion_during_a_build(backend, monkeypatch):
