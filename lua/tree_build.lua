@@ -2,7 +2,7 @@
   tree_build.lua: turn a ring's priorities on in steps of bounded work, one step per call, so
   that no call blocks the server for long (a tree of 10^7 slots is 90 MB; built in one script
   it blocked every other client for 6 s). The client (tdstore/_sampling.py) calls it until it
-  answers 'OK'; any client asking for the same priorities may make the next step (a builder
+  answers 'OK ON'; any client asking for the same priorities may make the next step (a builder
   that died is resumed by the next enable_priorities), and a resent step only makes progress.
 
   The tree is built under its own key (KEYS[4]) while the policy is still off: meanwhile ring
@@ -11,9 +11,13 @@
   every node's value follows from W alone: a node spanning S leaves holds the sum
   clamp(W - first leaf, 0, S) and the min 1 (0 when the sum is 0): the bytes tds_tree_set
   computes from the children (sums of integers, exact in float64). Steps:
-    'tree'   allocate the tree (one zero-filling SETRANGE: ~0.4 ms per MB, the largest single
-             cost, bounded by the client's slot limit for priorities)
-    'times'  with max_times_sampled: allocate the sample counts (4 zero bytes per slot)
+    'tree'   allocate the tree and, with max_times_sampled, the sample counts (4 zero bytes per
+             slot). A zero-filling SETRANGE costs ~0.4 ms per MB (page faults), so above ARGV[8]
+             bytes the script asks the client ({'OK', 'STAGE', ...}) to send the zeros as plain
+             SETs to staging keys (KEYS[7], KEYS[8]: the server reads a large argument in pieces,
+             between other clients' commands), which this step then RENAMEs into place: O(1).
+             Staged keys that come too late (another builder allocated first) are deleted.
+    'times'  the sample counts, when the tree was zero-filled by the script (a step of its own)
     'fill'   write a pass: for W written slots, the nodes of every level that lie over leaves
              lo..hi-1 (first pass: 0..W-1; the rest is already zero), at most ARGV[6] bytes
              per call. When a pass ends and slots were written meanwhile (W moved to W'), a
@@ -34,6 +38,8 @@
   KEYS[4]     the tree being built
   KEYS[5]     the counts being built
   KEYS[6]     the build's state
+  KEYS[7]     the tree's zeros, staged by the client (may be absent)
+  KEYS[8]     the counts' zeros, staged by the client (may be absent)
   ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
   ARGV[2]     the policy to set at the end (JSON, tdstore/_policy.py), with the priorities on
   ARGV[3]     alpha, as the client formats it (compared with the state's)
@@ -41,10 +47,12 @@
   ARGV[5]     the store's Pub/Sub channel (told when the policy switches on)
   ARGV[6]     work of one call, at most: bytes of tree written (>= 256; zero-filled bytes count 1/8)
   ARGV[7]     lease of the build keys, ms
+  ARGV[8]     allocations above this many bytes are staged by the client ('' : never)
 
   Reply       {'OK', 'ON', header field, value, ...}: the policy is on (or already was: the
               client compares its parameters); {'OK', 'MORE', step, work done, tree bytes} after
-              a step (a small ring is done in one call);
+              a step (a small ring is done in one call); {'OK', 'STAGE', tree bytes, count bytes}:
+              stage the zeros (count bytes 0: no counts) and call again;
               {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' for a malformed call; 'TDSTORE refused' when another
               client is building priorities with other parameters.
@@ -116,12 +124,26 @@ end
 
 -- work done by this call, in bytes of tree written (a zero-filled byte counts 1/8: that much cheaper)
 local done = 0
+local tsize = mt ~= '-' and 4 * count or 0
 if st.step == 'tree' then
-  redis.call('SETRANGE', KEYS[4], size - 1, '\0')
-  done = done + size / 8
-  st.step = mt ~= '-' and 'times' or 'fill'
+  local stage_above = tonumber(ARGV[8] or '')
+  if redis.call('STRLEN', KEYS[7]) == size and (tsize == 0 or redis.call('STRLEN', KEYS[8]) == tsize) then
+    redis.call('RENAME', KEYS[7], KEYS[4])
+    if tsize > 0 then
+      redis.call('RENAME', KEYS[8], KEYS[5])
+    end
+    st.step = 'fill'
+  elseif stage_above ~= nil and size + tsize > stage_above then
+    return save({'OK', 'STAGE', size, tsize})
+  else
+    redis.call('SETRANGE', KEYS[4], size - 1, '\0')
+    done = done + size / 8
+    st.step = tsize > 0 and 'times' or 'fill'
+  end
   st.w = written_now()
   st.lo, st.hi, st.k, st.j = 0, st.w, 1, 0
+elseif redis.call('EXISTS', KEYS[7]) == 1 or redis.call('EXISTS', KEYS[8]) == 1 then
+  redis.call('DEL', KEYS[7], KEYS[8])  -- staged for a step another builder made first
 end
 if st.step == 'times' then
   if done >= budget then

@@ -67,7 +67,7 @@ def test_the_steps_build_the_tree_of_the_written_slots(backend, monkeypatch, cou
     if written:
         store.extend(rows(0, written))
     steps = 1
-    while not _sampling.build_step(store._engine, 0.5, 3):
+    while not _sampling.build_step(store._engine, 0.5, 3, "t"):
         steps += 1
     assert steps >= min(3, 1 + (9 * count) // 256)  # bounded work per call: a ring of 4097 slots takes many
     client = store._engine.client
@@ -98,8 +98,8 @@ def test_during_the_build_the_ring_works_without_priorities_and_its_writes_are_c
     store = LazyStackedTensorDictStore(count=600, **backend.kwargs())
     other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
     store.extend(rows(0, 100))
-    assert not _sampling.build_step(store._engine, 1.0, None)
-    assert not _sampling.build_step(store._engine, 1.0, None)
+    assert not _sampling.build_step(store._engine, 1.0, None, "t")
+    assert not _sampling.build_step(store._engine, 1.0, None, "t")
     # another client meanwhile: writes and samples as without priorities
     other.extend(rows(100, 150), priority=None)
     s = other.sample(500, torch.Generator().manual_seed(1))
@@ -107,7 +107,7 @@ def test_during_the_build_the_ring_works_without_priorities_and_its_writes_are_c
     assert other.sampling_policy.alpha is None
     with pytest.raises(ValueError, match="no priorities"):
         other.update_priority([0], 2.0)
-    while not _sampling.build_step(store._engine, 1.0, None):
+    while not _sampling.build_step(store._engine, 1.0, None, "t"):
         other.extend(rows(250 + len(other.written) % 7, 1))  # writes between the last steps too
     written = len(other.written)
     assert written > 250
@@ -124,7 +124,7 @@ def test_a_dead_builder_is_resumed_and_other_parameters_are_refused(backend, mon
     store = LazyStackedTensorDictStore(count=500, **backend.kwargs())
     store.extend(rows(0, 300))
     for _ in range(3):
-        assert not _sampling.build_step(store._engine, 0.6, 2)  # then this builder "dies"
+        assert not _sampling.build_step(store._engine, 0.6, 2, "t")  # then this builder "dies"
     assert build_keys_left(store) == 3
     for k in store._engine.keys.build_keys:  # the build expires unless resumed
         assert 0 < store._engine.client.pttl(k) <= _sampling.BUILD_LEASE_MS
@@ -145,7 +145,7 @@ def test_a_lost_build_restarts(backend, monkeypatch, damage):
     store = LazyStackedTensorDictStore(count=400, ttl=600, **backend.kwargs())
     store.extend(rows(0, 400))
     for _ in range(3):
-        _sampling.build_step(store._engine, 1.0, None)
+        _sampling.build_step(store._engine, 1.0, None, "t")
     tree, _, state = store._engine.keys.build_keys
     client = store._engine.client
     if damage == "tree lost":
@@ -165,7 +165,7 @@ def test_policy_changes_and_deletion_during_a_build(backend, monkeypatch):
     store = LazyStackedTensorDictStore(count=300, **backend.kwargs())
     other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
     store.extend(rows(0, 200))
-    _sampling.build_step(store._engine, 1.0, None)
+    _sampling.build_step(store._engine, 1.0, None, "t")
     other.set_rate_limit(min_size=5)
     other.set_queue(True)
     store.enable_priorities(alpha=1.0)  # its next steps see the new policy and keep it
@@ -174,17 +174,41 @@ def test_policy_changes_and_deletion_during_a_build(backend, monkeypatch):
     # a store deleted during a build leaves no key behind
     gone = LazyStackedTensorDictStore(count=300, td_id="gone", **backend.kwargs())
     gone.extend(rows(0, 300))
-    _sampling.build_step(gone._engine, 1.0, None)
+    _sampling.build_step(gone._engine, 1.0, None, "t")
     assert build_keys_left(gone) > 0
     gone.clear_redis()
     assert build_keys_left(gone) == 0
 
 
-def test_rings_too_large_for_one_allocation_are_refused(backend):
-    store = LazyStackedTensorDictStore(count=_sampling.MAX_PRIORITY_SLOTS + 1, **backend.kwargs())
-    with pytest.raises(ValueError, match="priorities are kept for rings of at most"):
+def test_rings_whose_tree_exceeds_one_value_are_refused(backend):
+    store = LazyStackedTensorDictStore(count=1 << 26, **backend.kwargs())  # a tree of 604 MB: more than 512 MiB
+    with pytest.raises(ValueError, match="would be larger than one value the server takes"):
         store.enable_priorities()
     assert store.sampling_policy.alpha is None and build_keys_left(store) == 0
+
+
+@pytest.mark.parametrize("mt", [None, 4])
+def test_large_allocations_are_staged_by_the_client(backend, monkeypatch, mt):
+    """Above BUILD_STAGE_BYTES the zeros come as plain SETs (read by the server between other
+    clients' commands) and are renamed into place; a builder whose zeros come too late has them
+    deleted."""
+    monkeypatch.setattr(_sampling, "BUILD_STAGE_BYTES", 0)  # stage every allocation
+    monkeypatch.setattr(_sampling, "BUILD_STEP_BYTES", 512)
+    store = LazyStackedTensorDictStore(count=700, **backend.kwargs())
+    other = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+    store.extend(rows(0, 500))
+    client = store._engine.client
+    assert not _sampling.build_step(store._engine, 1.0, mt, "late")  # asked to stage: its zeros are sent
+    assert len(backend.client().keys("*:stage:late")) == (2 if mt else 1)
+    assert not _sampling.build_step(other._engine, 1.0, mt, "first")  # another builder stages too...
+    assert not _sampling.build_step(other._engine, 1.0, mt, "first")  # ...and allocates first
+    assert backend.client().keys("*:stage:first") == []
+    while not _sampling.build_step(store._engine, 1.0, mt, "late"):  # the late builder goes on with the build
+        pass
+    assert backend.client().keys("*:stage:*") == []
+    assert client.get(store._engine.keys.priorities) == reference_tree(ones(700, 500))
+    assert (client.get(store._engine.keys.times_sampled) == b"\0" * 2800) == bool(mt)
+    assert build_keys_left(store) == 0
 
 
 class PingLoop:
@@ -255,13 +279,13 @@ def check_exact_draws(store: LazyStackedTensorDictStore, count: int) -> None:
     s = store.sample(8, torch.Generator().manual_seed(0), prioritized=True)
     assert torch.equal(s.probabilities, torch.full((8,), 1 / count, dtype=torch.float64))
     hot = torch.arange(0, count, count // 10)[:10]
-    assert store.update_priority(hot, 1e6).all()
-    total = (count - 10) + 10 * 1e6
+    assert store.update_priority(hot, 1e9).all()
+    total = (count - 10) + 10 * 1e9
     s = store.sample(64, torch.Generator().manual_seed(1), prioritized=True)
     f64 = {"dtype": torch.float64}
-    expected = torch.where(torch.isin(s.indices, hot), torch.tensor(1e6 / total, **f64), torch.tensor(1 / total, **f64))
+    expected = torch.where(torch.isin(s.indices, hot), torch.tensor(1e9 / total, **f64), torch.tensor(1 / total, **f64))
     assert torch.allclose(s.probabilities, expected, rtol=1e-12, atol=0)
-    assert torch.isin(s.indices, hot).float().mean() > 0.5  # 99.9 % of the mass
+    assert torch.isin(s.indices, hot).float().mean() > 0.9  # 99.9 % of the mass
 
 
 def test_enable_priorities_on_a_million_slots_never_stalls(real):
