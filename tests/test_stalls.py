@@ -168,7 +168,12 @@ def test_policy_changes_and_deletion_during_a_build(backend, monkeypatch):
     _sampling.build_step(store._engine, 1.0, None, "t")
     other.set_rate_limit(min_size=5)
     other.set_queue(True)
+    other.expire(3600)
+    other.persist()  # the build keeps its lease: a builder that dies leaves nothing for good
+    for k in store._engine.keys.build_keys[::2]:  # the tree and the state (no counts here)
+        assert 0 < store._engine.client.pttl(k) <= _sampling.BUILD_LEASE_MS
     store.enable_priorities(alpha=1.0)  # its next steps see the new policy and keep it
+    assert store._engine.client.pttl(store._engine.keys.priorities) == -1
     p = other.sampling_policy
     assert p.alpha == 1.0 and p.limit is not None and p.limit.min_size == 5 and p.queue
     # a store deleted during a build leaves no key behind
