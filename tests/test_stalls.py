@@ -296,7 +296,9 @@ def check_exact_draws(store: LazyStackedTensorDictStore, count: int) -> None:
 def test_enable_priorities_on_a_million_slots_never_stalls(real):
     store, gap, slowest, errors = measure_enable(real, 10**6)
     assert errors == []
-    assert slowest < 250 and gap < 500  # one script built the tree: 1.2 s here
+    # SLOWLOG is the server's exact time per command (one script built the tree: 1.2 s here); the PING
+    # gap also holds the client's scheduling (a busy CI machine), so its bound only catches a real stall
+    assert slowest < 250 and gap < 1000
     check_exact_draws(store, 10**6)
     store.clear_redis()
 
@@ -305,6 +307,6 @@ def test_enable_priorities_on_a_million_slots_never_stalls(real):
 def test_enable_priorities_on_ten_million_slots_never_stalls(real):
     store, gap, slowest, errors = measure_enable(real, 10**7)
     assert errors == []  # no BUSY
-    assert slowest < 250 and gap < 500  # one script built the tree: 6.3 s (BUSY after 5 s)
+    assert slowest < 250 and gap < 1000  # one script built the tree: 6.3 s (BUSY after 5 s)
     check_exact_draws(store, 10**7)
     store.clear_redis()
