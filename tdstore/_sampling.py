@@ -109,6 +109,17 @@ def enable_priorities(engine: Engine, alpha: float, max_times_sampled: int | Non
         )
 
 
+def no_priorities(engine: Engine) -> ValueError:
+    """The error of a prioritized call on a store without priorities: it says when they are being
+    built (another client's ``enable_priorities`` is under way: they are on when it returns)."""
+    if engine.command("EXISTS", engine.keys.build_keys[2]):
+        return ValueError(
+            f"the store with {engine.where()} has no priorities yet: they are being built (another client's "
+            "enable_priorities is under way; the ring samples uniformly until it returns)"
+        )
+    return ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+
+
 def build_step(engine: Engine, alpha: float, max_times_sampled: int | None, token: str) -> bool:
     """One step of the tree's build (``lua/tree_build.lua``): True once the priorities are on (the
     reply then carries the header, adopted at once), False after a step of bounded work. ``token``
@@ -252,7 +263,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     if n == 0:
         return torch.zeros(0, dtype=torch.bool)
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
-        raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+        raise no_priorities(engine)
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
     args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events]
     keys = engine.keys

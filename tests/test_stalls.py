@@ -105,8 +105,9 @@ def test_during_the_build_the_ring_works_without_priorities_and_its_writes_are_c
     s = other.sample(500, torch.Generator().manual_seed(1))
     assert not hasattr(s, "probabilities") and torch.equal(s.td["tag"], s.indices) and int(s.indices.max()) < 250
     assert other.sampling_policy.alpha is None
-    with pytest.raises(ValueError, match="no priorities"):
-        other.update_priority([0], 2.0)
+    for prioritized_call in (lambda: other.update_priority([0], 2.0), lambda: other.sample(4, prioritized=True)):
+        with pytest.raises(ValueError, match="no priorities yet: they are being built"):
+            prioritized_call()
     while not _sampling.build_step(store._engine, 1.0, None, "t"):
         other.extend(rows(250 + len(other.written) % 7, 1))  # writes between the last steps too
     written = len(other.written)
