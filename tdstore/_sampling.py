@@ -69,7 +69,7 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     engine.run(plan_call)
 
 
-#: Bytes of tree one step of ``lua/tree_build.lua`` writes at most (2 to 15 ms of server time here).
+#: Bytes of tree one step of ``lua/tree_build.lua`` writes at most (3 to 30 ms of server time here, busy or idle).
 BUILD_STEP_BYTES = 1 << 19
 
 #: A build nobody resumes expires this long after its last step (``lua/tree_build.lua``).
