@@ -8,7 +8,8 @@
   alpha; 0 for a slot never written or retired) as a little-endian float64; every node above
   holds two float64, the sum of the weights below it and the smallest positive one (0 when
   none: the smallest sampling probability, which importance weights are normalised by).
-  Bytes the server zero-filled read as 0, so a new tree costs one SETRANGE at its last byte.
+  Bytes the server zero-filled read as 0, so a new tree costs one SETRANGE at its last byte
+  (then tree_build.lua writes the weights of the slots written so far, in bounded steps).
 
   Layout for capacity C: level 1 is the C leaves (8 bytes each); level k + 1 has
   ceil(n_k / TDS_FAN) nodes (16 bytes each), up to a level of one node, the root (for C = 1,
@@ -284,39 +285,6 @@ local function tds_tree_flush(t)
     end
   end
   t.dirty = {}
-end
-
--- Fill a new (zero) tree: leaves 0..written-1 get weight w, the others stay 0. Each level is
--- one SETRANGE, computed in memory from the level below, adding in the order tds_tree_set
--- does (so a later update recomputes the same values).
-local function tds_tree_fill(t, written, w)
-  if written <= 0 then
-    return
-  end
-  redis.call('SETRANGE', t.key, 0, string.rep(tds_f64_pack(w), written))
-  local below_n = t.count
-  local below = function(c)
-    local v = c < written and w or 0
-    return v, v
-  end
-  for k = 2, #t.levels do
-    local level = t.levels[k]
-    local sums, mins, parts = {}, {}, {}
-    for j = 0, level.n - 1 do
-      local cs, cm, n = {}, {}, 0
-      for c = j * TDS_FAN, math.min(j * TDS_FAN + TDS_FAN, below_n) - 1 do
-        n = n + 1
-        cs[n], cm[n] = below(c)
-      end
-      local total, low = tds_tree_fold(cs, cm, n)
-      sums[j + 1], mins[j + 1] = total, low
-      parts[j + 1] = tds_f64_pack(total) .. tds_f64_pack(low)
-    end
-    redis.call('SETRANGE', t.key, level.at, table.concat(parts))
-    below_n = level.n
-    below = function(c) return sums[c + 1], mins[c + 1] end
-  end
-  t.blocks = {}
 end
 
 -- Times slot s was drawn since it was written: 4 little-endian bytes at 4s of `key` (max_times_sampled).

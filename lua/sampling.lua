@@ -15,10 +15,7 @@
   ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
   ARGV[2]     the new policy (JSON, tdstore/_policy.py), '' for none
   ARGV[3]     what the change needs, space-separated words:
-    'tree'    priorities turn on: a new tree where every slot written so far weighs 1
-              (priority 1, the default of a slot written without one until a larger
-              priority is given: header field 'pm')
-    'times'   a new count of samples per slot (max_times_sampled)
+    (priorities turn on through tree_build.lua, which builds their tree in bounded steps)
     'limit'   a new rate limiter: inserts and samples count from now ('lb' = ring writes
               so far, 'sn' = 0)
     'queue'   queue mode turns on: the read cursor 'rr' starts at the oldest item a
@@ -41,17 +38,8 @@ local needs = {}
 for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true
 end
-if needs.tree then
-  local written = math.min(rw, count)
-  local _, size = tds_tree_layout(count)
-  redis.call('DEL', KEYS[2])
-  redis.call('SETRANGE', KEYS[2], size - 1, '\0')
-  tds_tree_fill(tds_tree(KEYS[2], count), written, 1)
-  redis.call('HSET', meta, 'pm', '1')
-end
-if needs.times then
-  redis.call('DEL', KEYS[3])
-  redis.call('SETRANGE', KEYS[3], 4 * count - 1, '\0')
+if needs.tree or needs.times then
+  error('TDSTORE bad argument: priorities are built by tree_build.lua')
 end
 if needs.limit then
   redis.call('HSET', meta, 'lb', string.format('%.0f', rw), 'sn', '0')

@@ -20,6 +20,9 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
                            weights (see ``lua/_tree.lua``), from ``enable_priorities``
     P:{I}:t        string  times each slot was sampled (4-byte little-endian counts), for
                            ``max_times_sampled``
+    P:{I}:pn, :tn  string  the tree and counts of ``enable_priorities`` while it builds them in
+                           steps (``lua/tree_build.lua``), renamed to ``:p``/``:t`` when done
+    P:{I}:pb       string  that build's state (step, pass, cursor); the three expire unless resumed
     P:{I}:e        channel Pub/Sub channel (not a key) that ring writes, samples and pops publish
                            on, so a waiting client wakes without polling (see ``_waiting``)
     P:stores       set     registry of the prefix: the td_id of every store created under it
@@ -128,6 +131,11 @@ class StoreKeys:
         return f"{self.base}:t"
 
     @property
+    def build_keys(self) -> list[str]:
+        """The tree and counts ``enable_priorities`` is building, and the build's state (``lua/tree_build.lua``)."""
+        return [f"{self.base}:pn", f"{self.base}:tn", f"{self.base}:pb"]
+
+    @property
     def events(self) -> str:
         """The Pub/Sub channel ring writes, samples and pops publish on (a channel, not a key)."""
         return f"{self.base}:e"
@@ -187,7 +195,7 @@ class StoreKeys:
         for seg in range(segments):
             for n in range(next_leaf):
                 keys.extend(self.leaf_keys(n, seg))
-        return keys + self.sampling_keys
+        return keys + self.sampling_keys + self.build_keys
 
     def segment_keys(self, next_leaf: int, seg: int) -> list[str]:
         """The data and table keys of segment ``seg`` (no header)."""

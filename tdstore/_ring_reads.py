@@ -124,7 +124,7 @@ def _sample_policy(engine: Engine, h: Header, prioritized: bool | None, alpha: f
     elif prioritized and not policy.prioritized:
         policy = _sampling.policy_of(engine, fresh=True)
         if not policy.prioritized:
-            raise ValueError(f"the store with {engine.where()} has no priorities: call enable_priorities(alpha=...) first")
+            raise _sampling.no_priorities(engine)
     if prioritized and alpha is not None and float(alpha) != policy.alpha:
         raise ValueError(
             f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"

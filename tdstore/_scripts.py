@@ -29,10 +29,10 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from ._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority")
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority", "tree_build")
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
-USES_TREE = frozenset({"read", "write", "sampling", "priority"})
+USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
 
 
 class ServerScriptError(RuntimeError):

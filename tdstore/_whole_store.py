@@ -64,8 +64,9 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
     """
 
     def plan_call(h: Header) -> Call:
-        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]
-        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
+        # a priority tree being built is not copied: the copy starts its own (see lua/tree_build.lua)
+        src = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:])
+        dst = _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:])
         epoch = secrets.token_hex(8)
         return Call(
             "copy",
@@ -75,6 +76,12 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
         )
 
     return engine.run(plan_call)
+
+
+def _without_build(keys: StoreKeys, names: list[str]) -> list[str]:
+    """``names`` without the keys of a priority tree being built (``StoreKeys.build_keys``)."""
+    build = set(keys.build_keys)
+    return [k for k in names if k not in build]
 
 
 def _clear_keys(engine: Engine, next_leaf: int, segments: int) -> list[str]:
@@ -90,7 +97,9 @@ def expire(engine: Engine, ttl_ms: int) -> None:
     engine.refuse_if_readonly()
 
     def plan_call(h: Header) -> Call:
-        return Call("expire", engine.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
+        # a priority tree being built keeps its lease (its next step takes the store's time to live when shorter)
+        every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n))
+        return Call("expire", every, [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
     if _spread.spreads(engine.header):
         engine.run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))

@@ -68,3 +68,11 @@ def test_lazy_floor_times_both_sizes_and_every_way() -> None:
     out = _run("lazy_floor.py", "--reps", "3")
     for n in ("256", "10,000"):
         assert re.search(rf"^\s+{n}(\s+[\d.]+){{4}}$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_stall_audit_prints_the_slowest_command_of_every_call() -> None:
+    out = _run("stall_audit.py", "--segments", "32", "--ring", "20000")
+    for label in ("upload \\(commit.lua\\)", "expire \\(expire.lua\\)", "clear_redis \\(clear.lua\\)", "enable_priorities on 20000 slots"):
+        assert re.search(label + r"\s+slowest\s+[\d.]+ ms", out), out
+    assert re.search(r"longest PING gap [\d.]+ ms", out)
