@@ -64,8 +64,8 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
     """
 
     def plan_call(h: Header) -> Call:
-        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]
-        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
+        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:] + engine.keys.lease_keys
+        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:] + keys.lease_keys
         epoch = secrets.token_hex(8)
         return Call(
             "copy",
@@ -79,7 +79,7 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
 
 def _clear_keys(engine: Engine, next_leaf: int, segments: int) -> list[str]:
     """``clear.lua``'s KEYS: every key the store may own (and the registry, but on Cluster)."""
-    keys = engine.keys.all_keys(next_leaf, segments)
+    keys = engine.keys.all_keys(next_leaf, segments) + engine.keys.lease_keys
     if engine.spec.cluster:
         return keys
     return [keys[0], engine.keys.registry, *keys[1:]]
@@ -90,7 +90,8 @@ def expire(engine: Engine, ttl_ms: int) -> None:
     engine.refuse_if_readonly()
 
     def plan_call(h: Header) -> Call:
-        return Call("expire", engine.keys.all_keys(h.next_leaf, h.segments.n), [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
+        every = engine.keys.all_keys(h.next_leaf, h.segments.n) + engine.keys.lease_keys
+        return Call("expire", every, [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
     if _spread.spreads(engine.header):
         engine.run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
