@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -27,12 +27,14 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec
+from . import _codec, _waiting
 from ._call import Call
 from ._engine import Engine
 from ._errors import LeaseLostError
 from ._ops import Read
 from ._ring import Sample
+from ._ring_args import refuse_spread
+from ._ring_reads import _decode_sample, _row_read_call
 from ._schema import Header, NestedPath
 
 
@@ -107,8 +109,6 @@ class Planner:
         self.store: Any = None
 
     def plan(self, h: Header) -> Call:
-        from ._ring_reads import _decode_sample, _row_read_call  # _ring_reads imports this module for plain pops
-
         engine = self.engine
         lease_keys = engine.keys.lease_keys
 
@@ -117,7 +117,9 @@ class Planner:
             return Read.L(self.batch_size, engine.keys.events, self.ms, self.receipt, *refs)
 
         def parse(reply: list, rows: Any) -> Sample | LeasedSample:
-            got = _decode_sample(h, rows.leaves, reply, 2 + Read.L.reply_pieces([]), self.device, rows.block, rows.grouped, None, rows.wanted)
+            got = _decode_sample(
+                h, rows.leaves, reply, 2 + Read.L.reply_pieces([]), self.device, rows.block, rows.grouped, None, rows.wanted
+            )
             deadline, kv = (int(x) for x in _text(reply[6]).split())
             if not h.leased and engine.header is h:
                 # this pop turned leases on (and moved kv): adopt that, instead of a STALE on the next call
@@ -134,8 +136,6 @@ class Planner:
 
 
 def _with_leases(h: Header, kv: int) -> Header:
-    from dataclasses import replace
-
     return replace(h, leased=True, keyset_version=kv)
 
 
@@ -157,8 +157,8 @@ def ack(engine: Engine, receipt: Any) -> int:
 
     try:
         reply = engine.run(plan_call)
-    except ValueError as err:  # the script's refusal: name the store
-        raise ValueError(f"the store with {engine.where()}: {err}") from None
+    except ValueError as err:  # the script's refusal: name the store (fakeredis appends a Lua traceback)
+        raise ValueError(f"the store with {engine.where()}: {str(err).splitlines()[0]}") from None
     settled = int(reply[1])
     missed = [int(w) for w in _codec.unpack_i64(reply[2]).tolist()] if reply[2] else []
     if missed:
@@ -177,12 +177,15 @@ def _brief(ws: list[int]) -> str:
 
 
 def pop(
-    engine: Engine, store: Any, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None, lease: Any
+    engine: Engine,
+    store: Any,
+    batch_size: int,
+    device: torch.device | None,
+    timeout: float | None,
+    keys: list[NestedPath] | None,
+    lease: Any,
 ) -> LeasedSample:
     """Up to ``batch_size`` items under a lease of ``lease`` seconds (see ``LazyStackedTensorDictStore.pop_items``)."""
-    from . import _waiting
-    from ._ring_args import refuse_spread
-
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
     ms = lease_ms(lease)

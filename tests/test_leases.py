@@ -63,7 +63,8 @@ def both(request, redis_server) -> Both:
 def items(lo: int, n: int, writer: int = 0) -> list[TensorDict]:
     """Items whose content names them: ``(writer, seq)``, and tokens of a length that varies."""
     return [
-        TensorDict(who=torch.tensor([writer, seq]), tokens=torch.arange(1 + seq % 3) + 100 * seq, batch_size=[]) for seq in range(lo, lo + n)
+        TensorDict(who=torch.tensor([writer, seq]), tokens=torch.arange(1 + seq % 3) + 100 * seq, batch_size=[])
+        for seq in range(lo, lo + n)
     ]
 
 
@@ -127,6 +128,19 @@ def test_unacknowledged_items_come_back_in_write_order_flagged_and_counted(both)
     assert seqs(last) == [6] and last.deliveries.tolist() == [1]  # item 4 is still leased (kept)
     assert store.ack(kept) == 1 and store.ack(last) == 1
     store.clear_redis()
+
+
+def test_leases_on_every_backend(backend):
+    """Redis, fakeredis and a cluster (the lease keys share the store's hash tag)."""
+    store = LazyStackedTensorDictStore(count=8, **backend.kwargs())
+    store.extend(items(0, 4))
+    a = store.pop(2, lease=SHORT)
+    wait_out(store, a)
+    with store.pop(3, lease=LONG) as b:
+        assert seqs(b) == [0, 1, 2] and b.deliveries.tolist() == [2, 2, 1]
+    assert seqs(store.pop(5)) == [3]
+    store.clear_redis()
+    assert not [k for k in backend.keys() if store.td_id.encode() in k]
 
 
 def test_an_ack_after_the_lease_ran_out(both):
