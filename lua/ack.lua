@@ -45,18 +45,19 @@ end
 if state ~= 'L' and state ~= 'X' then
   error('TDSTORE refused: no lease under receipt ' .. id .. (state == 'S' and ' (a plain pop, settled when it ran)' or ' (never handed out, or settled long ago)'))
 end
-local settled, missed, packed = 0, {}, {}
-for _, w in ipairs(nums) do
-  local d, owner = tds_lease.item(K, w)
+local held, missed, packed = {}, {}, {}
+local ds, owners = tds_lease.items(K, nums)
+for j, w in ipairs(nums) do
   -- a live lease holds its items; an expired one those no other reader has taken since
-  if d ~= nil and ((state == 'L' and owner == id) or (state == 'X' and owner == '')) then
-    tds_lease.drop(K, w)
-    settled = settled + 1
+  if ds[j] ~= nil and ((state == 'L' and owners[j] == id) or (state == 'X' and owners[j] == '')) then
+    held[#held + 1] = w
   else
     missed[#missed + 1] = w
     packed[#packed + 1] = tds_p64(w)
   end
 end
+tds_lease.drop(K, held)
+local settled = #held
 redis.call('ZREM', K.d, id)
 table.insert(missed, 1, settled)
 tds_lease.set_record(K, id, 'A', missed)

@@ -378,22 +378,23 @@ for _ = 1, nops do
     end
     if state == 'L' or state == 'S' then
       -- a resend of a pop that ran (its reply was lost): the same items again, nothing taken
-      local lost = 0
-      for _, w in ipairs(had) do
+      local lost = {}
+      local ds = state == 'L' and tds_lease.items(K, had) or {}
+      for j, w in ipairs(had) do
         if w < rw - count then
-          lost = lost + 1
-          if state == 'L' then
-            tds_lease.drop(K, w)
-          end
+          lost[#lost + 1] = w
         else
           ws[#ws + 1] = w
-          counts[#counts + 1] = state == 'L' and (tds_lease.item(K, w) or 1) or 1
+          counts[#counts + 1] = ds[j] or 1
         end
       end
-      if lost > 0 then
+      if #lost > 0 then
+        if state == 'L' then
+          tds_lease.drop(K, lost)
+        end
         tds_lease.set_record(K, id, state, ws)
         tds_lease.settle(meta, K, channel)
-        do return {'LOST', tds_lease.fmt(lost)} end
+        do return {'LOST', tds_lease.fmt(#lost)} end
       end
       if state == 'L' then
         deadline = tonumber(redis.call('ZSCORE', K.d, id) or '0')
@@ -413,9 +414,11 @@ for _ = 1, nops do
       end
       local waiting = redis.call('ZRANGE', K.q, 0, n - 1)
       for j = 1, #waiting do
-        local w = tonumber(waiting[j])
-        ws[j] = w
-        counts[j] = (tds_lease.item(K, w) or 0) + 1
+        ws[j] = tonumber(waiting[j])
+      end
+      local ds = tds_lease.items(K, ws)
+      for j = 1, #ws do
+        counts[j] = (ds[j] or 0) + 1
       end
       local redelivered = #ws
       local fresh = math.min(n - redelivered, rw - rr)
@@ -439,18 +442,20 @@ for _ = 1, nops do
         if state == 'X' then
           redis.call('ZREM', K.k, id)  -- the receipt of a lease that expired before its resend: reused
         end
-        for j = 1, #ws do
-          local w = ws[j]
-          if ms == 0 then
-            tds_lease.drop(K, w)  -- settled: a plain pop promises at most once
-          else
-            tds_lease.set_item(K, w, counts[j], id)
+        if ms == 0 then
+          tds_lease.drop(K, ws)  -- settled: a plain pop promises at most once
+        else
+          tds_lease.set_items(K, ws, counts, id)
+          local again, fresh_ws = {}, {}
+          for j = 1, #ws do
             if j <= redelivered then
-              redis.call('ZREM', K.q, tds_lease.fmt(w))
+              again[#again + 1] = tds_lease.fmt(ws[j])
             else
-              redis.call('ZADD', K.o, w, tds_lease.fmt(w))
+              fresh_ws[#fresh_ws + 1] = ws[j]
             end
           end
+          tds_lease.batch('ZREM', K.q, again)
+          tds_lease.zadd(K.o, fresh_ws)
         end
         if ms > 0 then
           tds_lease.set_record(K, id, 'L', ws)
