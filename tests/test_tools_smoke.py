@@ -68,3 +68,10 @@ def test_lazy_floor_times_both_sizes_and_every_way() -> None:
     out = _run("lazy_floor.py", "--reps", "3")
     for n in ("256", "10,000"):
         assert re.search(rf"^\s+{n}(\s+[\d.]+){{4}}$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_lease_bench_times_pops_acks_and_the_worst_reclaim() -> None:
+    out = _run("lease_bench.py", "--reps", "1")
+    for name in ("plain pop\\(1000\\)", "leased pop\\(1000\\)", "ack\\(1000\\)", "pop\\(1024\\) reclaiming 64 leases"):
+        assert re.search(rf"^{name}\s+\|\s+[\d.]+ \|\s+[\d.]+$", out, re.M), out
