@@ -389,7 +389,13 @@ for _ = 1, nops do
           do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
         end
         -- leased items not acknowledged yet (header field 'lo', see _lease.lua) count as unread
-        local unread = math.min(tonumber(head[6] or '0'), tonumber(head[8] or head[6] or '0'))
+        local unread, oldest = tonumber(head[6] or '0'), tonumber(head[8] or '')
+        if head[8] and (oldest == nil or oldest < 0) then
+          tds_damaged(meta .. ': header field lo (the oldest leased item) is ' .. head[8])
+        end
+        if oldest ~= nil and unread ~= nil then
+          unread = math.min(unread, oldest)
+        end
         if policy.queue and rw + n - unread > count then
           do return {'WAIT', 'full', 'the queue is full: writers wait until readers pop'} end
         end

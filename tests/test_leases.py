@@ -454,3 +454,23 @@ def test_four_writers_three_leased_readers_one_killed_every_item_acknowledged_on
     lines = {ln.split()[0]: int(ln.split()[1]) for log in logs for ln in Path(log).read_text().splitlines() if not ln.startswith("held")}
     assert held and all(lines[h] >= 2 for h in held)  # the killed reader's items came again, counted
     store.clear_redis()
+
+
+def test_a_hand_edited_lease_field_is_damage_and_a_read_only_handle_cannot_lease(both):
+    store = both.store(4)
+    store.set_queue(True)
+    store.extend(items(0, 2))
+    got = store.pop(1, lease=LONG)
+    reader = LazyStackedTensorDictStore.from_store(td_id=store.td_id, readonly=True, **both.kwargs())
+    with pytest.raises(PermissionError):
+        reader.pop(1, lease=LONG)
+    with pytest.raises(PermissionError):
+        reader.ack(got)
+    client = both.make_client()
+    client.hset(store._engine.keys.meta, "lo", "-7")
+    with pytest.raises(KeyError, match="header field lo"):  # StoreDamagedError
+        store.extend(items(2, 1), timeout=0)
+    client.hset(store._engine.keys.meta, "lo", "0")
+    store.extend(items(2, 1), timeout=0)
+    assert store.ack(got) == 1
+    store.clear_redis()
