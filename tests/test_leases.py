@@ -339,6 +339,37 @@ def test_a_pop_reclaims_a_bounded_number_of_expired_leases(real):
     store.clear_redis()
 
 
+def test_leases_replicate_with_the_primarys_clock(tmp_path):
+    """TIME is read in the script; what reaches a replica is the script's effects (deadlines as
+    numbers), so the replica holds the same lease table, byte for byte."""
+    from tdstore.server import EmbeddedServer
+
+    with EmbeddedServer(unix_socket=False) as primary:
+        with EmbeddedServer(unix_socket=False, extra_args=["--replicaof", "127.0.0.1", str(primary.port)]) as replica:
+            rc = replica.client()
+            end = time.monotonic() + 60
+            while rc.info("replication").get("master_link_status") != "up":
+                assert time.monotonic() < end, "the replica did not sync"
+                time.sleep(0.05)
+            store = LazyStackedTensorDictStore(count=8, url=primary.url, prefix="lease")
+            store.extend(items(0, 4))
+            a = store.pop(2, lease=SHORT)
+            wait_out(store, a)
+            b = store.pop(3, lease=LONG)
+            assert seqs(b) == [0, 1, 2]
+            pc = primary.client()
+            assert pc.wait(1, 30_000) == 1
+            for key in [store._engine.keys.meta, *store._engine.keys.lease_keys]:
+                kind = pc.type(key)
+                assert kind == rc.type(key)
+                assert kind != b"none" or key.endswith(":lq")  # nothing waits for redelivery now
+                if kind == b"hash":
+                    assert pc.hgetall(key) == rc.hgetall(key)
+                elif kind == b"zset":
+                    assert pc.zrange(key, 0, -1, withscores=True) == rc.zrange(key, 0, -1, withscores=True)
+            assert rc.zscore(store._engine.keys.lease_keys[1], b.receipt.id) == b.deadline_ms
+
+
 # -- processes on the real server ----------------------------------------------------------------
 
 
