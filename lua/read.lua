@@ -52,6 +52,21 @@
           moves past them, so each goes to one reader); adds two pieces: their slots and
           rw. Reply {'WAIT', 'empty', ...} when nothing is unread, {'LOST', k} when writers
           overwrote k unread items (the cursor then moves to the oldest item left).
+    'L', n, channel, ms, receipt, kl, kd, kq, ko, kk
+          leased pop (see _lease.lua for the lease keys KEYS[kl..kk]): first the items
+          whose lease expired (up to 64 expired leases, stopping past 1024 items, are
+          reclaimed per call), lowest write number first, then the next unread items, up
+          to n in all, in write order. With ms > 0 they are leased to 'receipt' (made by
+          the client) until the server's clock (TIME) passes now + ms; ack.lua settles
+          them. With ms = 0 (a plain pop on a store that has leases) they are settled at
+          once. A receipt the lease table already holds (a resend after a lost reply)
+          gets the same items again and takes nothing. Adds five pieces: slots, rw,
+          the items' write numbers and delivery counts (int64 each), and
+          '<deadline ms> <kv>' (kv: the key-set version after the call: the first
+          leased pop sets the header's 'ls' and bumps 'kv', so plain pops planned before
+          it are answered STALE and take this op). Reply {'WAIT', 'empty', ...} when
+          nothing is unread or waiting, {'LOST', k} when writers overwrote k unread or
+          waiting items (forgotten; the cursor moves to the oldest item left).
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -87,12 +102,13 @@
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
-              {'WAIT', reason, message} and {'LOST', k}: see the 'P' and 'F' ops.
+              {'WAIT', reason, message} and {'LOST', k}: see the 'P', 'F' and 'L' ops.
               Every piece is checked: a key shorter than the header implies raises
               'TDSTORE damaged' (a key of the store lost to eviction or deletion), except
               a key the store's inventory (KEYS[2], see _lib.lua) says was never
               allocated, which reads as zeros.
   Errors      'TDSTORE bad argument' for a malformed op (nothing is read);
+              'TDSTORE refused' for an 'L' op whose receipt was acknowledged already;
               'TDSTORE empty' when a 'U' op finds no written slot;
               'TDSTORE damaged' when a key the header says holds data is lost or short.
 ]]
@@ -338,6 +354,140 @@ for _ = 1, nops do
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'L' then
+    -- leased pop (see _lease.lua): expired leases' items first, then unread items, in write order
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P, F or L op per call')
+    end
+    local n, channel = tds_num(ARGV[a + 1], 'row count'), ARGV[a + 2]
+    local ms, id = tds_num(ARGV[a + 3], 'lease'), ARGV[a + 4]
+    local K = tds_lease.keys(ARGV, a + 5)
+    a = a + 10
+    tds_lease.check_receipt(id)
+    if n < 1 or n ~= math.floor(n) or ms < 0 or ms ~= math.floor(ms) then
+      error('TDSTORE bad argument: a leased pop of ' .. tostring(n) .. ' items for ' .. tostring(ms) .. ' ms')
+    end
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'rr', 'ls', 'kv')
+    local count = tds_num(head[1], 'count')
+    local rw, rr = tds_ring_rw(meta, count, tonumber(head[2] or '0')), tonumber(head[3] or '0')
+    local kv = tonumber(head[5] or '1')
+    local now = tds_lease.now_ms()
+    local ws, counts, deadline = {}, {}, 0
+    local state, had = tds_lease.record(K, id)
+    if state == 'A' then
+      error('TDSTORE refused: the pop with receipt ' .. id .. ' was acknowledged already')
+    end
+    if state == 'L' or state == 'S' then
+      -- a resend of a pop that ran (its reply was lost): the same items again, nothing taken
+      local lost = {}
+      local ds = state == 'L' and tds_lease.items(K, had) or {}
+      for j, w in ipairs(had) do
+        if w < rw - count then
+          lost[#lost + 1] = w
+        else
+          ws[#ws + 1] = w
+          counts[#counts + 1] = ds[j] or 1
+        end
+      end
+      if #lost > 0 then
+        if state == 'L' then
+          tds_lease.drop(K, lost)
+        end
+        tds_lease.set_record(K, id, state, ws)
+        tds_lease.settle(meta, K, channel)
+        do return {'LOST', tds_lease.fmt(#lost)} end
+      end
+      if state == 'L' then
+        deadline = tonumber(redis.call('ZSCORE', K.d, id) or '0')
+      end
+    else
+      local reclaimed = tds_lease.reclaim(K, now)
+      local lost = tds_lease.drop_lost(K, rw, count)
+      if rw - rr > count then
+        -- writers lapped unread items: skip to the oldest item still there, as 'F' does
+        lost = lost + rw - count - rr
+        rr = rw - count
+        redis.call('HSET', meta, 'rr', tds_lease.fmt(rr))
+      end
+      if lost > 0 then
+        tds_lease.settle(meta, K, channel)
+        do return {'LOST', tds_lease.fmt(lost)} end
+      end
+      local waiting = redis.call('ZRANGE', K.q, 0, n - 1)
+      for j = 1, #waiting do
+        ws[j] = tonumber(waiting[j])
+      end
+      local ds = tds_lease.items(K, ws)
+      for j = 1, #ws do
+        counts[j] = (ds[j] or 0) + 1
+      end
+      local redelivered = #ws
+      local fresh = math.min(n - redelivered, rw - rr)
+      for j = 0, fresh - 1 do
+        ws[#ws + 1] = rr + j
+        counts[#counts + 1] = 1
+      end
+      if #ws == 0 then
+        if reclaimed > 0 then
+          tds_lease.settle(meta, K, '')
+        end
+        do return {'WAIT', 'empty', 'no unread item, and no lease has expired'} end
+      end
+      if ms > 0 then
+        deadline = now + ms
+      end
+      if not head[4] then
+        kv = kv + 1
+      end
+      finish[#finish + 1] = function()
+        if state == 'X' then
+          redis.call('ZREM', K.k, id)  -- the receipt of a lease that expired before its resend: reused
+        end
+        if ms == 0 then
+          tds_lease.drop(K, ws)  -- settled: a plain pop promises at most once
+        else
+          tds_lease.set_items(K, ws, counts, id)
+          local again, fresh_ws = {}, {}
+          for j = 1, #ws do
+            if j <= redelivered then
+              again[#again + 1] = tds_lease.fmt(ws[j])
+            else
+              fresh_ws[#fresh_ws + 1] = ws[j]
+            end
+          end
+          tds_lease.batch('ZREM', K.q, again)
+          tds_lease.zadd(K.o, fresh_ws)
+        end
+        if ms > 0 then
+          tds_lease.set_record(K, id, 'L', ws)
+          redis.call('ZADD', K.d, deadline, id)
+        else
+          tds_lease.set_record(K, id, 'S', ws)
+          tds_lease.tombstone(K, id, now)
+        end
+        if fresh > 0 then
+          redis.call('HSET', meta, 'rr', tds_lease.fmt(rr + fresh))
+        end
+        if not head[4] then
+          redis.call('HSET', meta, 'ls', '1')
+          redis.call('HINCRBY', meta, 'kv', 1)
+        end
+        tds_lease.settle(meta, K, channel)
+      end
+    end
+    rows = {}
+    local slots, wpack, cpack = {}, {}, {}
+    for j = 1, #ws do
+      rows[j] = ws[j] % count
+      slots[j] = tds_p64(rows[j])
+      wpack[j] = tds_p64(ws[j])
+      cpack[j] = tds_p64(counts[j])
+    end
+    out[#out + 1] = table.concat(slots)
+    out[#out + 1] = tds_lease.fmt(rw)
+    out[#out + 1] = table.concat(wpack)
+    out[#out + 1] = table.concat(cpack)
+    out[#out + 1] = tds_lease.fmt(deadline) .. ' ' .. tds_lease.fmt(kv)
   elseif kind == 'I' then
     -- rows named by the client (a scattered batch): decoded once, then read by each 'X' op
     local n = tds_num(ARGV[a + 1], 'row count')

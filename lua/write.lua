@@ -76,7 +76,8 @@
           addresses; n may not exceed the count (no slot twice in one call). Under a
           sampling policy (header field 'sc', see sampling.lua) the write waits (reply
           WAIT, nothing written) while the rate limiter holds inserts or, in queue mode,
-          while it would overwrite items no one has popped. After writing, it publishes
+          while it would overwrite items no one has popped (or acknowledged, when leased:
+          header field 'lo', see _lease.lua). After writing, it publishes
           on the Pub/Sub 'channel' ('' for none), so waiting clients wake.
     'P', kt, kc, priorities
           after 'W', on a store with priorities: the tree KEYS[kt] and sample counts
@@ -373,7 +374,7 @@ for _ = 1, nops do
       error('TDSTORE bad argument: one W or G op per call')
     end
     local n = tds_num(ARGV[a + 1], 'row count')
-    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm')
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo')
     local count = tds_num(head[1], 'count')
     local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
     ring_from = rw - tonumber(head[2] or '0')  -- a store filled by index: its first extend starts at rw = count
@@ -391,7 +392,15 @@ for _ = 1, nops do
         if lim ~= nil and (rw - tonumber(head[5] or '0') + 1) * lim[1] - tonumber(head[4] or '0') > lim[4] then
           do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
         end
-        if policy.queue and rw + n - tonumber(head[6] or '0') > count then
+        -- leased items not acknowledged yet (header field 'lo', see _lease.lua) count as unread
+        local unread, oldest = tonumber(head[6] or '0'), tonumber(head[8] or '')
+        if head[8] and (oldest == nil or oldest < 0) then
+          tds_damaged(meta .. ': header field lo (the oldest leased item) is ' .. head[8])
+        end
+        if oldest ~= nil and unread ~= nil then
+          unread = math.min(unread, oldest)
+        end
+        if policy.queue and rw + n - unread > count then
           do return {'WAIT', 'full', 'the queue is full: writers wait until readers pop'} end
         end
         top_priority = tonumber(head[7] or '1')

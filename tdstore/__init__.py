@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import QueueOverrunError, StoreDamagedError
+from ._errors import LeaseLostError, QueueOverrunError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ __all__ = [
     "StoreFormatError",
     "PasswordError",
     "QueueOverrunError",
+    "LeaseLostError",
     "register_tensorclass",
 ]
 __version__ = "0.1.0"

@@ -40,6 +40,17 @@ class QueueOverrunError(RuntimeError):
         self.lost = lost
 
 
+class LeaseLostError(RuntimeError):
+    """An ``ack`` came after its lease ran out and other pops took some of its items (``not_held``:
+    their ring write numbers): work on those may be done twice. The others (``settled``) are settled.
+    """
+
+    def __init__(self, message: str, *, settled: int, not_held: list[int]) -> None:
+        super().__init__(message)
+        self.settled = settled
+        self.not_held = not_held
+
+
 class MustWait(Exception):
     """The server held a ring call back (a ``WAIT`` reply): nothing was read or written.
 

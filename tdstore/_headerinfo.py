@@ -97,6 +97,8 @@ class HeaderInfo:
     """The store keeps an inventory of its keys (header field ``na``, see ``_integrity``)."""
     sampling: SamplingPolicy | None = None
     """The ring's sampling policy (header field ``sc``, see ``_policy``), if it has one."""
+    leased: bool = False
+    """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
 
     @property
     def segments(self) -> int:
@@ -181,6 +183,7 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         keyset_version=keyset_version,
         tracked="na" in f,
         sampling=sampling,
+        leased="ls" in f,
     )
 
 

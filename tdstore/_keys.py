@@ -25,6 +25,12 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:pb       string  that build's state (step, pass, cursor); the three expire unless resumed
     P:{I}:e        channel Pub/Sub channel (not a key) that ring writes, samples and pops publish
                            on, so a waiting client wakes without polling (see ``_waiting``)
+    P:{I}:l        hash    lease table of a ring's leased pops: each outstanding item and
+                           each receipt (see ``lua/_lease.lua``); with the zsets below:
+    P:{I}:ld       zset    live leases by deadline
+    P:{I}:lq       zset    items whose lease expired, waiting for redelivery, by write number
+    P:{I}:lo       zset    outstanding (leased or waiting) items, by write number
+    P:{I}:lk       zset    receipts settled or expired, by time (the oldest are forgotten)
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
@@ -139,6 +145,14 @@ class StoreKeys:
     def events(self) -> str:
         """The Pub/Sub channel ring writes, samples and pops publish on (a channel, not a key)."""
         return f"{self.base}:e"
+
+    @property
+    def lease_keys(self) -> list[str]:
+        """The keys of a ring's leased pops (``lua/_lease.lua``: table, deadlines, redelivery queue,
+        outstanding items, settled receipts), in the order scripts take them. Not strings, so
+        not in :meth:`all_keys` (whose keys past the header and inventory are measured with
+        STRLEN); calls on the whole store (delete, copy, time to live) add them."""
+        return [f"{self.base}:l", f"{self.base}:ld", f"{self.base}:lq", f"{self.base}:lo", f"{self.base}:lk"]
 
     @property
     def sampling_keys(self) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
-from . import _ragged, _ring, _ring_reads, _sampling, _waiting
+from . import _leases, _ragged, _ring, _ring_reads, _sampling, _waiting
 from ._common import LOCK_ERROR
 from ._engine import Engine
 from ._errors import MustWait
@@ -236,13 +236,15 @@ class ReplayMethods(LazyState):
         _sampling.set_queue(self._engine, on)
 
     def pop(self, *args: Any, **kwargs: Any) -> Any:
-        """``pop(batch_size=1, *, timeout=None, keys=None)``: the queue's next items (see :meth:`pop_items`);
+        """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
         if (args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs:
             return super().pop(*args, **kwargs)  # TensorDictBase.pop, further along the MRO
         return self.pop_items(*args, **kwargs)
 
-    def pop_items(self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None) -> _ring.Sample:
+    def pop_items(
+        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+    ) -> _ring.Sample | _leases.LeasedSample:
         """The next unread items in write order (up to ``batch_size``), each handed to exactly one caller.
 
         Any number of readers may ``pop`` the same ring: the server moves one read cursor.
@@ -250,10 +252,32 @@ class ReplayMethods(LazyState):
         ``timeout`` seconds, ``TimeoutError``). When writers overwrote unread items (a ring
         not in queue mode), raises ``QueueOverrunError`` with ``.lost``, and the next ``pop``
         goes on with the oldest item left. Returns ``Sample(td, indices, generations)``.
+        Without a lease the items are gone from the queue once popped: a reader that dies
+        before using them loses them (at most once).
+
+        ``lease=S`` (seconds): the items are leased to this caller until ``ack`` (or
+        ``with store.pop(n, lease=S) as got:``), returned as a ``LeasedSample`` (write numbers,
+        delivery counts, ``redelivered``, ``receipt``). Items not acknowledged within ``S``
+        seconds of the server's clock go to the next pop again (leased or not), before newer
+        items, in write order. In queue mode, leased items count as unread until acknowledged.
         """
         if isinstance(keys, (str, tuple)):
             keys = [keys]
-        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, None if keys is None else [as_path(k) for k in keys])
+        paths = None if keys is None else [as_path(k) for k in keys]
+        if lease is not None:
+            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease)
+        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths)
+
+    def ack(self, receipt: Any) -> int:
+        """Settle the items of a leased pop (its ``receipt``, or the ``LeasedSample``), in one call.
+
+        Returns how many items it settled. Acknowledging twice is harmless (the same answer).
+        An ack after the lease ran out still settles the items no other pop has taken; when
+        another pop took some, raises ``tdstore.LeaseLostError`` naming them (``.not_held``,
+        their write numbers), after settling the rest. A receipt the store does not hold (never
+        handed out, or settled more than 4,096 receipts ago) raises ``ValueError``.
+        """
+        return _leases.ack(self._engine, receipt)
 
     def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> _ring.RingState:
         """Block until the ring holds ``written`` items (``len(store.written)``) or has had ``write_count``

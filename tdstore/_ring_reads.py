@@ -279,8 +279,13 @@ def pop(
     engine.refuse_if_readonly()
     refuse_spread(engine)
     channel = engine.keys.events
+    from ._leases import Planner  # it imports this module's row reads
+
+    leased = Planner(engine, batch_size, device, keys, 0)
 
     def plan_call(h: Header) -> Call:
+        if h.leased:  # items whose lease ran out go to plain pops too: through the lease table
+            return leased.plan(h)
         return _row_read_call(
             engine,
             h,

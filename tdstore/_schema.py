@@ -153,6 +153,10 @@ class Header:
     """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
     ``_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
+    leased: bool = False
+    """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
+    pops then take the lease table's items waiting for redelivery too (see ``_leases``)."""
+
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
     ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
@@ -326,6 +330,7 @@ class Header:
             spread=info.spread,
             tracked=info.tracked,
             sampling=info.sampling,
+            leased=info.leased,
             row=info.row,
             sub=sub,
         )

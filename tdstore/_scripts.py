@@ -29,10 +29,27 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from ._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority", "tree_build")
+SCRIPT_NAMES = (
+    "create",
+    "read",
+    "write",
+    "commit",
+    "clear",
+    "expire",
+    "copy",
+    "lock",
+    "guard",
+    "sampling",
+    "priority",
+    "tree_build",
+    "ack",
+)
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
 USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
+#: Scripts that also get the lease table's helpers (``lua/_lease.lua``), after the others.
+LEASE_LIBRARY = "_lease"
+USES_LEASE = frozenset({"read", "ack"})
 
 
 class ServerScriptError(RuntimeError):
@@ -59,6 +76,8 @@ def script_source(name: str) -> tuple[str, str]:
     """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
     folder = _lua_dir()
     libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
+    if name in USES_LEASE:
+        libraries.append(LEASE_LIBRARY)
     text = "".join(folder.joinpath(f"{lib}.lua").read_text() + "\n" for lib in libraries) + folder.joinpath(f"{name}.lua").read_text()
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 

@@ -65,8 +65,8 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
 
     def plan_call(h: Header) -> Call:
         # a priority tree being built is not copied: the copy starts its own (see lua/tree_build.lua)
-        src = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:])
-        dst = _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:])
+        src = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]) + engine.keys.lease_keys
+        dst = _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:]) + keys.lease_keys
         epoch = secrets.token_hex(8)
         return Call(
             "copy",
@@ -86,7 +86,7 @@ def _without_build(keys: StoreKeys, names: list[str]) -> list[str]:
 
 def _clear_keys(engine: Engine, next_leaf: int, segments: int) -> list[str]:
     """``clear.lua``'s KEYS: every key the store may own (and the registry, but on Cluster)."""
-    keys = engine.keys.all_keys(next_leaf, segments)
+    keys = engine.keys.all_keys(next_leaf, segments) + engine.keys.lease_keys
     if engine.spec.cluster:
         return keys
     return [keys[0], engine.keys.registry, *keys[1:]]
@@ -98,7 +98,7 @@ def expire(engine: Engine, ttl_ms: int) -> None:
 
     def plan_call(h: Header) -> Call:
         # a priority tree being built keeps its lease (its next step takes the store's time to live when shorter)
-        every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n))
+        every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)) + engine.keys.lease_keys
         return Call("expire", every, [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
     if _spread.spreads(engine.header):

@@ -134,7 +134,7 @@ def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> int | No
     from redis.cluster import RedisCluster
 
     cluster = isinstance(client, RedisCluster)
-    every = keys.all_keys(header.next_leaf, header.segments)
+    every = keys.all_keys(header.next_leaf, header.segments) + keys.lease_keys
     # on Redis Cluster the registry lives in another slot: the script leaves it, and it is updated after
     script_keys = every if cluster else [every[0], keys.registry, *every[1:]]
     args = [f"{header.epoch}:V{header.version}", keys.td_id, *(["noreg"] if cluster else [])]

@@ -76,3 +76,10 @@ def test_stall_audit_prints_the_slowest_command_of_every_call() -> None:
     for label in ("upload \\(commit.lua\\)", "expire \\(expire.lua\\)", "clear_redis \\(clear.lua\\)", "enable_priorities on 20000 slots"):
         assert re.search(label + r"\s+slowest\s+[\d.]+ ms", out), out
     assert re.search(r"longest PING gap [\d.]+ ms", out)
+
+
+@pytest.mark.slow
+def test_lease_bench_times_pops_acks_and_the_worst_reclaim() -> None:
+    out = _run("lease_bench.py", "--reps", "1")
+    for name in ("plain pop\\(1000\\)", "leased pop\\(1000\\)", "ack\\(1000\\)", "pop\\(1024\\) reclaiming 64 leases"):
+        assert re.search(rf"^{name}\s+\|\s+[\d.]+ \|\s+[\d.]+$", out, re.M), out
