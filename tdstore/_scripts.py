@@ -239,7 +239,7 @@ def translate(err: Exception) -> Exception:
     if "TDSTORE refused" in msg:
         return ValueError(msg[msg.index("TDSTORE refused") + 17 :])
     if "TDSTORE empty" in msg:
-        return EmptyRingError(msg[msg.index("TDSTORE empty") + 13 :].lstrip(": "))
+        return EmptyRingError(msg[msg.index("TDSTORE empty") + 13 :].lstrip(": ").split("\n", 1)[0])  # fakeredis adds a traceback
     if "TDSTORE" in msg:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()
