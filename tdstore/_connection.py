@@ -379,6 +379,10 @@ class HeldConnection:
     time, a forked child (the parent's socket is never used), fakeredis, or a
     connection error (the connection is dropped and, if the client's retry policy
     retries at all, the command is sent again by redis-py, as its own retry would).
+
+    Under a call's deadline (``_deadline``) the held connection's timeouts and the client's
+    retry policy are cut to what is left, retries happen on the held connection itself, and a
+    connection it must open is made outside the pool (whose checkout connects unbounded).
     """
 
     def __init__(self) -> None:

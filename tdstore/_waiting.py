@@ -103,7 +103,9 @@ class _Events:
             pubsub.connection = conn
             self._stack.callback(conn.disconnect)
             self._stack.enter_context(_deadline.bounded(conn, self.deadline))
-        self._stack.callback(pubsub.close)
+            self._stack.callback(_detach, pubsub)  # the connection is ours: never handed to the pool
+        else:
+            self._stack.callback(pubsub.close)
         self.pubsub = pubsub
         try:
             _subscribe(pubsub, self.engine.keys.events, self.deadline)
@@ -154,6 +156,11 @@ class _Events:
 
     def close(self) -> None:
         self._drop()
+
+
+def _detach(pubsub: Any) -> None:
+    pubsub.connection = None
+    pubsub.close()
 
 
 def _subscribe(pubsub: Any, channel: str, deadline: _deadline.Deadline | None) -> None:
