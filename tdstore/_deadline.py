@@ -211,7 +211,7 @@ class DeadlineRetry:
 def bounded(conn: Any, deadline: Deadline) -> Iterator[Any]:
     """Within the block, ``conn`` (a connection this thread holds alone) reads, connects and
     retries within ``deadline``; its own settings come back afterwards."""
-    configured = (conn.socket_timeout, conn.socket_connect_timeout)
+    configured = (conn.socket_timeout, getattr(conn, "socket_connect_timeout", None))
     retry = getattr(conn, "retry", None)
     conn.retry = DeadlineRetry(retry, deadline, conn, configured)
     try:
