@@ -412,7 +412,8 @@ class HeldConnection:
     def transaction(self, client: Any, body: bytes, n_commands: int) -> list[Any] | None:
         """``MULTI``, ``n_commands`` commands packed by ``_wire``, ``EXEC``: the raw ``EXEC`` reply;
         None when no connection can be held (see ``execute``)."""
-        return self._on_held(client, lambda conn: _wire.transaction(conn, body, n_commands), lambda: None)
+        send: Callable[[Any], Any] = lambda conn: _wire.transaction(conn, body, n_commands)  # noqa: E731
+        return self._on_held(client, send, lambda: _deadline.fallback(client, send, lambda: None))
 
     def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         if (

@@ -233,18 +233,25 @@ def new_connection(pool: Any) -> Any:
     return pool.connection_class(**pool.connection_kwargs)
 
 
-def execute_command(client: Any, *args: Any) -> Any:
-    """``client.execute_command(*args)``; under a deadline, on a connection of its own bounded by it
-    (same reply, same retry policy, cut to the deadline)."""
+def fallback(client: Any, send: Callable[[Any], Any], otherwise: Callable[[], Any]) -> Any:
+    """What a handle does when its held connection is busy (another thread) or gone: ``otherwise()``;
+    under a deadline, ``send(conn)`` on a connection of its own, bounded by the deadline (same
+    retry policy, cut to it), which no pool checkout can keep waiting."""
     dl = active()
     if dl is None or not is_real(client):
-        return client.execute_command(*args)
+        return otherwise()
     conn = new_connection(client.connection_pool)
     try:
         with bounded(conn, dl):
-            return conn.retry.call_with_retry(lambda: _send_parse(client, conn, args), lambda *_: conn.disconnect())
+            return conn.retry.call_with_retry(lambda: send(conn), lambda *_: conn.disconnect())
     finally:
         conn.disconnect()
+
+
+def execute_command(client: Any, *args: Any) -> Any:
+    """``client.execute_command(*args)`` (the same reply, redis-py's callbacks applied), bounded by the
+    thread's deadline if it has one (see :func:`fallback`)."""
+    return fallback(client, lambda conn: _send_parse(client, conn, args), lambda: client.execute_command(*args))
 
 
 def _send_parse(client: Any, conn: Any, args: tuple[Any, ...]) -> Any:

@@ -119,12 +119,20 @@ def test_every_timeout_holds_while_the_server_is_paused(server):
     full, empty = waiting_stores(server.url)
     fresh = LazyStackedTensorDictStore.from_store(td_id=empty.td_id, url=server.url, prefix="dl")
     fresh.close()  # its next call opens a new client and connection, under that call's deadline
+    ring = LazyStackedTensorDictStore(url=server.url, count=4, prefix="dl")
+    ring.extend([el(i) for i in range(4)])  # a full ring: a uniform sample is a read transaction
+    assert ring.sample(2).indices.tolist() != []
     assert server.pid is not None
     os.kill(server.pid, signal.SIGSTOP)
     try:
         every_waiting_call(full, empty, "paused")
         every_waiting_call(full, empty, "paused, timeout 0", timeout=0)
         late_by(lambda: fresh.pop(1, timeout=1), 1, "paused, first connection: pop")
+        late_by(lambda: ring.sample(2, timeout=1), 1, "paused, full ring: sample (read transaction)")
+        # another thread holds the handle's connection: the call goes on a connection of its own
+        with empty._engine._held._lock, ring._engine._held._lock:
+            late_by(lambda: empty.pop(1, timeout=1), 1, "paused, connection busy: pop")
+            late_by(lambda: ring.sample(2, timeout=1), 1, "paused, connection busy: sample (read transaction)")
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert_intact(full, empty)
