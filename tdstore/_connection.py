@@ -20,16 +20,18 @@ A server that refuses the credentials (``NOAUTH``, ``WRONGPASS``, redis-py's
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.connection import SSLConnection, parse_url
 
-from . import _wire
+from . import _deadline, _wire
 
 #: Keyword arguments that are secrets: never kept in a :class:`ConnectionSpec`, a pickle or a state dict.
 SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
@@ -38,6 +40,34 @@ PASSWORD_ENV = "TDSTORE_PASSWORD"
 
 class PasswordError(redis.AuthenticationError):
     """The server wants a password and got none, or refused the one given (never holds the password)."""
+
+
+class TLSHandshakeError(redis.exceptions.RedisError):
+    """A ``rediss://`` connection got no TLS handshake: most often a plain (non-TLS) server.
+
+    Not a ``ConnectionError`` on purpose: redis-py retries those (ten times, by default), and a
+    server that does not speak TLS will not start to; the first failed handshake is final.
+    """
+
+
+class _TLSHintConnection(SSLConnection):
+    """redis-py's TLS connection whose handshake is bounded by the connect timeout and, when it
+    fails for another reason than a certificate, says that the server may not speak TLS."""
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        sock.settimeout(self.socket_connect_timeout)
+        try:
+            wrapped = super()._wrap_socket_with_ssl(sock)
+        except ssl.SSLCertVerificationError:
+            raise  # a TLS server, with a certificate we do not trust: redis-py says so
+        except (ssl.SSLError, TimeoutError, ConnectionError) as err:
+            limit = "" if self.socket_connect_timeout is None else f" within {self.socket_connect_timeout:g} s"
+            raise TLSHandshakeError(
+                f"no TLS handshake with {self.host}:{self.port}{limit} ({type(err).__name__}: {err}): rediss:// asks for "
+                "TLS, and this server may not speak it; use redis:// for a server without TLS"
+            ) from None
+        wrapped.settimeout(self.socket_timeout)
+        return wrapped
 
 
 def password_message(where: str, err: Exception) -> str:
@@ -145,7 +175,11 @@ class ConnectionSpec:
             return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
         if self.ssl:
             kwargs["ssl"] = True
-        return redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
+        client = redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
+        pool = client.connection_pool
+        if self.ssl and pool.connection_class is SSLConnection and hasattr(SSLConnection, "_wrap_socket_with_ssl"):
+            pool.connection_class = _TLSHintConnection  # a plain server: one clear error, not a minute of retries
+        return client
 
 
 def _skip_version_lookup(kwargs: dict[str, Any]) -> None:
@@ -168,6 +202,7 @@ def _from_url(url: str) -> dict[str, Any]:
             url = scheme.replace("+cluster", "") + url[len(scheme) :]
             cluster = True
     parts = dict(parse_url(url))
+    _check_db(url)
     if cluster:
         if "path" in parts:
             raise ValueError("a Redis Cluster is reached over TCP: redis+cluster://host:port")
@@ -183,6 +218,19 @@ def _from_url(url: str) -> dict[str, Any]:
             out[name] = parts.pop(name)
     out["rest"] = parts  # username, password, query options
     return out
+
+
+def _check_db(url: str) -> None:
+    """Refuse a URL whose path is not a database number (redis-py's parser reads ``redis://host/abc`` as db 0)."""
+    split = urlsplit(url)
+    if split.scheme.lower() == "unix":
+        return  # the path is the socket's; the database comes in ?db=, which redis-py checks
+    path = unquote(split.path).strip("/")
+    if path and not path.isdigit():
+        raise ValueError(
+            f"the URL {split.scheme}://{split.hostname or ''}{':' + str(split.port) if split.port else ''}/{path} names database "
+            f"{path!r}: a database is a number (redis://host:port/0)"
+        )
 
 
 def open_client(
@@ -331,12 +379,17 @@ class HeldConnection:
     time, a forked child (the parent's socket is never used), fakeredis, or a
     connection error (the connection is dropped and, if the client's retry policy
     retries at all, the command is sent again by redis-py, as its own retry would).
+
+    Under a call's deadline (``_deadline``) the held connection's timeouts and the client's
+    retry policy are cut to what is left, retries happen on the held connection itself, and a
+    connection it must open is made outside the pool (whose checkout connects unbounded).
     """
 
     def __init__(self) -> None:
         self._conn: Any = None
         self._pool: Any = None
         self._pid = 0
+        self._own = False  # the connection was made outside the pool (see _deadline)
         self._lock = threading.Lock()
         _HELD.add(self)
 
@@ -354,12 +407,13 @@ class HeldConnection:
             conn.send_packed_command(conn.pack_command(*args), check_health=False)
             return conn.read_response()
 
-        return self._on_held(client, send, lambda: client.execute_command(*args))
+        return self._on_held(client, send, lambda: _deadline.execute_command(client, *args))
 
     def transaction(self, client: Any, body: bytes, n_commands: int) -> list[Any] | None:
         """``MULTI``, ``n_commands`` commands packed by ``_wire``, ``EXEC``: the raw ``EXEC`` reply;
         None when no connection can be held (see ``execute``)."""
-        return self._on_held(client, lambda conn: _wire.transaction(conn, body, n_commands), lambda: None)
+        send: Callable[[Any], Any] = lambda conn: _wire.transaction(conn, body, n_commands)  # noqa: E731
+        return self._on_held(client, send, lambda: _deadline.fallback(client, send, lambda: None))
 
     def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         if (
@@ -370,10 +424,16 @@ class HeldConnection:
             return fallback()
         try:
             pool = client.connection_pool
+            deadline = _deadline.active()
             if self._conn is None or self._pid != os.getpid() or self._pool is not pool:
                 self._forget()
-                self._conn, self._pool, self._pid = _checkout(pool), pool, os.getpid()
+                # under a deadline, a connection of our own: the pool's checkout would connect unbounded
+                self._own = deadline is not None
+                self._conn = _deadline.new_connection(pool) if self._own else _checkout(pool)
+                self._pool, self._pid = pool, os.getpid()
             conn = self._conn
+            if deadline is not None:
+                return self._send_within(conn, send, deadline)
             try:
                 # as redis-py does on checkout: a socket the server closed while idle (EOF) or
                 # with stray data is replaced before use, since this handle never leaves a reply unread
@@ -396,14 +456,34 @@ class HeldConnection:
         finally:
             self._lock.release()
 
+    @staticmethod
+    def _send_within(conn: Any, send: Callable[[Any], Any], deadline: _deadline.Deadline) -> Any:
+        """``send(conn)`` under a deadline: timeouts and the client's retry policy cut to what is left
+        (see ``_deadline``). A connection that failed stays held, disconnected: the next call
+        reconnects it (within its own deadline, if it has one)."""
+        with _deadline.bounded(conn, deadline):
+            try:
+                if conn._sock is not None and conn.can_read(timeout=0):
+                    conn.disconnect()  # closed by the server while idle, or stray data (see _on_held)
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                conn.disconnect()
+            try:
+                return conn.retry.call_with_retry(lambda: send(conn), lambda *_: conn.disconnect())
+            except redis.ResponseError:
+                raise
+            except BaseException:
+                conn.disconnect()  # a timeout or interruption mid-reply: the connection's state is unknown
+                raise
+
     def _forget(self, disconnect: bool = False) -> None:
         conn, pool, pid = self._conn, self._pool, self._pid
         self._conn = self._pool = None
         if conn is None or pid != os.getpid():
             return  # a forked child never touches its parent's socket
-        if disconnect:
+        if disconnect or self._own:
             conn.disconnect()
-        pool.release(conn)
+        if not self._own:  # one made under a deadline is not the pool's
+            pool.release(conn)
 
     def release(self) -> None:
         """Give the connection back to its pool (``close()`` of the handle)."""

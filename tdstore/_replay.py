@@ -102,7 +102,8 @@ class ReplayMethods(LazyState):
         default), so a seeded generator draws the same batch from the same ring.
         Returns ``Sample(td, indices, generations)``: ``td`` is a TensorDict, or a
         lazy stack when keys are heterogeneous; keep the generations to write back
-        with :meth:`update_if`.  Raises ``ValueError`` when nothing was written yet.
+        with :meth:`update_if`.  Raises ``ValueError`` when nothing was written yet, unless given
+        ``timeout=`` or ``min_size=``: then it waits for a first item (``TimeoutError`` when none comes).
 
         ``keys`` reads only those keys (nested keys take every leaf below them).
         ``as_padded_tensor=True`` (with ``padding_side``, ``padding_value``) or

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _index, _policy, _rows, _sampling, _waiting
+from . import _codec, _deadline, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine
 from ._headerinfo import ring_writes
 from ._keys import KeyTable
@@ -291,6 +291,7 @@ def _plan_rows(
     return new_header, [*pre, head, *post], touched
 
 
+@_deadline.honours_timeout("extend")
 def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
     refuse_spread(engine)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import lazy_stack
 
-from . import _codec, _ragged, _rows, _sampling, _waiting
+from . import _codec, _deadline, _ragged, _rows, _sampling, _waiting
 from ._call import Call, leaf_checks
 from ._engine import Engine
 from ._keys import KeyTable
@@ -45,6 +45,7 @@ def _selected(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
     return out
 
 
+@_deadline.honours_timeout("sample")
 def sample(
     engine: Engine,
     batch_size: int,
@@ -270,6 +271,7 @@ def _tx_sample_call(
     return call
 
 
+@_deadline.honours_timeout("pop")
 def pop(
     engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None
 ) -> Sample:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _index, _waiting, _wire
+from . import _codec, _index, _scripts, _waiting, _wire
 from ._call import Call
 from ._engine import Engine
 from ._errors import MustWait
@@ -285,7 +285,9 @@ def weights_of(probs: torch.Tensor, low: float, beta: float) -> torch.Tensor:
 
 def wait_or_raise(engine: Engine, attempt: Any, timeout: float | None, may_wait: bool, what: str) -> Any:
     """``attempt()``, waiting through ``WAIT`` replies when ``may_wait``; otherwise a ``WAIT`` for want of
-    data is the ``ValueError`` a sample of an empty ring has always raised."""
+    data is the ``ValueError`` a sample of an empty ring has always raised (an empty ring is such a
+    ``WAIT``, whether the server said ``WAIT`` or ``read.lua`` found no written slot)."""
+    attempt = _empty_waits(attempt)
     if may_wait:
         return _waiting.until_ready(engine, attempt, timeout, what)
     try:
@@ -294,6 +296,16 @@ def wait_or_raise(engine: Engine, attempt: Any, timeout: float | None, may_wait:
         if err.reason in ("empty", "weight"):
             raise ValueError(f"cannot sample: {err.message} (pass min_size= or timeout= to wait for data)") from None
         return _waiting.until_ready(engine, attempt, timeout, what)
+
+
+def _empty_waits(attempt: Any) -> Any:
+    def run() -> Any:
+        try:
+            return attempt()
+        except _scripts.EmptyRingError as err:
+            raise MustWait("empty", err.detail) from None
+
+    return run
 
 
 def probabilities(reply: list) -> tuple[torch.Tensor, float]:

@@ -56,6 +56,15 @@ class ServerScriptError(RuntimeError):
     """A tdstore script refused a call (a bug or a corrupt store, never user input)."""
 
 
+class EmptyRingError(ValueError):
+    """A sample found no written slot (``read.lua``'s ``TDSTORE empty``); a sample given
+    ``timeout=`` or ``min_size=`` waits for one instead (``_sampling.wait_or_raise``)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"cannot sample: {detail}")
+        self.detail = detail
+
+
 def _lua_dir() -> Any:
     """Where the ``.lua`` files are: inside the installed package (``tdstore._lua``) or in a source checkout.
 
@@ -249,7 +258,7 @@ def translate(err: Exception) -> Exception:
     if "TDSTORE refused" in msg:
         return ValueError(msg[msg.index("TDSTORE refused") + 17 :])
     if "TDSTORE empty" in msg:
-        return ValueError(f"cannot sample: {msg[msg.index('TDSTORE empty') + 14 :]}")
+        return EmptyRingError(msg[msg.index("TDSTORE empty") + 13 :].lstrip(": ").split("\n", 1)[0])  # fakeredis adds a traceback
     if "TDSTORE" in msg:
         return ServerScriptError(msg[msg.index("TDSTORE") :])
     low = msg.lower()

@@ -1,0 +1,395 @@
+"""Every ``timeout=`` is a deadline the call keeps (issue 27, items 3, 5 and 9).
+
+A call given ``timeout=`` raises ``TimeoutError`` within ``timeout + 0.5 s`` while the server
+is paused (SIGSTOP), stopped, or behind a proxy that drops or holds its connections; the store
+is intact and usable afterwards. A call without a timeout keeps redis-py's behaviour. A sample
+of an empty ring waits when given a timeout; a read-only ACL user can wait (subscribed, or
+polling where SUBSCRIBE is refused); ``rediss://`` to a plain server and ``redis://host/abc``
+fail clearly. Each test starts its own servers: none pauses or kills a server another test uses.
+
+The bounds are upper bounds only (never a minimum speed); each call's lateness (time past its
+timeout) is printed, ``pytest -s`` shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+from helpers import load_tool
+from redis.backoff import ConstantBackoff
+from redis.retry import Retry
+from tensordict import TensorDict
+
+from tdstore import LazyStackedTensorDictStore
+from tdstore._connection import TLSHandshakeError
+from tdstore.server import EmbeddedServer
+
+pytestmark = pytest.mark.ring
+
+ROOT = Path(__file__).resolve().parent.parent
+SLACK = 0.5  # the issue's bound: TimeoutError within timeout + 0.5 s
+
+
+def el(i: int) -> TensorDict:
+    return TensorDict(obs=torch.full((3,), float(i)))
+
+
+def late_by(call: Callable[[], Any], timeout: float, label: str) -> float:
+    """Run ``call``, which must raise ``TimeoutError`` within ``timeout + SLACK``; its lateness."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        call()
+    took = time.monotonic() - start
+    print(f"{label}: TimeoutError after {took:.3f} s (timeout {timeout:g} s, late by {took - timeout:+.3f} s)")
+    assert took < timeout + SLACK, f"{label}: {took:.3f} s for a timeout of {timeout} s ({info.value})"
+    assert not isinstance(info.value, redis.RedisError)  # the builtin TimeoutError, naming the call
+    return took - timeout
+
+
+def wait_until(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Poll ``cond`` (an observable state, not a timer) for at most ``limit`` seconds."""
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    """A TCP redis-server of this test's own: it may be paused or killed."""
+    srv = EmbeddedServer(unix_socket=False).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            try:
+                os.kill(srv.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        srv.stop()
+
+
+def waiting_stores(url: str, prefix: str = "dl") -> tuple[LazyStackedTensorDictStore, LazyStackedTensorDictStore]:
+    """``full``: a queue-mode ring of 8 unread items (an ``extend`` waits); ``empty``: a ring of 16
+    slots holding 4 popped items (``pop``, ``sample(min_size=10)`` and ``wait_for(written=16)`` wait)."""
+    full = LazyStackedTensorDictStore(url=url, count=8, prefix=prefix)
+    full.set_queue(True)
+    full.extend([el(i) for i in range(8)])
+    empty = LazyStackedTensorDictStore(url=url, count=16, prefix=prefix)
+    empty.extend([el(i) for i in range(4)])
+    assert empty.pop(4).indices.tolist() == [0, 1, 2, 3]
+    return full, empty
+
+
+def every_waiting_call(full: LazyStackedTensorDictStore, empty: LazyStackedTensorDictStore, label: str, timeout: float = 1.0) -> None:
+    late_by(lambda: empty.pop(1, timeout=timeout), timeout, f"{label} pop")
+    late_by(lambda: empty.sample(4, min_size=10, timeout=timeout), timeout, f"{label} sample(min_size=10)")
+    late_by(lambda: empty.wait_for(written=16, timeout=timeout), timeout, f"{label} wait_for")
+    late_by(lambda: full.extend([el(99)], timeout=timeout), timeout, f"{label} extend (queue full)")
+    late_by(lambda: full.append(el(99), timeout=timeout), timeout, f"{label} append (queue full)")
+    late_by(lambda: empty.sample(2, timeout=timeout), timeout, f"{label} sample")
+
+
+def assert_intact(full: LazyStackedTensorDictStore, empty: LazyStackedTensorDictStore) -> None:
+    """Nothing the timed-out calls sent changed the stores, and both work as before."""
+    assert full.ring_state().write_count == 8 and empty.ring_state().write_count == 4
+    got = full.pop(8, timeout=10)
+    assert got.indices.tolist() == list(range(8))
+    assert got.td["obs"][:, 0].tolist() == [float(i) for i in range(8)]
+    full.extend([el(i) for i in range(8, 12)], timeout=10)
+    empty.extend([el(i) for i in range(4, 16)], timeout=10)
+    assert empty.sample(4, min_size=10, timeout=10).td["obs"].shape == (4, 3)
+    assert empty.wait_for(written=16, timeout=10).written == 16
+    assert empty.pop(2, timeout=10).indices.tolist() == [4, 5]
+
+
+# -- a paused server ----------------------------------------------------------------------------
+def test_every_timeout_holds_while_the_server_is_paused(server):
+    full, empty = waiting_stores(server.url)
+    fresh = LazyStackedTensorDictStore.from_store(td_id=empty.td_id, url=server.url, prefix="dl")
+    fresh.close()  # its next call opens a new client and connection, under that call's deadline
+    ring = LazyStackedTensorDictStore(url=server.url, count=4, prefix="dl")
+    ring.extend([el(i) for i in range(4)])  # a full ring: a uniform sample is a read transaction
+    assert ring.sample(2).indices.tolist() != []
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        every_waiting_call(full, empty, "paused")
+        every_waiting_call(full, empty, "paused, timeout 0", timeout=0)
+        late_by(lambda: fresh.pop(1, timeout=1), 1, "paused, first connection: pop")
+        late_by(lambda: ring.sample(2, timeout=1), 1, "paused, full ring: sample (read transaction)")
+        # another thread holds the handle's connection: the call goes on a connection of its own
+        with empty._engine._held._lock, ring._engine._held._lock:
+            late_by(lambda: empty.pop(1, timeout=1), 1, "paused, connection busy: pop")
+            late_by(lambda: ring.sample(2, timeout=1), 1, "paused, connection busy: sample (read transaction)")
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert_intact(full, empty)
+
+
+def test_a_waiter_subscribed_before_the_pause_ends_on_time(server):
+    _, empty = waiting_stores(server.url)
+    admin = server.client()
+    channel = empty._engine.keys.events
+    out: dict[str, Any] = {}
+
+    def waiter() -> None:
+        start = time.monotonic()
+        try:
+            empty.pop(1, timeout=3)
+        except BaseException as err:
+            out["err"] = err
+        out["took"] = time.monotonic() - start
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    try:
+        wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "the pop subscribed")
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        th.join(30)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert not th.is_alive()
+    assert isinstance(out.get("err"), TimeoutError) and not isinstance(out["err"], redis.RedisError), out
+    print(f"paused while subscribed: pop TimeoutError after {out['took']:.3f} s (timeout 3 s, late by {out['took'] - 3:+.3f} s)")
+    assert out["took"] < 3 + SLACK
+    empty.extend([el(7)])
+    assert empty.pop(1, timeout=10).indices.tolist() == [4]
+
+
+# -- a stopped server ---------------------------------------------------------------------------
+def test_every_timeout_holds_when_the_server_is_stopped(server):
+    full, empty = waiting_stores(server.url)
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    server._proc.wait()  # type: ignore[union-attr]
+    every_waiting_call(full, empty, "stopped")
+
+
+def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server):
+    _, empty = waiting_stores(server.url)
+    admin = server.client()
+    channel = empty._engine.keys.events
+    out: dict[str, Any] = {}
+
+    def waiter() -> None:
+        start = time.monotonic()
+        try:
+            empty.wait_for(written=16, timeout=3)
+        except BaseException as err:
+            out["err"] = err
+        out["took"] = time.monotonic() - start
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "wait_for subscribed")
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    th.join(30)
+    assert not th.is_alive()
+    assert isinstance(out.get("err"), TimeoutError) and not isinstance(out["err"], redis.RedisError), out
+    print(f"killed while subscribed: wait_for TimeoutError after {out['took']:.3f} s (late by {out['took'] - 3:+.3f} s)")
+    assert out["took"] < 3 + SLACK
+
+
+# -- dropped and held connections (tools/faults.py's CuttingProxy) ------------------------------
+def test_every_timeout_holds_when_connections_are_dropped_or_held(server):
+    faults = load_tool("faults")
+    with faults.CuttingProxy(server.url) as proxy:
+        full, empty = waiting_stores(proxy.url)
+        # the reply to the next script call is held: the connection stays open, nothing comes back
+        proxy.arm(faults.Cut("reply", ("EVALSHA",), 0, hold=True))
+        late_by(lambda: empty.pop(1, timeout=1), 1, "held reply: pop")
+        proxy.disarm()
+        # one connection cut as the reply starts: the client's retry policy resends, within the deadline
+        proxy.arm(faults.Cut("reply", ("EVALSHA",), 0))
+        late_by(lambda: empty.pop(1, timeout=1), 1, "cut reply: pop")
+        proxy.disarm()
+        assert_intact(full, empty)
+        # the proxy drops every connection (its server is gone)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        server._proc.wait()  # type: ignore[union-attr]
+        every_waiting_call(full, empty, "dropped")
+
+
+# -- without a timeout, redis-py's behaviour ----------------------------------------------------
+class _CountingBackoff(ConstantBackoff):
+    calls = 0
+
+    def compute(self, failures: int) -> float:
+        type(self).calls += 1
+        return super().compute(failures)
+
+
+def test_without_a_timeout_the_clients_retry_policy_is_used(server):
+    store = LazyStackedTensorDictStore(url=server.url, count=4, prefix="dl", retry=Retry(_CountingBackoff(0.01), 3))
+    store.extend([el(0)])
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    server._proc.wait()  # type: ignore[union-attr]
+    _CountingBackoff.calls = 0
+    with pytest.raises(redis.ConnectionError) as info:
+        store.pop(1)  # no timeout: redis-py's retries, then its ConnectionError
+    assert not isinstance(info.value, TimeoutError)
+    assert _CountingBackoff.calls >= 3, _CountingBackoff.calls  # the client's three retries ran
+    # with a timeout the same policy applies, cut to the deadline: 3 retries of 10 ms end long before 30 s
+    _CountingBackoff.calls = 0
+    start = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        store.pop(1, timeout=30)
+    assert _CountingBackoff.calls >= 3 and time.monotonic() - start < 30
+
+
+# -- sample(timeout=) on an empty ring waits ----------------------------------------------------
+def test_sample_of_an_empty_ring_waits_for_its_first_item(backend):
+    if backend.name == "cluster":
+        pytest.skip("the same code as redis; the cluster's Pub/Sub is tested by test_replay")
+    store = LazyStackedTensorDictStore(**backend.kwargs(count=8))
+    with pytest.raises(ValueError, match=r"^cannot sample: no slot of the ring has been written yet \(pass min_size="):
+        store.sample(4)  # no timeout: raises at once, as it always did
+    late_by(lambda: store.sample(4, timeout=0.3), 0.3, f"{backend.name} empty ring: sample")
+    admin = backend.client()
+    channel = store._engine.keys.events
+    out: dict[str, Any] = {}
+
+    def learner() -> None:
+        try:
+            out["s"] = store.sample(4, timeout=60)
+        except BaseException as err:
+            out["err"] = err
+
+    th = threading.Thread(target=learner)
+    th.start()
+    wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "the sample is waiting")
+    assert "s" not in out
+    writer = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
+    writer.extend([el(5), el(6)])
+    th.join(60)
+    assert not th.is_alive() and "err" not in out, out
+    assert set(out["s"].indices.tolist()) <= {0, 1}
+    assert set(out["s"].td["obs"][:, 0].tolist()) <= {5.0, 6.0}
+    store.clear_redis()
+
+
+# -- a read-only ACL user can wait --------------------------------------------------------------
+def _documented_acl(prefix: str) -> list[str]:
+    """The read-only ACL of lua/README.md (Read transactions), for ``prefix``."""
+    text = (ROOT / "lua" / "README.md").read_text()
+    line = re.search(r"`ACL SETUSER learner ([^`]+)`", text.replace("\n", " "))
+    assert line is not None, "lua/README.md names the read-only ACL"
+    return ["ACL", "SETUSER", "learner", *line.group(1).replace("<prefix>", prefix).split()]
+
+
+@pytest.fixture
+def acl_server() -> Iterator[EmbeddedServer]:
+    srv = EmbeddedServer(unix_socket=False).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _learner(srv: EmbeddedServer, user: str, td_id: str) -> LazyStackedTensorDictStore:
+    return LazyStackedTensorDictStore.from_store(td_id=td_id, url=f"redis://{user}:pw@127.0.0.1:{srv.port}/0", prefix="acl", readonly=True)
+
+
+def test_the_documented_read_only_acl_can_wait(acl_server):
+    admin = acl_server.client()
+    admin.execute_command(*_documented_acl("acl"))
+    writer = LazyStackedTensorDictStore(url=acl_server.url, count=8, prefix="acl")
+    writer.extend([el(0)])
+    learner = _learner(acl_server, "learner", writer.td_id)
+    channel = writer._engine.keys.events
+    out: dict[str, Any] = {}
+
+    def learn() -> None:
+        try:
+            out["s"] = learner.sample(2, min_size=3, timeout=60)
+            out["w"] = learner.wait_for(written=5, timeout=60)
+        except BaseException as err:
+            out["err"] = err
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        th = threading.Thread(target=learn)
+        th.start()
+        wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "sample subscribed")
+        writer.extend([el(1), el(2)])
+        wait_until(lambda: "s" in out or "err" in out, "sample returned")
+        wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "wait_for subscribed")
+        writer.extend([el(3), el(4)])
+        th.join(60)
+    assert "err" not in out, out
+    assert out["w"].written == 5 and out["s"].td["obs"].shape == (2, 3)
+    assert not [w for w in seen if "SUBSCRIBE" in str(w.message)]
+    # the ACL lets the learner subscribe to its store's channel only
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        p = redis.Redis(host="127.0.0.1", port=acl_server.port, username="learner", password="pw").pubsub()
+        p.subscribe("other:channel")
+        p.get_message(timeout=5)
+
+
+def test_where_subscribe_is_refused_waiting_polls_with_one_warning(acl_server):
+    admin = acl_server.client()
+    acl = [a for a in _documented_acl("acl") if a != "+subscribe" and not a.startswith("&")]
+    acl[2] = "poller"
+    admin.execute_command(*acl)
+    writer = LazyStackedTensorDictStore(url=acl_server.url, count=8, prefix="acl")
+    writer.extend([el(0)])
+    learner = _learner(acl_server, "poller", writer.td_id)
+    out: dict[str, Any] = {}
+
+    def learn() -> None:
+        try:
+            out["w"] = learner.wait_for(written=3, timeout=60)
+            out["s"] = learner.sample(2, min_size=5, timeout=60)
+        except BaseException as err:
+            out["err"] = err
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        th = threading.Thread(target=learn)
+        th.start()
+        wait_until(lambda: getattr(learner._engine, "events_refused", False) or "err" in out, "subscribe refused")
+        writer.extend([el(1), el(2)])
+        wait_until(lambda: "w" in out or "err" in out, "wait_for returned")
+        writer.extend([el(3), el(4)])
+        th.join(60)
+        late_by(lambda: learner.wait_for(written=8, timeout=0.5), 0.5, "polling: wait_for")
+    assert "err" not in out, out
+    assert out["w"].written >= 3 and out["s"].td["obs"].shape == (2, 3)
+    refused = [w for w in seen if "SUBSCRIBE" in str(w.message)]
+    assert len(refused) == 1, [str(w.message) for w in seen]  # one per handle, not one per wait
+    assert "poll" in str(refused[0].message) and issubclass(refused[0].category, RuntimeWarning)
+
+
+# -- URL messages -------------------------------------------------------------------------------
+def test_a_database_that_is_not_a_number_is_refused():
+    for url in ("redis://127.0.0.1:1/abc", "rediss://127.0.0.1:1/x1", "redis+cluster://127.0.0.1:1/abc"):
+        with pytest.raises(ValueError, match=r"names database '\w+': a database is a number"):
+            LazyStackedTensorDictStore(url=url, count=2)
+
+
+def test_rediss_against_a_plain_server_fails_within_the_connect_timeout_with_a_tls_hint(server):
+    start = time.monotonic()
+    with pytest.raises(
+        TLSHandshakeError, match=r"no TLS handshake with 127\.0\.0\.1:\d+ within 1 s .*use redis:// for a server without TLS"
+    ):
+        LazyStackedTensorDictStore(url=f"rediss://127.0.0.1:{server.port}/0", count=2, socket_connect_timeout=1)
+    took = time.monotonic() - start
+    print(f"rediss:// to a plain server: refused after {took:.3f} s (connect timeout 1 s)")
+    assert took < 1 + SLACK
+    assert isinstance(TLSHandshakeError("x"), redis.RedisError) and not issubclass(TLSHandshakeError, redis.ConnectionError)
