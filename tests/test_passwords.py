@@ -186,7 +186,7 @@ def test_rm_asks_without_showing_the_password(server, capsys, monkeypatch) -> No
     LazyStackedTensorDictStore(url=_url(server), count=2, prefix=prefix, td_id="c").set("x", torch.ones(2))
     monkeypatch.setattr(sys, "stdin", Terminal("y\n"))
     code, out, err = _cli(capsys, "rm", "c", "--url", _url(server), "--prefix", prefix)
-    assert code == 0 and "Delete store c (1 keys, 8 B)?" in err
+    assert code == 0 and "Delete store c (1 key, 8 B)?" in err
 
 
 # -- the demo and its actor processes ------------------------------------------------------------------
