@@ -19,6 +19,7 @@ from ._errors import QueueOverrunError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
+    from ._checkpoint import export_checkpoint, import_checkpoint
     from ._connection import PasswordError
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
@@ -31,10 +32,19 @@ __all__ = [
     "PasswordError",
     "QueueOverrunError",
     "register_tensorclass",
+    "export_checkpoint",
+    "import_checkpoint",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}
+_LAZY = {
+    "LazyStackedTensorDictStore": "lazy",
+    "TensorDictStore": "store",
+    "register_tensorclass": "store",
+    "PasswordError": "_connection",
+    "export_checkpoint": "_checkpoint",
+    "import_checkpoint": "_checkpoint",
+}
 
 
 def __getattr__(name: str) -> Any:

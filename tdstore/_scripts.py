@@ -29,7 +29,7 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from ._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
-SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority")
+SCRIPT_NAMES = ("create", "read", "write", "commit", "clear", "expire", "copy", "lock", "guard", "sampling", "priority", "restore")
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
 USES_TREE = frozenset({"read", "write", "sampling", "priority"})
