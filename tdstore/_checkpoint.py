@@ -530,6 +530,8 @@ def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int =
         _check_tree(root, meta.priorities)
     scans = _scans(root, meta)
     _upload_rows(engine, meta, scans, pbar, ttl_ms)
+    if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
+        return meta
     try:
         _restore_ring(engine, root, meta)
     except BaseException:

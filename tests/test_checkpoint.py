@@ -413,3 +413,32 @@ def test_cli_export_and_import(real: Backend, tmp_path: Path, capsys: pytest.Cap
 
 def test_package_exports_the_checkpoint_calls() -> None:
     assert tdstore.export_checkpoint is export_checkpoint and tdstore.import_checkpoint is import_checkpoint
+
+
+def test_round_trip_on_every_backend_sets_the_ring_state_in_one_call(
+    backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-server, fakeredis and a Redis Cluster (a spread store has no ring: its rows only)."""
+    spread = bool(backend.kwargs().get("spread"))
+    if spread:
+        store: Any = TensorDictStore.from_tensordict(TensorDict(x=torch.arange(12.0), batch_size=[12]), **backend.kwargs())
+    else:
+        store = LazyStackedTensorDictStore(count=8, **backend.kwargs())
+        store.enable_priorities(alpha=1.0)
+        store.extend(lazy_stack([element(i) for i in range(8)]), priority=torch.arange(1.0, 9.0))
+        store.extend(lazy_stack([element(i) for i in range(8, 11)]), priority=2.0)
+    export_checkpoint(store, tmp_path / "ck")
+    calls: list[str] = []
+    call = _checkpoint._scripts.call
+
+    def counting(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return call(client, name, *args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint._scripts, "call", counting)
+    back = import_checkpoint(tmp_path / "ck", td_id="every-backend", **backend.kwargs())
+    assert calls.count("restore") == (0 if spread else 1)
+    assert_same_rows(store, back)
+    if not spread:
+        assert back.ring_state() == store.ring_state() == (11, 3, 8)
+        assert raw(back, "priorities") == raw(store, "priorities")
