@@ -21,6 +21,7 @@ from ._headerinfo import StoreFormatError
 if TYPE_CHECKING:
     from ._checkpoint import export_checkpoint, import_checkpoint
     from ._connection import PasswordError
+    from ._reference import import_reference
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
@@ -34,6 +35,7 @@ __all__ = [
     "register_tensorclass",
     "export_checkpoint",
     "import_checkpoint",
+    "import_reference",
 ]
 __version__ = "0.1.0"
 
@@ -44,6 +46,7 @@ _LAZY = {
     "PasswordError": "_connection",
     "export_checkpoint": "_checkpoint",
     "import_checkpoint": "_checkpoint",
+    "import_reference": "_reference",
 }
 
 

@@ -1,4 +1,4 @@
-"""``tdstore export TD_ID PATH`` and ``tdstore import PATH``: checkpoints on the command line.
+"""``tdstore export TD_ID PATH``, ``tdstore import PATH`` and ``tdstore import-reference TD_ID`` on the command line.
 
 The checkpoint code (:mod:`tdstore._checkpoint`, which needs torch) is imported when the
 command runs, so that ``tdstore --help`` and the other commands stay quick.  Exit codes: 0
@@ -81,6 +81,39 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_import_reference(args: argparse.Namespace) -> int:
+    import redis
+
+    from ._checkpoint import CheckpointError
+    from ._reference import ReferenceStoreError, import_reference, is_reference_store
+
+    conn = _connect("import-reference", args.url)
+    if isinstance(conn, int):
+        return conn
+    target = args.td_id or args.source
+    with conn:
+        try:
+            if not is_reference_store(conn.client, args.prefix, args.source):
+                print(
+                    f"tdstore import-reference: error: no store of tensordict.store {safe(args.source)} under prefix "
+                    f"{safe(args.prefix)!r} on {conn.where}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            store = import_reference(args.source, new_td_id=target, prefix=args.prefix, pbar=not args.no_progress, client=conn.client)
+        except (ReferenceStoreError, CheckpointError) as err:
+            print(f"tdstore import-reference: failed: {safe(str(err))}", file=sys.stderr)
+            return EXIT_FAILED
+        except (FileExistsError, ValueError) as err:
+            print(f"tdstore import-reference: error: {safe(str(err))} (pass --td-id)", file=sys.stderr)
+            return EXIT_USAGE
+        except redis.RedisError as err:
+            return _server_failed("import-reference", conn, err)
+        n = len(list(store.keys(include_nested=True, leaves_only=True)))
+    print(f"copied the tensordict.store store {safe(args.source)} into tdstore store {safe(target)}: {n} keys")
+    return EXIT_OK
+
+
 def add_checkpoint_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The parsers of ``export`` and ``import`` on ``sub`` (``add_subparsers()``'s result)."""
     export = sub.add_parser(
@@ -112,3 +145,17 @@ def add_checkpoint_commands(sub: argparse._SubParsersAction[argparse.ArgumentPar
     _add_server_options(imp, json_help=None)
     imp.add_argument("--no-progress", action="store_true", help="do not show a progress bar on stderr")
     imp.set_defaults(handler=_cmd_import)
+
+    ref = sub.add_parser(
+        "import-reference",
+        help="copy a store written by tensordict.store (the reference) into a tdstore store",
+        description=(
+            "Stream every key of the reference's store into a tdstore store of the same id (or --td-id) on the same server; "
+            "the reference's keys are left as they are. Pickled non-tensor values are refused (exit 1), never unpickled."
+        ),
+    )
+    ref.add_argument("source", metavar="TD_ID", help="id of the tensordict.store store")
+    ref.add_argument("--td-id", default=None, help="id of the new tdstore store (default: the same)")
+    _add_server_options(ref, json_help=None)
+    ref.add_argument("--no-progress", action="store_true", help="do not show a progress bar on stderr")
+    ref.set_defaults(handler=_cmd_import_reference)

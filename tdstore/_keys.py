@@ -69,6 +69,15 @@ def registry_key(prefix: str) -> str:
     return f"{escape(prefix)}:stores"
 
 
+def reference_key(prefix: str, td_id: str, suffix: str) -> str:
+    """A key of a store written by the reference ``tensordict.store`` (read by ``_reference`` only):
+    ``{prefix}:{td_id}:{suffix}``, unescaped, with the suffixes ``__keys__`` (a set of dotted key
+    paths), ``__batch_size__``, ``__type__``, ..., ``d:<path>`` (data), ``d:<path>:idx`` (offsets)
+    and ``m:<path>`` (a hash: shape, dtype, ...).  tdstore's own keys of the same id never take
+    these names unless a reference key path is all digits (``d:<n>``)."""
+    return f"{prefix}:{{{td_id}}}:{suffix}"
+
+
 @dataclass(frozen=True)
 class StoreKeys:
     """Key names of one store, computed once per handle.

@@ -442,3 +442,73 @@ def test_round_trip_on_every_backend_sets_the_ring_state_in_one_call(
     if not spread:
         assert back.ring_state() == store.ring_state() == (11, 3, 8)
         assert raw(back, "priorities") == raw(store, "priorities")
+
+
+# -- stores of the reference tensordict.store ---------------------------------------------------------
+
+
+def _reference_kwargs(real: Backend) -> dict[str, Any]:
+    assert real.server is not None
+    url = real.server.url
+    if url.startswith("unix://"):
+        return {"unix_socket_path": url[len("unix://") :].split("?")[0], "prefix": real.prefix}
+    host, port = url.split("://")[1].split("/")[0].rsplit(":", 1)
+    return {"host": host, "port": int(port), "prefix": real.prefix}
+
+
+def test_a_dense_reference_store_is_copied_into_tdstore(real: Backend) -> None:
+    from tensordict.store import TensorDictStore as ReferenceStore
+
+    from tdstore._reference import import_reference
+
+    data = Step(obs=torch.randn(5, 3), reward=torch.arange(5.0), batch_size=[5])
+    ref = ReferenceStore.from_tensordict(data, **_reference_kwargs(real))
+    with pytest.raises(KeyError, match="import-reference"):
+        TensorDictStore.from_store(td_id=ref._td_id, **real.kwargs())
+    copy = import_reference(ref._td_id, **real.kwargs())
+    assert copy.td_id == ref._td_id and copy.tensorclass_path == ref._tensorclass_cls
+    again = TensorDictStore.from_store(td_id=ref._td_id, tensorclass_cls=Step, **real.kwargs())
+    assert isinstance(again, Step) and torch.equal(again.obs, data.obs) and torch.equal(again.reward, data.reward)
+    assert torch.equal(ref["obs"], data.obs)  # the reference's keys are untouched
+
+
+def test_a_lazy_reference_store_is_copied_into_tdstore(real: Backend) -> None:
+    from tensordict.store import LazyStackedTensorDictStore as ReferenceLazy
+
+    local = lazy_stack(
+        [TensorDict(obs=torch.full((2, 3), float(i)), tok=torch.arange(2 * (i + 1)).reshape(2, i + 1), batch_size=[2]) for i in range(4)],
+        dim=1,
+    )
+    ref = ReferenceLazy.from_lazy_stack(local, **_reference_kwargs(real))
+    copy = tdstore.import_reference(ref._td_id, new_td_id="lazy-copy", **real.kwargs())
+    assert isinstance(copy, LazyStackedTensorDictStore) and copy.batch_size == local.batch_size == (2, 4)
+    for i in range(4):
+        assert torch.equal(copy[:, i]["obs"], local[:, i]["obs"]) and torch.equal(copy[:, i]["tok"], local[:, i]["tok"])
+
+
+def test_reference_json_values_are_copied_and_pickled_ones_refused(real: Backend) -> None:
+    from tensordict.store import TensorDictStore as ReferenceStore
+
+    from tdstore._reference import ReferenceStoreError, import_reference
+
+    ref = ReferenceStore.from_tensordict(TensorDict(x=torch.zeros(3), batch_size=[3]), **_reference_kwargs(real))
+    ref.set("run", NonTensorData({"name": "exp-1"}, batch_size=[3]))
+    copy = import_reference(ref._td_id, new_td_id="json-copy", **real.kwargs())
+    assert copy[2]["run"] == {"name": "exp-1"} and copy["x"].tolist() == [0.0, 0.0, 0.0]
+    ref.set("odd", NonTensorData({1, 2}, batch_size=[3]))  # a set: the reference pickles it
+    before = real.keys()
+    with pytest.raises(ReferenceStoreError, match="never unpickles"):
+        import_reference(ref._td_id, **real.kwargs())
+    assert real.keys() == before
+
+
+def test_cli_import_reference(real: Backend, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensordict.store import TensorDictStore as ReferenceStore
+
+    assert real.server is not None
+    ref = ReferenceStore.from_tensordict(TensorDict(x=torch.arange(4.0), batch_size=[4]), **_reference_kwargs(real))
+    base = ["--url", real.server.url, "--prefix", real.prefix, "--no-progress"]
+    assert main(["import-reference", ref._td_id, "--td-id", "from-ref", *base]) == 0
+    assert "copied the tensordict.store store" in capsys.readouterr().out
+    assert TensorDictStore.from_store(td_id="from-ref", **real.kwargs())["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert main(["import-reference", "no-such-store", *base]) == 2
