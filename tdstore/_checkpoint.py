@@ -167,13 +167,13 @@ def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: di
                 elements = _elements(td, sp)
             pieces = [el.get(e.path) for el in elements]
         data, offsets, shapes = files[e.path][:3]
-        for t in pieces:
-            raw = _codec.to_bytes(t)
-            data.write(raw)
-            files[e.path][3] += len(raw)
-            total += len(raw)
-            offsets.write(np.int64(files[e.path][3]).astype("<i8").tobytes())
-            shapes.write(np.asarray(t.shape, dtype="<i8").tobytes())
+        flat = torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in pieces]) if pieces else torch.zeros(0)
+        ends = files[e.path][3] + np.cumsum([t.numel() for t in pieces], dtype=np.int64) * flat.element_size()
+        data.write(_codec.to_bytes(flat))
+        offsets.write(ends.astype("<i8").tobytes())
+        shapes.write(np.array([d for t in pieces for d in t.shape], dtype="<i8").tobytes())
+        total += int(ends[-1]) - files[e.path][3]
+        files[e.path][3] = int(ends[-1])
     return total
 
 
@@ -315,7 +315,11 @@ class _Repeat:
 
 
 class _DenseRows:
-    """The rows of a homogeneous key's memmap file, read a slice (one chunk) at a time."""
+    """The rows of a homogeneous key's memmap file, read a slice (one chunk) at a time.
+
+    A slice is handed over as one tensor of the whole chunk (a list of one): the upload
+    (``_upload._queue_chunk``) only joins a chunk's tensors into one byte string, which is
+    the same bytes, and a tensor per row would cost more than the upload itself."""
 
     def __init__(self, file: Path, e: KeyEntry, count: int) -> None:
         assert e.shape is not None
@@ -331,11 +335,12 @@ class _DenseRows:
         assert e.shape is not None
         nb = e.element_nbytes
         raw = bytearray(self._mm[lo * nb : hi * nb]) if self._mm is not None else bytearray()
-        return list(_codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape)).unbind(0))
+        return [_codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))]
 
 
 class _RaggedRows:
-    """The elements of a heterogeneous or non-tensor key's files, read a slice (one chunk) at a time."""
+    """The elements of a heterogeneous or non-tensor key's files, read a slice (one chunk) at a time
+    (as one flat tensor of the chunk's bytes: see :class:`_DenseRows`; the shapes come from :class:`_Shapes`)."""
 
     def __init__(self, root: Path, e: KeyEntry, count: int) -> None:
         self._e, self._count = e, count
@@ -352,9 +357,7 @@ class _RaggedRows:
         off = self.offsets[lo : hi + 1].astype(np.int64)
         raw = bytearray(self._data[off[0] : off[-1]]) if self._data is not None else bytearray()
         dtype = _codec.DTYPES[self._e.dtype]
-        flat = _codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
-        ends = (off - off[0]) // dtype.itemsize
-        return [flat[ends[i] : ends[i + 1]].reshape(tuple(int(d) for d in self.shapes[lo + i])) for i in range(hi - lo)]
+        return [_codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))]
 
 
 class _Shapes:
@@ -397,9 +400,11 @@ def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner:
             i = lo + int(bad[0])
             raise CheckpointError(f"{what}: element {i} has shape {dims[i - lo].tolist()} but {int(sizes[i])} bytes")
         if e.layout == "json":
-            for i, t in enumerate(rows[lo:hi]):
+            chunk = rows[lo:hi][0].numpy().tobytes()
+            ends = np.asarray(off[lo : hi + 1], dtype=np.int64) - int(off[lo])
+            for i in range(hi - lo):
                 try:
-                    decode(t, inner)
+                    decode(chunk[ends[i] : ends[i + 1]], inner)
                 except ValueError as err:
                     raise CheckpointError(f"{what}: element {lo + i}: {err}") from None
     return sizes

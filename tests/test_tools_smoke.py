@@ -68,3 +68,11 @@ def test_lazy_floor_times_both_sizes_and_every_way() -> None:
     out = _run("lazy_floor.py", "--reps", "3")
     for n in ("256", "10,000"):
         assert re.search(rf"^\s+{n}(\s+[\d.]+){{4}}$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_checkpoint_bench_reports_export_and_import() -> None:
+    out = _run("checkpoint_bench.py", "--elements", "3000", "--ragged")
+    for mode in ("export", "import"):
+        assert re.search(rf"^{mode}\s+[\d.]+ s\s+\d+ MiB/s\s+peak memory over baseline\s+[\d.]+ MiB$", out, re.M), out
+    assert "restored ring state and 'step' identical: True" in out
