@@ -213,7 +213,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     engine.set_header(engine.fetch_header())
     h = engine.header
     before = _ring_fields(engine)
-    path = Path(path)
+    path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
     tmp = _prepare_dir(path)
     try:
         meta = _export(lazy, engine, h, before, tmp, pbar)
