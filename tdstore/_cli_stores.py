@@ -97,6 +97,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     "stores": [info.to_json(schema=False) for info in listing.stores],
                     "unreadable": [bad.to_json() for bad in listing.unreadable],
                     "stale": listing.stale,
+                    "reference": listing.reference,
                 },
                 indent=2,
             )
@@ -126,6 +127,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             print(f"unreadable {safe(bad.td_id)}: {safe(bad.error)}")
     noun = "store" if total == 1 else "stores"
     print(f"{total} {noun} under prefix {safe(args.prefix)!r} on {conn.where}")
+    if listing.reference:
+        ids = ", ".join(safe(t) for t in listing.reference)
+        print(
+            f"tdstore ls: note: {len(listing.reference)} store(s) under this prefix were written by tensordict.store, whose "
+            f"layout tdstore does not read: {ids}; 'tdstore import-reference ID' copies one",
+            file=sys.stderr,
+        )
     if listing.stale:
         ids = ", ".join(safe(t) for t in listing.stale)
         print(

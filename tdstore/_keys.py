@@ -78,6 +78,26 @@ def reference_key(prefix: str, td_id: str, suffix: str) -> str:
     return f"{prefix}:{{{td_id}}}:{suffix}"
 
 
+#: Keys every store of the reference holds: a dense one's batch size, a lazy stack's element count.
+REFERENCE_MARKERS = ("__batch_size__", "__count__")
+
+
+def reference_pattern(prefix: str) -> str:
+    """A ``SCAN MATCH`` pattern of the reference's metadata keys under ``prefix`` (its glob characters escaped)."""
+    escaped = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in prefix)
+    return f"{escaped}:{{*}}:__*__"
+
+
+def reference_id(prefix: str, key: str) -> str | None:
+    """The td_id of a reference store whose marker key (:data:`REFERENCE_MARKERS`) is ``key``, else None."""
+    head = f"{prefix}:{{"
+    for marker in REFERENCE_MARKERS:
+        tail = f"}}:{marker}"
+        if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
+            return key[len(head) : -len(tail)]
+    return None
+
+
 @dataclass(frozen=True)
 class StoreKeys:
     """Key names of one store, computed once per handle.

@@ -508,6 +508,11 @@ def test_cli_import_reference(real: Backend, capsys: pytest.CaptureFixture[str])
     assert real.server is not None
     ref = ReferenceStore.from_tensordict(TensorDict(x=torch.arange(4.0), batch_size=[4]), **_reference_kwargs(real))
     base = ["--url", real.server.url, "--prefix", real.prefix, "--no-progress"]
+    assert main(["ls", *base[:4]]) == 0
+    err = capsys.readouterr().err
+    assert ref._td_id in err and "import-reference" in err
+    assert main(["ls", "--json", *base[:4]]) == 0
+    assert json.loads(capsys.readouterr().out)["reference"] == [ref._td_id]
     assert main(["import-reference", ref._td_id, "--td-id", "from-ref", *base]) == 0
     assert "copied the tensordict.store store" in capsys.readouterr().out
     assert TensorDictStore.from_store(td_id="from-ref", **real.kwargs())["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
