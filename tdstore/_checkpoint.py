@@ -129,6 +129,8 @@ def _memmaps(root: Path, entries: list[KeyEntry], count: int) -> tuple[list[KeyE
     mm = template.memmap_like(prefix=root)
     tensors = {e.path: mm.get(e.path) for e in dense}
     files = {e.path: os.path.relpath(str(tensors[e.path].filename), root) for e in dense}
+    for rel in files.values():  # a key of empty elements gets no file from tensordict: an empty one
+        (root / rel).touch(exist_ok=True)
     return [replace(e, file=files[e.path]) if e.layout == "dense" else e for e in entries], tensors
 
 

@@ -151,6 +151,8 @@ def inside(root: Path, rel: Any, what: str) -> Path:
 
 def _size(root: Path, rel: str, want: int | None, what: str) -> int:
     p = inside(root, rel, what)
+    if want == 0 and not p.exists():
+        return 0
     if not p.is_file():
         raise _bad(root, f"{what}: the file {rel!r} is missing")
     have = p.stat().st_size

@@ -175,6 +175,14 @@ def test_an_empty_ring_round_trips(be: Backend, tmp_path: Path) -> None:
     assert back.ring_state() == (2, 2, 2)
 
 
+def test_a_key_of_empty_elements_round_trips(be: Backend, tmp_path: Path) -> None:
+    store = LazyStackedTensorDictStore(count=4, **be.kwargs())
+    store.extend(TensorDict(e=torch.zeros(4, 0), x=torch.arange(4.0), batch_size=[4]))
+    export_checkpoint(store, tmp_path / "ck")
+    back = import_checkpoint(tmp_path / "ck", td_id="empty-elements", **be.kwargs())
+    assert back["e"].shape == (4, 0) and back["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_import_refuses_an_existing_store_unless_replace(be: Backend, tmp_path: Path) -> None:
     store = LazyStackedTensorDictStore(count=4, **be.kwargs())
     store.extend(TensorDict(x=torch.arange(4.0), batch_size=[4]))
