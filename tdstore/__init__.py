@@ -19,7 +19,9 @@ from ._errors import LeaseLostError, QueueOverrunError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
+    from ._checkpoint import export_checkpoint, import_checkpoint
     from ._connection import PasswordError
+    from ._reference import import_reference
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
@@ -32,10 +34,21 @@ __all__ = [
     "QueueOverrunError",
     "LeaseLostError",
     "register_tensorclass",
+    "export_checkpoint",
+    "import_checkpoint",
+    "import_reference",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"LazyStackedTensorDictStore": "lazy", "TensorDictStore": "store", "register_tensorclass": "store", "PasswordError": "_connection"}
+_LAZY = {
+    "LazyStackedTensorDictStore": "lazy",
+    "TensorDictStore": "store",
+    "register_tensorclass": "store",
+    "PasswordError": "_connection",
+    "export_checkpoint": "_checkpoint",
+    "import_checkpoint": "_checkpoint",
+    "import_reference": "_reference",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -103,6 +103,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     ],
                     "unreadable": [bad.to_json() for bad in listing.unreadable],
                     "stale": listing.stale,
+                    "reference": listing.reference,
                 },
                 indent=2,
             )
@@ -137,6 +138,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(
             f"tdstore ls: note: store {safe(td_id)} is DAMAGED ({plural(len(found.problems), 'key')} lost or cut short); "
             f"'tdstore check {safe(td_id)}' lists them and what to do",
+            file=sys.stderr,
+        )
+    if listing.reference:
+        ids = ", ".join(safe(t) for t in listing.reference)
+        print(
+            f"tdstore ls: note: {plural(len(listing.reference), 'store')} under this prefix "
+            f"{'was' if len(listing.reference) == 1 else 'were'} written by tensordict.store, whose "
+            f"layout tdstore does not read: {ids}; 'tdstore import-reference ID' copies one",
             file=sys.stderr,
         )
     if listing.stale:

@@ -331,10 +331,27 @@ def fetch_existing(engine: Engine) -> Header:
         if err.args != engine.gone().args:
             raise
     keys = engine.keys
+    if _written_by_reference(engine):
+        raise KeyError(
+            f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()}: "
+            "the store of that id was written by tensordict.store, whose layout tdstore does not read; copy it with "
+            f"'tdstore import-reference {keys.td_id}' or tdstore.import_reference(td_id, url=...)"
+        )
     raise KeyError(
         f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} "
         "(it was deleted, expired, or never created)"
     )
+
+
+def _written_by_reference(engine: Engine) -> bool:
+    """Whether the missing store's id names a store of the reference ``tensordict.store`` (one round trip)."""
+    from ._keys import reference_key
+
+    names = ("__keys__", "__batch_size__", "__type__")
+    try:
+        return bool(engine.command("EXISTS", *(reference_key(engine.keys.prefix, engine.keys.td_id, n) for n in names)))
+    except Exception:  # noqa: BLE001 - a hint only: the KeyError is raised either way
+        return False
 
 
 def ttl_to_ms(ttl: Any) -> int:

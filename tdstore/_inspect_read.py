@@ -14,7 +14,7 @@ import redis
 
 from ._headerinfo import HeaderInfo, StoreFormatError, parse_header, ring_writes
 from ._inspect_results import LeafInfo, Listing, NoSuchStore, StoreInfo, Unreadable, UnreadableStore
-from ._keys import StoreKeys, registry_key
+from ._keys import StoreKeys, reference_id, reference_pattern, registry_key
 from ._policy import SamplingPolicy
 
 __all__ = ["describe_policy", "inspect_for_delete", "list_stores", "lookup", "read_header", "store_info", "store_layout"]
@@ -177,7 +177,20 @@ def list_stores(client: redis.Redis, prefix: str) -> Listing:
             stale.append(keys.td_id)
         else:
             stores.append(info)
-    return Listing(stores=stores, unreadable=unreadable, stale=sorted(stale))
+    known = {*ids}
+    return Listing(
+        stores=stores, unreadable=unreadable, stale=sorted(stale), reference=[r for r in reference_stores(client, prefix) if r not in known]
+    )
+
+
+def reference_stores(client: redis.Redis, prefix: str) -> list[str]:
+    """Ids of the stores the reference ``tensordict.store`` wrote under ``prefix`` (a ``SCAN`` of its metadata keys; reads only)."""
+    found = set()
+    for key in client.scan_iter(match=reference_pattern(prefix), count=1000):
+        td_id = reference_id(prefix, key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key))
+        if td_id is not None:
+            found.add(td_id)
+    return sorted(found)
 
 
 def lookup(client: redis.Redis, prefix: str, td_id: str) -> tuple[StoreInfo | None, str | None, bool]:

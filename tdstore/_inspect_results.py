@@ -183,6 +183,9 @@ class Listing:
     unreadable: list[Unreadable]
     stale: list[str]
     """Registry entries whose store is gone (expired): skipped, and left for ``tdstore rm``."""
+    reference: list[str] = field(default_factory=list)
+    """Ids of stores the reference ``tensordict.store`` wrote under the prefix (another layout:
+    ``tdstore import-reference`` copies one), that no tdstore store of the same id shadows."""
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,35 @@ def registry_key(prefix: str) -> str:
     return f"{escape(prefix)}:stores"
 
 
+def reference_key(prefix: str, td_id: str, suffix: str) -> str:
+    """A key of a store written by the reference ``tensordict.store`` (read by ``_reference`` only):
+    ``{prefix}:{td_id}:{suffix}``, unescaped, with the suffixes ``__keys__`` (a set of dotted key
+    paths), ``__batch_size__``, ``__type__``, ..., ``d:<path>`` (data), ``d:<path>:idx`` (offsets)
+    and ``m:<path>`` (a hash: shape, dtype, ...).  tdstore's own keys of the same id never take
+    these names unless a reference key path is all digits (``d:<n>``)."""
+    return f"{prefix}:{{{td_id}}}:{suffix}"
+
+
+#: Keys every store of the reference holds: a dense one's batch size, a lazy stack's element count.
+REFERENCE_MARKERS = ("__batch_size__", "__count__")
+
+
+def reference_pattern(prefix: str) -> str:
+    """A ``SCAN MATCH`` pattern of the reference's metadata keys under ``prefix`` (its glob characters escaped)."""
+    escaped = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in prefix)
+    return f"{escaped}:{{*}}:__*__"
+
+
+def reference_id(prefix: str, key: str) -> str | None:
+    """The td_id of a reference store whose marker key (:data:`REFERENCE_MARKERS`) is ``key``, else None."""
+    head = f"{prefix}:{{"
+    for marker in REFERENCE_MARKERS:
+        tail = f"}}:{marker}"
+        if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
+            return key[len(head) : -len(tail)]
+    return None
+
+
 @dataclass(frozen=True)
 class StoreKeys:
     """Key names of one store, computed once per handle.

@@ -43,6 +43,7 @@ SCRIPT_NAMES = (
     "priority",
     "tree_build",
     "ack",
+    "restore",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"

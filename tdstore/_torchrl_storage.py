@@ -8,7 +8,6 @@ which reopens it when another handle emptied the buffer.
 
 from __future__ import annotations
 
-import json
 import urllib.parse
 from collections.abc import Callable
 from copy import copy
@@ -355,14 +354,20 @@ class StoreStorage(_TorchrlStoreStorage):
                 self._tensorclass_type = cls
 
     def dumps(self, path: Any) -> None:
-        """Write the state dict as JSON in ``path`` (the data stays on the server)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "store.json").write_text(json.dumps(self.state_dict()))
+        """Write a checkpoint of the buffer into the directory ``path``: every row, the ring state
+        (write count, cursor, generations), priorities and sampling policy (``tdstore._checkpoint``),
+        plus the state dict as ``store.json``.  Homogeneous data is in torchrl's memmap layout:
+        ``LazyTensorStorage(max_size).loads(path)`` reads it."""
+        from ._checkpoint import export_store
+
+        self._pending = None
+        export_store(self._store, path, extra={"store.json": self.state_dict()})
 
     def loads(self, path: Any) -> None:
-        """Attach to the buffer a ``dumps`` saved in ``path``."""
-        self.load_state_dict(json.loads((Path(path) / "store.json").read_text()))
+        """Restore the checkpoint ``dumps`` wrote in ``path`` (which store it lands on: :mod:`tdstore._torchrl_checkpoint`)."""
+        from . import _torchrl_checkpoint
+
+        _torchrl_checkpoint.load_checkpoint(self, Path(path))
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``Storage.__getstate__`` keeps, minus its ``multiprocessing.Value`` counters.

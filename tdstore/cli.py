@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._cli_checkpoint import add_checkpoint_commands
 from ._cli_output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, human_duration, human_size
 from ._cli_stores import add_store_commands
 
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo_command(sub)
     add_store_commands(sub)
+    add_checkpoint_commands(sub)
     bench = sub.add_parser(
         "bench",
         help="run the benchmark (tools/bench.py of a source checkout); arguments pass through ('tdstore bench --help')",

@@ -83,3 +83,11 @@ def test_lease_bench_times_pops_acks_and_the_worst_reclaim() -> None:
     out = _run("lease_bench.py", "--reps", "1")
     for name in ("plain pop\\(1000\\)", "leased pop\\(1000\\)", "ack\\(1000\\)", "pop\\(1024\\) reclaiming 64 leases"):
         assert re.search(rf"^{name}\s+\|\s+[\d.]+ \|\s+[\d.]+$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_checkpoint_bench_reports_export_and_import() -> None:
+    out = _run("checkpoint_bench.py", "--elements", "3000", "--ragged")
+    for mode in ("export", "import"):
+        assert re.search(rf"^{mode}\s+[\d.]+ s\s+\d+ MiB/s\s+peak memory over baseline\s+[\d.]+ MiB$", out, re.M), out
+    assert "restored ring state and 'step' identical: True" in out

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Checkpoints of a ring buffer: export and import time, and the memory they take beside the data.
+
+On a private redis-server (or ``--url``), this fills a ring of ``--elements`` transitions
+(``obs`` f32[64], ``action`` f32[4], ``step`` i64, plus ``tokens`` i64[1 + i % 17] with
+``--ragged``), then runs ``tdstore.export_checkpoint`` and ``tdstore.import_checkpoint`` each in
+a fresh child process that samples its anonymous memory (``RssAnon``: the memmapped files of
+the checkpoint are page cache, not the process's) every 5 ms, and prints the seconds, the
+throughput, the peak anonymous memory over the child's baseline and the checkpoint's size.
+The restored store is compared with the original (its ring state and a whole key).
+
+    python tools/checkpoint_bench.py [--elements 600000] [--ragged] [--url URL] [--binary PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
+    sys.path.insert(0, str(_REPO))
+
+_CHILD = r"""
+import json, sys, threading, time
+sys.path.insert(0, sys.argv[4])
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+peak = [0]
+def sample():
+    while True:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.005)
+mode, url, path = sys.argv[1:4]
+import tdstore
+from tdstore import LazyStackedTensorDictStore
+store = LazyStackedTensorDictStore.from_store(td_id="bench", url=url) if mode == "export" else None
+threading.Thread(target=sample, daemon=True).start()
+time.sleep(0.05)
+base = anon()
+peak[0] = base
+t = time.perf_counter()
+if mode == "export":
+    tdstore.export_checkpoint(store, path)
+else:
+    tdstore.import_checkpoint(path, td_id="bench-restored", url=url)
+seconds = time.perf_counter() - t
+time.sleep(0.02)
+print(json.dumps({"seconds": seconds, "peak_mib": (peak[0] - base) / 2**20}))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=int, default=600_000, help="ring slots, all written (default: 600000)")
+    ap.add_argument("--ragged", action="store_true", help="add a heterogeneous key (tokens of 1 to 17 int64)")
+    ap.add_argument("--url", default=None, help="a server to use instead of a private redis-server")
+    ap.add_argument("--binary", default=None, help="redis-server binary for the private server")
+    args = ap.parse_args()
+
+    import torch
+    from tensordict import TensorDict, lazy_stack
+
+    from tdstore import LazyStackedTensorDictStore
+    from tdstore.server import server_or_url
+
+    n = args.elements
+    with server_or_url(args.url, args.binary) as (url, where), tempfile.TemporaryDirectory() as tmp:
+        store = LazyStackedTensorDictStore(count=n, url=url, td_id="bench")
+        step = 10_000
+        for lo in range(0, n, step):
+            k = min(step, n - lo)
+            batch = TensorDict(obs=torch.randn(k, 64), action=torch.randn(k, 4), step=torch.arange(lo, lo + k), batch_size=[k])
+            if args.ragged:
+                batch = lazy_stack([td.set("tokens", torch.arange(1 + (lo + i) % 17)) for i, td in enumerate(batch.unbind(0))])
+            store.extend(batch)
+        path = Path(tmp) / "ck"
+        print(f"{n} elements on {where}; ragged key: {'yes' if args.ragged else 'no'}")
+        figures = {}
+        for mode in ("export", "import"):
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHILD, mode, url, str(path), str(_REPO)], capture_output=True, text=True, timeout=3600
+            )
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            figures[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        back = LazyStackedTensorDictStore.from_store(td_id="bench-restored", url=url)
+        same = back.ring_state() == store.ring_state() and torch.equal(back["step"], store["step"])
+        for mode, f in figures.items():
+            rate = size / 2**20 / f["seconds"]
+            print(f"{mode:7s} {f['seconds']:7.2f} s  {rate:7.0f} MiB/s  peak memory over baseline {f['peak_mib']:6.1f} MiB")
+        print(f"checkpoint {size / 2**20:.1f} MiB; restored ring state and 'step' identical: {same}")
+        back.clear_redis()
+        store.clear_redis()
+        shutil.rmtree(path, ignore_errors=True)
+        return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
