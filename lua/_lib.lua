@@ -277,3 +277,74 @@ local function tds_part(s, from, to)
   end
   return string.sub(s, from, to)
 end
+
+-- Request ids (see lua/README.md, "Request ids"). A call that changes state and is not naturally
+-- idempotent (a ring write, a counted sample, a pop, update_priority, a policy change) carries an id
+-- the client made for its operation and sends with every attempt of it. The script records what
+-- the call decided (never row data) under that id in the store's reply cache, a hash under the
+-- header's hash tag: field <id> -> decision, plus a ring of the last TDS_REPLIES ids (fields
+-- '#<k>', counter '#'), so the oldest record goes once TDS_REPLIES newer ones were made. A resend
+-- of a recorded id (redis-py retrying after a lost reply) gets the first reply back, built from
+-- the record, and changes nothing. Nothing is recorded for STALE, GONE or WAIT (nothing ran).
+local TDS_REPLIES = 4096
+
+-- The request of a call: KEYS[k] is the reply cache, 'rid' the id (hex, 16 to 64 digits). 'seen'
+-- is the decision recorded under it by an earlier attempt, or nil.
+local function tds_request(k, rid)
+  local key = KEYS[tds_num(k, 'key index')]
+  if key == nil or type(rid) ~= 'string' or #rid < 16 or #rid > 64 or not string.find(rid, '^%x+$') then
+    error('TDSTORE bad argument: request id')
+  end
+  return {key = key, rid = rid, seen = redis.call('HGET', key, rid) or nil}
+end
+
+-- Record 'decision' under the request's id (nothing without a request). A cache the call creates
+-- gets the header's deadline, if the store has one.
+local function tds_remember(req, decision)
+  if req == nil then
+    return
+  end
+  local key = req.key
+  local n = redis.call('HINCRBY', key, '#', 1)
+  local slot = '#' .. string.format('%.0f', n % TDS_REPLIES)
+  local old = redis.call('HGET', key, slot)
+  if old then
+    redis.call('HDEL', key, old)
+  end
+  redis.call('HSET', key, slot, req.rid, req.rid, decision)
+  if n == 1 then
+    local at = redis.pcall('PEXPIRETIME', KEYS[1])
+    if type(at) == 'number' then
+      if at > 0 then
+        redis.call('PEXPIREAT', key, at)
+      end
+    else  -- Redis 6: no PEXPIRETIME; the cache may outlive the header by a millisecond, never expire first
+      local ttl = redis.call('PTTL', KEYS[1])
+      if ttl > 0 then
+        redis.call('PEXPIRE', key, ttl + 1)
+      end
+    end
+  end
+end
+
+-- A string of '1'/'0' flags (rows applied or not) as run lengths, '1' runs first ('5 0 3' is
+-- '11111' then '000'... alternating), and back: a record stays small when most rows agree.
+local function tds_runs(flags)
+  local out, pos, pattern = {}, 1, '^1*'
+  while pos <= #flags do
+    local _, e = string.find(flags, pattern, pos)
+    out[#out + 1] = string.format('%d', e - pos + 1)
+    pos = e + 1
+    pattern = pattern == '^1*' and '^0*' or '^1*'
+  end
+  return table.concat(out, ' ')
+end
+
+local function tds_unruns(runs)
+  local parts, c = {}, '1'
+  for n in string.gmatch(runs, '%d+') do
+    parts[#parts + 1] = string.rep(c, tonumber(n))
+    c = c == '1' and '0' or '1'
+  end
+  return table.concat(parts)
+end

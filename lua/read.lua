@@ -107,6 +107,7 @@ local finish = {}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
+local request, decision = nil, nil  -- an 'N' op's request id; what a 'P' or 'F' op decided, recorded under it
 -- Bytes [start, start + len) of the key of segment seg in the KEYS block starting at ki: by
 -- GETRANGE, or, given a cache table ('B' and 'V' ops), cut from the whole value read once per segment.
 local function seg_range(cache, ki, seg, start, len, strict, rec)
@@ -205,6 +206,55 @@ for _ = 1, nops do
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'N' then
+    request = tds_request(ARGV[a + 1], ARGV[a + 2])
+    a = a + 3
+  elseif (kind == 'P' or kind == 'F') and request ~= nil and request.seen then
+    -- a resent sample or pop (its request id recorded): the rows the first attempt took, read again
+    -- as they are now (generations from today's rw), nothing counted or moved again
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P or F op per call')
+    end
+    local n, seen = tds_num(ARGV[a + 1], 'row count'), request.seen
+    local draws = ARGV[a + 2]
+    a = a + (kind == 'P' and 8 or 3)
+    local head = redis.call('HMGET', meta, 'count', 'rw')
+    local count, rw = tds_num(head[1], 'count'), tonumber(head[2] or '0')
+    local what = string.sub(seen, 1, 1)
+    rows = {}
+    local packed, probs, low_prob = {}, '', ''
+    if what == 'L' then
+      do return {'LOST', string.sub(seen, 2)} end
+    elseif what == 'F' then
+      local rr, k = string.match(seen, '^F(%d+) (%d+)$')
+      rr, k = tonumber(rr), tonumber(k)
+      if rr < rw - count then  -- writers overwrote what the first attempt popped: lost, never other bytes
+        do return {'LOST', string.format('%.0f', k), 'resent'} end
+      end
+      for j = 1, k do
+        rows[j] = (rr + j - 1) % count
+        packed[j] = tds_p64(rows[j])
+      end
+    elseif what == 'P' then  -- by priority: the slots drawn, their probabilities, the smallest one
+      local m = (#seen - 9) / 16
+      low_prob, probs = string.sub(seen, 2, 9), string.sub(seen, 10 + 8 * m)
+      packed[1] = string.sub(seen, 10, 9 + 8 * m)
+      for j = 1, m do
+        rows[j] = tds_u64(packed[1], 8 * j - 7)
+      end
+    else  -- uniformly: the draws again, over the slots written then
+      local written = tds_num(string.sub(seen, 2), 'recorded slot count')
+      for j = 1, n do
+        rows[j] = tds_u64(draws, 8 * j - 7) % written
+        packed[j] = tds_p64(rows[j])
+      end
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+    if kind == 'P' then
+      out[#out + 1] = probs
+      out[#out + 1] = low_prob
+    end
   elseif kind == 'P' then
     -- a sample under the ring's sampling policy: waits (reply WAIT) for min_size or the rate
     -- limiter, draws by priority or uniformly, counts the samples, retires worn-out slots
@@ -286,6 +336,9 @@ for _ = 1, nops do
         packed[j] = tds_p64(rows[j])
       end
     end
+    if lim ~= nil or policy.mt ~= nil then  -- a sample that counts: what a resend gets back
+      decision = by_priority and 'P' .. low_prob .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
+    end
     if lim ~= nil then
       local drawn = #rows
       finish[#finish + 1] = function()
@@ -313,6 +366,7 @@ for _ = 1, nops do
     local rr = tonumber(head[3] or '0')
     if rw - rr > count then
       -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
+      tds_remember(request, 'L' .. string.format('%.0f', rw - count - rr))
       redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
       if channel ~= '' then
         redis.call('PUBLISH', channel, 'p')
@@ -323,6 +377,7 @@ for _ = 1, nops do
       do return {'WAIT', 'empty', 'no unread item'} end
     end
     local k = math.min(n, rw - rr)
+    decision = 'F' .. string.format('%.0f', rr) .. ' ' .. string.format('%.0f', k)
     rows = {}
     local packed = {}
     for j = 1, k do
@@ -399,6 +454,9 @@ for _ = 1, nops do
   else
     error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
   end
+end
+if decision ~= nil then
+  tds_remember(request, decision)  -- first: at maxmemory the call is refused before it changes anything
 end
 for _, change in ipairs(finish) do
   change()

@@ -64,8 +64,9 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
     """
 
     def plan_call(h: Header) -> Call:
-        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]
-        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:]
+        # not the reply cache: its request ids are the source's calls
+        src = engine.keys.all_keys(h.next_leaf, h.segments.n)[1:-1]
+        dst = keys.all_keys(h.next_leaf, h.segments.n)[1:-1]
         epoch = secrets.token_hex(8)
         return Call(
             "copy",
