@@ -282,11 +282,13 @@ end
 -- idempotent (a ring write, a counted sample, a pop, update_priority, a policy change) carries an id
 -- the client made for its operation and sends with every attempt of it. The script records what
 -- the call decided (never row data) under that id in the store's reply cache, a hash under the
--- header's hash tag: field <id> -> decision, plus a ring of the last TDS_REPLIES ids (fields
--- '#<k>', counter '#'), so the oldest record goes once TDS_REPLIES newer ones were made. A resend
--- of a recorded id (redis-py retrying after a lost reply) gets the first reply back, built from
--- the record, and changes nothing. Nothing is recorded for STALE, GONE or WAIT (nothing ran).
-local TDS_REPLIES = 4096
+-- header's hash tag: field <id> -> decision, and bookkeeping fields that start with '#' (an id is
+-- hex): '#' counts the records ever made, '#<k>' holds '<id> <bytes>' of record k (mod
+-- TDS_REPLIES), '#o' the oldest record kept, '#b' the bytes of the decisions kept. The oldest records go once more
+-- than TDS_REPLIES are kept or their decisions exceed TDS_REPLY_BYTES (the newest always stays).
+-- A resend of a recorded id (redis-py retrying after a lost reply) gets the first reply back,
+-- built from the record, and changes nothing. Nothing is recorded for STALE, GONE or WAIT.
+local TDS_REPLIES, TDS_REPLY_BYTES = 4096, 4194304
 
 -- The request of a call: KEYS[k] is the reply cache, 'rid' the id (hex, 16 to 64 digits). 'seen'
 -- is the decision recorded under it by an earlier attempt, or nil.
@@ -298,8 +300,8 @@ local function tds_request(k, rid)
   return {key = key, rid = rid, seen = redis.call('HGET', key, rid) or nil}
 end
 
--- Record 'decision' under the request's id (nothing without a request). A cache the call creates
--- gets the header's deadline, if the store has one.
+-- Record 'decision' under the request's id (nothing without a request), dropping the oldest
+-- records past the bounds. A cache the call creates gets the header's deadline, if any.
 local function tds_remember(req, decision)
   if req == nil then
     return
@@ -307,11 +309,20 @@ local function tds_remember(req, decision)
   local key = req.key
   local n = redis.call('HINCRBY', key, '#', 1)
   local slot = '#' .. string.format('%.0f', n % TDS_REPLIES)
-  local old = redis.call('HGET', key, slot)
-  if old then
-    redis.call('HDEL', key, old)
+  local head = redis.call('HMGET', key, '#o', '#b', slot)  -- slot: the record this one replaces, when the cache is full
+  local oldest, bytes = tonumber(head[1] or '1'), tonumber(head[2] or '0') + #decision
+  while oldest < n and (n - oldest >= TDS_REPLIES or bytes > TDS_REPLY_BYTES) do
+    local at = '#' .. string.format('%.0f', oldest % TDS_REPLIES)
+    local old = at == slot and head[3] or redis.call('HGET', key, at)  -- '<id> <bytes>'
+    if old then
+      local rid, size = string.match(old, '^(%x+) (%d+)$')
+      redis.call('HDEL', key, rid)
+      bytes = bytes - tonumber(size)
+    end
+    oldest = oldest + 1
   end
-  redis.call('HSET', key, slot, req.rid, req.rid, decision)
+  redis.call('HSET', key, slot, req.rid .. ' ' .. #decision, req.rid, decision,
+             '#o', string.format('%.0f', oldest), '#b', string.format('%.0f', bytes))
   if n == 1 then
     local at = redis.pcall('PEXPIRETIME', KEYS[1])
     if type(at) == 'number' then
