@@ -11,7 +11,7 @@
 
   KEYS[1]     store header hash (P:{I}:m)
   KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
-  KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
+  KEYS[2..]   data / offset / shape keys of the leaves read, and the reply cache of an 'N' op, referenced by index
 
   ARGV[1]     '<epoch>:K<key-set version>' when the leaves were chosen by prefix,
               '<epoch>:*' otherwise (see tds_check in _lib.lua)
@@ -51,6 +51,15 @@
           moves past them, so each goes to one reader); adds two pieces: their slots and
           rw. Reply {'WAIT', 'empty', ...} when nothing is unread, {'LOST', k} when writers
           overwrote k unread items (the cursor then moves to the oldest item left).
+    'N', k, rid
+          the call's request id (before a 'P' or 'F' op): KEYS[k] is the store's reply cache
+          (see tds_request in _lib.lua). A pop, or a sample that counts (rate limiter,
+          max_times_sampled), records what it took under the id; when the id is recorded
+          already (a resend), the 'P' or 'F' op takes the recorded rows again (a pop's
+          from its recorded range, a sample's from its recorded slots, or from the draws
+          over the recorded slot count) and reads them as they are now, with today's rw,
+          changing nothing; a resent pop whose items writers overwrote since answers
+          {'LOST', k, 'resent'}, never other rows.
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -86,7 +95,8 @@
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
-              {'WAIT', reason, message} and {'LOST', k}: see the 'P' and 'F' ops.
+              {'WAIT', reason, message} and {'LOST', k}: see the 'P' and 'F' ops;
+              {'LOST', k, 'resent'}: see the 'N' op.
               Every piece is checked: a key shorter than the header implies raises
               'TDSTORE damaged' (a key of the store lost to eviction or deletion), except
               a key the store's inventory (KEYS[2], see _lib.lua) says was never

@@ -12,7 +12,7 @@
 
   KEYS[1]     store header hash
   KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
-  KEYS[2..]   data / offset / shape keys touched, referenced by index
+  KEYS[2..]   data / offset / shape keys touched, and the reply cache of an 'N' op, referenced by index
 
   ARGV[1]     '<epoch>:V<version>' for a schema change (it rewrites the whole schema,
               so it must be planned from the current one), else '<epoch>:*'

@@ -310,7 +310,6 @@ def test_the_reply_cache_expires_with_the_store_and_goes_with_it(real):
 
 def test_request_ids_add_no_command(real):
     """One round trip per call, request id included: one EVALSHA and nothing else."""
-    raw = real.client()
     s = LazyStackedTensorDictStore(count=COUNT, **real.kwargs())
     s.extend(rows(0, 4))
     s.enable_priorities(alpha=0.5, max_times_sampled=5)
@@ -346,19 +345,27 @@ def test_a_call_resent_while_the_server_is_paused_runs_once(tmp_path):
             queue(store)
         for call in (lambda st: st.extend(rows(100, 2)), lambda st: st.pop(2)):
             expected = outcome(call(clean))
-            links = len(proxy.links)
-            new_link = threading.Event()
-            proxy.on_command = lambda name: new_link.set() if len(proxy.links) > links else None
-            got: list[Any] = []
-            os.kill(srv.pid, signal.SIGSTOP)
-            try:
-                worker = threading.Thread(target=lambda: got.append(outcome(call(s))), daemon=True)
-                worker.start()
-                assert new_link.wait(60), "redis-py never retried on a new connection"
-            finally:
-                os.kill(srv.pid, signal.SIGCONT)
-            worker.join(60)
-            proxy.on_command = None
-            assert got == [expected]
+            assert _while_paused(srv, proxy, lambda call=call: outcome(call(s))) == expected
             assert effects(raw, s) == effects(raw, clean)
         client.close()
+
+
+def _while_paused(srv: EmbeddedServer, proxy: Any, run: Callable[[], Any]) -> Any:
+    """``run()`` in a thread while the server is stopped, resumed once the client's retry reached the proxy
+    on a new connection (the client's first try is then queued at the server, unanswered)."""
+    assert srv.pid is not None
+    links = len(proxy.links)
+    new_link = threading.Event()
+    proxy.on_command = lambda name: new_link.set() if len(proxy.links) > links else None
+    got: list[Any] = []
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        worker = threading.Thread(target=lambda: got.append(run()), daemon=True)
+        worker.start()
+        assert new_link.wait(60), "redis-py never retried on a new connection"
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+        proxy.on_command = None
+    worker.join(60)
+    assert len(got) == 1, "the call did not return"
+    return got[0]
