@@ -297,7 +297,10 @@ local function tds_request(k, rid)
   if key == nil or type(rid) ~= 'string' or #rid < 16 or #rid > 64 or not string.find(rid, '^%x+$') then
     error('TDSTORE bad argument: request id')
   end
-  return {key = key, rid = rid, seen = redis.call('HGET', key, rid) or nil}
+  -- one read: the record, and the bookkeeping tds_remember needs (the script runs atomically)
+  local got = redis.call('HMGET', key, rid, '#', '#o', '#b')
+  return {key = key, rid = rid, seen = got[1] or nil, n = tonumber(got[2] or '0'), oldest = tonumber(got[3] or '1'),
+          bytes = tonumber(got[4] or '0')}
 end
 
 -- Record 'decision' under the request's id (nothing without a request), dropping the oldest
@@ -307,13 +310,11 @@ local function tds_remember(req, decision)
     return
   end
   local key = req.key
-  local n = redis.call('HINCRBY', key, '#', 1)
+  local n = req.n + 1
   local slot = '#' .. string.format('%.0f', n % TDS_REPLIES)
-  local head = redis.call('HMGET', key, '#o', '#b', slot)  -- slot: the record this one replaces, when the cache is full
-  local oldest, bytes = tonumber(head[1] or '1'), tonumber(head[2] or '0') + #decision
+  local oldest, bytes = req.oldest, req.bytes + #decision
   while oldest < n and (n - oldest >= TDS_REPLIES or bytes > TDS_REPLY_BYTES) do
-    local at = '#' .. string.format('%.0f', oldest % TDS_REPLIES)
-    local old = at == slot and head[3] or redis.call('HGET', key, at)  -- '<id> <bytes>'
+    local old = redis.call('HGET', key, '#' .. string.format('%.0f', oldest % TDS_REPLIES))  -- '<id> <bytes>'
     if old then
       local rid, size = string.match(old, '^(%x+) (%d+)$')
       redis.call('HDEL', key, rid)
@@ -321,7 +322,7 @@ local function tds_remember(req, decision)
     end
     oldest = oldest + 1
   end
-  redis.call('HSET', key, slot, req.rid .. ' ' .. #decision, req.rid, decision,
+  redis.call('HSET', key, slot, req.rid .. ' ' .. #decision, req.rid, decision, '#', string.format('%.0f', n),
              '#o', string.format('%.0f', oldest), '#b', string.format('%.0f', bytes))
   if n == 1 then
     local at = redis.pcall('PEXPIRETIME', KEYS[1])

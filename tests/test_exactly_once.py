@@ -268,7 +268,7 @@ def test_the_reply_cache_is_bounded_and_an_id_it_dropped_runs_again(two_engines,
     # fill the cache past its bound with records of other ids (a script call each, as update_priority makes)
     fill = raw.register_script(
         _scripts.script_source("priority")[0].split("local meta = KEYS[1]")[0]
-        + "for i = 1, tonumber(ARGV[1]) do tds_remember({key = KEYS[2], rid = string.format('%032x', i)}, ARGV[2]) end return 1"
+        + "for i = 1, tonumber(ARGV[1]) do tds_remember(tds_request(2, string.format('%032x', i)), ARGV[2]) end return 1"
     )
     fill(keys=[keys.meta, keys.replies], args=[4096, "W0"])
     assert cache_size(raw, s) == 4096 and raw.hget(keys.replies, first[first.index("N") + 2]) is None
