@@ -306,6 +306,11 @@ def test_the_reply_cache_expires_with_the_store_and_goes_with_it(real):
     assert s.td_id in str(listing) and "damaged" not in str(listing).lower()
     s.clear_redis()
     assert not raw.exists(keys.replies)
+    other = LazyStackedTensorDictStore(count=COUNT, **real.kwargs())
+    other.set_queue(True)
+    assert raw.exists(other._engine.keys.replies)
+    inspect_store.delete_store(raw, real.prefix, other.td_id)  # tdstore rm
+    assert not raw.exists(other._engine.keys.replies)
 
 
 def test_request_ids_add_no_command(real):
