@@ -31,7 +31,7 @@ from conftest import Backend
 from helpers import load_tool, top_level_commands
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, QueueOverrunError, _scripts, _whole_store
+from tdstore import LazyStackedTensorDictStore, QueueOverrunError, _codec, _scripts, _whole_store
 from tdstore._keys import StoreKeys
 from tdstore.server import EmbeddedServer, commandstats
 
@@ -68,6 +68,11 @@ def prioritized(s: LazyStackedTensorDictStore) -> None:
     s.extend(rows(0, 6), priority=torch.tensor([1.0, 4.0, 0.5, 2.0, 3.0, 1.5]))
 
 
+def uncounted(s: LazyStackedTensorDictStore) -> None:
+    s.enable_priorities(alpha=0.7)
+    s.extend(rows(0, 6), priority=torch.tensor([1.0, 4.0, 0.5, 2.0, 3.0, 1.5]))
+
+
 def queue(s: LazyStackedTensorDictStore) -> None:
     s.set_queue(True)
     s.extend(rows(0, 6))
@@ -82,6 +87,7 @@ CALLS: dict[str, tuple[Callable[[LazyStackedTensorDictStore], None], Callable[[L
     "update_if": (plain, lambda s: s.update_if([1, 2, 6], [1, 1, 0], rows(200, 3))),
     "sample-rate-limited": (limited, lambda s: s.sample(6, gen())),
     "sample-prioritized-counted": (prioritized, lambda s: s.sample(5, gen())),
+    "sample-prioritized": (uncounted, lambda s: s.sample(5, gen())),  # counts nothing: records nothing, draws the same again
     "pop-queue": (queue, lambda s: s.pop(3)),
     "pop": (plain, lambda s: s.pop(2)),
     "update_priority": (prioritized, lambda s: s.update_priority([0, 3, 5], torch.tensor([5.0, 0.25, 2.0]))),
@@ -248,6 +254,36 @@ def test_a_resent_pop_whose_items_were_overwritten_raises_instead_of_returning_o
         s.pop(1)
     assert later.value.lost == 1
     assert s.pop(1).td["tag"].tolist() == [3]
+
+
+def test_a_resent_counted_sample_reads_its_slots_as_they_are_now_with_their_true_generations(two_engines):
+    """A counted sample's reply is lost and a writer overwrites the whole ring before the resend: the resend
+    returns the slots the sample drew, with the bytes they hold now and the generation that wrote them (so an
+    ``update_priority``/``update_if`` with it acts on what was read), and counts nothing again."""
+    raw = two_engines.client()
+    s = LazyStackedTensorDictStore(count=4, **two_engines.kwargs())
+    writer = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **two_engines.kwargs())
+    s.extend(rows(0, 4))
+    s.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=100.0)
+    engine = s._engine
+    plain_execute = engine.execute
+    first: list[Any] = []
+
+    def overwritten_before_the_resend(client: Any, *args: Any) -> Any:
+        if args[0] != "EVALSHA":
+            return plain_execute(client, *args)
+        first.append(plain_execute(client, *args))  # the server draws and counts; the reply is lost
+        if first[-1][0] == b"OK":
+            writer.extend(rows(10, 4))  # every slot written again: generation 2
+        return plain_execute(client, *args)
+
+    engine.execute = overwritten_before_the_resend  # type: ignore[method-assign]
+    got = s.sample(6, gen())
+    engine.execute = plain_execute  # type: ignore[method-assign]
+    assert first[-1][2] == _codec.pack_i64(got.indices.numpy())  # the slots the first attempt drew
+    assert got.td["tag"].tolist() == (got.indices + 10).tolist()  # the bytes they hold now
+    assert got.generations.tolist() == [2] * 6
+    assert int(raw.hget(engine.keys.meta, "sn")) == 6  # counted once
 
 
 def test_the_reply_cache_is_bounded_and_an_id_it_dropped_runs_again(two_engines, monkeypatch):
