@@ -289,3 +289,86 @@ local function tds_part(s, from, to)
   end
   return string.sub(s, from, to)
 end
+
+-- Request ids (see lua/README.md, "Request ids"). A call that changes state and is not naturally
+-- idempotent (a ring write, a counted sample, a pop, update_priority, a policy change) carries an id
+-- the client made for its operation and sends with every attempt of it. The script records what
+-- the call decided (never row data) under that id in the store's reply cache, a hash under the
+-- header's hash tag: field <id> -> decision, and bookkeeping fields that start with '#' (an id is
+-- hex): '#' counts the records ever made, '#<k>' holds '<id> <bytes>' of record k (mod
+-- TDS_REPLIES), '#o' the oldest record kept, '#b' the bytes of the decisions kept. The oldest records go once more
+-- than TDS_REPLIES are kept or their decisions exceed TDS_REPLY_BYTES (the newest always stays).
+-- A resend of a recorded id (redis-py retrying after a lost reply) gets the first reply back,
+-- built from the record, and changes nothing. Nothing is recorded for STALE, GONE or WAIT.
+local TDS_REPLIES, TDS_REPLY_BYTES = 4096, 4194304
+
+-- The request of a call: KEYS[k] is the reply cache, 'rid' the id (hex, 16 to 64 digits). 'seen'
+-- is the decision recorded under it by an earlier attempt, or nil.
+local function tds_request(k, rid)
+  local key = KEYS[tds_num(k, 'key index')]
+  if key == nil or type(rid) ~= 'string' or #rid < 16 or #rid > 64 or not string.find(rid, '^%x+$') then
+    error('TDSTORE bad argument: request id')
+  end
+  -- one read: the record, and the bookkeeping tds_remember needs (the script runs atomically)
+  local got = redis.call('HMGET', key, rid, '#', '#o', '#b')
+  return {key = key, rid = rid, seen = got[1] or nil, n = tonumber(got[2] or '0'), oldest = tonumber(got[3] or '1'),
+          bytes = tonumber(got[4] or '0')}
+end
+
+-- Record 'decision' under the request's id (nothing without a request), dropping the oldest
+-- records past the bounds. A cache the call creates gets the header's deadline, if any.
+local function tds_remember(req, decision)
+  if req == nil then
+    return
+  end
+  local key = req.key
+  local n = req.n + 1
+  local slot = '#' .. string.format('%.0f', n % TDS_REPLIES)
+  local oldest, bytes = req.oldest, req.bytes + #decision
+  while oldest < n and (n - oldest >= TDS_REPLIES or bytes > TDS_REPLY_BYTES) do
+    local old = redis.call('HGET', key, '#' .. string.format('%.0f', oldest % TDS_REPLIES))  -- '<id> <bytes>'
+    if old then
+      local rid, size = string.match(old, '^(%x+) (%d+)$')
+      redis.call('HDEL', key, rid)
+      bytes = bytes - tonumber(size)
+    end
+    oldest = oldest + 1
+  end
+  redis.call('HSET', key, slot, req.rid .. ' ' .. #decision, req.rid, decision, '#', string.format('%.0f', n),
+             '#o', string.format('%.0f', oldest), '#b', string.format('%.0f', bytes))
+  if n == 1 then
+    local at = redis.pcall('PEXPIRETIME', KEYS[1])
+    if type(at) == 'number' then
+      if at > 0 then
+        redis.call('PEXPIREAT', key, at)
+      end
+    else  -- Redis 6: no PEXPIRETIME; the cache may outlive the header by a millisecond, never expire first
+      local ttl = redis.call('PTTL', KEYS[1])
+      if ttl > 0 then
+        redis.call('PEXPIRE', key, ttl + 1)
+      end
+    end
+  end
+end
+
+-- A string of '1'/'0' flags (rows applied or not) as run lengths, '1' runs first ('5 0 3' is
+-- '11111' then '000'... alternating), and back: a record stays small when most rows agree.
+local function tds_runs(flags)
+  local out, pos, pattern = {}, 1, '^1*'
+  while pos <= #flags do
+    local _, e = string.find(flags, pattern, pos)
+    out[#out + 1] = string.format('%d', e - pos + 1)
+    pos = e + 1
+    pattern = pattern == '^1*' and '^0*' or '^1*'
+  end
+  return table.concat(out, ' ')
+end
+
+local function tds_unruns(runs)
+  local parts, c = {}, '1'
+  for n in string.gmatch(runs, '%d+') do
+    parts[#parts + 1] = string.rep(c, tonumber(n))
+    c = c == '1' and '0' or '1'
+  end
+  return table.concat(parts)
+end

@@ -9,12 +9,15 @@
   KEYS[1]     store header hash
   KEYS[2]     the priority tree (see _tree.lua)
   KEYS[3]     the times-sampled counts (see sampling.lua)
+  KEYS[4]     the store's reply cache (see tds_request in _lib.lua), with ARGV[7]
   ARGV[1]     '<epoch>:*' (see tds_check in _lib.lua)
   ARGV[2]     n, the number of slots
   ARGV[3]     n (slot, generation) pairs packed as little-endian int64
   ARGV[4]     '1' to check the generations, '0' to set every slot that holds data
   ARGV[5]     the n priorities as decimal text, space-separated (finite, >= 0)
   ARGV[6]     the store's Pub/Sub channel, published on once the priorities are set
+  ARGV[7]     optional: the update's request id. An id already recorded (checked before the
+              version) answers its first reply and sets nothing; else the flags are recorded.
 
   Reply       {'OK', applied} where 'applied' has one '1' or '0' per slot;
               {'STALE', header...}; {'GONE'}.
@@ -22,6 +25,14 @@
               for a malformed call; 'TDSTORE damaged' when the tree was lost (nothing written).
 ]]
 local meta = KEYS[1]
+-- a resent update (its request id recorded, see tds_request): the first reply, nothing set again
+local request = ARGV[7] and ARGV[7] ~= '' and tds_request(4, ARGV[7]) or nil
+if request ~= nil and request.seen then
+  if redis.call('EXISTS', meta) == 0 then
+    return {'GONE'}
+  end
+  return {'OK', tds_unruns(string.sub(request.seen, 2))}
+end
 local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
@@ -95,4 +106,5 @@ redis.call('HSET', meta, 'pm', string.format('%.17g', top))
 if ARGV[6] ~= nil and ARGV[6] ~= '' then
   redis.call('PUBLISH', ARGV[6], 'u')  -- samplers waiting for a positive weight may go on
 end
+tds_remember(request, 'A' .. tds_runs(table.concat(flags)))
 return {'OK', table.concat(flags)}

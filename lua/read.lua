@@ -11,7 +11,7 @@
 
   KEYS[1]     store header hash (P:{I}:m)
   KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
-  KEYS[2..]   data / offset / shape keys of the leaves read, referenced by index
+  KEYS[2..]   data / offset / shape keys of the leaves read, and the reply cache of an 'N' op, referenced by index
 
   ARGV[1]     '<epoch>:K<key-set version>' when the leaves were chosen by prefix,
               '<epoch>:*' otherwise (see tds_check in _lib.lua)
@@ -67,6 +67,15 @@
           it are answered STALE and take this op). Reply {'WAIT', 'empty', ...} when
           nothing is unread or waiting, {'LOST', k} when writers overwrote k unread or
           waiting items (forgotten; the cursor moves to the oldest item left).
+    'N', k, rid
+          the call's request id (before a 'P' or 'F' op): KEYS[k] is the store's reply cache
+          (see tds_request in _lib.lua). A pop, or a sample that counts (rate limiter,
+          max_times_sampled), records what it took under the id; when the id is recorded
+          already (a resend), the 'P' or 'F' op takes the recorded rows again (a pop's
+          from its recorded range, a sample's from its recorded slots, or from the draws
+          over the recorded slot count) and reads them as they are now, with today's rw,
+          changing nothing; a resent pop whose items writers overwrote since answers
+          {'LOST', k, 'resent'}, never other rows.
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -102,7 +111,8 @@
               raw shape records lo..hi, and the data bytes of the run.
               {'STALE', header field, value, ...} when a checked version moved.
               {'GONE'} when the store does not exist.
-              {'WAIT', reason, message} and {'LOST', k}: see the 'P', 'F' and 'L' ops.
+              {'WAIT', reason, message} and {'LOST', k}: see the 'P', 'F' and 'L' ops;
+              {'LOST', k, 'resent'}: see the 'N' op.
               Every piece is checked: a key shorter than the header implies raises
               'TDSTORE damaged' (a key of the store lost to eviction or deletion), except
               a key the store's inventory (KEYS[2], see _lib.lua) says was never
@@ -124,6 +134,7 @@ local finish = {}
 local nops = tds_num(ARGV[3], 'op count')
 local a = 4
 local rows = nil  -- slots drawn by a 'U' op, read by the 'X'/'Y' ops after it
+local request, decision = nil, nil  -- an 'N' op's request id; what a 'P' or 'F' op decided, recorded under it
 -- Bytes [start, start + len) of the key of segment seg in the KEYS block starting at ki: by
 -- GETRANGE, or, given a cache table ('B' and 'V' ops), cut from the whole value read once per segment.
 local function seg_range(cache, ki, seg, start, len, strict, rec)
@@ -222,6 +233,55 @@ for _ = 1, nops do
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'N' then
+    request = tds_request(ARGV[a + 1], ARGV[a + 2])
+    a = a + 3
+  elseif (kind == 'P' or kind == 'F') and request ~= nil and request.seen then
+    -- a resent sample or pop (its request id recorded): the rows the first attempt took, read again
+    -- as they are now (generations from today's rw), nothing counted or moved again
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P or F op per call')
+    end
+    local n, seen = tds_num(ARGV[a + 1], 'row count'), request.seen
+    local draws = ARGV[a + 2]
+    a = a + (kind == 'P' and 8 or 3)
+    local head = redis.call('HMGET', meta, 'count', 'rw')
+    local count, rw = tds_num(head[1], 'count'), tonumber(head[2] or '0')
+    local what = string.sub(seen, 1, 1)
+    rows = {}
+    local packed, probs, low_prob = {}, '', ''
+    if what == 'L' then
+      do return {'LOST', string.sub(seen, 2)} end
+    elseif what == 'F' then
+      local rr, k = string.match(seen, '^F(%d+) (%d+)$')
+      rr, k = tonumber(rr), tonumber(k)
+      if rr < rw - count then  -- writers overwrote what the first attempt popped: lost, never other bytes
+        do return {'LOST', string.format('%.0f', k), 'resent'} end
+      end
+      for j = 1, k do
+        rows[j] = (rr + j - 1) % count
+        packed[j] = tds_p64(rows[j])
+      end
+    elseif what == 'P' then  -- by priority: the slots drawn, their probabilities, the smallest one
+      local m = (#seen - 9) / 16
+      low_prob, probs = string.sub(seen, 2, 9), string.sub(seen, 10 + 8 * m)
+      packed[1] = string.sub(seen, 10, 9 + 8 * m)
+      for j = 1, m do
+        rows[j] = tds_u64(packed[1], 8 * j - 7)
+      end
+    else  -- uniformly: the draws again, over the slots written then
+      local written = tds_num(string.sub(seen, 2), 'recorded slot count')
+      for j = 1, n do
+        rows[j] = tds_u64(draws, 8 * j - 7) % written
+        packed[j] = tds_p64(rows[j])
+      end
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+    if kind == 'P' then
+      out[#out + 1] = probs
+      out[#out + 1] = low_prob
+    end
   elseif kind == 'P' then
     -- a sample under the ring's sampling policy: waits (reply WAIT) for min_size or the rate
     -- limiter, draws by priority or uniformly, counts the samples, retires worn-out slots
@@ -303,6 +363,9 @@ for _ = 1, nops do
         packed[j] = tds_p64(rows[j])
       end
     end
+    if lim ~= nil or policy.mt ~= nil then  -- a sample that counts: what a resend gets back
+      decision = by_priority and 'P' .. low_prob .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
+    end
     if lim ~= nil then
       local drawn = #rows
       finish[#finish + 1] = function()
@@ -330,6 +393,7 @@ for _ = 1, nops do
     local rr = tonumber(head[3] or '0')
     if rw - rr > count then
       -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
+      tds_remember(request, 'L' .. string.format('%.0f', rw - count - rr))
       redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
       if channel ~= '' then
         redis.call('PUBLISH', channel, 'p')
@@ -340,6 +404,7 @@ for _ = 1, nops do
       do return {'WAIT', 'empty', 'no unread item'} end
     end
     local k = math.min(n, rw - rr)
+    decision = 'F' .. string.format('%.0f', rr) .. ' ' .. string.format('%.0f', k)
     rows = {}
     local packed = {}
     for j = 1, k do
@@ -550,6 +615,9 @@ for _ = 1, nops do
   else
     error('TDSTORE bad argument: unknown read op ' .. tostring(kind))
   end
+end
+if decision ~= nil then
+  tds_remember(request, decision)  -- first: at maxmemory the call is refused before it changes anything
 end
 for _, change in ipairs(finish) do
   change()

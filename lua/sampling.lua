@@ -12,6 +12,7 @@
   KEYS[1]     store header hash
   KEYS[2]     the priority tree (see _tree.lua)
   KEYS[3]     the times-sampled counts: 4 little-endian bytes per slot
+  KEYS[4]     the store's reply cache (see tds_request in _lib.lua), with ARGV[5]
   ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
   ARGV[2]     the new policy (JSON, tdstore/_policy.py), '' for none
   ARGV[3]     what the change needs, space-separated words:
@@ -21,12 +22,25 @@
     'queue'   queue mode turns on: the read cursor 'rr' starts at the oldest item a
               writer has not overwritten, unless items were popped before
   ARGV[4]     the store's Pub/Sub channel: waiting clients retry under the new policy
+  ARGV[5]     optional: the change's request id. Checked before the version (a change bumps
+              it, so its resend would be STALE): an id already recorded answers {'OK', header
+              as it is now} and changes nothing; else the change is recorded under it.
 
   Reply       {'OK', header field, value, ...}: the header as the change left it (the
               client adopts it, no second round trip); {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' for a malformed call.
 ]]
 local meta = KEYS[1]
+-- a resent change (its request id recorded, see tds_request): applied once, the header as it is now
+local request = ARGV[5] and ARGV[5] ~= '' and tds_request(4, ARGV[5]) or nil
+if request ~= nil and request.seen then
+  local now = redis.call('HGETALL', meta)
+  if #now == 0 then
+    return {'GONE'}
+  end
+  table.insert(now, 1, 'OK')
+  return now
+end
 local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
@@ -63,6 +77,7 @@ local ttl = redis.call('PTTL', meta)
 if ttl > 0 then
   tds_expire_keys(2, 3, ttl)
 end
+tds_remember(request, 'C')
 local out = redis.call('HGETALL', meta)
 table.insert(out, 1, 'OK')
 return out

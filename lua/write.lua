@@ -12,7 +12,7 @@
 
   KEYS[1]     store header hash
   KEYS[2]     the store's inventory hash when the header has the field 'na' (see _lib.lua)
-  KEYS[2..]   data / offset / shape keys touched, referenced by index
+  KEYS[2..]   data / offset / shape keys touched, and the reply cache of an 'N' op, referenced by index
 
   ARGV[1]     '<epoch>:V<version>' for a schema change (it rewrites the whole schema,
               so it must be planned from the current one), else '<epoch>:*'
@@ -99,6 +99,12 @@
           a heterogeneous leaf addressed by rows: one element per row (its bytes in
           'data', its shape record in 'shapes'), spliced like 'E' per run of
           consecutive slots.
+    'N', k, rid
+          the call's request id (must be the first op; a ring write or update_if): KEYS[k]
+          is the store's reply cache (see tds_request in _lib.lua). Before the version
+          check, an id recorded by an earlier attempt gets that attempt's reply back
+          ({'OK', version, rw before it} or {'OK', version, applied}) and nothing is
+          written; otherwise the reply's third item is recorded under the id.
     'Q', per
           the store is cut into segments of 'per' elements (must come before 'W'/'G'):
           the key indices of the 'X'/'Y' ops after it each name the first of a block
@@ -124,6 +130,20 @@
               allocates would take the server past its maxmemory (all raised before any write).
 ]]
 local meta = KEYS[1]
+-- a resent ring write (its request id recorded, see tds_request): the first reply, nothing written
+local request = nil
+if ARGV[8] == 'N' then
+  request = tds_request(ARGV[9], ARGV[10])
+  local seen = request.seen
+  if seen then
+    local version = redis.call('HGET', meta, 'version')
+    if not version then
+      return {'GONE'}
+    end
+    local what = string.sub(seen, 1, 1)
+    return {'OK', version, what == 'G' and tds_unruns(string.sub(seen, 2)) or string.sub(seen, 2)}
+  end
+end
 local bad = tds_check(meta, ARGV[1], ARGV[2])
 if bad then
   return bad
@@ -532,6 +552,11 @@ for _ = 1, nops do
   elseif kind == 'Q' then
     seg_per = tds_segment_length(a, rows)
     a = a + 2
+  elseif kind == 'N' then
+    if a ~= 8 then
+      error('TDSTORE bad argument: the N op comes first')
+    end
+    a = a + 3
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))
   end
@@ -805,6 +830,9 @@ if at > 0 then
   end
 end
 if extra ~= nil then
+  if request ~= nil then  -- what a resend gets back: the ring write's first write number, or the rows applied
+    tds_remember(request, ring_n > 0 and 'W' .. extra or 'G' .. tds_runs(extra))
+  end
   return {'OK', redis.call('HGET', meta, 'version'), extra}
 end
 return {'OK', redis.call('HGET', meta, 'version')}

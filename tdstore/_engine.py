@@ -34,6 +34,7 @@ turns the reply into tensors.
 from __future__ import annotations
 
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -92,6 +93,13 @@ def lost_race(attempt: int) -> None:
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
+
+
+def request_id() -> str:
+    """A fresh request id (128 random bits, hex): one per public operation that changes state and is not
+    naturally idempotent, sent with every attempt of it, so that the script runs it once however often
+    redis-py resends it (see ``lua/_lib.lua`` ``tds_request``)."""
+    return secrets.token_hex(16)
 
 
 class Engine(Transport):
@@ -320,6 +328,12 @@ class Engine(Transport):
                 raise MustWait(reply[1].decode(), reply[2].decode())
             if status == b"LOST":
                 lost = int(reply[1])
+                if len(reply) > 2:  # a resent pop whose items writers overwrote since it ran
+                    raise QueueOverrunError(
+                        f"the reply to a pop of {lost} items from the store with {self.where()} was lost, and writers "
+                        "overwrote those items before it was sent again: they are lost; the next pop goes on after them",
+                        lost,
+                    )
                 raise QueueOverrunError(
                     f"writers overwrote {lost} items of the store with {self.where()} before anyone popped them; "
                     "the next pop goes on with the oldest item left",
@@ -476,9 +490,16 @@ class Engine(Transport):
         return self.run_write_reply(plan, keyset=keyset)[0]
 
     def run_write_reply(
-        self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False
+        self,
+        plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]],
+        *,
+        keyset: bool = False,
+        request: str | None = None,
     ) -> tuple[Header, bytes | None]:
-        """:meth:`run_write`, also returning the third reply item of ``write.lua`` (ring cursor or applied rows), if any."""
+        """:meth:`run_write`, also returning the third reply item of ``write.lua`` (ring cursor or applied rows), if any.
+
+        ``request`` (a ring write or ``update_if``: :func:`request_id`) goes first as an 'N' op, so that a
+        resend of the call gets its first reply back instead of writing again."""
         self.refuse_if_readonly()
         state: dict[str, Header] = {}
 
@@ -499,6 +520,8 @@ class Engine(Transport):
             after = new_header or h
             if after.segments.n > 1:
                 kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)
+            if request is not None:
+                ops = [Write.N(kt.ref(self.keys.replies), request), *ops]
             if new_header is not None:
                 args: list[Any] = [
                     f"{h.epoch}:V{h.version}",

@@ -71,8 +71,8 @@ def store_layout(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> St
 
 
 def _size_keys(keys: StoreKeys, header: HeaderInfo) -> list[str]:
-    """The string keys of a store (its ``all_keys`` without the header and inventory hashes, which have no STRLEN)."""
-    return keys.all_keys(header.next_leaf, header.segments)[2:]
+    """The string keys of a store (its ``all_keys`` without the header, inventory and reply cache hashes, which have no STRLEN)."""
+    return keys.all_keys(header.next_leaf, header.segments)[2:-1]
 
 
 def _summarise(keys: StoreKeys, header: HeaderInfo, rw: int, lengths: Iterable[int], pttl: int, exists: int) -> StoreInfo:

@@ -23,6 +23,9 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:pn, :tn  string  the tree and counts of ``enable_priorities`` while it builds them in
                            steps (``lua/tree_build.lua``), renamed to ``:p``/``:t`` when done
     P:{I}:pb       string  that build's state (step, pass, cursor); the three expire unless resumed
+    P:{I}:r        hash    reply cache: what each recent state-changing ring call decided, under
+                           the request id its client made (a resend gets the first reply back);
+                           the last 4096 ids (see ``lua/_lib.lua`` ``tds_request``)
     P:{I}:e        channel Pub/Sub channel (not a key) that ring writes, samples and pops publish
                            on, so a waiting client wakes without polling (see ``_waiting``)
     P:{I}:l        hash    lease table of a ring's leased pops: each outstanding item and
@@ -171,6 +174,12 @@ class StoreKeys:
         return [f"{self.base}:pn", f"{self.base}:tn", f"{self.base}:pb"]
 
     @property
+    def replies(self) -> str:
+        """The reply cache: what recent ring calls and policy changes decided, by request id, so that a
+        resend of one (redis-py retrying after a lost reply) gets its first reply instead of running again."""
+        return f"{self.base}:r"
+
+    @property
     def events(self) -> str:
         """The Pub/Sub channel ring writes, samples and pops publish on (a channel, not a key)."""
         return f"{self.base}:e"
@@ -229,7 +238,7 @@ class StoreKeys:
     def all_keys(self, next_leaf: int, segments: int = 1) -> list[str]:
         """Every key the store can own, given the next unused leaf number and its segment count:
         the header, the inventory, then each segment's data and table keys, then the
-        sampling policy's keys (absent unless the store has one).
+        sampling policy's keys (absent unless the store has one), then the reply cache (a hash).
 
         Deleted leaves keep their numbers, so listing every number below
         ``next_leaf`` also covers keys a failed or interrupted write may have left.
@@ -238,7 +247,7 @@ class StoreKeys:
         for seg in range(segments):
             for n in range(next_leaf):
                 keys.extend(self.leaf_keys(n, seg))
-        return keys + self.sampling_keys + self.build_keys
+        return keys + self.sampling_keys + self.build_keys + [self.replies]
 
     def segment_keys(self, next_leaf: int, seg: int) -> list[str]:
         """The data and table keys of segment ``seg`` (no header)."""

@@ -79,6 +79,7 @@ class Write:
     K = OpKind("K", ("k", "nb", "stride", "col", "data"), keys=(1,), writes=(1,), by_row=True)
     Y = OpKind("Y", ("kd", "ko", "ks", "rec", "shapes", "data"), keys=(1, 2, 3), writes=(1, 2, 3), rest="sizes", by_row=True)
     Q = OpKind("Q", ("per",))
+    N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
 
 
 class Read:
@@ -97,6 +98,7 @@ class Read:
     V = OpKind("V", ("kd", "ko", "ks", "rec"), keys=(1, 2, 3), by_row=True, pieces=3)
     T = OpKind("T", ("ko",), keys=(1,), pieces=1)
     Q = OpKind("Q", ("per",))
+    N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (before 'P'/'F'), KEYS[k] the reply cache
 
 
 def _table(ns: type) -> dict[str, OpKind]:

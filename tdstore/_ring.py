@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDictBase
 
 from . import _codec, _deadline, _index, _policy, _rows, _sampling, _waiting
-from ._engine import Engine
+from ._engine import Engine, request_id
 from ._headerinfo import ring_writes
 from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
@@ -320,8 +320,10 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
         return new_header, ops, touched
 
+    request = request_id()  # one per extend, sent with every attempt: a resend never writes twice
+
     def attempt() -> tuple[Header, bytes | None]:
-        return engine.run_write_reply(plan, keyset=True)
+        return engine.run_write_reply(plan, keyset=True, request=request)
 
     h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
     assert extra is not None
@@ -379,7 +381,7 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     def plan(h: Header, kt: KeyTable) -> Any:
         return _plan_rows(engine, h, kt, items, m, Write.G(m, pairs), ring=False)
 
-    _, extra = engine.run_write_reply(plan)
+    _, extra = engine.run_write_reply(plan, request=request_id())
     assert extra is not None
     applied = torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
     return applied[torch.tensor(back)]

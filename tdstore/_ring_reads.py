@@ -20,7 +20,7 @@ from tensordict import lazy_stack
 
 from . import _codec, _deadline, _ragged, _rows, _sampling, _waiting
 from ._call import Call, leaf_checks
-from ._engine import Engine
+from ._engine import Engine, request_id
 from ._keys import KeyTable
 from ._ops import Read
 from ._policy import SamplingPolicy
@@ -194,9 +194,11 @@ class _SamplePlanner:
     beta: float
     as_tx: bool  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
     packed: bytes = field(init=False)  # the draws as read.lua takes them, packed once for every try
+    request: str = field(init=False)  # one per sample, sent with every try: a resend never counts twice
 
     def __post_init__(self) -> None:
         self.packed = _codec.pack_i64(self.draws.numpy())
+        self.request = request_id()
 
     def plan(self, h: Header) -> Call:
         engine, keys = self.engine, self.keys
@@ -223,7 +225,7 @@ class _SamplePlanner:
             probs, low = _sampling.probabilities(reply)
             return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, self.beta), probs)
 
-        call = _row_read_call(engine, h, keys, self.batch_size, head, parse)
+        call = _row_read_call(engine, h, keys, self.batch_size, head, parse, self.request if use_policy else None)
         if use_policy:
             return call
         # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
@@ -284,6 +286,7 @@ def pop(
     from ._leases import Planner  # it imports this module's row reads
 
     leased = Planner(engine, batch_size, device, keys, 0)
+    request = request_id()  # one per pop, sent with every attempt: a resend never moves the cursor twice
 
     def plan_call(h: Header) -> Call:
         if h.leased:  # items whose lease ran out go to plain pops too: through the lease table
@@ -295,6 +298,7 @@ def pop(
             batch_size,
             lambda kt: Read.F(batch_size, channel),
             lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted),
+            request,
         )
 
     return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
@@ -309,15 +313,19 @@ class _RowRead(NamedTuple):
     wanted: set[NestedPath] | None
 
 
-def _row_read_call(engine: Engine, h: Header, keys: list[NestedPath] | None, rows: int, head: Any, parse: Any) -> Call:
+def _row_read_call(
+    engine: Engine, h: Header, keys: list[NestedPath] | None, rows: int, head: Any, parse: Any, request: str | None = None
+) -> Call:
     """A ``read.lua`` call whose rows one op picks (``head(kt)``: 'U', 'P' or 'F') and whose other ops read
-    every selected leaf at those rows; ``parse(reply, _RowRead)`` makes the result."""
+    every selected leaf at those rows; ``parse(reply, _RowRead)`` makes the result. ``request`` (a 'P' or 'F'
+    op: a request id) goes before it as an 'N' op, so that a resend reads the rows the first attempt took."""
     selected = _selected(h, keys)
     wanted = None if keys is None else {leaf.path for leaf in selected}
     kt = engine.key_table(h)
     checks = leaf_checks(selected)
     leaves, block, grouped = _rows.units(h, selected)
-    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves), *head(kt)]
+    named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
+    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves) + bool(named), *named, *head(kt)]
     for leaf in leaves:
         if leaf.het:
             d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))

@@ -29,7 +29,7 @@ from tensordict import TensorDictBase
 
 from . import _codec, _index, _scripts, _waiting, _wire
 from ._call import Call
-from ._engine import Engine
+from ._engine import Engine, request_id
 from ._errors import MustWait
 from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 from ._ring_args import generations_arg, refuse_spread
@@ -59,12 +59,18 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     engine.refuse_if_readonly()
     refuse_spread(engine)
     keys = engine.keys
+    request = request_id()  # one per change, sent with every try: a resend (same id) is not applied again
 
     def plan_call(h: Header) -> Call:
         new = build(h.sampling or SamplingPolicy())
         text = new.to_json() if new != SamplingPolicy() else ""
         # the reply carries the header as the change left it: adopted at once, no second round trip
-        return Call("sampling", [keys.meta, *keys.sampling_keys], [f"{h.epoch}:V{h.version}", text, needs, keys.events], engine.adopt_stale)
+        return Call(
+            "sampling",
+            [keys.meta, *keys.sampling_keys, keys.replies],
+            [f"{h.epoch}:V{h.version}", text, needs, keys.events, request],
+            engine.adopt_stale,
+        )
 
     engine.run(plan_call)
 
@@ -264,13 +270,13 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
         raise no_priorities(engine)
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
-    args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events]
+    args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events, request_id()]
     keys = engine.keys
 
     def plan_call(h: Header) -> Call:
         return Call(
             "priority",
-            [keys.meta, *keys.sampling_keys],
+            [keys.meta, *keys.sampling_keys, keys.replies],
             [f"{h.epoch}:*", *args],
             lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool),
         )

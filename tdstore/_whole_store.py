@@ -64,9 +64,12 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
     """
 
     def plan_call(h: Header) -> Call:
-        # a priority tree being built is not copied: the copy starts its own (see lua/tree_build.lua)
-        src = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]) + engine.keys.lease_keys
-        dst = _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:]) + keys.lease_keys
+        # not a priority tree being built (the copy starts its own, see lua/tree_build.lua), nor the reply
+        # cache (its request ids are the source's calls)
+        src = [k for k in _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]) if k != engine.keys.replies]
+        dst = [k for k in _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:]) if k != keys.replies]
+        src += engine.keys.lease_keys
+        dst += keys.lease_keys
         epoch = secrets.token_hex(8)
         return Call(
             "copy",

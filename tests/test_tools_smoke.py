@@ -19,6 +19,14 @@ def _run(*args: str) -> str:
 
 
 @pytest.mark.slow
+def test_request_id_cost_prints_both_ways_and_the_cache() -> None:
+    out = _run("request_id_cost.py", "--calls", "30")
+    assert re.search(r"extend\( 1\) EVALSHA\s+without id\s+[\d.]+ us\s+with id\s+[\d.]+ us\s+ratio [\d.]+", out), out
+    assert re.search(r"extend\(32\) whole\s+without id\s+[\d.]+ us\s+with id\s+[\d.]+ us", out), out
+    assert re.search(r"reply cache: \d+ records, \d+ bytes", out), out
+
+
+@pytest.mark.slow
 def test_element_cost_prints_both_cases_and_ratios() -> None:
     out = _run("element_cost.py", "--calls", "20", "--count", "40")
     assert re.search(r"homogeneous\s+read\s+[\d.]+ us\s+write\s+[\d.]+ us", out)
