@@ -154,13 +154,18 @@ def test_a_reply_cut_after_the_server_ran_the_call_changes_nothing_twice(proxied
     for s in (cut_store, clean):
         setup(s)
     assert effects(raw, cut_store) == effects(raw, clean)
+    before = commandstats(raw).get("evalsha", 0)
     expected = outcome(call(clean))
+    calls = commandstats(raw).get("evalsha", 0) - before  # one, or one per step (enable_priorities builds its tree in steps)
     before = commandstats(raw).get("evalsha", 0)
     cut = proxy.arm(faults.Cut("reply", ("EVALSHA",), 0))
     got = outcome(call(cut_store))
     proxy.disarm()
     assert cut.landed.is_set(), f"{name}: the cut never landed"
-    assert commandstats(raw).get("evalsha", 0) - before == 2, f"{name}: one call and one resend ({cut.where})"
+    sent = commandstats(raw).get("evalsha", 0) - before
+    # the calls and one resend; a step of enable_priorities resent after it switched the policy on is
+    # answered STALE (the version moved) and planned again, finding priorities on: one more call, no effect
+    assert sent == calls + 1 or (name == "enable_priorities" and sent == calls + 2), f"{name}: {sent} calls ({cut.where})"
     assert got == expected, name
     assert effects(raw, cut_store) == effects(raw, clean), name
 
