@@ -109,15 +109,31 @@ local function tds_f64_read(s, kind, n)
   return out
 end
 
+-- The sum of every weight of a tree stays at most TDS_WSUM (float64 ends at 1.8e308), so no sum
+-- overflows: a tree of `count` slots takes weights up to TDS_WSUM / count (tdstore/_sampling.py
+-- refuses larger priorities first, naming the largest allowed).
+local TDS_WSUM = 1e307
+
+-- The largest priority whose weight a tree of `count` slots takes under exponent alpha (> 0).
+local function tds_max_priority(alpha, count)
+  return (TDS_WSUM / math.max(count, 1)) ^ (1 / alpha)
+end
+
 -- The weight of priority p (finite, >= 0) under exponent alpha: p ^ alpha, 0 for p = 0. A weight
--- that overflows, or a positive priority whose weight rounds to 0, is refused (before any write).
-local function tds_weight(p, alpha)
+-- that overflows, or a positive priority whose weight rounds to 0, is refused (before any write);
+-- with `count` (the tree's slots), so is a weight above TDS_WSUM / count.
+local function tds_weight(p, alpha, count)
   if p <= 0 then
     return 0
   end
   local w = p ^ alpha
   if w ~= w or w >= math.huge or w <= 0 then
     error('TDSTORE refused: priority ' .. string.format('%.17g', p) .. ' ^ alpha ' .. string.format('%.17g', alpha) .. ' is not a finite positive number')
+  end
+  if count ~= nil and w > TDS_WSUM / math.max(count, 1) then
+    error('TDSTORE refused: priority ' .. string.format('%.17g', p) .. ' is too large: with alpha ' .. string.format('%.17g', alpha) .. ' and ' ..
+          string.format('%.0f', count) .. ' slots the sum of weights could overflow; the largest allowed priority is ' ..
+          string.format('%.6g', tds_max_priority(alpha, count)))
   end
   return w
 end
@@ -171,13 +187,37 @@ local function tds_tree_nodes(t, k, j0, j1, with_mins)
   else
     sums = tds_f64_read(s, 'sums', n)
   end
+  for j = 1, n do
+    local v, m = sums[j], mins and mins[j] or 0
+    if v ~= v or v < 0 or v >= math.huge or m ~= m or m < 0 or m > v then
+      tds_damaged('the priority tree ' .. t.key .. ' holds ' .. string.format('%.17g', v) .. ' (min ' .. string.format('%.17g', m) ..
+                  ') at byte ' .. string.format('%.0f', at + (j - 1) * level.w) .. ', not a finite weight >= 0 (written by another client?)')
+    end
+  end
   t.blocks[at] = {n = n, sums = sums, mins = mins}
   return sums, mins
+end
+
+-- Check that `sums` (n children) add up to their parent's sum `parent` within float tolerance
+-- (an update recomputes each parent from its children in order, so they agree exactly).
+local function tds_tree_agrees(t, k, j, sums, n, parent)
+  local total = 0
+  for i = 1, n do
+    total = total + sums[i]
+  end
+  if math.abs(total - parent) > 1e-9 * math.max(total, parent) then
+    tds_damaged('the priority tree ' .. t.key .. ': node ' .. j .. ' of level ' .. k .. ' holds the sum ' .. string.format('%.17g', parent) ..
+                ', its children add up to ' .. string.format('%.17g', total) .. ' (written by another client?)')
+  end
 end
 
 -- The root's sum and min: the total weight and the smallest positive weight.
 local function tds_tree_root(t)
   local sums, mins = tds_tree_nodes(t, #t.levels, 0, 0, true)
+  if (sums[1] > 0) ~= (mins[1] > 0) then
+    tds_damaged('the priority tree ' .. t.key .. ' holds the total weight ' .. string.format('%.17g', sums[1]) .. ' with the smallest weight ' ..
+                string.format('%.17g', mins[1]) .. ' (written by another client?)')
+  end
   return sums[1], mins[1]
 end
 
@@ -199,9 +239,11 @@ end
 -- so a leaf of weight 0 is never drawn. nil when the tree holds no weight.
 local function tds_tree_draw(t, mass)
   local j = 0
+  local parent = tds_tree_root(t)
   for k = #t.levels, 2, -1 do
     local lo, hi = tds_tree_children(t, k, j)
     local sums = tds_tree_nodes(t, k - 1, lo, hi)
+    tds_tree_agrees(t, k, j, sums, hi - lo + 1, parent)
     local pick, last = nil, nil
     for i = 1, hi - lo + 1 do
       local v = sums[i]
@@ -219,6 +261,7 @@ local function tds_tree_draw(t, mass)
       return nil
     end
     j = lo + pick - 1
+    parent = sums[pick]
   end
   if #t.levels == 1 and tds_tree_leaf(t, 0) <= 0 then
     return nil

@@ -93,7 +93,10 @@
               allocated, which reads as zeros.
   Errors      'TDSTORE bad argument' for a malformed op (nothing is read);
               'TDSTORE empty' when a 'U' op finds no written slot;
-              'TDSTORE damaged' when a key the header says holds data is lost or short.
+              'TDSTORE damaged' when a key the header says holds data is lost or short, a
+              header field a ring op reads (count, rw, rr, sn, lb, sc, na, inner) is out of
+              range, a priority tree value is not a finite weight >= 0 or disagrees with its
+              parent along a draw's path, or an offset table decreases.
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -171,6 +174,7 @@ for _ = 1, nops do
       end
       local first = tds_u64(offs, 1)
       local last = tds_u64(offs, 8 * (hi - lo + 1) + 1)
+      tds_offsets_rise(okey, offs, lo)
       if last > first then
         out[#out + 1] = tds_whole(meta, dkey, redis.call('GETRANGE', dkey, first, last - 1), last - first, true)
       else
@@ -191,8 +195,7 @@ for _ = 1, nops do
     if head[4] then
       do return tds_stale(meta) end  -- a client that does not know the sampling policy: it must sample under it
     end
-    local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
+    local count, rw = tds_ring_fields(head[1], head[2])
     local written = tds_written(count, rw, head[3])
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
@@ -220,9 +223,8 @@ for _ = 1, nops do
       error('TDSTORE bad argument: draw table size')
     end
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'schema')
-    local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
-    local policy = head[3] and cjson.decode(head[3]) or {}
+    local count, rw = tds_ring_fields(head[1], head[2])
+    local policy = tds_policy(head[3]) or {}
     local written = tds_written(count, rw, head[6])
     local lim = policy.limit
     if lim ~= nil then
@@ -231,8 +233,7 @@ for _ = 1, nops do
     if written < math.max(min_size, 1) then
       do return {'WAIT', written == 0 and 'empty' or 'size', 'the ring holds ' .. written .. ' written slots, fewer than the ' .. math.max(min_size, 1) .. ' a sample needs'} end
     end
-    local sampled = tonumber(head[4] or '0')
-    if lim ~= nil and (rw - tonumber(head[5] or '0')) * lim[1] - (sampled + 1) < lim[3] then  -- its first row (see write.lua)
+    if lim ~= nil and (rw - tds_int_field(head[5], 'lb', 0, rw, 0)) * lim[1] - (tds_int_field(head[4], 'sn', 0, TDS_MAXINT, 0) + 1) < lim[3] then  -- its first row (see write.lua)
       do return {'WAIT', 'sample', 'the rate limiter holds samples until the writers catch up'} end
     end
     if by_priority and policy.alpha == nil then
@@ -308,9 +309,8 @@ for _ = 1, nops do
     local channel = ARGV[a + 2]
     a = a + 3
     local head = redis.call('HMGET', meta, 'count', 'rw', 'rr')
-    local count = tds_num(head[1], 'count')
-    local rw = tonumber(head[2] or '0')
-    local rr = tonumber(head[3] or '0')
+    local count, rw = tds_ring_fields(head[1], head[2])
+    local rr = tds_int_field(head[3], 'rr', 0, rw, 0)
     if rw - rr > count then
       -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
       redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
@@ -385,6 +385,7 @@ for _ = 1, nops do
         shapes[j] = seg_range(stabs, sk, seg, row * rec, rec, false, rec)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
+      tds_offsets_rise(tds_segkey(ok, seg), offs, row)
       data[j] = last > first and seg_range(nil, dk, seg, first, last - first, true) or ''
     end
     out[#out + 1] = table.concat(bounds)

@@ -27,7 +27,8 @@
 
   Reply       {'OK', header field, value, ...}: the header as the change left it (the
               client adopts it, no second round trip); {'STALE', header...}; {'GONE'}.
-  Errors      'TDSTORE bad argument' for a malformed call.
+  Errors      'TDSTORE bad argument' for a malformed call; 'TDSTORE damaged' when 'count' or
+              'rw' is out of range (see tds_ring_fields in _lib.lua).
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], '')
@@ -35,8 +36,7 @@ if bad then
   return bad
 end
 local h = redis.call('HMGET', meta, 'count', 'rw', 'schema')
-local count = tds_num(h[1], 'count')
-local rw = tonumber(h[2] or '0')
+local count, rw = tds_ring_fields(h[1], h[2])
 local needs = {}
 for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true

@@ -52,6 +52,7 @@ from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
 from ._ops import Write
 from ._reads import DenseResult, ElementsResult
+from ._headerinfo import HeaderDamagedError, int_field
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from ._transport import NO_TRANSACTION, Transport
 
@@ -188,6 +189,8 @@ class Engine(Transport):
     def _parse_header(self, raw: dict) -> Header:
         try:
             header = Header.from_fields(raw)
+        except HeaderDamagedError as err:  # a value edited by hand: named like any damaged store
+            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
         except StoreFormatError as err:
             raise StoreFormatError(f"{err} ({self.where()})") from None
         if header.state != "ready":
@@ -208,7 +211,7 @@ class Engine(Transport):
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
-        return int(rw) if rw is not None else 0
+        return int_field(rw, "rw", default=0)
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""

@@ -286,7 +286,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     sub = subtree_dims(value, value.batch_dims) if isinstance(value, TensorDictBase) else None  # for keys the first extend creates
     prios = ""
     if priority is not None:
-        prios = _policy.format_priorities(_sampling.priority_values(priority, n))
+        prios = _policy.format_priorities(_sampling.priority_values(priority, n, policy=_sampling.policy_of(engine), slots=h0.count))
         if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
             raise ValueError(
                 f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first"
