@@ -59,6 +59,9 @@ local function tds_check(meta, spec, leaves)
   end
   local cur = head[1]
   if not cur then
+    if head[2] then  -- a header without its version (edited by hand: tds_damaged is defined below)
+      error('TDSTORE damaged: header field version is missing')
+    end
     return {'GONE'}
   end
   local epoch, check = string.match(spec, '^(%x+):(.+)$')
@@ -170,7 +173,7 @@ local function tds_policy(v)
     return nil
   end
   local ok, p = pcall(cjson.decode, v)
-  local good = ok and type(p) == 'table'
+  local good = ok and type(p) == 'table' and string.sub(v, 1, 1) == '{'
   if good then
     for k in pairs(p) do
       if k ~= 'alpha' and k ~= 'mt' and k ~= 'limit' and k ~= 'queue' then

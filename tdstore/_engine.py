@@ -211,7 +211,10 @@ class Engine(Transport):
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
-        return int_field(rw, "rw", default=0)
+        try:
+            return int_field(rw, "rw", default=0)
+        except HeaderDamagedError as err:
+            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""

@@ -84,7 +84,7 @@ class SamplingPolicy:
         if raw is None:
             return None
         data = json.loads(raw)
-        if not isinstance(data, dict) or set(data) - {"alpha", "mt", "limit", "queue"}:
+        if not isinstance(data, dict) or set(data) - {"alpha", "mt", "limit", "queue"} or None in data.values():
             raise ValueError(f"unknown sampling policy {raw!r}")
         alpha = data.get("alpha")
         mt = data.get("mt")

@@ -363,6 +363,7 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
                 pos += 1
                 continue
             shape_rec, data = reply[pos + 1], reply[pos + 2]
+            check_elements(leaf, 1, np.diff(_codec.unpack_i64(reply[pos])).tolist(), None if leaf.json else shape_rec, len(data))
             pos += 3
             if leaf.json:
                 out[leaf.path] = _nontensor.decode(data, h.leaf_inner(leaf.path))
