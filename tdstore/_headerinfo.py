@@ -244,7 +244,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
     try:
         schema = json.loads(f["schema"])
     except ValueError:
-        raise HeaderDamagedError(f"header field schema holds {f['schema'][:40]!r}, not JSON") from None
+        raise HeaderDamagedError(f"header field schema is corrupt: {f['schema'][:40]!r} is not JSON") from None
     kind = f["type"]
     state = f.get("state", "ready")
     epoch = f["epoch"]
