@@ -48,11 +48,11 @@ from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread,
 from ._call import Call, leaf_checks
 from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
+from ._headerinfo import HeaderDamagedError, int_field
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
 from ._ops import Write
 from ._reads import DenseResult, ElementsResult
-from ._headerinfo import HeaderDamagedError, int_field
 from ._schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from ._transport import NO_TRANSACTION, Transport
 

@@ -127,7 +127,9 @@ def _check_counters(f: Mapping[str, str], leaves: list[LeafRecord]) -> None:
     float_field(f.get("pm"), "pm", 0.0, UNBOUNDED, 1.0)
     for leaf in leaves:
         if int_field(f.get(f"lv:{leaf.number}"), f"lv:{leaf.number}", default=leaf.version) != leaf.version:
-            raise HeaderDamagedError(f"header field lv:{leaf.number} holds {f[f'lv:{leaf.number}']!r}, its leaf record version {leaf.version}")
+            raise HeaderDamagedError(
+                f"header field lv:{leaf.number} holds {f[f'lv:{leaf.number}']!r}, its leaf record version {leaf.version}"
+            )
 
 
 @dataclass(frozen=True)

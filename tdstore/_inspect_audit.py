@@ -96,7 +96,8 @@ def _tree_problems(client: redis.Redis, key: str, count: int) -> list[str]:
         return [f"{key}: the priority tree holds {have} bytes, not {size}"]
     if size > TREE_CHECK_BYTES or count < 1:
         return []
-    raw = np.frombuffer(client.get(key) or b"", dtype="<f8")
+    blob = client.get(key)
+    raw = np.frombuffer(blob if isinstance(blob, bytes) else b"", dtype="<f8")
     if not (np.isfinite(raw).all() and (raw >= 0).all()):
         return [f"{key}: the priority tree holds values that are not finite weights >= 0"]
     below, low, at, n = raw[:count], raw[:count], count, count

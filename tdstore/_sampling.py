@@ -141,9 +141,7 @@ def set_queue(engine: Engine, on: bool) -> None:
     _change(engine, lambda p: replace(p, queue=on), "queue" if on else "")
 
 
-def priority_values(
-    priority: Any, n: int, what: str = "priority", *, policy: SamplingPolicy | None = None, slots: int = 0
-) -> list[float]:
+def priority_values(priority: Any, n: int, what: str = "priority", *, policy: SamplingPolicy | None = None, slots: int = 0) -> list[float]:
     """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise).
 
     Under ``policy`` (priorities on) a tree of ``slots`` slots is given no priority whose weight

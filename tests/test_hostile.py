@@ -49,7 +49,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 def batch(lo: int, n: int) -> Any:
     """n elements tagged lo .. lo + n - 1: x = tag, a row-block pair (x, y) and varying-length tokens."""
     return lazy_stack(
-        [TensorDict(x=torch.tensor([float(i)]), y=torch.full((2,), float(i)), tok=torch.arange(i % 3 + 1) + 10 * i) for i in range(lo, lo + n)]
+        [
+            TensorDict(x=torch.tensor([float(i)]), y=torch.full((2,), float(i)), tok=torch.arange(i % 3 + 1) + 10 * i)
+            for i in range(lo, lo + n)
+        ]
     )
 
 
@@ -145,7 +148,17 @@ HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
     *[("pm", v, "prio", {"open", "extend"}) for v in ("inf", "nan", "-1", "x", "1e305")],
     *[
         ("sc", v, "plain", {"open", "sample", "extend"})
-        for v in ("{bad", "[]", '{"alpha":-1}', '{"alpha":"x"}', '{"alpha":1e999}', '{"mt":0}', '{"limit":[1,2]}', '{"queue":3}', '{"zz":1}')
+        for v in (
+            "{bad",
+            "[]",
+            '{"alpha":-1}',
+            '{"alpha":"x"}',
+            '{"alpha":1e999}',
+            '{"mt":0}',
+            '{"limit":[1,2]}',
+            '{"queue":3}',
+            '{"zz":1}',
+        )
     ],
     *[("sc", v, "prio", {"open", "psample", "extend", "update_priority"}) for v in ('{"alpha":null}', '{"alpha":1,"mt":1.5}')],
     *[("na", v, "plain", {"open"}) for v in ("x", "-1", "")],
@@ -203,7 +216,18 @@ def _tree_edit(kind: str) -> Callable[[bytes], bytes]:
     }[kind]
 
 
-TREE_EDITS = ["random", "leaf-inf", "leaf-nan", "leaf-negative", "leaf-huge", "root-sum", "root-inf", "root-min-zero", "root-min-above-sum", "cut-short"]
+TREE_EDITS = [
+    "random",
+    "leaf-inf",
+    "leaf-nan",
+    "leaf-negative",
+    "leaf-huge",
+    "root-sum",
+    "root-inf",
+    "root-min-zero",
+    "root-min-above-sum",
+    "cut-short",
+]
 
 
 @pytest.mark.parametrize("kind", TREE_EDITS)
@@ -216,7 +240,9 @@ def test_a_priority_tree_edited_by_hand_is_a_damaged_store(backend, kind):
     found = audit(client, backend.prefix, keys.td_id)  # (update_priority recomputes the sums it touches: audit first)
     assert not found.intact and "priority tree" in found.problems[-1]
     run = calls(store, backend, keys, "prio")
-    _hostile(f"tree {kind}", {"psample"}, {k: run[k] for k in ("psample", "update_priority", "extend", "pop")}, ("priority tree",), keys.td_id)
+    _hostile(
+        f"tree {kind}", {"psample"}, {k: run[k] for k in ("psample", "update_priority", "extend", "pop")}, ("priority tree",), keys.td_id
+    )
 
 
 def _leaf_number(client: Any, keys: StoreKeys, path: str) -> int:
