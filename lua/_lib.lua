@@ -218,6 +218,22 @@ local function tds_offsets_rise(key, offs, lo)
   end
 end
 
+-- 'count' as created: a ring op computes slots modulo the header's count, so a count edited to
+-- another integer would address other slots. The data a ring op reads or writes was made for the
+-- count: 'key' (segment 'seg' of 'per' elements, nil: one segment) holds (elements + extra) * nb
+-- bytes when it exists (a key never allocated is absent). Checked once per key a call touches.
+local function tds_count_agrees(checked, key, count, per, seg, nb, extra)
+  if checked[key] or nb <= 0 then
+    return
+  end
+  checked[key] = true
+  local have = redis.call('STRLEN', key)
+  local n = per and math.min(per, count - seg * per) or count
+  if have > 0 and have ~= (n + extra) * nb then
+    tds_bad_field('count', string.format('%.0f', count), 'the count its data was made for (' .. key .. ' holds ' .. have .. ' bytes, ' .. nb .. ' per element)')
+  end
+end
+
 -- The ring fields of a header, raw as HMGET gives them: count (0..2^53, at least 1 once the
 -- ring was written) and rw (0..2^53; absent: 0).
 local function tds_ring_fields(count, rw)

@@ -125,6 +125,8 @@ local function seg_range(cache, ki, seg, start, len, strict, rec)
   return tds_whole(meta, key, string.sub(blob, start + 1, start + len), len, strict, rec)
 end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
+local lost_reply = nil  -- an 'F' op's {'LOST', k}: sent instead of the pieces, once every op has read
+local ring_count, counted_keys = nil, {}  -- the count a 'U', 'P' or 'F' op's slots are modulo, and the keys checked against it
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -196,6 +198,7 @@ for _ = 1, nops do
       do return tds_stale(meta) end  -- a client that does not know the sampling policy: it must sample under it
     end
     local count, rw = tds_ring_fields(head[1], head[2])
+    ring_count = count
     local written = tds_written(count, rw, head[3])
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
@@ -224,6 +227,7 @@ for _ = 1, nops do
     end
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'schema')
     local count, rw = tds_ring_fields(head[1], head[2])
+    ring_count = count
     local policy = tds_policy(head[3]) or {}
     local written = tds_written(count, rw, head[6])
     local lim = policy.limit
@@ -310,29 +314,36 @@ for _ = 1, nops do
     a = a + 3
     local head = redis.call('HMGET', meta, 'count', 'rw', 'rr')
     local count, rw = tds_ring_fields(head[1], head[2])
+    ring_count = count
     local rr = tds_int_field(head[3], 'rr', 0, rw, 0)
     if rw - rr > count then
-      -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
-      redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
-      if channel ~= '' then
-        redis.call('PUBLISH', channel, 'p')
+      -- writers lapped unread items: skip to the oldest item still there, and say how many were lost.
+      -- The ops after this one still read that item (not sent back), so a 'count' edited by hand
+      -- is found (tds_count_agrees) before the cursor moves.
+      lost_reply = {'LOST', string.format('%.0f', rw - count - rr)}
+      rows = {(rw - count) % count}
+      finish[#finish + 1] = function()
+        redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
+        if channel ~= '' then
+          redis.call('PUBLISH', channel, 'p')
+        end
       end
-      do return {'LOST', string.format('%.0f', rw - count - rr)} end
-    end
-    if rw == rr then
+    elseif rw == rr then
       do return {'WAIT', 'empty', 'no unread item'} end
     end
-    local k = math.min(n, rw - rr)
-    rows = {}
+    local k = lost_reply and 0 or math.min(n, rw - rr)
+    rows = lost_reply and rows or {}
     local packed = {}
     for j = 1, k do
       rows[j] = (rr + j - 1) % count
       packed[j] = tds_p64(rows[j])
     end
-    finish[#finish + 1] = function()
-      redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
-      if channel ~= '' then
-        redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+    if not lost_reply then
+      finish[#finish + 1] = function()
+        redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
+        if channel ~= '' then
+          redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+        end
       end
     end
     out[#out + 1] = table.concat(packed)
@@ -361,6 +372,9 @@ for _ = 1, nops do
       local cache = kind == 'B' and {} or nil
       for j = 1, #rows do
         local seg, row = tds_locate(rows[j], seg_per)
+        if ring_count ~= nil then
+          tds_count_agrees(counted_keys, tds_segkey(ki, seg), ring_count, seg_per, seg, nb, 0)
+        end
         pieces[j] = seg_range(cache, ki, seg, row * nb, nb)
       end
     end
@@ -379,6 +393,9 @@ for _ = 1, nops do
     local stabs = kind == 'V' and {} or nil
     for j = 1, #rows do
       local seg, row = tds_locate(rows[j], seg_per)
+      if ring_count ~= nil then
+        tds_count_agrees(counted_keys, tds_segkey(ok, seg), ring_count, seg_per, seg, 8, 1)
+      end
       local offs = seg_range(otabs, ok, seg, 8 * row, 16)
       bounds[j] = offs
       if rec > 0 then
@@ -404,4 +421,4 @@ end
 for _, change in ipairs(finish) do
   change()
 end
-return out
+return lost_reply or out

@@ -223,6 +223,7 @@ local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
+local ring_count, counted_keys = nil, {}  -- the count a 'W' or 'G' op's slots are modulo, and the keys checked against it
 local function row_runs()
   local out, j = {}, 1
   while j <= #rows do
@@ -373,6 +374,7 @@ for _ = 1, nops do
     local n = tds_num(ARGV[a + 1], 'row count')
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm')
     local count, rw = tds_ring_fields(head[1], head[2])
+    ring_count = count
     rows, applied = {}, {}
     if kind == 'W' then
       if n < 1 or n > count then
@@ -434,6 +436,7 @@ for _ = 1, nops do
       local j, e = run[1], run[2]
       local seg, row = tds_locate(rows[j], seg_per)
       local k = tds_segkey(ki, seg)
+      tds_count_agrees(counted_keys, k, ring_count, seg_per, seg, nb, 0)
       need(ki + seg)
       local start = row * nb
       if start + (e - j + 1) * nb > limit then
@@ -457,6 +460,7 @@ for _ = 1, nops do
       if applied[j] and nb > 0 then
         local seg, row = tds_locate(rows[j], seg_per)
         local k = tds_segkey(ki, seg)
+        tds_count_agrees(counted_keys, k, ring_count, seg_per, seg, stride, 0)
         need(ki + seg)
         local start = row * stride + col
         if start + nb > limit then
@@ -486,6 +490,7 @@ for _ = 1, nops do
     for _, run in ipairs(runs) do
       local j, e = run[1], run[2]
       local seg, lo = tds_locate(rows[j], seg_per)
+      tds_count_agrees(counted_keys, tds_segkey(ok, seg), ring_count, seg_per, seg, 8, 1)
       need(ok + seg)
       need(sk + seg)
       need(dk + seg)

@@ -140,7 +140,7 @@ HUGE_INT = str(2**63)
 # (field, hostile value (None: the field deleted), policy setup, calls that must raise)
 RING = {"open", "sample", "pop", "extend"}
 HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
-    *[("count", v, "plain", RING) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None)],
+    *[("count", v, "plain", RING) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None, "100", "7", "4")],
     *[("rw", v, "plain", RING | {"written"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "")],
     *[("rr", v, "queue", {"open", "pop", "extend"}) for v in ("-50", "99", "x", "1.5")],
     *[("sn", v, "limit", {"open", "sample", "extend"}) for v in ("-1", "x", BIG)],
@@ -182,7 +182,11 @@ def test_a_header_field_out_of_range_is_a_damaged_store(backend, field, value, s
     else:
         client.hset(keys.meta, field, value)
     run = calls(store, backend, keys, setup)
-    _hostile(f"{field}={value!r}", must, run, (field,), keys.td_id)
+    if field == "count" and value is not None and value.isdigit():
+        # another count in range: a new handle cannot tell from the header alone (it reads no data key);
+        # every ring call that reads or writes data can (tds_count_agrees in lua/_lib.lua)
+        del run["open"]
+    _hostile(f"{field}={value!r}", must - {"open"} if "open" not in run else must, run, (field,), keys.td_id)
 
 
 def test_tdstore_check_reports_a_header_field_out_of_range(backend):
