@@ -211,8 +211,13 @@ class Engine(Transport):
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
+        return self.rw_field(rw)
+
+    def rw_field(self, raw: Any) -> int:
+        """The header field ``rw`` as read (here, or by a read transaction), range-checked as the scripts
+        check it: ``StoreDamagedError`` naming the store and the field for a value tdstore never writes."""
         try:
-            return int_field(rw, "rw", default=0)
+            return int_field(raw, "rw", default=0)
         except HeaderDamagedError as err:
             raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
 

@@ -18,10 +18,9 @@ import numpy as np
 import torch
 from tensordict import lazy_stack
 
-from . import _codec, _integrity, _ragged, _rows, _sampling, _waiting
+from . import _codec, _ragged, _rows, _sampling, _waiting
 from ._call import Call, leaf_checks
 from ._engine import Engine
-from ._headerinfo import HeaderDamagedError, int_field
 from ._keys import KeyTable
 from ._ops import Read
 from ._policy import SamplingPolicy
@@ -168,7 +167,7 @@ def _full_ring_sample(
     _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=("rw", "sc"))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = fields.get("rw")
-    if isinstance(res, DenseResult) and rw is not None and _ring_writes(engine, rw) >= h.count and fields.get("sc") is None:
+    if isinstance(res, DenseResult) and rw is not None and engine.rw_field(rw) >= h.count and fields.get("sc") is None:
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
         return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, int(rw), h.count))
@@ -176,14 +175,6 @@ def _full_ring_sample(
         engine.set_header(engine.fetch_header())
         return _UNDER_POLICY
     return None
-
-
-def _ring_writes(engine: Engine, raw: Any) -> int:
-    """The header field ``rw`` a read transaction read, range-checked as the scripts check it."""
-    try:
-        return int_field(raw, "rw")
-    except HeaderDamagedError as err:
-        raise _integrity.damaged(engine.where(), str(err), engine.keys.td_id, header=True) from None
 
 
 @dataclass
@@ -270,7 +261,7 @@ def _tx_sample_call(
     def parse(reply: list) -> Sample:
         fields = call.field_values or {}
         rw = fields.get("rw")
-        if rw is None or _ring_writes(engine, rw) < h.count or fields.get("sc") is not None:
+        if rw is None or engine.rw_field(rw) < h.count or fields.get("sc") is not None:
             raise _RingMoved
         return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), rw, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 

@@ -85,7 +85,7 @@ class StoreSampler(Sampler):
         rw = res.fields.get("rw")
         if rw is None or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
             return None
-        self._bound = min(int(rw), m)
+        self._bound = min(s.stack_ops.engine.rw_field(rw), m)
         if int(slots.max()) >= self._bound:
             return None
         return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, int(rw), m))

@@ -70,8 +70,8 @@ def make(backend: Backend, setup: str) -> tuple[LazyStackedTensorDictStore, Stor
     return store, StoreKeys(backend.prefix, td_id)
 
 
-def _check_sample(s: Any) -> None:
-    assert torch.equal(s.td["x"][:, 0].long(), s.indices) and bool((s.indices < 6).all()), "a sample read rows never written"
+def _check_sample(s: Any, written: int = 6) -> None:
+    assert torch.equal(s.td["x"][:, 0].long(), s.indices) and bool((s.indices < written).all()), "a sample read rows never written"
     for j, k in enumerate(s.indices.tolist()):
         assert torch.equal(s.td[j]["tok"], torch.arange(k % 3 + 1) + 10 * k)
     if hasattr(s, "weights"):
@@ -381,3 +381,16 @@ def test_priorities_that_are_not_finite_numbers_are_refused(backend, bad):
     with pytest.raises(ValueError, match="finite numbers >= 0"):
         store.update_priority([0], bad)
     assert store.write_count == 2
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", BIG])
+def test_a_full_ring_sampled_by_transaction_checks_rw(backend, value):
+    """A full ring samples as a read transaction that reads rw itself (``_ring_reads``): the same range."""
+    store, keys = make(backend, "plain")
+    store.extend(batch(6, 2))
+    _check_sample(store.sample(8, timeout=WAIT), written=8)  # the ring is full: the next sample goes as a transaction
+    assert store._engine.ring_full
+    backend.client().hset(keys.meta, "rw", value)
+    with pytest.raises(StoreDamagedError, match=f"header field rw holds '{re.escape(value)}'") as err:
+        store.sample(8, timeout=WAIT)
+    assert keys.td_id in str(err.value)
