@@ -272,7 +272,9 @@ end
 
 -- The inventory hash of the store whose header is 'meta', or nil when it keeps none.
 local function tds_inventory(meta)
-  if redis.call('HEXISTS', meta, 'na') == 1 then
+  local na = redis.call('HGET', meta, 'na')
+  if na then
+    tds_int_field(na, 'na', 0, TDS_MAXINT)  -- counted with HINCRBY: an integer, checked before any write
     return KEYS[2]
   end
   return nil

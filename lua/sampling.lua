@@ -35,8 +35,9 @@ local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
 end
-local h = redis.call('HMGET', meta, 'count', 'rw', 'schema')
+local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'kv')
 local count, rw = tds_ring_fields(h[1], h[2])
+tds_int_field(h[4], 'kv', 0, TDS_MAXINT)  -- bumped below (version: tds_check compared it with the client's)
 local needs = {}
 for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true

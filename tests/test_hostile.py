@@ -111,7 +111,17 @@ def calls(store: LazyStackedTensorDictStore, backend: Backend, keys: StoreKeys, 
     def written() -> None:
         assert store.written == range(6) and len(store) == 8
 
-    out = {"open": reopen, "written": written, "element": element, "sample": sample, "pop": pop, "extend": extend}
+    def update_if() -> None:
+        assert store.update_if([3], [1], TensorDict(y=torch.full((1, 2), 3.0), batch_size=[1])).tolist() == [True]
+        assert store[3].to_tensordict()["y"].tolist() == [3.0, 3.0]
+
+    def enable_priorities() -> None:  # the last call: every written slot weighs 1
+        store.enable_priorities(alpha=1.0)
+        assert sorted(set(store.sample(64, prioritized=True, timeout=WAIT).indices.tolist())) == list(store.written)
+
+    out = {"open": reopen, "written": written, "element": element, "sample": sample, "pop": pop, "update_if": update_if, "extend": extend}
+    if setup == "plain":
+        out["enable_priorities"] = enable_priorities
     if setup == "prio":
         out.update(psample=psample, update_priority=update_priority)
         del out["sample"]  # a prioritized store samples uniformly too, but the point is its tree
@@ -138,7 +148,7 @@ def _hostile(what: str, must: set[str], run: dict[str, Callable[[], None]], name
 BIG = "1e300"
 HUGE_INT = str(2**63)
 # (field, hostile value (None: the field deleted), policy setup, calls that must raise)
-RING = {"open", "sample", "pop", "extend"}
+RING = {"open", "sample", "pop", "update_if", "extend", "enable_priorities"}
 HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
     *[("count", v, "plain", RING) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None, "100", "7", "4")],
     *[("rw", v, "plain", RING | {"written"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "")],
@@ -394,3 +404,26 @@ def test_a_full_ring_sampled_by_transaction_checks_rw(backend, value):
     with pytest.raises(StoreDamagedError, match=f"header field rw holds '{re.escape(value)}'") as err:
         store.sample(8, timeout=WAIT)
     assert keys.td_id in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5"])
+def test_an_inventory_count_out_of_range_refuses_a_write_that_allocates(backend, value):
+    """``na`` is counted with HINCRBY when a write allocates a segment: checked before anything is written."""
+    td_id = f"h{uuid.uuid4().hex[:8]}"
+    store = LazyStackedTensorDictStore(count=8, td_id=td_id, segment_bytes=64, **backend.kwargs())
+    store.extend(batch(0, 2))
+    keys = StoreKeys(backend.prefix, td_id)
+    client = backend.client()
+    assert int(client.hget(keys.meta, "seg")) < 8  # several segments, each allocated when first written
+    client.hset(keys.meta, "na", value)
+    for lo in range(2, 8, 2):  # until a write reaches a segment never written
+        snapshot = {k: client.get(k) for k in client.keys(f"{backend.prefix}:*") if client.type(k) == b"string"}
+        try:
+            store.extend(batch(lo, 2), timeout=WAIT)
+        except StoreDamagedError as err:
+            assert "header field na" in str(err) and td_id in str(err)
+            break
+    else:
+        pytest.fail("no extend allocated a segment")
+    assert client.hget(keys.meta, "rw") == str(lo).encode()  # the refused extend wrote nothing
+    assert snapshot == {k: client.get(k) for k in client.keys(f"{backend.prefix}:*") if client.type(k) == b"string"}
