@@ -127,7 +127,8 @@ local function tds_bad_field(name, v, want)
 end
 
 -- Header field 'name' (its raw value v, false/nil when absent) as an integer in lo..hi: plain
--- decimal digits only (what HINCRBY and '%.0f' write); 'default' when absent (nil: required).
+-- decimal digits as HINCRBY and '%.0f' write them (no sign '+', no leading zero, no '-0': fields
+-- like 'version' are compared as strings); 'default' when absent (nil: required).
 local function tds_int_field(v, name, lo, hi, default)
   if not v then
     if default ~= nil then
@@ -136,7 +137,7 @@ local function tds_int_field(v, name, lo, hi, default)
     tds_bad_field(name, '', 'present')
   end
   local n = string.match(v, '^%-?%d+$') and tonumber(v) or nil
-  if n == nil or n < lo or n > hi then
+  if n == nil or n < lo or n > hi or string.format('%.0f', n) ~= v then
     tds_bad_field(name, v, string.format('an integer in %.0f..%.0f', lo, hi))
   end
   return n

@@ -89,14 +89,15 @@ def _text(v: bytes | str | None) -> str | None:
 
 def int_field(raw: bytes | str | None, name: str, lo: int = 0, hi: int = MAX_INT, default: int | None = None) -> int:
     """Header field ``name`` (raw value ``raw``, None when absent) as an integer in ``lo..hi``: plain
-    decimal digits only, as ``tds_int_field`` in ``lua/_lib.lua`` reads it; ``default`` when absent
+    decimal digits as HINCRBY writes them (no ``+``, leading zero or ``-0``), as ``tds_int_field`` in
+    ``lua/_lib.lua`` reads it; ``default`` when absent
     (None: required). Anything else raises :class:`HeaderDamagedError` naming the field."""
     v = _text(raw)
     if v is None:
         if default is not None:
             return default
         raise HeaderDamagedError(f"header field {name} is missing")
-    if not _INT.fullmatch(v) or not lo <= int(v) <= hi:
+    if not _INT.fullmatch(v) or str(int(v)) != v or not lo <= int(v) <= hi:  # canonical: fields compared as strings
         raise HeaderDamagedError(f"header field {name} holds {v[:40]!r}, not an integer in {lo}..{hi}")
     return int(v)
 

@@ -173,7 +173,7 @@ HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
     *[("sc", v, "prio", {"open", "psample", "extend", "update_priority"}) for v in ('{"alpha":null}', '{"alpha":1,"mt":1.5}')],
     *[("na", v, "plain", {"open"}) for v in ("x", "-1", "")],
     *[("seg", v, "plain", {"open"}) for v in ("-2", "x", "0.5")],
-    *[("version", v, "plain", {"open"}) for v in ("-1", "x", "", None)],
+    *[("version", v, "plain", {"open"}) for v in ("-1", "x", "", None, "0002")],
     *[("kv", v, "plain", {"open", "extend"}) for v in ("x", "-3")],
     *[("lv:0", v, "plain", {"open", "element"}) for v in ("x", "-1", "99")],
     *[("stack_dim", v, "plain", {"open"}) for v in ("7", "x")],
@@ -293,8 +293,10 @@ def _het_calls(store: LazyStackedTensorDictStore) -> dict[str, Callable[[], None
         got = store.get_at("tok", [0, 2, 4, 5], as_padded_tensor=True)
         assert [row[: k % 3 + 1].tolist() for row, k in zip(got, (0, 2, 4, 5))] == [want[k].tolist() for k in (0, 2, 4, 5)]
 
-    def sample() -> None:
-        _check_sample(store.sample(16, timeout=WAIT))
+    def sample() -> None:  # seeded: draws every written slot (the one an edit damaged among them)
+        s = store.sample(64, torch.Generator().manual_seed(0), timeout=WAIT)
+        _check_sample(s)
+        assert set(s.indices.tolist()) == set(range(6))
 
     def pop() -> None:
         got = store.pop(3, timeout=WAIT)
@@ -343,7 +345,7 @@ def test_header_damage_is_also_a_format_error():
     with pytest.raises(HeaderDamagedError, match="header field rw holds '-1'") as err:
         int_field("-1", "rw")
     assert isinstance(err.value, StoreDamagedError) and isinstance(err.value, tdstore.StoreFormatError)
-    for bad in (" 5", "+5", "5_0", "٥", "0x10", "1e3"):
+    for bad in (" 5", "+5", "5_0", "٥", "0x10", "1e3", "007", "-0", "5\n"):
         with pytest.raises(HeaderDamagedError):
             int_field(bad, "count")
 
