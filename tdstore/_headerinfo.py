@@ -250,6 +250,10 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         raise HeaderDamagedError(f"header field schema is corrupt: {f['schema'][:40]!r} is not JSON") from None
     kind = f["type"]
     state = f.get("state", "ready")
+    if kind not in ("lazy", "dense"):
+        raise HeaderDamagedError(f"header field type holds {kind[:40]!r}, not 'lazy' or 'dense'")
+    if state != "ready" and not state.startswith("uploading:"):
+        raise HeaderDamagedError(f"header field state holds {state[:40]!r}, not 'ready' or 'uploading:<token>'")
     epoch = f["epoch"]
     tensorclass = f.get("tensorclass", "")
     _check_layout(epoch, count, inner, seg, stack_dim)

@@ -180,6 +180,8 @@ HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
     *[("schema", v, "plain", {"open"}) for v in ("{}", "x", None)],
     *[("inner", v, "plain", {"open"}) for v in ("[-1]", "x")],
     *[("format", v, "plain", {"open"}) for v in ("abc", "", "-1", None)],
+    *[("type", v, "plain", {"open"}) for v in ("weird", None)],
+    ("state", "broken", "plain", {"open"}),
 ]
 
 
