@@ -160,7 +160,7 @@ local function tds_tree(key, count)
   if have ~= size then
     tds_damaged('the priority tree ' .. key .. ' holds ' .. have .. ' bytes, not ' .. size .. ' (lost or deleted)')
   end
-  return {key = key, levels = levels, count = count, blocks = {}}
+  return {key = key, levels = levels, count = count, blocks = {}, agreed = {}}
 end
 
 -- Nodes j0..j1 (0-based, inclusive) of level k: their sums, and with `with_mins` their mins
@@ -187,25 +187,39 @@ local function tds_tree_nodes(t, k, j0, j1, with_mins)
   else
     sums = tds_f64_read(s, 'sums', n)
   end
+  -- every value a finite weight >= 0 (a NaN fails every comparison), every min within its sum
+  local huge, bad = math.huge, nil
   for j = 1, n do
-    local v, m = sums[j], mins and mins[j] or 0
-    if v ~= v or v < 0 or v >= math.huge or m ~= m or m < 0 or m > v then
-      tds_damaged('the priority tree ' .. t.key .. ' holds ' .. string.format('%.17g', v) .. ' (min ' .. string.format('%.17g', m) ..
-                  ') at byte ' .. string.format('%.0f', at + (j - 1) * level.w) .. ', not a finite weight >= 0 (written by another client?)')
+    local v = sums[j]
+    if not (v >= 0 and v < huge) then
+      bad = bad or j
     end
+  end
+  if mins ~= nil and mins ~= sums then
+    for j = 1, n do
+      local m = mins[j]
+      if not (m >= 0 and m <= sums[j]) then
+        bad = bad or j
+      end
+    end
+  end
+  if bad ~= nil then
+    tds_damaged('the priority tree ' .. t.key .. ' holds ' .. string.format('%.17g', sums[bad]) .. ' (min ' .. string.format('%.17g', mins and mins[bad] or 0) ..
+                ') at byte ' .. string.format('%.0f', at + (bad - 1) * level.w) .. ', not a finite weight >= 0 (written by another client?)')
   end
   t.blocks[at] = {n = n, sums = sums, mins = mins}
   return sums, mins
 end
 
 -- Check that `sums` (n children) add up to their parent's sum `parent` within float tolerance
--- (an update recomputes each parent from its children in order, so they agree exactly).
+-- (an update recomputes each parent from its children in order, so they agree exactly). A draw
+-- checks each node once per call (t.agreed): the draws of a batch share the top of the tree.
 local function tds_tree_agrees(t, k, j, sums, n, parent)
   local total = 0
   for i = 1, n do
     total = total + sums[i]
   end
-  if math.abs(total - parent) > 1e-9 * math.max(total, parent) then
+  if not (math.abs(total - parent) <= 1e-9 * math.max(total, parent)) then  -- (a NaN fails it too)
     tds_damaged('the priority tree ' .. t.key .. ': node ' .. j .. ' of level ' .. k .. ' holds the sum ' .. string.format('%.17g', parent) ..
                 ', its children add up to ' .. string.format('%.17g', total) .. ' (written by another client?)')
   end
@@ -236,14 +250,21 @@ end
 
 -- The leaf that `mass` (0 <= mass < total) falls in: walking down, the child whose running
 -- sum first exceeds the mass; rounding past the last child with weight takes that child,
--- so a leaf of weight 0 is never drawn. nil when the tree holds no weight.
-local function tds_tree_draw(t, mass)
+-- so a leaf of weight 0 is never drawn. nil when the tree holds no weight. `total`: the root's sum,
+-- when the caller has it (tds_tree_root). Each node on the path is checked against its children
+-- (tds_tree_agrees), once per call.
+local function tds_tree_draw(t, mass, total)
   local j = 0
-  local parent = tds_tree_root(t)
+  local parent = total or tds_tree_root(t)
+  local agreed = t.agreed
   for k = #t.levels, 2, -1 do
     local lo, hi = tds_tree_children(t, k, j)
     local sums = tds_tree_nodes(t, k - 1, lo, hi)
-    tds_tree_agrees(t, k, j, sums, hi - lo + 1, parent)
+    local node = t.levels[k].at + 16 * j
+    if not agreed[node] then
+      agreed[node] = true
+      tds_tree_agrees(t, k, j, sums, hi - lo + 1, parent)
+    end
     local pick, last = nil, nil
     for i = 1, hi - lo + 1 do
       local v = sums[i]

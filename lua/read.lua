@@ -264,7 +264,7 @@ for _ = 1, nops do
         if total <= 0 then
           break  -- every slot retired: a shorter batch
         end
-        local s = tds_tree_draw(t, tds_u64(draws, 8 * j - 7) / 9007199254740992 * total)
+        local s = tds_tree_draw(t, tds_u64(draws, 8 * j - 7) / 9007199254740992 * total, total)
         if s == nil then
           break
         end
