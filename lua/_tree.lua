@@ -20,6 +20,10 @@
   leaves recomputes each distinct ancestor once, from its children, so sums never drift.
   Values are packed with the struct library where the server has it (Redis, Valkey, KeyDB,
   Dragonfly) and by plain Lua arithmetic where it does not (fakeredis): the bytes are the same.
+  Nothing read is trusted: every block a call parses must hold finite weights >= 0 (mins within
+  their sums), the root's min is positive exactly when its sum is, and a draw checks each node on
+  its path against its children; a weight above TDS_WSUM / count is refused, so no sum overflows.
+  A tree edited by hand raises 'TDSTORE damaged' before anything is written.
 ]]
 local TDS_FAN = 16
 local tds_struct = nil
