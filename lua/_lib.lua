@@ -59,6 +59,9 @@ local function tds_check(meta, spec, leaves)
   end
   local cur = head[1]
   if not cur then
+    if head[2] then  -- a header without its version (edited by hand: tds_damaged is defined below)
+      error('TDSTORE damaged: header field version is missing')
+    end
     return {'GONE'}
   end
   local epoch, check = string.match(spec, '^(%x+):(.+)$')
@@ -108,6 +111,140 @@ local function tds_damaged(what)
   error('TDSTORE damaged: ' .. what)
 end
 
+-- Hostile values. Another client may write header fields by hand; every field a script computes
+-- with is read through these checks, so a value out of range raises 'TDSTORE damaged: header
+-- field <name> ...' (tdstore.StoreDamagedError naming the store and the field) before anything
+-- is read or written, never a raw Lua error, a hang, a NaN or rows never written.
+local TDS_MAXINT = 9007199254740992  -- 2^53: every counter and size stays an exact double
+
+-- Raise 'TDSTORE damaged' for header field 'name' holding 'v' (shown cut to 40 characters).
+local function tds_bad_field(name, v, want)
+  local shown = tostring(v)
+  if #shown > 40 then
+    shown = string.sub(shown, 1, 40) .. '...'
+  end
+  tds_damaged('header field ' .. name .. " holds '" .. shown .. "', not " .. want)
+end
+
+-- Header field 'name' (its raw value v, false/nil when absent) as an integer in lo..hi: plain
+-- decimal digits as HINCRBY and '%.0f' write them (no sign '+', no leading zero, no '-0': fields
+-- like 'version' are compared as strings); 'default' when absent (nil: required).
+local function tds_int_field(v, name, lo, hi, default)
+  if not v then
+    if default ~= nil then
+      return default
+    end
+    tds_bad_field(name, '', 'present')
+  end
+  local n = string.match(v, '^%-?%d+$') and tonumber(v) or nil
+  if n == nil or n < lo or n > hi or string.format('%.0f', n) ~= v then
+    tds_bad_field(name, v, string.format('an integer in %.0f..%.0f', lo, hi))
+  end
+  return n
+end
+
+-- Header field 'name' as a finite number in lo..hi ('default' when absent).
+local function tds_float_field(v, name, lo, hi, default)
+  if not v then
+    if default ~= nil then
+      return default
+    end
+    tds_bad_field(name, '', 'present')
+  end
+  local n = tonumber(v)
+  if n == nil or n ~= n or n < lo or n > hi or n >= math.huge or n <= -math.huge then
+    tds_bad_field(name, v, string.format('a finite number in %.17g..%.17g', lo, hi))
+  end
+  return n
+end
+
+-- A finite number in lo..hi, else nil (a value decoded from JSON: cjson.null is not a number).
+local function tds_finite(x, lo, hi)
+  if type(x) ~= 'number' or x ~= x or x < lo or x > hi or x >= math.huge or x <= -math.huge then
+    return nil
+  end
+  return x
+end
+
+-- The ring's sampling policy, header field 'sc' (raw value v; nil when absent), decoded and
+-- checked as tdstore/_policy.py writes it: alpha in 0..1e300, mt an integer in 1..2^32-1,
+-- limit {spi >= 0, min_size an integer >= 0, min_diff <= max_diff}, queue a boolean.
+local function tds_policy(v)
+  if not v then
+    return nil
+  end
+  local ok, p = pcall(cjson.decode, v)
+  local good = ok and type(p) == 'table' and string.sub(v, 1, 1) == '{'
+  if good then
+    for k in pairs(p) do
+      if k ~= 'alpha' and k ~= 'mt' and k ~= 'limit' and k ~= 'queue' then
+        good = false
+      end
+    end
+  end
+  if good and p.alpha ~= nil and tds_finite(p.alpha, 0, 1e300) == nil then
+    good = false
+  end
+  if good and p.mt ~= nil and (tds_finite(p.mt, 1, 4294967295) == nil or p.mt ~= math.floor(p.mt)) then
+    good = false
+  end
+  if good and p.queue ~= nil and type(p.queue) ~= 'boolean' then
+    good = false
+  end
+  local lim = nil
+  if good then
+    lim = p.limit
+  end
+  if lim ~= nil then
+    good = type(lim) == 'table' and #lim == 4 and tds_finite(lim[1], 0, 1e300) ~= nil and tds_finite(lim[2], 0, TDS_MAXINT) ~= nil
+      and lim[2] == math.floor(lim[2]) and tds_finite(lim[3], -1e300, 1e300) ~= nil and tds_finite(lim[4], -1e300, 1e300) ~= nil
+      and lim[3] <= lim[4]
+  end
+  if not good then
+    tds_bad_field('sc', v, 'a sampling policy (JSON: alpha, mt, limit, queue in range)')
+  end
+  return p
+end
+
+-- Check that the offsets packed in `offs` (int64, entries lo, lo + 1, ... of the offset table
+-- `key`) never decrease and stay below 2^53: a table edited by hand is reported, never cut into rows.
+local function tds_offsets_rise(key, offs, lo)
+  local prev = 0
+  for p = 1, #offs - 7, 8 do
+    local v = tds_u64(offs, p)
+    if v < prev or v > TDS_MAXINT then
+      tds_damaged('the offset table ' .. key .. ' decreases or passes 2^53 at entry ' .. string.format('%.0f', lo + (p - 1) / 8) .. ' (written by another client?)')
+    end
+    prev = v
+  end
+end
+
+-- 'count' as created: a ring op computes slots modulo the header's count, so a count edited to
+-- another integer would address other slots. The data a ring op reads or writes was made for the
+-- count: 'key' (segment 'seg' of 'per' elements, nil: one segment) holds (elements + extra) * nb
+-- bytes when it exists (a key never allocated is absent). Checked once per key a call touches.
+local function tds_count_agrees(checked, key, count, per, seg, nb, extra)
+  if checked[key] or nb <= 0 then
+    return
+  end
+  checked[key] = true
+  local have = redis.call('STRLEN', key)
+  local n = per and math.min(per, count - seg * per) or count
+  if have > 0 and have ~= (n + extra) * nb then
+    tds_bad_field('count', string.format('%.0f', count), 'the count its data was made for (' .. key .. ' holds ' .. have .. ' bytes, ' .. nb .. ' per element)')
+  end
+end
+
+-- The ring fields of a header, raw as HMGET gives them: count (0..2^53, at least 1 once the
+-- ring was written) and rw (0..2^53; absent: 0).
+local function tds_ring_fields(count, rw)
+  local c, w = tds_int_field(count, 'count', 0, TDS_MAXINT), tds_int_field(rw, 'rw', 0, TDS_MAXINT, 0)
+  if c < 1 and w > 0 then
+    tds_bad_field('count', count, 'at least 1 in a ring that was written')
+  end
+  return c, w
+end
+
 -- The check of KEYS[n] in a checks table (write.lua ARGV[6], commit.lua ARGV[4], built by
 -- tdstore/_integrity.py): code (1: a heterogeneous leaf's data, at least the last offset of its
 -- offset table KEYS[aux]; 2: exactly 'length' bytes), length, aux; nil when the table has none.
@@ -136,7 +273,9 @@ end
 
 -- The inventory hash of the store whose header is 'meta', or nil when it keeps none.
 local function tds_inventory(meta)
-  if redis.call('HEXISTS', meta, 'na') == 1 then
+  local na = redis.call('HGET', meta, 'na')
+  if na then
+    tds_int_field(na, 'na', 0, TDS_MAXINT)  -- counted with HINCRBY: an integer, checked before any write
     return KEYS[2]
   end
   return nil
@@ -149,13 +288,22 @@ local function tds_unallocated(meta, key)
   if inv == nil or redis.call('EXISTS', key) == 1 or redis.call('HEXISTS', inv, key) == 1 then
     return false
   end
-  return redis.call('HLEN', inv) == tonumber(redis.call('HGET', meta, 'na'))
+  return redis.call('HLEN', inv) == tds_int_field(redis.call('HGET', meta, 'na'), 'na', 0, TDS_MAXINT)
 end
 
 -- The shape record of an element never written, 'rec' bytes: the inner batch dims, then zeros
 -- (an element of no bytes; a non-tensor element of no bytes reads as None).
 local function tds_empty_record(meta, rec)
-  local inner = cjson.decode(redis.call('HGET', meta, 'inner') or '[]')
+  local raw = redis.call('HGET', meta, 'inner') or '[]'
+  local ok, inner = pcall(cjson.decode, raw)
+  if not ok or type(inner) ~= 'table' then
+    tds_bad_field('inner', raw, 'a JSON list of sizes')
+  end
+  for i = 1, rec / 8 do
+    if inner[i] ~= nil and (tds_finite(inner[i], 0, TDS_MAXINT) == nil or inner[i] ~= math.floor(inner[i])) then
+      tds_bad_field('inner', raw, 'a JSON list of sizes')
+    end
+  end
   local parts = {}
   for i = 1, rec / 8 do
     parts[i] = tds_p64(inner[i] or 0)

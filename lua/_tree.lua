@@ -21,6 +21,10 @@
   leaves recomputes each distinct ancestor once, from its children, so sums never drift.
   Values are packed with the struct library where the server has it (Redis, Valkey, KeyDB,
   Dragonfly) and by plain Lua arithmetic where it does not (fakeredis): the bytes are the same.
+  Nothing read is trusted: every block a call parses must hold finite weights >= 0 (mins within
+  their sums), the root's min is positive exactly when its sum is, and a draw checks each node on
+  its path against its children; a weight above TDS_WSUM / count is refused, so no sum overflows.
+  A tree edited by hand raises 'TDSTORE damaged' before anything is written.
 ]]
 local TDS_FAN = 16
 local tds_struct = nil
@@ -110,15 +114,31 @@ local function tds_f64_read(s, kind, n)
   return out
 end
 
+-- The sum of every weight of a tree stays at most TDS_WSUM (float64 ends at 1.8e308), so no sum
+-- overflows: a tree of `count` slots takes weights up to TDS_WSUM / count (tdstore/_sampling.py
+-- refuses larger priorities first, naming the largest allowed).
+local TDS_WSUM = 1e307
+
+-- The largest priority whose weight a tree of `count` slots takes under exponent alpha (> 0).
+local function tds_max_priority(alpha, count)
+  return (TDS_WSUM / math.max(count, 1)) ^ (1 / alpha)
+end
+
 -- The weight of priority p (finite, >= 0) under exponent alpha: p ^ alpha, 0 for p = 0. A weight
--- that overflows, or a positive priority whose weight rounds to 0, is refused (before any write).
-local function tds_weight(p, alpha)
+-- that overflows, or a positive priority whose weight rounds to 0, is refused (before any write);
+-- with `count` (the tree's slots), so is a weight above TDS_WSUM / count.
+local function tds_weight(p, alpha, count)
   if p <= 0 then
     return 0
   end
   local w = p ^ alpha
   if w ~= w or w >= math.huge or w <= 0 then
     error('TDSTORE refused: priority ' .. string.format('%.17g', p) .. ' ^ alpha ' .. string.format('%.17g', alpha) .. ' is not a finite positive number')
+  end
+  if count ~= nil and w > TDS_WSUM / math.max(count, 1) then
+    error('TDSTORE refused: priority ' .. string.format('%.17g', p) .. ' is too large: with alpha ' .. string.format('%.17g', alpha) .. ' and ' ..
+          string.format('%.0f', count) .. ' slots the sum of weights could overflow; the largest allowed priority is ' ..
+          string.format('%.6g', tds_max_priority(alpha, count)))
   end
   return w
 end
@@ -145,7 +165,7 @@ local function tds_tree(key, count)
   if have ~= size then
     tds_damaged('the priority tree ' .. key .. ' holds ' .. have .. ' bytes, not ' .. size .. ' (lost or deleted)')
   end
-  return {key = key, levels = levels, count = count, blocks = {}}
+  return {key = key, levels = levels, count = count, blocks = {}, agreed = {}}
 end
 
 -- Nodes j0..j1 (0-based, inclusive) of level k: their sums, and with `with_mins` their mins
@@ -172,13 +192,51 @@ local function tds_tree_nodes(t, k, j0, j1, with_mins)
   else
     sums = tds_f64_read(s, 'sums', n)
   end
+  -- every value a finite weight >= 0 (a NaN fails every comparison), every min within its sum
+  local huge, bad = math.huge, nil
+  for j = 1, n do
+    local v = sums[j]
+    if not (v >= 0 and v < huge) then
+      bad = bad or j
+    end
+  end
+  if mins ~= nil and mins ~= sums then
+    for j = 1, n do
+      local m = mins[j]
+      if not (m >= 0 and m <= sums[j]) then
+        bad = bad or j
+      end
+    end
+  end
+  if bad ~= nil then
+    tds_damaged('the priority tree ' .. t.key .. ' holds ' .. string.format('%.17g', sums[bad]) .. ' (min ' .. string.format('%.17g', mins and mins[bad] or 0) ..
+                ') at byte ' .. string.format('%.0f', at + (bad - 1) * level.w) .. ', not a finite weight >= 0 (written by another client?)')
+  end
   t.blocks[at] = {n = n, sums = sums, mins = mins}
   return sums, mins
+end
+
+-- Check that `sums` (n children) add up to their parent's sum `parent` within float tolerance
+-- (an update recomputes each parent from its children in order, so they agree exactly). A draw
+-- checks each node once per call (t.agreed): the draws of a batch share the top of the tree.
+local function tds_tree_agrees(t, k, j, sums, n, parent)
+  local total = 0
+  for i = 1, n do
+    total = total + sums[i]
+  end
+  if not (math.abs(total - parent) <= 1e-9 * math.max(total, parent)) then  -- (a NaN fails it too)
+    tds_damaged('the priority tree ' .. t.key .. ': node ' .. j .. ' of level ' .. k .. ' holds the sum ' .. string.format('%.17g', parent) ..
+                ', its children add up to ' .. string.format('%.17g', total) .. ' (written by another client?)')
+  end
 end
 
 -- The root's sum and min: the total weight and the smallest positive weight.
 local function tds_tree_root(t)
   local sums, mins = tds_tree_nodes(t, #t.levels, 0, 0, true)
+  if (sums[1] > 0) ~= (mins[1] > 0) then
+    tds_damaged('the priority tree ' .. t.key .. ' holds the total weight ' .. string.format('%.17g', sums[1]) .. ' with the smallest weight ' ..
+                string.format('%.17g', mins[1]) .. ' (written by another client?)')
+  end
   return sums[1], mins[1]
 end
 
@@ -197,12 +255,21 @@ end
 
 -- The leaf that `mass` (0 <= mass < total) falls in: walking down, the child whose running
 -- sum first exceeds the mass; rounding past the last child with weight takes that child,
--- so a leaf of weight 0 is never drawn. nil when the tree holds no weight.
-local function tds_tree_draw(t, mass)
+-- so a leaf of weight 0 is never drawn. nil when the tree holds no weight. `total`: the root's sum,
+-- when the caller has it (tds_tree_root). Each node on the path is checked against its children
+-- (tds_tree_agrees), once per call.
+local function tds_tree_draw(t, mass, total)
   local j = 0
+  local parent = total or tds_tree_root(t)
+  local agreed = t.agreed
   for k = #t.levels, 2, -1 do
     local lo, hi = tds_tree_children(t, k, j)
     local sums = tds_tree_nodes(t, k - 1, lo, hi)
+    local node = t.levels[k].at + 16 * j
+    if not agreed[node] then
+      agreed[node] = true
+      tds_tree_agrees(t, k, j, sums, hi - lo + 1, parent)
+    end
     local pick, last = nil, nil
     for i = 1, hi - lo + 1 do
       local v = sums[i]
@@ -220,6 +287,7 @@ local function tds_tree_draw(t, mass)
       return nil
     end
     j = lo + pick - 1
+    parent = sums[pick]
   end
   if #t.levels == 1 and tds_tree_leaf(t, 0) <= 0 then
     return nil

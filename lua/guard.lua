@@ -31,7 +31,8 @@
               belongs to another creation of the store (another epoch).
               rollback: {'OK', 1} when the guard was ahead and went back (and KEYS[2..]
               were deleted), {'OK', 0} when there was nothing to undo.
-  Errors      'TDSTORE bad argument' for an unknown mode.
+  Errors      'TDSTORE bad argument' for an unknown mode; 'TDSTORE damaged' when the guard's
+              version is not an integer >= 0.
 ]]
 local guard = KEYS[1]
 local mode, epoch = ARGV[1], ARGV[2]
@@ -55,7 +56,7 @@ end
 if mode ~= 'rollback' then
   error('TDSTORE bad argument: guard mode ' .. tostring(mode))
 end
-if have[1] ~= epoch or tonumber(have[2] or '0') <= version or (ARGV[4] ~= '*' and have[3] ~= ARGV[4]) then
+if have[1] ~= epoch or tds_int_field(have[2], 'version (of the guard)', 0, TDS_MAXINT, 0) <= version or (ARGV[4] ~= '*' and have[3] ~= ARGV[4]) then
   return {'OK', 0}
 end
 redis.call('HSET', guard, 'version', ARGV[3])

@@ -34,7 +34,8 @@
               release: {'OK', 1 or 0 (removed or not held by the token)}; a release
               after a held-off client records its time in the field 'lkd' (the quiet
               period starts there).
-  Errors      'TDSTORE bad argument' for an unknown mode or a token that is not digits.
+  Errors      'TDSTORE bad argument' for an unknown mode or a token that is not digits;
+              'TDSTORE damaged' when 'lkx', 'lkn', 'lks' or 'lkd' is not an integer >= 0.
 ]]
 local meta = KEYS[1]
 local mode = ARGV[1]
@@ -67,7 +68,7 @@ local held = redis.call('HMGET', meta, 'lk', 'lkx', 'lkn', 'lks', 'lkd')
 local reply = {'OK'}
 local nxt, segs = tds_num(ARGV[5], 'next leaf'), tds_num(ARGV[6], 'segments')
 if held[1] then
-  local left = tonumber(held[2] or '0') - ms
+  local left = tds_int_field(held[2], 'lkx', 0, TDS_MAXINT, 0) - ms
   if left > 0 then
     if ARGV[8] == '1' then
       redis.call('HSET', meta, 'lkw', '1')
@@ -75,11 +76,11 @@ if held[1] then
     return {'BUSY', string.format('%.0f', left)}
   end
   -- what the dead holder may have touched stays to be undone, by us or a later holder
-  nxt = math.max(nxt, tonumber(held[3] or '0'))
-  segs = math.max(segs, tonumber(held[4] or '0'))
+  nxt = math.max(nxt, tds_int_field(held[3], 'lkn', 0, TDS_MAXINT, 0))
+  segs = math.max(segs, tds_int_field(held[4], 'lks', 0, TDS_MAXINT, 0))
   reply = {'OK', held[1], string.format('%.0f', nxt), string.format('%.0f', segs)}
 elseif held[5] then
-  local left = tonumber(held[5]) + tds_num(ARGV[7] or '0', 'quiet period') - ms
+  local left = tds_int_field(held[5], 'lkd', 0, TDS_MAXINT) + tds_num(ARGV[7] or '0', 'quiet period') - ms
   if left > 0 then
     return {'BUSY', string.format('%.0f', left)}
   end

@@ -22,7 +22,9 @@
   Reply       {'OK', applied} where 'applied' has one '1' or '0' per slot;
               {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE refused' when the store has no priorities; 'TDSTORE bad argument'
-              for a malformed call; 'TDSTORE damaged' when the tree was lost (nothing written).
+              for a malformed call, or a priority too large for the tree (naming the largest allowed);
+              'TDSTORE damaged' when the tree was lost, or a header field or tree value is out
+              of range (_lib.lua tds_int_field, _tree.lua): nothing written.
 ]]
 local meta = KEYS[1]
 -- a resent update (its request id recorded, see tds_request): the first reply, nothing set again
@@ -41,12 +43,12 @@ local h = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'pm', 'schema')
 if not h[3] then
   error('TDSTORE refused: the store has no priorities (enable_priorities first)')
 end
-local sc = cjson.decode(h[3])
+local sc = tds_policy(h[3])
 if sc.alpha == nil then
   error('TDSTORE refused: the store has no priorities (enable_priorities first)')
 end
-local count = tds_num(h[1], 'count')
-local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
+local count, rw = tds_ring_fields(h[1], h[2])
+rw = tds_ring_rw(meta, count, rw)
 local written = math.min(rw, count)
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
@@ -72,7 +74,7 @@ if sc.mt ~= nil then
   tds_times_check(times, count)
 end
 local flags, upd = {}, {}
-local top = tonumber(h[4] or '1')
+local top = tds_float_field(h[4], 'pm', 0, 1e300, 1)
 for j = 1, n do
   local s, want = tds_u64(pairs_, 16 * j - 15), tds_u64(pairs_, 16 * j - 7)
   if s >= count then
@@ -94,7 +96,7 @@ for j = 1, n do
   flags[j] = ok and '1' or '0'
   if ok then
     local p = prios[j]
-    upd[s] = tds_weight(p, sc.alpha)
+    upd[s] = tds_weight(p, sc.alpha, count)
     if p > top then
       top = p
     end

@@ -120,7 +120,10 @@
   Errors      'TDSTORE bad argument' for a malformed op (nothing is read);
               'TDSTORE refused' for an 'L' op whose receipt was acknowledged already;
               'TDSTORE empty' when a 'U' op finds no written slot;
-              'TDSTORE damaged' when a key the header says holds data is lost or short.
+              'TDSTORE damaged' when a key the header says holds data is lost or short, a
+              header field a ring op reads (count, rw, rr, sn, lb, sc, na, inner) is out of
+              range, a priority tree value is not a finite weight >= 0 or disagrees with its
+              parent along a draw's path, or an offset table decreases.
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], ARGV[2])
@@ -150,6 +153,8 @@ local function seg_range(cache, ki, seg, start, len, strict, rec)
   return tds_whole(meta, key, string.sub(blob, start + 1, start + len), len, strict, rec)
 end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
+local lost_reply = nil  -- an 'F' op's {'LOST', k}: sent instead of the pieces, once every op has read
+local ring_count, counted_keys = nil, {}  -- the count a 'U', 'P' or 'F' op's slots are modulo, and the keys checked against it
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -199,6 +204,7 @@ for _ = 1, nops do
       end
       local first = tds_u64(offs, 1)
       local last = tds_u64(offs, 8 * (hi - lo + 1) + 1)
+      tds_offsets_rise(okey, offs, lo)
       if last > first then
         out[#out + 1] = tds_whole(meta, dkey, redis.call('GETRANGE', dkey, first, last - 1), last - first, true)
       else
@@ -219,8 +225,9 @@ for _ = 1, nops do
     if head[4] then
       do return tds_stale(meta) end  -- a client that does not know the sampling policy: it must sample under it
     end
-    local count = tds_num(head[1], 'count')
-    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
     local written = math.min(rw, count)
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
@@ -246,7 +253,9 @@ for _ = 1, nops do
     local draws = ARGV[a + 2]
     a = a + (kind == 'P' and 8 or 3)
     local head = redis.call('HMGET', meta, 'count', 'rw')
-    local count, rw = tds_num(head[1], 'count'), tonumber(head[2] or '0')
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
     local what = string.sub(seen, 1, 1)
     rows = {}
     local packed, probs, low_prob = {}, '', ''
@@ -297,9 +306,10 @@ for _ = 1, nops do
       error('TDSTORE bad argument: draw table size')
     end
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'schema')
-    local count = tds_num(head[1], 'count')
-    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
-    local policy = head[3] and cjson.decode(head[3]) or {}
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
+    local policy = tds_policy(head[3]) or {}
     local written = math.min(rw, count)
     local lim = policy.limit
     if lim ~= nil then
@@ -308,8 +318,7 @@ for _ = 1, nops do
     if written < math.max(min_size, 1) then
       do return {'WAIT', written == 0 and 'empty' or 'size', 'the ring holds ' .. written .. ' written slots, fewer than the ' .. math.max(min_size, 1) .. ' a sample needs'} end
     end
-    local sampled = tonumber(head[4] or '0')
-    if lim ~= nil and (rw - tonumber(head[5] or '0')) * lim[1] - (sampled + 1) < lim[3] then  -- its first row (see write.lua)
+    if lim ~= nil and (rw - tds_int_field(head[5], 'lb', 0, rw, 0)) * lim[1] - (tds_int_field(head[4], 'sn', 0, TDS_MAXINT, 0) + 1) < lim[3] then  -- its first row (see write.lua)
       do return {'WAIT', 'sample', 'the rate limiter holds samples until the writers catch up'} end
     end
     if by_priority and policy.alpha == nil then
@@ -336,7 +345,7 @@ for _ = 1, nops do
         if total <= 0 then
           break  -- every slot retired: a shorter batch
         end
-        local s = tds_tree_draw(t, tds_u64(draws, 8 * j - 7) / 9007199254740992 * total)
+        local s = tds_tree_draw(t, tds_u64(draws, 8 * j - 7) / 9007199254740992 * total, total)
         if s == nil then
           break
         end
@@ -388,33 +397,42 @@ for _ = 1, nops do
     local channel = ARGV[a + 2]
     a = a + 3
     local head = redis.call('HMGET', meta, 'count', 'rw', 'rr')
-    local count = tds_num(head[1], 'count')
-    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
-    local rr = tonumber(head[3] or '0')
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
+    local rr = tds_int_field(head[3], 'rr', 0, rw, 0)
     if rw - rr > count then
-      -- writers lapped unread items: skip to the oldest item still there, and say how many were lost
-      tds_remember(request, 'L' .. string.format('%.0f', rw - count - rr))
-      redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
-      if channel ~= '' then
-        redis.call('PUBLISH', channel, 'p')
+      -- writers lapped unread items: skip to the oldest item still there, and say how many were lost.
+      -- The ops after this one still read that item (not sent back), so a 'count' edited by hand
+      -- is found (tds_count_agrees) before the cursor moves.
+      lost_reply = {'LOST', string.format('%.0f', rw - count - rr)}
+      decision = 'L' .. string.format('%.0f', rw - count - rr)
+      rows = {(rw - count) % count}
+      finish[#finish + 1] = function()
+        redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
+        if channel ~= '' then
+          redis.call('PUBLISH', channel, 'p')
+        end
       end
-      do return {'LOST', string.format('%.0f', rw - count - rr)} end
-    end
-    if rw == rr then
+    elseif rw == rr then
       do return {'WAIT', 'empty', 'no unread item'} end
     end
-    local k = math.min(n, rw - rr)
-    decision = 'F' .. string.format('%.0f', rr) .. ' ' .. string.format('%.0f', k)
-    rows = {}
+    local k = lost_reply and 0 or math.min(n, rw - rr)
+    if not lost_reply then
+      decision = 'F' .. string.format('%.0f', rr) .. ' ' .. string.format('%.0f', k)
+    end
+    rows = lost_reply and rows or {}
     local packed = {}
     for j = 1, k do
       rows[j] = (rr + j - 1) % count
       packed[j] = tds_p64(rows[j])
     end
-    finish[#finish + 1] = function()
-      redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
-      if channel ~= '' then
-        redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+    if not lost_reply then
+      finish[#finish + 1] = function()
+        redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
+        if channel ~= '' then
+          redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
+        end
       end
     end
     out[#out + 1] = table.concat(packed)
@@ -433,9 +451,11 @@ for _ = 1, nops do
       error('TDSTORE bad argument: a leased pop of ' .. tostring(n) .. ' items for ' .. tostring(ms) .. ' ms')
     end
     local head = redis.call('HMGET', meta, 'count', 'rw', 'rr', 'ls', 'kv')
-    local count = tds_num(head[1], 'count')
-    local rw, rr = tds_ring_rw(meta, count, tonumber(head[2] or '0')), tonumber(head[3] or '0')
-    local kv = tonumber(head[5] or '1')
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
+    local rr = tds_int_field(head[3], 'rr', 0, rw, 0)
+    local kv = tds_int_field(head[5], 'kv', 0, TDS_MAXINT, 1)
     local now = tds_lease.now_ms()
     local ws, counts, deadline = {}, {}, 0
     local state, had = tds_lease.record(K, id)
@@ -577,6 +597,9 @@ for _ = 1, nops do
       local cache = kind == 'B' and {} or nil
       for j = 1, #rows do
         local seg, row = tds_locate(rows[j], seg_per)
+        if ring_count ~= nil then
+          tds_count_agrees(counted_keys, tds_segkey(ki, seg), ring_count, seg_per, seg, nb, 0)
+        end
         pieces[j] = seg_range(cache, ki, seg, row * nb, nb)
       end
     end
@@ -595,12 +618,16 @@ for _ = 1, nops do
     local stabs = kind == 'V' and {} or nil
     for j = 1, #rows do
       local seg, row = tds_locate(rows[j], seg_per)
+      if ring_count ~= nil then
+        tds_count_agrees(counted_keys, tds_segkey(ok, seg), ring_count, seg_per, seg, 8, 1)
+      end
       local offs = seg_range(otabs, ok, seg, 8 * row, 16)
       bounds[j] = offs
       if rec > 0 then
         shapes[j] = seg_range(stabs, sk, seg, row * rec, rec, false, rec)
       end
       local first, last = tds_u64(offs, 1), tds_u64(offs, 9)
+      tds_offsets_rise(tds_segkey(ok, seg), offs, row)
       data[j] = last > first and seg_range(nil, dk, seg, first, last - first, true) or ''
     end
     out[#out + 1] = table.concat(bounds)
@@ -622,4 +649,4 @@ end
 for _, change in ipairs(finish) do
   change()
 end
-return out
+return lost_reply or out

@@ -28,7 +28,8 @@
 
   Reply       {'OK', header field, value, ...}: the header as the change left it (the
               client adopts it, no second round trip); {'STALE', header...}; {'GONE'}.
-  Errors      'TDSTORE bad argument' for a malformed call.
+  Errors      'TDSTORE bad argument' for a malformed call; 'TDSTORE damaged' when 'count' or
+              'rw' is out of range (see tds_ring_fields in _lib.lua).
 ]]
 local meta = KEYS[1]
 -- a resent change (its request id recorded, see tds_request): applied once, the header as it is now
@@ -45,9 +46,10 @@ local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
 end
-local h = redis.call('HMGET', meta, 'count', 'rw', 'schema')
-local count = tds_num(h[1], 'count')
-local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
+local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'kv')
+local count, rw = tds_ring_fields(h[1], h[2])
+rw = tds_ring_rw(meta, count, rw)
+tds_int_field(h[4], 'kv', 0, TDS_MAXINT)  -- bumped below (version: tds_check compared it with the client's)
 local needs = {}
 for word in string.gmatch(ARGV[3], '%S+') do
   needs[word] = true

@@ -63,15 +63,16 @@ if bad then
   return bad
 end
 local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'sc', 'epoch')
-local count = tds_num(h[1], 'count')
-local rw = tds_ring_rw(meta, count, tonumber(h[2] or '0'))
+local count, rw = tds_ring_fields(h[1], h[2])
+rw = tds_ring_rw(meta, count, rw)
 local function header_reply()
   local out = redis.call('HGETALL', meta)
   table.insert(out, 1, 'ON')
   table.insert(out, 1, 'OK')
   return out
 end
-if h[4] and cjson.decode(h[4]).alpha ~= nil then
+local policy = tds_policy(h[4])
+if policy and policy.alpha ~= nil then
   return header_reply()  -- on already (another builder finished, or this call's first reply was lost)
 end
 local budget = math.max(256, tds_num(ARGV[6], 'chunk bytes'))

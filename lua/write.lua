@@ -126,7 +126,8 @@
               nothing written (the client waits for a message on the channel, then tries again).
   Errors      'TDSTORE bad argument' for a malformed op, 'TDSTORE too large' when a
               string would outgrow ARGV[5], 'TDSTORE damaged' when a key the call writes
-              in place is lost or short, 'TDSTORE out of memory' when the bytes the call
+              in place is lost or short or a header field or tree value a ring write reads is
+              out of range, 'TDSTORE out of memory' when the bytes the call
               allocates would take the server past its maxmemory (all raised before any write).
 ]]
 local meta = KEYS[1]
@@ -246,6 +247,7 @@ local ring_from = 0  -- what a W op adds to 'rw' before its rows (see tds_ring_r
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
+local ring_count, counted_keys = nil, {}  -- the count a 'W' or 'G' op's slots are modulo, and the keys checked against it
 local function row_runs()
   local out, j = {}, 1
   while j <= #rows do
@@ -395,9 +397,10 @@ for _ = 1, nops do
     end
     local n = tds_num(ARGV[a + 1], 'row count')
     local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo')
-    local count = tds_num(head[1], 'count')
-    local rw = tds_ring_rw(meta, count, tonumber(head[2] or '0'))
-    ring_from = rw - tonumber(head[2] or '0')  -- a store filled by index: its first extend starts at rw = count
+    local count, rw_raw = tds_ring_fields(head[1], head[2])
+    local rw = tds_ring_rw(meta, count, rw_raw)
+    ring_from = rw - rw_raw  -- a store filled by index: its first extend starts at rw = count
+    ring_count = count
     rows, applied = {}, {}
     if kind == 'W' then
       if n < 1 or n > count then
@@ -405,25 +408,26 @@ for _ = 1, nops do
       end
       channel = ARGV[a + 2]
       if head[3] then
-        policy = cjson.decode(head[3])
+        policy = tds_policy(head[3])
         local lim = policy.limit
         -- a batch goes when its first row may (Reverb counts row by row): it may overshoot by itself,
         -- and a writer and a sampler can never hold each other back for good
-        if lim ~= nil and (rw - tonumber(head[5] or '0') + 1) * lim[1] - tonumber(head[4] or '0') > lim[4] then
+        if lim ~= nil and (rw - tds_int_field(head[5], 'lb', 0, rw, 0) + 1) * lim[1] - tds_int_field(head[4], 'sn', 0, TDS_MAXINT, 0) > lim[4] then
           do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
         end
         -- leased items not acknowledged yet (header field 'lo', see _lease.lua) count as unread
-        local unread, oldest = tonumber(head[6] or '0'), tonumber(head[8] or '')
+        local unread = tds_int_field(head[6], 'rr', 0, rw, 0)
+        local oldest = tonumber(head[8] or '')
         if head[8] and (oldest == nil or oldest < 0) then
           tds_damaged(meta .. ': header field lo (the oldest leased item) is ' .. head[8])
         end
-        if oldest ~= nil and unread ~= nil then
+        if oldest ~= nil then
           unread = math.min(unread, oldest)
         end
         if policy.queue and rw + n - unread > count then
           do return {'WAIT', 'full', 'the queue is full: writers wait until readers pop'} end
         end
-        top_priority = tonumber(head[7] or '1')
+        top_priority = tds_float_field(head[7], 'pm', 0, 1e300, 1)
       end
       for j = 1, n do
         rows[j] = (rw + j - 1) % count
@@ -467,6 +471,7 @@ for _ = 1, nops do
       local j, e = run[1], run[2]
       local seg, row = tds_locate(rows[j], seg_per)
       local k = tds_segkey(ki, seg)
+      tds_count_agrees(counted_keys, k, ring_count, seg_per, seg, nb, 0)
       need(ki + seg)
       local start = row * nb
       if start + (e - j + 1) * nb > limit then
@@ -490,6 +495,7 @@ for _ = 1, nops do
       if applied[j] and nb > 0 then
         local seg, row = tds_locate(rows[j], seg_per)
         local k = tds_segkey(ki, seg)
+        tds_count_agrees(counted_keys, k, ring_count, seg_per, seg, stride, 0)
         need(ki + seg)
         local start = row * stride + col
         if start + nb > limit then
@@ -519,6 +525,7 @@ for _ = 1, nops do
     for _, run in ipairs(runs) do
       local j, e = run[1], run[2]
       local seg, lo = tds_locate(rows[j], seg_per)
+      tds_count_agrees(counted_keys, tds_segkey(ok, seg), ring_count, seg_per, seg, 8, 1)
       need(ok + seg)
       need(sk + seg)
       need(dk + seg)
@@ -535,6 +542,7 @@ for _ = 1, nops do
       error('TDSTORE bad argument: P op before its W op')
     end
     prio = {tree = key(a + 1, whole), times = key(a + 2, whole), values = {}, weights = {}}
+    local slots = tds_int_field(redis.call('HGET', meta, 'count'), 'count', 0, TDS_MAXINT)
     for v in string.gmatch(ARGV[a + 3], '%S+') do
       local p = tonumber(v)
       if p == nil or p < 0 or p ~= p or p >= 1e300 then
@@ -542,7 +550,7 @@ for _ = 1, nops do
       end
       prio.values[#prio.values + 1] = p
       if policy ~= nil and policy.alpha ~= nil then
-        prio.weights[#prio.weights + 1] = tds_weight(p, policy.alpha)
+        prio.weights[#prio.weights + 1] = tds_weight(p, policy.alpha, slots)
       end
     end
     if #prio.values ~= 0 and #prio.values ~= ring_n then
@@ -642,11 +650,27 @@ if policy ~= nil and policy.alpha ~= nil then
   if prio == nil then
     return tds_stale(meta)  -- planned by a client that does not know the priorities: nothing written
   end
-  tree = tds_tree(prio.tree, tds_num(redis.call('HGET', meta, 'count'), 'count'))
+  tree = tds_tree(prio.tree, tds_int_field(redis.call('HGET', meta, 'count'), 'count', 0, TDS_MAXINT))
   if policy.mt ~= nil then
     times_key = prio.times
     tds_times_check(times_key, tree.count)
   end
+  if not pcall(tds_weight, top_priority, policy.alpha, tree.count) then
+    tds_bad_field('pm', string.format('%.17g', top_priority), 'a priority whose weight the tree takes')
+  end
+  -- each written slot weighs its priority ^ alpha: the one given, else the largest so far; the new
+  -- weights and their ancestors are computed (every tree block they touch read and checked) here,
+  -- before the first write, and flushed in pass 2
+  local upd = {}
+  prio.top = top_priority
+  for j = 1, ring_n do
+    local p = prio.values[j] or top_priority
+    upd[rows[j]] = prio.weights[j] or tds_weight(p, policy.alpha)
+    if p > prio.top then
+      prio.top = p
+    end
+  end
+  tds_tree_set(tree, upd)
 end
 
 -- pass 2: write
@@ -778,21 +802,14 @@ end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
   if tree ~= nil then
-    -- each written slot weighs its priority ^ alpha: the one given, else the largest so far
-    local upd, top = {}, top_priority
+    -- the new weights were set in the tree's blocks before pass 2
     for j = 1, ring_n do
-      local p = prio.values[j] or top_priority
-      upd[rows[j]] = prio.weights[j] or tds_weight(p, policy.alpha)
-      if p > top then
-        top = p
-      end
       if times_key ~= nil then
         redis.call('SETRANGE', times_key, 4 * rows[j], '\0\0\0\0')  -- a new item, never sampled
       end
     end
-    tds_tree_set(tree, upd)
     tds_tree_flush(tree)
-    redis.call('HSET', meta, 'pm', string.format('%.17g', top))
+    redis.call('HSET', meta, 'pm', string.format('%.17g', prio.top))
   end
   if channel ~= nil and channel ~= '' then
     redis.call('PUBLISH', channel, 'w')

@@ -49,7 +49,7 @@ from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread,
 from ._call import Call, leaf_checks
 from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
-from ._headerinfo import ring_writes
+from ._headerinfo import HeaderDamagedError, int_field, ring_writes
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
 from ._ops import Write
@@ -197,6 +197,8 @@ class Engine(Transport):
     def _parse_header(self, raw: dict) -> Header:
         try:
             header = Header.from_fields(raw)
+        except HeaderDamagedError as err:  # a value edited by hand: named like any damaged store
+            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
         except StoreFormatError as err:
             raise StoreFormatError(f"{err} ({self.where()})") from None
         if header.state != "ready":
@@ -221,8 +223,26 @@ class Engine(Transport):
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
-        h = self.header
-        return ring_writes(int(rw) if rw is not None else 0, int(na) if na is not None else None, bool(h.leaves), h.count)
+        return self.ring_writes_from(rw, na)
+
+    def ring_writes_from(self, rw: Any, na: Any, header: Header | None = None) -> int:
+        """The ring write count from the header fields ``rw`` and ``na`` as read (here, or by a read
+        transaction), as ring calls see it (``_headerinfo.ring_writes``: a store holding data the ring
+        never wrote is a full ring), each range-checked as the scripts check them."""
+        h = header or self.header
+        na_count = None if na is None else self._checked_field(na, "na")
+        return ring_writes(self.rw_field(rw), na_count, bool(h.leaves), h.count)
+
+    def rw_field(self, raw: Any) -> int:
+        """The header field ``rw`` as read (here, or by a read transaction), range-checked as the scripts
+        check it: ``StoreDamagedError`` naming the store and the field for a value tdstore never writes."""
+        return self._checked_field(raw, "rw")
+
+    def _checked_field(self, raw: Any, name: str) -> int:
+        try:
+            return int_field(raw, name, default=0)
+        except HeaderDamagedError as err:
+            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""

@@ -12,13 +12,26 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._policy import SamplingPolicy
+from ._errors import StoreDamagedError
+from ._policy import UNBOUNDED, SamplingPolicy
 
-__all__ = ["FORMATS", "ITEMSIZE", "HeaderInfo", "LeafRecord", "StoreFormatError", "parse_header"]
+__all__ = [
+    "FORMATS",
+    "ITEMSIZE",
+    "MAX_INT",
+    "HeaderDamagedError",
+    "HeaderInfo",
+    "LeafRecord",
+    "StoreFormatError",
+    "float_field",
+    "int_field",
+    "parse_header",
+]
 
 FORMATS = ("1", "2", "3")
 """Header formats this tdstore reads (see ``_schema``: ``3`` is a spread store)."""
@@ -52,6 +65,72 @@ ITEMSIZE: dict[str, int] = {
 
 class StoreFormatError(RuntimeError):
     """The server holds metadata that this version of tdstore cannot read safely."""
+
+
+class HeaderDamagedError(StoreFormatError, StoreDamagedError):
+    """A header field holds a value tdstore never writes (edited by hand): a :class:`StoreDamagedError`
+    naming the field, and a :class:`StoreFormatError` (what a header this tdstore cannot read raises)."""
+
+    def __init__(self, message: str, *, named: bool = True) -> None:
+        StoreDamagedError.__init__(self, message, named=named)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+#: Counters and sizes stay below 2**53, where a double (the scripts' numbers) is exact.
+MAX_INT = 2**53
+_INT = re.compile(r"-?[0-9]+")
+
+
+def _text(v: bytes | str | None) -> str | None:
+    return v.decode(errors="replace") if isinstance(v, bytes) else v
+
+
+def int_field(raw: bytes | str | None, name: str, lo: int = 0, hi: int = MAX_INT, default: int | None = None) -> int:
+    """Header field ``name`` (raw value ``raw``, None when absent) as an integer in ``lo..hi``: plain
+    decimal digits as HINCRBY writes them (no ``+``, leading zero or ``-0``), as ``tds_int_field`` in
+    ``lua/_lib.lua`` reads it; ``default`` when absent
+    (None: required). Anything else raises :class:`HeaderDamagedError` naming the field."""
+    v = _text(raw)
+    if v is None:
+        if default is not None:
+            return default
+        raise HeaderDamagedError(f"header field {name} is missing")
+    if not _INT.fullmatch(v) or str(int(v)) != v or not lo <= int(v) <= hi:  # canonical: fields compared as strings
+        raise HeaderDamagedError(f"header field {name} holds {v[:40]!r}, not an integer in {lo}..{hi}")
+    return int(v)
+
+
+def float_field(raw: bytes | str | None, name: str, lo: float, hi: float, default: float) -> float:
+    """Header field ``name`` as a finite number in ``lo..hi`` (``tds_float_field``); ``default`` when absent."""
+    v = _text(raw)
+    if v is None:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise HeaderDamagedError(f"header field {name} holds {v[:40]!r}, not a finite number in {lo:g}..{hi:g}")
+    return x
+
+
+def _check_counters(f: Mapping[str, str], leaves: list[LeafRecord]) -> None:
+    """The ring's counters and the guard fields the scripts compute with, in range (see ``tds_ring_fields``):
+    ``rw`` >= 0, ``rr`` and ``lb`` at most ``rw``, ``sn`` and ``na`` >= 0, ``pm`` finite, each ``lv:<n>``
+    the version its leaf record holds (else every call on the leaf would be answered STALE)."""
+    rw = int_field(f.get("rw"), "rw", default=0)
+    int_field(f.get("rr"), "rr", 0, rw, default=0)
+    int_field(f.get("lb"), "lb", 0, rw, default=0)
+    int_field(f.get("sn"), "sn", default=0)
+    int_field(f.get("na"), "na", default=0)
+    float_field(f.get("pm"), "pm", 0.0, UNBOUNDED, 1.0)
+    for leaf in leaves:
+        if int_field(f.get(f"lv:{leaf.number}"), f"lv:{leaf.number}", default=leaf.version) != leaf.version:
+            raise HeaderDamagedError(
+                f"header field lv:{leaf.number} holds {f[f'lv:{leaf.number}']!r}, its leaf record version {leaf.version}"
+            )
 
 
 @dataclass(frozen=True)
@@ -142,28 +221,51 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
     }
     fmt = f.get("format")
     if fmt not in FORMATS:
-        raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
+        if fmt is not None and fmt.isdigit() and fmt.isascii():  # a format of a newer tdstore
+            raise StoreFormatError(f"store header has format {fmt!r}; this tdstore reads formats {', '.join(map(repr, FORMATS))}")
+        raise HeaderDamagedError(f"header field format holds {fmt!r}, not one of {', '.join(map(repr, FORMATS))}")
     try:
-        count = int(f["count"])
-        stack_dim = int(f["stack_dim"])
+        return _parse_fields(f, fmt)
+    except HeaderDamagedError:
+        raise
+    except StoreFormatError as err:  # a value tdstore never writes: the store is damaged
+        raise HeaderDamagedError(str(err)) from None
+
+
+def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
+    """:func:`parse_header` once the format is known."""
+    count = int_field(f.get("count"), "count")
+    stack_dim = int_field(f.get("stack_dim"), "stack_dim", -MAX_INT, MAX_INT)
+    version = int_field(f.get("version"), "version")
+    keyset_version = int_field(f.get("kv"), "kv")
+    seg = int_field(f.get("seg"), "seg", default=0)
+    for name in ("inner", "schema", "type", "epoch"):
+        if name not in f:
+            raise HeaderDamagedError(f"header field {name} is missing")
+    try:
         inner = json.loads(f["inner"])
-        version = int(f["version"])
+    except ValueError:
+        raise HeaderDamagedError(f"header field inner holds {f['inner'][:40]!r}, not a JSON list of sizes") from None
+    try:
         schema = json.loads(f["schema"])
-        kind = f["type"]
-        state = f.get("state", "ready")
-        keyset_version = int(f["kv"])
-        epoch = f["epoch"]
-        tensorclass = f.get("tensorclass", "")
-        seg = int(f.get("seg", "0"))
-    except (KeyError, ValueError, TypeError) as err:
-        raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
+    except ValueError:
+        raise HeaderDamagedError(f"header field schema is corrupt: {f['schema'][:40]!r} is not JSON") from None
+    kind = f["type"]
+    state = f.get("state", "ready")
+    if kind not in ("lazy", "dense"):
+        raise HeaderDamagedError(f"header field type holds {kind[:40]!r}, not 'lazy' or 'dense'")
+    if state != "ready" and not state.startswith("uploading:"):
+        raise HeaderDamagedError(f"header field state holds {state[:40]!r}, not 'ready' or 'uploading:<token>'")
+    epoch = f["epoch"]
+    tensorclass = f.get("tensorclass", "")
     _check_layout(epoch, count, inner, seg, stack_dim)
     row = _row_block(schema, fmt)
     leaves = _leaves(schema, row, inner)
+    _check_counters(f, leaves)
     try:
         sampling = SamplingPolicy.from_json(f.get("sc"))
     except (ValueError, TypeError) as err:
-        raise StoreFormatError(f"bad sampling policy in the store header: {err}") from None
+        raise HeaderDamagedError(f"header field sc holds a bad sampling policy: {err}") from None
     return HeaderInfo(
         version=version,
         count=count,

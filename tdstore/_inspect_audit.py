@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from ._headerinfo import HeaderInfo, LeafRecord, StoreFormatError
+from ._headerinfo import HeaderDamagedError, HeaderInfo, LeafRecord, StoreFormatError
 from ._inspect_read import read_header, store_layout
 from ._inspect_results import Audit, NoSuchStore, UnreadableStore
 from ._keys import StoreKeys
@@ -55,6 +55,8 @@ def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
         raise NoSuchStore(td_id)
     try:
         header, _ = read_header(raw)
+    except HeaderDamagedError as err:  # a field out of range (edited by hand): the store is damaged
+        return Audit(td_id, 0, 0, (f"{keys.meta}: {err}",))
     except StoreFormatError as err:
         raise UnreadableStore(str(err)) from None
     keys = store_layout(client, keys, header)
@@ -75,7 +77,48 @@ def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
             problems.append(f"{keys.inventory}: the inventory lists {listed_n}, the header counts {int(na_raw)} (it lost entries)")
     damaged: list[str] = []
     never = _judge(states, listed, tracked=na_raw is not None, whole=whole, problems=problems, damaged=damaged)
+    if header.sampling is not None and header.sampling.prioritized:
+        problems += _tree_problems(client, keys.priorities, header.count)
     return Audit(td_id, len(wanted), never, tuple(problems), tuple(sorted(set(damaged))))
+
+
+#: A priority tree up to this size is read whole and checked by ``tdstore check`` (a ring of 7 million slots).
+TREE_CHECK_BYTES = 64 << 20
+
+
+def _tree_problems(client: redis.Redis, key: str, count: int) -> list[str]:
+    """What is wrong with a ring's priority tree (``lua/_tree.lua``): its size, then, for a tree of at most
+    :data:`TREE_CHECK_BYTES`, values that are not finite weights >= 0 and sums that disagree with their
+    children (the checks a draw makes along its path, here on every node)."""
+    import numpy as np
+
+    from ._policy import TREE_FAN, tree_bytes
+
+    size = tree_bytes(count)
+    have = int(client.strlen(key))
+    if have != size:
+        return [f"{key}: the priority tree holds {have} bytes, not {size}"]
+    if size > TREE_CHECK_BYTES or count < 1:
+        return []
+    blob = client.get(key)
+    raw = np.frombuffer(blob if isinstance(blob, bytes) else b"", dtype="<f8")
+    if not (np.isfinite(raw).all() and (raw >= 0).all()):
+        return [f"{key}: the priority tree holds values that are not finite weights >= 0"]
+    below, low, at, n = raw[:count], raw[:count], count, count
+    while n > 1:
+        n = -(-n // TREE_FAN)
+        nodes = raw[at : at + 2 * n].reshape(n, 2)
+        sums, mins = np.zeros(n * TREE_FAN), np.zeros(n * TREE_FAN)
+        sums[: below.size], mins[: low.size] = below, low
+        mins[mins <= 0] = np.inf
+        least = mins.reshape(n, TREE_FAN).min(axis=1)
+        least[np.isinf(least)] = 0
+        if not np.allclose(nodes[:, 0], sums.reshape(n, TREE_FAN).sum(axis=1), rtol=1e-9, atol=0):
+            return [f"{key}: sums of the priority tree disagree with their children"]
+        if not np.array_equal(nodes[:, 1], least):
+            return [f"{key}: the smallest weights the priority tree keeps disagree with its leaves"]
+        below, low, at = nodes[:, 0], nodes[:, 1], at + 2 * n
+    return []
 
 
 def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import redis
 
-from ._headerinfo import HeaderInfo, StoreFormatError, parse_header, ring_writes
+from ._headerinfo import HeaderInfo, StoreFormatError, int_field, parse_header, ring_writes
 from ._inspect_results import LeafInfo, Listing, NoSuchStore, StoreInfo, Unreadable, UnreadableStore
 from ._keys import StoreKeys, reference_id, reference_pattern, registry_key
 from ._policy import SamplingPolicy
@@ -33,18 +33,9 @@ def read_header(raw: Mapping[bytes | str, bytes | str]) -> tuple[HeaderInfo, int
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:  # from_fields checks most, never trust it all
         raise StoreFormatError(f"store header is corrupt: {type(err).__name__}: {err}") from None
-    rw_raw = raw.get(b"rw") if b"rw" in raw else raw.get("rw")
-    try:
-        rw = int(rw_raw) if rw_raw is not None else 0
-    except ValueError:
-        raise StoreFormatError(f"store header has a bad ring write counter {rw_raw!r}") from None
-    if rw < 0:
-        raise StoreFormatError(f"store header has a negative ring write counter {rw}")
+    rw = int_field(raw.get(b"rw") if b"rw" in raw else raw.get("rw"), "rw", default=0)  # parse_header checked it
     na_raw = raw.get(b"na") if b"na" in raw else raw.get("na")
-    try:
-        na = int(na_raw) if na_raw is not None else None
-    except ValueError:
-        raise StoreFormatError(f"store header has a bad inventory size {na_raw!r}") from None
+    na = int_field(na_raw, "na", default=0) if na_raw is not None else None
     return header, ring_writes(rw, na, bool(header.leaves), header.count)
 
 

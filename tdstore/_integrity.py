@@ -97,8 +97,18 @@ def checks(keys: StoreKeys, h: Header, names: list[str], new: Header | None = No
     return out.tobytes()
 
 
-def damaged(where: str, detail: str, td_id: str) -> StoreDamagedError:
-    """The error a damaged store gives: which store, which key, what to do."""
+def damaged(where: str, detail: str, td_id: str, *, header: bool = False) -> StoreDamagedError:
+    """The error a damaged store gives: which store, which key, what to do. ``header``: the store's
+    header itself holds a value out of range (a ``HeaderDamagedError``, which is a ``StoreFormatError`` too)."""
+    header = header or detail.startswith("header field")
+    if header or edited(detail):
+        from ._headerinfo import HeaderDamagedError
+
+        return (HeaderDamagedError if header else StoreDamagedError)(
+            f"the store with {where} is damaged: {detail}. tdstore never writes such a value (another client edited the "
+            f"store by hand); nothing was read or written by this call. 'tdstore check {td_id}' lists what it finds; delete "
+            f"the store (clear_redis() or 'tdstore rm {td_id}') and write it again"
+        )
     return StoreDamagedError(
         f"the store with {where} has lost data: {detail}. Keys are lost when the server evicts them "
         f"(a maxmemory-policy other than noeviction) or someone deletes them; nothing was read or written by this call. "
@@ -107,4 +117,10 @@ def damaged(where: str, detail: str, td_id: str) -> StoreDamagedError:
     )
 
 
-__all__ = ["StoreDamagedError", "checks", "damaged", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]
+def edited(detail: str) -> bool:
+    """Whether a damage report is about a value out of range (a header field, a tree value, an offset
+    table edited by hand: see ``tds_int_field`` in ``lua/_lib.lua``), not a key lost or cut short."""
+    return detail.startswith("header field") or "another client" in detail
+
+
+__all__ = ["StoreDamagedError", "checks", "damaged", "edited", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]

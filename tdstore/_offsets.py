@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _wire
+from ._errors import StoreDamagedError
 from ._keys import StoreKeys
 from ._schema import Header, Leaf
 from ._wire import Piece
@@ -182,10 +183,17 @@ class OffsetTables:
 
     def keep(self, h: Header, leaf: Leaf, seg: int, table: bytes) -> None:
         """Keep segment ``seg``'s table as a script read it (in the same call as the rows); a table of
-        the wrong size (a key never written, say) is not kept."""
+        the wrong size (a key never written, say) is not kept; one that does not start at 0 and rise
+        (edited by hand) raises ``StoreDamagedError``: rows are never cut from it."""
         if len(table) != 8 * (h.segments.size(seg) + 1):
             return
         raw = bytes(table)
+        offs = np.frombuffer(raw, dtype="<i8")
+        if offs[0] != 0 or (np.diff(offs) < 0).any() or int(offs[-1]) >= 2**53:
+            key = leaf.path[0] if len(leaf.path) == 1 else leaf.path
+            raise StoreDamagedError(
+                f"the offset table of key {key!r} (segment {seg}) does not start at 0 and rise (written by another client?)", named=False
+            )
         with self._lock:
             t = self._tables(h, leaf)
             old = t.segments.get(seg)

@@ -22,6 +22,10 @@ TREE_FAN = 16
 #: Stand-in for an unbounded limiter side: Lua 5.4 does not parse ``inf``.
 UNBOUNDED = 1e300
 
+#: The sum of every weight of a priority tree stays within this (``TDS_WSUM`` in ``lua/_tree.lua``):
+#: a tree of ``n`` slots takes weights up to ``WEIGHT_SUM / n``, so no sum overflows float64.
+WEIGHT_SUM = 1e307
+
 
 @dataclass(frozen=True)
 class RateLimit:
@@ -75,25 +79,43 @@ class SamplingPolicy:
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> SamplingPolicy | None:
-        """Parse ``sc``; ``ValueError`` for anything but what :meth:`to_json` writes."""
+        """Parse ``sc``; ``ValueError`` for anything but what :meth:`to_json` writes, with values in the
+        ranges ``tds_policy`` in ``lua/_lib.lua`` checks (a value edited by hand never passes)."""
         if raw is None:
             return None
         data = json.loads(raw)
-        if not isinstance(data, dict) or set(data) - {"alpha", "mt", "limit", "queue"}:
+        if not isinstance(data, dict) or set(data) - {"alpha", "mt", "limit", "queue"} or None in data.values():
             raise ValueError(f"unknown sampling policy {raw!r}")
         alpha = data.get("alpha")
         mt = data.get("mt")
         lim = data.get("limit")
-        if alpha is not None and not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 0):
+        if alpha is not None and not _number(alpha, 0, UNBOUNDED):
             raise ValueError(f"bad priority exponent {alpha!r}")
-        if mt is not None and not (isinstance(mt, int) and mt >= 1):
+        if mt is not None and not (_number(mt, 1, 2**32 - 1) and isinstance(mt, int)):
             raise ValueError(f"bad max_times_sampled {mt!r}")
         limit = None
         if lim is not None:
-            if not (isinstance(lim, list) and len(lim) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lim)):
+            if not (
+                isinstance(lim, list)
+                and len(lim) == 4
+                and _number(lim[0], 0, UNBOUNDED)
+                and _number(lim[1], 0, 2**53)
+                and lim[1] == int(lim[1])
+                and _number(lim[2], -UNBOUNDED, UNBOUNDED)
+                and _number(lim[3], -UNBOUNDED, UNBOUNDED)
+                and lim[2] <= lim[3]
+            ):
                 raise ValueError(f"bad rate limiter {lim!r}")
             limit = RateLimit(float(lim[0]), int(lim[1]), float(lim[2]), float(lim[3]))
-        return cls(float(alpha) if alpha is not None else None, mt, limit, bool(data.get("queue", False)))
+        queue = data.get("queue", False)
+        if not isinstance(queue, bool):
+            raise ValueError(f"bad queue flag {queue!r}")
+        return cls(float(alpha) if alpha is not None else None, mt, limit, queue)
+
+
+def _number(v: object, lo: float, hi: float) -> bool:
+    """Whether a JSON value is a finite number (not a bool) in ``lo..hi``."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
 
 
 def tree_bytes(count: int) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from . import _codec, _index, _nontensor, _rows, _segments, _wire
 from ._call import Call, leaf_checks
+from ._errors import StoreDamagedError
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables, RowPlan
 from ._ops import Read
@@ -103,6 +104,7 @@ def split_elements(leaf: Leaf, inner: tuple[int, ...], n: int, sizes: list[int],
     """The ``n`` elements of a heterogeneous leaf whose bytes are ``data``, back to back (``sizes``
     bytes each), and whose shape records are ``shapes``: one view of one buffer each (non-tensor
     leaves decode their JSON)."""
+    check_elements(leaf, n, sizes, None if leaf.json else shapes, len(data))
     if leaf.json:
         ends = np.cumsum([0, *sizes]).tolist()
         return [_nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
@@ -113,6 +115,30 @@ def split_elements(leaf: Leaf, inner: tuple[int, ...], n: int, sizes: list[int],
     dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
+
+
+def check_elements(leaf: Leaf, n: int, sizes: list[int] | np.ndarray | None, shapes: bytes | np.ndarray | None, nbytes: int) -> None:
+    """Check that ``n`` elements of a heterogeneous leaf hold what their offsets (``sizes``, bytes each;
+    None: not read) and shape records (``shapes``, ``ndim`` int64 each; None: not checked) say, and that
+    together they are the ``nbytes`` read: a table edited by hand (offsets shuffled or out of the data,
+    records that disagree with the data) raises ``StoreDamagedError``, never torch's split or view errors.
+    Vectorised: a padded read of many elements makes no Python object per element."""
+    key = leaf.path[0] if len(leaf.path) == 1 else leaf.path
+    what = f"the offset and shape tables of key {key!r} disagree with its data (written by another client?)"
+    if sizes is not None:
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if sizes.size != n or (sizes < 0).any() or int(sizes.sum()) != nbytes:
+            raise StoreDamagedError(f"{what}: element sizes {sizes[:8].tolist()} for {nbytes} bytes", named=False)
+    if shapes is None:
+        return
+    dims = shapes if isinstance(shapes, np.ndarray) else _codec.unpack_i64(shapes)
+    if dims.size != n * leaf.ndim or (dims < 0).any() or (dims >= 2**53).any():
+        raise StoreDamagedError(f"{what}: bad shape records", named=False)
+    elements = dims.reshape(n, leaf.ndim).astype(np.float64).prod(axis=1) * leaf.dtype.itemsize
+    if sizes is not None and not np.array_equal(elements, np.asarray(sizes, dtype=np.float64)):
+        raise StoreDamagedError(f"{what}: shape records give {elements[:8].tolist()} bytes, the offsets {sizes[:8].tolist()}", named=False)
+    if sizes is None and float(elements.sum()) != nbytes:
+        raise StoreDamagedError(f"{what}: shape records give {float(elements.sum()):.0f} bytes, {nbytes} were read", named=False)
 
 
 def read_call(
@@ -176,10 +202,14 @@ def ragged_call(host: ReadHost, h: Header, path: NestedPath, ids: np.ndarray) ->
     def parse(reply: list) -> tuple[Leaf, np.ndarray, Any]:
         pieces = reply[2:]
         if scattered:  # bounds, shape records, data, each joined in row order
-            return leaf, _codec.unpack_i64(pieces[1]).reshape(n, leaf.ndim), pieces[2]
-        shapes = _codec.unpack_i64(b"".join(pieces[1::3])).reshape(n, leaf.ndim)
-        data = pieces[2] if len(pieces) == 3 else b"".join(pieces[2::3])
-        return leaf, shapes, data
+            b = _codec.unpack_i64(pieces[0]).reshape(n, 2)
+            shapes, data, sizes = _codec.unpack_i64(pieces[1]), pieces[2], b[:, 1] - b[:, 0]
+        else:
+            shapes = _codec.unpack_i64(b"".join(pieces[1::3]))
+            data = pieces[2] if len(pieces) == 3 else b"".join(pieces[2::3])
+            sizes = np.concatenate([np.diff(_codec.unpack_i64(offs)) for offs in pieces[0::3]])
+        check_elements(leaf, n, sizes, shapes, len(data))
+        return leaf, shapes.reshape(n, leaf.ndim), data
 
     if scattered:
         tx = plan_rows_tx(host, h, ids, [leaf])
@@ -336,6 +366,7 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
                 pos += 1
                 continue
             shape_rec, data = reply[pos + 1], reply[pos + 2]
+            check_elements(leaf, 1, np.diff(_codec.unpack_i64(reply[pos])).tolist(), None if leaf.json else shape_rec, len(data))
             pos += 3
             if leaf.json:
                 out[leaf.path] = _nontensor.decode(data, h.leaf_inner(leaf.path))

@@ -32,7 +32,6 @@ from tensordict import TensorDictBase
 
 from . import _codec, _deadline, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine, request_id
-from ._headerinfo import ring_writes
 from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
@@ -78,11 +77,10 @@ def generations(slots: torch.Tensor, rw: int, count: int) -> torch.Tensor:
 RING_FIELDS = ("rw", "na", "sc")
 
 
-def ring_writes_of(fields: Mapping[str, Any], h: Header) -> int:
+def ring_writes_of(engine: Engine, fields: Mapping[str, Any], h: Header) -> int:
     """The ring write count from the header fields :data:`RING_FIELDS` a transaction read
-    (``_headerinfo.ring_writes``: a store filled by index is a full ring)."""
-    rw, na = fields.get("rw"), fields.get("na")
-    return ring_writes(int(rw) if rw is not None else 0, int(na) if na is not None else None, bool(h.leaves), h.count)
+    (``_headerinfo.ring_writes``: a store filled by index is a full ring), range-checked."""
+    return engine.ring_writes_from(fields.get("rw"), fields.get("na"), h)
 
 
 def state(rw: int, count: int) -> RingState:
@@ -305,7 +303,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     sub = subtree_dims(value, value.batch_dims) if isinstance(value, TensorDictBase) else None  # for keys the first extend creates
     prios = ""
     if priority is not None:
-        prios = _policy.format_priorities(_sampling.priority_values(priority, n))
+        prios = _policy.format_priorities(_sampling.priority_values(priority, n, policy=_sampling.policy_of(engine), slots=h0.count))
         if not _sampling.policy_of(engine).prioritized and not _sampling.policy_of(engine, fresh=True).prioritized:
             raise ValueError(
                 f"extend got priorities, but the store with {engine.where()} has none: call enable_priorities(alpha=...) first"

@@ -167,7 +167,7 @@ def _full_ring_sample(
     slots = draws % h.count
     _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=RING_FIELDS)
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
-    rw = ring_writes_of(fields, h)
+    rw = ring_writes_of(engine, fields, h)
     if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
@@ -263,7 +263,7 @@ def _tx_sample_call(
 
     def parse(reply: list) -> Sample:
         fields = call.field_values or {}
-        rw = ring_writes_of(fields, h)
+        rw = ring_writes_of(engine, fields, h)
         if rw < h.count or fields.get("sc") is not None:
             raise _RingMoved
         piece = str(rw).encode()

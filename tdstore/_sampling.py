@@ -31,7 +31,7 @@ from . import _codec, _index, _scripts, _waiting, _wire
 from ._call import Call
 from ._engine import Engine, request_id
 from ._errors import MustWait
-from ._policy import UNBOUNDED, RateLimit, SamplingPolicy, format_priorities, tree_bytes
+from ._policy import UNBOUNDED, WEIGHT_SUM, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 from ._ring_args import generations_arg, refuse_spread
 from ._schema import Header
 
@@ -233,8 +233,12 @@ def set_queue(engine: Engine, on: bool) -> None:
     _change(engine, lambda p: replace(p, queue=on), "queue" if on else "")
 
 
-def priority_values(priority: Any, n: int, what: str = "priority") -> list[float]:
-    """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise)."""
+def priority_values(priority: Any, n: int, what: str = "priority", *, policy: SamplingPolicy | None = None, slots: int = 0) -> list[float]:
+    """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise).
+
+    Under ``policy`` (priorities on) a tree of ``slots`` slots is given no priority whose weight
+    ``priority ** alpha`` could make the sum of every weight overflow float64: a sum of ``inf``
+    would draw one slot with probability 0 and give NaN weights (see :func:`max_priority`)."""
     t = (
         torch.as_tensor(priority, dtype=torch.float64)
         if not isinstance(priority, torch.Tensor)
@@ -251,16 +255,37 @@ def priority_values(priority: Any, n: int, what: str = "priority") -> list[float
     if bool(bad.any()):
         k = int(bad.nonzero()[0])
         raise ValueError(f"{what} of row {k} is {t[k].item()!r}: priorities are finite numbers >= 0")
+    if policy is not None and policy.alpha is not None:
+        top = max_priority(policy.alpha, slots)
+        over = t > top
+        if bool(over.any()):
+            k = int(over.nonzero()[0])
+            raise ValueError(
+                f"{what} of row {k} is {t[k].item()!r}: with alpha={policy.alpha:g} and {slots} slots the sum of the weights "
+                f"(priority ** alpha) could overflow float64; the largest allowed priority is {top:.6g}"
+            )
     return t.tolist()
+
+
+def max_priority(alpha: float, slots: int) -> float:
+    """The largest priority a tree of ``slots`` slots takes under ``alpha``: its weight times the slots
+    stays within ``WEIGHT_SUM`` (``tds_max_priority`` in ``lua/_tree.lua``, which refuses the rest)."""
+    if alpha <= 0:
+        return UNBOUNDED
+    try:
+        return min(UNBOUNDED, (WEIGHT_SUM / max(slots, 1)) ** (1 / alpha) * (1 - 1e-12))
+    except OverflowError:
+        return UNBOUNDED
 
 
 def update_priority(engine: Engine, index: Any, priority: Any, generation: Any | None) -> torch.Tensor:
     """Set the priorities of slots ``index`` (see ``LazyStackedTensorDictStore.update_priority``)."""
     engine.refuse_if_readonly()
     refuse_spread(engine)
-    slots, _ = _index.positions(index, engine.header.count)
+    count = engine.header.count
+    slots, _ = _index.positions(index, count)
     n = int(slots.numel())
-    values = priority_values(priority, n)
+    values = priority_values(priority, n, policy=policy_of(engine), slots=count)
     if generation is None:
         gens = torch.zeros(n, dtype=torch.int64)
     else:

@@ -235,6 +235,8 @@ def _tdstore_part(msg: str) -> str:
     """The ``TDSTORE ...`` message a script raised, without the script hash and line the server adds around it."""
     msg = msg[msg.index("TDSTORE") :]
     cut = msg.find(" script: ")  # Redis 7: '<message> script: <sha>, on @user_script:<line>.'
+    msg = msg[:cut] if cut >= 0 else msg
+    cut = msg.find("\nstack traceback")  # fakeredis (lupa) adds the Lua traceback
     return msg[:cut] if cut >= 0 else msg
 
 

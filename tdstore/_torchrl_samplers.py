@@ -82,7 +82,7 @@ class StoreSampler(Sampler):
         _, res = s.stack_ops.engine.read(slots, fields=_ring.RING_FIELDS)
         if not isinstance(res, DenseResult) or res.fields is None:
             return None
-        rw = _ring.ring_writes_of(res.fields, s.stack_ops.engine.header)
+        rw = _ring.ring_writes_of(s.stack_ops.engine, res.fields, s.stack_ops.engine.header)
         if rw == 0 or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
             return None
         self._bound = min(rw, m)
