@@ -62,7 +62,8 @@ local bad = tds_check(meta, ARGV[1], '')
 if bad then
   return bad
 end
-local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'sc', 'epoch')
+local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'sc', 'epoch', 'kv')
+tds_int_field(h[6], 'kv', 0, TDS_MAXINT)  -- bumped by the last step (version: tds_check compared it with the client's)
 local count, rw = tds_ring_fields(h[1], h[2])
 rw = tds_ring_rw(meta, count, rw)
 local function header_reply()
