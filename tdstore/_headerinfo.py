@@ -131,6 +131,10 @@ def _leaf(rec: dict) -> LeafRecord:
     return LeafRecord(tuple(path), number, dtype, ndim, shape, json_leaf, col, version)
 
 
+#: The state of a store being deleted in batches (a tombstone, see ``lua/clear.lua``).
+DELETING = "deleting"
+
+
 def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
     """Parse and check a header hash read from the server, as ``Header.from_fields`` does.
 
@@ -147,7 +151,8 @@ def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
         count = int(f["count"])
         stack_dim = int(f["stack_dim"])
         inner = json.loads(f["inner"])
-        version = int(f["version"])
+        # a tombstone (clear.lua cut in batches) has no version: it only tells which keys are left
+        version = int(f["version"]) if f.get("state") != DELETING else int(f.get("version", "0"))
         schema = json.loads(f["schema"])
         kind = f["type"]
         state = f.get("state", "ready")
