@@ -19,8 +19,8 @@ from ._keys import StoreKeys
 from ._schema import Header
 
 #: The most bytes a server-side clone() copies in one call: COPY duplicates every byte while the
-#: server holds everything else (~30 ms for 64 MiB on a busy 2-core machine, see lua/README.md).
-COPY_BYTES = 64 << 20
+#: server holds everything else (10-40 ms for 30 MiB on a 2-core machine, see lua/README.md).
+COPY_BYTES = 32 << 20
 
 #: Tries of a whole-store call cut in batches whose first batch finds the schema changed.
 STALE_TRIES = 64

@@ -184,3 +184,48 @@ def test_whole_store_calls_on_4096_segments_stay_bounded(real):
     print("slowest command (ms):", {k: round(v, 1) for k, v in worst.items()})
     # the upload's own chunks (plain SETRANGE pipelines, not this change) are logged too: only scripts count
     assert all(v < 250 for v in worst.values()), worst
+
+
+def test_an_upload_that_dies_in_its_commit_is_never_read_and_is_deleted_later(backend, small_batches, monkeypatch):
+    calls = {"commit": 0}
+    real_call = _scripts.call
+
+    def dying(client, name, keys, args, execute=None):
+        if name == "commit":
+            calls["commit"] += 1
+            if calls["commit"] == 2:  # the client dies after the commit's first batch
+                raise ConnectionError("client died")
+        return real_call(client, name, keys, args, execute)
+
+    monkeypatch.setattr(_scripts, "call", dying)
+    monkeypatch.setattr(_whole_store, "abort_upload", lambda *a, **k: None)  # nobody cleans up
+    with pytest.raises(ConnectionError):
+        LazyStackedTensorDictStore.from_lazy_stack(make_stack(6), segment_bytes=64, td_id="dies", **backend.kwargs())
+    monkeypatch.setattr(_scripts, "call", real_call)
+    client = backend.client()
+    meta = [k for k in own_keys(backend, type("S", (), {"td_id": "dies"})) if k.endswith(b":m")][0]
+    assert client.hget(meta, "state").startswith(b"uploading") and client.pttl(meta) == -1  # outlives every key
+    with pytest.raises(KeyError, match="uploaded"):
+        LazyStackedTensorDictStore.from_store(td_id="dies", **backend.kwargs())
+    client.hset(meta, "xd", 1)  # as if its keys' upload deadline had passed
+    if backend.name != "cluster":
+        found = inspect_store.audit(client, backend.prefix, "dies")
+        assert not found.intact and "tdstore rm dies" in found.problems[0]
+    fresh = LazyStackedTensorDictStore.from_lazy_stack(make_stack(2, het=False), td_id="dies", **backend.kwargs())
+    assert_same(fresh.to_tensordict(), make_stack(2, het=False))
+    fresh.clear_redis()
+    assert own_keys(backend, fresh) == []
+
+
+def test_check_and_rm_understand_a_tombstone(backend, small_batches):
+    if backend.name == "cluster":
+        pytest.skip("tdstore rm of a cluster store: covered by test_cli")
+    store = segmented(backend)
+    first_clear_batch(store)
+    found = inspect_store.audit(backend.client(), backend.prefix, store.td_id)
+    assert not found.intact and "being deleted" in found.problems[0] and f"tdstore rm {store.td_id}" in found.problems[0]
+    listed = {i.td_id: i.state for i in inspect_store.list_stores(backend.client(), backend.prefix).stores}
+    assert listed[store.td_id] == "deleting"
+    inspect_store.delete_store(backend.client(), backend.prefix, store.td_id)
+    assert own_keys(backend, store) == []
+    assert store.td_id not in {m.decode() for m in backend.client().smembers(registry_key(backend.prefix))}
