@@ -1,8 +1,10 @@
 """Operations on a store as a whole: delete it, copy it, give it a time to live, undo an upload.
 
 Each is one atomic call of its own script (``clear.lua``, ``copy.lua``, ``expire.lua``) naming
-every key the store may own, or, on a store spread over a cluster's nodes, one call per segment
-(``_spread.clear`` / ``_spread.expire``, the header last).
+every key the store may own; above ``_batches.BATCH_KEYS`` keys, deletes and deadlines go in
+batches (``_batches``: a tombstone header, a header that outlives its keys) and a copy is refused.
+On a store spread over a cluster's nodes: one call per segment (``_spread.clear`` /
+``_spread.expire``, the header last).
 """
 
 from __future__ import annotations
