@@ -63,6 +63,7 @@ def clear_lapsed(client: Any, keys: StoreKeys, fields: dict, cluster: bool, exec
     """Delete what a whole-store call cut in batches left of a store (``create.lua``'s ``LAPSED``
     reply, ``tdstore rm``): ``fields`` is its header, a tombstone or a lapsed one."""
     info = parse_header(fields)
+    keys = replace(keys, segment_tags=info.spread or not cluster)  # its layout, as its header says (_inspect_read.store_layout)
     every = keys.all_keys(info.next_leaf, info.segments) + keys.lease_keys
     reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], f"{info.epoch}:X", keys.td_id, execute)
     if cluster:

@@ -122,7 +122,7 @@ def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
         if header.state == DELETING or b"xd" in raw or "xd" in raw:
             # what a delete or a deadline change cut in batches left half-done (lua/clear.lua): the
             # script deletes it when its tombstone or lapsed deadline says so, else answers STALE
-            deleted = _clear(client, StoreKeys(prefix, td_id), header, f"{header.epoch}:X")
+            deleted = _clear(client, store_layout(client, StoreKeys(prefix, td_id), header), header, f"{header.epoch}:X")
             if deleted is not None:
                 return Deletion(td_id, deleted, registry_only=False)
         if header.state != "ready":
