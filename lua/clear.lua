@@ -27,9 +27,14 @@
               upload, and by 'tdstore rm' for a store whose header is gone or unreadable)
   ARGV[2]     the td_id
   ARGV[3]     optional: 'noreg' when KEYS holds no registry ('' otherwise)
-  ARGV[4]     optional: 'keep': not the last batch; the header stays, as a tombstone
+  ARGV[4]     optional: 'keep': not the last batch; the header stays, as a tombstone ('' otherwise)
+  ARGV[5]     optional: the most bytes one call frees (freeing a value costs the server time in
+              proportion to its size, ~0.5 ms per 4 MiB): once the keys deleted held that many,
+              the call stops, leaving the header a tombstone, and says how far it got
 
-  Reply       {'OK', number of keys deleted}; {'STALE', header...}; {'GONE'}.
+  Reply       {'OK', number of keys deleted, number of listed data keys it went through (all of
+              them, unless ARGV[5] stopped it: the header then stays, a tombstone)};
+              {'STALE', header...}; {'GONE'}.
 ]]
 local meta = KEYS[1]
 local spec = ARGV[1]
@@ -48,22 +53,40 @@ elseif spec ~= '*' and not (epoch and tds_lapsed(meta) and redis.call('HGET', me
     return bad
   end
 end
-local n = 0
-if ARGV[4] == 'keep' then
+local first = 3
+if ARGV[3] == 'noreg' then
+  first = 2
+end
+local budget = tonumber(ARGV[5] or '')
+local function tombstone()
   if redis.call('EXISTS', meta) == 1 and redis.call('HGET', meta, 'state') ~= 'deleting' then
     redis.call('HDEL', meta, 'version')
     redis.call('HSET', meta, 'state', 'deleting')
   end
-else
-  n = redis.call('DEL', meta)
 end
-local first = 3
-if ARGV[3] == 'noreg' then
-  first = 2
-elseif ARGV[4] ~= 'keep' then
-  redis.call('SREM', KEYS[2], ARGV[2])
+if ARGV[4] == 'keep' then
+  tombstone()
 end
+local n, bytes, upto = 0, 0, #KEYS
 for i = first, #KEYS do
+  if budget then
+    local len = redis.pcall('STRLEN', KEYS[i])  -- a hash or zset (inventory, lease table): not counted
+    if type(len) == 'number' then
+      bytes = bytes + len
+    end
+  end
   n = n + redis.call('DEL', KEYS[i])
+  if budget and bytes >= budget and i < #KEYS then
+    upto = i
+    break
+  end
 end
-return {'OK', n}
+if upto < #KEYS then
+  tombstone()
+elseif ARGV[4] ~= 'keep' then
+  n = n + redis.call('DEL', meta)
+  if first == 3 then
+    redis.call('SREM', KEYS[2], ARGV[2])
+  end
+end
+return {'OK', n, upto - first + 1}

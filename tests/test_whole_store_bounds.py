@@ -267,3 +267,36 @@ def test_an_interrupted_persist_keeps_the_header_alive_and_the_next_one_finishes
     assert_same(store.to_tensordict(), make_stack(6))  # until then the store reads whole
     store.persist()
     assert set(pttls(backend, store).values()) == {-1} and client.hget(engine.keys.meta, "xd") is None
+
+
+def test_a_delete_of_large_values_is_cut_by_bytes_too(backend, monkeypatch):
+    one_slot(backend)
+    monkeypatch.setattr(_batches, "CLEAR_BYTES", 100)  # bytes freed per call, then the next call
+    sent: list[list] = []
+    real_call = _scripts.call
+
+    def counting(client, name, keys, args, execute=None):
+        if name == "clear":
+            sent.append(args)
+        return real_call(client, name, keys, args, execute)
+
+    monkeypatch.setattr(_scripts, "call", counting)
+    store = segmented(backend)  # fewer keys than a batch: only the bytes cut it
+    assert len(own_keys(backend, store)) < _batches.BATCH_KEYS
+    assert store.clear_redis() > 6
+    assert len(sent) > 2 and ":V" in sent[0][0]
+    assert all(a[0].endswith(":X") for a in sent[1:])  # the later calls run under the tombstone
+    assert own_keys(backend, store) == []
+
+
+@pytest.mark.slow
+def test_deleting_large_values_stays_bounded(real):
+    client = real.client()
+    client.config_set("slowlog-log-slower-than", 1000)
+    store = TensorDictStore.from_tensordict(TensorDict(x=torch.ones(48, 1 << 20), batch_size=[48]), **real.kwargs())
+    assert store._engine.header.segments.n == 48  # 48 values of 4 MiB: one call would free 192 MiB
+    client.slowlog_reset()
+    store.clear_redis()
+    worst = max((e["duration"] / 1000 for e in client.slowlog_get(1000)), default=0.0)
+    print(f"slowest command deleting 48 x 4 MiB: {worst:.1f} ms")
+    assert worst < 250 and own_keys(real, store) == []
