@@ -32,6 +32,26 @@ local function tds_stale(meta)
   return r
 end
 
+-- The server's clock in Unix milliseconds (TIME).
+local function tds_now_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+
+-- Whether the header 'meta' stands for a store that a whole-store call cut in batches left
+-- half-done (lua/README.md, "Whole-store calls in batches"): a tombstone (state 'deleting':
+-- clear.lua deletes the keys batch by batch, the header last), or a header whose field 'xd'
+-- (the earliest deadline a key of the store may carry while expire.lua or commit.lua give its
+-- keys their deadline batch by batch) has passed. Every script answers GONE for such a store,
+-- and create.lua, clear.lua and 'tdstore rm' delete what is left of it.
+local function tds_lapsed(meta)
+  local h = redis.call('HMGET', meta, 'state', 'xd')
+  if h[1] == 'deleting' then
+    return true
+  end
+  return h[2] ~= false and h[2] ~= nil and tonumber(h[2]) ~= nil and tds_now_ms() >= tonumber(h[2])
+end
+
 -- Check that the store exists and that the caller's cached header still describes
 -- what it is about to touch. 'spec' is '<epoch>:<check>', optionally followed by
 -- '@<token>': the header's schema lock (field 'lk', see lock.lua) must then be held
@@ -62,6 +82,9 @@ local function tds_check(meta, spec, leaves)
     if head[2] then  -- a header without its version (edited by hand: tds_damaged is defined below)
       error('TDSTORE damaged: header field version is missing')
     end
+    return {'GONE'}
+  end
+  if redis.call('HEXISTS', meta, 'xd') == 1 and tds_lapsed(meta) then
     return {'GONE'}
   end
   local epoch, check = string.match(spec, '^(%x+):(.+)$')
@@ -519,4 +542,65 @@ local function tds_unruns(runs)
     c = c == '1' and '0' or '1'
   end
   return table.concat(parts)
+end
+
+-- The absolute deadline (Unix ms) of a time to live of 'ttl' ms, nil for none; 'at' (ARGV, may
+-- be '' or nil) is that deadline already read by an earlier batch of the same call.
+local function tds_deadline(ttl, at)
+  if ttl <= 0 then
+    return nil
+  end
+  if at ~= nil and at ~= '' then
+    return tds_num(at, 'deadline')
+  end
+  return tds_now_ms() + ttl
+end
+
+-- Give KEYS[first..last] the absolute deadline 'deadline' (Unix ms), or none when nil.
+local function tds_expire_at(first, last, deadline)
+  for i = first, last do
+    if deadline then
+      redis.call('PEXPIREAT', KEYS[i], deadline)
+    else
+      redis.call('PERSIST', KEYS[i])
+    end
+  end
+end
+
+-- The first batch of a whole-store deadline change cut in batches (expire.lua, commit.lua): the
+-- header 'meta' takes the later of its current deadline and the new one (none if either is
+-- none), so it outlives every key, whichever batch a client dying half-way reached; its field
+-- 'xd' records the earlier one, when a key may start to vanish (tds_lapsed: from then on the
+-- store reads as GONE, never as damaged or zeros). The last batch calls tds_ttl_end.
+local function tds_ttl_begin(meta, deadline)
+  local left = redis.call('PTTL', meta)
+  local old = nil
+  if left > 0 then
+    old = tds_now_ms() + left
+  end
+  if old == nil or deadline == nil then
+    redis.call('PERSIST', meta)
+  else
+    redis.call('PEXPIREAT', meta, math.max(old, deadline))
+  end
+  -- a batch restarted after STALE: keys the first try did not reach may still hold its 'xd'
+  local early = tonumber(redis.call('HGET', meta, 'xd') or '')
+  for _, d in ipairs({old or false, deadline or false}) do
+    if d and (early == nil or d < early) then
+      early = d
+    end
+  end
+  if early ~= nil then
+    redis.call('HSET', meta, 'xd', string.format('%.0f', early))
+  end
+end
+
+-- The last batch: the header takes the new deadline and drops 'xd'.
+local function tds_ttl_end(meta, deadline)
+  redis.call('HDEL', meta, 'xd')
+  if deadline then
+    redis.call('PEXPIREAT', meta, deadline)
+  else
+    redis.call('PERSIST', meta)
+  end
 end

@@ -20,9 +20,13 @@
   ARGV[1]     '<epoch>:V<version>' of the source, as the client listed its keys
   ARGV[2]     the new td_id (added to the registry)
   ARGV[3]     the new epoch
+  ARGV[4]     optional: the most bytes one call copies (the server holds everything meanwhile;
+              a store larger than that is refused, see lua/README.md "Whole-store calls in
+              batches"); the client also refuses stores of more keys than one call may name
 
   Reply       {'OK', number of keys copied}; {'STALE', header...}; {'GONE'}.
-  Errors      'TDSTORE exists' when the new header already exists (nothing copied).
+  Errors      'TDSTORE exists' when the new header already exists (nothing copied);
+              'TDSTORE refused' when the store holds more than ARGV[4] bytes (nothing copied).
 ]]
 local src, dst = KEYS[1], KEYS[2]
 local bad = tds_check(src, ARGV[1], '')
@@ -33,6 +37,20 @@ if redis.call('EXISTS', dst) == 1 then
   error('TDSTORE exists: a store with the new td_id already exists')
 end
 local half = (#KEYS - 3) / 2
+local most = tonumber(ARGV[4] or '')
+if most then
+  local bytes = 0
+  for i = 5, 3 + half do
+    local len = redis.pcall('STRLEN', KEYS[i])  -- a hash or zset key (the lease table) is no string: not counted
+    if type(len) == 'number' then
+      bytes = bytes + len
+    end
+  end
+  if bytes > most then
+    error(string.format('TDSTORE refused: a server-side clone() copies at most %.0f bytes in one call, and this store holds %.0f; ' ..
+      'copy it in chunks with tdstore.export_checkpoint(store, path) and tdstore.import_checkpoint(path, ...) instead', most, bytes))
+  end
+end
 local n = 0
 -- KEYS[4] and KEYS[4 + half] are the inventories (see _lib.lua): the copy's lists its own key names
 local inv, inv_to = KEYS[4], KEYS[4 + half]

@@ -20,13 +20,16 @@
   ARGV[3..]   field, value, field, value, ... of the new header
 
   Reply       {'OK'} when the header was created;
-              {'EXISTS', field, value, ...} with the stored header otherwise.
+              {'EXISTS', field, value, ...} with the stored header otherwise;
+              {'LAPSED', field, value, ...} when that header is what a whole-store call cut in
+              batches left half-done (a tombstone or a lapsed deadline: tds_lapsed in _lib.lua):
+              the client deletes what is left (clear.lua) and creates again.
   Errors      'TDSTORE bad argument' when the field list is odd.
 ]]
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 1 then
   local r = redis.call('HGETALL', meta)
-  table.insert(r, 1, 'EXISTS')
+  table.insert(r, 1, tds_lapsed(meta) and 'LAPSED' or 'EXISTS')
   return r
 end
 if (#ARGV - 2) % 2 ~= 0 or #ARGV < 4 then

@@ -49,7 +49,7 @@ from . import _index, _integrity, _limits, _reads, _scripts, _segments, _spread,
 from ._call import Call, leaf_checks
 from ._connection import ConnectionSpec
 from ._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
-from ._headerinfo import HeaderDamagedError, int_field, ring_writes
+from ._headerinfo import DELETING, HeaderDamagedError, int_field, ring_writes
 from ._keys import KeyTable, StoreKeys
 from ._offsets import OffsetTables
 from ._ops import Write
@@ -201,6 +201,8 @@ class Engine(Transport):
             raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
         except StoreFormatError as err:
             raise StoreFormatError(f"{err} ({self.where()})") from None
+        if header.state == DELETING:
+            raise self.gone()
         if header.state != "ready":
             raise KeyError(f"the store with {self.where()} is still being uploaded (state {header.state!r})")
         return header
@@ -254,12 +256,19 @@ class Engine(Transport):
         for k, v in header.fields().items():
             args += [k, v]
         try:
-            if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
-                reply = _scripts.call(self.client, "create", [self.keys.meta], args)
-                if reply[0] == b"OK":
-                    self.client.sadd(self.keys.registry, self.keys.td_id)
-            else:
-                reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+            for _ in range(3):
+                if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
+                    reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+                    if reply[0] == b"OK":
+                        self.client.sadd(self.keys.registry, self.keys.td_id)
+                else:
+                    reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+                if reply[0] != b"LAPSED":
+                    break
+                # what a delete or a deadline change cut in batches left half-done: delete it, create again
+                from ._whole_store import clear_lapsed
+
+                clear_lapsed(self.client, self.keys, _pairs(reply[1:]), self.spec.cluster)
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             raise self.unreachable(err) from err
         if reply[0] == b"OK":

@@ -210,6 +210,10 @@ def _leaf(rec: dict) -> LeafRecord:
     return LeafRecord(tuple(path), number, dtype, ndim, shape, json_leaf, col, version)
 
 
+#: The state of a store being deleted in batches (a tombstone, see ``lua/clear.lua``).
+DELETING = "deleting"
+
+
 def parse_header(raw: Mapping[bytes | str, bytes | str]) -> HeaderInfo:
     """Parse and check a header hash read from the server, as ``Header.from_fields`` does.
 
@@ -236,7 +240,8 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
     """:func:`parse_header` once the format is known."""
     count = int_field(f.get("count"), "count")
     stack_dim = int_field(f.get("stack_dim"), "stack_dim", -MAX_INT, MAX_INT)
-    version = int_field(f.get("version"), "version")
+    # a tombstone (clear.lua cut in batches) has no version: it only tells which keys are left
+    version = int_field(f.get("version"), "version", default=0 if f.get("state") == DELETING else None)
     keyset_version = int_field(f.get("kv"), "kv")
     seg = int_field(f.get("seg"), "seg", default=0)
     for name in ("inner", "schema", "type", "epoch"):
@@ -254,8 +259,8 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
     state = f.get("state", "ready")
     if kind not in ("lazy", "dense"):
         raise HeaderDamagedError(f"header field type holds {kind[:40]!r}, not 'lazy' or 'dense'")
-    if state != "ready" and not state.startswith("uploading:"):
-        raise HeaderDamagedError(f"header field state holds {state[:40]!r}, not 'ready' or 'uploading:<token>'")
+    if state not in ("ready", DELETING) and not state.startswith("uploading:"):
+        raise HeaderDamagedError(f"header field state holds {state[:40]!r}, not 'ready', '{DELETING}' or 'uploading:<token>'")
     epoch = f["epoch"]
     tensorclass = f.get("tensorclass", "")
     _check_layout(epoch, count, inner, seg, stack_dim)

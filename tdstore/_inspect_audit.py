@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from ._headerinfo import HeaderDamagedError, HeaderInfo, LeafRecord, StoreFormatError
+from ._headerinfo import DELETING, HeaderDamagedError, HeaderInfo, LeafRecord, StoreFormatError
 from ._inspect_read import read_header, store_layout
 from ._inspect_results import Audit, NoSuchStore, UnreadableStore
 from ._keys import StoreKeys
@@ -59,6 +59,9 @@ def audit(client: redis.Redis, prefix: str, td_id: str) -> Audit:
         return Audit(td_id, 0, 0, (f"{keys.meta}: {err}",))
     except StoreFormatError as err:
         raise UnreadableStore(str(err)) from None
+    left = half_done(client, raw, header)
+    if left:
+        return Audit(td_id, 0, 0, (f"{keys.meta}: {left}; `tdstore rm {td_id}` deletes what is left of it",))
     keys = store_layout(client, keys, header)
     na_raw = raw.get(b"na") if b"na" in raw else raw.get("na")
     wanted = _wanted_keys(keys, header)
@@ -119,6 +122,19 @@ def _tree_problems(client: redis.Redis, key: str, count: int) -> list[str]:
             return [f"{key}: the smallest weights the priority tree keeps disagree with its leaves"]
         below, low, at = nodes[:, 0], nodes[:, 1], at + 2 * n
     return []
+
+
+def half_done(client: redis.Redis, raw: dict, header: HeaderInfo) -> str:
+    """Why the store is what a whole-store call cut in batches left half-done (``lua/clear.lua``,
+    ``lua/expire.lua``: every call answers it as gone), or '' when it is not."""
+    if header.state == DELETING:
+        return "the store is being deleted, or a delete stopped half-way (a tombstone header)"
+    xd = raw.get(b"xd", raw.get("xd"))
+    if xd is not None:
+        sec, usec = client.time()
+        if sec * 1000 + usec // 1000 >= int(xd):
+            return "a change of its time to live stopped half-way and some keys expired: the store reads as gone"
+    return ""
 
 
 def _wanted_keys(keys: StoreKeys, header: HeaderInfo) -> list[_Wanted]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 
-from . import _codec, _integrity, _rows, _scripts, _spread, _whole_store
+from . import _batches, _codec, _integrity, _rows, _scripts, _spread, _whole_store
 from ._engine import Engine
 from ._errors import StoreDamagedError
 from ._progress import progress
@@ -347,7 +347,7 @@ def _commit(engine: Engine, header: Header, token: str, ttl_ms: int, spread: boo
         at = ""
         commit_keys = keys.all_keys(header.next_leaf, header.segments.n)
     try:
-        reply = _scripts.call(engine.client, "commit", commit_keys, [token, ttl_ms, at, _integrity.checks(keys, header, commit_keys)])
+        reply = _commit_batches(engine, header, token, ttl_ms, at, commit_keys)
     except StoreDamagedError as err:
         raise StoreDamagedError(
             f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
@@ -355,6 +355,25 @@ def _commit(engine: Engine, header: Header, token: str, ttl_ms: int, spread: boo
         ) from None
     if reply[0] != b"OK":
         raise _lost_header(engine)
+
+
+def _commit_batches(engine: Engine, header: Header, token: str, ttl_ms: int, at: str, commit_keys: list[str]) -> list:
+    """``commit.lua`` on ``commit_keys`` (the header first, then the inventory): one call, or, above
+    ``_batches.BATCH_KEYS`` keys, one per batch under the deadline the first read, the header
+    turning ``ready`` in the last (see ``lua/commit.lua``). The first reply that is not OK ends it."""
+    head, rest = commit_keys[:2], commit_keys[2:]
+    parts = _batches.batches(rest)
+    if len(parts) == 1 or head[1] != engine.keys.inventory:  # a spread store commits segment 0 only
+        return _scripts.call(engine.client, "commit", commit_keys, [token, ttl_ms, at, _integrity.checks(engine.keys, header, commit_keys)])
+    reply: list = []
+    for i, part in enumerate(parts):
+        phase = "first" if i == 0 else "last" if i == len(parts) - 1 else "next"
+        names = [*head, *part]
+        reply = _scripts.call(engine.client, "commit", names, [token, ttl_ms, at, _integrity.checks(engine.keys, header, names), phase])
+        if reply[0] != b"OK":
+            return reply
+        at = reply[1].decode()
+    return reply
 
 
 def _release_segments(engine: Engine, header: Header, ttl_ms: int) -> str:

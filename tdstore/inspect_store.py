@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import redis
 
-from . import _scripts
-from ._headerinfo import HeaderInfo, StoreFormatError
+from . import _batches
+from ._headerinfo import DELETING, HeaderInfo, StoreFormatError
 from ._inspect_audit import audit
 from ._inspect_connect import (
     CONNECT_TIMEOUT,
@@ -119,6 +119,12 @@ def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
             header, _ = read_header(raw)
         except StoreFormatError as err:
             raise UnreadableStore(str(err)) from None
+        if header.state == DELETING or b"xd" in raw or "xd" in raw:
+            # what a delete or a deadline change cut in batches left half-done (lua/clear.lua): the
+            # script deletes it when its tombstone or lapsed deadline says so, else answers STALE
+            deleted = _clear(client, store_layout(client, StoreKeys(prefix, td_id), header), header, f"{header.epoch}:X")
+            if deleted is not None:
+                return Deletion(td_id, deleted, registry_only=False)
         if header.state != "ready":
             raise StoreBusy(f"store {td_id!r} is still being uploaded (state {header.state!r}); an abandoned upload expires by itself")
         if header.spread:
@@ -129,17 +135,17 @@ def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
     raise StoreBusy(f"the schema of store {td_id!r} changed on each of {CLEAR_TRIES} tries to delete it; try again")
 
 
-def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo) -> int | None:
-    """``clear.lua`` on a store whose keys are all in one slot: keys deleted, or None when the header moved on."""
+def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo, spec: str | None = None) -> int | None:
+    """``clear.lua`` on a store whose keys are all in one slot (in batches above ``_batches.BATCH_KEYS``):
+    keys deleted, or None when the header moved on."""
     from redis.cluster import RedisCluster
 
     cluster = isinstance(client, RedisCluster)
     every = keys.all_keys(header.next_leaf, header.segments) + keys.lease_keys
     # on Redis Cluster the registry lives in another slot: the script leaves it, and it is updated after
-    script_keys = every if cluster else [every[0], keys.registry, *every[1:]]
-    args = [f"{header.epoch}:V{header.version}", keys.td_id, *(["noreg"] if cluster else [])]
-    reply = _scripts.call(client, "clear", script_keys, args)
-    status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    spec = spec or f"{header.epoch}:V{header.version}"
+    reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], spec, keys.td_id)
+    status = _batches.status(reply)
     if status == "GONE":
         raise NoSuchStore(keys.td_id)
     if status != "OK":
