@@ -513,10 +513,11 @@ local function tds_remember(req, decision)
       if at > 0 then
         redis.call('PEXPIREAT', key, at)
       end
-    else  -- Redis 6: no PEXPIRETIME; the cache may outlive the header by a millisecond, never expire first
+    else  -- Redis 6: no PEXPIRETIME; the header's deadline from its time to live, as tds_expire_keys gives new keys
       local ttl = redis.call('PTTL', KEYS[1])
       if ttl > 0 then
-        redis.call('PEXPIRE', key, ttl + 1)
+        local now = redis.call('TIME')
+        redis.call('PEXPIREAT', key, tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl)
       end
     end
   end
