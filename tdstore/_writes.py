@@ -106,14 +106,28 @@ def _element_row_ops(
     number, width = h.row
     key = kt.ref(keys.data(number, seg))
     if whole:
-        row = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped])
-        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), row.data.cast("B"))]
+        packed = _packed_row(width, grouped)
+        if packed is None:  # gaps between the columns (keys deleted from the block): zeros there
+            packed = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped]).tobytes()
+        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), packed)]
     ops = []
     for leaf, data in grouped:
         assert leaf.col is not None  # a grouped leaf has its column
         if len(data):
             ops.append(Write.R(key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data))
     return ops
+
+
+def _packed_row(width: int, grouped: list[tuple[Leaf, Any]]) -> bytes | None:
+    """One row of the block as its columns' bytes joined, when they tile it without gaps (the usual
+    block); None otherwise. A join of a few buffers instead of a zeroed numpy row and a copy per column."""
+    parts = sorted(grouped, key=lambda g: g[0].col)
+    pos = 0
+    for leaf, data in parts:
+        if leaf.col != pos:
+            return None
+        pos += len(data)
+    return b"".join([data for _, data in parts]) if pos == width else None
 
 
 def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
