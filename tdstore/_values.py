@@ -151,7 +151,8 @@ def _plain_leaves(td: TensorDict, prefix: NestedPath, out: dict[NestedPath, Any]
                 return False
         elif type(value) is torch.Tensor:
             path = (*prefix, key)
-            out[path] = _check_tensor(path, value)
+            # a plain tensor needs only _check_tensor's layout checks (it words the error)
+            out[path] = _check_tensor(path, value) if value.is_nested or value.is_meta or value.layout != torch.strided else value
         else:
             return False
     return True

@@ -189,7 +189,7 @@ def _element_row_ops(
 def _packed_row(width: int, grouped: list[tuple[Leaf, Any]]) -> bytes | None:
     """One row of the block as its columns' bytes joined, when they tile it without gaps (the usual
     block); None otherwise. A join of a few buffers instead of a zeroed numpy row and a copy per column."""
-    parts = sorted(grouped, key=lambda g: g[0].col)
+    parts = sorted(grouped, key=lambda g: g[0].col or 0)  # grouped leaves: each has its column
     pos = 0
     for leaf, data in parts:
         if leaf.col != pos:
