@@ -819,7 +819,12 @@ end
 -- time to live expires as a whole. The deadline is absolute: PEXPIRETIME where the server has it
 -- (Redis 7); on Redis 6, whose clock moves inside a script, a PTTL read within one millisecond
 -- of TIME (read again until it is) gives it to the millisecond.
-local at = redis.pcall('PEXPIRETIME', meta)
+-- (looked up only when some key may need it: an element write into existing keys skips it)
+local expiring = #allocate > 0 or #fresh > 0 or inv ~= nil
+for _, op in ipairs(ops) do
+  expiring = expiring or op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O'
+end
+local at = expiring and redis.pcall('PEXPIRETIME', meta) or -1
 if type(at) ~= 'number' then
   local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
   local t0, t1, ttl

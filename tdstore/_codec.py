@@ -96,16 +96,17 @@ def to_bytes(tensor: torch.Tensor) -> memoryview:
     redis-py sends a ``memoryview`` as it is, so the bytes are copied only once,
     into the socket buffer.
     """
-    if (
-        tensor.dtype in NUMPY_NATIVE
-        and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and not tensor.requires_grad
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    ):
-        # the common case: numpy sees the tensor's own memory, no torch ops needed
-        return tensor.numpy().data.cast("B") if tensor.numel() else memoryview(b"")
+    if tensor.is_cpu and not tensor.requires_grad and tensor.dtype in NUMPY_NATIVE:
+        # the common case: numpy sees the tensor's own memory, no torch ops needed (numpy()
+        # refuses a tensor with its conjugate or negative bit set: the general path resolves it).
+        # The fewest checks: this runs once per leaf of every element write.
+        try:
+            a = tensor.numpy()
+        except RuntimeError:
+            pass
+        else:
+            if a.flags.c_contiguous:
+                return a.data.cast("B") if a.size else memoryview(b"")
     t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -129,6 +129,7 @@ class Engine(Transport):
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.offsets = OffsetTables()  # heterogeneous leaves' offset tables: their rows read as plain GETRANGEs
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
+        self.checks_memo = _integrity.ChecksMemo()  # write.lua's ARGV[6], built once per header and key list
 
     # -- connection and header ----------------------------------------------
     @property
@@ -571,7 +572,7 @@ class Engine(Transport):
                     staged.append((stage, op[2]))
                     op = Write.M(kt.ref(stage), op[1], len(op[2]))
                 sent.append(op)
-            args += [_integrity.checks(self.keys, h, kt.keys, new_header), len(sent)]
+            args += [self.checks_memo.checks(self.keys, h, kt.keys, new_header), len(sent)]
             for op in sent:
                 args.extend(op)
             state["new"] = new_header or h

@@ -97,6 +97,37 @@ def checks(keys: StoreKeys, h: Header, names: list[str], new: Header | None = No
     return out.tobytes()
 
 
+class ChecksMemo:
+    """:func:`checks` of the calls planned from one header, kept while that header is current.
+
+    An element write names the same keys call after call, and what they must hold follows
+    from the header alone, so the table is built once per header and key list instead of on
+    every call (it was a tenth of an element write's client time). Only calls that keep the
+    schema are kept; a stale entry cannot be used, as a new header starts a new memo.
+    """
+
+    LIMIT = 256  # key lists kept per header (a store written at many segments keeps the latest)
+
+    def __init__(self) -> None:
+        self._state: tuple[Any, dict[tuple[str, ...], bytes]] = (None, {})
+
+    def checks(self, keys: StoreKeys, h: Header, names: list[str], new: Header | None = None) -> bytes:
+        if new is not None:
+            return checks(keys, h, names, new)
+        state = self._state  # one read: another thread may swap in a new header's memo meanwhile
+        if state[0] is not h:
+            state = (h, {})
+            self._state = state
+        memo = state[1]
+        key = tuple(names)
+        out = memo.get(key)
+        if out is None:
+            if len(memo) >= self.LIMIT:
+                memo.clear()
+            out = memo[key] = checks(keys, h, names)
+        return out
+
+
 def damaged(where: str, detail: str, td_id: str, *, header: bool = False) -> StoreDamagedError:
     """The error a damaged store gives: which store, which key, what to do. ``header``: the store's
     header itself holds a value out of range (a ``HeaderDamagedError``, which is a ``StoreFormatError`` too)."""
@@ -123,4 +154,4 @@ def edited(detail: str) -> bool:
     return detail.startswith("header field") or "another client" in detail
 
 
-__all__ = ["StoreDamagedError", "checks", "damaged", "edited", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]
+__all__ = ["ChecksMemo", "StoreDamagedError", "checks", "damaged", "edited", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]

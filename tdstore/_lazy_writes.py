@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase, is_tensorclass
+from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
 from . import _index, _writes
 from ._common import LOCK_ERROR, only_keys
@@ -63,7 +63,9 @@ class LazyWrites(LazyState):
         return self
 
     def _setitem_index(self, index: Any, value: Any) -> None:
-        if isinstance(value, (int, float, bool, complex)) or (
+        if type(value) is TensorDict:  # the common store[i] = td: none of the conversions below
+            pass
+        elif isinstance(value, (int, float, bool, complex)) or (
             isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, TensorDictBase)
         ):
             value = self._fill_value(index, value)

@@ -42,8 +42,7 @@ class LeafScan:
         """Every element has one shape: the leaf is one blob of fixed-size elements (never a non-tensor leaf)."""
         if self.json:
             return False
-        first = self.shapes[0]
-        return all(s == first for s in self.shapes)
+        return len(set(self.shapes)) == 1  # torch.Size hashes as a tuple: one pass in C
 
     def element_bytes(self) -> np.ndarray:
         """Bytes of each element of this leaf (int64)."""
@@ -137,13 +136,29 @@ def _plain_paths(td: TensorDict, prefix: NestedPath, out: list[NestedPath]) -> b
     return True
 
 
-def _same_tree(td: TensorDict, ref: TensorDict) -> bool:
-    """``td`` has exactly ``ref``'s keys at every level, nested plain TensorDicts where ``ref`` has them."""
-    if type(td) is not TensorDict or td._tensordict.keys() != ref._tensordict.keys():
-        return False
-    for key, value in ref._tensordict.items():
-        if type(value) is TensorDict and not _same_tree(td._tensordict[key], value):
+def _all_same_tree(elements: list[TensorDictBase], first: TensorDict, inner: torch.Size) -> bool:
+    """Whether every element is a plain TensorDict with exactly ``first``'s keys at every level (nested
+    plain TensorDicts where it has them) and its batch size; no Python call per element and level
+    (this loop is the per-element cost of an upload's scan)."""
+    nested: list[tuple[NestedPath, Any]] = []  # each sub-tree of ``first`` (parents first) and its keys
+
+    def walk(td: TensorDict, prefix: NestedPath) -> None:
+        for key, value in td._tensordict.items():
+            if type(value) is TensorDict:
+                nested.append(((*prefix, key), value._tensordict.keys()))
+                walk(value, (*prefix, key))
+
+    walk(first, ())
+    top = first._tensordict.keys()
+    for el in elements:
+        if type(el) is not TensorDict or el._tensordict.keys() != top or el.batch_size != inner:
             return False
+        for path, keys in nested:
+            node: Any = el
+            for part in path:  # present: the parent's keys matched just before
+                node = node._tensordict[part]
+            if type(node) is not TensorDict or node._tensordict.keys() != keys:
+                return False
     return True
 
 
@@ -161,9 +176,8 @@ def scan_plain(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[Le
     if type(first) is not TensorDict or not _plain_paths(first, (), paths):
         return None
     inner = first.batch_size
-    for el in elements:
-        if el.batch_size != inner or not _same_tree(el, first):
-            return None
+    if not _all_same_tree(elements, first, inner):
+        return None
     leaves = []
     for path in paths:
         if len(path) == 1:
@@ -178,8 +192,8 @@ def scan_plain(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[Le
                 tensors.append(node)
         dtype = tensors[0].dtype
         shapes = [t.shape for t in tensors]
-        ndim = len(shapes[0])
-        if any(t.dtype != dtype for t in tensors) or any(len(sh) != ndim for sh in shapes):
+        # sets built in C: one dtype and one number of dims across the stack
+        if len({t.dtype for t in tensors}) != 1 or len({len(sh) for sh in shapes}) != 1:
             return None
         _codec.dtype_name(dtype)
         leaves.append(LeafScan(path, dtype, tensors, shapes))

@@ -142,6 +142,22 @@ def _check_tensor(path: NestedPath, value: Any) -> torch.Tensor | NonTensor:
     )
 
 
+def _plain_leaves(td: TensorDict, prefix: NestedPath, out: dict[NestedPath, Any]) -> bool:
+    """Add the checked leaves of a tree of plain TensorDicts holding plain tensors to ``out``; False
+    (``out`` partly filled) at anything else, which the general walk handles."""
+    for key, value in td._tensordict.items():
+        if type(value) is TensorDict:
+            if not _plain_leaves(value, (*prefix, key), out):
+                return False
+        elif type(value) is torch.Tensor:
+            path = (*prefix, key)
+            # a plain tensor needs only _check_tensor's layout checks (it words the error)
+            out[path] = _check_tensor(path, value) if value.is_nested or value.is_meta or value.layout != torch.strided else value
+        else:
+            return False
+    return True
+
+
 def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[NestedPath, Any]:
     """The leaves of a value to write, keyed by full path under ``prefix``.
 
@@ -175,7 +191,12 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
                 names = sorted(display(prefix + p) for p in extra)
                 raise ValueError(f"keys {names} are present in only some elements of the lazy stack; every element must hold the same keys")
         if not lazy and type(value) is TensorDict:
-            # the common case (store[i] = td): one pass over the items
+            # the common case (store[i] = td): its key dicts read directly when the tree holds only
+            # plain TensorDicts and tensors (a third of an element write's client time went to
+            # tensordict's general walk), else one pass over the items
+            out = {}
+            if _plain_leaves(value, prefix, out):
+                return out
             out = {}
             for key, leaf in value.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
                 path = prefix + ((key,) if isinstance(key, str) else key)

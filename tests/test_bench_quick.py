@@ -14,7 +14,7 @@ BENCH = REPO / "tools" / "bench.py"
 
 #: The operations of issue #6, per case.
 EXPECTED = {
-    "homogeneous": {"upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"},
+    "homogeneous": {"upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"},
     "heterogeneous": {
         "upload",
         "element_read",
@@ -81,3 +81,11 @@ def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
         assert mp[contender]["status"] == "ok", mp[contender]
         assert mp[contender]["writes_per_s"] > 0
     assert mp["reference"]["status"] in ("ok", "raises", "unavailable")
+    # the learner's sample rate alone and under 4 extending writers (issue #30), for tdstore and the raw floor
+    learner = mp["learner"]
+    assert learner["writers"] == 4 and learner["batch"] == 256 and learner["writer_rows"] == 100
+    for contender in ("tdstore", "raw"):
+        line = learner[contender]
+        assert line["status"] == "ok", line
+        assert line["idle_per_s"] > 0 and line["loaded_per_s"] > 0 and line["writer_rows_per_s"] > 0
+        assert line["kept"] == pytest.approx(line["loaded_per_s"] / line["idle_per_s"])

@@ -91,7 +91,7 @@ GiB = 1 << 30
 #: Operations per case, in the order they run (the shape-changing write last: it
 #: changes element sizes that the other heterogeneous operations rely on).
 OPERATIONS: dict[str, tuple[str, ...]] = {
-    "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read"),
+    "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"),
     "heterogeneous": (
         "upload",
         "element_read",
@@ -111,6 +111,10 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
 }
 
 TOKENS_PERIOD = 17  # element i of the heterogeneous case holds tokens i64[1 + i % 17]
+EXTEND_ROWS = 500  # rows per extend (torchrl's benchmark workload: fill 5,000 rows in chunks of 500)
+FILL_ROWS = 5_000
+LEARNER_BATCH = 256  # the learner's sample under writers; they extend WRITER_ROWS rows at a time
+WRITER_ROWS = 100
 
 
 # --------------------------------------------------------------------------- settings
@@ -152,6 +156,8 @@ FULL_REPS = {
     "nested_full": 10,
     "large_read": 7,
     "large_write": 7,
+    "extend": 60,
+    "fill": 7,
 }
 QUICK_REPS = {
     "upload": 2,
@@ -169,6 +175,8 @@ QUICK_REPS = {
     "nested_full": 3,
     "large_read": 3,
     "large_write": 3,
+    "extend": 5,
+    "fill": 2,
 }
 
 
@@ -211,6 +219,19 @@ def make_element(i: int, het: bool, gen: torch.Generator, tokens_len: int | None
         n = tokens_len if tokens_len is not None else 1 + i % TOKENS_PERIOD
         d["tokens"] = torch.randint(0, 50_000, (n,), generator=gen)
     return TensorDict(d, batch_size=[])
+
+
+def make_batch(n: int, gen: torch.Generator) -> TensorDict:
+    """``n`` rows of the homogeneous workload as one dense tensordict (what an actor extends a ring with)."""
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 64, generator=gen),
+            "action": torch.randn(n, 4, generator=gen),
+            "reward": torch.randn(n, 1, generator=gen),
+            "nested": {"b": torch.randint(0, 1 << 30, (n, 3), generator=gen)},
+        },
+        batch_size=[n],
+    )
 
 
 def make_stack(count: int, het: bool, seed: int) -> LazyStackedTensorDict:
@@ -805,7 +826,50 @@ class Runner:
             self.run(case, "shape_change_write", with_ref(lambda n: Contender(n, writes[n])), change_args)
             self.check_written(case, "shape_change_write", s, last["write"])
 
+        if not het:
+            self.ring_ops(case, s)
         self.mp_stores[case] = s  # kept for the side-by-side pass (and, homogeneous, the multi-process case)
+
+    def ring_ops(self, case: str, s: Stores) -> None:
+        """``extend`` of ``EXTEND_ROWS`` rows at the ring's cursor, and a ``fill`` of ``FILL_ROWS`` rows in
+        such extends (torchrl's benchmark workload). tdstore: ``store.extend`` (slots reserved and written
+        in one atomic call); the reference: ``ref[a:a + n] = batch`` at the same cursor (what torchrl's
+        ``StoreStorage`` does over it); raw: one ``SETRANGE`` per leaf of the rows' bytes, converted from
+        the tensors in the call as the others do."""
+        count, ref = self.settings.count, s.reference
+        n = min(EXTEND_ROWS, count)
+        layout = [(s.raw.key("d", leaf), _path_key(leaf.path), int(leaf.offsets[1])) for leaf in s.leaves]
+        cursor = {"tdstore": 0, "reference": 0, "raw": 0}
+
+        def at(name: str) -> int:
+            a = cursor[name]
+            cursor[name] = (a + n) % (count - count % n) if count >= n else 0
+            return a
+
+        def raw_rows(a: int, td: TensorDict) -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for key, path, eb in layout:
+                pipe.setrange(key, a * eb, tensor_bytes(td.get(path)))
+            return pipe.execute()
+
+        def ref_rows(td: TensorDict) -> None:
+            a = at("reference")
+            ref[a : a + n] = td
+
+        ring: dict[str, Callable[[TensorDict], Any]] = {
+            "tdstore": lambda td: s.tdstore.extend(td),
+            "reference": ref_rows,
+            "raw": lambda td: raw_rows(at("raw"), td),
+        }
+        names = [name for name in ring if name != "reference" or ref is not None]
+        self.run(
+            case, "extend", [Contender(name, lambda a, f=ring[name]: f(a)) for name in names], lambda: make_batch(n, self.gen), {"rows": n}
+        )
+        batches = [make_batch(n, self.gen) for _ in range(max(1, min(FILL_ROWS, count) // n))]
+        fills = [Contender(name, lambda a, f=ring[name]: [f(b) for b in batches]) for name in names]
+        self.run(case, "fill", fills, lambda: None, {"rows": n * len(batches), "per_extend": n})
+        if not _same(s.tdstore[(s.tdstore.write_count - 1) % count].to_tensordict(), batches[-1][-1]):
+            self.problems.append(f"{case}/fill: tdstore's last extended row does not read back")
 
     # -- heterogeneous against homogeneous ------------------------------------------
     def het_vs_hom_case(self) -> list[dict[str, Any]]:
@@ -926,6 +990,7 @@ class Runner:
                     )
                 else:
                     print(f"  mp {name:<10} {line.get('status')}: {line.get('error')}", flush=True)
+            report["learner"] = self.learner_case(pool, s, jobs)
         td = report["tdstore"].get("writes_per_s")
         for name, label in (("reference", "ratio_ref"), ("raw", "ratio_raw")):
             other = report.get(name, {}).get("writes_per_s")
@@ -936,6 +1001,56 @@ class Runner:
         self.drop(s)
         return report
 
+    def learner_case(self, pool: WriterPool, s: Stores, jobs: list[tuple[str, Any]]) -> dict[str, Any]:
+        """The learner under load: ``sample(LEARNER_BATCH)`` per second alone, then while every writer
+        process extends ``WRITER_ROWS``-row batches as fast as it can (per contender: tdstore samples
+        and extends its ring; the reference reads random rows and writes row slices; raw pipelines
+        GETRANGEs and SETRANGEs of the same bytes). ``kept`` is the loaded rate over the idle one."""
+        st, count = self.settings, self.settings.count
+        samplers: dict[str, Callable[[], Any]] = {
+            "tdstore": lambda: s.tdstore.sample(LEARNER_BATCH),
+            "reference": lambda: s.reference[torch.from_numpy(self.rng.integers(0, count, LEARNER_BATCH))],
+            "raw": lambda: s.raw.read_batch(np.sort(self.rng.integers(0, count, LEARNER_BATCH))),
+        }
+
+        def rate(sample: Callable[[], Any], seconds: float) -> float:
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                sample()
+                n += 1
+            return n / (time.perf_counter() - t0)
+
+        out: dict[str, Any] = {"batch": LEARNER_BATCH, "writer_rows": WRITER_ROWS, "writers": st.mp_writers}
+        for name, target in jobs:
+            sample = samplers[name]
+            try:
+                sample()
+                idle = rate(sample, st.mp_seconds / 2)
+                box: dict[str, Any] = {}
+                writers = threading.Thread(
+                    target=lambda b=box, k=f"{name}+extend", t=target: b.update(pool.run(k, t, st.mp_seconds, count, st.seed))
+                )
+                writers.start()
+                time.sleep(min(1.0, st.mp_seconds / 5))  # the writers are past their barrier and warm
+                loaded = rate(sample, st.mp_seconds / 2)
+                writers.join()
+            except Exception as err:  # recorded; the reference may not run under load
+                out[name] = {"status": "raises", "error": _describe(err)}
+                continue
+            if box.get("status") != "ok":
+                out[name] = {"status": "raises", "error": box.get("error")}
+                continue
+            rows = box["writes_per_s"] * WRITER_ROWS
+            out[name] = {"status": "ok", "idle_per_s": idle, "loaded_per_s": loaded, "kept": loaded / idle, "writer_rows_per_s": rows}
+            print(
+                f"  learner {name:<10} sample({LEARNER_BATCH}) {idle:8,.0f}/s idle, {loaded:8,.0f}/s under {st.mp_writers} writers "
+                f"({loaded / idle:.2f}x kept; writers {rows:,.0f} rows/s)",
+                flush=True,
+            )
+        if out.get("tdstore", {}).get("status") != "ok":
+            self.problems.append(f"learner: tdstore {out.get('tdstore')}")
+        return out
+
 
 def _same(a: Any, b: Any) -> bool:
     keys_a = {k if isinstance(k, tuple) else (k,) for k in a.keys(True, True)}
@@ -945,7 +1060,30 @@ def _same(a: Any, b: Any) -> bool:
 
 # --------------------------------------------------------------------------- writer processes
 def _make_writer(kind: str, target: Any) -> tuple[Callable[[int, TensorDict], Any], Callable[[], None]]:
-    """A ``write(i, td)`` function and a ``close()`` for one contender, inside a worker."""
+    """A ``write(i, td)`` function and a ``close()`` for one contender, inside a worker.
+
+    ``<contender>+extend`` writes a batch of rows: tdstore at the ring's cursor (``store.extend``),
+    the reference and the raw floor at rows ``i..``."""
+    if kind.endswith("+extend"):
+        base = kind.split("+")[0]
+        if base == "raw":
+            url, layout = target
+            client = redis.Redis.from_url(url)
+
+            def extend_raw(i: int, td: TensorDict) -> Any:
+                pipe = client.pipeline(transaction=False)
+                for key, path, eb in layout:
+                    pipe.setrange(key, i * eb, tensor_bytes(td.get(path)))
+                return pipe.execute()
+
+            return extend_raw, client.close
+        if base == "reference":
+
+            def extend_ref(i: int, td: TensorDict) -> None:
+                target[i : i + td.batch_size[0]] = td
+
+            return extend_ref, getattr(target, "close", lambda: None)
+        return (lambda i, td: target.extend(td)), getattr(target, "close", lambda: None)
     if kind == "raw":
         url, layout = target
         client = redis.Redis.from_url(url)
@@ -978,8 +1116,10 @@ def _writer_main(wid: int, jobs: Any, results: Any, barrier: Any) -> None:
         try:
             write, close = _make_writer(kind, target)
             gen = torch.Generator().manual_seed(seed + wid)
-            td = make_element(0, False, gen)
+            td = make_batch(WRITER_ROWS, gen) if kind.endswith("+extend") else make_element(0, False, gen)
             rnd = random.Random(seed * 1000 + wid)
+            if kind.endswith("+extend"):
+                count = count - WRITER_ROWS + 1  # the batch's first row: the rest follow it
             write(rnd.randrange(count), td)  # warm-up: connection, scripts, caches
             barrier.wait(timeout=300)
             n = 0
@@ -1126,6 +1266,21 @@ def print_table(report: dict[str, Any]) -> None:
             value = f"{line['writes_per_s']:,.0f}" if line.get("status") == "ok" else f"{line.get('status')}: {line.get('error', '')}"
             print(f"  {name:<10} {value}")
         print(f"  tdstore/reference {_ratio(mp.get('ratio_ref'))}   tdstore/raw {_ratio(mp.get('ratio_raw'))}")
+        learner = mp.get("learner") or {}
+        if learner:
+            print(
+                f"learner under writers: sample({learner['batch']})/s alone and while {learner['writers']} processes extend "
+                f"{learner['writer_rows']}-row batches (kept: loaded / idle, at least 0.5 is the goal)"
+            )
+            for name in CONTENDERS:
+                line = learner.get(name, {"status": "unavailable"})
+                if line.get("status") == "ok":
+                    print(
+                        f"  {name:<10} {line['idle_per_s']:,.0f}/s idle  {line['loaded_per_s']:,.0f}/s loaded  "
+                        f"kept {line['kept']:.2f}x  writers {line['writer_rows_per_s']:,.0f} rows/s"
+                    )
+                else:
+                    print(f"  {name:<10} {line.get('status')}: {line.get('error', '')}")
     for problem in report["problems"]:
         print(f"PROBLEM: {problem}")
     for note in report["notes"]:
