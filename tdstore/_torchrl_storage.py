@@ -23,6 +23,7 @@ from . import _index, _ring
 from ._connection import SECRET_KWARGS
 from ._engine import new_td_id
 from ._sampling import PrioritizedSample
+from ._torchrl_rows import write_through
 from .lazy import LazyStackedTensorDictStore
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
@@ -101,6 +102,7 @@ class StoreStorage(_TorchrlStoreStorage):
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None
         self._reopens = 0
+        self._in_place = 0  # in-place writes of this process (see _mutation_revision)
         if max_size is None:
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
@@ -183,11 +185,16 @@ class StoreStorage(_TorchrlStoreStorage):
 
     @property
     def _mutation_revision(self) -> int:
-        """Changes whenever any process writes (the server's ring write count) or the buffer is emptied."""
-        return (self._reopens << 40) + self.with_store(lambda s: s.write_count)
+        """Changes whenever any process extends the ring (the server's write count), this process writes
+        rows in place (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers' explicit slots)
+        or the buffer is emptied or reloaded.  In-place writes by *other* processes do not move it (the
+        ring keeps no server counter of them): a ``SliceSampler(cache_values=True)`` in another process
+        keeps its episode boundaries until the next ``extend``."""
+        return (self._reopens << 96) + (self._in_place << 64) + self.with_store(lambda s: s.write_count)
 
     def _bump_mutation_revision(self) -> None:
-        """Nothing to bump: the revision is derived from the server's write count."""
+        """An in-place write of this process (torchrl calls this after ``set_at_``, ``set_``, ``update_``)."""
+        self._in_place = getattr(self, "_in_place", 0) + 1
 
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
@@ -218,7 +225,9 @@ class StoreStorage(_TorchrlStoreStorage):
         ring is written in ``max_size`` chunks, the later ones overwriting the earlier
         ones, as torchrl's own writer does with ``index % max_size``.
         """
-        rows = self._to_rows(data)
+        return self._extend_rows(self._to_rows(data), data)
+
+    def _extend_rows(self, rows: TensorDictBase, data: Any) -> torch.Tensor:
         n = rows.batch_size[0] if rows.batch_dims else 0
         if n == 0:
             raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
@@ -231,26 +240,55 @@ class StoreStorage(_TorchrlStoreStorage):
         return torch.cat([write_chunk(i) for i in range(0, n, self.max_size)])
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Write ``data`` at explicit slots (``rb[index] = data``): one atomic call.
+        """Write ``data`` at explicit slots: ``rb[index] = data``, and torchrl's own writers.
 
-        A writer that picks its own slots (torchrl's ``RoundRobinWriter``) would keep its
-        cursor in its process and never advance the server's: it is refused.  Slots written
-        this way keep their generation (only ring writes count), and ``len`` is unchanged.
+        ``set_cursor=False`` (``rb[index] = data``, ``write_at``): one atomic call; the slots keep
+        their generation and ``len`` is unchanged.  ``set_cursor=True`` is how torchrl's writers
+        (``RoundRobinWriter``, ``TensorDictMaxValueWriter``, custom ones) write: they keep their
+        cursor in their process.  Slots that continue the server's cursor are written by the ring
+        (``store.extend``: len, cursor and generations advance as torchrl expects), any other slots
+        in place; either way one atomic call after one read of the ring state.  Slots at the cursor
+        that another process took meanwhile raise (use ``StoreWriter`` with several writers);
+        unwritten slots off the cursor raise before anything is written.
         """
-        if set_cursor:
-            raise RuntimeError(
-                "StoreStorage is written through StoreWriter, whose add/extend reserve slots on the server "
-                "(a writer that keeps its cursor in its process, like RoundRobinWriter, would make processes "
-                "overwrite each other's rows); build the buffer with tdstore.torchrl.replay_buffer(...) or "
-                "writer=StoreWriter()"
-            )
         slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
+        if set_cursor:
+            self._set_at_cursor(slots, rows)
+            return
 
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
 
         self.with_store(write)
+        self._bump_mutation_revision()
+
+    def _set_at_cursor(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
+        """``set(slots, rows, set_cursor=True)``: a ring write where ``slots`` continue the server's cursor, else in place."""
+        state = self.with_store(lambda s: s.ring_state())
+        m = self.max_size
+        n = int(slots.numel())
+        if n and bool((slots == (state.cursor + torch.arange(n)) % m).all()):
+            got = self._extend_rows(rows, rows)
+            if not torch.equal(got, slots):
+                raise RuntimeError(
+                    f"StoreStorage: the writer asked for slots {slots.tolist()[:8]} at the cursor, but another process moved the "
+                    f"server's cursor meanwhile and the rows went to {got.tolist()[:8]}: with several writer processes use "
+                    "tdstore.torchrl.StoreWriter (its slots are reserved on the server)"
+                )
+            return
+        unwritten = slots[slots >= state.written]
+        if unwritten.numel():
+            raise RuntimeError(
+                f"StoreStorage: the writer wrote slot {int(unwritten[0])} in place, which the ring has not written yet "
+                f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
+            )
+
+        def write(s: LazyStackedTensorDictStore) -> None:
+            s[slots] = rows
+
+        self.with_store(write)
+        self._bump_mutation_revision()
 
     # -- reads -----------------------------------------------------------------------------
     def stash(self, sample: Drawn) -> None:
@@ -263,30 +301,42 @@ class StoreStorage(_TorchrlStoreStorage):
         return p if p is not None and index is p.indices else None
 
     def get(self, index: Any) -> Any:
-        """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store."""
+        """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store.
+
+        A slice (``storage[:]``, through which torchrl's ``set_at_``, ``set_``, ``update_`` and
+        ``rb[key] = value`` write) answers rows whose in-place writes reach the server too
+        (:mod:`tdstore._torchrl_rows`)."""
         p = self.stashed(index)
+        slots = None
         if p is not None:
             self._pending = None
             td = p.td
         else:
+            if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
+                slots = torch.arange(*index.indices(len(self)))
+                index = slots
             td = self.with_store(lambda s: self._read(s, index))
         self._data_kind()
         if self._is_tensor:
             if not isinstance(td, LazyStackedTensorDict):
                 return td.get(TENSOR_KEY)
             return td.get(TENSOR_KEY, as_nested_tensor=False)  # type: ignore[call-overload]  # tensordict's overloads omit get's keywords
+        if slots is not None:
+            td = write_through(td, slots, self._write_rows)
         if self._tensorclass_type is not None:
             return self._tensorclass_type.from_tensordict(td)
         return td
 
+    def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
+        """An in-place write of rows ``storage[:]`` read: one atomic call on the store, then a new revision."""
+        self.with_store(fn)
+        self._bump_mutation_revision()
+
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
-        if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
-            index = slice(*index.indices(len(self)))
-            if index.step == 1:
-                return s.stack_ops.read(index)
-            index = torch.arange(index.start, index.stop, index.step)
+        if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
+            return s.stack_ops.read(slice(0, 0))
         slots, one = _index.positions(index, self.max_size)  # a mask means what it means to indexing
         got = s.stack_ops.read(slots)
         return got[0] if one else got

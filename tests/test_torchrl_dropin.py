@@ -1,0 +1,166 @@
+"""StoreStorage as a drop-in for torchrl's LazyTensorStorage, through torchrl's public replay-buffer API.
+
+Each test builds the same buffer twice, on an in-memory ``LazyTensorStorage`` and on a
+``StoreStorage`` (real server), makes the same calls and compares what is deterministic;
+what cannot be the same on a server is checked to raise a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchrl")
+
+from helpers import round_trips, top_level_commands  # noqa: E402
+from tensordict import TensorDict, tensorclass  # noqa: E402
+from torchrl.data import (  # noqa: E402
+    LazyTensorStorage,
+    ReplayBuffer,
+    RoundRobinWriter,
+    SliceSampler,
+    TensorDictMaxValueWriter,
+    TensorDictReplayBuffer,
+)
+
+from tdstore.torchrl import StoreStorage, replay_buffer  # noqa: E402
+
+
+@tensorclass
+class Step:
+    obs: torch.Tensor
+    reward: torch.Tensor
+
+
+def both(real, n: int, *, cls=ReplayBuffer, make=None, **kw):
+    """The same buffer on a LazyTensorStorage and on a StoreStorage (torchrl's default writer and sampler,
+    or ``make()``'s keywords, made once per buffer)."""
+    out = []
+    for storage in (LazyTensorStorage(n), StoreStorage(n, **real.kwargs())):
+        out.append(cls(storage=storage, **kw, **(make() if make else {})))
+    return out
+
+
+def data(n: int, start: int = 0) -> TensorDict:
+    v = torch.arange(start, start + n, dtype=torch.float32)
+    return TensorDict(a=v.clone(), b=v[:, None].expand(n, 3).clone(), batch_size=[n])
+
+
+def same(x, y) -> None:
+    assert (x == y).all(), (x, y)
+
+
+# -- 1. writes through storage[:] reach the server -------------------------------------------------------
+def test_set_at_set_update_write_through(real):
+    """The issue's example: set_at_ / set_ / update_ on the buffer change the server's rows, as in memory."""
+    for rb in both(real, 10):
+        rb.extend(TensorDict(a=torch.zeros(10), b=torch.ones(10), batch_size=[10]))
+        rb.set_at_("a", torch.tensor([99.0, 99.0]), torch.tensor([2, 5]))
+        assert rb["a"][2] == 99.0 and rb["a"][5] == 99.0 and rb["a"][3] == 0.0
+        rb.set_("b", torch.full((10,), 7.0))
+        rb.update_(TensorDict(a=torch.arange(10.0), batch_size=[10]))
+        assert rb["a"].tolist() == list(range(10)) and rb["b"].tolist() == [7.0] * 10
+        rb["b"] = torch.full((10,), 3.0)
+        assert rb[:]["b"].tolist() == [3.0] * 10
+    store = StoreStorage(td_id=rb.storage.td_id, **real.kwargs())  # another handle sees the writes
+    assert store[:]["a"].tolist() == list(range(10)) and store[:]["b"].tolist() == [3.0] * 10
+
+
+def test_set_at_on_a_partly_written_buffer_writes_the_written_slots(real):
+    mem, srv = both(real, 10)
+    for rb in (mem, srv):
+        rb.extend(data(4))
+        rb.set_at_("a", torch.tensor([-1.0]), torch.tensor([3]))
+    same(mem[:]["a"], srv[:]["a"])
+    assert len(srv) == 4
+
+
+def test_set_at_is_one_round_trip_and_bad_input_changes_nothing(real):
+    rb = replay_buffer(10, **real.kwargs())
+    rb.extend(data(10))
+    rows = rb.storage[:]
+    cmds = top_level_commands(real.client, lambda: rows.set_at_("a", torch.tensor([5.0]), torch.tensor([1])))
+    assert round_trips(cmds) == ["evalsha"], cmds
+    with pytest.raises(Exception, match="a"):
+        rb.set_at_("a", torch.ones(2, 7), torch.tensor([1, 2]))  # wrong shape: refused by the server's write plan
+    assert rb["a"].tolist() == [0.0, 5.0, *range(2, 10)]
+
+
+def test_a_copy_of_the_rows_stays_local(real):
+    rb = replay_buffer(4, **real.kwargs())
+    rb.extend(data(4))
+    local = rb.storage[:].clone()
+    local.set_("a", torch.full((4,), 9.0))
+    assert rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# -- 2. in-place writes move the mutation revision ---------------------------------------------------------
+def test_in_place_writes_move_the_revision_and_refresh_slice_sampler(real):
+    def episodes(ids):
+        return TensorDict(
+            obs=torch.arange(len(ids), dtype=torch.float32),
+            episode=torch.tensor(ids),
+            batch_size=[len(ids)],
+        )
+
+    mem, srv = both(real, 8, cls=TensorDictReplayBuffer, batch_size=4)
+    for rb in (mem, srv):
+        rb.set_sampler(SliceSampler(num_slices=2, traj_key="episode", cache_values=True))
+        rb.extend(episodes([0, 0, 0, 0, 1, 1, 1, 1]))
+        rb.sample()
+        before = int(rb.storage._mutation_revision)
+        rb.set_("episode", torch.tensor([2, 2, 3, 3, 4, 4, 5, 5]))
+        assert int(rb.storage._mutation_revision) != before
+        rb[4] = episodes([9])[0]
+        s = rb.sample()
+        assert set(s["episode"].tolist()) <= {2, 3, 4, 5, 9}
+    same(mem["episode"], srv["episode"])
+
+
+# -- 4. torchrl's own writers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("writer", [RoundRobinWriter, lambda: RoundRobinWriter(track_generations=True)])
+def test_round_robin_writer_registered_directly(real, writer):
+    mem, srv = both(real, 5, make=lambda: {"writer": writer()})
+    for rb in (mem, srv):
+        rb.extend(data(3))
+        rb.add(data(1, 3)[0])
+        rb.extend(data(4, 10))  # wraps
+    assert len(srv) == len(mem) == 5 and srv.writer._cursor == mem.writer._cursor
+    same(mem[:]["a"], srv[:]["a"])
+    assert srv.storage._store.write_count == 8
+
+
+def test_round_robin_writer_refuses_when_another_process_moved_the_cursor(real):
+    rb = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()), writer=RoundRobinWriter())
+    rb.extend(data(2))
+    other = replay_buffer(td_id=rb.storage.td_id, **real.kwargs())  # a StoreWriter elsewhere takes the next slots
+    other.extend(data(1, 50))
+    rb.writer._cursor = 1  # this writer's own cursor is behind the server's
+    with pytest.raises(RuntimeError, match="not written yet|cursor"):
+        rb.extend(data(3, 20))
+    assert rb[:]["a"].tolist() == [0.0, 1.0, 50.0]
+
+
+def test_max_value_writer(real):
+    def scored(vals):
+        v = torch.tensor(vals, dtype=torch.float32)
+        return TensorDict(obs=v.clone(), reward=v, batch_size=[len(vals)])
+
+    mem, srv = both(real, 3, cls=TensorDictReplayBuffer, make=lambda: {"writer": TensorDictMaxValueWriter(rank_key="reward")})
+    for rb in (mem, srv):
+        rb.extend(scored([1.0, 5.0, 3.0]))
+        rb.extend(scored([4.0, 0.5]))
+        rb.add(scored([9.0])[0])
+    assert sorted(srv["reward"].tolist()) == sorted(mem["reward"].tolist()) == [4.0, 5.0, 9.0]
+
+
+def test_tensorclass_and_plain_tensors_through_default_writer(real):
+    mem, srv = both(real, 4)
+    for rb in (mem, srv):
+        rb.extend(Step(obs=torch.arange(3.0), reward=torch.ones(3), batch_size=[3]))
+    assert type(srv[:]) is Step
+    same(mem[:].obs, srv[:].obs)
+    mem, srv = both(real, 4)
+    for rb in (mem, srv):
+        rb.extend(torch.arange(6.0).reshape(3, 2))
+    same(mem[:], srv[:])
