@@ -9,6 +9,7 @@ which reopens it when another handle emptied the buffer.
 from __future__ import annotations
 
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Callable
 from copy import copy
 from pathlib import Path
@@ -91,8 +92,21 @@ class StoreStorage(_TorchrlStoreStorage):
     """
 
     def __init__(
-        self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any
+        self,
+        max_size: int | None = None,
+        *,
+        td_id: str | None = None,
+        tensorclass_cls: type | None = None,
+        ndim: int = 1,
+        **store_kwargs: Any,
     ) -> None:
+        if ndim != 1:
+            raise NotImplementedError(
+                f"StoreStorage(ndim={ndim}): storages of more than one dim are not offered: the server's ring has one "
+                "cursor and one length along dim 0 (torchrl's ndim>1 storages count and write cells of a [max_size/T, T] "
+                "grid). Write elements with their own batch dims instead: extend with data of batch size [n, T] stores n "
+                "elements of batch size [T]"
+            )
         self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
@@ -103,6 +117,8 @@ class StoreStorage(_TorchrlStoreStorage):
         self._pending: Drawn | None = None
         self._reopens = 0
         self._in_place = 0  # in-place writes of this process (see _mutation_revision)
+        self._inner: tuple[int, ...] = ()  # the elements' batch size a new store is made with (the first write's)
+        self._tree = False  # this process wrote dicts of tensors (read back as dicts, as torchrl's storages do)
         if max_size is None:
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
@@ -124,8 +140,35 @@ class StoreStorage(_TorchrlStoreStorage):
     def _store(self) -> LazyStackedTensorDictStore:
         """The ring store, created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
-            self._ring = LazyStackedTensorDictStore(count=self.max_size, inner_batch_size=(), td_id=self._td_id, **self._open_kwargs())
+            try:
+                self._ring = LazyStackedTensorDictStore(
+                    count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
+                )
+            except ValueError:  # the store exists with elements of another batch size: attach to it as it is
+                self._ring = self._attach_existing()
         return self._ring
+
+    def _fit_layout(self, rows: TensorDictBase) -> None:
+        """Make the store's element batch size that of ``rows``' elements (``rows.batch_size[1:]``).
+
+        A store nothing was written to yet (made by ``len`` or ``td_id`` before the first write)
+        is made again with it; a store holding rows of another element batch size refuses the
+        write, naming both.  Free when the sizes agree (the cached header)."""
+        inner = tuple(rows.batch_size[1:])
+        s = self._store
+        have = tuple(s.batch_size[1:])
+        if have == inner:
+            return
+        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again
+            s.clear_redis()
+            self._inner, self._ring = inner, None
+            self._reopens += 1
+            self._store  # noqa: B018
+            return
+        raise ValueError(
+            f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
+            f"(data of batch size {list(rows.batch_size)}); the element batch size is fixed by the first write"
+        )
 
     @property
     def _storage(self) -> LazyStackedTensorDictStore:
@@ -203,20 +246,54 @@ class StoreStorage(_TorchrlStoreStorage):
 
     # -- writes ----------------------------------------------------------------------------
     def _to_rows(self, data: Any) -> TensorDictBase:
-        """``data`` (a batch) as the tensordict the ring stores; remembers the data kind."""
+        """``data`` (a batch) as the tensordict the ring stores; remembers the data kind.
+
+        Dicts of tensors (torchrl's pytrees) are stored as a TensorDict of their keys and read
+        back as dicts in this process; other pytrees (tuples, lists of tensors per field) are
+        refused, naming the type."""
         if isinstance(data, list):
+            if data and all(isinstance(d, dict) for d in data):
+                data = [TensorDict(d, batch_size=[]) for d in data]
+            odd = [type(d).__name__ for d in data if not isinstance(d, torch.Tensor) and not is_tensor_collection(d)]
+            if odd:
+                raise TypeError(
+                    f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {odd[0]} "
+                    "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
+                )
             data = lazy_stack(list(data)) if data and is_tensor_collection(data[0]) else torch.stack(list(data))
+        elif isinstance(data, dict):
+            data = self._dict_rows(data)
         if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
             self._is_tensor = True
-            return TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            self._fit_layout(rows)
+            return rows
         if not is_tensor_collection(data):
-            raise TypeError(f"StoreStorage stores TensorDicts, tensorclasses and tensors, not {type(data).__name__}")
+            raise TypeError(
+                f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {type(data).__name__} "
+                "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
+            )
         self._is_tensor = False
         if is_tensorclass(data):
             self._tensorclass_type = type(data)
             data = data._tensordict
         present = [k for k in METADATA_KEYS if k in data.keys()]
-        return data.exclude(*present) if present else data
+        rows = data.exclude(*present) if present else data
+        self._fit_layout(rows)
+        return rows
+
+    def _dict_rows(self, data: dict) -> TensorDictBase:
+        """A dict of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict."""
+        leaves = list(TensorDict(data, batch_size=[]).values(True, True))
+        if not leaves:
+            raise ValueError("StoreStorage got an empty dict: nothing to write")
+        n = leaves[0].shape[:1]
+        try:
+            td = TensorDict(data, batch_size=n)
+        except RuntimeError as err:
+            raise ValueError(f"StoreStorage: the dict's tensors must share their first dim (the batch), got {err}") from None
+        self._tree = True
+        return td
 
     def extend_ring(self, data: Any) -> torch.Tensor:
         """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
@@ -325,6 +402,8 @@ class StoreStorage(_TorchrlStoreStorage):
             td = write_through(td, slots, self._write_rows)
         if self._tensorclass_type is not None:
             return self._tensorclass_type.from_tensordict(td)
+        if self._tree:
+            return td.to_dict()
         return td
 
     def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
@@ -383,7 +462,19 @@ class StoreStorage(_TorchrlStoreStorage):
         Connection fields this handle was given win over the saved ones (its password
         for one stays in this process).  A tensorclass is only taken from the saved name
         when this process has imported that class already (nothing is imported).
+
+        The state dict of a ``LazyTensorStorage`` (which holds its rows) is loaded too: its
+        rows replace the buffer's (see :meth:`_load_memory_state`).  Any other raises.
         """
+        if "td_id" not in state_dict or "max_size" not in state_dict:
+            if "_storage" in state_dict and "_len" in state_dict:
+                self._load_memory_state(state_dict)
+                return
+            raise ValueError(
+                f"StoreStorage.load_state_dict got a state dict with keys {sorted(state_dict)[:8]}, neither a StoreStorage's "
+                "(td_id, max_size: the buffer's name on its server; it holds no rows) nor a LazyTensorStorage's; "
+                "move rows between storage kinds with dumps/loads (checkpoints)"
+            )
         if int(state_dict["max_size"]) != self.max_size:
             raise ValueError(
                 f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
@@ -402,6 +493,29 @@ class StoreStorage(_TorchrlStoreStorage):
             cls = getattr(sys.modules.get(module), name, None)
             if cls is not None and is_tensorclass(cls):
                 self._tensorclass_type = cls
+
+    def _load_memory_state(self, state_dict: dict[str, Any]) -> None:
+        """Replace the buffer's rows with those of a ``LazyTensorStorage.state_dict()`` (same ``max_size``).
+
+        The rows are written by the ring in slot order (one ``extend`` call; the buffer is emptied
+        first), so slot ``i`` holds the same row, ``len`` is the same and the cursor is ``len %
+        max_size`` (a wrapped in-memory buffer's writer cursor is not in the storage's state dict).
+        """
+        stored, n = state_dict["_storage"], int(state_dict["_len"])
+        if isinstance(stored, torch.Tensor):
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[:1])
+        elif isinstance(stored, dict):
+            rows = TensorDict()
+            rows.load_state_dict(OrderedDict(stored), strict=False)
+        else:
+            raise ValueError(f"StoreStorage.load_state_dict: a LazyTensorStorage state dict whose _storage is {type(stored).__name__}")
+        if not rows.batch_dims or rows.batch_size[0] != self.max_size:
+            raise ValueError(
+                f"the state dict is of a storage of batch size {list(rows.batch_size)}, this storage has max_size {self.max_size}"
+            )
+        self._empty()
+        if n:
+            self._extend_rows(self._to_rows(rows[:n] if TENSOR_KEY not in rows.keys() else rows[TENSOR_KEY][:n]), rows)
 
     def dumps(self, path: Any) -> None:
         """Write a checkpoint of the buffer into the directory ``path``: every row, the ring state

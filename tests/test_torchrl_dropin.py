@@ -164,3 +164,83 @@ def test_tensorclass_and_plain_tensors_through_default_writer(real):
     for rb in (mem, srv):
         rb.extend(torch.arange(6.0).reshape(3, 2))
     same(mem[:], srv[:])
+
+
+# -- 3. empty() ------------------------------------------------------------------------------------------
+def test_empty_keeping_the_write_count_is_refused_before_anything_is_emptied(real):
+    rb = replay_buffer(6, **real.kwargs())
+    rb.extend(data(4))
+    with pytest.raises(NotImplementedError, match="empty_write_count=False"):
+        rb.empty(empty_write_count=False)
+    assert len(rb) == 4 and rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    rb.empty()
+    assert len(rb) == 0 and rb.write_count == 0
+
+
+# -- 5. elements with their own batch dims; ndim > 1 storages --------------------------------------------
+def test_elements_with_their_own_batch_dims(real):
+    x = torch.randn(3, 2, 4)
+    mem, srv = both(real, 5)
+    for rb in (mem, srv):
+        assert len(rb) == 0  # the store is made before the first write: it is made again for [2]-elements
+        rb.extend(TensorDict({"a": x[:1]}, [1, 2]))
+        rb.extend(TensorDict({"a": x[1:]}, [2, 2]))
+    assert srv[:].batch_size == mem[:].batch_size == (3, 2)
+    same(srv[:]["a"], mem[:]["a"])
+    assert srv[1].batch_size == (2,) and torch.equal(srv[1]["a"], x[1])
+    assert srv.sample(4).batch_size == (4, 2)
+    with pytest.raises(ValueError, match=r"batch size \[2\].*\[3\]"):
+        srv.extend(TensorDict({"a": torch.randn(1, 3, 4)}, [1, 3]))
+    assert len(srv) == 3
+
+
+def test_ndim_storages_are_refused_with_the_alternative(real):
+    with pytest.raises(NotImplementedError, match="ndim=2.*batch size"):
+        StoreStorage(8, ndim=2, **real.kwargs())
+
+
+# -- 6. pytrees ------------------------------------------------------------------------------------------
+def test_dicts_of_tensors(real):
+    mem, srv = both(real, 6)
+    for rb in (mem, srv):
+        rb.extend({"obs": torch.arange(6.0).reshape(3, 2), "nested": {"r": torch.arange(3)}})
+        rb.add({"obs": torch.tensor([9.0, 9.0]), "nested": {"r": torch.tensor(9)}})
+    got, want = srv[:], mem[:]
+    assert isinstance(got, dict) and isinstance(want, dict)
+    same(got["obs"], want["obs"])
+    same(got["nested"]["r"], want["nested"]["r"])
+    assert isinstance(srv.sample(2), dict)
+
+
+def test_other_pytrees_are_refused_clearly(real):
+    rb = ReplayBuffer(storage=StoreStorage(4, **real.kwargs()))
+    with pytest.raises(TypeError, match="not tuple.*wrap them in a TensorDict"):
+        rb.add((torch.ones(2), torch.zeros(1)))
+    with pytest.raises(TypeError, match="not tuple"):
+        rb.extend([(torch.ones(2), torch.zeros(1))])
+    assert len(rb) == 0
+
+
+# -- 7. state dicts --------------------------------------------------------------------------------------
+def test_a_lazy_tensor_storage_state_dict_loads_its_rows(real):
+    mem, srv = both(real, 6)
+    mem.extend(data(4))
+    srv.extend(data(2, 100))
+    srv.storage.load_state_dict(mem.storage.state_dict())
+    assert len(srv) == 4
+    same(srv[:]["b"], mem[:]["b"])
+    tensors = ReplayBuffer(storage=LazyTensorStorage(6))
+    tensors.extend(torch.arange(8.0).reshape(4, 2))
+    srv = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()))
+    srv.storage.load_state_dict(tensors.storage.state_dict())
+    same(srv[:], tensors[:])
+
+
+def test_a_state_dict_of_another_kind_is_refused_clearly(real):
+    srv = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()))
+    srv.extend(data(2))
+    with pytest.raises(ValueError, match="neither a StoreStorage's.*dumps/loads"):
+        srv.storage.load_state_dict({"_storage_list": []})
+    with pytest.raises(ValueError, match="max_size 6"):
+        srv.storage.load_state_dict(LazyTensorStorage(3).state_dict() | {"_storage": data(3).state_dict(), "_len": 3})
+    assert srv[:]["a"].tolist() == [0.0, 1.0]
