@@ -9,7 +9,6 @@ which reopens it when another handle emptied the buffer.
 from __future__ import annotations
 
 import urllib.parse
-from collections import OrderedDict
 from collections.abc import Callable
 from copy import copy
 from pathlib import Path
@@ -208,6 +207,11 @@ class StoreStorage(_TorchrlStoreStorage):
     def __len__(self) -> int:
         """The number of written slots, read from the server (one round trip)."""
         return self.with_store(lambda s: s.ring_state().written)
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
+        return torch.Size([len(self)])
 
     @property
     def _len(self) -> int:
@@ -506,7 +510,7 @@ class StoreStorage(_TorchrlStoreStorage):
             rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[:1])
         elif isinstance(stored, dict):
             rows = TensorDict()
-            rows.load_state_dict(OrderedDict(stored), strict=False)
+            rows.load_state_dict(stored, strict=False)  # type: ignore[arg-type]  # (a copy would drop its batch size metadata)
         else:
             raise ValueError(f"StoreStorage.load_state_dict: a LazyTensorStorage state dict whose _storage is {type(stored).__name__}")
         if not rows.batch_dims or rows.batch_size[0] != self.max_size:

@@ -16,12 +16,15 @@ from helpers import round_trips, top_level_commands  # noqa: E402
 from tensordict import TensorDict, tensorclass  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyTensorStorage,
+    RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
+    SamplerWithoutReplacement,
     SliceSampler,
     TensorDictMaxValueWriter,
     TensorDictReplayBuffer,
 )
+from torchrl.envs.transforms import RenameTransform  # noqa: E402
 
 from tdstore.torchrl import StoreStorage, replay_buffer  # noqa: E402
 
@@ -244,3 +247,34 @@ def test_a_state_dict_of_another_kind_is_refused_clearly(real):
     with pytest.raises(ValueError, match="max_size 6"):
         srv.storage.load_state_dict(LazyTensorStorage(3).state_dict() | {"_storage": data(3).state_dict(), "_len": 3})
     assert srv[:]["a"].tolist() == [0.0, 1.0]
+
+
+# -- samplers, transforms, compile, reads: the same draws from the same generator ------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: {"sampler": RandomSampler()}, id="RandomSampler"),
+        pytest.param(lambda: {"sampler": SamplerWithoutReplacement()}, id="SamplerWithoutReplacement"),
+        pytest.param(lambda: {"compilable": True}, id="compilable"),
+        pytest.param(lambda: {"transform": RenameTransform(["a"], ["c"], create_copy=True)}, id="transform"),
+    ],
+)
+def test_the_same_samples_as_in_memory(real, make):
+    drawn = []
+    for rb in both(real, 10, make=make, batch_size=4):
+        rb.set_rng(torch.Generator().manual_seed(3))
+        rb.extend(data(8))
+        drawn.append([rb.sample().get("c" if "transform" in make() else "a").tolist() for _ in range(2)])
+    assert drawn[0] == drawn[1]
+
+
+def test_reads_and_shape_as_in_memory(real):
+    mem, srv = both(real, 10)
+    for rb in (mem, srv):
+        rb.extend(data(8))
+        rb[0] = data(1, 70)[0]
+        rb[1:3] = data(2, 80)
+    assert srv.storage.shape == mem.storage.shape == (8,)
+    for index in (slice(2, 5), torch.tensor([7, 0, 7]), 3, slice(None, None, 2)):
+        same(srv[index]["b"], mem[index]["b"])
+    assert srv["b"].shape == mem["b"].shape
