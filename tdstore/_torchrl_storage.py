@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
+from tensordict.utils import unravel_key_list
 from torchrl.data.replay_buffers.storages import Storage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
@@ -367,6 +368,55 @@ class StoreStorage(_TorchrlStoreStorage):
 
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
+
+        self.with_store(write)
+        self._bump_mutation_revision()
+
+    # -- torchrl's update_if_present ------------------------------------------------------
+    supports_conditional_update = True
+
+    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
+        """The whole stored key, read from the server (torchrl reads a version key's values from it)."""
+        s = self._store
+        if not has_keys(s):
+            raise RuntimeError("Conditional updates require data: write some to the buffer before calling update_if_present.")
+        path = tuple(unravel_key_list([key])[0]) if not isinstance(key, str) else (key,)
+        if path not in s.stack_ops.engine.header.leaves:
+            raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
+        return self.with_store(lambda st: st.get(key))
+
+    def _validate_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+        """torchrl's checks (dtype, feature shape) from the cached schema: no round trip."""
+        h = self._store.stack_ops.engine.header
+        n_rows = index.shape[0] if index.ndim > 1 else index.numel()
+        out = {}
+        for key, value in patch.items():
+            path = (key,) if isinstance(key, str) else tuple(key)
+            leaf = h.leaves.get(path)
+            if leaf is None or leaf.json:
+                raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
+            if leaf.shape is None:
+                raise ValueError(f"patch key {key} varies in shape between elements: conditional patches need a fixed shape")
+            value = torch.as_tensor(value)
+            if value.dtype != leaf.dtype:
+                raise ValueError(f"dtype mismatch for patch key {key}: got {value.dtype}, the storage holds {leaf.dtype}.")
+            feature = tuple(leaf.shape)
+            try:
+                out[key] = value.reshape((n_rows, *feature))
+            except RuntimeError:
+                raise ValueError(
+                    f"shape mismatch for patch key {key}: got {tuple(value.shape)}, expected {n_rows} records with feature shape {feature}."
+                ) from None
+        return out
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        """Write the patch of the rows torchrl found live: one atomic call.  The liveness check is the
+        writer's, in this process (the store's ``update_if`` checks generations on the server)."""
+        rows = TensorDict({k: v for k, v in patch.items()}, batch_size=[index.numel()])
+        slots = index.reshape(-1)
+
+        def write(st: LazyStackedTensorDictStore) -> None:
+            st[slots] = rows
 
         self.with_store(write)
         self._bump_mutation_revision()

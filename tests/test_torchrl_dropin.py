@@ -278,3 +278,22 @@ def test_reads_and_shape_as_in_memory(real):
     for index in (slice(2, 5), torch.tensor([7, 0, 7]), 3, slice(None, None, 2)):
         same(srv[index]["b"], mem[index]["b"])
     assert srv["b"].shape == mem["b"].shape
+
+
+# -- 8. update_if_present -------------------------------------------------------------------------------
+@pytest.mark.parametrize("writer", ["RoundRobinWriter", "StoreWriter"])
+def test_update_if_present_as_in_memory(real, writer):
+    from tdstore.torchrl import StoreWriter
+
+    results = []
+    for i, rb in enumerate(both(real, 4, make=lambda: {"writer": RoundRobinWriter(track_generations=True)})):
+        if i and writer == "StoreWriter":
+            rb = ReplayBuffer(storage=StoreStorage(4, **real.kwargs()), writer=StoreWriter(track_generations=True))
+        idx = rb.extend(data(4))
+        gen = rb.writer.generations_of(idx)
+        rb.extend(data(2, 10))  # slots 0 and 1 are written again: their handles are stale
+        res = rb.update_if_present(index=idx, generation=gen, patch={"a": torch.full((4,), -5.0)})
+        with pytest.raises(ValueError, match="dtype mismatch"):
+            rb.update_if_present(index=idx, generation=gen, patch={"a": torch.zeros(4, dtype=torch.int64)})
+        results.append((res.updated.tolist(), rb[:]["a"].tolist()))
+    assert results[0] == results[1] == ([False, False, True, True], [10.0, 11.0, -5.0, -5.0])
