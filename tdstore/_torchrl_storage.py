@@ -328,10 +328,11 @@ class StoreStorage(_TorchrlStoreStorage):
         their generation and ``len`` is unchanged.  ``set_cursor=True`` is how torchrl's writers
         (``RoundRobinWriter``, ``TensorDictMaxValueWriter``, custom ones) write: they keep their
         cursor in their process.  Slots that continue the server's cursor are written by the ring
-        (``store.extend``: len, cursor and generations advance as torchrl expects), any other slots
-        in place; either way one atomic call after one read of the ring state.  Slots at the cursor
-        that another process took meanwhile raise (use ``StoreWriter`` with several writers);
-        unwritten slots off the cursor raise before anything is written.
+        (``store.extend``: len, cursor and generations advance as torchrl expects), slots already
+        written in place (one atomic call each, after one read of the ring state; a batch of both,
+        as ``TensorDictMap`` writes, is two calls).  New slots off the server's cursor raise before
+        anything is written.  Several processes' cursors are not reconciled: a writer behind the
+        server's cursor writes its slots in place, over others' rows (use ``StoreWriter``).
         """
         slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
@@ -359,13 +360,26 @@ class StoreStorage(_TorchrlStoreStorage):
                     "tdstore.torchrl.StoreWriter (its slots are reserved on the server)"
                 )
             return
-        unwritten = slots[slots >= state.written]
-        if unwritten.numel():
-            raise RuntimeError(
-                f"StoreStorage: the writer wrote slot {int(unwritten[0])} in place, which the ring has not written yet "
-                f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
-            )
+        fresh = slots >= state.written
+        if fresh.any():
+            order = torch.argsort(slots[fresh])
+            new = slots[fresh][order]
+            if not torch.equal(new, state.written + torch.arange(new.numel())) or state.written != state.cursor:
+                raise RuntimeError(
+                    f"StoreStorage: the writer wrote slot {int(new[0])}, which the ring has not written yet, off its cursor "
+                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
+                )
+            if (~fresh).any():  # a batch of updates and new rows (TensorDictMap): two atomic calls
+                self._write_in_place(slots[~fresh], rows[~fresh])
+            got = self._extend_rows(rows[fresh][order], rows)
+            if not torch.equal(got, new):
+                raise RuntimeError(
+                    f"StoreStorage: another process moved the server's cursor meanwhile: the new rows went to {got.tolist()[:8]}"
+                )
+            return
+        self._write_in_place(slots, rows)
 
+    def _write_in_place(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
 

@@ -133,15 +133,19 @@ def test_round_robin_writer_registered_directly(real, writer):
     assert srv.storage._store.write_count == 8
 
 
-def test_round_robin_writer_refuses_when_another_process_moved_the_cursor(real):
+def test_round_robin_writer_off_the_servers_cursor(real):
+    """Slots already written are written in place, new ones must continue the server's cursor, or nothing is written."""
     rb = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()), writer=RoundRobinWriter())
     rb.extend(data(2))
-    other = replay_buffer(td_id=rb.storage.td_id, **real.kwargs())  # a StoreWriter elsewhere takes the next slots
+    other = replay_buffer(td_id=rb.storage.td_id, **real.kwargs())  # a StoreWriter elsewhere takes the next slot
     other.extend(data(1, 50))
-    rb.writer._cursor = 1  # this writer's own cursor is behind the server's
-    with pytest.raises(RuntimeError, match="not written yet|cursor"):
+    rb.writer._cursor = 4  # this writer's own cursor is ahead of the server's (3)
+    with pytest.raises(RuntimeError, match="not written yet, off its cursor"):
         rb.extend(data(3, 20))
     assert rb[:]["a"].tolist() == [0.0, 1.0, 50.0]
+    rb.writer._cursor = 1  # behind: slots 1, 2 in place (as in memory, over the other process's row), 3 by the ring
+    rb.extend(data(3, 20))
+    assert rb[:]["a"].tolist() == [0.0, 20.0, 21.0, 22.0] and rb.storage._store.write_count == 4
 
 
 def test_max_value_writer(real):
@@ -297,3 +301,28 @@ def test_update_if_present_as_in_memory(real, writer):
             rb.update_if_present(index=idx, generation=gen, patch={"a": torch.zeros(4, dtype=torch.int64)})
         results.append((res.updated.tolist(), rb[:]["a"].tolist()))
     assert results[0] == results[1] == ([False, False, True, True], [10.0, 11.0, -5.0, -5.0])
+
+
+def test_tensordict_map_updates_and_inserts_in_one_batch(real):
+    from torchrl.data.map import TensorDictMap
+
+    def keys(*k):
+        return TensorDict(k=torch.tensor(k, dtype=torch.float32)[:, None], batch_size=[len(k)])
+
+    def values(*v):
+        return TensorDict(v=torch.tensor(v, dtype=torch.float32), batch_size=[len(v)])
+
+    got = []
+    for storage in (LazyTensorStorage(10), StoreStorage(10, **real.kwargs())):
+        m = TensorDictMap.from_tensordict_pair(
+            keys(0.0),
+            keys(0.0).set("v", torch.zeros(1)),
+            in_keys=["k"],
+            out_keys=["v"],
+            max_size=10,
+            storage_constructor=lambda s=storage: s,
+        )
+        m[keys(1, 2, 3)] = values(10, 20, 30)
+        m[keys(2, 4)] = values(21, 40)  # an update and an insert: two atomic calls on the server
+        got.append(m[keys(1, 2, 3, 4)]["v"].tolist())
+    assert got[0] == got[1] == [10.0, 21.0, 30.0, 40.0]
