@@ -210,6 +210,12 @@ class StoreStorage(_TorchrlStoreStorage):
         return self.with_store(lambda s: s.ring_state().written)
 
     @property
+    def device(self) -> torch.device | None:
+        """Where reads land (the ``device=`` the storage was given; ``None``: CPU, no device), as a ``LazyTensorStorage``'s."""
+        d = self._conn.get("device")
+        return torch.device(d) if d is not None else None
+
+    @property
     def shape(self) -> torch.Size:
         """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
         return torch.Size([len(self)])

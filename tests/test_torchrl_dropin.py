@@ -284,6 +284,16 @@ def test_reads_and_shape_as_in_memory(real):
     assert srv["b"].shape == mem["b"].shape
 
 
+def test_device(real):
+    mem = ReplayBuffer(storage=LazyTensorStorage(4, device="cpu"), batch_size=2)
+    srv = ReplayBuffer(storage=StoreStorage(4, device="cpu", **real.kwargs()), batch_size=2)
+    for rb in (mem, srv):
+        rb.extend(data(3))
+        out, info = rb.sample(return_info=True)
+        assert out.device == torch.device("cpu") and rb[:].device == torch.device("cpu") and rb.storage.device == torch.device("cpu")
+        assert info["index"].device == torch.device("cpu")
+
+
 # -- 8. update_if_present -------------------------------------------------------------------------------
 @pytest.mark.parametrize("writer", ["RoundRobinWriter", "StoreWriter"])
 def test_update_if_present_as_in_memory(real, writer):
