@@ -217,6 +217,10 @@ def test_dicts_of_tensors(real):
     same(got["obs"], want["obs"])
     same(got["nested"]["r"], want["nested"]["r"])
     assert isinstance(srv.sample(2), dict)
+    rb = replay_buffer(6, tensordict=False, **real.kwargs())  # tdstore's StoreWriter: the same
+    rb.add({"obs": torch.tensor([1.0, 2.0])})
+    rb.extend({"obs": torch.ones(2, 2)})
+    assert rb[:]["obs"].tolist() == [[1.0, 2.0], [1.0, 1.0], [1.0, 1.0]] and isinstance(rb.sample(2), dict)
 
 
 def test_other_pytrees_are_refused_clearly(real):
