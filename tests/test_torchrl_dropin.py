@@ -340,3 +340,16 @@ def test_tensordict_map_updates_and_inserts_in_one_batch(real):
         m[keys(2, 4)] = values(21, 40)  # an update and an insert: two atomic calls on the server
         got.append(m[keys(1, 2, 3, 4)]["v"].tolist())
     assert got[0] == got[1] == [10.0, 21.0, 30.0, 40.0]
+
+
+def test_features_torchrl_keeps_for_its_own_storages_raise_torchrls_clear_error(real):
+    """ConsumingSampler and sequence sample units check for torchrl's storage classes (README: what differs)."""
+    from torchrl.data.replay_buffers.sample_units import Sequence
+    from torchrl.data.replay_buffers.samplers import ConsumingSampler
+
+    with pytest.raises(TypeError, match="ConsumingSampler only supports"):
+        TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sampler=ConsumingSampler(), batch_size=2)
+    rb = TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sample_unit=Sequence(3, done_key="done"), batch_size=2)
+    rb.extend(TensorDict(a=torch.arange(6.0), done=torch.zeros(6, 1, dtype=torch.bool), batch_size=[6]))
+    with pytest.raises(TypeError, match="requires a TensorDict-backed TensorStorage.*got StoreStorage"):
+        rb.sample()
