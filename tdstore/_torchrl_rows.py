@@ -5,7 +5,8 @@ torchrl's buffers write through the storage's slice: ``rb.set_at_``, ``rb.set_``
 ``storage[:]["key"] = value``.  A ``LazyTensorStorage`` answers a view of its memory, so
 these write the buffer; a server's rows are read into a local copy, and writing that copy
 alone would change nothing on the server, silently.  The copy returned here is of a
-subclass whose in-place writes are sent to the server first (one atomic call each, at the
+subclass whose in-place writes (``rows[key] = value`` of an existing key included; a new key
+stays local, as on a ``LazyTensorStorage`` that is not full) are sent to the server first (one atomic call each, at the
 slots the copy was read from), then applied to the copy.  Only that very object writes
 through: tensordicts derived from it (``clone``, indexing...) are ordinary local copies.
 """
@@ -13,7 +14,7 @@ through: tensordicts derived from it (``clone``, indexing...) are ordinary local
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -86,9 +87,9 @@ class _WriteThrough:
         if link is not None:
             if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
                 key = unravel_key(index)
-                rows = TensorDict({key: value}, batch_size=[len(link.slots)])  # a new key is created for every element
-                slots = link.slots
-                link.write(lambda s: s.__setitem__(slots, rows))
+                if key in cast(TensorDictBase, self).keys(include_nested=True):  # an existing key is written in place; a new one stays
+                    slots = link.slots  # local (a transform adding keys to rows it reads must not add them to the buffer)
+                    link.write(lambda s: s.set_at_(key, value, slots))
             else:
                 slots = _slots_at(link, index)
                 link.write(lambda s: s.__setitem__(slots, value))

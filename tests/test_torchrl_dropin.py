@@ -89,12 +89,15 @@ def test_set_at_is_one_round_trip_and_bad_input_changes_nothing(real):
     assert rb["a"].tolist() == [0.0, 5.0, *range(2, 10)]
 
 
-def test_a_copy_of_the_rows_stays_local(real):
+def test_a_copy_of_the_rows_and_new_keys_stay_local(real):
     rb = replay_buffer(4, **real.kwargs())
     rb.extend(data(4))
     local = rb.storage[:].clone()
     local.set_("a", torch.full((4,), 9.0))
     assert rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    rows = rb.storage[:]
+    rows["new"] = torch.ones(4)  # as a transform adding a key to rows it read: not added to the buffer
+    assert "new" in rows.keys() and "new" not in rb.storage[:].keys()
 
 
 # -- 2. in-place writes move the mutation revision ---------------------------------------------------------
