@@ -154,8 +154,9 @@ class StoreStorage(_TorchrlStoreStorage):
         A store nothing was written to yet (made by ``len`` or ``td_id`` before the first write)
         is made again with it; a store holding rows of another element batch size refuses the
         write, naming both.  Free when the sizes agree (the cached header)."""
-        inner = tuple(rows.batch_size[1:])
-        s = self._store
+        self.with_store(lambda s: self._fit_store(s, tuple(rows.batch_size[1:]), rows.batch_size))
+
+    def _fit_store(self, s: LazyStackedTensorDictStore, inner: tuple[int, ...], batch: torch.Size) -> None:
         have = tuple(s.batch_size[1:])
         if have == inner:
             return
@@ -167,7 +168,7 @@ class StoreStorage(_TorchrlStoreStorage):
             return
         raise ValueError(
             f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
-            f"(data of batch size {list(rows.batch_size)}); the element batch size is fixed by the first write"
+            f"(data of batch size {list(batch)}); the element batch size is fixed by the first write"
         )
 
     @property
