@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
+from tensordict.utils import unravel_key_list
 from torchrl.data.replay_buffers.storages import Storage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
@@ -23,6 +24,7 @@ from . import _index, _ring
 from ._connection import SECRET_KWARGS
 from ._engine import new_td_id
 from ._sampling import PrioritizedSample
+from ._torchrl_rows import write_through
 from .lazy import LazyStackedTensorDictStore
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
@@ -90,8 +92,21 @@ class StoreStorage(_TorchrlStoreStorage):
     """
 
     def __init__(
-        self, max_size: int | None = None, *, td_id: str | None = None, tensorclass_cls: type | None = None, **store_kwargs: Any
+        self,
+        max_size: int | None = None,
+        *,
+        td_id: str | None = None,
+        tensorclass_cls: type | None = None,
+        ndim: int = 1,
+        **store_kwargs: Any,
     ) -> None:
+        if ndim != 1:
+            raise NotImplementedError(
+                f"StoreStorage(ndim={ndim}): storages of more than one dim are not offered: the server's ring has one "
+                "cursor and one length along dim 0 (torchrl's ndim>1 storages count and write cells of a [max_size/T, T] "
+                "grid). Write elements with their own batch dims instead: extend with data of batch size [n, T] stores n "
+                "elements of batch size [T]"
+            )
         self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
@@ -101,6 +116,9 @@ class StoreStorage(_TorchrlStoreStorage):
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None
         self._reopens = 0
+        self._in_place = 0  # in-place writes of this process (see _mutation_revision)
+        self._inner: tuple[int, ...] = ()  # the elements' batch size a new store is made with (the first write's)
+        self._tree = False  # this process wrote dicts of tensors (read back as dicts, as torchrl's storages do)
         if max_size is None:
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
@@ -122,8 +140,36 @@ class StoreStorage(_TorchrlStoreStorage):
     def _store(self) -> LazyStackedTensorDictStore:
         """The ring store, created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
-            self._ring = LazyStackedTensorDictStore(count=self.max_size, inner_batch_size=(), td_id=self._td_id, **self._open_kwargs())
+            try:
+                self._ring = LazyStackedTensorDictStore(
+                    count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
+                )
+            except ValueError:  # the store exists with elements of another batch size: attach to it as it is
+                self._ring = self._attach_existing()
         return self._ring
+
+    def _fit_layout(self, rows: TensorDictBase) -> None:
+        """Make the store's element batch size that of ``rows``' elements (``rows.batch_size[1:]``).
+
+        A store nothing was written to yet (made by ``len`` or ``td_id`` before the first write)
+        is made again with it; a store holding rows of another element batch size refuses the
+        write, naming both.  Free when the sizes agree (the cached header)."""
+        self.with_store(lambda s: self._fit_store(s, tuple(rows.batch_size[1:]), rows.batch_size))
+
+    def _fit_store(self, s: LazyStackedTensorDictStore, inner: tuple[int, ...], batch: torch.Size) -> None:
+        have = tuple(s.batch_size[1:])
+        if have == inner:
+            return
+        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again
+            s.clear_redis()
+            self._inner, self._ring = inner, None
+            self._reopens += 1
+            self._store  # noqa: B018
+            return
+        raise ValueError(
+            f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
+            f"(data of batch size {list(batch)}); the element batch size is fixed by the first write"
+        )
 
     @property
     def _storage(self) -> LazyStackedTensorDictStore:
@@ -165,6 +211,17 @@ class StoreStorage(_TorchrlStoreStorage):
         return self.with_store(lambda s: s.ring_state().written)
 
     @property
+    def device(self) -> torch.device | None:
+        """Where reads land (the ``device=`` the storage was given; ``None``: CPU, no device), as a ``LazyTensorStorage``'s."""
+        d = self._conn.get("device")
+        return torch.device(d) if d is not None else None
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
+        return torch.Size([len(self)])
+
+    @property
     def _len(self) -> int:
         return len(self)
 
@@ -183,11 +240,16 @@ class StoreStorage(_TorchrlStoreStorage):
 
     @property
     def _mutation_revision(self) -> int:
-        """Changes whenever any process writes (the server's ring write count) or the buffer is emptied."""
-        return (self._reopens << 40) + self.with_store(lambda s: s.write_count)
+        """Changes whenever any process extends the ring (the server's write count), this process writes
+        rows in place (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers' explicit slots)
+        or the buffer is emptied or reloaded.  In-place writes by *other* processes do not move it (the
+        ring keeps no server counter of them): a ``SliceSampler(cache_values=True)`` in another process
+        keeps its episode boundaries until the next ``extend``."""
+        return (self._reopens << 96) + (self._in_place << 64) + self.with_store(lambda s: s.write_count)
 
     def _bump_mutation_revision(self) -> None:
-        """Nothing to bump: the revision is derived from the server's write count."""
+        """An in-place write of this process (torchrl calls this after ``set_at_``, ``set_``, ``update_``)."""
+        self._in_place = getattr(self, "_in_place", 0) + 1
 
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
@@ -196,20 +258,54 @@ class StoreStorage(_TorchrlStoreStorage):
 
     # -- writes ----------------------------------------------------------------------------
     def _to_rows(self, data: Any) -> TensorDictBase:
-        """``data`` (a batch) as the tensordict the ring stores; remembers the data kind."""
+        """``data`` (a batch) as the tensordict the ring stores; remembers the data kind.
+
+        Dicts of tensors (torchrl's pytrees) are stored as a TensorDict of their keys and read
+        back as dicts in this process; other pytrees (tuples, lists of tensors per field) are
+        refused, naming the type."""
         if isinstance(data, list):
+            if data and all(isinstance(d, dict) for d in data):
+                data = [TensorDict(d, batch_size=[]) for d in data]
+            odd = [type(d).__name__ for d in data if not isinstance(d, torch.Tensor) and not is_tensor_collection(d)]
+            if odd:
+                raise TypeError(
+                    f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {odd[0]} "
+                    "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
+                )
             data = lazy_stack(list(data)) if data and is_tensor_collection(data[0]) else torch.stack(list(data))
+        elif isinstance(data, dict):
+            data = self._dict_rows(data)
         if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
             self._is_tensor = True
-            return TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            self._fit_layout(rows)
+            return rows
         if not is_tensor_collection(data):
-            raise TypeError(f"StoreStorage stores TensorDicts, tensorclasses and tensors, not {type(data).__name__}")
+            raise TypeError(
+                f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {type(data).__name__} "
+                "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
+            )
         self._is_tensor = False
         if is_tensorclass(data):
             self._tensorclass_type = type(data)
             data = data._tensordict
         present = [k for k in METADATA_KEYS if k in data.keys()]
-        return data.exclude(*present) if present else data
+        rows = data.exclude(*present) if present else data
+        self._fit_layout(rows)
+        return rows
+
+    def _dict_rows(self, data: dict) -> TensorDictBase:
+        """A dict of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict."""
+        leaves = list(TensorDict(data, batch_size=[]).values(True, True))
+        if not leaves:
+            raise ValueError("StoreStorage got an empty dict: nothing to write")
+        n = leaves[0].shape[:1]
+        try:
+            td = TensorDict(data, batch_size=n)
+        except RuntimeError as err:
+            raise ValueError(f"StoreStorage: the dict's tensors must share their first dim (the batch), got {err}") from None
+        self._tree = True
+        return td
 
     def extend_ring(self, data: Any) -> torch.Tensor:
         """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
@@ -218,7 +314,9 @@ class StoreStorage(_TorchrlStoreStorage):
         ring is written in ``max_size`` chunks, the later ones overwriting the earlier
         ones, as torchrl's own writer does with ``index % max_size``.
         """
-        rows = self._to_rows(data)
+        return self._extend_rows(self._to_rows(data), data)
+
+    def _extend_rows(self, rows: TensorDictBase, data: Any) -> torch.Tensor:
         n = rows.batch_size[0] if rows.batch_dims else 0
         if n == 0:
             raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
@@ -231,26 +329,118 @@ class StoreStorage(_TorchrlStoreStorage):
         return torch.cat([write_chunk(i) for i in range(0, n, self.max_size)])
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Write ``data`` at explicit slots (``rb[index] = data``): one atomic call.
+        """Write ``data`` at explicit slots: ``rb[index] = data``, and torchrl's own writers.
 
-        A writer that picks its own slots (torchrl's ``RoundRobinWriter``) would keep its
-        cursor in its process and never advance the server's: it is refused.  Slots written
-        this way keep their generation (only ring writes count), and ``len`` is unchanged.
+        ``set_cursor=False`` (``rb[index] = data``, ``write_at``): one atomic call; the slots keep
+        their generation and ``len`` is unchanged.  ``set_cursor=True`` is how torchrl's writers
+        (``RoundRobinWriter``, ``TensorDictMaxValueWriter``, custom ones) write: they keep their
+        cursor in their process.  Slots that continue the server's cursor are written by the ring
+        (``store.extend``: len, cursor and generations advance as torchrl expects), slots already
+        written in place (one atomic call each, after one read of the ring state; a batch of both,
+        as ``TensorDictMap`` writes, is two calls).  New slots off the server's cursor raise before
+        anything is written.  Several processes' cursors are not reconciled: a writer behind the
+        server's cursor writes its slots in place, over others' rows (use ``StoreWriter``).
         """
-        if set_cursor:
-            raise RuntimeError(
-                "StoreStorage is written through StoreWriter, whose add/extend reserve slots on the server "
-                "(a writer that keeps its cursor in its process, like RoundRobinWriter, would make processes "
-                "overwrite each other's rows); build the buffer with tdstore.torchrl.replay_buffer(...) or "
-                "writer=StoreWriter()"
-            )
         slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
+        if set_cursor:
+            self._set_at_cursor(slots, rows)
+            return
 
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
 
         self.with_store(write)
+        self._bump_mutation_revision()
+
+    def _set_at_cursor(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
+        """``set(slots, rows, set_cursor=True)``: a ring write where ``slots`` continue the server's cursor, else in place."""
+        state = self.with_store(lambda s: s.ring_state())
+        m = self.max_size
+        n = int(slots.numel())
+        if n and bool((slots == (state.cursor + torch.arange(n)) % m).all()):
+            got = self._extend_rows(rows, rows)
+            if not torch.equal(got, slots):
+                raise RuntimeError(
+                    f"StoreStorage: the writer asked for slots {slots.tolist()[:8]} at the cursor, but another process moved the "
+                    f"server's cursor meanwhile and the rows went to {got.tolist()[:8]}: with several writer processes use "
+                    "tdstore.torchrl.StoreWriter (its slots are reserved on the server)"
+                )
+            return
+        fresh = slots >= state.written
+        if fresh.any():
+            order = torch.argsort(slots[fresh])
+            new = slots[fresh][order]
+            if not torch.equal(new, state.written + torch.arange(new.numel())) or state.written != state.cursor:
+                raise RuntimeError(
+                    f"StoreStorage: the writer wrote slot {int(new[0])}, which the ring has not written yet, off its cursor "
+                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
+                )
+            if (~fresh).any():  # a batch of updates and new rows (TensorDictMap): two atomic calls
+                self._write_in_place(slots[~fresh], rows[~fresh])
+            got = self._extend_rows(rows[fresh][order], rows)
+            if not torch.equal(got, new):
+                raise RuntimeError(
+                    f"StoreStorage: another process moved the server's cursor meanwhile: the new rows went to {got.tolist()[:8]}"
+                )
+            return
+        self._write_in_place(slots, rows)
+
+    def _write_in_place(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
+        def write(s: LazyStackedTensorDictStore) -> None:
+            s[slots] = rows
+
+        self.with_store(write)
+        self._bump_mutation_revision()
+
+    # -- torchrl's update_if_present ------------------------------------------------------
+    supports_conditional_update = True
+
+    def _conditional_patch_leaf(self, key: Any) -> torch.Tensor:
+        """The whole stored key, read from the server (torchrl reads a version key's values from it)."""
+        s = self._store
+        if not has_keys(s):
+            raise RuntimeError("Conditional updates require data: write some to the buffer before calling update_if_present.")
+        path = tuple(unravel_key_list([key])[0]) if not isinstance(key, str) else (key,)
+        if path not in s.stack_ops.engine.header.leaves:
+            raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
+        return self.with_store(lambda st: st.get(key))
+
+    def _validate_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+        """torchrl's checks (dtype, feature shape) from the cached schema: no round trip."""
+        h = self._store.stack_ops.engine.header
+        n_rows = index.shape[0] if index.ndim > 1 else index.numel()
+        out = {}
+        for key, value in patch.items():
+            path = (key,) if isinstance(key, str) else tuple(key)
+            leaf = h.leaves.get(path)
+            if leaf is None or leaf.json:
+                raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
+            if leaf.shape is None:
+                raise ValueError(f"patch key {key} varies in shape between elements: conditional patches need a fixed shape")
+            value = torch.as_tensor(value)
+            if value.dtype != leaf.dtype:
+                raise ValueError(f"dtype mismatch for patch key {key}: got {value.dtype}, the storage holds {leaf.dtype}.")
+            feature = tuple(leaf.shape)
+            try:
+                out[key] = value.reshape((n_rows, *feature))
+            except RuntimeError:
+                raise ValueError(
+                    f"shape mismatch for patch key {key}: got {tuple(value.shape)}, expected {n_rows} records with feature shape {feature}."
+                ) from None
+        return out
+
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        """Write the patch of the rows torchrl found live: one atomic call.  The liveness check is the
+        writer's, in this process (the store's ``update_if`` checks generations on the server)."""
+        rows = TensorDict({k: v for k, v in patch.items()}, batch_size=[index.numel()])
+        slots = index.reshape(-1)
+
+        def write(st: LazyStackedTensorDictStore) -> None:
+            st[slots] = rows
+
+        self.with_store(write)
+        self._bump_mutation_revision()
 
     # -- reads -----------------------------------------------------------------------------
     def stash(self, sample: Drawn) -> None:
@@ -263,30 +453,44 @@ class StoreStorage(_TorchrlStoreStorage):
         return p if p is not None and index is p.indices else None
 
     def get(self, index: Any) -> Any:
-        """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store."""
+        """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store.
+
+        A slice (``storage[:]``, through which torchrl's ``set_at_``, ``set_``, ``update_`` and
+        ``rb[key] = value`` write) answers rows whose in-place writes reach the server too
+        (:mod:`tdstore._torchrl_rows`)."""
         p = self.stashed(index)
+        slots = None
         if p is not None:
             self._pending = None
             td = p.td
         else:
+            if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
+                slots = torch.arange(*index.indices(len(self)))
+                index = slots
             td = self.with_store(lambda s: self._read(s, index))
         self._data_kind()
         if self._is_tensor:
             if not isinstance(td, LazyStackedTensorDict):
                 return td.get(TENSOR_KEY)
             return td.get(TENSOR_KEY, as_nested_tensor=False)  # type: ignore[call-overload]  # tensordict's overloads omit get's keywords
+        if slots is not None:
+            td = write_through(td, slots, self._write_rows)
         if self._tensorclass_type is not None:
             return self._tensorclass_type.from_tensordict(td)
+        if self._tree:
+            return td.to_dict()
         return td
+
+    def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
+        """An in-place write of rows ``storage[:]`` read: one atomic call on the store, then a new revision."""
+        self.with_store(fn)
+        self._bump_mutation_revision()
 
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
-        if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
-            index = slice(*index.indices(len(self)))
-            if index.step == 1:
-                return s.stack_ops.read(index)
-            index = torch.arange(index.start, index.stop, index.step)
+        if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
+            return s.stack_ops.read(slice(0, 0))
         slots, one = _index.positions(index, self.max_size)  # a mask means what it means to indexing
         got = s.stack_ops.read(slots)
         return got[0] if one else got
@@ -333,7 +537,19 @@ class StoreStorage(_TorchrlStoreStorage):
         Connection fields this handle was given win over the saved ones (its password
         for one stays in this process).  A tensorclass is only taken from the saved name
         when this process has imported that class already (nothing is imported).
+
+        The state dict of a ``LazyTensorStorage`` (which holds its rows) is loaded too: its
+        rows replace the buffer's (see :meth:`_load_memory_state`).  Any other raises.
         """
+        if "td_id" not in state_dict or "max_size" not in state_dict:
+            if "_storage" in state_dict and "_len" in state_dict:
+                self._load_memory_state(state_dict)
+                return
+            raise ValueError(
+                f"StoreStorage.load_state_dict got a state dict with keys {sorted(state_dict)[:8]}, neither a StoreStorage's "
+                "(td_id, max_size: the buffer's name on its server; it holds no rows) nor a LazyTensorStorage's; "
+                "move rows between storage kinds with dumps/loads (checkpoints)"
+            )
         if int(state_dict["max_size"]) != self.max_size:
             raise ValueError(
                 f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
@@ -352,6 +568,29 @@ class StoreStorage(_TorchrlStoreStorage):
             cls = getattr(sys.modules.get(module), name, None)
             if cls is not None and is_tensorclass(cls):
                 self._tensorclass_type = cls
+
+    def _load_memory_state(self, state_dict: dict[str, Any]) -> None:
+        """Replace the buffer's rows with those of a ``LazyTensorStorage.state_dict()`` (same ``max_size``).
+
+        The rows are written by the ring in slot order (one ``extend`` call; the buffer is emptied
+        first), so slot ``i`` holds the same row, ``len`` is the same and the cursor is ``len %
+        max_size`` (a wrapped in-memory buffer's writer cursor is not in the storage's state dict).
+        """
+        stored, n = state_dict["_storage"], int(state_dict["_len"])
+        if isinstance(stored, torch.Tensor):
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[:1])
+        elif isinstance(stored, dict):
+            rows = TensorDict()
+            rows.load_state_dict(stored, strict=False)  # type: ignore[arg-type]  # (a copy would drop its batch size metadata)
+        else:
+            raise ValueError(f"StoreStorage.load_state_dict: a LazyTensorStorage state dict whose _storage is {type(stored).__name__}")
+        if not rows.batch_dims or rows.batch_size[0] != self.max_size:
+            raise ValueError(
+                f"the state dict is of a storage of batch size {list(rows.batch_size)}, this storage has max_size {self.max_size}"
+            )
+        self._empty()
+        if n:
+            self._extend_rows(self._to_rows(rows[:n] if TENSOR_KEY not in rows.keys() else rows[TENSOR_KEY][:n]), rows)
 
     def dumps(self, path: Any) -> None:
         """Write a checkpoint of the buffer into the directory ``path``: every row, the ring state

@@ -78,7 +78,17 @@ class StoreWriter(Writer):
         return self._ring_storage().with_store(lambda s: s.write_count)
 
     def _empty(self, empty_write_count: bool = True) -> None:
-        """Nothing here: ``StoreStorage._empty`` empties the store, and with it the cursor and the write count."""
+        """Nothing here: ``StoreStorage._empty`` empties the store, and with it the cursor and the write count.
+
+        ``rb.empty(empty_write_count=False)`` is refused (torchrl calls this first, so nothing is
+        emptied): the server's ring derives the cursor, length and generations from one write
+        count, and emptying the buffer restarts it at 0."""
+        if not empty_write_count:
+            raise NotImplementedError(
+                "rb.empty(empty_write_count=False) is not supported by tdstore's StoreStorage: the ring's cursor, length and "
+                "generations all follow one server-side write count, which emptying restarts at 0 (so generations restart "
+                "too: drop (index, generation) handles taken before empty()); use rb.empty()"
+            )
 
     def dumps(self, path: Any) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -219,11 +219,11 @@ def test_varying_shapes_sample_as_a_lazy_stack(real):
         assert el["tokens"].tolist() == [i] * (1 + i % 3)
 
 
-def test_a_writer_with_its_own_cursor_is_refused(real):
+def test_a_writer_with_its_own_cursor_writes_at_the_servers_cursor(real):
+    """torchrl's RoundRobinWriter works while its cursor is the server's (test_torchrl_dropin: when it is not)."""
     rb = ReplayBuffer(storage=StoreStorage(8, **real.kwargs()), writer=RoundRobinWriter(), batch_size=2)
-    with pytest.raises(RuntimeError, match="StoreWriter"):
-        rb.extend(rows(0, 2))
-    assert len(rb) == 0
+    rb.extend(rows(0, 2))
+    assert len(rb) == 2 and rb.storage._store.write_count == 2 and whole(rb[:])
     rb = ReplayBuffer(storage=StoreStorage(8, **real.kwargs()), writer=StoreWriter(), sampler=StoreSampler(), batch_size=2)
     rb.extend(rows(0, 2))
     assert len(rb) == 2 and whole(rb.sample())

@@ -1,0 +1,361 @@
+"""StoreStorage as a drop-in for torchrl's LazyTensorStorage, through torchrl's public replay-buffer API.
+
+Each test builds the same buffer twice, on an in-memory ``LazyTensorStorage`` and on a
+``StoreStorage`` (real server), makes the same calls and compares what is deterministic;
+what cannot be the same on a server is checked to raise a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchrl")
+
+from helpers import round_trips, top_level_commands  # noqa: E402
+from tensordict import TensorDict, tensorclass  # noqa: E402
+from torchrl.data import (  # noqa: E402
+    LazyTensorStorage,
+    RandomSampler,
+    ReplayBuffer,
+    RoundRobinWriter,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    TensorDictMaxValueWriter,
+    TensorDictReplayBuffer,
+)
+from torchrl.envs.transforms import RenameTransform  # noqa: E402
+
+from tdstore.torchrl import StoreStorage, replay_buffer  # noqa: E402
+
+
+@tensorclass
+class Step:
+    obs: torch.Tensor
+    reward: torch.Tensor
+
+
+def both(real, n: int, *, cls=ReplayBuffer, make=None, **kw):
+    """The same buffer on a LazyTensorStorage and on a StoreStorage (torchrl's default writer and sampler,
+    or ``make()``'s keywords, made once per buffer)."""
+    out = []
+    for storage in (LazyTensorStorage(n), StoreStorage(n, **real.kwargs())):
+        out.append(cls(storage=storage, **kw, **(make() if make else {})))
+    return out
+
+
+def data(n: int, start: int = 0) -> TensorDict:
+    v = torch.arange(start, start + n, dtype=torch.float32)
+    return TensorDict(a=v.clone(), b=v[:, None].expand(n, 3).clone(), batch_size=[n])
+
+
+def same(x, y) -> None:
+    assert (x == y).all(), (x, y)
+
+
+# -- 1. writes through storage[:] reach the server -------------------------------------------------------
+def test_set_at_set_update_write_through(real):
+    """The issue's example: set_at_ / set_ / update_ on the buffer change the server's rows, as in memory."""
+    for rb in both(real, 10):
+        rb.extend(TensorDict(a=torch.zeros(10), b=torch.ones(10), batch_size=[10]))
+        rb.set_at_("a", torch.tensor([99.0, 99.0]), torch.tensor([2, 5]))
+        assert rb["a"][2] == 99.0 and rb["a"][5] == 99.0 and rb["a"][3] == 0.0
+        rb.set_("b", torch.full((10,), 7.0))
+        rb.update_(TensorDict(a=torch.arange(10.0), batch_size=[10]))
+        assert rb["a"].tolist() == list(range(10)) and rb["b"].tolist() == [7.0] * 10
+        rb["b"] = torch.full((10,), 3.0)
+        assert rb[:]["b"].tolist() == [3.0] * 10
+    store = StoreStorage(td_id=rb.storage.td_id, **real.kwargs())  # another handle sees the writes
+    assert store[:]["a"].tolist() == list(range(10)) and store[:]["b"].tolist() == [3.0] * 10
+
+
+def test_set_at_on_a_partly_written_buffer_writes_the_written_slots(real):
+    mem, srv = both(real, 10)
+    for rb in (mem, srv):
+        rb.extend(data(4))
+        rb.set_at_("a", torch.tensor([-1.0]), torch.tensor([3]))
+    same(mem[:]["a"], srv[:]["a"])
+    assert len(srv) == 4
+
+
+def test_set_at_is_one_round_trip_and_bad_input_changes_nothing(real):
+    rb = replay_buffer(10, **real.kwargs())
+    rb.extend(data(10))
+    rows = rb.storage[:]
+    cmds = top_level_commands(real.client, lambda: rows.set_at_("a", torch.tensor([5.0]), torch.tensor([1])))
+    assert round_trips(cmds) == ["evalsha"], cmds
+    with pytest.raises(Exception, match="a"):
+        rb.set_at_("a", torch.ones(2, 7), torch.tensor([1, 2]))  # wrong shape: refused by the server's write plan
+    assert rb["a"].tolist() == [0.0, 5.0, *range(2, 10)]
+
+
+def test_a_copy_of_the_rows_and_new_keys_stay_local(real):
+    rb = replay_buffer(4, **real.kwargs())
+    rb.extend(data(4))
+    local = rb.storage[:].clone()
+    local.set_("a", torch.full((4,), 9.0))
+    assert rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    rows = rb.storage[:]
+    rows["new"] = torch.ones(4)  # as a transform adding a key to rows it read: not added to the buffer
+    assert "new" in rows.keys() and "new" not in rb.storage[:].keys()
+
+
+# -- 2. in-place writes move the mutation revision ---------------------------------------------------------
+def test_in_place_writes_move_the_revision_and_refresh_slice_sampler(real):
+    def episodes(ids):
+        return TensorDict(
+            obs=torch.arange(len(ids), dtype=torch.float32),
+            episode=torch.tensor(ids),
+            batch_size=[len(ids)],
+        )
+
+    mem, srv = both(real, 8, cls=TensorDictReplayBuffer, batch_size=4)
+    for rb in (mem, srv):
+        rb.set_sampler(SliceSampler(num_slices=2, traj_key="episode", cache_values=True))
+        rb.extend(episodes([0, 0, 0, 0, 1, 1, 1, 1]))
+        rb.sample()  # caches two episodes of 4
+        before = int(rb.storage._mutation_revision)
+        rb.set_("episode", torch.tensor([2, 2, 3, 3, 4, 4, 5, 5]))  # now four episodes of 2
+        assert int(rb.storage._mutation_revision) != before
+        for _ in range(30):  # a stale cache would cut slices of 2 across the new episodes' boundaries
+            ep = rb.sample()["episode"].reshape(2, 2)
+            assert (ep[:, 0] == ep[:, 1]).all(), ep
+        before = int(rb.storage._mutation_revision)
+        rb[4] = episodes([9])[0]
+        assert int(rb.storage._mutation_revision) != before
+    same(mem["episode"], srv["episode"])
+
+
+# -- 4. torchrl's own writers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("writer", [RoundRobinWriter, lambda: RoundRobinWriter(track_generations=True)])
+def test_round_robin_writer_registered_directly(real, writer):
+    mem, srv = both(real, 5, make=lambda: {"writer": writer()})
+    for rb in (mem, srv):
+        rb.extend(data(3))
+        rb.add(data(1, 3)[0])
+        rb.extend(data(4, 10))  # wraps
+    assert len(srv) == len(mem) == 5 and srv.writer._cursor == mem.writer._cursor
+    same(mem[:]["a"], srv[:]["a"])
+    assert srv.storage._store.write_count == 8
+
+
+def test_round_robin_writer_off_the_servers_cursor(real):
+    """Slots already written are written in place, new ones must continue the server's cursor, or nothing is written."""
+    rb = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()), writer=RoundRobinWriter())
+    rb.extend(data(2))
+    other = replay_buffer(td_id=rb.storage.td_id, **real.kwargs())  # a StoreWriter elsewhere takes the next slot
+    other.extend(data(1, 50))
+    rb.writer._cursor = 4  # this writer's own cursor is ahead of the server's (3)
+    with pytest.raises(RuntimeError, match="not written yet, off its cursor"):
+        rb.extend(data(3, 20))
+    assert rb[:]["a"].tolist() == [0.0, 1.0, 50.0]
+    rb.writer._cursor = 1  # behind: slots 1, 2 in place (as in memory, over the other process's row), 3 by the ring
+    rb.extend(data(3, 20))
+    assert rb[:]["a"].tolist() == [0.0, 20.0, 21.0, 22.0] and rb.storage._store.write_count == 4
+
+
+def test_max_value_writer(real):
+    def scored(vals):
+        v = torch.tensor(vals, dtype=torch.float32)
+        return TensorDict(obs=v.clone(), reward=v, batch_size=[len(vals)])
+
+    mem, srv = both(real, 3, cls=TensorDictReplayBuffer, make=lambda: {"writer": TensorDictMaxValueWriter(rank_key="reward")})
+    for rb in (mem, srv):
+        rb.extend(scored([1.0, 5.0, 3.0]))
+        rb.extend(scored([4.0, 0.5]))
+        rb.add(scored([9.0])[0])
+    assert sorted(srv["reward"].tolist()) == sorted(mem["reward"].tolist()) == [4.0, 5.0, 9.0]
+
+
+def test_tensorclass_and_plain_tensors_through_default_writer(real):
+    mem, srv = both(real, 4)
+    for rb in (mem, srv):
+        rb.extend(Step(obs=torch.arange(3.0), reward=torch.ones(3), batch_size=[3]))
+    assert type(srv[:]) is Step
+    same(mem[:].obs, srv[:].obs)
+    mem, srv = both(real, 4)
+    for rb in (mem, srv):
+        rb.extend(torch.arange(6.0).reshape(3, 2))
+    same(mem[:], srv[:])
+
+
+# -- 3. empty() ------------------------------------------------------------------------------------------
+def test_empty_keeping_the_write_count_is_refused_before_anything_is_emptied(real):
+    rb = replay_buffer(6, **real.kwargs())
+    rb.extend(data(4))
+    with pytest.raises(NotImplementedError, match="empty_write_count=False"):
+        rb.empty(empty_write_count=False)
+    assert len(rb) == 4 and rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    rb.empty()
+    assert len(rb) == 0 and rb.write_count == 0
+
+
+# -- 5. elements with their own batch dims; ndim > 1 storages --------------------------------------------
+def test_elements_with_their_own_batch_dims(real):
+    x = torch.randn(3, 2, 4)
+    mem, srv = both(real, 5)
+    for rb in (mem, srv):
+        assert len(rb) == 0  # the store is made before the first write: it is made again for [2]-elements
+        rb.extend(TensorDict({"a": x[:1]}, [1, 2]))
+        rb.extend(TensorDict({"a": x[1:]}, [2, 2]))
+    assert srv[:].batch_size == mem[:].batch_size == (3, 2)
+    same(srv[:]["a"], mem[:]["a"])
+    assert srv[1].batch_size == (2,) and torch.equal(srv[1]["a"], x[1])
+    assert srv.sample(4).batch_size == (4, 2)
+    with pytest.raises(ValueError, match=r"batch size \[2\].*\[3\]"):
+        srv.extend(TensorDict({"a": torch.randn(1, 3, 4)}, [1, 3]))
+    assert len(srv) == 3
+
+
+def test_ndim_storages_are_refused_with_the_alternative(real):
+    with pytest.raises(NotImplementedError, match="ndim=2.*batch size"):
+        StoreStorage(8, ndim=2, **real.kwargs())
+
+
+# -- 6. pytrees ------------------------------------------------------------------------------------------
+def test_dicts_of_tensors(real):
+    mem, srv = both(real, 6)
+    for rb in (mem, srv):
+        rb.extend({"obs": torch.arange(6.0).reshape(3, 2), "nested": {"r": torch.arange(3)}})
+        rb.add({"obs": torch.tensor([9.0, 9.0]), "nested": {"r": torch.tensor(9)}})
+    got, want = srv[:], mem[:]
+    assert isinstance(got, dict) and isinstance(want, dict)
+    same(got["obs"], want["obs"])
+    same(got["nested"]["r"], want["nested"]["r"])
+    assert isinstance(srv.sample(2), dict)
+    rb = replay_buffer(6, tensordict=False, **real.kwargs())  # tdstore's StoreWriter: the same
+    rb.add({"obs": torch.tensor([1.0, 2.0])})
+    rb.extend({"obs": torch.ones(2, 2)})
+    assert rb[:]["obs"].tolist() == [[1.0, 2.0], [1.0, 1.0], [1.0, 1.0]] and isinstance(rb.sample(2), dict)
+
+
+def test_other_pytrees_are_refused_clearly(real):
+    rb = ReplayBuffer(storage=StoreStorage(4, **real.kwargs()))
+    with pytest.raises(TypeError, match="not tuple.*wrap them in a TensorDict"):
+        rb.add((torch.ones(2), torch.zeros(1)))
+    with pytest.raises(TypeError, match="not tuple"):
+        rb.extend([(torch.ones(2), torch.zeros(1))])
+    assert len(rb) == 0
+
+
+# -- 7. state dicts --------------------------------------------------------------------------------------
+def test_a_lazy_tensor_storage_state_dict_loads_its_rows(real):
+    mem, srv = both(real, 6)
+    mem.extend(data(4))
+    srv.extend(data(2, 100))
+    srv.storage.load_state_dict(mem.storage.state_dict())
+    assert len(srv) == 4
+    same(srv[:]["b"], mem[:]["b"])
+    tensors = ReplayBuffer(storage=LazyTensorStorage(6))
+    tensors.extend(torch.arange(8.0).reshape(4, 2))
+    srv = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()))
+    srv.storage.load_state_dict(tensors.storage.state_dict())
+    same(srv[:], tensors[:])
+
+
+def test_a_state_dict_of_another_kind_is_refused_clearly(real):
+    srv = ReplayBuffer(storage=StoreStorage(6, **real.kwargs()))
+    srv.extend(data(2))
+    with pytest.raises(ValueError, match="neither a StoreStorage's.*dumps/loads"):
+        srv.storage.load_state_dict({"_storage_list": []})
+    with pytest.raises(ValueError, match="max_size 6"):
+        srv.storage.load_state_dict(LazyTensorStorage(3).state_dict() | {"_storage": data(3).state_dict(), "_len": 3})
+    assert srv[:]["a"].tolist() == [0.0, 1.0]
+
+
+# -- samplers, transforms, compile, reads: the same draws from the same generator ------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: {"sampler": RandomSampler()}, id="RandomSampler"),
+        pytest.param(lambda: {"sampler": SamplerWithoutReplacement()}, id="SamplerWithoutReplacement"),
+        pytest.param(lambda: {"compilable": True}, id="compilable"),
+        pytest.param(lambda: {"transform": RenameTransform(["a"], ["c"], create_copy=True)}, id="transform"),
+    ],
+)
+def test_the_same_samples_as_in_memory(real, make):
+    drawn = []
+    for rb in both(real, 10, make=make, batch_size=4):
+        rb.set_rng(torch.Generator().manual_seed(3))
+        rb.extend(data(8))
+        drawn.append([rb.sample().get("c" if "transform" in make() else "a").tolist() for _ in range(2)])
+    assert drawn[0] == drawn[1]
+
+
+def test_reads_and_shape_as_in_memory(real):
+    mem, srv = both(real, 10)
+    for rb in (mem, srv):
+        rb.extend(data(8))
+        rb[0] = data(1, 70)[0]
+        rb[1:3] = data(2, 80)
+    assert srv.storage.shape == mem.storage.shape == (8,)
+    for index in (slice(2, 5), torch.tensor([7, 0, 7]), 3, slice(None, None, 2)):
+        same(srv[index]["b"], mem[index]["b"])
+    assert srv["b"].shape == mem["b"].shape
+
+
+def test_device(real):
+    mem = ReplayBuffer(storage=LazyTensorStorage(4, device="cpu"), batch_size=2)
+    srv = ReplayBuffer(storage=StoreStorage(4, device="cpu", **real.kwargs()), batch_size=2)
+    for rb in (mem, srv):
+        rb.extend(data(3))
+        out, info = rb.sample(return_info=True)
+        assert out.device == torch.device("cpu") and rb[:].device == torch.device("cpu") and rb.storage.device == torch.device("cpu")
+        assert info["index"].device == torch.device("cpu")
+
+
+# -- 8. update_if_present -------------------------------------------------------------------------------
+@pytest.mark.parametrize("writer", ["RoundRobinWriter", "StoreWriter"])
+def test_update_if_present_as_in_memory(real, writer):
+    from tdstore.torchrl import StoreWriter
+
+    results = []
+    for i, rb in enumerate(both(real, 4, make=lambda: {"writer": RoundRobinWriter(track_generations=True)})):
+        if i and writer == "StoreWriter":
+            rb = ReplayBuffer(storage=StoreStorage(4, **real.kwargs()), writer=StoreWriter(track_generations=True))
+        idx = rb.extend(data(4))
+        gen = rb.writer.generations_of(idx)
+        rb.extend(data(2, 10))  # slots 0 and 1 are written again: their handles are stale
+        res = rb.update_if_present(index=idx, generation=gen, patch={"a": torch.full((4,), -5.0)})
+        with pytest.raises(ValueError, match="dtype mismatch"):
+            rb.update_if_present(index=idx, generation=gen, patch={"a": torch.zeros(4, dtype=torch.int64)})
+        results.append((res.updated.tolist(), rb[:]["a"].tolist()))
+    assert results[0] == results[1] == ([False, False, True, True], [10.0, 11.0, -5.0, -5.0])
+
+
+def test_tensordict_map_updates_and_inserts_in_one_batch(real):
+    from torchrl.data.map import TensorDictMap
+
+    def keys(*k):
+        return TensorDict(k=torch.tensor(k, dtype=torch.float32)[:, None], batch_size=[len(k)])
+
+    def values(*v):
+        return TensorDict(v=torch.tensor(v, dtype=torch.float32), batch_size=[len(v)])
+
+    got = []
+    for storage in (LazyTensorStorage(10), StoreStorage(10, **real.kwargs())):
+        m = TensorDictMap.from_tensordict_pair(
+            keys(0.0),
+            keys(0.0).set("v", torch.zeros(1)),
+            in_keys=["k"],
+            out_keys=["v"],
+            max_size=10,
+            storage_constructor=lambda s=storage: s,
+        )
+        m[keys(1, 2, 3)] = values(10, 20, 30)
+        m[keys(2, 4)] = values(21, 40)  # an update and an insert: two atomic calls on the server
+        got.append(m[keys(1, 2, 3, 4)]["v"].tolist())
+    assert got[0] == got[1] == [10.0, 21.0, 30.0, 40.0]
+
+
+def test_features_torchrl_keeps_for_its_own_storages_raise_torchrls_clear_error(real):
+    """ConsumingSampler and sequence sample units check for torchrl's storage classes (README: what differs)."""
+    from torchrl.data.replay_buffers.sample_units import Sequence
+    from torchrl.data.replay_buffers.samplers import ConsumingSampler
+
+    with pytest.raises(TypeError, match="ConsumingSampler only supports"):
+        TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sampler=ConsumingSampler(), batch_size=2)
+    rb = TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sample_unit=Sequence(3, done_key="done"), batch_size=2)
+    rb.extend(TensorDict(a=torch.arange(6.0), done=torch.zeros(6, 1, dtype=torch.bool), batch_size=[6]))
+    with pytest.raises(TypeError, match="requires a TensorDict-backed TensorStorage.*got StoreStorage"):
+        rb.sample()
