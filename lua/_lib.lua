@@ -70,6 +70,8 @@ local function tds_check(meta, spec, leaves)
     fields[#fields + 1] = 'lv:' .. n
     want[#want + 1] = v
   end
+  fields[#fields + 1] = 'xd'  -- last: a whole-store call's deadline in progress (tds_lapsed)
+  local xd_at = #fields
   local head = redis.call('HMGET', meta, unpack(fields, 1, math.min(#fields, 512)))
   for i = 513, #fields, 512 do  -- many leaves: more HMGETs, within Lua's stack for unpack
     local part = redis.call('HMGET', meta, unpack(fields, i, math.min(i + 511, #fields)))
@@ -84,7 +86,7 @@ local function tds_check(meta, spec, leaves)
     end
     return {'GONE'}
   end
-  if redis.call('HEXISTS', meta, 'xd') == 1 and tds_lapsed(meta) then
+  if head[xd_at] and tds_lapsed(meta) then
     return {'GONE'}
   end
   local epoch, check = string.match(spec, '^(%x+):(.+)$')
@@ -229,16 +231,13 @@ local function tds_policy(v)
   return p
 end
 
--- Check that the offsets packed in `offs` (int64, entries lo, lo + 1, ... of the offset table
--- `key`) never decrease and stay below 2^53: a table edited by hand is reported, never cut into rows.
-local function tds_offsets_rise(key, offs, lo)
-  local prev = 0
-  for p = 1, #offs - 7, 8 do
-    local v = tds_u64(offs, p)
-    if v < prev or v > TDS_MAXINT then
-      tds_damaged('the offset table ' .. key .. ' decreases or passes 2^53 at entry ' .. string.format('%.0f', lo + (p - 1) / 8) .. ' (written by another client?)')
-    end
-    prev = v
+-- Check that the offsets 'first' and 'last' (entry lo and a later one of the offset table 'key')
+-- do not decrease and stay below 2^53, before the bytes between them are read: a table edited by
+-- hand is reported, never cut into rows. The entries between are checked by the client, which
+-- compares every element's size with the bytes read (tdstore/_reads.py check_elements).
+local function tds_bounds_rise(key, first, last, lo)
+  if last < first or last > TDS_MAXINT then
+    tds_damaged('the offset table ' .. key .. ' decreases or passes 2^53 from entry ' .. string.format('%.0f', lo) .. ' (written by another client?)')
   end
 end
 
