@@ -81,7 +81,9 @@ local function tds_check(meta, spec, leaves)
   end
   local cur = head[1]
   if not cur then
-    if head[2] then  -- a header without its version (edited by hand: tds_damaged is defined below)
+    -- a header without its version: a tombstone (a delete in batches, tds_lapsed) is gone; any other
+    -- was edited by hand (tds_damaged is defined below)
+    if head[2] and not tds_lapsed(meta) then
       error('TDSTORE damaged: header field version is missing')
     end
     return {'GONE'}
@@ -162,7 +164,7 @@ local function tds_int_field(v, name, lo, hi, default)
     tds_bad_field(name, '', 'present')
   end
   local n = string.match(v, '^%-?%d+$') and tonumber(v) or nil
-  if n == nil or n < lo or n > hi or string.format('%.0f', n) ~= v then
+  if n == nil or n < lo or n > hi or string.format('%.0f', n) ~= v or v == '-0' then
     tds_bad_field(name, v, string.format('an integer in %.0f..%.0f', lo, hi))
   end
   return n
@@ -440,7 +442,7 @@ local function tds_ring_rw(meta, count, rw_raw)
   local f = redis.call('HMGET', meta, 'na', 'schema')
   local holds
   if f[1] then
-    holds = (tonumber(f[1]) or 0) > 0
+    holds = tds_int_field(f[1], 'na', 0, TDS_MAXINT) > 0
   else
     holds = f[2] ~= nil and not string.find(f[2], '"leaves":[]', 1, true)
   end

@@ -65,6 +65,7 @@ for i = 5, 3 + half do
 end
 redis.call('COPY', src, dst)
 redis.call('HSET', dst, 'epoch', ARGV[3])
+redis.call('HDEL', dst, 'xd')  -- the copy's keys all get one deadline below: no expire of the source's in progress
 redis.call('PERSIST', dst)
 redis.call('SADD', KEYS[3], ARGV[2])
 local ttl = math.max(redis.call('PTTL', src), 0)

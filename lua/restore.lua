@@ -25,8 +25,8 @@
 
   Reply       {'OK', header field, value, ...}: the header as the restore left it;
               {'STALE', header...}; {'GONE'}.
-  Errors      'TDSTORE bad argument' for a malformed call or a staged key of the wrong length
-              (nothing written).
+  Errors      'TDSTORE bad argument' for a malformed call or a staged key of the wrong length;
+              'TDSTORE damaged' for a field out of range (nothing written either way).
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], '')
@@ -34,14 +34,22 @@ if bad then
   return bad
 end
 local allowed = {rw = true, pm = true, lb = true, sn = true, rr = true}
-local fields = {}
+local fields, seen = {}, {}
 for name, value in string.gmatch(ARGV[2], '(%w+)=(%S+)') do
-  if not allowed[name] or tonumber(value) == nil then
+  if not allowed[name] or seen[name] then
     error('TDSTORE bad argument: header field ' .. name .. '=' .. value)
+  end
+  seen[name] = true
+  -- the ranges the other scripts read them with (tds_int_field, tds_float_field in _lib.lua)
+  if name == 'pm' then
+    tds_float_field(value, name, 0, 1e300)
+  else
+    tds_int_field(value, name, 0, TDS_MAXINT)
   end
   fields[#fields + 1] = name
   fields[#fields + 1] = value
 end
+tds_int_field(redis.call('HGET', meta, 'kv'), 'kv', 0, TDS_MAXINT)  -- bumped below
 local function staged(src, want)
   local n = tds_num(want, 'length')
   if n > 0 and redis.call('STRLEN', src) ~= n then

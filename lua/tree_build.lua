@@ -55,7 +55,8 @@
               stage the zeros (count bytes 0: no counts) and call again;
               {'STALE', header...}; {'GONE'}.
   Errors      'TDSTORE bad argument' for a malformed call; 'TDSTORE refused' when another
-              client is building priorities with other parameters.
+              client is building priorities with other parameters; 'TDSTORE damaged' for a
+              header field out of range (count, rw, kv, sc: see tds_int_field in _lib.lua).
 ]]
 local meta = KEYS[1]
 local bad = tds_check(meta, ARGV[1], '')

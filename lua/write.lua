@@ -417,10 +417,7 @@ for _ = 1, nops do
         end
         -- leased items not acknowledged yet (header field 'lo', see _lease.lua) count as unread
         local unread = tds_int_field(head[6], 'rr', 0, rw, 0)
-        local oldest = tonumber(head[8] or '')
-        if head[8] and (oldest == nil or oldest < 0) then
-          tds_damaged(meta .. ': header field lo (the oldest leased item) is ' .. head[8])
-        end
+        local oldest = head[8] and tds_int_field(head[8], 'lo', 0, TDS_MAXINT) or nil  -- the oldest leased item
         if oldest ~= nil then
           unread = math.min(unread, oldest)
         end

@@ -151,7 +151,7 @@ HUGE_INT = str(2**63)
 RING = {"open", "sample", "pop", "update_if", "extend", "enable_priorities"}
 HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
     *[("count", v, "plain", RING) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None, "100", "7", "4")],
-    *[("rw", v, "plain", RING | {"written"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "")],
+    *[("rw", v, "plain", RING | {"written"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "", "-0")],
     *[("rr", v, "queue", {"open", "pop", "extend"}) for v in ("-50", "99", "x", "1.5")],
     *[("sn", v, "limit", {"open", "sample", "extend"}) for v in ("-1", "x", BIG)],
     *[("lb", v, "limit", {"open", "sample", "extend"}) for v in ("-1", "99", "x")],
