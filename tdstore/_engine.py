@@ -38,7 +38,8 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -285,8 +286,15 @@ class Engine(Transport):
         a call that keeps losing the race against a storm of schema changes starts to
         wait a little (random, up to 20 ms) between tries.
         """
-        try:
+        with self.naming_errors():
             return self._run(plan)
+
+    @contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        """Errors raised inside name this store and its server (a damaged store, a read-only replica,
+        a server that cannot be reached: the same types, so callers' handling keeps working)."""
+        try:
+            yield
         except StoreDamagedError as err:
             if err.named:
                 raise

@@ -25,7 +25,9 @@ class LazyLifecycle(LazyState):
         self._engine.close()
 
     def expire(self, seconds: float) -> None:
-        """Make the whole store expire in ``seconds``: every key gets the same deadline, in one atomic call.
+        """Make the whole store expire in ``seconds``: every key gets the same deadline, in one call (a
+        store of more than ~1,000 keys: in batches, the header outliving every key meanwhile, so the
+        store never reads in part; see ``lua/README.md``, Whole-store calls in batches).
 
         Keys added later (new keys, a key that becomes heterogeneous) take the same
         deadline, so the store never expires in part.
@@ -36,7 +38,7 @@ class LazyLifecycle(LazyState):
         _whole_store.expire(self._engine, ms)
 
     def persist(self) -> None:
-        """Remove the store's time to live (every key), in one atomic call."""
+        """Remove the store's time to live (every key), in one call (in batches, as :meth:`expire`)."""
         _whole_store.expire(self._engine, 0)
 
     def ttl(self) -> float | None:
@@ -45,7 +47,11 @@ class LazyLifecycle(LazyState):
         return None if ms is None else ms / 1000
 
     def clear_redis(self) -> int:
-        """Delete every key of this store, and nothing else, in one atomic call. Returns the count deleted."""
+        """Delete every key of this store, and nothing else. Returns the count deleted.
+
+        One call; a store of more than ~1,000 keys goes in batches under a tombstone header that
+        every other call reads as a deleted store (a client dying half-way leaves what the next
+        ``clear_redis``, ``tdstore rm`` or creation of the same id deletes)."""
         return _whole_store.clear(self._engine)
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:

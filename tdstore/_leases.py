@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _waiting
+from . import _codec, _deadline, _waiting
 from ._call import Call
 from ._engine import Engine
 from ._errors import LeaseLostError
@@ -64,17 +64,19 @@ class LeasedSample:
     deadline_ms: int
     """When the lease ends, in milliseconds on the server's clock (``TIME``), which may differ from this machine's."""
     _store: Any = field(default=None, repr=False, compare=False)
+    _timeout: float | None = field(default=None, repr=False, compare=False)
+    """The pop's ``timeout=``: the deadline of the ``ack`` that ``with`` sends on a clean exit."""
 
     @property
     def redelivered(self) -> torch.Tensor:
         """Per row: handed out before (its lease ran out unacknowledged)."""
         return self.deliveries > 1
 
-    def ack(self) -> int:
-        """``store.ack(self.receipt)``."""
+    def ack(self, timeout: float | None = None) -> int:
+        """``store.ack(self.receipt, timeout=...)``; by default within the pop's own ``timeout``."""
         if self._store is None:
             raise RuntimeError("this LeasedSample is not bound to a store: call store.ack(sample.receipt)")
-        return int(self._store.ack(self.receipt))
+        return int(self._store.ack(self.receipt, timeout=self._timeout if timeout is None else timeout))
 
     def __enter__(self) -> LeasedSample:
         return self
@@ -107,6 +109,7 @@ class Planner:
         self.engine, self.batch_size, self.device, self.keys, self.ms = engine, batch_size, device, keys, ms
         self.receipt = new_receipt()
         self.store: Any = None
+        self.timeout: float | None = None
 
     def plan(self, h: Header) -> Call:
         engine = self.engine
@@ -130,7 +133,7 @@ class Planner:
             deliveries = torch.from_numpy(_codec.unpack_i64(reply[5]).astype(np.int64))
             gens = torch.div(ws, h.count, rounding_mode="floor") + 1
             receipt = Receipt(self.receipt, tuple(int(w) for w in ws.tolist()))
-            return LeasedSample(got.td, got.indices, gens, ws, deliveries, receipt, deadline, self.store)
+            return LeasedSample(got.td, got.indices, gens, ws, deliveries, receipt, deadline, self.store, self.timeout)
 
         return _row_read_call(engine, h, self.keys, self.batch_size, head, parse)
 
@@ -143,7 +146,7 @@ def _text(b: bytes | str) -> str:
     return b.decode() if isinstance(b, bytes) else b
 
 
-def ack(engine: Engine, receipt: Any) -> int:
+def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
     """Settle the items of a leased pop (see ``LazyStackedTensorDictStore.ack``): how many it settled."""
     if isinstance(receipt, LeasedSample):
         receipt = receipt.receipt
@@ -156,7 +159,8 @@ def ack(engine: Engine, receipt: Any) -> int:
         return Call("ack", [engine.keys.meta, *engine.keys.lease_keys], [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
 
     try:
-        reply = engine.run(plan_call)
+        with _deadline.within(timeout, "ack", engine.where):  # an ack is safe to resend: retries are bounded, not refused
+            reply = engine.run(plan_call)
     except ValueError as err:  # the script's refusal: name the store (fakeredis appends a Lua traceback)
         raise ValueError(f"the store with {engine.where()}: {str(err).splitlines()[0]}") from None
     settled = int(reply[1])
@@ -192,5 +196,5 @@ def pop(
     engine.refuse_if_readonly()
     refuse_spread(engine)
     planner = Planner(engine, batch_size, device, keys, ms)  # one receipt for every try and resend of this pop
-    planner.store = store
+    planner.store, planner.timeout = store, timeout
     return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")

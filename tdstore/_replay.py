@@ -269,16 +269,18 @@ class ReplayMethods(LazyState):
             return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease)
         return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths)
 
-    def ack(self, receipt: Any) -> int:
+    def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         """Settle the items of a leased pop (its ``receipt``, or the ``LeasedSample``), in one call.
 
         Returns how many items it settled. Acknowledging twice is harmless (the same answer).
         An ack after the lease ran out still settles the items no other pop has taken; when
         another pop took some, raises ``tdstore.LeaseLostError`` naming them (``.not_held``,
         their write numbers), after settling the rest. A receipt the store does not hold (never
-        handed out, or settled more than 4,096 receipts ago) raises ``ValueError``.
+        handed out, or settled more than 4,096 receipts ago) raises ``ValueError``. ``timeout`` is a
+        deadline as for every ring call (``TimeoutError``); ``with store.pop(n, lease=S, timeout=T)``
+        acks within ``T``.
         """
-        return _leases.ack(self._engine, receipt)
+        return _leases.ack(self._engine, receipt, timeout)
 
     def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> _ring.RingState:
         """Block until the ring holds ``written`` items (``len(store.written)``) or has had ``write_count``

@@ -45,6 +45,11 @@ def clear(engine: Engine) -> int:
 
 def _clear_batched(engine: Engine) -> int:
     """``clear.lua`` through ``_batches.clear``; a STALE first batch (a schema change) is planned again."""
+    with engine.naming_errors():
+        return _clear_batches(engine)
+
+
+def _clear_batches(engine: Engine) -> int:
     for _ in range(STALE_TRIES):
         h = engine.header
         every = engine.keys.all_keys(h.next_leaf, h.segments.n) + engine.keys.lease_keys
@@ -152,14 +157,15 @@ def expire(engine: Engine, ttl_ms: int) -> None:
     if _spread.spreads(engine.header):
         engine.run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
         return
-    for _ in range(STALE_TRIES):
-        h = engine.header
-        every = plan_call(h).keys
-        reply = _batches.expire(engine.client, every[0], every[1:], f"{h.epoch}:V{h.version}", ttl_ms, engine.execute)
-        marker = _batches.status(reply)
-        if marker == "GONE":
-            raise engine.gone()
-        if marker == "OK":
-            return
-        engine.adopt_stale(reply)
-    raise _stale(engine)
+    with engine.naming_errors():
+        for _ in range(STALE_TRIES):
+            h = engine.header
+            every = plan_call(h).keys
+            reply = _batches.expire(engine.client, every[0], every[1:], f"{h.epoch}:V{h.version}", ttl_ms, engine.execute)
+            marker = _batches.status(reply)
+            if marker == "GONE":
+                raise engine.gone()
+            if marker == "OK":
+                return
+            engine.adopt_stale(reply)
+        raise _stale(engine)

@@ -138,6 +138,24 @@ def test_every_timeout_holds_while_the_server_is_paused(server):
     assert_intact(full, empty)
 
 
+@pytest.mark.ring
+def test_an_ack_keeps_its_deadline_and_the_with_form_the_pops(server):
+    """``ack(receipt, timeout=)`` and the ``with store.pop(n, lease=S, timeout=T)`` form (which acks
+    within ``T``) raise TimeoutError on time on a paused server; the receipt is acked afterwards."""
+    ring = LazyStackedTensorDictStore(url=server.url, count=8, prefix="dl")
+    ring.extend([el(i) for i in range(4)])
+    got = ring.pop(2, lease=600, timeout=5)
+    held = ring.pop(2, lease=600, timeout=1)
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        late_by(lambda: ring.ack(got.receipt, timeout=1), 1, "paused: ack")
+        late_by(lambda: held.__exit__(None, None, None), 1, "paused: the with form's ack (the pop's timeout)")
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert ring.ack(got.receipt, timeout=10) == 2 and held.ack() == 2
+
+
 def test_a_waiter_subscribed_before_the_pause_ends_on_time(server):
     _, empty = waiting_stores(server.url)
     admin = server.client()

@@ -11,6 +11,8 @@ segments, and SLOWLOG's slowest command of each whole-store call stays under a g
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 import torch
@@ -159,6 +161,19 @@ def test_a_dense_clone_above_its_bound_is_refused_naming_the_alternative(backend
     assert_same(copy.to_tensordict(), td)
     copy.clear_redis()
     store.clear_redis()
+
+
+def test_clear_and_expire_name_the_store_when_the_server_is_unreachable(backend):
+    """Whole-store calls in batches name the store and its server in their errors, as every call does."""
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(3, het=False), **backend.kwargs())
+
+    def refused(client: Any, *args: Any) -> Any:
+        raise redis.ConnectionError("Connection refused")
+
+    store._engine.execute = refused  # type: ignore[method-assign]
+    for call in (store.clear_redis, lambda: store.expire(10), store.persist):
+        with pytest.raises(redis.ConnectionError, match=store.td_id):
+            call()
 
 
 def test_a_clone_does_not_inherit_an_expire_in_progress(backend):
