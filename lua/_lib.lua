@@ -483,8 +483,13 @@ local function tds_request(k, rid)
   end
   -- one read: the record, and the bookkeeping tds_remember needs (the script runs atomically)
   local got = redis.call('HMGET', key, rid, '#', '#o', '#b')
-  return {key = key, rid = rid, seen = got[1] or nil, n = tonumber(got[2] or '0'), oldest = tonumber(got[3] or '1'),
-          bytes = tonumber(got[4] or '0')}
+  local n = tds_int_field(got[2], 'reply cache #', 0, TDS_MAXINT, 0)
+  local oldest = tds_int_field(got[3], 'reply cache #o', 1, n + 1, 1)
+  if n - oldest >= TDS_REPLIES then  -- tds_remember keeps fewer records than that: edited by hand
+    tds_bad_field('reply cache #o', got[3], 'within ' .. TDS_REPLIES .. ' records of #')
+  end
+  return {key = key, rid = rid, seen = got[1] or nil, n = n, oldest = oldest,
+          bytes = tds_int_field(got[4], 'reply cache #b', 0, TDS_MAXINT, 0)}
 end
 
 -- Record 'decision' under the request's id (nothing without a request), dropping the oldest
@@ -501,6 +506,9 @@ local function tds_remember(req, decision)
     local old = redis.call('HGET', key, '#' .. string.format('%.0f', oldest % TDS_REPLIES))  -- '<id> <bytes>'
     if old then
       local rid, size = string.match(old, '^(%x+) (%d+)$')
+      if rid == nil then
+        tds_bad_field('reply cache record', old, "'<request id> <bytes>'")
+      end
       redis.call('HDEL', key, rid)
       bytes = bytes - tonumber(size)
     end

@@ -57,6 +57,9 @@ end
 if needs.tree or needs.times then
   error('TDSTORE bad argument: priorities are built by tree_build.lua')
 end
+if ARGV[2] ~= '' and not pcall(cjson.decode, ARGV[2]) then  -- before anything is written
+  error('TDSTORE bad argument: a sampling policy that is not JSON')
+end
 if needs.limit then
   redis.call('HSET', meta, 'lb', string.format('%.0f', rw), 'sn', '0')
 end
@@ -66,7 +69,6 @@ end
 if ARGV[2] == '' then
   redis.call('HDEL', meta, 'sc')
 else
-  cjson.decode(ARGV[2])  -- a malformed policy is refused before it is stored
   redis.call('HSET', meta, 'sc', ARGV[2])
 end
 redis.call('HINCRBY', meta, 'kv', 1)

@@ -276,6 +276,11 @@ class Engine(Transport):
         if reply[0] == b"OK":
             self.set_header(header)
             return None
+        if reply[0] == b"LAPSED":  # deleted half-way again and again: another client keeps cutting it short
+            raise KeyError(
+                f"the store with {self.where()} is being deleted (or its time to live changed) by another client "
+                "while this one creates it again; try again once that is done"
+            )
         return Header.from_fields(_pairs(reply[1:]))
 
     # -- running calls ---------------------------------------------------------

@@ -431,3 +431,21 @@ def test_an_inventory_count_out_of_range_refuses_a_write_that_allocates(backend,
         pytest.fail("no extend allocated a segment")
     assert client.hget(keys.meta, "rw") == str(lo).encode()  # the refused extend wrote nothing
     assert snapshot == {k: client.get(k) for k in client.keys(f"{backend.prefix}:*") if client.type(k) == b"string"}
+
+
+@pytest.mark.parametrize(("field", "value"), [("#", "abc"), ("#o", "-5"), ("#o", "1"), ("#b", "x"), ("#1", "junk")])
+def test_a_reply_cache_edited_by_hand_is_a_damaged_store(backend, field, value):
+    """The reply cache's bookkeeping (lua/_lib.lua tds_request, tds_remember) is range-checked like a
+    header field: an edit is StoreDamagedError naming it, never a raw error or a long loop."""
+    store, keys = make(backend, "plain")
+    client = backend.client()
+    for i in range(3):
+        store.extend(batch(6 + i, 1))  # three records: '#' = 4 (the first extend made one)
+    if field == "#o":  # '1' is in range only while fewer than 4096 records are kept: claim 5000
+        client.hset(keys.replies, mapping={"#": "5000", "#o": value} if value == "1" else {"#o": value})
+    else:
+        client.hset(keys.replies, field, value)
+        if field == "#1":  # a record the next call drops: push the bound so that it must
+            client.hset(keys.replies, mapping={"#": "4096", "#o": "1"})
+    with pytest.raises(StoreDamagedError, match="reply cache"):
+        store.extend(batch(9, 1))
