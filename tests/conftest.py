@@ -127,6 +127,18 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
 
 
+@pytest.fixture(params=["redis", "fakeredis"])
+def one_node(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """redis-server and fakeredis only: for what a cluster adds nothing to (a ring, which a spread
+    store refuses; what a header holds)."""
+    if request.param == "redis":
+        srv = request.getfixturevalue("redis_server")
+        yield Backend("redis", srv.client, srv)
+    else:
+        server = fakeredis.FakeServer()
+        yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+
+
 @pytest.fixture
 def real(redis_server: EmbeddedServer) -> Backend:
     """The real server only (command counting, processes, sizes)."""

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fakeredis
 import numpy as np
 import pytest
 import torch
@@ -25,15 +23,10 @@ from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
-def be(request: pytest.FixtureRequest) -> Iterator[Backend]:
+@pytest.fixture
+def be(one_node: Backend) -> Backend:
     """redis-server and fakeredis (rings do not run on spread stores; the cluster adds nothing here)."""
-    if request.param == "redis":
-        srv = request.getfixturevalue("redis_server")
-        yield Backend("redis", srv.client, srv)
-    else:
-        server = fakeredis.FakeServer()
-        yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+    return one_node
 
 
 @tensorclass

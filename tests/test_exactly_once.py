@@ -23,7 +23,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import fakeredis
 import pytest
 import redis
 import torch
@@ -187,14 +186,10 @@ def send_twice(store: LazyStackedTensorDictStore, seen: list[tuple[Any, Any]]) -
     engine.execute = execute  # type: ignore[method-assign]
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
-def two_engines(request: pytest.FixtureRequest) -> Backend:
+@pytest.fixture
+def two_engines(one_node: Backend) -> Backend:
     """The real server and fakeredis (the ring refuses a spread cluster store; the cluster is not needed here)."""
-    if request.param == "redis":
-        srv = request.getfixturevalue("redis_server")
-        return Backend("redis", srv.client, srv)
-    server = fakeredis.FakeServer()
-    return Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+    return one_node
 
 
 @pytest.mark.parametrize("name", list(CALLS))

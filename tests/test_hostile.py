@@ -16,10 +16,9 @@ import random
 import re
 import struct
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import fakeredis
 import pytest
 import torch
 from conftest import Backend
@@ -35,15 +34,10 @@ pytestmark = pytest.mark.ring
 WAIT = 1.0  # every waiting call's timeout: a hostile value that made a call wait would fail the test at once
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+@pytest.fixture
+def backend(one_node: Backend) -> Backend:
     """The redis-server and fakeredis backends (a cluster adds nothing to what a header holds)."""
-    if request.param == "redis":
-        srv = request.getfixturevalue("redis_server")
-        yield Backend("redis", srv.client, srv)
-    else:
-        server = fakeredis.FakeServer()
-        yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+    return one_node
 
 
 def batch(lo: int, n: int) -> Any:
