@@ -173,10 +173,10 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def bench_script() -> Path | None:
-    """``tools/bench.py`` of the source checkout this package runs from, or ``None`` (an installed wheel has no tools/)."""
+    """``tools/bench/__main__.py`` of the source checkout this package runs from, or ``None`` (an installed wheel has no tools/)."""
     import tdstore
 
-    path = Path(tdstore.__file__).resolve().parent.parent / "tools" / "bench.py"
+    path = Path(tdstore.__file__).resolve().parent.parent / "tools" / "bench" / "__main__.py"
     return path if path.is_file() else None
 
 
@@ -185,14 +185,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     script = bench_script()
     if script is None:
         print(
-            "tdstore bench: error: the benchmark (tools/bench.py) ships with the source tree, not with the installed package; "
-            "clone the repository (git clone) and run 'tdstore bench' or 'python tools/bench.py' from the checkout",
+            "tdstore bench: error: the benchmark (tools/bench/) ships with the source tree, not with the installed package; "
+            "clone the repository (git clone) and run 'tdstore bench' or 'python -m tools.bench' from the checkout",
             file=sys.stderr,
         )
         return EXIT_USAGE
     import os
 
-    proc = subprocess.Popen([sys.executable, str(script), *args.bench_args], env={**os.environ, "TDSTORE_BENCH_PROG": "tdstore bench"})
+    # `python -m tools.bench` with the checkout first on the path and not the current directory, which may hold
+    # another `tools`; relative paths in the arguments (--json) stay relative to where the command was run
+    root = str(script.parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TDSTORE_BENCH_PROG": "tdstore bench", "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench", *args.bench_args], env=env)
     try:
         code = proc.wait()
     except KeyboardInterrupt:
@@ -229,9 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_commands(sub)
     bench = sub.add_parser(
         "bench",
-        help="run the benchmark (tools/bench.py of a source checkout); arguments pass through ('tdstore bench --help')",
+        help="run the benchmark (python -m tools.bench of a source checkout); arguments pass through ('tdstore bench --help')",
         add_help=False,  # --help belongs to the benchmark
-        description="Runs tools/bench.py of the source tree with the arguments given; see 'tdstore bench --help'.",
+        description="Runs python -m tools.bench in the source tree with the arguments given; see 'tdstore bench --help'.",
     )
     bench.set_defaults(handler=_cmd_bench)
     return parser

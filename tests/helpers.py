@@ -103,18 +103,11 @@ def round_trips(commands: list[str]) -> list[str]:
 
 
 def load_tool(name: str):
-    """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """The tool ``python -m tools.<name>`` as a module (``tools`` is a package of the checkout, the test command's
+    working directory)."""
+    import importlib
 
-    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"tdstore_{name}_tool", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"tools.{name}")
 
 
 # -- stamped elements: every leaf carries one number, so a torn element is visible ----------------

@@ -1,4 +1,4 @@
-"""``tools/bench.py --quick`` keeps running: every operation yields timings (no speed is asserted)."""
+"""``python -m tools.bench --quick`` keeps running: every operation yields timings (no speed is asserted)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "tools" / "bench.py"
 
 #: The operations of issue #6, per case.
 EXPECTED = {
@@ -38,7 +37,7 @@ EXPECTED = {
 def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", str(out)],
+        [sys.executable, "-m", "tools.bench", "--quick", "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

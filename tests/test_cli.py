@@ -481,7 +481,7 @@ def test_python_dash_m_ls(url, prefix) -> None:
 
 
 def test_bench_passes_arguments_through(capfd) -> None:
-    assert (REPO / "tools" / "bench.py").is_file()
+    assert (REPO / "tools" / "bench" / "__main__.py").is_file()
     assert main(["bench", "--help"]) == 0
     out, _ = capfd.readouterr()
     assert "--quick" in out and "--mp-writers" in out

@@ -127,6 +127,6 @@ def test_bench_help_names_its_command_and_no_issue() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage: tdstore bench ")
     assert "issue" not in proc.stdout.lower() and not re.search(r"#\d", proc.stdout)
-    direct = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"], capture_output=True, text=True, timeout=120)
-    assert direct.returncode == 0 and direct.stdout.startswith("usage: python tools/bench.py ")
+    direct = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert direct.returncode == 0 and direct.stdout.startswith("usage: python -m tools.bench ")
     assert "issue" not in direct.stdout.lower()

@@ -222,7 +222,7 @@ def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server):
     assert out["took"] < 3 + SLACK
 
 
-# -- dropped and held connections (tools/faults.py's CuttingProxy) ------------------------------
+# -- dropped and held connections (tools/faults/proxy.py: CuttingProxy) ------------------------------
 def test_every_timeout_holds_when_connections_are_dropped_or_held(server):
     faults = load_tool("faults")
     with faults.CuttingProxy(server.url) as proxy:

@@ -183,7 +183,7 @@ def test_cli_demo_on_a_spread_store(tmp_path: Path) -> None:
 
 def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "cluster.py"), "--seconds", "0.5"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tools.cluster", "--seconds", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = next(line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("url: "))

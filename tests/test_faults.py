@@ -1,4 +1,4 @@
-"""Tests of ``tools/faults.py`` (issue #4): every fault case, quickly, each on its own private server.
+"""Tests of ``python -m tools.faults`` (issue #4): every fault case, quickly, each on its own private server.
 
 The cases start their own embedded redis-server (unix socket, no persistence, the
 ``--maxmemory`` / ``--proto-max-bulk-len`` arguments they need) and never touch a
@@ -18,11 +18,12 @@ import pytest
 import redis
 import torch
 from helpers import load_tool
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from tdstore.server import EmbeddedServer
+from tdstore.server import EmbeddedServer, check_loopback
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "faults.py"
 
 
 faults = load_tool("faults")
@@ -48,9 +49,9 @@ def test_fault_case(name: str) -> None:
 
 
 def test_cli_one_case_json() -> None:
-    """``python tools/faults.py --case store-deleted --json``: JSON on stdout, the table on stderr, exit 0."""
+    """``python -m tools.faults --case store-deleted --json``: JSON on stdout, the table on stderr, exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(TOOL), "--case", "store-deleted", "--json"],
+        [sys.executable, "-m", "tools.faults", "--case", "store-deleted", "--json"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -74,8 +75,8 @@ def test_url_skips_cases_that_need_their_own_server() -> None:
         res = faults.run_case(name, opts)
         assert res.status == "SKIP" and "skipped with --url" in res.note, res
     with pytest.raises(ValueError, match="loopback"):
-        faults.check_loopback("redis://10.1.2.3:7000")
-    faults.check_loopback("unix:///tmp/x.sock")
+        check_loopback("redis://10.1.2.3:7000")
+    check_loopback("unix:///tmp/x.sock")
 
 
 def test_allowed_seqs_after_a_kill() -> None:
@@ -140,7 +141,7 @@ def test_proxy_cuts_mid_request_and_mid_reply(private: EmbeddedServer) -> None:
     """A cut mid-request: the server never runs the command; mid-reply: it ran it and the client got part of the answer."""
     direct = private.client()
     with faults.CuttingProxy(private.url) as proxy:
-        client = redis.Redis.from_url(proxy.url, retry=faults.Retry(faults.NoBackoff(), 0))
+        client = redis.Redis.from_url(proxy.url, retry=Retry(NoBackoff(), 0))
         client.set("before", b"1")
         cut = proxy.arm(faults.Cut("request", ("SET",), 1000))
         with pytest.raises(redis.ConnectionError):

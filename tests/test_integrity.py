@@ -5,7 +5,7 @@ A key of a store can vanish while the header stays (evicted under an evicting
 ``StoreDamagedError`` (a ``KeyError``) naming the store and the key, and write nothing;
 a key never allocated (a ring or ``from_schema`` store allocates a segment when it is
 first written) reads as zeros. Eviction is made deterministic here with ``DEL`` of chosen
-keys; ``tools/faults.py --case eviction`` runs a real ``maxmemory`` + ``allkeys-lru`` server.
+keys; ``python -m tools.faults --case eviction`` runs a real ``maxmemory`` + ``allkeys-lru`` server.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of ``tools/stress.py``: its checks on their own, then short runs in a subprocess.
+"""Tests of ``python -m tools.stress``: its checks on their own, then short runs in a subprocess.
 
 The runs start their own embedded redis-server (unix socket, no persistence),
 never one they did not start.
@@ -17,17 +17,17 @@ import torch
 from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "stress.py"
 
 
 stress = load_tool("stress")
+stress_workers = load_tool("stress.workers")
 
 
 def run_tool(tmp_path: Path, *args: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
     """Run the tool with ``args`` and return the process and its ``--json`` figures."""
     out = tmp_path / "figures.json"
     proc = subprocess.run(
-        [sys.executable, str(TOOL), *args, "--json", str(out)],
+        [sys.executable, "-m", "tools.stress", *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -90,7 +90,7 @@ def test_racer_keys_are_checked() -> None:
 
 def test_observer_counts_regressions() -> None:
     tally = stress.Tally("t")
-    obs = stress._Observer(tally, OWNER)
+    obs = stress_workers._Observer(tally, OWNER)
     obs.element(2, _element(1, 5, 2), "read")
     obs.element(2, _element(1, 5, 2), "read")
     obs.element(2, _element(1, 7, 2), "read")

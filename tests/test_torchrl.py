@@ -460,8 +460,8 @@ def test_torchrls_store_storage_over_tdstore_tensorclass_and_samplers(torchrl_st
 
 # -- the benchmark ---------------------------------------------------------------------------------------
 def test_benchmark_smoke():
-    """A tiny run of tools/torchrl_bench.py as a script (its actors are spawned processes); no speed is asserted."""
-    tool = Path(__file__).resolve().parent.parent / "tools" / "torchrl_bench.py"
+    """A tiny run of ``python -m tools.torchrl_bench`` (its actors are spawned processes); no speed is asserted."""
+    repo = Path(__file__).resolve().parent.parent
     args = [
         "--max-size",
         "200",
@@ -479,7 +479,7 @@ def test_benchmark_smoke():
         "2",
         "--json",
     ]
-    run = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "tools.torchrl_bench", *args], cwd=repo, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     names = {r["storage"] for r in out["rows"]}

@@ -22,7 +22,7 @@ and cut in Lua, and a hash of rows read with one ``HMGET`` (with the hash's memo
 
 Usage::
 
-    python tools/batch_server_time.py [--binary /usr/bin/redis-server] [--reads 50] [--reference] [--alternatives]
+    python -m tools.batch_server_time [--binary /usr/bin/redis-server] [--reads 50] [--reference] [--alternatives]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore
 from tdstore.server import EmbeddedServer, find_redis_server
+from tools._probes import raw_commandstats, server_cpu, usec_per_call
 
 
 def main() -> None:
@@ -70,17 +71,17 @@ def main() -> None:
             for i in range(5):
                 call(i % args.reads)  # warm
             client.config_resetstat()
-            cpu0 = _server_cpu(client)
+            cpu0 = server_cpu(client)
             t = time.perf_counter()
             for i in range(args.reads):
                 call(i)
             wall = (time.perf_counter() - t) / args.reads * 1e3
-            cpu = (_server_cpu(client) - cpu0) / args.reads * 1e3
-            stats = client.info("commandstats")
+            cpu = (server_cpu(client) - cpu0) / args.reads * 1e3
+            stats = raw_commandstats(client)
             # a script call (EVALSHA) or a transaction (MULTI/EXEC of plain GETRANGEs, see tdstore/_wire.py)
-            calls = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "exec"))
-            usec = sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
-            kind = "+".join(c.upper() for c in ("evalsha", "exec") if f"cmdstat_{c}" in stats)
+            calls = sum(stats.get(c, {}).get("calls", 0) for c in ("evalsha", "exec"))
+            usec = sum(stats.get(c, {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
+            kind = "+".join(c.upper() for c in ("evalsha", "exec") if c in stats)
             print(
                 f"{label:24s} wall {wall:6.2f} ms per read, server {usec / 1000 / max(calls, 1):6.2f} ms per call ({calls} {kind} calls), "
                 f"server CPU {cpu:6.2f} ms per read"
@@ -120,15 +121,8 @@ def _alternatives(client: redis.Redis, count: int, batches: list[torch.Tensor]) 
         client.config_resetstat()
         for p in packed:
             client.evalsha(sha, 2, "tdstore-alt:rows", "tdstore-alt:hash", p)
-        stats = client.info("commandstats")["cmdstat_evalsha"]
-        print(f"{label:28s} server {stats['usec_per_call'] / 1000:6.3f} ms per call of 256 rows")
+        print(f"{label:28s} server {usec_per_call(client) / 1000:6.3f} ms per call of 256 rows")
     client.delete("tdstore-alt:rows", "tdstore-alt:hash")
-
-
-def _server_cpu(client: redis.Redis) -> float:
-    """Seconds of CPU the server has used (user + system, all its threads): parsing and replies included."""
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _median_ms(call: Callable[[int], object], n: int, before: Callable[[int], object] | None = None) -> float:

@@ -9,7 +9,7 @@ the checkpoint are page cache, not the process's) every 5 ms, and prints the sec
 throughput, the peak anonymous memory over the child's baseline and the checkpoint's size.
 The restored store is compared with the original (its ring state and a whole key).
 
-    python tools/checkpoint_bench.py [--elements 600000] [--ragged] [--url URL] [--binary PATH]
+    python -m tools.checkpoint_bench [--elements 600000] [--ragged] [--url URL] [--binary PATH]
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
+_REPO = Path(__file__).resolve().parent.parent  # the child runs there, so it imports this checkout's tdstore
 
 _CHILD = r"""
 import json, sys, threading, time
-sys.path.insert(0, sys.argv[4])
 def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
@@ -87,7 +84,7 @@ def main() -> int:
         figures = {}
         for mode in ("export", "import"):
             proc = subprocess.run(
-                [sys.executable, "-c", _CHILD, mode, url, str(path), str(_REPO)], capture_output=True, text=True, timeout=3600
+                [sys.executable, "-c", _CHILD, mode, url, str(path)], cwd=_REPO, capture_output=True, text=True, timeout=3600
             )
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)

@@ -7,9 +7,9 @@ with no persistence, bound to 127.0.0.1 on free ports; stopping the tool stops
 them and deletes their folders.  ``python -m tdstore demo --cluster`` starts its
 own cluster the same way.
 
-    python tools/cluster.py                  # runs until Ctrl-C
-    python tools/cluster.py --seconds 60     # or for a fixed time
-    python tools/cluster.py --nodes 3 --binary /usr/bin/redis-server
+    python -m tools.cluster                  # runs until Ctrl-C
+    python -m tools.cluster --seconds 60     # or for a fixed time
+    python -m tools.cluster --nodes 3 --binary /usr/bin/redis-server
 
 then, in another shell::
 
@@ -20,15 +20,9 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tdstore.cluster_server import EmbeddedCluster  # noqa: E402
+from tdstore.cluster_server import EmbeddedCluster
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Element reads and writes timed back to back: what a heterogeneous key costs over homogeneous ones (issue #6).
 
-``tools/bench.py`` runs its contenders interleaved, so each call starts after another
+``python -m tools.bench`` runs its contenders interleaved, so each call starts after another
 client's; this times tdstore alone, one call after the other, on the benchmark's two
 stacks (10,000 elements of obs f32[64], action f32[4], reward f32[1], nested.b i64[3],
 plus tokens i64[1 + i % 17] in the heterogeneous one), and prints the medians of
@@ -10,7 +10,7 @@ heterogeneous / homogeneous ratios.
 
 Usage::
 
-    python tools/element_cost.py [--binary /usr/bin/redis-server] [--calls 3000]
+    python -m tools.element_cost [--binary /usr/bin/redis-server] [--calls 3000]
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (the benchmark's workload)
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer, find_redis_server  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import EmbeddedServer, find_redis_server
+from tools.bench import workload as bench  # the benchmark's workload
 
 
 def measure(url: str, het: bool, calls: int, count: int) -> tuple[float, float]:

@@ -10,29 +10,24 @@ number of segments and the largest string on the server.  With ``--reference`` i
 also tries the same upload with the reference ``tensordict.store``, which keeps a
 leaf in one string, and reports what happens there.
 
-    python tools/large_leaf.py [--mib 600] [--count 60] [--reference] [--json out.json]
+    python -m tools.large_leaf [--mib 600] [--count 60] [--reference] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import redis
 import torch
 from tensordict import TensorDict, lazy_stack
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import server_or_url  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import server_or_url
+from tools._probes import keys_under
 
 MiB = 1 << 20
 
@@ -86,7 +81,7 @@ def run(url: str, mib: int, count: int, reference: bool) -> dict[str, Any]:
         out["slice_equal"] = _bytes_equal(store[lo:hi]["big"], new[lo:hi])
     finally:
         store.clear_redis()
-    out["keys_left"] = len(list(client.scan_iter(match=f"{prefix}:*", count=1000)))
+    out["keys_left"] = len(keys_under(client, prefix))
     if reference:
         out["reference"] = _reference(url, stack, prefix + "-ref", client)
     client.close()
@@ -115,7 +110,7 @@ def _reference(url: str, stack: Any, prefix: str, client: redis.Redis) -> dict[s
     except Exception as err:  # what a user of the reference sees
         status = {"status": "raises", "error": f"{type(err).__name__}: {str(err)[:160]}"}
     status["seconds"] = time.perf_counter() - t0
-    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    keys = keys_under(client, prefix)
     status["keys_left"] = len(keys)
     if keys:
         client.delete(*keys)

@@ -7,9 +7,9 @@ element, whatever the store does. This tool times exactly that on the benchmark'
 i64[1 + i % 17]), from columns already in memory, with tensordict's fastest constructors
 (``TensorDict._new_unsafe``, ``LazyStackedTensorDict._new_lazy_unsafe``) and with its public
 ones; and, as the yardstick, one dense ``TensorDict`` of the same batch (what a homogeneous read
-builds). ``tools/bench.py`` times the reads themselves; set the two side by side.
+builds). ``python -m tools.bench`` times the reads themselves; set the two side by side.
 
-    python tools/lazy_floor.py [--reps 50]
+    python -m tools.lazy_floor [--reps 50]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python tools/lazy_floor.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.lazy_floor", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args()
     print(f"torch {torch.__version__}; median ms of building, from columns in memory (no server)")

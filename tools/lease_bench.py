@@ -14,26 +14,21 @@ Minimum and median over ``--reps`` runs, in milliseconds.
 
 Usage::
 
-    python tools/lease_bench.py [--reps 5] [--binary /usr/bin/redis-server]
+    python -m tools.lease_bench [--reps 5] [--binary /usr/bin/redis-server]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
+import torch
+from tensordict import TensorDict
 
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import EmbeddedServer
+from tools._probes import usec_per_call
 
 COUNT = 200_000
 
@@ -42,7 +37,7 @@ def server_ms(client: Any, fn: Any) -> tuple[float, Any]:
     """The server time of the one EVALSHA ``fn`` sends, and what ``fn`` returned."""
     client.config_resetstat()
     out = fn()
-    return client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"] / 1000, out
+    return usec_per_call(client) / 1000, out
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ else. Prints medians (and minima); ``--json`` prints the figures as JSON.
 
 Usage::
 
-    python tools/priority_bench.py [--capacities 10000,100000,1000000] [--reps 30] [--json]
+    python -m tools.priority_bench [--capacities 10000,100000,1000000] [--reps 30] [--json]
 """
 
 from __future__ import annotations
@@ -34,20 +34,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import EmbeddedServer
+from tools._probes import timed, usec_while
 
 BATCH = 256
 ALPHA, BETA = 0.6, 0.4
@@ -92,22 +86,6 @@ def torchrl_sampler(capacity: int, prios: torch.Tensor) -> tuple[Any, Any]:
     return sampler, storage
 
 
-def timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def server_usec(client: Any, fn: Any, calls: int = 20) -> float:
-    """Server CPU per ``evalsha`` call while ``fn`` runs ``calls`` times (INFO commandstats)."""
-    before = client.info("commandstats").get("cmdstat_evalsha", {})
-    for _ in range(calls):
-        fn()
-    after = client.info("commandstats").get("cmdstat_evalsha", {})
-    n = after.get("calls", 0) - before.get("calls", 0)
-    return (after.get("usec", 0) - before.get("usec", 0)) / max(n, 1)
-
-
 def run_reps(store: LazyStackedTensorDictStore, sampler: Any, storage: Any, cap: int, reps: int) -> dict[str, list[float]]:
     """Each contender's sample and update, interleaved, ``reps`` times: seconds per call."""
     draw = torch.Generator().manual_seed(1)
@@ -148,8 +126,8 @@ def main() -> None:
             draw = torch.Generator().manual_seed(2)
             idx = torch.randint(0, cap, (BATCH,), generator=draw)
             p = torch.rand(BATCH, generator=draw, dtype=torch.float64) * 10 + 0.01
-            srv_sample = server_usec(client, lambda: store.sample(BATCH, draw))  # noqa: B023 (called here)
-            srv_update = server_usec(client, lambda: store.update_priority(idx, p))  # noqa: B023 (called here)
+            srv_sample = usec_while(client, lambda: store.sample(BATCH, draw))  # noqa: B023 (called here)
+            srv_update = usec_while(client, lambda: store.update_priority(idx, p))  # noqa: B023 (called here)
             out["capacities"][cap] = {
                 **{k: {"median_ms": statistics.median(v) * 1e3, "min_ms": min(v) * 1e3} for k, v in t.items() if v},
                 "server sample usec": srv_sample,

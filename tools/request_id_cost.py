@@ -12,26 +12,23 @@ state. Prints medians (and 10th percentiles) and their ratios.
 
 Usage::
 
-    python tools/request_id_cost.py [--binary /usr/bin/redis-server] [--calls 4000]
+    python -m tools.request_id_cost [--binary /usr/bin/redis-server] [--calls 4000]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import statistics
 import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from tensordict import TensorDict
 
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer, find_redis_server  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import EmbeddedServer, find_redis_server
 
 
 def rows(n: int) -> TensorDict:

@@ -8,7 +8,7 @@ heterogeneous ``tokens`` key) on a private redis-server (or ``--url``), times su
 writes at the first, middle and last element, and prints the medians and the
 ratio of each size to the smallest.
 
-    python tools/resize_cost.py [--sizes 4MiB 1GiB] [--reps 15] [--segment-bytes N] [--json out.json]
+    python -m tools.resize_cost [--sizes 4MiB 1GiB] [--reps 15] [--segment-bytes N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,20 +17,14 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import torch
 from tensordict import TensorDict, lazy_stack
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import server_or_url  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import server_or_url
 
 TOKENS = 1_000  # int64 tokens per element, plus 0..16: about 8 KiB per element
 

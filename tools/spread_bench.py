@@ -8,7 +8,7 @@ every node), and times, interleaved, the calls a learner and its actors make: th
 whole store, a quarter of it, random batches, one element read and written, and a
 schema change (a key added and deleted).  Prints medians and spread / one-slot
 ratios.  The reference implementation has no Redis Cluster support, so it is not in
-this table (``tools/bench.py`` compares with it on one server).
+this table (``python -m tools.bench`` compares with it on one server).
 
 A spread call costs one pipeline per node (the nodes work at once) and one script
 or transaction per segment, where a one-slot call is one script: with few cores the
@@ -16,7 +16,7 @@ nodes compete with each other and with the client, so the figures depend on them
 
 Usage::
 
-    python tools/spread_bench.py [--mib 64] [--reps 15] [--binary /usr/bin/redis-server] [--json out.json]
+    python -m tools.spread_bench [--mib 64] [--reps 15] [--binary /usr/bin/redis-server] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,21 +25,16 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict, lazy_stack
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tensordict import TensorDict, lazy_stack  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.cluster_server import EmbeddedCluster  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.cluster_server import EmbeddedCluster
+from tools._probes import timed
 
 ROW = 64 << 10  # bytes of obs per element (64 KiB: a small image)
 
@@ -56,12 +51,6 @@ def stack(count: int) -> Any:
             for i in range(count)
         ]
     )
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn(s)
             for _ in range(args.reps):
                 for k, s in stores.items():  # interleaved: both see the same machine
-                    times[k].append(timed(lambda s=s, fn=fn: fn(s)))
+                    times[k].append(timed(lambda s=s, fn=fn: fn(s)) * 1000)
             results[name] = {k: statistics.median(v) for k, v in times.items()}
         for s in stores.values():
             s.clear_redis()

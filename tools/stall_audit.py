@@ -9,31 +9,24 @@ logged (``SLOWLOG``: exact server time, no client noise) and the call's wall tim
 ``--ring N`` it also times ``enable_priorities`` on a filled ring of N slots, with a PING loop
 on its own connection measuring the longest gap. Figures: ``lua/README.md`` (Worst cases).
 
-    python tools/stall_audit.py [--segments 4096] [--ring 10000000] [--url redis://...]
+    python -m tools.stall_audit [--segments 4096] [--ring 10000000] [--url redis://...]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import redis
 import torch
 from tensordict import TensorDict, lazy_stack
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-import redis  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _whole_store  # noqa: E402
-from tdstore._keys import StoreKeys  # noqa: E402
-from tdstore.server import server_or_url  # noqa: E402
+from tdstore import LazyStackedTensorDictStore, TensorDictStore, _whole_store
+from tdstore._keys import StoreKeys
+from tdstore.server import server_or_url
 
 
 def slowest(client: redis.Redis, label: str, fn: Callable[[], Any]) -> Any:

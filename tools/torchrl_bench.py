@@ -20,7 +20,7 @@ prints the figures as JSON instead.
 
 Usage::
 
-    python tools/torchrl_bench.py [--reps 15] [--samples 50] [--unix] [--json]
+    python -m tools.torchrl_bench [--reps 15] [--samples 50] [--unix] [--json]
 """
 
 from __future__ import annotations
@@ -30,22 +30,15 @@ import json
 import logging
 import multiprocessing as mp
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore.server import EmbeddedServer
 
 REFERENCE = "torchrl StoreStorage / tensordict.store"
 IN_MEMORY = "LazyTensorStorage"

@@ -17,7 +17,7 @@ commandstats``). Medians over ``--reps`` wake-ups.
 
 Usage::
 
-    python tools/wait_bench.py [--reps 30] [--idle 1.0]
+    python -m tools.wait_bench [--reps 30] [--idle 1.0]
 """
 
 from __future__ import annotations
@@ -25,20 +25,15 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
+import torch
+from tensordict import TensorDict
 
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.server import EmbeddedServer  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.server import EmbeddedServer
+from tools._probes import total_calls
 
 
 def _learner(url: str, td_id: str, mode: str, reps: int, ready: Any, out: Any) -> None:
@@ -51,10 +46,6 @@ def _learner(url: str, td_id: str, mode: str, reps: int, ready: Any, out: Any) -
             while store.write_count < k:
                 time.sleep(0.001)
         out.put(time.perf_counter())
-
-
-def commands(client: Any) -> int:
-    return sum(v["calls"] for v in client.info("commandstats").values())
 
 
 def run(url: str, mode: str, reps: int, idle: float, client: Any) -> dict[str, float]:
@@ -70,9 +61,9 @@ def run(url: str, mode: str, reps: int, idle: float, client: Any) -> dict[str, f
         ready.get(timeout=120)
         if k == 1:  # the learner is waiting: count what the server receives meanwhile
             time.sleep(idle)  # a measuring interval, not a synchronisation
-            before = commands(client)
+            before = total_calls(client)
             time.sleep(idle)
-            idle_cmds = (commands(client) - before - 1) / idle
+            idle_cmds = (total_calls(client) - before - 1) / idle
         else:
             time.sleep(0.01)
         t = time.perf_counter()  # before the write: a poller may see it before the writer's reply arrives
