@@ -141,7 +141,7 @@ def actors_rate(conn: dict[str, Any], max_size: int, fill: int, chunk: int, acto
     return {"actors": actors, "rows": rows, "seconds": seconds, "rows_per_s": rows / seconds, "write_count": written}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-size", type=int, default=10_000)
     ap.add_argument("--fill", type=int, default=5_000, help="rows written per fill (and per actor)")
@@ -153,9 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--unix", action="store_true", help="the private server on a unix socket (default: loopback TCP)")
     ap.add_argument("--binary", default=None, help="the redis-server binary (default: tdstore.server's choice)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
+    return ap.parse_args(argv)
 
+
+def _contenders(M: int, B: int, conn: dict[str, Any]) -> list[Contender]:
+    """In-memory torchrl buffers, torchrl's StoreStorage over the reference, and tdstore's buffers."""
     import tensordict.store as reference
     from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, RoundRobinWriter, TensorDictReplayBuffer
     from torchrl.data.replay_buffers import StoreStorage as TorchrlStoreStorage
@@ -163,40 +165,74 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tdstore.torchrl import replay_buffer
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # after the import, which sets it
+    ref_conn = dict(conn)
+    if not reference.TensorDictStore.__module__.startswith("tensordict."):
+        raise RuntimeError("tensordict.store.TensorDictStore was replaced: this benchmark needs the reference")
 
+    def ref_cleanup(rb: Any) -> None:
+        store = rb.storage._storage
+        if store is not None:
+            store.clear_redis()
+
+    def ours_cleanup(rb: Any) -> None:
+        rb.storage._store.clear_redis()
+
+    return [
+        Contender(
+            IN_MEMORY,
+            lambda: ReplayBuffer(storage=LazyTensorStorage(M), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B),
+        ),
+        Contender(f"{IN_MEMORY}, TensorDictReplayBuffer", lambda: TensorDictReplayBuffer(storage=LazyTensorStorage(M), batch_size=B)),
+        Contender(
+            REFERENCE,
+            lambda: ReplayBuffer(
+                storage=TorchrlStoreStorage(M, **ref_conn), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B
+            ),
+            ref_cleanup,
+        ),
+        Contender("tdstore.torchrl", lambda: replay_buffer(M, batch_size=B, tensordict=False, **conn), ours_cleanup),
+        Contender("tdstore.torchrl, TensorDictReplayBuffer", lambda: replay_buffer(M, batch_size=B, **conn), ours_cleanup),
+    ]
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def _print_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    M, B, rows = args.max_size, args.batch, result["rows"]
+    print(
+        f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; "
+        f"{args.reps} reps x {args.samples} samples, interleaved"
+    )
+    print(
+        f"redis-server {result['server']['version']} over {result['server']['transport']}; PING median {result['server']['ping_ms']:.3f} ms"
+    )
+    print()
+    print(f"| storage | fill {args.fill:,} ms | sample {B} ms | sample vs in-memory | fill: reference / this |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | "
+            f"{r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |"
+        )
+    a = result["actors"]
+    print()
+    print(
+        f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = "
+        f"{a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    warnings.filterwarnings("ignore")
     data = chunks(args.fill, args.chunk)
     expected = min(args.fill, args.max_size)
     M, B = args.max_size, args.batch
     with EmbeddedServer(unix_socket=args.unix, binary=args.binary) as srv:
         conn: dict[str, Any] = {"unix_socket_path": srv.unix_socket_path} if args.unix else {"host": "127.0.0.1", "port": srv.port}
-        ref_conn = dict(conn)
-        if not reference.TensorDictStore.__module__.startswith("tensordict."):
-            raise RuntimeError("tensordict.store.TensorDictStore was replaced: this benchmark needs the reference")
-
-        def ref_cleanup(rb: Any) -> None:
-            store = rb.storage._storage
-            if store is not None:
-                store.clear_redis()
-
-        def ours_cleanup(rb: Any) -> None:
-            rb.storage._store.clear_redis()
-
-        contenders = [
-            Contender(
-                IN_MEMORY,
-                lambda: ReplayBuffer(storage=LazyTensorStorage(M), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B),
-            ),
-            Contender(f"{IN_MEMORY}, TensorDictReplayBuffer", lambda: TensorDictReplayBuffer(storage=LazyTensorStorage(M), batch_size=B)),
-            Contender(
-                REFERENCE,
-                lambda: ReplayBuffer(
-                    storage=TorchrlStoreStorage(M, **ref_conn), sampler=RandomSampler(), writer=RoundRobinWriter(), batch_size=B
-                ),
-                ref_cleanup,
-            ),
-            Contender("tdstore.torchrl", lambda: replay_buffer(M, batch_size=B, tensordict=False, **conn), ours_cleanup),
-            Contender("tdstore.torchrl, TensorDictReplayBuffer", lambda: replay_buffer(M, batch_size=B, **conn), ours_cleanup),
-        ]
+        contenders = _contenders(M, B, conn)
         client = srv.client()
         pings: list[float] = []
         for _ in range(args.reps):
@@ -213,52 +249,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 c.cleanup(c.live)
         actors = actors_rate(conn, M, args.fill, args.chunk, args.actors)
         version = srv.version
-
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs) * 1e3
-
     base, ref = contenders[0], contenders[2]
     rows = [
         {
             "storage": c.name,
-            "fill_ms": med(c.fills),
+            "fill_ms": _med(c.fills),
             "fill_min_ms": min(c.fills) * 1e3,
-            "sample_ms": med(c.samples),
+            "sample_ms": _med(c.samples),
             "sample_min_ms": min(c.samples) * 1e3,
-            "sample_vs_in_memory": med(c.samples) / med(base.samples),
-            "fill_speedup_vs_reference": med(ref.fills) / med(c.fills),
+            "sample_vs_in_memory": _med(c.samples) / _med(base.samples),
+            "fill_speedup_vs_reference": _med(ref.fills) / _med(c.fills),
         }
         for c in contenders
     ]
     single = next(r for r in rows if r["storage"] == "tdstore.torchrl")
     result = {
         "workload": {"max_size": M, "fill": args.fill, "chunk": args.chunk, "batch": B, "reps": args.reps, "samples_per_rep": args.samples},
-        "server": {"version": version, "transport": "unix socket" if args.unix else "loopback TCP", "ping_ms": med(pings)},
+        "server": {"version": version, "transport": "unix socket" if args.unix else "loopback TCP", "ping_ms": _med(pings)},
         "rows": rows,
         "actors": {**actors, "vs_one_process": actors["rows_per_s"] / (args.fill / (single["fill_ms"] / 1e3))},
     }
     if args.json:
         print(json.dumps(result, indent=1))
         return result
-    print(
-        f"torchrl workload: buffer {M:,}; fill {args.fill:,} in chunks of {args.chunk}; sample {B}; "
-        f"{args.reps} reps x {args.samples} samples, interleaved"
-    )
-    print(f"redis-server {version} over {result['server']['transport']}; PING median {result['server']['ping_ms']:.3f} ms")
-    print()
-    print(f"| storage | fill {args.fill:,} ms | sample {B} ms | sample vs in-memory | fill: reference / this |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['storage']} | {r['fill_ms']:.1f} (min {r['fill_min_ms']:.1f}) | {r['sample_ms']:.3f} (min {r['sample_min_ms']:.3f}) | "
-            f"{r['sample_vs_in_memory']:.1f}x | {r['fill_speedup_vs_reference']:.1f}x |"
-        )
-    a = result["actors"]
-    print()
-    print(
-        f"{a['actors']} actor processes extending one tdstore buffer at once: {a['rows']:,} rows in {a['seconds'] * 1e3:.0f} ms = "
-        f"{a['rows_per_s']:,.0f} rows/s ({a['vs_one_process']:.1f}x one process's fill rate)"
-    )
+    _print_table(args, result)
     return result
 
 

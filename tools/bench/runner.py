@@ -174,14 +174,32 @@ class Runner:
         st = self.settings
         stack = make_stack(st.count, het, st.seed + (1 if het else 0))
         s = self.upload_all(case, stack)
-        count, batch = st.count, st.batch
-        lengths = np.array([1 + i % TOKENS_PERIOD for i in range(count)], dtype=np.int64)
-        ref = s.reference
+        lengths = np.array([1 + i % TOKENS_PERIOD for i in range(st.count)], dtype=np.int64)
+        self.upload_op(case, s, stack)
+        writes = self.element_ops(case, s, het, lengths)
+        self.range_reads(case, s)
+        if het:
+            self.tokens_reads(case, s)
+            self.shape_change_op(case, s, lengths, writes)
+        if not het:
+            self.ring_ops(case, s)
+        self.mp_stores[case] = s  # kept for the side-by-side pass (and, homogeneous, the multi-process case)
 
-        def with_ref(make: Callable[[Any], Contender]) -> list[Contender]:
-            return [c for c in (make("tdstore"), make("reference") if ref is not None else None, make("raw")) if c is not None]
+    @staticmethod
+    def _with_ref(s: Stores, make: Callable[[Any], Contender]) -> list[Contender]:
+        """A contender per name, the reference left out when it is unavailable."""
+        return [c for c in (make("tdstore"), make("reference") if s.reference is not None else None, make("raw")) if c is not None]
 
-        # upload: a fresh store per call, deleted untimed
+    def _batch_args(self) -> tuple[torch.Tensor, np.ndarray]:
+        idx = torch.from_numpy(self.rng.integers(0, self.settings.count, size=self.settings.batch, dtype=np.int64))
+        return idx, idx.numpy()
+
+    def _slice_args(self) -> int:
+        return int(self.rng.integers(0, self.settings.count - self.settings.batch + 1))
+
+    def upload_op(self, case: str, s: Stores, stack: LazyStackedTensorDict) -> None:
+        """Upload: a fresh store per call, deleted untimed."""
+
         def upload_td(_: Any) -> Any:
             return LazyStackedTensorDictStore.from_lazy_stack(stack, url=self.target.url, prefix=f"{self.prefix}-up")
 
@@ -198,10 +216,14 @@ class Runner:
             return base
 
         up = [Contender("tdstore", upload_td, drop_td)]
-        if ref is not None:
+        if s.reference is not None:
             up.append(Contender("reference", upload_ref, drop_td))
         up.append(Contender("raw", upload_raw, s.raw.drop))
         self.run(case, "upload", up, lambda: None)
+
+    def element_ops(self, case: str, s: Stores, het: bool, lengths: np.ndarray) -> dict[str, Callable[[Any], Any]]:
+        """Element read and element write; returns the writes (the shape-changing write reuses them)."""
+        count, ref = self.settings.count, s.reference
 
         def elem_args() -> tuple[int, None]:
             return int(self.rng.integers(count)), None
@@ -211,7 +233,7 @@ class Runner:
             "reference": lambda a: ref[a[0]].to_tensordict(),
             "raw": lambda a: s.raw.read_element(a[0]),
         }
-        self.run(case, "element_read", with_ref(lambda n: Contender(n, reads[n])), elem_args)
+        self.run(case, "element_read", self._with_ref(s, lambda n: Contender(n, reads[n])), elem_args)
 
         last: dict[str, Any] = {}
 
@@ -221,96 +243,97 @@ class Runner:
             last["write"] = (i, td)
             return i, td, s.raw.write_ops(i, td)
 
-        writes = {
+        writes: dict[str, Callable[[Any], Any]] = {
             "tdstore": lambda a: s.tdstore.__setitem__(a[0], a[1]),
             "reference": lambda a: ref.__setitem__(a[0], a[1]),
             "raw": lambda a: s.raw.write(a[2]),
         }
-        self.run(case, "element_write", with_ref(lambda n: Contender(n, writes[n])), write_args)
+        self.run(case, "element_write", self._with_ref(s, lambda n: Contender(n, writes[n])), write_args)
         self.check_written(case, "element_write", s, last["write"])
+        return writes
 
-        def batch_args() -> tuple[torch.Tensor, np.ndarray]:
-            idx = torch.from_numpy(self.rng.integers(0, count, size=batch, dtype=np.int64))
-            return idx, idx.numpy()
-
+    def range_reads(self, case: str, s: Stores) -> None:
+        """Batch, slice and full reads."""
+        batch, ref = self.settings.batch, s.reference
         batches = {
             "tdstore": lambda a: s.tdstore[a[0]],
             "reference": lambda a: ref[a[0]],
             "raw": lambda a: s.raw.read_batch(a[1]),
         }
-        self.run(case, "batch_read", with_ref(lambda n: Contender(n, batches[n])), batch_args, {"batch": batch})
-
-        def slice_args() -> int:
-            return int(self.rng.integers(0, count - batch + 1))
-
+        self.run(case, "batch_read", self._with_ref(s, lambda n: Contender(n, batches[n])), self._batch_args, {"batch": batch})
         slices = {
             "tdstore": lambda a: _materialize(s.tdstore[a : a + batch]),
             "reference": lambda a: _materialize(ref[a : a + batch]),
             "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
         }
-        self.run(case, "slice_read", with_ref(lambda n: Contender(n, slices[n])), slice_args, {"batch": batch})
-
+        self.run(case, "slice_read", self._with_ref(s, lambda n: Contender(n, slices[n])), self._slice_args, {"batch": batch})
         fulls = {
             "tdstore": lambda a: s.tdstore.to_tensordict(),
             "reference": lambda a: ref.to_tensordict(),
             "raw": lambda a: s.raw.read_all(),
         }
-        self.run(case, "full_read", with_ref(lambda n: Contender(n, fulls[n])), lambda: None)
+        self.run(case, "full_read", self._with_ref(s, lambda n: Contender(n, fulls[n])), lambda: None)
 
-        if het:
-            # one tensor of the heterogeneous key instead of a lazy stack (the reference has no such read;
-            # the raw floor moves every key of the same rows)
-            padded = {
-                "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_padded_tensor=True),
-                "reference": lambda a: ref[a[0]].get("tokens", as_padded_tensor=True),
-                "raw": lambda a: s.raw.read_batch(a[1]),
-            }
-            self.run(case, "padded_batch", with_ref(lambda n: Contender(n, padded[n])), batch_args, {"batch": batch})
-            nested = {
-                "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_nested_tensor=True),
-                "reference": lambda a: ref[a[0]].get("tokens", as_nested_tensor=True),
-                "raw": lambda a: s.raw.read_batch(a[1]),
-            }
-            self.run(case, "nested_batch", with_ref(lambda n: Contender(n, nested[n])), batch_args, {"batch": batch})
-            padded_slices = {
-                "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_padded_tensor=True),
-                "reference": lambda a: ref[a : a + batch].get("tokens", as_padded_tensor=True),
-                "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
-            }
-            self.run(case, "padded_slice", with_ref(lambda n: Contender(n, padded_slices[n])), slice_args, {"batch": batch})
-            jagged_slices = {
-                "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_nested_tensor=True),
-                "reference": lambda a: ref[a : a + batch].get("tokens", as_nested_tensor=True),
-                "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
-            }
-            self.run(case, "nested_slice", with_ref(lambda n: Contender(n, jagged_slices[n])), slice_args, {"batch": batch})
-            whole = {
-                "tdstore": lambda a: s.tdstore.get("tokens", as_padded_tensor=True),
-                "reference": lambda a: ref.get("tokens", as_padded_tensor=True),
-                "raw": lambda a: s.raw.read_all(),
-            }
-            self.run(case, "padded_full", with_ref(lambda n: Contender(n, whole[n])), lambda: None)
-            jagged = {
-                "tdstore": lambda a: s.tdstore.get("tokens", as_nested_tensor=True),
-                "reference": lambda a: ref.get("tokens", as_nested_tensor=True),
-                "raw": lambda a: s.raw.read_all(),
-            }
-            self.run(case, "nested_full", with_ref(lambda n: Contender(n, jagged[n])), lambda: None)
+    def tokens_reads(self, case: str, s: Stores) -> None:
+        """One tensor of the heterogeneous key instead of a lazy stack (the reference has no such read;
+        the raw floor moves every key of the same rows)."""
+        batch, ref = self.settings.batch, s.reference
+        padded = {
+            "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_padded_tensor=True),
+            "reference": lambda a: ref[a[0]].get("tokens", as_padded_tensor=True),
+            "raw": lambda a: s.raw.read_batch(a[1]),
+        }
+        self.run(case, "padded_batch", self._with_ref(s, lambda n: Contender(n, padded[n])), self._batch_args, {"batch": batch})
+        nested = {
+            "tdstore": lambda a: s.tdstore.get_at("tokens", a[0], as_nested_tensor=True),
+            "reference": lambda a: ref[a[0]].get("tokens", as_nested_tensor=True),
+            "raw": lambda a: s.raw.read_batch(a[1]),
+        }
+        self.run(case, "nested_batch", self._with_ref(s, lambda n: Contender(n, nested[n])), self._batch_args, {"batch": batch})
+        padded_slices = {
+            "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_padded_tensor=True),
+            "reference": lambda a: ref[a : a + batch].get("tokens", as_padded_tensor=True),
+            "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
+        }
+        self.run(case, "padded_slice", self._with_ref(s, lambda n: Contender(n, padded_slices[n])), self._slice_args, {"batch": batch})
+        jagged_slices = {
+            "tdstore": lambda a: s.tdstore.get_at("tokens", slice(a, a + batch), as_nested_tensor=True),
+            "reference": lambda a: ref[a : a + batch].get("tokens", as_nested_tensor=True),
+            "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
+        }
+        self.run(case, "nested_slice", self._with_ref(s, lambda n: Contender(n, jagged_slices[n])), self._slice_args, {"batch": batch})
+        self.tokens_full_reads(case, s)
 
-            def change_args() -> tuple[int, TensorDict, list]:
-                i = int(self.rng.integers(count))
-                new = int(lengths[i]) % TOKENS_PERIOD + 1  # always differs from the stored length
-                lengths[i] = new
-                td = make_element(i, het, self.gen, new)
-                last["write"] = (i, td)
-                return i, td, s.raw.write_ops(i, td)
+    def tokens_full_reads(self, case: str, s: Stores) -> None:
+        """The heterogeneous key of the whole store, padded and nested."""
+        ref = s.reference
+        whole = {
+            "tdstore": lambda a: s.tdstore.get("tokens", as_padded_tensor=True),
+            "reference": lambda a: ref.get("tokens", as_padded_tensor=True),
+            "raw": lambda a: s.raw.read_all(),
+        }
+        self.run(case, "padded_full", self._with_ref(s, lambda n: Contender(n, whole[n])), lambda: None)
+        jagged = {
+            "tdstore": lambda a: s.tdstore.get("tokens", as_nested_tensor=True),
+            "reference": lambda a: ref.get("tokens", as_nested_tensor=True),
+            "raw": lambda a: s.raw.read_all(),
+        }
+        self.run(case, "nested_full", self._with_ref(s, lambda n: Contender(n, jagged[n])), lambda: None)
 
-            self.run(case, "shape_change_write", with_ref(lambda n: Contender(n, writes[n])), change_args)
-            self.check_written(case, "shape_change_write", s, last["write"])
+    def shape_change_op(self, case: str, s: Stores, lengths: np.ndarray, writes: dict[str, Callable[[Any], Any]]) -> None:
+        """An element write that changes the length of the heterogeneous key (last: the other reads rely on the lengths)."""
+        last: dict[str, Any] = {}
 
-        if not het:
-            self.ring_ops(case, s)
-        self.mp_stores[case] = s  # kept for the side-by-side pass (and, homogeneous, the multi-process case)
+        def change_args() -> tuple[int, TensorDict, list]:
+            i = int(self.rng.integers(self.settings.count))
+            new = int(lengths[i]) % TOKENS_PERIOD + 1  # always differs from the stored length
+            lengths[i] = new
+            td = make_element(i, True, self.gen, new)
+            last["write"] = (i, td)
+            return i, td, s.raw.write_ops(i, td)
+
+        self.run(case, "shape_change_write", self._with_ref(s, lambda n: Contender(n, writes[n])), change_args)
+        self.check_written(case, "shape_change_write", s, last["write"])
 
     def ring_ops(self, case: str, s: Stores) -> None:
         """``extend`` of ``EXTEND_ROWS`` rows at the ring's cursor, and a ``fill`` of ``FILL_ROWS`` rows in

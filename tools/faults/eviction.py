@@ -195,22 +195,8 @@ def _exercise_dense(env: Env, st: EvictedStore) -> None:
     _evicted_call(env, st, "read ['obs']", lambda: h["obs"], lambda got: None if torch.equal(got, st.local["obs"]) else "values differ")
 
 
-def case_eviction(env: Env) -> list[Check]:
-    """A real ``maxmemory`` server with ``allkeys-lru``: it evicts some keys of some stores; no read may be silently wrong.
-
-    Stores of three kinds (lazy with row-block, own-blob and heterogeneous leaves;
-    lazy with heterogeneous leaves only; dense), cut into many small segments so that
-    a store has many keys, are uploaded, then filler keys are written until the
-    server has evicted keys of at least two stores whose header it kept (a store
-    that lost its header is simply gone).  The fillers are deleted, and every store
-    gets three writes and a read of each element, of the whole store and of a leaf.
-    Each read must return exactly the bytes written (compared with a local copy) or
-    raise ``tdstore.StoreDamagedError`` (until tdstore has it: a KeyError saying
-    "lost" or "damaged"); a store whose header was evicted must raise a KeyError
-    naming it; zeros or any bytes never written fail the case, and so does any
-    other error.  Stores that lost no key must come through intact.
-    """
-    assert env.server is not None
+def _eviction_stores(env: Env) -> list[EvictedStore]:
+    """Stores of three kinds, cut into many small segments, and the keys of each."""
     stores: list[EvictedStore] = []
     seg = 16 << 10  # small segments: many keys per store, so eviction takes some of a store's keys, not all
     for k in range(EVICTION_STORES):
@@ -228,6 +214,11 @@ def case_eviction(env: Env) -> list[Check]:
         )
     for st in stores:
         st.keys = _store_keys(env.client, env.prefix, st.handle.td_id)
+    return stores
+
+
+def _evict(env: Env, stores: list[EvictedStore]) -> Check:
+    """Filler keys until the server has evicted keys of two stores that kept their header; then the fillers go."""
     # fill until the server has evicted keys of two stores that kept their header
     evicted0 = int(env.client.info("stats")["evicted_keys"])
     fillers: list[str] = []
@@ -249,23 +240,19 @@ def case_eviction(env: Env) -> list[Check]:
     _census(env, stores)
     damaged = [st for st in stores if st.lost and not st.header_lost]
     hit = [st for st in stores if st.lost]
-    checks = [
-        Check(
-            "eviction hit the stores",
-            len(damaged) >= 2,
-            proof=f"maxmemory 16mb allkeys-lru: {len(fillers)} fillers of 64 KiB, {evicted} keys evicted; "
-            f"{len(hit)}/{len(stores)} stores lost keys "
-            f"({len(damaged)} kept their header: " + ", ".join(f"{st.kind} {len(st.lost)}/{len(st.keys)} keys" for st in damaged) + ")",
-        )
-    ]
-    # every store: writes, then reads compared with the local copy
-    for st in stores:
-        if st.kind == "dense":
-            _exercise_dense(env, st)
-        else:
-            _exercise_lazy(env, st, mixed_element if st.kind == "lazy" else ragged_element)
-    _census(env, stores)  # and after the calls: what was lost at any point counts as lost
+    return Check(
+        "eviction hit the stores",
+        len(damaged) >= 2,
+        proof=f"maxmemory 16mb allkeys-lru: {len(fillers)} fillers of 64 KiB, {evicted} keys evicted; "
+        f"{len(hit)}/{len(stores)} stores lost keys "
+        f"({len(damaged)} kept their header: " + ", ".join(f"{st.kind} {len(st.lost)}/{len(st.keys)} keys" for st in damaged) + ")",
+    )
+
+
+def _eviction_report(stores: list[EvictedStore]) -> list[Check]:
+    """What the calls on the stores saw: nothing silently wrong, every refusal the damaged error, untouched stores intact."""
     hit = [st for st in stores if st.lost]
+    checks: list[Check] = []
     calls: Counter[str] = Counter()
     for st in stores:
         calls.update(st.seen)
@@ -309,6 +296,35 @@ def case_eviction(env: Env) -> list[Check]:
             + (f": {example(false_alarm)}" if false_alarm else ""),
         )
     )
+    return checks
+
+
+def case_eviction(env: Env) -> list[Check]:
+    """A real ``maxmemory`` server with ``allkeys-lru``: it evicts some keys of some stores; no read may be silently wrong.
+
+    Stores of three kinds (lazy with row-block, own-blob and heterogeneous leaves;
+    lazy with heterogeneous leaves only; dense), cut into many small segments so that
+    a store has many keys, are uploaded, then filler keys are written until the
+    server has evicted keys of at least two stores whose header it kept (a store
+    that lost its header is simply gone).  The fillers are deleted, and every store
+    gets three writes and a read of each element, of the whole store and of a leaf.
+    Each read must return exactly the bytes written (compared with a local copy) or
+    raise ``tdstore.StoreDamagedError`` (until tdstore has it: a KeyError saying
+    "lost" or "damaged"); a store whose header was evicted must raise a KeyError
+    naming it; zeros or any bytes never written fail the case, and so does any
+    other error.  Stores that lost no key must come through intact.
+    """
+    assert env.server is not None
+    stores = _eviction_stores(env)
+    checks = [_evict(env, stores)]
+    # every store: writes, then reads compared with the local copy
+    for st in stores:
+        if st.kind == "dense":
+            _exercise_dense(env, st)
+        else:
+            _exercise_lazy(env, st, mixed_element if st.kind == "lazy" else ragged_element)
+    _census(env, stores)  # and after the calls: what was lost at any point counts as lost
+    checks += _eviction_report(stores)
     return checks
 
 

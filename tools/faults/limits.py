@@ -67,11 +67,8 @@ def fill_memory(client: redis.Redis, prefix: str, limit: int, over: int = 6 << 2
     return keys
 
 
-def case_maxmemory(env: Env) -> list[Check]:
-    """A 20 MB server: an upload too large for it, and writes while it is full."""
-    assert env.server is not None
-    checks: list[Check] = []
-    # (a) an upload larger than maxmemory: a clear error, nothing left under its prefix
+def _upload_too_large(env: Env) -> Check:
+    """An upload larger than maxmemory: a clear error, nothing left under its prefix."""
     width = 65536
     up_prefix = f"{env.prefix}-upload"
     count = 120  # 120 x 256 KiB = 30 MiB
@@ -81,16 +78,55 @@ def case_maxmemory(env: Env) -> list[Check]:
     )
     mem = env.client.info("memory")
     left = raw_snapshot(env.client, up_prefix)
-    checks.append(
-        Check(
-            "upload of 30 MB",
-            is_oom(exc) and not left,
-            describe_exc(exc, 90) + f" ({secs:.1f} s)",
-            f"upload: peak {int(mem['used_memory_peak']) / 2**20:.1f} MB, {len(left)} keys left under its prefix, "
-            f"used {used0 / 2**20:.1f}->{int(mem['used_memory']) / 2**20:.1f} MB",
-        )
+    return Check(
+        "upload of 30 MB",
+        is_oom(exc) and not left,
+        describe_exc(exc, 90) + f" ({secs:.1f} s)",
+        f"upload: peak {int(mem['used_memory_peak']) / 2**20:.1f} MB, {len(left)} keys left under its prefix, "
+        f"used {used0 / 2**20:.1f}->{int(mem['used_memory']) / 2**20:.1f} MB",
     )
-    # (b) writes while memory is full
+
+
+def _ensure_full(env: Env, fillers: list[str], lowest: list[float]) -> bool:
+    """Put the server a few MB past maxmemory; True when a probe SET is then refused.
+
+    When it is only marginally over (idle clients' buffers shrink by megabytes),
+    filler keys are dropped until it is under, and one script write puts it well over.
+    """
+    for _ in range(len(fillers) + 1):
+        used = int(env.client.info("memory")["used_memory"])
+        if used < MAXMEMORY or used > MAXMEMORY + (2 << 20) or not fillers:
+            break
+        env.client.delete(fillers.pop())
+    fill_memory(env.client, f"{env.prefix}-filler", MAXMEMORY, keys=fillers)
+    lowest[0] = min(lowest[0], int(env.client.info("memory")["used_memory"]) / 2**20)
+    _, probe, _ = attempt(lambda: env.client.set(f"{env.prefix}-probe", b"x"))
+    return is_oom(probe)
+
+
+def _after_freeing(
+    env: Env, store: LazyStackedTensorDictStore, make: Callable[[int, int], TensorDict], fillers: list[str], n: int
+) -> Check:
+    """Memory freed: writes work again (``n`` elements)."""
+    if fillers:
+        env.client.delete(*fillers)
+    _, exc1, _ = attempt(lambda: store.__setitem__(0, make(SAME_SHAPE_STEP, 0)))
+    _, exc2, _ = attempt(lambda: store.__setitem__(1, make(1, 1)))
+    seqs, problems = read_seqs(store, make)
+    ok = exc1 is None and exc2 is None and seqs[:2] == [SAME_SHAPE_STEP, 1] and not problems
+    return Check(
+        "after freeing memory",
+        ok,
+        "writes work" if exc1 is None and exc2 is None else describe_exc(exc1 or exc2, 70),
+        f"fillers deleted; 2 writes OK, {n}/{n} elements consistent" if ok else f"after freeing: {problems[:1]} {seqs[:2]}",
+    )
+
+
+def case_maxmemory(env: Env) -> list[Check]:
+    """A 20 MB server: an upload too large for it, and writes while it is full."""
+    assert env.server is not None
+    checks = [_upload_too_large(env)]
+    # writes while memory is full
     n, scale = 16, 4
 
     def make(s: int, i: int) -> TensorDict:
@@ -103,20 +139,7 @@ def case_maxmemory(env: Env) -> list[Check]:
     lowest = [float("inf")]
 
     def ensure_full() -> bool:
-        """Put the server a few MB past maxmemory; True when a probe SET is then refused.
-
-        When it is only marginally over (idle clients' buffers shrink by megabytes),
-        filler keys are dropped until it is under, and one script write puts it well over.
-        """
-        for _ in range(len(fillers) + 1):
-            used = int(env.client.info("memory")["used_memory"])
-            if used < MAXMEMORY or used > MAXMEMORY + (2 << 20) or not fillers:
-                break
-            env.client.delete(fillers.pop())
-        fill_memory(env.client, f"{env.prefix}-filler", MAXMEMORY, keys=fillers)
-        lowest[0] = min(lowest[0], int(env.client.info("memory")["used_memory"]) / 2**20)
-        _, probe, _ = attempt(lambda: env.client.set(f"{env.prefix}-probe", b"x"))
-        return is_oom(probe)
+        return _ensure_full(env, fillers, lowest)
 
     full = [ensure_full()]
     attempts: list[tuple[str, Callable[[], Any]]] = [
@@ -163,21 +186,7 @@ def case_maxmemory(env: Env) -> list[Check]:
             "works" if exc2 is None else describe_exc(exc2, 90),
         )
     )
-    # memory freed: writes work again
-    if fillers:
-        env.client.delete(*fillers)
-    _, exc1, _ = attempt(lambda: store.__setitem__(0, make(SAME_SHAPE_STEP, 0)))
-    _, exc2, _ = attempt(lambda: store.__setitem__(1, make(1, 1)))
-    seqs, problems = read_seqs(store, make)
-    ok = exc1 is None and exc2 is None and seqs[:2] == [SAME_SHAPE_STEP, 1] and not problems
-    checks.append(
-        Check(
-            "after freeing memory",
-            ok,
-            "writes work" if exc1 is None and exc2 is None else describe_exc(exc1 or exc2, 70),
-            f"fillers deleted; 2 writes OK, {n}/{n} elements consistent" if ok else f"after freeing: {problems[:1]} {seqs[:2]}",
-        )
-    )
+    checks.append(_after_freeing(env, store, make, fillers, n))
     return checks
 
 
@@ -273,6 +282,78 @@ def names_query_buffer_limit(exc: BaseException | None) -> bool:
     return exc is not None and not isinstance(exc, redis.ConnectionError) and "client-query-buffer-limit" in str(exc)
 
 
+def _query_buffer_outcome(env: Env, label: str, fn: Callable[[], Any], verify: Callable[[Any], str | None], prefix: str) -> Check:
+    """``fn`` succeeds and ``verify`` finds its result right, or it fails naming the limit having written nothing under
+    ``prefix``; either way the server closes no client for its query buffer."""
+    before = raw_snapshot(env.client, prefix)
+    closes0 = query_buffer_closes(env)
+    result, exc, secs = attempt(fn)
+    closes = query_buffer_closes(env) - closes0
+    if exc is None:
+        problem = verify(result)
+        ok, state = problem is None, "read back equal" if problem is None else f"read back WRONG: {problem}"
+    else:
+        same, how = compare_snapshots(before, raw_snapshot(env.client, prefix))
+        ok, state = names_query_buffer_limit(exc) and same, how
+    ok = ok and closes == 0
+    return Check(
+        label,
+        ok,
+        describe_exc(exc, 90) + f" ({secs:.1f} s)",
+        f"{label}: {state}; the server closed {closes} client(s) for its query buffer",
+    )
+
+
+def _query_buffer_uploads(env: Env, elements: list[TensorDict], n: int, width: int) -> list[Check]:
+    """Uploads: a lazy stack and a dense tensordict of 3-4 MiB."""
+    lazy_prefix = f"{env.prefix}-lazy"
+
+    def lazy_equal(store: LazyStackedTensorDictStore) -> str | None:
+        return next((d for i, el in enumerate(elements_of(store.to_tensordict())) if (d := td_difference(el, elements[i]))), None)
+
+    checks = [
+        _query_buffer_outcome(
+            env,
+            f"upload of {n * width * 4 / 2**20:.0f} MiB (lazy)",
+            lambda: upload(env, elements, env.td_id("qb-lazy"), prefix=lazy_prefix),
+            lazy_equal,
+            lazy_prefix,
+        )
+    ]
+    dense_prefix = f"{env.prefix}-dense"
+    dense = TensorDict({"x": torch.arange(16 * width, dtype=torch.float32).reshape(16, width), "y": torch.arange(16)}, batch_size=[16])
+    checks.append(
+        _query_buffer_outcome(
+            env,
+            f"upload of {16 * width * 4 / 2**20:.0f} MiB (dense)",
+            lambda: TensorDictStore.from_tensordict(dense, url=env.url, prefix=dense_prefix, td_id=env.td_id("qb-dense")),
+            lambda store: td_difference(store.to_tensordict(), dense),
+            dense_prefix,
+        )
+    )
+    return checks
+
+
+def _query_buffer_slice_write(env: Env, elements: list[TensorDict], n: int, width: int) -> Check:
+    """A slice write past 1 MB on a store uploaded in small chunks."""
+    grow_prefix = f"{env.prefix}-chunked"
+    chunked, exc, _ = attempt(lambda: upload(env, elements, env.td_id("qb-chunked"), prefix=grow_prefix, chunk_bytes=256 << 10))
+    if chunked is None:
+        return Check("upload in 256 KiB chunks (for the slice write)", False, describe_exc(exc, 90))
+    rewrite = [big_element(7, i, width) for i in range(n)]
+
+    def rewritten(_: Any) -> str | None:
+        return next((d for i, el in enumerate(elements_of(chunked.to_tensordict())) if (d := td_difference(el, rewrite[i]))), None)
+
+    return _query_buffer_outcome(
+        env,
+        f"slice write of {n * width * 4 / 2**20:.0f} MiB",
+        lambda: chunked.__setitem__(slice(0, n), lazy_stack(rewrite, 0)),
+        rewritten,
+        grow_prefix,
+    )
+
+
 def case_query_buffer_limit(env: Env) -> list[Check]:
     """A server that accepts at most 1 MB of unprocessed request per client: uploads and writes past it.
 
@@ -283,58 +364,16 @@ def case_query_buffer_limit(env: Env) -> list[Check]:
     without a clock to say so).  A ``ConnectionError`` (today: "Broken pipe" after
     seconds of retries) fails the check.
     """
-    checks: list[Check] = []
     n, width = 12, 65536  # 12 elements of 256 KiB: 3 MiB in one leaf
-
-    def outcome(label: str, fn: Callable[[], Any], verify: Callable[[Any], str | None], prefix: str) -> Check:
-        before = raw_snapshot(env.client, prefix)
-        closes0 = query_buffer_closes(env)
-        result, exc, secs = attempt(fn)
-        closes = query_buffer_closes(env) - closes0
-        if exc is None:
-            problem = verify(result)
-            ok, state = problem is None, "read back equal" if problem is None else f"read back WRONG: {problem}"
-        else:
-            same, how = compare_snapshots(before, raw_snapshot(env.client, prefix))
-            ok, state = names_query_buffer_limit(exc) and same, how
-        ok = ok and closes == 0
-        return Check(
-            label,
-            ok,
-            describe_exc(exc, 90) + f" ({secs:.1f} s)",
-            f"{label}: {state}; the server closed {closes} client(s) for its query buffer",
-        )
-
     # (a) uploads: a lazy stack and a dense tensordict of 3-4 MiB
-    lazy_prefix = f"{env.prefix}-lazy"
     elements = [big_element(0, i, width) for i in range(n)]
-
-    def lazy_equal(store: LazyStackedTensorDictStore) -> str | None:
-        return next((d for i, el in enumerate(elements_of(store.to_tensordict())) if (d := td_difference(el, elements[i]))), None)
-
-    checks.append(
-        outcome(
-            f"upload of {n * width * 4 / 2**20:.0f} MiB (lazy)",
-            lambda: upload(env, elements, env.td_id("qb-lazy"), prefix=lazy_prefix),
-            lazy_equal,
-            lazy_prefix,
-        )
-    )
-    dense_prefix = f"{env.prefix}-dense"
-    dense = TensorDict({"x": torch.arange(16 * width, dtype=torch.float32).reshape(16, width), "y": torch.arange(16)}, batch_size=[16])
-    checks.append(
-        outcome(
-            f"upload of {16 * width * 4 / 2**20:.0f} MiB (dense)",
-            lambda: TensorDictStore.from_tensordict(dense, url=env.url, prefix=dense_prefix, td_id=env.td_id("qb-dense")),
-            lambda store: td_difference(store.to_tensordict(), dense),
-            dense_prefix,
-        )
-    )
+    checks = _query_buffer_uploads(env, elements, n, width)
     # (b) writes past 1 MB: a new leaf on a small store; a slice write on a store uploaded in small chunks
     small = upload(env, [big_element(0, i, 256) for i in range(n)], env.td_id("qb-small"))
     new_leaf = torch.arange(n * width, dtype=torch.float32).reshape(n, width)
     checks.append(
-        outcome(
+        _query_buffer_outcome(
+            env,
             f"set a new {n * width * 4 / 2**20:.0f} MiB leaf",
             lambda: small.set("new", new_leaf),
             lambda _: None if torch.equal(small["new"], new_leaf) else "leaf 'new' differs",
@@ -343,24 +382,7 @@ def case_query_buffer_limit(env: Env) -> list[Check]:
     )
     with contextlib.suppress(KeyError):
         small.del_("new")
-    grow_prefix = f"{env.prefix}-chunked"
-    chunked, exc, _ = attempt(lambda: upload(env, elements, env.td_id("qb-chunked"), prefix=grow_prefix, chunk_bytes=256 << 10))
-    if chunked is None:
-        checks.append(Check("upload in 256 KiB chunks (for the slice write)", False, describe_exc(exc, 90)))
-    else:
-        rewrite = [big_element(7, i, width) for i in range(n)]
-
-        def rewritten(_: Any) -> str | None:
-            return next((d for i, el in enumerate(elements_of(chunked.to_tensordict())) if (d := td_difference(el, rewrite[i]))), None)
-
-        checks.append(
-            outcome(
-                f"slice write of {n * width * 4 / 2**20:.0f} MiB",
-                lambda: chunked.__setitem__(slice(0, n), lazy_stack(rewrite, 0)),
-                rewritten,
-                grow_prefix,
-            )
-        )
+    checks.append(_query_buffer_slice_write(env, elements, n, width))
     # (c) the stores still work
     seqs, problems = read_seqs(small, lambda s, i: big_element(s, i, 256))
     _, exc, _ = attempt(lambda: small.__setitem__(1, big_element(5, 1, 256)))

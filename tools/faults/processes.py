@@ -88,6 +88,41 @@ def kill_cut(point: str, nth: int) -> Cut:
     return Cut("reply", ("EVALSHA",), 0, nth, hold=True)
 
 
+def _kill_round(
+    store: LazyStackedTensorDictStore,
+    make: Callable[[int, int], TensorDict],
+    current: list[int],
+    kill: tuple[int, str, int, Cut],
+    started: Any,
+    done: Any,
+    exitcode: int | None,
+) -> tuple[Check, list[int]]:
+    """Round ``r``'s check once its writer, killed at ``point`` of a call, is gone: every element holds its last
+    acknowledged write, the one in flight old or new as the kill point implies; and the seqs the elements now hold."""
+    r, point, base, cut = kill
+    n = len(current)
+    s, d = int(started.value), int(done.value)
+    allowed = allowed_seqs(current, n, base, s, d)
+    j = s % n
+    old, new = (min(allowed[j]), max(allowed[j])) if len(allowed[j]) == 2 else (None, None)
+    if old is not None:  # the element in flight: old unless the server ran the call
+        allowed[j] = {new if point == "after the server ran it" else old}
+    seqs, problems = read_seqs(store, make)
+    bad = [i for i, q in enumerate(seqs) if q not in allowed[i]]
+    in_flight = f"element {j} {'new' if seqs[j] == new else 'old' if seqs[j] == old else seqs[j]}"
+    ok = not problems and not bad and old is not None and exitcode == -signal.SIGKILL
+    detail = problems[:1] or [f"element {i} holds seq {seqs[i]}, allowed {sorted(allowed[i])}" for i in bad[:2]]
+    if old is None:
+        detail.append(f"no call in flight (started op {s}, acknowledged op {d})")
+    check = Check(
+        f"round {r}: {point}",
+        ok,
+        proof=f"killed after {d + 1} writes, {cut.where}; {in_flight}; {n - len(bad) - len(problems)}/{n} as expected"
+        + (f": {detail}" if detail else ""),
+    )
+    return check, [q if q is not None else -1 for q in seqs]
+
+
 def case_sigkill_writer(env: Env) -> list[Check]:
     """A writer process is SIGKILLed inside a call, a few times: every element old or new, as the kill point implies.
 
@@ -137,28 +172,8 @@ def case_sigkill_writer(env: Env) -> list[Check]:
                     )
                 )
                 break
-            s, d = int(started.value), int(done.value)
-            allowed = allowed_seqs(current, n, base, s, d)
-            j = s % n
-            old, new = (min(allowed[j]), max(allowed[j])) if len(allowed[j]) == 2 else (None, None)
-            if old is not None:  # the element in flight: old unless the server ran the call
-                allowed[j] = {new if point == "after the server ran it" else old}
-            seqs, problems = read_seqs(store, make)
-            bad = [i for i, q in enumerate(seqs) if q not in allowed[i]]
-            in_flight = f"element {j} {'new' if seqs[j] == new else 'old' if seqs[j] == old else seqs[j]}"
-            ok = not problems and not bad and old is not None and proc.exitcode == -signal.SIGKILL
-            detail = problems[:1] or [f"element {i} holds seq {seqs[i]}, allowed {sorted(allowed[i])}" for i in bad[:2]]
-            if old is None:
-                detail.append(f"no call in flight (started op {s}, acknowledged op {d})")
-            checks.append(
-                Check(
-                    f"round {r}: {point}",
-                    ok,
-                    proof=f"killed after {d + 1} writes, {cut.where}; {in_flight}; {n - len(bad) - len(problems)}/{n} as expected"
-                    + (f": {detail}" if detail else ""),
-                )
-            )
-            current = [q if q is not None else -1 for q in seqs]
+            check, current = _kill_round(store, make, current, (r, point, base, cut), started, done, proc.exitcode)
+            checks.append(check)
     # the store keeps working: a write and a read through a fresh handle, then a whole check
     fresh = LazyStackedTensorDictStore.from_store(td_id=td_id, url=env.url, prefix=env.prefix)
     _, exc, _ = attempt(lambda: fresh.__setitem__(0, make(7, 0)))

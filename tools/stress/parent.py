@@ -91,11 +91,9 @@ class _Inbox:
         return all(n in self.results or n in self.gone for n in self.procs)
 
 
-def run_stress(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole test and return the figures (see ``--json``)."""
-    layout = Layout(args.writers, args.rows_per_writer)
+def _start_server(args: argparse.Namespace) -> tuple[str, dict[str, Any], EmbeddedServer | None, EmbeddedCluster | None]:
+    """The URL to test (``--url``, else a private cluster or server started here), what to report of it, and what to stop."""
     server: EmbeddedServer | None = None
-    started = time.time()
     cluster: EmbeddedCluster | None = None
     if args.url:
         check_loopback(args.url)
@@ -114,6 +112,54 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         server = EmbeddedServer(binary=resolve_binary(args.binary)).start()
         url = server.url
         server_info = {"url": url, "embedded": True, "binary": server.binary, "version": server.version}
+    return url, server_info, server, cluster
+
+
+def _join_children(procs: dict[str, Any], results_by_name: dict[str, Tally], setup_errors: list[str]) -> None:
+    """Wait for every child once stopped; one that hangs is terminated, one without a report noted."""
+    for name, p in procs.items():
+        p.join(timeout=30)
+        if p.is_alive():  # hung: stop it (it is ours)
+            p.terminate()
+            p.join(timeout=5)
+            if name not in results_by_name:
+                setup_errors.append(f"{name}: did not stop within the time bound; terminated")
+        elif name not in results_by_name:
+            setup_errors.append(f"{name}: exited with code {p.exitcode} without a report")
+
+
+def _clean_up(
+    stop: Any,
+    procs: dict[str, Any],
+    store: LazyStackedTensorDictStore | None,
+    server: EmbeddedServer | None,
+    cluster: EmbeddedCluster | None,
+) -> None:
+    """Stop the children still running (only after a failure of the parent), delete the store, stop our server."""
+    if stop is not None:
+        stop.set()
+    for p in procs.values():
+        p.join(timeout=5 if p.is_alive() else 0)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+    if store is not None:
+        try:
+            store.clear_redis()
+            store.close()
+        except Exception:
+            pass
+    if server is not None:
+        server.stop()
+    if cluster is not None:
+        cluster.stop()
+
+
+def run_stress(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole test and return the figures (see ``--json``)."""
+    layout = Layout(args.writers, args.rows_per_writer)
+    started = time.time()
+    url, server_info, server, cluster = _start_server(args)
     prefix = f"tdstore-stress-{uuid.uuid4().hex[:12]}"
     store: LazyStackedTensorDictStore | None = None
     procs: dict[str, Any] = {}
@@ -155,15 +201,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         run_seconds = time.monotonic() - t0
         inbox.pump(inbox.all_reported, args.seconds + 60)
         results_by_name = inbox.results
-        for name, p in procs.items():
-            p.join(timeout=30)
-            if p.is_alive():  # hung: stop it (it is ours)
-                p.terminate()
-                p.join(timeout=5)
-                if name not in results_by_name:
-                    setup_errors.append(f"{name}: did not stop within the time bound; terminated")
-            elif name not in results_by_name:
-                setup_errors.append(f"{name}: exited with code {p.exitcode} without a report")
+        _join_children(procs, results_by_name, setup_errors)
         results = [results_by_name[n] for n in procs if n in results_by_name]
         final_lost = final_torn = 0
         final_lost_ex: list[str] = []
@@ -175,23 +213,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
             final_tb = traceback.format_exc()
             setup_errors.append(f"final check: {traceback.format_exception_only(sys.exc_info()[1])[-1].strip()}")
     finally:
-        if stop is not None:
-            stop.set()
-        for p in procs.values():  # only after a failure of the parent are some still running
-            p.join(timeout=5 if p.is_alive() else 0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        if store is not None:
-            try:
-                store.clear_redis()
-                store.close()
-            except Exception:
-                pass
-        if server is not None:
-            server.stop()
-        if cluster is not None:
-            cluster.stop()
+        _clean_up(stop, procs, store, server, cluster)
     return _figures(
         args,
         layout,
