@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import LeaseLostError, QueueOverrunError, StoreDamagedError
+from ._errors import DenseShapeError, LeaseLostError, QueueOverrunError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "PasswordError",
     "QueueOverrunError",
     "LeaseLostError",
+    "DenseShapeError",
     "register_tensorclass",
     "export_checkpoint",
     "import_checkpoint",

@@ -62,3 +62,11 @@ class MustWait(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class DenseShapeError(ValueError):
+    """A write gives a key of a dense store rows of another shape than the key's (a ``ValueError``).
+
+    A dense store keeps one shape per key; nothing was written. Ragged rows need a lazy
+    store (``LazyStackedTensorDictStore``; in torchrl, ``replay_buffer(..., ragged=True)``).
+    """

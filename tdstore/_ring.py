@@ -32,6 +32,7 @@ from tensordict import TensorDictBase
 
 from . import _codec, _deadline, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine, request_id
+from ._errors import DenseShapeError
 from ._keys import KeyTable
 from ._leaf_ops import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from ._nontensor import NonTensor, element_docs
@@ -173,6 +174,7 @@ def _leaf_ops(
         shapes = {tuple(t.shape) for t in elems}
         if len(shapes) == 1:
             return _leaf_ops(kt, engine, h, None, number, path, torch.stack(elems))
+        _refuse_ragged(h, path, None, shapes)
         ndim = elems[0].ndim
         leaf = Leaf(path, number, dtype, ndim, None)
         ops += new_leaf_ops(kt, keys, h, leaf)  # slots not written yet hold empty elements
@@ -180,12 +182,25 @@ def _leaf_ops(
     elif not leaf.het:
         if all(tuple(t.shape) == leaf.shape for t in elems):
             return leaf, [_row_op(kt, engine, h, leaf, _codec.to_bytes(torch.stack(elems)))], False
+        _refuse_ragged(h, path, leaf, {tuple(t.shape) for t in elems})
         leaf, table_ops = to_heterogeneous(kt, keys, leaf, h)
         ops += table_ops
         changed = True
     shapes_b, data, sizes = het_payload(elems)
     ops.append(Write.Y(kt.ref(dk), kt.ref(ok), kt.ref(sk), 8 * leaf.ndim, shapes_b, data, *sizes))
     return leaf, ops, changed
+
+
+def _refuse_ragged(h: Header, path: NestedPath, leaf: Leaf | None, shapes: set[tuple[int, ...]]) -> None:
+    """A dense store keeps one row shape per key: rows of other shapes raise (where a lazy store's key turns heterogeneous)."""
+    if h.kind != "dense":
+        return
+    got = sorted(list(s) for s in shapes if leaf is None or s != leaf.shape)
+    have = f"rows of shape {list(leaf.shape or ())}" if leaf is not None else "one row shape"
+    raise DenseShapeError(
+        f"key {display(path)!r}: this dense store holds {have}, the write gives rows of shape(s) {got}; "
+        "a dense store keeps one shape per key (ragged rows need a LazyStackedTensorDictStore)"
+    )
 
 
 def _row_op(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf, data: Any) -> list[Any]:

@@ -9,7 +9,8 @@ touches, a non-tensor value of row ``i`` is its own JSON document, and every rea
 and write stays one atomic script call.  A batch size of ``[]`` is a stack of one
 element whose stack dim the class hides (the header says ``batchless``).  The
 header says ``type: dense``, so a lazy handle never opens a dense store by
-mistake, nor the other way round.
+mistake, nor the other way round.  The first dim is also a ring (``extend``,
+``sample``, priorities, limiter, queue, leases: ``_dense_ring``), the lazy store's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tensordict.base import NO_DEFAULT
 from . import _index, _nontensor, _whole_store
 from ._common import LOCK_ERROR, KeysView, StackStore, fetch_existing, only_keys, ttl_to_ms
 from ._connection import open_client
+from ._dense_ring import DenseRing
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
 from ._lazy_element import ElementView
@@ -56,7 +58,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(ElementView):
+class TensorDictStore(DenseRing, ElementView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:
@@ -65,6 +67,10 @@ class TensorDictStore(ElementView):
     a local :class:`~tensordict.TensorDict`, ``store[idx] = td`` writes them,
     ``store["nested"]`` is a write-through view of a sub-tree, and entries can be
     added, replaced (another dtype or shape), deleted and renamed at any time.
+    A store of batch size ``[N, *rest]`` is also a shared ring buffer of ``N`` rows,
+    exactly as a lazy store of ``N`` elements is (``extend``, ``sample``, ``pop``,
+    priorities, rate limits, queues: see :class:`~tdstore.LazyStackedTensorDictStore`),
+    whose batches come back as dense TensorDicts.
 
     Keyword Args:
         batch_size: the batch size of the store (default ``[]``).
