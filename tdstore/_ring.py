@@ -196,9 +196,10 @@ def _refuse_ragged(h: Header, path: NestedPath, leaf: Leaf | None, shapes: set[t
     if h.kind != "dense":
         return
     got = sorted(list(s) for s in shapes if leaf is None or s != leaf.shape)
+    more = f" and {len(got) - 3} more" if len(got) > 3 else ""
     have = f"rows of shape {list(leaf.shape or ())}" if leaf is not None else "one row shape"
     raise DenseShapeError(
-        f"key {display(path)!r}: this dense store holds {have}, the write gives rows of shape(s) {got}; "
+        f"key {display(path)!r}: this dense store holds {have}, the write gives rows of shape(s) {got[:3]}{more}; "
         "a dense store keeps one shape per key (ragged rows need a LazyStackedTensorDictStore)"
     )
 

@@ -23,6 +23,7 @@ from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlS
 from . import _index, _ring
 from ._connection import SECRET_KWARGS
 from ._engine import new_td_id
+from ._errors import DenseShapeError
 from ._sampling import PrioritizedSample
 from ._torchrl_rows import write_through
 from .lazy import LazyStackedTensorDictStore
@@ -73,8 +74,13 @@ class StoreStorage(_TorchrlStoreStorage):
     ``td_id`` (a new one unless given): every process that opens a ``StoreStorage`` with
     the same ``td_id`` and server shares one buffer.  Keys come from the first data written.
 
-    Homogeneous data samples as a ``TensorDict``; data whose elements vary in shape
-    samples as a ``LazyStackedTensorDict`` (as torchrl's ``LazyStackStorage``).  Plain
+    The ring is a dense :class:`~tdstore.TensorDictStore` of batch size ``[max_size, *element
+    dims]`` (as ``LazyTensorStorage``, the first write fixes every key's shape and dtype; rows
+    read as TensorDicts, never a lazy stack): a later write of another shape raises
+    ``DenseShapeError`` naming the key, the shapes and ``ragged=True``. With ``ragged=True``
+    the ring is a :class:`~tdstore.LazyStackedTensorDictStore` whose elements may vary in
+    shape, sampled as a ``LazyStackedTensorDict`` (as torchrl's ``LazyStackStorage``).
+    Attaching by ``td_id`` opens either kind, as it was made.  Plain
     tensors are stored under the key ``"_tensor"``; tensorclass data is stored as its
     tensordict and rebuilt with the class on reads (a process that never wrote learns the
     class from ``tensorclass_cls=``, or from a pickled/state-dict-loaded storage).
@@ -84,6 +90,7 @@ class StoreStorage(_TorchrlStoreStorage):
 
     Keyword Args:
         td_id: the store's id (attach to an existing buffer); a new id when ``None``.
+        ragged: make the ring a lazy store, for rows that differ in shape (default: a dense one).
         tensorclass_cls: the tensorclass the data is read back as (when another process wrote it).
         url, host, port, db, unix_socket_path, prefix, password, password_provider, ...:
             tdstore's connection keywords (see ``LazyStackedTensorDictStore``). Secrets stay
@@ -98,6 +105,7 @@ class StoreStorage(_TorchrlStoreStorage):
         td_id: str | None = None,
         tensorclass_cls: type | None = None,
         ndim: int = 1,
+        ragged: bool = False,
         **store_kwargs: Any,
     ) -> None:
         if ndim != 1:
@@ -113,6 +121,7 @@ class StoreStorage(_TorchrlStoreStorage):
             store_kwargs["url"] = _public_url(store_kwargs["url"])
         self._conn = store_kwargs
         self._td_id = td_id or new_td_id()
+        self._ragged = bool(ragged)  # the kind of store a new buffer is made as (an existing one is opened as it is)
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None
         self._reopens = 0
@@ -134,17 +143,27 @@ class StoreStorage(_TorchrlStoreStorage):
         return {**self._conn, **self._secrets}
 
     def _attach_existing(self) -> LazyStackedTensorDictStore:
-        return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
+        """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
+        from ._checkpoint import _lazy_handle
+        from .store import TensorDictStore
+
+        return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
 
     @property
     def _store(self) -> LazyStackedTensorDictStore:
-        """The ring store, created (or attached to, by td_id) on first use: one round trip."""
+        """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
-                self._ring = LazyStackedTensorDictStore(
-                    count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
-                )
-            except ValueError:  # the store exists with elements of another batch size: attach to it as it is
+                if self._ragged:
+                    self._ring = LazyStackedTensorDictStore(
+                        count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
+                    )
+                else:
+                    from .dense import TensorDictStore
+
+                    dense = TensorDictStore(batch_size=[self.max_size, *self._inner], td_id=self._td_id, **self._open_kwargs())
+                    self._ring = dense._store  # a LazyStackedTensorDictStore whose header says dense
+            except (ValueError, TypeError):  # the store exists with another layout or kind: attach to it as it is
                 self._ring = self._attach_existing()
         return self._ring
 
@@ -197,13 +216,19 @@ class StoreStorage(_TorchrlStoreStorage):
         recreated the store), reopen it once and run ``fn`` on the new one.  The writer and
         samplers reach the store through this, so that they follow a reopen too."""
         try:
+            try:
+                return fn(self._store)
+            except KeyError as err:
+                if not _is_reattach_error(err):
+                    raise
+            self._ring = None
+            self._reopens += 1
             return fn(self._store)
-        except KeyError as err:
-            if not _is_reattach_error(err):
-                raise
-        self._ring = None
-        self._reopens += 1
-        return fn(self._store)
+        except DenseShapeError as err:
+            raise DenseShapeError(
+                f"{err}. This buffer is dense (its first write fixed each key's shape, as LazyTensorStorage does): "
+                "for rows that differ in shape make it with ragged=True (replay_buffer(..., ragged=True), StoreStorage(..., ragged=True))"
+            ) from None
 
     # -- what torchrl reads ----------------------------------------------------------------
     def __len__(self) -> int:

@@ -239,7 +239,9 @@ def _upload(
     if torchrl:
         from .torchrl import replay_buffer
 
-        rb = replay_buffer(count, url=url, prefix=prefix, batch_size=batch, sampler="prioritized", alpha=0.6, beta=0.4)
+        rb = replay_buffer(  # ragged: the demo's elements carry token sequences of varying length
+            count, url=url, prefix=prefix, batch_size=batch, sampler="prioritized", alpha=0.6, beta=0.4, ragged=True
+        )
         rb.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
         uploaded = rb.storage.with_store(lambda ring: ring)  # the ring store under the buffer
         # Reverb's SampleToInsertRatio on the server: the learner draws about SAMPLES_PER_INSERT

@@ -6,8 +6,9 @@ each other's rows and disagree on ``len``.  Here everything that must agree betw
 processes is the tdstore ring's (:mod:`tdstore._ring`): one header counter ``rw`` on the
 server, from which the cursor, the written length and each slot's generation follow.
 
-* :class:`StoreStorage` (a torchrl ``Storage``) holds a
-  :class:`~tdstore.LazyStackedTensorDictStore` of ``max_size`` elements; ``len()`` is the
+* :class:`StoreStorage` (a torchrl ``Storage``) holds a dense :class:`~tdstore.TensorDictStore`
+  of ``max_size`` rows (``ragged=True``: a :class:`~tdstore.LazyStackedTensorDictStore` of
+  ``max_size`` elements, which may differ in shape); ``len()`` is the
   number of slots the ring has written, read from the server (the same in every process).
 * :class:`StoreWriter` (a torchrl ``Writer``): ``add``/``extend`` are one ``store.extend``
   call each, which reserves the slots at the server's cursor and writes them atomically,
@@ -121,6 +122,7 @@ def replay_buffer(
     beta: float = 0.4,
     eps: float = 1e-8,
     max_times_sampled: int | None = None,
+    ragged: bool = False,
     **kwargs: Any,
 ) -> ReplayBuffer:
     """A torchrl replay buffer on a tdstore server, in one line.
@@ -143,6 +145,10 @@ def replay_buffer(
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
         tensorclass_cls: the tensorclass the data is read back as, in a process that did
             not write it.
+        ragged: keep rows whose keys vary in shape (a lazy store; samples are lazy stacks).
+            By default the buffer is a dense store whose first write fixes each key's shape,
+            as torchrl's ``LazyTensorStorage``; a later row of another shape raises
+            ``DenseShapeError``. Attaching by ``td_id`` opens the buffer as it was made.
         buffer_kwargs: more keyword arguments for the buffer, as a dict (the same as
             passing them directly).
         **kwargs: torchrl's ``ReplayBuffer`` keywords (``transform``, ``prefetch``,
@@ -153,7 +159,7 @@ def replay_buffer(
             ``TypeError`` here, before anything is created.
     """
     buffer_kwargs, store_kwargs = _split_keywords(kwargs, buffer_kwargs, tensordict)
-    storage = StoreStorage(max_size, td_id=td_id, tensorclass_cls=tensorclass_cls, **store_kwargs)
+    storage = StoreStorage(max_size, td_id=td_id, tensorclass_cls=tensorclass_cls, ragged=ragged, **store_kwargs)
     if isinstance(sampler, str):
         if sampler == "prioritized":
             sampler = StorePrioritizedSampler(alpha, beta, eps, max_times_sampled=max_times_sampled)

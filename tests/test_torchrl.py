@@ -211,7 +211,7 @@ def test_plain_tensors(real):
 
 
 def test_varying_shapes_sample_as_a_lazy_stack(real):
-    rb = replay_buffer(8, batch_size=16, **real.kwargs())
+    rb = replay_buffer(8, batch_size=16, ragged=True, **real.kwargs())
     rb.extend(lazy_stack([TensorDict(tokens=torch.full((1 + i % 3,), i)) for i in range(6)]))
     s = rb.sample()
     assert isinstance(s, LazyStackedTensorDict)
@@ -322,7 +322,7 @@ def test_extend_and_sample_are_one_round_trip(real):
     assert round_trips(top_level_commands(real.client, lambda: rb.add(rows(16, 1)[0]))) == ["evalsha"]
     rb.sample()  # a sampler's first batch reads the written length first
     assert round_trips(top_level_commands(real.client, lambda: rb.sample())) == ["transaction"]
-    lazy = replay_buffer(16, batch_size=8, **real.kwargs())
+    lazy = replay_buffer(16, batch_size=8, ragged=True, **real.kwargs())
     lazy.extend(lazy_stack([TensorDict(tokens=torch.arange(1 + i % 3)) for i in range(6)]))
     assert round_trips(top_level_commands(real.client, lambda: lazy.sample())) == ["evalsha"]  # the server draws
     full = replay_buffer(16, batch_size=16, track_generations=True, **real.kwargs())
