@@ -30,7 +30,7 @@ from conftest import Backend
 from helpers import load_tool, top_level_commands
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, QueueOverrunError, _codec, _scripts, _whole_store
+from tdstore import LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore, _codec, _scripts, _whole_store
 from tdstore._keys import StoreKeys
 from tdstore.server import EmbeddedServer, commandstats
 
@@ -192,13 +192,19 @@ def two_engines(one_node: Backend) -> Backend:
     return one_node
 
 
+@pytest.mark.parametrize("kind", ["lazy", "dense"])
 @pytest.mark.parametrize("name", list(CALLS))
-def test_a_call_sent_twice_with_one_request_id_runs_once(two_engines, name):
+def test_a_call_sent_twice_with_one_request_id_runs_once(two_engines, name, kind):
+    """Every ring call, on a lazy store and on a dense one (whose ring is the lazy store's)."""
     backend = two_engines
     raw = backend.client()
     setup, call = CALLS[name]
-    twice = LazyStackedTensorDictStore(count=COUNT, **backend.kwargs())
-    clean = LazyStackedTensorDictStore(count=COUNT, **backend.kwargs())
+    make = (
+        (lambda: TensorDictStore(batch_size=[COUNT], **backend.kwargs()))
+        if kind == "dense"
+        else (lambda: LazyStackedTensorDictStore(count=COUNT, **backend.kwargs()))
+    )
+    twice, clean = make(), make()
     for s in (twice, clean):
         setup(s)
     expected = outcome(call(clean))

@@ -24,6 +24,7 @@ from helpers import round_trips, top_level_commands  # noqa: E402
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, tensorclass  # noqa: E402
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
+from tdstore import DenseShapeError  # noqa: E402
 from tdstore.server import EmbeddedServer  # noqa: E402
 from tdstore.torchrl import (  # noqa: E402
     StorePrioritizedSampler,
@@ -217,6 +218,26 @@ def test_varying_shapes_sample_as_a_lazy_stack(real):
     assert isinstance(s, LazyStackedTensorDict)
     for el, i in zip(s.unbind(0), s["index"].tolist()):
         assert el["tokens"].tolist() == [i] * (1 + i % 3)
+
+
+def test_fixed_shape_data_is_a_dense_store_and_ragged_rows_name_the_keyword(real):
+    rb = replay_buffer(8, batch_size=4, **real.kwargs())
+    rb.extend(rows(0, 6))
+    raw = real.client()
+    meta = rb.storage._store.stack_ops.engine.keys.meta
+    assert raw.hget(meta, "type") == b"dense"
+    s = rb.sample()
+    assert type(s) is TensorDict and whole(s)
+    with pytest.raises(DenseShapeError, match=r"'obs'.*\[8\].*\[\[5\]\].*ragged=True"):
+        rb.extend(TensorDict(obs=torch.zeros(2, 5), step=torch.zeros(2, dtype=torch.int64), batch_size=[2]))
+    assert len(rb) == 6 and rb.write_count == 6  # nothing was written
+    other = attach(rb.storage.td_id, batch_size=3, **real.kwargs())  # opens the dense store as it is
+    assert type(other.sample()) is TensorDict and len(other) == 6
+    ragged = replay_buffer(8, batch_size=4, ragged=True, **real.kwargs())
+    ragged.extend(rows(0, 2))
+    assert raw.hget(ragged.storage._store.stack_ops.engine.keys.meta, "type") == b"lazy"
+    ragged.extend(lazy_stack([TensorDict(obs=torch.zeros(n), step=torch.tensor(0)) for n in (5, 6)]))
+    assert isinstance(attach(ragged.storage.td_id, batch_size=4, **real.kwargs()).sample(), LazyStackedTensorDict)
 
 
 def test_a_writer_with_its_own_cursor_writes_at_the_servers_cursor(real):
