@@ -133,8 +133,8 @@ class StoreInfo:
 
     @property
     def has_ring(self) -> bool:
-        """Whether the ring buffer (``extend``/``sample``) applies: lazy stores, not spread ones (they refuse it)."""
-        return self.kind == "lazy" and not self.spread
+        """Whether the ring (``extend``/``sample``) applies: lazy stores, dense ones with a batch dim; not spread ones (they refuse it)."""
+        return (self.kind == "lazy" or (self.kind == "dense" and not self.batchless)) and not self.spread
 
     def to_json(self, *, schema: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -546,13 +546,17 @@ def test_info_and_ls_of_a_dense_store_show_what_applies(capsys, url, prefix) -> 
         code, out, err = _run(capsys, "info", "d", "--url", url, "--prefix", prefix)
         assert code == 0, err
         names = [line.split(":", 1)[0].strip() for line in out.splitlines()[1:] if not line.startswith("    ")]
-        assert "batch size" in names and "ring" not in names and "count" not in names and "stack dim" not in names
+        assert "batch size" in names and "ring" in names and "count" not in names and "stack dim" not in names
         assert "  batch size:  [6, 2]" in out.splitlines()
         code, out, err = _run(capsys, "ls", "--url", url, "--prefix", prefix)
-        assert _rows(out)["d"][7] == "-"  # no ring on a dense store
+        assert _rows(out)["d"][7] == "6/6"  # its first dim is a ring (an upload is a full one)
         code, out, err = _run(capsys, "info", "d", "--url", url, "--prefix", prefix, "--json")
         doc = json.loads(out)
-        assert doc["ring"] is None and doc["batch_size"] == [6, 2]
+        assert doc["ring"] == {"cursor": 0, "write_count": 6, "written": 6} and doc["batch_size"] == [6, 2]
+        one = tdstore.TensorDictStore.from_tensordict(TensorDict(obs=torch.zeros(3)), url=url, prefix=prefix, td_id="one")
+        code, out, err = _run(capsys, "info", "one", "--url", url, "--prefix", prefix, "--json")
+        assert json.loads(out)["ring"] is None  # batch size []: no rows, no ring
+        one.clear_redis()
     finally:
         store.clear_redis()
 
