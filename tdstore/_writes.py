@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import _codec, _index, _rows
+from ._errors import DenseShapeError
 from ._keys import KeyTable, StoreKeys
 from ._leaf_ops import (
     Value,
@@ -425,7 +426,8 @@ class _WritePlan:
         element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
         shapes = {tuple(t.shape) for t in elems}
         if len(shapes) > 1 and h.kind == "dense":
-            raise ValueError(f"key {key_name(path)}: rows of shapes {sorted(map(list, shapes))}; a dense store keeps one shape per key")
+            got = sorted(map(list, shapes))
+            raise DenseShapeError(f"key {key_name(path)}: rows of shapes {got}; a dense store keeps one shape per key")
         shape = shapes.pop() if len(shapes) == 1 else None
         leaf = Leaf(path, self.renumber(None), dtype, elems[0].ndim if elems else len(shape or ()), shape)
         self.set_leaf(leaf, new=True)
@@ -477,7 +479,7 @@ class _WritePlan:
         if not leaf.het and h.kind == "dense":
             assert leaf.shape is not None
             shapes = sorted({tuple(t.shape) for t in elems} - {leaf.shape})
-            raise ValueError(
+            raise DenseShapeError(
                 f"key {key_name(path)} has shape {list(leaf.shape)} per row in this dense store, got {list(shapes[0])}; "
                 "a dense store keeps one shape per key: replace the whole key (store[key] = tensor) to change it"
             )
