@@ -5,8 +5,8 @@ with their own batch dims, reproducible sampling of written rows only, update_if
 uniform and prioritized frequencies (chi-square at 0.1 %, with a seeded generator: never flaky),
 pops plain and leased, queue mode and the rate limiter, bad input refused before anything is
 written (naming the key and the shapes or dtypes), what a batchless store or a sub-tree refuses;
-on the real server, one round trip per call.  A resend of every ring call on a dense store runs
-once: ``test_exactly_once`` is parametrized over both kinds.
+on the real server, one round trip per call.  Elsewhere, over both kinds: a resend of every ring
+call runs once (``test_exactly_once``); priorities, limiter, queue and waits (``test_replay``).
 """
 
 from __future__ import annotations

@@ -5,20 +5,23 @@ seeded generator (the same draws every run, so nothing here is flaky): the bound
 0.1 % critical value, and each test also checks that a wrong tree (uniform, or the
 priorities without alpha) would fail it. Waiting is tested by order of events, never by
 a timer racing a call: a call that must wait is tried with ``timeout=0`` (it raises at
-once), and a blocked call is released by the write it waits for.
+once), and a blocked call is released by the write it waits for. Tests taking ``ring`` run on a
+lazy store and on a dense ``TensorDictStore`` (whose ring is the lazy store's).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from helpers import top_level_commands
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, QueueOverrunError, StoreDamagedError
+from tdstore import LazyStackedTensorDictStore, QueueOverrunError, StoreDamagedError, TensorDictStore
 
 pytestmark = pytest.mark.ring
 
@@ -36,6 +39,18 @@ def rows(lo: int, n: int, het: bool = False) -> TensorDict:
     )
 
 
+@pytest.fixture(params=["lazy", "dense"])
+def ring(request: pytest.FixtureRequest, backend) -> Callable[[int], Any]:
+    """Makes a ring of ``count`` slots on ``backend``: a lazy store, or a dense one (whose ring is the lazy store's)."""
+
+    def make(count: int) -> Any:
+        if request.param == "dense":
+            return TensorDictStore(batch_size=[count], **backend.kwargs())
+        return LazyStackedTensorDictStore(count=count, **backend.kwargs())
+
+    return make
+
+
 def chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     n = counts.sum().item()
     exp = expected_p * n
@@ -50,7 +65,7 @@ def chi2_critical(df: int) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def draw_counts(store: LazyStackedTensorDictStore, cap: int, total: int, seed: int = 0) -> torch.Tensor:
+def draw_counts(store: Any, cap: int, total: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(cap, dtype=torch.float64)
     for _ in range(total // 1000):
@@ -61,8 +76,8 @@ def draw_counts(store: LazyStackedTensorDictStore, cap: int, total: int, seed: i
 
 
 @pytest.mark.parametrize("cap", [1, 7, 300])
-def test_sampled_frequencies_follow_the_priorities(backend, cap):
-    store = LazyStackedTensorDictStore(count=cap, **backend.kwargs())
+def test_sampled_frequencies_follow_the_priorities(ring, cap):
+    store = ring(cap)
     store.enable_priorities(alpha=0.7)
     prios = (torch.arange(cap, dtype=torch.float64) % 13) * 0.5  # zeros among them: never drawn
     prios[0] = 2.0
@@ -82,8 +97,8 @@ def test_sampled_frequencies_follow_the_priorities(backend, cap):
     assert chi_square(counts, no_alpha) > chi2_critical(df)
 
 
-def test_probabilities_and_importance_weights(backend):
-    store = LazyStackedTensorDictStore(count=40, **backend.kwargs())
+def test_probabilities_and_importance_weights(ring):
+    store = ring(40)
     store.extend(rows(0, 20))
     store.enable_priorities(alpha=0.5)  # the 20 slots written so far get priority 1
     store.extend(rows(20, 5), priority=[4.0, 9.0, 16.0, 0.25, 1.0])
@@ -102,8 +117,8 @@ def test_probabilities_and_importance_weights(backend):
     assert type(u).__name__ == "Sample" and int(u.indices.max()) < 25
 
 
-def test_default_priority_is_the_largest_so_far_and_updates_respect_generations(backend):
-    store = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+def test_default_priority_is_the_largest_so_far_and_updates_respect_generations(ring):
+    store = ring(4)
     store.enable_priorities(alpha=1.0)
     store.extend(rows(0, 2), priority=[3.0, 1.0])
     store.extend(rows(2, 1))  # no priority given: the largest so far, 3
@@ -120,8 +135,8 @@ def test_default_priority_is_the_largest_so_far_and_updates_respect_generations(
     assert store.update_priority([], []).tolist() == []
 
 
-def test_alpha_zero_is_uniform_over_positive_priorities(backend):
-    store = LazyStackedTensorDictStore(count=20, **backend.kwargs())
+def test_alpha_zero_is_uniform_over_positive_priorities(ring):
+    store = ring(20)
     store.enable_priorities(alpha=0.0)
     store.extend(rows(0, 20), priority=[0.0 if k % 4 == 0 else float(k) for k in range(20)])
     counts = draw_counts(store, 20, 20_000, seed=5)
@@ -170,8 +185,8 @@ def test_bad_priorities_are_refused_before_anything_is_written(backend):
     assert store.write_count == 2 and store[1]["tag"].item() == 1
 
 
-def test_max_times_sampled_retires_a_slot_until_it_is_written_again(backend):
-    store = LazyStackedTensorDictStore(count=6, **backend.kwargs())
+def test_max_times_sampled_retires_a_slot_until_it_is_written_again(ring):
+    store = ring(6)
     store.enable_priorities(alpha=1.0, max_times_sampled=2)
     store.extend(rows(0, 6))
     seen = torch.zeros(6, dtype=torch.int64)
@@ -192,8 +207,8 @@ def test_max_times_sampled_retires_a_slot_until_it_is_written_again(backend):
     assert s.indices.tolist() == [0, 0] and s.td["tag"].tolist() == [6, 6]
 
 
-def test_rate_limiter_min_size(backend):
-    store = LazyStackedTensorDictStore(count=10, **backend.kwargs())
+def test_rate_limiter_min_size(ring):
+    store = ring(10)
     store.set_rate_limit(min_size=3)
     store.extend(rows(0, 2))
     with pytest.raises(TimeoutError, match="fewer than the 3"):
@@ -208,8 +223,8 @@ def test_rate_limiter_min_size(backend):
     assert store.sampling_policy.limit is None
 
 
-def test_sample_to_insert_ratio_holds_both_sides(backend):
-    store = LazyStackedTensorDictStore(count=20, **backend.kwargs())
+def test_sample_to_insert_ratio_holds_both_sides(ring):
+    store = ring(20)
     store.set_rate_limit(min_size=2, samples_per_insert=2.0, error_buffer=4.0)  # diff within [0, 8]
     store.extend(rows(0, 2))  # diff 4
     store.sample(4)  # diff 0
@@ -257,8 +272,8 @@ def test_pop_hands_each_item_to_one_reader_in_write_order(backend):
     assert got[0].td["tag"].tolist() == [5]
 
 
-def test_overrun_is_reported_never_silent(backend):
-    store = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+def test_overrun_is_reported_never_silent(ring):
+    store = ring(4)
     store.extend(rows(0, 3))
     assert store.pop(1).td["tag"].tolist() == [0]
     store.extend(rows(3, 4))  # 7 written, 1 popped: items 1 and 2 were overwritten
@@ -268,8 +283,8 @@ def test_overrun_is_reported_never_silent(backend):
     assert store.pop(10).td["tag"].tolist() == [3, 4, 5, 6]
 
 
-def test_queue_mode_makes_writers_wait_instead_of_overwriting(backend):
-    store = LazyStackedTensorDictStore(count=4, **backend.kwargs())
+def test_queue_mode_makes_writers_wait_instead_of_overwriting(ring):
+    store = ring(4)
     store.set_queue(True)
     store.extend(rows(0, 4))
     with pytest.raises(TimeoutError, match="queue is full"):
@@ -286,8 +301,8 @@ def test_queue_mode_makes_writers_wait_instead_of_overwriting(backend):
         store.pop(1)
 
 
-def test_wait_for_written_items(backend):
-    store = LazyStackedTensorDictStore(count=10, **backend.kwargs())
+def test_wait_for_written_items(ring):
+    store = ring(10)
     with pytest.raises(TimeoutError, match="0 of the 2 items"):
         store.wait_for(written=2, timeout=0)
     out: list = []
