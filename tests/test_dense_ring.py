@@ -11,6 +11,10 @@ call runs once (``test_exactly_once``); priorities, limiter, queue and waits (``
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import pickle
+import threading
+
 import pytest
 import torch
 from helpers import round_trips, top_level_commands
@@ -234,3 +238,47 @@ def test_ring_calls_are_one_round_trip(real):
     for fn in calls:
         assert round_trips(top_level_commands(real.client, fn)) == ["evalsha"]
     assert round_trips(top_level_commands(real.client, lambda: store.sample(8, prioritized=False))) in (["evalsha"], ["transaction"])
+
+
+WRITERS, ROUNDS, CHUNK, CAP = 3, 10, 4, 16
+
+
+def _writer(store: TensorDictStore, w: int, out: list | None = None, queue=None) -> None:
+    got = []
+    for r in range(ROUNDS):
+        lo = w * 1000 + r * CHUNK
+        res = store.extend(rows(lo, CHUNK))
+        got += list(zip(res.indices.tolist(), res.generations.tolist(), range(lo, lo + CHUNK)))
+    if queue is not None:  # (a process)
+        queue.put(got)
+    else:
+        assert out is not None
+        out.extend(got)
+
+
+def test_concurrent_writers_never_share_a_row_in_one_lap(one_node):
+    store = TensorDictStore(batch_size=[CAP], **one_node.kwargs())
+    writes: list = []
+    if one_node.server is not None:
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        # each process gets the store pickled and reconnects, its ring included
+        procs = [ctx.Process(target=_writer, args=(pickle.loads(pickle.dumps(store)), w, None, queue)) for w in range(WRITERS)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            writes += queue.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    else:  # fakeredis lives in this process: writers are threads sharing its server
+        threads = [threading.Thread(target=_writer, args=(store, w, writes)) for w in range(WRITERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    total = WRITERS * ROUNDS * CHUNK
+    assert len(writes) == total and store.write_count == total and store.written == range(CAP)
+    assert {(s, g) for s, g, _ in writes} == {(n % CAP, n // CAP + 1) for n in range(total)}
+    last = {s: t for s, g, t in sorted(writes, key=lambda x: x[1])}
+    check_rows(store[torch.arange(CAP)], torch.arange(CAP), [last[s] for s in range(CAP)])
