@@ -30,11 +30,17 @@ from ._sampling import PrioritizedSample
 from .lazy import LazyStackedTensorDictStore
 
 
-def densify(got: Any) -> Any:
-    """``got`` with its rows as one dense TensorDict (non-tensor keys as a dense TensorDict holds them)."""
-    td = got.td
+def dense_rows(td: Any) -> Any:
+    """Rows of a dense store read through its stack as one dense TensorDict: a lazy stack (of
+    non-tensor rows) is stacked, and non-tensor keys are held as a dense TensorDict holds them."""
     if isinstance(td, LazyStackedTensorDict):
-        td = _nontensor.collapse(torch.stack(list(td.tensordicts), td.stack_dim))
+        return _nontensor.collapse(torch.stack(list(td.tensordicts), td.stack_dim))
+    return td
+
+
+def densify(got: Any) -> Any:
+    """``got`` (a ``Sample``, ``PrioritizedSample`` or ``LeasedSample``) with its rows as one dense TensorDict."""
+    td = dense_rows(got.td)
     if isinstance(got, LeasedSample):
         return dataclasses.replace(got, td=td)
     return got._replace(td=td)

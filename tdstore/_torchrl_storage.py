@@ -22,6 +22,7 @@ from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlS
 
 from . import _index, _ring
 from ._connection import SECRET_KWARGS
+from ._dense_ring import dense_rows
 from ._engine import new_td_id
 from ._errors import DenseShapeError
 from ._sampling import PrioritizedSample
@@ -493,6 +494,8 @@ class StoreStorage(_TorchrlStoreStorage):
                 slots = torch.arange(*index.indices(len(self)))
                 index = slots
             td = self.with_store(lambda s: self._read(s, index))
+        if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
+            td = dense_rows(td)  # non-tensor rows of a dense buffer: one TensorDict, as LazyTensorStorage gives
         self._data_kind()
         if self._is_tensor:
             if not isinstance(td, LazyStackedTensorDict):

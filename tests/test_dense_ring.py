@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 from helpers import round_trips, top_level_commands
-from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack
 from test_replay import chi2_critical, chi_square
 
 from tdstore import DenseShapeError, LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore
@@ -202,6 +202,15 @@ def test_a_first_write_of_ragged_rows_and_stores_without_a_ring(one_node):
     lazy = LazyStackedTensorDictStore(count=4, **one_node.kwargs())
     lazy.extend(lazy_stack([TensorDict(tokens=torch.arange(n)) for n in (1, 2)]))
     assert isinstance(lazy.sample(3).td, LazyStackedTensorDict)
+
+
+def test_non_tensor_rows_sample_as_a_dense_tensordict(one_node):
+    store = TensorDictStore(batch_size=[4], **one_node.kwargs())
+    store.extend(TensorDict(obs=torch.zeros(3, 2), text=NonTensorStack("a", "b", "c"), batch_size=[3]))
+    s = store.sample(6, torch.Generator().manual_seed(1))
+    assert type(s.td) is TensorDict and s.td["text"] == ["abc"[i] for i in s.indices.tolist()]
+    got = store.pop(3)
+    assert type(got.td) is TensorDict and got.td["text"] == ["a", "b", "c"]
 
 
 def test_the_header_says_dense_and_handles_share_the_ring(one_node):

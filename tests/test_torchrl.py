@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("torchrl")
 
 from helpers import round_trips, top_level_commands  # noqa: E402
-from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack, tensorclass  # noqa: E402
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack, tensorclass  # noqa: E402
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
 from tdstore import DenseShapeError  # noqa: E402
@@ -233,6 +233,10 @@ def test_fixed_shape_data_is_a_dense_store_and_ragged_rows_name_the_keyword(real
     assert len(rb) == 6 and rb.write_count == 6  # nothing was written
     other = attach(rb.storage.td_id, batch_size=3, **real.kwargs())  # opens the dense store as it is
     assert type(other.sample()) is TensorDict and len(other) == 6
+    text = replay_buffer(8, batch_size=3, **real.kwargs())  # non-tensor rows too read as one TensorDict
+    text.extend(TensorDict(obs=torch.zeros(4, 2), text=NonTensorStack(*"abcd"), batch_size=[4]))
+    got = text.sample()
+    assert type(got) is TensorDict and set(got["text"]) <= set("abcd") and text[:2]["text"] == ["a", "b"]
     ragged = replay_buffer(8, batch_size=4, ragged=True, **real.kwargs())
     ragged.extend(rows(0, 2))
     assert raw.hget(ragged.storage._store.stack_ops.engine.keys.meta, "type") == b"lazy"
