@@ -330,7 +330,8 @@ def _memmap_keys(root: Path, folder: Path, prefix: tuple[str, ...], count: int |
 
 
 def _torchrl_meta(root: Path) -> CheckpointMeta:
-    """A checkpoint of torchrl's ``LazyTensorStorage`` (``storage.dumps(path)``): a ring of ``len`` writes, a new td_id."""
+    """A checkpoint of torchrl's ``LazyTensorStorage`` (``storage.dumps(path)``): a dense store (one shape per key,
+    as there) whose ring had ``len`` writes, under a new td_id."""
     import uuid
 
     try:
@@ -343,4 +344,4 @@ def _torchrl_meta(root: Path) -> CheckpointMeta:
     count, keys = _memmap_keys(root, root, (), None)
     if length > count:
         raise _bad(root, f"len {length} is beyond the storage size {count}")
-    return CheckpointMeta(str(uuid.uuid4()), "lazy", count, 0, (), keys, {"rw": length} if length else {})
+    return CheckpointMeta(str(uuid.uuid4()), "dense", count, 0, (), keys, {"rw": length} if length else {})

@@ -385,7 +385,7 @@ def test_torchrl_lazy_tensor_storage_reads_a_checkpoint_and_back(be: Backend, tm
     lts2.set(torch.arange(5), data[:5])
     lts2.dumps(tmp_path / "lts")
     back = import_checkpoint(tmp_path / "lts", td_id="from-torchrl", **be.kwargs())
-    assert back.ring_state() == (5, 5, 5)
+    assert isinstance(back, TensorDictStore) and back.ring_state() == (5, 5, 5)  # dense, as LazyTensorStorage is
     assert torch.equal(back["obs"][:5], data["obs"][:5]) and torch.equal(back["nested", "b"][:5], data["nested", "b"][:5])
 
 
