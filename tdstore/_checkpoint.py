@@ -301,27 +301,9 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
 # -- import ---------------------------------------------------------------------------------------
 
 
-class _Repeat:
-    """``count`` times the same value, as a read-only sequence (a homogeneous key's shapes)."""
-
-    def __init__(self, value: Any, count: int) -> None:
-        self._value, self._count = value, count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
-            return [self._value] * len(range(*k.indices(self._count)))
-        return self._value
-
-
 class _DenseRows:
-    """The rows of a homogeneous key's memmap file, read a slice (one chunk) at a time.
-
-    A slice is handed over as one tensor of the whole chunk (a list of one): the upload
-    (``_upload._queue_chunk``) only joins a chunk's tensors into one byte string, which is
-    the same bytes, and a tensor per row would cost more than the upload itself."""
+    """The rows of a homogeneous key's memmap file, read a chunk at a time as one tensor (the
+    upload sends a chunk's bytes as they are; a tensor per row would cost more than the upload)."""
 
     def __init__(self, file: Path, e: KeyEntry, count: int) -> None:
         assert e.shape is not None
@@ -331,18 +313,17 @@ class _DenseRows:
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, k: slice) -> list[torch.Tensor]:
-        lo, hi, _ = k.indices(self._count)
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
         e = self._e
         assert e.shape is not None
         nb = e.element_nbytes
         raw = bytearray(self._mm[lo * nb : hi * nb]) if self._mm is not None else bytearray()
-        return [_codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))]
+        return _codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))
 
 
 class _RaggedRows:
-    """The elements of a heterogeneous or non-tensor key's files, read a slice (one chunk) at a time
-    (as one flat tensor of the chunk's bytes: see :class:`_DenseRows`; the shapes come from :class:`_Shapes`)."""
+    """The elements of a heterogeneous or non-tensor key's files, read a chunk at a time as one flat
+    tensor of the chunk's bytes (see :class:`_DenseRows`), and their shapes (``shapes``, a memmap)."""
 
     def __init__(self, root: Path, e: KeyEntry, count: int) -> None:
         self._e, self._count = e, count
@@ -354,35 +335,24 @@ class _RaggedRows:
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, k: slice) -> list[torch.Tensor]:
-        lo, hi, _ = k.indices(self._count)
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
         off = self.offsets[lo : hi + 1].astype(np.int64)
         raw = bytearray(self._data[off[0] : off[-1]]) if self._data is not None else bytearray()
         dtype = _codec.DTYPES[self._e.dtype]
-        return [_codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))]
-
-
-class _Shapes:
-    def __init__(self, rows: _RaggedRows) -> None:
-        self._rows = rows
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __getitem__(self, k: slice) -> list[torch.Size]:
-        return [torch.Size(r) for r in self._rows.shapes[k].tolist()]
+        return _codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
 
 
 class _FileLeaf(LeafScan):
     """A leaf of the upload whose elements come from the checkpoint's files, a chunk at a time."""
 
-    def __init__(self, e: KeyEntry, tensors: Any, shapes: Any, sizes: np.ndarray) -> None:
-        super().__init__(e.path, _codec.DTYPES[e.dtype], tensors, shapes, json=e.layout == "json")
-        self.__dict__["homogeneous"] = e.layout == "dense"
-        self._sizes = sizes
+    def __init__(self, e: KeyEntry, rows: _DenseRows | _RaggedRows, sizes: np.ndarray) -> None:
+        shapes = rows.shapes if isinstance(rows, _RaggedRows) else None
+        super().__init__(e.path, _codec.DTYPES[e.dtype], [], e.shape if e.layout == "dense" else None, shapes, json=e.layout == "json")
+        self.__dict__["sizes"] = sizes  # the cached property, known from the files
+        self._rows = rows
 
-    def element_bytes(self) -> np.ndarray:
-        return self._sizes
+    def data(self, lo: int, hi: int) -> torch.Tensor:
+        return self._rows.chunk(lo, hi)
 
 
 def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner: tuple[int, ...]) -> np.ndarray:
@@ -402,7 +372,7 @@ def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner:
             i = lo + int(bad[0])
             raise CheckpointError(f"{what}: element {i} has shape {dims[i - lo].tolist()} but {int(sizes[i])} bytes")
         if e.layout == "json":
-            chunk = rows[lo:hi][0].numpy().tobytes()
+            chunk = rows.chunk(lo, hi).numpy().tobytes()
             ends = np.asarray(off[lo : hi + 1], dtype=np.int64) - int(off[lo])
             for i in range(hi - lo):
                 try:
@@ -429,11 +399,11 @@ def _scans(root: Path, meta: CheckpointMeta) -> list[LeafScan]:
             assert e.shape is not None
             rows = _DenseRows(inside(root, e.file, f"key {e.path!r}"), e, meta.count)
             sizes = np.full(meta.count, e.element_nbytes, dtype=np.int64)
-            out.append(_FileLeaf(e, rows, _Repeat(torch.Size(e.shape), meta.count), sizes))
+            out.append(_FileLeaf(e, rows, sizes))
         else:
             ragged = _RaggedRows(root, e, meta.count)
             sizes = _check_ragged(root, e, ragged, meta.count, meta.inner)
-            out.append(_FileLeaf(e, ragged, _Shapes(ragged), sizes))
+            out.append(_FileLeaf(e, ragged, sizes))
     return out
 
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 
 from . import _batches, _codec, _integrity, _rows, _scripts, _spread, _whole_store
 from ._engine import Engine
@@ -31,7 +32,7 @@ from ._errors import StoreDamagedError
 from ._progress import progress
 from ._schema import Header, Leaf, NestedPath
 from ._segments import Segments, segment_length
-from ._upload_scan import LeafScan, scan, scan_lazy, scan_plain, stack_elements
+from ._upload_scan import LeafScan, scan, scan_dense, scan_lazy, scan_plain, stack_elements
 from ._values import display, gc_paused, subtree_dims
 
 if TYPE_CHECKING:
@@ -44,12 +45,37 @@ UPLOAD_TTL_MS = 120_000
 RENEW_S = 10.0
 
 
-def _scan(td: Any, elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan]]:
-    """The inner batch size and the leaves of ``elements``, the members of ``td``, by the fastest scan that applies."""
-    if isinstance(td, LazyStackedTensorDict):
-        return scan_lazy(td, elements)
-    plain = scan_plain(elements) if elements else None
-    return plain if plain is not None else scan(elements)
+@dataclass
+class Scanned:
+    """What the scan found: the stack's count, stack dim and inner batch size, its leaves, its
+    sub-trees' extra batch dims (``Header.sub``) and its device."""
+
+    count: int
+    stack_dim: int
+    inner: tuple[int, ...]
+    leaves: list[LeafScan]
+    sub: dict[NestedPath, tuple[int, ...]]
+    device: Any
+
+
+def _scan(td: Any, budget: int) -> Scanned:
+    """The leaves of ``td`` by the fastest scan that applies: a dense tensordict's columns, plain
+    TensorDict members key by key (gathering up to ``budget`` bytes), else element by element."""
+    source = td._tensordict if is_tensorclass(td) else td
+    if isinstance(source, TensorDictBase) and not isinstance(source, LazyStackedTensorDict) and source.batch_dims:
+        dense = scan_dense(source)
+        if dense is not None:
+            inner, leaves = dense
+            return Scanned(source.batch_size[0], 0, inner, leaves, subtree_dims(source, len(inner) + 1), getattr(td, "device", None))
+    elements, stack_dim = stack_elements(td)
+    plain = scan_plain(elements, budget) if elements else None
+    if plain is not None:  # every member a TensorDict, its sub-trees' batch sizes the same in all
+        inner, leaves = plain
+        devices = set(map(attrgetter("_device"), elements))
+        device = devices.pop() if len(devices) == 1 else None
+        return Scanned(len(elements), stack_dim, inner, leaves, subtree_dims(elements[0], len(inner)), device)
+    inner, leaves = scan_lazy(source, elements) if isinstance(source, LazyStackedTensorDict) else scan(elements)
+    return Scanned(len(elements), stack_dim, inner, leaves, _subtrees(elements, len(inner)), getattr(td, "device", None))
 
 
 def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
@@ -69,16 +95,15 @@ def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, 
 
 def _chunks(count: int, scans: list[LeafScan], segs: Segments, max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:
     """Ranges [lo, hi) of elements inside one segment, each at most ``max_elements`` long and ``max_bytes`` big (or one element)."""
-    sizes = np.zeros(count, dtype=np.int64)
+    ends = np.zeros(count + 1, dtype=np.int64)  # where each element ends, all leaves counted
     for s in scans:
-        sizes += s.element_bytes()
+        ends[1:] += s.element_bytes()
+    np.cumsum(ends, out=ends)
     lo = 0
     while lo < count:
-        hi, total = lo, 0
-        end = min(count, segs.start(segs.of(lo) + 1))
-        while hi < end and hi - lo < max_elements and (hi == lo or total + sizes[hi] <= max_bytes):
-            total += int(sizes[hi])
-            hi += 1
+        end = min(count, segs.start(segs.of(lo) + 1), lo + max_elements)
+        fits = int(np.searchsorted(ends, ends[lo] + max_bytes, side="right")) - 1  # the last hi within max_bytes
+        hi = max(lo + 1, min(end, fits))
         yield lo, hi
         lo = hi
 
@@ -129,14 +154,12 @@ def _upload(
     batchless: bool,
 ) -> Header:
     """The steps of the module docstring; a failure after the header is created deletes what was written."""
-    elements, stack_dim = stack_elements(lazy_td)
-    inner, scans = _scan(lazy_td, elements)
+    found = _scan(lazy_td, chunk_bytes)
+    scans = found.leaves
     token = uuid.uuid4().hex
     sizes = {s.path: s.element_bytes() for s in scans}
-    dev = device if device is not None else getattr(lazy_td, "device", None)
-    header = _new_header(
-        engine, elements, stack_dim, inner, scans, sizes, token=token, device=dev, kind=kind, tensorclass=tensorclass, batchless=batchless
-    )
+    dev = device if device is not None else found.device
+    header = _new_header(engine, found, sizes, token=token, device=dev, kind=kind, tensorclass=tensorclass, batchless=batchless)
     chunk_bytes = _check_fits(engine, header, scans, sizes, chunk_bytes)
     spread = engine.spread and header.segments.n > 1  # segments on several cluster nodes, each with its guard (see _spread)
     existing = engine.create(header, ttl_ms=UPLOAD_TTL_MS)
@@ -159,10 +182,7 @@ def _upload(
 
 def _new_header(
     engine: Engine,
-    elements: list[TensorDictBase],
-    stack_dim: int,
-    inner: tuple[int, ...],
-    scans: list[LeafScan],
+    found: Scanned,
     sizes: dict[NestedPath, np.ndarray],
     *,
     token: str,
@@ -173,14 +193,12 @@ def _new_header(
 ) -> Header:
     """The header the upload creates, in state ``uploading:<token>``: one leaf per scanned key, the
     row block, and segments long enough for the largest element (a leaf is one string per segment)."""
-    count = len(elements)
+    count, stack_dim, inner = found.count, found.stack_dim, found.inner
     if stack_dim < 0:
         stack_dim += len(inner) + 1
     leaves = {}
-    for n, s in enumerate(scans):
-        shape = tuple(s.shapes[0]) if s.homogeneous else None
-        leaves[s.path] = Leaf(s.path, n, s.dtype, len(s.shapes[0]), shape, json=s.json)
-    sub = _subtrees(elements, len(inner))
+    for n, s in enumerate(found.leaves):
+        leaves[s.path] = Leaf(s.path, n, s.dtype, s.ndim, s.shape, json=s.json)
     header = Header(
         version=1,
         count=count,
@@ -193,7 +211,7 @@ def _new_header(
         kind=kind,
         tensorclass=tensorclass,
         batchless=batchless,
-        sub=sub,
+        sub=found.sub,
     )
     header = _rows.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0
@@ -296,16 +314,14 @@ def _queue_chunk(
     columns: list[tuple[Leaf, np.ndarray]] = []
     for s in scans:
         leaf = header.leaves[s.path]
-        tensors = s.tensors[lo:hi]
         if leaf.col is not None:
-            columns.append((leaf, np.frombuffer(_codec.to_bytes(torch.stack(tensors)), dtype=np.uint8).reshape(hi - lo, -1)))
+            columns.append((leaf, np.frombuffer(_codec.to_bytes(s.data(lo, hi)), dtype=np.uint8).reshape(hi - lo, -1)))
         elif leaf.shape is not None:
-            data = _codec.to_bytes(torch.stack(tensors)) if leaf.element_nbytes else b""
-            if len(data):
-                pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, data)
+            if leaf.element_nbytes:
+                pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, _codec.to_bytes(s.data(lo, hi)))
         else:
             start = het_pos[s.path] if local else 0
-            het_pos[s.path] = _queue_ragged(pipe, keys, leaf, k, local, start, tensors, sizes[s.path][lo:hi], s.shapes[lo:hi])
+            het_pos[s.path] = _queue_ragged(pipe, keys, leaf, k, local, start, s.data(lo, hi), sizes[s.path][lo:hi], s.shape_rows(lo, hi))
     if columns:
         assert header.row is not None
         block, width = header.row
@@ -319,20 +335,20 @@ def _queue_ragged(
     k: int,
     local: int,
     start: int,
-    tensors: list[torch.Tensor],
+    data: torch.Tensor,
     sizes: np.ndarray,
-    shapes: list[torch.Size],
+    shapes: np.ndarray,
 ) -> int:
-    """Queue one heterogeneous leaf's part of a chunk in segment ``k``: its bytes at ``start`` of the
-    segment's blob, their ends in the offset table (which starts with a 0 at element 0 of the
+    """Queue one heterogeneous leaf's part of a chunk in segment ``k``: its bytes (``data``) at ``start``
+    of the segment's blob, their ends in the offset table (which starts with a 0 at element 0 of the
     segment), and their shapes.  Returns where the leaf's bytes end now."""
     ends = start + np.cumsum(sizes, dtype=np.int64)
-    data = _codec.to_bytes(torch.cat([t.reshape(-1) for t in tensors]))
-    if len(data):
-        pipe.setrange(keys.data(leaf.number, k), start, data)
+    raw = _codec.to_bytes(data)
+    if len(raw):
+        pipe.setrange(keys.data(leaf.number, k), start, raw)
     table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
     pipe.setrange(keys.offsets(leaf.number, k), 8 * (local + 1) if local else 0, table)
-    pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, _codec.pack_i64([d for shape in shapes for d in shape]))
+    pipe.setrange(keys.shapes(leaf.number, k), local * 8 * leaf.ndim, shapes.astype("<i8").tobytes())
     return int(ends[-1]) if len(ends) else start
 
 

@@ -1,17 +1,28 @@
 """Step 1 of an upload (see ``_upload``): the elements' keys, dtypes and shapes, checked and
-collected before anything is written, without copying any data.
+collected before anything is written.
 
 Keys present in only some elements, a key with two dtypes or two numbers of dims, and
 values that are neither tensors nor non-tensor data raise here, naming the key and the
-element.  :func:`scan` is the general walk and words every error; :func:`scan_plain` and
-:func:`scan_lazy` are fast paths for the common inputs that hand anything unusual to it.
+element.  :func:`scan` is the general walk and words every error; :func:`scan_plain`,
+:func:`scan_lazy` and :func:`scan_dense` are fast paths for the common inputs that hand
+anything unusual to it.
+
+The fast paths never call Python code per element: each check is one pass of a C-level
+``map``/``set`` over a key's column of tensors (their types, dtypes, batch sizes), and a
+key's data is gathered by one ``torch.stack``/``torch.cat`` of the column, which also checks
+that every element has one shape.  Gathered columns are kept (:attr:`LeafScan.packed`, at
+most ``budget`` bytes in all: an upload of one chunk holds them anyway); the chunks slice
+them instead of gathering again.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -24,32 +35,85 @@ from ._nontensor import NonTensor, element_docs
 from ._schema import NestedPath, check_paths
 from ._values import as_path, display
 
-__all__ = ["LeafScan", "scan", "scan_lazy", "scan_plain", "stack_elements"]
+__all__ = ["LeafScan", "scan", "scan_dense", "scan_lazy", "scan_plain", "stack_elements"]
+
+_BATCH = attrgetter("_batch_size")
+_DICT = attrgetter("_tensordict")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
 
 
-@dataclass
+@dataclass(eq=False)
 class LeafScan:
-    """One leaf across the stack: its dtype and every element's tensor (references, no copies)."""
+    """One leaf across the stack: its dtype, every element's tensor (references, no copies) and
+    their shapes: ``shape`` when every element has that one shape (the leaf is one blob of
+    fixed-size elements), else ``shapes``, one row of dims per element (a heterogeneous or a
+    non-tensor leaf)."""
 
     path: NestedPath
     dtype: torch.dtype
-    tensors: list[torch.Tensor]
-    shapes: list[torch.Size]
+    tensors: Sequence[torch.Tensor] = field(repr=False)  # empty when ``packed`` holds every element
+    shape: tuple[int, ...] | None
+    shapes: np.ndarray | None = None  # (count, ndim) int64 when ``shape`` is None
     json: bool = False  # a non-tensor key: each tensor is an element's JSON document
+    packed: torch.Tensor | None = field(default=None, repr=False)  # every element's data: (count, *shape), or flat if heterogeneous
+
+    @classmethod
+    def of(
+        cls, path: NestedPath, dtype: torch.dtype, tensors: list[torch.Tensor], shapes: list[torch.Size], json: bool = False
+    ) -> LeafScan:
+        """A leaf from its elements' tensors and shapes (the general scans)."""
+        if not json and len(set(shapes)) == 1:  # torch.Size hashes as a tuple: one pass in C
+            return cls(path, dtype, tensors, tuple(shapes[0]))
+        ndim = len(shapes[0])
+        return cls(path, dtype, tensors, None, np.array(shapes, dtype=np.int64).reshape(len(shapes), ndim), json=json)
+
+    @property
+    def homogeneous(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def ndim(self) -> int:
+        if self.shape is not None:
+            return len(self.shape)
+        assert self.shapes is not None
+        return self.shapes.shape[1]
 
     @functools.cached_property
-    def homogeneous(self) -> bool:
-        """Every element has one shape: the leaf is one blob of fixed-size elements (never a non-tensor leaf)."""
-        if self.json:
-            return False
-        return len(set(self.shapes)) == 1  # torch.Size hashes as a tuple: one pass in C
-
-    def element_bytes(self) -> np.ndarray:
+    def sizes(self) -> np.ndarray:
         """Bytes of each element of this leaf (int64)."""
         item = self.dtype.itemsize
-        if self.homogeneous:
-            return np.full(len(self.shapes), math.prod(self.shapes[0]) * item, dtype=np.int64)
-        return np.array([math.prod(shape) for shape in self.shapes], dtype=np.int64) * item
+        if self.shape is not None:
+            count = len(self.packed) if self.packed is not None else len(self.tensors)
+            return np.full(count, math.prod(self.shape) * item, dtype=np.int64)
+        assert self.shapes is not None
+        return np.prod(self.shapes, axis=1, dtype=np.int64) * item
+
+    def element_bytes(self) -> np.ndarray:
+        return self.sizes
+
+    @functools.cached_property
+    def _ends(self) -> np.ndarray:
+        """Where each element ends in :attr:`packed` of a heterogeneous leaf (items; a 0 first)."""
+        return np.concatenate(([0], np.cumsum(self.sizes // self.dtype.itemsize)))
+
+    def data(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` as one tensor whose bytes are theirs, one after the other."""
+        if self.packed is not None:
+            if self.shape is not None:
+                return self.packed[lo:hi]
+            ends = self._ends
+            return self.packed[int(ends[lo]) : int(ends[hi])]
+        part = self.tensors[lo:hi]
+        with torch.inference_mode():
+            if self.shape is not None:
+                return torch.stack(list(part))
+            return _cat(part, self.sizes[lo:hi] // self.dtype.itemsize)
+
+    def shape_rows(self, lo: int, hi: int) -> np.ndarray:
+        """The dims of elements ``[lo, hi)`` of a heterogeneous leaf, ``(hi - lo, ndim)`` int64."""
+        assert self.shapes is not None
+        return np.asarray(self.shapes[lo:hi], dtype=np.int64)
 
 
 def stack_elements(td: Any) -> tuple[list[TensorDictBase], int]:
@@ -65,12 +129,22 @@ def stack_elements(td: Any) -> tuple[list[TensorDictBase], int]:
     raise TypeError(f"from_lazy_stack expects a LazyStackedTensorDict, got {type(td).__name__}")
 
 
+@dataclass
+class _Column:
+    """A leaf while :func:`scan` walks the elements."""
+
+    dtype: torch.dtype
+    tensors: list[torch.Tensor]
+    shapes: list[torch.Size]
+    json: bool = False
+
+
 def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan]]:
     """Check every element's keys, dtypes and shapes, and collect each leaf's tensors; nothing is copied."""
     if not elements:
         raise ValueError("cannot upload an empty stack (no elements)")
     inner = elements[0].batch_size
-    leaves: dict[NestedPath, LeafScan] = {}
+    leaves: dict[NestedPath, _Column] = {}
     paths: dict[Any, NestedPath] = {}
     for i, el in enumerate(elements):
         if el.batch_size != inner:
@@ -79,40 +153,38 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan
             path = paths.get(key)
             if path is None:
                 path = paths[key] = as_path(key)
-            scan_ = leaves.get(path)
+            col = leaves.get(path)
             if is_non_tensor(value):
-                if scan_ is not None and not scan_.json:
+                if col is not None and not col.json:
                     raise TypeError(f"key {display(path)!r} holds a tensor in element 0 but non-tensor data in element {i}")
                 doc = element_docs(path, NonTensor(value), None, 0)[0]
-                if scan_ is None:
-                    leaves[path] = LeafScan(path, torch.uint8, [doc], [doc.shape], json=True)
+                if col is None:
+                    leaves[path] = _Column(torch.uint8, [doc], [doc.shape], json=True)
                 else:
-                    scan_.tensors.append(doc)
-                    scan_.shapes.append(doc.shape)
+                    col.tensors.append(doc)
+                    col.shapes.append(doc.shape)
                 continue
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"key {display(path)!r} of element {i} is a {type(value).__name__}; a store holds tensors and NonTensorData"
                 )
-            if scan_ is not None and scan_.json:
+            if col is not None and col.json:
                 raise TypeError(f"key {display(path)!r} holds non-tensor data in element 0 but a tensor in element {i}")
-            if scan_ is None:
+            if col is None:
                 _codec.dtype_name(value.dtype)
-                leaves[path] = LeafScan(path, value.dtype, [value], [value.shape])
+                leaves[path] = _Column(value.dtype, [value], [value.shape])
                 continue
-            if value.dtype != scan_.dtype:
+            if value.dtype != col.dtype:
                 raise TypeError(
-                    f"key {display(path)!r} has dtype {scan_.dtype} in element 0 but {value.dtype} in element {i}; "
+                    f"key {display(path)!r} has dtype {col.dtype} in element 0 but {value.dtype} in element {i}; "
                     "every element must use one dtype per key"
                 )
             shape = value.shape
-            if len(shape) != len(scan_.shapes[0]):
-                raise ValueError(
-                    f"key {display(path)!r} has {len(scan_.shapes[0])} dims in element 0 but shape {list(shape)} in element {i}"
-                )
-            scan_.tensors.append(value)
-            scan_.shapes.append(shape)
-    partial = [path for path, s in leaves.items() if len(s.tensors) != len(elements)]
+            if len(shape) != len(col.shapes[0]):
+                raise ValueError(f"key {display(path)!r} has {len(col.shapes[0])} dims in element 0 but shape {list(shape)} in element {i}")
+            col.tensors.append(value)
+            col.shapes.append(shape)
+    partial = [path for path, c in leaves.items() if len(c.tensors) != len(elements)]
     if partial:
         missing = {}
         for path in partial:
@@ -120,99 +192,120 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan
             missing[display(path)] = [i for i, el in enumerate(elements) if name not in el.keys(include_nested=True, leaves_only=True)][:5]
         raise ValueError(f"keys present in only some elements (missing from elements {missing}); every element must hold the same keys")
     check_paths(list(leaves))
-    return tuple(inner), list(leaves.values())
+    return tuple(inner), [LeafScan.of(path, c.dtype, c.tensors, c.shapes, c.json) for path, c in leaves.items()]
 
 
-def _plain_paths(td: TensorDict, prefix: NestedPath, out: list[NestedPath]) -> bool:
-    """Collect the leaf paths of a tree of plain TensorDicts holding plain tensors; False for anything else."""
-    for key, value in td._tensordict.items():
-        if type(value) is TensorDict:
-            if not _plain_paths(value, (*prefix, key), out):
-                return False
-        elif isinstance(value, torch.Tensor) and not isinstance(value, TensorDictBase):
-            out.append((*prefix, key))
-        else:
-            return False
-    return True
+def scan_plain(elements: list[TensorDictBase], budget: int = 0) -> tuple[tuple[int, ...], list[LeafScan]] | None:
+    """:func:`scan` for elements that are all plain TensorDicts of one key tree holding plain tensors
+    (the common upload), gathering each key's data while ``budget`` bytes last (:attr:`LeafScan.packed`).
 
-
-def _all_same_tree(elements: list[TensorDictBase], first: TensorDict, inner: torch.Size) -> bool:
-    """Whether every element is a plain TensorDict with exactly ``first``'s keys at every level (nested
-    plain TensorDicts where it has them) and its batch size; no Python call per element and level
-    (this loop is the per-element cost of an upload's scan)."""
-    nested: list[tuple[NestedPath, Any]] = []  # each sub-tree of ``first`` (parents first) and its keys
-
-    def walk(td: TensorDict, prefix: NestedPath) -> None:
-        for key, value in td._tensordict.items():
-            if type(value) is TensorDict:
-                nested.append(((*prefix, key), value._tensordict.keys()))
-                walk(value, (*prefix, key))
-
-    walk(first, ())
-    top = first._tensordict.keys()
-    for el in elements:
-        if type(el) is not TensorDict or el._tensordict.keys() != top or el.batch_size != inner:
-            return False
-        for path, keys in nested:
-            node: Any = el
-            for part in path:  # present: the parent's keys matched just before
-                node = node._tensordict[part]
-            if type(node) is not TensorDict or node._tensordict.keys() != keys:
-                return False
-    return True
-
-
-def scan_plain(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan]] | None:
-    """:func:`scan` for elements that are all plain TensorDicts of one key tree (the common upload).
-
-    Reads each element's key dicts directly, about 10x faster than tensordict's
-    lazy-stack walk (``_has_exclusive_keys`` and ``get(as_list=True)``), which
-    dominated uploads.  Returns None for anything else (other classes, non-tensor
-    data, keys in some elements only, mixed dtypes or ndims): :func:`scan` handles
-    those and words the errors.
+    Reads each element's key dicts directly, a C-level pass per key and check (see the module
+    docstring).  Returns None for anything else (other classes, non-tensor data, keys in some
+    elements only, mixed dtypes or ndims, sub-trees whose batch sizes differ): :func:`scan`
+    handles those and words the errors.
     """
     first = elements[0]
-    paths: list[NestedPath] = []
-    if type(first) is not TensorDict or not _plain_paths(first, (), paths):
+    if type(first) is not TensorDict or set(map(type, elements)) != {TensorDict} or len(set(map(_BATCH, elements))) != 1:
         return None
-    inner = first.batch_size
-    if not _all_same_tree(elements, first, inner):
+    leaves: list[LeafScan] = []
+    left = [budget]
+    if not _plain_level(list(map(_DICT, elements)), first._tensordict, (), leaves, left):
         return None
-    leaves = []
-    for path in paths:
-        if len(path) == 1:
-            key = path[0]
-            tensors = [el._tensordict[key] for el in elements]
+    check_paths([leaf.path for leaf in leaves])
+    return tuple(first.batch_size), leaves
+
+
+def _plain_level(dicts: list[dict], top: dict, prefix: NestedPath, out: list[LeafScan], left: list[int]) -> bool:
+    """The leaves under one level of the tree: ``dicts`` are the elements' key dicts there, ``top`` the first's.
+    Every element holds exactly ``top``'s keys: each of them (else a ``KeyError``), and as many in all."""
+    if sum(map(len, dicts)) != len(dicts) * len(top):
+        return False
+    for key, value in top.items():
+        try:
+            column = [d[key] for d in dicts]
+        except KeyError:
+            return False
+        kinds = set(map(type, column))
+        if len(kinds) != 1:
+            return False
+        kind = kinds.pop()
+        path = (*prefix, key)
+        if kind is TensorDict:
+            if len(set(map(_BATCH, column))) != 1 or not _plain_level(list(map(_DICT, column)), value._tensordict, path, out, left):
+                return False
+        elif issubclass(kind, torch.Tensor):
+            leaf = _plain_leaf(path, column, left)
+            if leaf is None:
+                return False
+            out.append(leaf)
         else:
-            tensors = []
-            for el in elements:
-                node = el
-                for part in path:
-                    node = node._tensordict[part]
-                tensors.append(node)
-        dtype = tensors[0].dtype
-        shapes = [t.shape for t in tensors]
-        # sets built in C: one dtype and one number of dims across the stack
-        if len({t.dtype for t in tensors}) != 1 or len({len(sh) for sh in shapes}) != 1:
+            return False
+    return True
+
+
+def _plain_leaf(path: NestedPath, column: list[torch.Tensor], left: list[int]) -> LeafScan | None:
+    """One key's tensors checked (one dtype, one number of dims) and gathered if ``left[0]`` bytes
+    allow; None when the general scan must look at them."""
+    dtypes = set(map(_DTYPE, column))
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    _codec.dtype_name(dtype)
+    first = column[0]
+    n = len(column)
+    if first.nbytes * n <= left[0]:
+        try:
+            with torch.inference_mode():
+                stacked = torch.stack(column)  # checks that every element has one shape
+        except RuntimeError:  # shapes differ (or devices: then the cat below fails too)
+            pass
+        else:
+            left[0] -= stacked.nbytes
+            return LeafScan(path, dtype, column, tuple(first.shape), packed=stacked)
+    elif len(set(map(_SHAPE, column))) == 1:
+        return LeafScan(path, dtype, column, tuple(first.shape))
+    ndim = first.ndim
+    if ndim == 0:
+        return None
+    shapes_list = list(map(_SHAPE, column))
+    if set(map(len, shapes_list)) != {ndim}:
+        return None
+    shapes = np.fromiter(chain.from_iterable(shapes_list), dtype=np.int64, count=n * ndim).reshape(n, ndim)
+    numels = np.prod(shapes, axis=1)
+    total = int(numels.sum()) * dtype.itemsize
+    packed: torch.Tensor | None = None
+    if total <= left[0]:
+        try:
+            with torch.inference_mode():
+                packed = _cat(column, numels)
+        except RuntimeError:  # tensors on several devices: the general scan and chunks handle them
             return None
-        _codec.dtype_name(dtype)
-        leaves.append(LeafScan(path, dtype, tensors, shapes))
-    check_paths(paths)
-    return tuple(inner), leaves
+        left[0] -= total
+    return LeafScan(path, dtype, column, None, shapes, packed=packed)
+
+
+_SERIAL = 16384
+"""Elements (items) per ``torch.cat`` in :func:`_cat`: torch copies a smaller result in one loop, but
+a larger one of tensors that differ in size tensor by tensor on its thread pool, about 5x slower."""
+
+
+def _cat(tensors: Sequence[torch.Tensor], numels: np.ndarray) -> torch.Tensor:
+    """The elements' bytes one after the other, as one flat tensor (``numels``: their numbers of items)."""
+    flat = [t.reshape(-1) for t in tensors] if tensors[0].ndim != 1 else list(tensors)
+    ends = np.cumsum(numels)
+    if not len(ends) or ends[-1] < _SERIAL:
+        return torch.cat(flat)
+    cuts = np.unique(np.searchsorted(ends, np.arange(_SERIAL, int(ends[-1]) + _SERIAL, _SERIAL), side="right")).tolist()
+    bounds = [0, *(c for c in cuts if 0 < c < len(flat)), len(flat)]
+    return torch.cat([torch.cat(flat[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)])
 
 
 def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan]]:
-    """:func:`scan` for a lazy stack of plain tensordicts, one key at a time (5-10x faster).
-
-    tensordict collects each key's member tensors in C-level loops; anything unusual
-    (keys in only some members, nested lazy stacks) goes through :func:`scan`, which
-    also words the errors.
-    """
+    """:func:`scan` for a lazy stack whose members are not all plain (:func:`scan_plain`), one key
+    at a time (tensordict collects each key's member tensors in C-level loops), else :func:`scan`,
+    which also words the errors (keys in only some members, nested lazy stacks, non-tensor data)."""
     if not elements:
         return scan(elements)
-    plain = scan_plain(elements)
-    if plain is not None:
-        return plain
     if any(isinstance(el, LazyStackedTensorDict) for el in elements) or stack._has_exclusive_keys:
         return scan(elements)
     leaves = []
@@ -229,6 +322,23 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
         if any(len(sh) != ndim for sh in shapes):
             return scan(elements)
         _codec.dtype_name(dtype)
-        leaves.append(LeafScan(path, dtype, list(tensors), shapes))
+        leaves.append(LeafScan.of(path, dtype, list(tensors), shapes))
     check_paths([leaf.path for leaf in leaves])
     return tuple(elements[0].batch_size), leaves
+
+
+def scan_dense(td: TensorDictBase) -> tuple[tuple[int, ...], list[LeafScan]] | None:
+    """The leaves of a dense tensordict ``td`` (batch dims ``[count, *inner]``) straight from its
+    columns, none unbound into elements: every leaf is homogeneous and its column is
+    :attr:`LeafScan.packed`.  None when a leaf is not a tensor (non-tensor data goes element
+    by element through :func:`scan`)."""
+    if not td.batch_size[0]:
+        return None  # no elements: scan says so
+    leaves = []
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
+        if not isinstance(value, torch.Tensor) or isinstance(value, TensorDictBase):
+            return None
+        _codec.dtype_name(value.dtype)
+        leaves.append(LeafScan(as_path(key), value.dtype, [], tuple(value.shape[1:]), packed=value))
+    check_paths([leaf.path for leaf in leaves])
+    return tuple(td.batch_size[1:]), leaves

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_stack, round_trips, top_level_commands
@@ -247,7 +248,8 @@ def test_plain_scan_matches_the_general_scan():
     ]
     fast, slow = scan_plain(els), scan(els)
     assert fast is not None and fast[0] == slow[0]
-    assert [(x.path, x.dtype, x.shapes) for x in fast[1]] == [(x.path, x.dtype, x.shapes) for x in slow[1]]
+    assert [(x.path, x.dtype, x.shape, x.ndim) for x in fast[1]] == [(x.path, x.dtype, x.shape, x.ndim) for x in slow[1]]
+    assert all(np.array_equal(x.element_bytes(), y.element_bytes()) for x, y in zip(fast[1], slow[1]))
     assert all(a is b for x, y in zip(fast[1], slow[1]) for a, b in zip(x.tensors, y.tensors))
     # anything unusual goes to the general scan, which words the error
     assert scan_plain([*els, TensorDict(a=torch.randn(2, 3))]) is None  # keys in some elements only
