@@ -23,6 +23,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 
@@ -36,7 +37,6 @@ from ._upload_scan import LeafScan, scan, scan_dense, scan_lazy, scan_plain, sta
 from ._values import display, gc_paused, subtree_dims
 
 if TYPE_CHECKING:
-    from redis.client import Pipeline
     from redis.typing import EncodableT, FieldT
 
     from ._keys import StoreKeys
@@ -276,27 +276,101 @@ def _send(
     renewed = time.monotonic()
     with progress(pbar, header.count, "upload") as bar:
         for lo, hi in _chunks(header.count, scans, segs, chunk_elements, chunk_bytes):
-            pipe = engine.client.pipeline(transaction=False)
+            batch = Batch()
             k = segs.of(lo)
-            _queue_chunk(pipe, keys, header, scans, sizes, het_pos, lo, hi)
+            _queue_chunk(batch, keys, header, scans, sizes, het_pos, lo, hi)
             if spread and k:
-                pipe.hset(keys.guard(k), mapping=guard)
+                batch.hset(keys.guard(k), mapping=guard)
             if time.monotonic() - renewed > RENEW_S:
                 renew = all_keys
                 renewed = time.monotonic()
             else:
                 renew = [keys.meta, *keys.segment_keys(header.next_leaf, k), *([keys.guard(k)] if spread and k else [])]
             for key in renew:
-                pipe.pexpire(key, UPLOAD_TTL_MS)
-            for reply in pipe.execute(raise_on_error=False):
+                batch.pexpire(key, UPLOAD_TTL_MS)
+            for reply in batch.execute(engine.client):
                 if isinstance(reply, Exception):
                     raise _scripts.translate(reply)
             if bar is not None:
                 bar.update(hi - lo)
 
 
+class Batch:
+    """The commands of one round trip of an upload, queued as on a redis-py pipeline.
+
+    On a plain ``redis.Redis`` client they are packed here and sent without copying the data:
+    redis-py's pipeline copies every ``memoryview`` into ``bytes`` and hiredis packs the command
+    into another copy, which costs an upload of small elements about as much as the server's
+    part of it.  Other clients (Redis Cluster, fakeredis) get a non-transactional pipeline.
+    """
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[Any, ...]] = []
+
+    def setrange(self, key: str, offset: int, value: bytes | memoryview) -> None:
+        self.commands.append(("SETRANGE", key, offset, value))
+
+    def hset(self, key: str, mapping: dict[FieldT, EncodableT]) -> None:
+        self.commands.append(("HSET", key, *(x for pair in mapping.items() for x in pair)))
+
+    def pexpire(self, key: str, ms: int) -> None:
+        self.commands.append(("PEXPIRE", key, ms))
+
+    def execute(self, client: Any) -> list[Any]:
+        """Every command's reply in order, an error reply as its exception (none is raised)."""
+        if type(client) is not redis.Redis or not self.commands:
+            pipe = client.pipeline(transaction=False)
+            for command in self.commands:
+                pipe.execute_command(*command)
+            return pipe.execute(raise_on_error=False)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return conn.retry.call_with_retry(lambda: self._exchange(conn), lambda _: conn.disconnect())
+        except BaseException:
+            conn.disconnect()  # a reply may be left unread
+            raise
+        finally:
+            pool.release(conn)
+
+    def _exchange(self, conn: Any) -> list[Any]:
+        conn.send_packed_command(_pack(conn.encoder.encode, self.commands))
+        replies: list[Any] = []
+        for _ in self.commands:
+            try:
+                replies.append(conn.read_response(disable_decoding=True))
+            except redis.ResponseError as err:
+                replies.append(err)
+        return replies
+
+
+_BIG = 1 << 16
+"""A value at least this large is sent as it is, the other pieces of the round trip joined around it."""
+
+
+def _pack(encode: Any, commands: list[tuple[Any, ...]]) -> list[bytes | bytearray | memoryview]:
+    """``commands`` in RESP: small pieces joined into one buffer, each large value as its own."""
+    out: list[bytes | bytearray | memoryview] = []
+    small = bytearray()
+    for command in commands:
+        small += b"*%d\r\n" % len(command)
+        for arg in command:
+            value = arg if isinstance(arg, bytes | bytearray | memoryview) else encode(arg)
+            size = value.nbytes if isinstance(value, memoryview) else len(value)
+            small += b"$%d\r\n" % size
+            if size >= _BIG:
+                out += (bytes(small), value)
+                small = bytearray(b"\r\n")
+            else:
+                small += value
+                small += b"\r\n"
+    if small:
+        out.append(bytes(small))
+    return out
+
+
 def _queue_chunk(
-    pipe: Pipeline,
+    pipe: Batch,
     keys: StoreKeys,
     header: Header,
     scans: list[LeafScan],
@@ -329,7 +403,7 @@ def _queue_chunk(
 
 
 def _queue_ragged(
-    pipe: Pipeline,
+    pipe: Batch,
     keys: StoreKeys,
     leaf: Leaf,
     k: int,

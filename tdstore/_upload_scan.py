@@ -253,7 +253,7 @@ def _plain_leaf(path: NestedPath, column: list[torch.Tensor], left: list[int]) -
     _codec.dtype_name(dtype)
     first = column[0]
     n = len(column)
-    if first.nbytes * n <= left[0]:
+    if first.nbytes * n <= left[0] and all(column[i].shape == first.shape for i in (n // 3, n // 2, -1)):
         try:
             with torch.inference_mode():
                 stacked = torch.stack(column)  # checks that every element has one shape
