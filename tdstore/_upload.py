@@ -1,12 +1,14 @@
-"""Streaming upload of a lazy stack into a new store.
+"""Streaming upload of a lazy stack (or a dense tensordict) into a new store.
 
-1. Scan the elements' metadata (no data is copied): keys, dtypes, shapes
-   (``_upload_scan``).  Keys present in only some elements, or a key with two
-   dtypes, raise here, before anything is written.
+1. Scan the input (``_upload_scan``): keys, dtypes and shapes, checked before anything is
+   written (keys present in only some elements, or a key with two dtypes, raise here).  Plain
+   TensorDict members are read key by key with C-level passes, and each key's data is gathered
+   in the same step (one ``torch.stack``/``torch.cat`` per key, up to ``chunk_bytes`` in all);
+   a dense tensordict's columns are its keys' data as they are.
 2. Create the header in state ``uploading:<token>`` with a short TTL.
-3. Send the data in chunks bounded by element count *and* bytes, one pipelined
-   round trip of plain ``SETRANGE`` commands per chunk (bulk bytes through Lua
-   cost 4-5x the server CPU), each renewing the TTL of every key.
+3. Send the data in chunks bounded by element count *and* bytes, one round trip of plain
+   ``SETRANGE`` commands per chunk (bulk bytes through Lua cost 4-5x the server CPU), the
+   gathered bytes sent without a copy (:class:`Batch`), each renewing the TTL of every key.
 4. ``commit.lua`` flips the state to ``ready`` and removes the TTLs atomically.
 
 A failure deletes everything written so far; an uploader that dies leaves keys

@@ -215,8 +215,8 @@ class LazyStackedTensorDictStore(
         """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
 
         The upload streams in chunks of at most ``chunk_elements`` elements and
-        ``chunk_bytes`` bytes per round trip, never building the whole stack in
-        memory.  The store becomes visible to readers only when the upload is
+        ``chunk_bytes`` bytes per round trip, holding about ``chunk_bytes`` of
+        gathered data at most (never the whole stack when it is larger).  The store becomes visible to readers only when the upload is
         complete; a failed upload deletes what it wrote, and an uploader that
         dies leaves keys that expire by themselves.  Every element must hold the
         same keys with one dtype per key, checked before anything is written.

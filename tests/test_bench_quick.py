@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: The operations of issue #6, per case.
 EXPECTED = {
-    "homogeneous": {"upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"},
+    "homogeneous": {"upload", "dense_upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"},
     "heterogeneous": {
         "upload",
         "element_read",

@@ -15,7 +15,7 @@ import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tools._probes import commandstats
 from tools.bench.measure import Contender, OpOutcome, Target, _describe, measure
 from tools.bench.report import _ratio, _row, _size
@@ -28,6 +28,7 @@ from tools.bench.workload import (
     WRITER_ROWS,
     RawFloor,
     RawLeaf,
+    RefDense,
     RefLazy,
     Settings,
     _path_key,
@@ -176,6 +177,8 @@ class Runner:
         s = self.upload_all(case, stack)
         lengths = np.array([1 + i % TOKENS_PERIOD for i in range(st.count)], dtype=np.int64)
         self.upload_op(case, s, stack)
+        if not het:
+            self.dense_upload_op(case, s)
         writes = self.element_ops(case, s, het, lengths)
         self.range_reads(case, s)
         if het:
@@ -220,6 +223,28 @@ class Runner:
             up.append(Contender("reference", upload_ref, drop_td))
         up.append(Contender("raw", upload_raw, s.raw.drop))
         self.run(case, "upload", up, lambda: None)
+
+    def dense_upload_op(self, case: str, s: Stores) -> None:
+        """The homogeneous elements as one dense TensorDict (``TensorDictStore.from_tensordict``), against
+        the reference's ``TensorDictStore.from_tensordict`` and the raw floor of the same bytes."""
+        dense = torch.stack(list(s.stack.tensordicts)).contiguous()
+
+        def upload_td(_: Any) -> Any:
+            return TensorDictStore.from_tensordict(dense, url=self.target.url, prefix=f"{self.prefix}-dn")
+
+        def upload_ref(_: Any) -> Any:
+            return RefDense.from_tensordict(dense, prefix=f"{self.prefix}-dnref", **self.target.ref_kwargs)
+
+        def upload_raw(_: Any) -> str:
+            base = f"{self.prefix}-dnraw-{uuid.uuid4().hex[:6]}"
+            s.raw.upload(base)
+            return base
+
+        up = [Contender("tdstore", upload_td, _drop_store)]
+        if RefDense is not None:
+            up.append(Contender("reference", upload_ref, _drop_store))
+        up.append(Contender("raw", upload_raw, s.raw.drop))
+        self.run(case, "dense_upload", up, lambda: None)
 
     def element_ops(self, case: str, s: Stores, het: bool, lengths: np.ndarray) -> dict[str, Callable[[Any], Any]]:
         """Element read and element write; returns the writes (the shape-changing write reuses them)."""
@@ -555,6 +580,11 @@ class Runner:
         if out.get("tdstore", {}).get("status") != "ok":
             self.problems.append(f"learner: tdstore {out.get('tdstore')}")
         return out
+
+
+def _drop_store(store: Any) -> None:
+    store.clear_redis()
+    store.close()
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -18,8 +18,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning, module="tensordic
 
 try:  # the reference is optional: without it its column reads "unavailable"
     from tensordict.store import LazyStackedTensorDictStore as RefLazy
+    from tensordict.store import TensorDictStore as RefDense
 except ImportError:  # pragma: no cover - tensordict 0.15.3 ships it
-    RefLazy = None
+    RefLazy = RefDense = None
 
 CONTENDERS = ("tdstore", "reference", "raw")
 SYSTEM_REDIS = "/usr/bin/redis-server"
@@ -29,7 +30,7 @@ GiB = 1 << 30
 #: Operations per case, in the order they run (the shape-changing write last: it
 #: changes element sizes that the other heterogeneous operations rely on).
 OPERATIONS: dict[str, tuple[str, ...]] = {
-    "homogeneous": ("upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"),
+    "homogeneous": ("upload", "dense_upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"),
     "heterogeneous": (
         "upload",
         "element_read",
@@ -80,6 +81,7 @@ class Settings:
 
 FULL_REPS = {
     "upload": 5,
+    "dense_upload": 10,
     "element_read": 300,
     "element_write": 300,
     "shape_change_write": 300,
@@ -99,6 +101,7 @@ FULL_REPS = {
 }
 QUICK_REPS = {
     "upload": 2,
+    "dense_upload": 2,
     "element_read": 30,
     "element_write": 30,
     "shape_change_write": 30,
