@@ -199,71 +199,193 @@ def scan_plain(elements: list[TensorDictBase], budget: int = 0) -> tuple[tuple[i
     """:func:`scan` for elements that are all plain TensorDicts of one key tree holding plain tensors
     (the common upload), gathering each key's data while ``budget`` bytes last (:attr:`LeafScan.packed`).
 
-    Reads each element's key dicts directly, a C-level pass per key and check (see the module
-    docstring).  Returns None for anything else (other classes, non-tensor data, keys in some
-    elements only, mixed dtypes or ndims, sub-trees whose batch sizes differ): :func:`scan`
+    Reads the elements' key dicts directly, :data:`_BLOCK` elements at a time: for each block,
+    one C-level pass per check (classes, batch sizes, numbers of keys, dtypes) and one
+    ``torch.stack`` per key into its gathered column, while the block's objects are still in
+    the CPU's cache (a pass over all 10,000 elements of a key would find them evicted by the
+    previous key's).  Returns None for anything else (other classes, non-tensor data, keys in
+    some elements only, mixed dtypes or ndims, sub-trees whose batch sizes differ): :func:`scan`
     handles those and words the errors.
     """
     first = elements[0]
-    if type(first) is not TensorDict or set(map(type, elements)) != {TensorDict} or len(set(map(_BATCH, elements))) != 1:
+    plan = _Plan.of(first)
+    if plan is None:
         return None
-    leaves: list[LeafScan] = []
-    left = [budget]
-    if not _plain_level(list(map(_DICT, elements)), first._tensordict, (), leaves, left):
-        return None
+    n = len(elements)
+    plan.left = budget
+    for slot in plan.slots:
+        _codec.dtype_name(slot.dtype)
+        est = slot.first.nbytes * n
+        if not _same_shapes(elements, slot):
+            slot.shapes, slot.pieces = [], []  # heterogeneous: shapes and bytes gathered block by block
+        elif est <= plan.left:
+            slot.out = torch.empty((n, *slot.first.shape), dtype=slot.dtype, device=slot.first.device)
+            plan.left -= est
+    with torch.inference_mode():
+        for a in range(0, n, _BLOCK):
+            if not plan.block(elements[a : a + _BLOCK], a):
+                return None
+    leaves = []
+    for slot in plan.slots:
+        leaf = slot.leaf(plan.left)
+        if leaf is None:
+            return None
+        if slot.shapes is None and leaf.packed is not None and leaf.shape is None:
+            plan.left -= leaf.packed.nbytes
+        leaves.append(leaf)
     check_paths([leaf.path for leaf in leaves])
     return tuple(first.batch_size), leaves
 
 
-def _plain_level(dicts: list[dict], top: dict, prefix: NestedPath, out: list[LeafScan], left: list[int]) -> bool:
-    """The leaves under one level of the tree: ``dicts`` are the elements' key dicts there, ``top`` the first's.
-    Every element holds exactly ``top``'s keys: each of them (else a ``KeyError``), and as many in all."""
-    if sum(map(len, dicts)) != len(dicts) * len(top):
-        return False
-    for key, value in top.items():
+_BLOCK = 512
+"""Elements per block of :func:`scan_plain`: their objects (a few KiB each) stay in a core's cache."""
+
+
+def _same_shapes(elements: list[TensorDictBase], slot: _Slot) -> bool:
+    """Whether a few elements (a third, half way, the last) have the first one's shape for ``slot``."""
+    shape = slot.first.shape
+    for i in (len(elements) // 3, len(elements) // 2, -1):
+        node: Any = elements[i]
         try:
-            column = [d[key] for d in dicts]
-        except KeyError:
-            return False
-        kinds = set(map(type, column))
-        if len(kinds) != 1:
-            return False
-        kind = kinds.pop()
-        path = (*prefix, key)
-        if kind is TensorDict:
-            if len(set(map(_BATCH, column))) != 1 or not _plain_level(list(map(_DICT, column)), value._tensordict, path, out, left):
+            for part in slot.path:
+                node = node._tensordict[part]
+            if node.shape != shape:
                 return False
-        elif issubclass(kind, torch.Tensor):
-            leaf = _plain_leaf(path, column, left)
-            if leaf is None:
-                return False
-            out.append(leaf)
-        else:
-            return False
+        except (AttributeError, KeyError):
+            return True  # not one tree: the scan finds it and returns None
     return True
 
 
-def _plain_leaf(path: NestedPath, column: list[torch.Tensor], left: list[int]) -> LeafScan | None:
-    """One key's tensors checked (one dtype, one number of dims) and gathered if ``left[0]`` bytes
-    allow; None when the general scan must look at them."""
-    dtypes = set(map(_DTYPE, column))
-    if len(dtypes) != 1:
-        return None
-    dtype = dtypes.pop()
-    _codec.dtype_name(dtype)
-    first = column[0]
-    n = len(column)
-    if first.nbytes * n <= left[0] and all(column[i].shape == first.shape for i in (n // 3, n // 2, -1)):
-        try:
-            with torch.inference_mode():
-                stacked = _stack(column)  # checks that every element has one shape
-        except RuntimeError:  # shapes differ (or devices: then the cat below fails too)
-            pass
-        else:
-            left[0] -= stacked.nbytes
-            return LeafScan(path, dtype, column, tuple(first.shape), packed=stacked)
-    elif len(set(map(_SHAPE, column))) == 1:
-        return LeafScan(path, dtype, column, tuple(first.shape))
+@dataclass(eq=False)
+class _Slot:
+    """A key of :func:`scan_plain`: where it sits (``level``, ``key``), its first element, and its column."""
+
+    path: NestedPath
+    level: int
+    key: Any
+    first: torch.Tensor
+    column: list[torch.Tensor] = field(default_factory=list, repr=False)
+    out: torch.Tensor | None = field(default=None, repr=False)  # the gathered column, while every block stacks into it
+    shapes: list[np.ndarray] | None = None  # a heterogeneous key's shapes, block by block
+    pieces: list[torch.Tensor] | None = None  # and its bytes, while the budget lasts
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.first.dtype
+
+    def add(self, col: list[torch.Tensor], a: int, plan: _Plan) -> bool:
+        """One block's tensors (elements ``a..``): checked, kept, and gathered if the key is."""
+        kinds = set(map(type, col))
+        if len(kinds) != 1 or not issubclass(kinds.pop(), torch.Tensor) or set(map(_DTYPE, col)) != {self.dtype}:
+            return False
+        self.column += col
+        if self.out is not None:
+            per = max(1, _SERIAL // max(1, self.first.numel()))
+            try:
+                for c in range(0, len(col), per):
+                    part = col[c : c + per]
+                    torch.stack(part, out=self.out[a + c : a + c + len(part)])
+            except RuntimeError:  # shapes differ: a heterogeneous key, gathered at the end
+                self.out = None
+        elif self.shapes is not None:
+            return self._add_ragged(col, plan)
+        return True
+
+    def _add_ragged(self, col: list[torch.Tensor], plan: _Plan) -> bool:
+        assert self.shapes is not None
+        ndim = self.first.ndim
+        shapes_list = list(map(_SHAPE, col))
+        if ndim == 0 or set(map(len, shapes_list)) != {ndim}:
+            return False
+        shapes = np.fromiter(chain.from_iterable(shapes_list), dtype=np.int64, count=len(col) * ndim).reshape(len(col), ndim)
+        self.shapes.append(shapes)
+        if self.pieces is not None:
+            numels = np.prod(shapes, axis=1)
+            nbytes = int(numels.sum()) * self.dtype.itemsize
+            if nbytes > plan.left:  # over the budget: the chunks gather it
+                plan.left += sum(p.nbytes for p in self.pieces)
+                self.pieces = None
+                return True
+            try:
+                self.pieces.append(_cat(col, numels))
+            except RuntimeError:  # tensors on several devices: the general scan and chunks handle them
+                return False
+            plan.left -= nbytes
+        return True
+
+    def leaf(self, left: int) -> LeafScan | None:
+        """The key's :class:`LeafScan` once every block is in (None: the general scan must look)."""
+        column, first = self.column, self.first
+        if self.out is not None:
+            return LeafScan(self.path, self.dtype, column, tuple(first.shape), packed=self.out)
+        if self.shapes is not None:
+            packed = torch.cat(self.pieces) if self.pieces else None
+            return LeafScan(self.path, self.dtype, column, None, np.concatenate(self.shapes), packed=packed)
+        if len(set(map(_SHAPE, column))) == 1:
+            return LeafScan(self.path, self.dtype, column, tuple(first.shape))
+        return _ragged_leaf(self.path, self.dtype, column, left)
+
+
+@dataclass(eq=False)
+class _Plan:
+    """The key tree of the first element: its levels (the element and its sub-trees, parents first:
+    ``(parent level, key in it, number of keys, batch size)``) and its keys (:class:`_Slot`)."""
+
+    levels: list[tuple[int, Any, int, torch.Size]]
+    slots: list[_Slot]
+    left: int = 0  # bytes the scan may still gather
+
+    @classmethod
+    def of(cls, first: TensorDictBase) -> _Plan | None:
+        if type(first) is not TensorDict:
+            return None
+        plan = cls([], [])
+        return plan if plan._walk(first, -1, None, ()) else None
+
+    def _walk(self, td: TensorDict, parent: int, key: Any, prefix: NestedPath) -> bool:
+        level = len(self.levels)
+        self.levels.append((parent, key, len(td._tensordict), td._batch_size))
+        for k, value in td._tensordict.items():
+            if type(value) is TensorDict:
+                if not self._walk(value, level, k, (*prefix, k)):
+                    return False
+            elif isinstance(value, torch.Tensor):
+                self.slots.append(_Slot((*prefix, k), level, k, value))
+            else:
+                return False
+        return True
+
+    def block(self, blk: list[TensorDictBase], a: int) -> bool:
+        """Check elements ``a..`` (``blk``) against the plan and add their tensors to each key's column."""
+        dicts: list[list[dict]] = []
+        for parent, key, n_keys, batch in self.levels:
+            if parent < 0:
+                nodes: list[Any] = blk
+            else:
+                try:
+                    nodes = [d[key] for d in dicts[parent]]
+                except KeyError:
+                    return False
+            if set(map(type, nodes)) != {TensorDict} or set(map(_BATCH, nodes)) != {batch}:
+                return False
+            level = list(map(_DICT, nodes))
+            if sum(map(len, level)) != n_keys * len(level):  # each holds the first's keys (found below), so no other
+                return False
+            dicts.append(level)
+        for slot in self.slots:
+            try:
+                col = [d[slot.key] for d in dicts[slot.level]]
+            except KeyError:
+                return False
+            if not slot.add(col, a, self):
+                return False
+        return True
+
+
+def _ragged_leaf(path: NestedPath, dtype: torch.dtype, column: list[torch.Tensor], left: int) -> LeafScan | None:
+    """A key whose elements differ in shape: their shapes (one number of dims, else None) and, if
+    ``left`` bytes allow, their bytes gathered."""
+    first, n = column[0], len(column)
     ndim = first.ndim
     if ndim == 0:
         return None
@@ -272,15 +394,13 @@ def _plain_leaf(path: NestedPath, column: list[torch.Tensor], left: list[int]) -
         return None
     shapes = np.fromiter(chain.from_iterable(shapes_list), dtype=np.int64, count=n * ndim).reshape(n, ndim)
     numels = np.prod(shapes, axis=1)
-    total = int(numels.sum()) * dtype.itemsize
     packed: torch.Tensor | None = None
-    if total <= left[0]:
+    if int(numels.sum()) * dtype.itemsize <= left:
         try:
             with torch.inference_mode():
                 packed = _cat(column, numels)
         except RuntimeError:  # tensors on several devices: the general scan and chunks handle them
             return None
-        left[0] -= total
     return LeafScan(path, dtype, column, None, shapes, packed=packed)
 
 

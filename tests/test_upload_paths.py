@@ -35,16 +35,19 @@ def upload_back(backend, local, **kw) -> None:
         store.clear_redis()
 
 
+@pytest.mark.parametrize("block", [512, 4], ids=["one-block", "blocks-of-4"])
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 150], ids=["gathered", "per-chunk"])
-def test_plain_members_round_trip(backend, chunk_bytes):
-    """Gathered in the scan (sliced per chunk) or stacked chunk by chunk: the same store."""
+def test_plain_members_round_trip(backend, monkeypatch, chunk_bytes, block):
+    """Gathered in the scan (sliced per chunk) or stacked chunk by chunk, in one block or many: the same store."""
+    monkeypatch.setattr(_upload_scan, "_BLOCK", block)
     upload_back(backend, make_stack(13), chunk_bytes=chunk_bytes)
     upload_back(backend, ragged_2d(), chunk_bytes=chunk_bytes, chunk_elements=3)
 
 
 def test_ragged_keys_gathered_in_pieces(backend, monkeypatch):
-    """A heterogeneous key is joined in pieces of at most ``_SERIAL`` items; the pieces' seams move nothing."""
+    """Keys are joined in pieces of at most ``_SERIAL`` items, in blocks of ``_BLOCK`` elements; the seams move nothing."""
     monkeypatch.setattr(_upload_scan, "_SERIAL", 5)
+    monkeypatch.setattr(_upload_scan, "_BLOCK", 7)
     upload_back(backend, make_stack(40))
     upload_back(backend, ragged_2d(11))
 
@@ -88,17 +91,19 @@ def test_dense_non_tensor_data_goes_element_by_element(backend):
 @pytest.mark.parametrize(
     "bad",
     [
-        lambda els: els[3].set("obs", els[3]["obs"].double()),  # two dtypes
-        lambda els: els[3].set("obs", els[3]["obs"][None]),  # two numbers of dims
-        lambda els: els[3].del_("obs"),  # a key some elements lack
-        lambda els: els[3].set("extra", torch.zeros(1)),  # a key some elements add
-        lambda els: els[3].set(("nested", "c"), torch.zeros(1)),  # the same, one level down
+        lambda els: els[5].set("obs", els[5]["obs"].double()),  # two dtypes
+        lambda els: els[5].set("obs", els[5]["obs"][None]),  # two numbers of dims
+        lambda els: els[5].del_("obs"),  # a key some elements lack
+        lambda els: els[5].set("extra", torch.zeros(1)),  # a key some elements add
+        lambda els: els[5].set(("nested", "c"), torch.zeros(1)),  # the same, one level down
     ],
     ids=["dtype", "ndim", "missing", "extra", "nested-extra"],
 )
-def test_fast_scan_hands_bad_input_to_the_general_scan(backend, bad):
+@pytest.mark.parametrize("block", [512, 4], ids=["one-block", "blocks-of-4"])
+def test_fast_scan_hands_bad_input_to_the_general_scan(backend, monkeypatch, bad, block):
     """Anything unusual leaves the fast scan (None), and the upload raises, naming the key, before writing."""
-    local = make_stack(6)
+    monkeypatch.setattr(_upload_scan, "_BLOCK", block)
+    local = make_stack(7)
     els = list(local.tensordicts)
     bad(els)
     assert _upload_scan.scan_plain(els, 1 << 20) is None
