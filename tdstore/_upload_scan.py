@@ -8,11 +8,12 @@ element.  :func:`scan` is the general walk and words every error; :func:`scan_pl
 anything unusual to it.
 
 The fast paths never call Python code per element: each check is one pass of a C-level
-``map``/``set`` over a key's column of tensors (their types, dtypes, batch sizes), and a
-key's data is gathered by one ``torch.stack``/``torch.cat`` of the column, which also checks
-that every element has one shape.  Gathered columns are kept (:attr:`LeafScan.packed`, at
-most ``budget`` bytes in all: an upload of one chunk holds them anyway); the chunks slice
-them instead of gathering again.
+``map``/``set`` over a block of elements or a key's tensors in it (their classes, batch sizes,
+numbers of keys, dtypes), and a key's data is gathered by ``torch.stack``/``torch.cat``, which
+also checks that every element has one shape.  Gathered columns are kept
+(:attr:`LeafScan.packed`, at most ``budget`` bytes in all: an upload of one chunk holds them
+anyway); the chunks slice them instead of gathering again.  What is left is torch's and
+Python's cost per tensor (tools/README.md, "Uploads against the floor").
 """
 
 from __future__ import annotations
