@@ -21,6 +21,7 @@ writers) sends through ``write.lua`` directly for a while, then tries again.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Any
 
 import redis
@@ -50,6 +51,11 @@ class _State:
 
 _STATES: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 
+#: How this process's direct ring writes went (``tools/stress.py`` reports it): "direct" (the rows
+#: went in), "moved" (another writer had moved the cursor), "refused" (anything else write.lua
+#: must do), "skipped" (sent through write.lua while backing off after "moved").
+outcomes: Counter[str] = Counter()
+
 
 def _state(engine: Any) -> _State:
     st = _STATES.get(engine)
@@ -70,6 +76,7 @@ def usable(engine: Any, h: Header) -> bool:
         return False
     if st.skip > 0:
         st.skip -= 1
+        outcomes["skipped"] += 1
         return False
     return not h.spread and h.segments.n == 1 and h.sampling is None and bool(h.leaves)
 
@@ -132,6 +139,7 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
             raise _scripts.ServerScriptError(f"unexpected reply {closed!r} from direct.lua close")
         st.rw = rw + n
         st.backoff = _FIRST_SKIP
+        outcomes["direct"] += 1
         return rw
     if status == b"DONE":  # a resend of a write that went in: its first reply
         start = int(opened[2][1:]) if opened[2][:1] == b"W" else int(opened[2])
@@ -139,9 +147,11 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
         return start
     if status == b"MOVED":  # another writer got in first: write.lua this time, and for a while
         st.rw = int(opened[1])
+        outcomes["moved"] += 1
         st.skip = st.backoff
         st.backoff = min(2 * st.backoff, _MAX_SKIP)
         return None
+    outcomes["refused"] += 1
     if status == b"STALE":
         engine.adopt_stale(opened)
         return None
