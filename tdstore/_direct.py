@@ -42,7 +42,7 @@ class _State:
     __slots__ = ("rw", "skip", "backoff", "off", "loaded")
 
     def __init__(self) -> None:
-        self.loaded = False  # lua/direct.lua sent (SCRIPT LOAD ahead of the first transaction) by this handle
+        self.loaded = False  # lua/direct.lua sent (SCRIPT LOAD first inside its first transaction) by this handle
         self.rw: int | None = None  # the ring write counter after this handle's last write
         self.skip = 0
         self.backoff = _FIRST_SKIP
@@ -163,50 +163,50 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
 def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]], tail: list[Any], load: bool = False) -> list[Any]:
     """MULTI, ``head``, the SETRANGEs, ``tail``, EXEC: the EXEC reply (one item per command, errors as
     exceptions). On the handle's held connection, else through a redis-py transaction pipeline.
-    ``load``: the script's text goes first (SCRIPT LOAD), in the same write."""
+    ``load``: the script's text goes first inside the transaction (SCRIPT LOAD), so the EVALSHAs after it find it."""
     text = _scripts.script_source("direct")[0]
     enc = engine._key_encoding
-    parts: list[Any] = [_wire.pack("SCRIPT", "LOAD", text)] if load else []
-    parts += [_wire.MULTI, _wire.pack(*head, encoding=enc)]
+    parts: list[Any] = [_wire.MULTI, *([_wire.pack("SCRIPT", "LOAD", text)] if load else []), _wire.pack(*head, encoding=enc)]
     for key, offset, data in writes:
         k = key.encode(*enc)
         parts.append(b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (len(k), k, len(str(offset)), offset, len(data)))
         parts.append(data)
         parts.append(b"\r\n")
     parts += [_wire.pack(*tail, encoding=enc), _wire.EXEC]
-    n_commands = len(writes) + 2
+    n_commands = len(writes) + 2 + load
 
     def send(conn: Any) -> Any:
         conn.send_packed_command([b"".join(parts)], check_health=False)
         replies: list[Any] = []
-        for _ in range(n_commands + 2 + load):
+        for _ in range(n_commands + 2):
             try:
                 replies.append(conn.read_response(disable_decoding=True))
             except redis.exceptions.ResponseError as err:
                 replies.append(err)
         for r in replies[:-1]:
             if isinstance(r, redis.exceptions.ResponseError):
-                raise r  # refused while queueing, or a SCRIPT LOAD refused (NOSCRIPT comes in the EXEC reply)
+                raise r  # refused while queueing (NOSCRIPT is not: it comes in the EXEC reply)
         out = replies[-1]
         if isinstance(out, Exception):
             raise out
         if not isinstance(out, list) or len(out) != n_commands:
             conn.disconnect()
             raise redis.exceptions.InvalidResponse(f"expected EXEC to answer {n_commands} replies, got {out!r}")
+        out = out[load:]  # the SCRIPT LOAD's reply
         for r in (out[0], out[-1]):
             if isinstance(r, redis.exceptions.NoScriptError):
                 raise r
         return out
 
     def pipeline() -> Any:
-        if load:
-            engine.client.execute_command("SCRIPT", "LOAD", text)
         pipe = engine.client.pipeline(transaction=True)
+        if load:
+            pipe.execute_command("SCRIPT", "LOAD", text)
         pipe.execute_command(*head)
         for key, offset, data in writes:
             pipe.setrange(key, offset, bytes(data))
         pipe.execute_command(*tail)
-        out = pipe.execute(raise_on_error=False)
+        out = pipe.execute(raise_on_error=False)[load:]
         for r in (out[0], out[-1]):
             if isinstance(r, redis.exceptions.NoScriptError):
                 raise r
