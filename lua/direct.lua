@@ -11,7 +11,8 @@
       EXEC
 
   Everything runs inside one EXEC: no other client sees a key moved, or a row without its
-  cursor. When 'open' refuses (stale schema, another writer moved the cursor, a key lost or
+  cursor. 'open' moves every key or none (its checks all come first); 'close' moves them back only
+  when 'open' moved them (K gone, K:w a string). When 'open' refuses (stale schema, another writer moved the cursor, a key lost or
   never allocated, a sampling policy, a resent request), it makes each K:w a hash instead:
   the SETRANGEs fail on it (WRONGTYPE) and write nothing, and 'close' deletes it. The data
   keys are never the SETRANGEs' targets, so a transaction whose scripts the server does not
@@ -50,7 +51,9 @@ if #KEYS < 4 or #KEYS % 2 ~= 0 then
 end
 
 if mode == 'close' then
-  if redis.call('TYPE', KEYS[4]).ok ~= 'string' then
+  -- 'open' went through only if it moved every data key aside: each K gone, each K:w a string. Else
+  -- (refused: K:w a hash; 'open' raised an error: K:w made by the SETRANGEs, zeros and rows) K:w goes
+  if redis.call('EXISTS', KEYS[3]) == 1 or redis.call('TYPE', KEYS[4]).ok ~= 'string' then
     for i = 4, #KEYS, 2 do
       redis.call('DEL', KEYS[i])
     end

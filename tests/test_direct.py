@@ -112,3 +112,20 @@ def test_a_store_with_a_sampling_policy_goes_through_write_lua(ring):
     ring.extend(rows(4, 2))
     assert _direct.outcomes.get("direct", 0) == before.get("direct", 0)
     assert tags(ring)[4:6] == [4, 5]
+
+
+def test_an_error_in_the_opening_script_writes_nothing(ring, one_node):
+    """A header field out of range makes 'open' raise inside the transaction: the rows land only on the
+    aside key (created by the SETRANGEs), which 'close' deletes; the data keys keep every byte."""
+    raw = one_node.client()
+    ring.extend(rows(4, 1))  # direct from here on
+    meta = ring._engine.keys.meta
+    before = {k: raw.get(k) for k in raw.keys(f"{ring._engine.keys.base}:d:*")}
+    raw.hset(meta, "rw", "-3")  # out of range: tds_ring_fields raises
+    with pytest.raises(Exception, match="rw"):
+        ring.extend(rows(5, 2))
+    raw.hset(meta, "rw", "5")
+    assert {k: raw.get(k) for k in raw.keys(f"{ring._engine.keys.base}:d:*")} == before
+    assert asides(raw, ring) == []
+    ring.extend(rows(5, 2))
+    assert tags(ring)[:7] == list(range(7))
