@@ -72,7 +72,7 @@ def learn(engine: Any, rw: int) -> None:
 def usable(engine: Any, h: Header) -> bool:
     """Whether an extend of this handle may go direct now (otherwise it goes through ``write.lua``)."""
     st = _state(engine)
-    if st.rw is None or st.off or engine.readonly or engine.spec.cluster:
+    if st.rw is None or st.off or engine.readonly:
         return False
     if st.skip > 0:
         st.skip -= 1
@@ -115,6 +115,8 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
     tail = ["EVALSHA", sha, nk, *keys, "close", request, rw, n, channel]
     try:
         replies = _send(engine, head, writes, tail, load=not st.loaded)
+        if replies is None:  # a cluster slot that moved, a node away: write.lua follows redirects
+            return None
         st.loaded = True
     except redis.exceptions.ResponseError as err:
         text = str(err).lower()
@@ -160,7 +162,7 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
     return None  # 'SCRIPT': write.lua allocates, names a lost key, or applies the policy
 
 
-def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]], tail: list[Any], load: bool = False) -> list[Any]:
+def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]], tail: list[Any], load: bool = False) -> list[Any] | None:
     """MULTI, ``head``, the SETRANGEs, ``tail``, EXEC: the EXEC reply (one item per command, errors as
     exceptions). On the handle's held connection, else through a redis-py transaction pipeline.
     ``load``: the script's text goes first inside the transaction (SCRIPT LOAD), so the EVALSHAs after it find it."""
@@ -198,8 +200,8 @@ def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]
                 raise r
         return out
 
-    def pipeline() -> Any:
-        pipe = engine.client.pipeline(transaction=True)
+    def pipeline(client: Any) -> Any:
+        pipe = client.pipeline(transaction=True)
         if load:
             pipe.execute_command("SCRIPT", "LOAD", text)
         pipe.execute_command(*head)
@@ -212,7 +214,11 @@ def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]
                 raise r
         return out
 
-    return engine._held._on_held(engine.client, send, pipeline)
+    if not engine.spec.cluster:
+        return engine._held._on_held(engine.client, send, lambda: pipeline(engine.client))
+    # on a cluster, on the primary that serves the store's slot (every key of a store that is not spread
+    # shares the header's hash tag); a redirect while queueing aborts the transaction: None
+    return engine._on_store_node(engine.client, lambda node: engine._held._on_held(node, send, lambda: pipeline(node)), lambda: None)
 
 
 __all__ = ["extend", "learn", "usable"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
-from conftest import Backend
+from conftest import Backend, ClusterBackend
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _direct
@@ -129,3 +129,21 @@ def test_an_error_in_the_opening_script_writes_nothing(ring, one_node):
     assert asides(raw, ring) == []
     ring.extend(rows(5, 2))
     assert tags(ring)[:7] == list(range(7))
+
+
+def test_a_ring_on_a_cluster_goes_direct_on_its_primary(redis_cluster):
+    """A store that is not spread keeps every key under the header's hash tag: the transaction goes to the
+    primary that serves it, and a lost key or another writer is handled as on one server."""
+    backend = ClusterBackend(redis_cluster)
+    s = LazyStackedTensorDictStore(count=COUNT, **backend.kwargs())
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **backend.kwargs())
+    s.extend(rows(0, 4))
+    before = dict(_direct.outcomes)
+    s.extend(rows(4, 3))
+    s.extend(rows(7, 5))
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 2
+    other.extend(rows(100, 1))
+    s.extend(rows(12, 1))  # the cursor moved: write.lua
+    assert tags(s) == [10, 11, 100, 12, 4, 5, 6, 7, 8, 9] and s.write_count == 14
+    assert [k for k in backend.keys() if k.endswith(b":w")] == []
+    s.clear_redis()
