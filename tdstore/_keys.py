@@ -223,6 +223,12 @@ class StoreKeys:
     def shapes(self, leaf: int, seg: int = 0) -> str:
         return f"{self.segment_base(seg) if seg else self.base}:s:{leaf}"
 
+    def write_aside(self, key: str) -> str:
+        """Where data key ``key`` stands while a direct ring write's rows go in (``lua/direct.lua``):
+        it exists only inside that write's transaction (or, after a refused one, as a hash that
+        the same transaction deletes)."""
+        return f"{key}:w"
+
     def staging(self, target: str, token: str) -> str:
         """A temporary key that a bulk write fills with plain SETRANGEs before a script moves it onto ``target``.
 

@@ -23,14 +23,14 @@ maps them onto the written slots it sees, so the batch only holds written slots.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from . import _codec, _deadline, _index, _policy, _rows, _sampling, _waiting
+from . import _codec, _deadline, _direct, _index, _policy, _rows, _sampling, _waiting
 from ._engine import Engine, request_id
 from ._errors import DenseShapeError
 from ._keys import KeyTable
@@ -305,6 +305,20 @@ def _plan_rows(
     return new_header, [*pre, head, *post], touched
 
 
+def _extend_direct(engine: Engine, plan: Callable[[Header, KeyTable], Any], n: int, request: str) -> int | None:
+    """The first slot of an extend sent with its rows as plain SETRANGEs (``_direct``), or None when it
+    goes through ``write.lua`` (planned there again: bad input raises here, before anything is sent)."""
+    h = engine.header
+    if not _direct.usable(engine, h):
+        return None
+    kt = engine.key_table(h)
+    new_header, ops, touched = plan(h, kt)
+    if new_header is not None:
+        return None
+    with engine.naming_errors():
+        return _direct.extend(engine, h, kt, ops, touched, n, request)
+
+
 @_deadline.honours_timeout("extend")
 def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
@@ -335,13 +349,18 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         return new_header, ops, touched
 
     request = request_id()  # one per extend, sent with every attempt: a resend never writes twice
+    start = _extend_direct(engine, plan, n, request) if not prios else None
+    if start is not None:
+        h = engine.header
+    else:
 
-    def attempt() -> tuple[Header, bytes | None]:
-        return engine.run_write_reply(plan, keyset=True, request=request)
+        def attempt() -> tuple[Header, bytes | None]:
+            return engine.run_write_reply(plan, keyset=True, request=request)
 
-    h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
-    assert extra is not None
-    start = int(extra)
+        h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
+        assert extra is not None
+        start = int(extra)
+        _direct.learn(engine, start + n)
     writes = torch.arange(start, start + n, dtype=torch.int64)
     return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
 

@@ -33,6 +33,7 @@ SCRIPT_NAMES = (
     "create",
     "read",
     "write",
+    "direct",
     "commit",
     "clear",
     "expire",

@@ -77,7 +77,8 @@ def print_table(report: dict[str, Any]) -> None:
                 if line.get("status") == "ok":
                     print(
                         f"  {name:<10} {line['idle_per_s']:,.0f}/s idle  {line['loaded_per_s']:,.0f}/s loaded  "
-                        f"kept {line['kept']:.2f}x  writers {line['writer_rows_per_s']:,.0f} rows/s"
+                        f"kept {line['kept']:.2f}x  writers {line['writer_rows_per_s']:,.0f} rows/s  "
+                        f"server busy {line['server_cpu_share']:.0%} of a core"
                     )
                 else:
                     print(f"  {name:<10} {line.get('status')}: {line.get('error', '')}")

@@ -16,7 +16,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tools._probes import commandstats
+from tools._probes import commandstats, server_cpu
 from tools.bench.measure import Contender, OpOutcome, Target, _describe, measure
 from tools.bench.report import _ratio, _row, _size
 from tools.bench.workload import (
@@ -562,7 +562,9 @@ class Runner:
                 )
                 writers.start()
                 time.sleep(min(1.0, st.mp_seconds / 5))  # the writers are past their barrier and warm
+                cpu0, t0 = server_cpu(self.client), time.perf_counter()
                 loaded = rate(sample, st.mp_seconds / 2)
+                busy = (server_cpu(self.client) - cpu0) / (time.perf_counter() - t0)  # of one core (INFO cpu)
                 writers.join()
             except Exception as err:  # recorded; the reference may not run under load
                 out[name] = {"status": "raises", "error": _describe(err)}
@@ -571,10 +573,17 @@ class Runner:
                 out[name] = {"status": "raises", "error": box.get("error")}
                 continue
             rows = box["writes_per_s"] * WRITER_ROWS
-            out[name] = {"status": "ok", "idle_per_s": idle, "loaded_per_s": loaded, "kept": loaded / idle, "writer_rows_per_s": rows}
+            out[name] = {
+                "status": "ok",
+                "idle_per_s": idle,
+                "loaded_per_s": loaded,
+                "kept": loaded / idle,
+                "writer_rows_per_s": rows,
+                "server_cpu_share": busy,
+            }
             print(
                 f"  learner {name:<10} sample({LEARNER_BATCH}) {idle:8,.0f}/s idle, {loaded:8,.0f}/s under {st.mp_writers} writers "
-                f"({loaded / idle:.2f}x kept; writers {rows:,.0f} rows/s)",
+                f"({loaded / idle:.2f}x kept; writers {rows:,.0f} rows/s; server busy {busy:.0%} of a core)",
                 flush=True,
             )
         if out.get("tdstore", {}).get("status") != "ok":

@@ -7,12 +7,15 @@ checks are described in :mod:`tools.stress.__main__`).  The names below are what
 from tools.stress.elements import (
     EXTRA_VALUE,
     READ_KINDS,
+    RING_READ_KINDS,
     SCHEMA_KINDS,
     SEQ_LIMIT,
     WRITE_KINDS,
     check_element,
+    check_ring_row,
     initial_element,
     make_element,
+    make_ring_rows,
     tokens_len,
 )
 from tools.stress.workers import Tally
@@ -20,12 +23,15 @@ from tools.stress.workers import Tally
 __all__ = [
     "EXTRA_VALUE",
     "READ_KINDS",
+    "RING_READ_KINDS",
     "SCHEMA_KINDS",
     "SEQ_LIMIT",
     "WRITE_KINDS",
     "Tally",
     "check_element",
+    "check_ring_row",
     "initial_element",
     "make_element",
+    "make_ring_rows",
     "tokens_len",
 ]

@@ -26,6 +26,14 @@ kinds so that every kind runs.  Reader kinds: ``element``
 (``store[torch.randint(...)]``), ``rows`` (``store.get_at("obs", idx)`` at 32-128 random
 rows: one transaction of plain ``GETRANGE``s) and ``column`` (``store["stamp"]``).
 
+``--ring-writers K`` adds a second store, a ring of ``RING_SLOTS`` slots of homogeneous keys only,
+which K more processes ``extend`` with batches of 1-24 rows as fast as they can (rows go as plain
+``SETRANGE``s in one transaction between the two ends of ``lua/direct.lua`` when the writer's
+cursor is right, else through ``write.lua``), and ``--ring-readers`` processes read it
+(``sample``, slices, random batches): every row names the ``(writer, seq, j)`` that wrote it, and
+a row whose other leaves disagree is torn. At the end the ring's write counter must equal the
+rows the writers extended (an extend applied twice, or lost, shows there).
+
 ``--schema-races`` adds one process that keeps changing the schema (adds and
 deletes ``extra_k``, renames ``aux`` back and forth, changes the dtype and the shape
 of ``spare``) while the others read and write with cached metadata.  Readers also
@@ -92,6 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-ops", type=_bounded(int, "max_ops"), default=1_000_000, help="bound on the ops of each process (default 1e6)")
     p.add_argument("--max-errors", type=int, default=1000, help="a process stops after this many errors (default 1000)")
     p.add_argument("--schema-races", action="store_true", help="add a process that keeps changing the schema")
+    p.add_argument("--ring-writers", type=int, default=0, help="processes extending a second store, a ring of homogeneous keys (default 0)")
+    p.add_argument("--ring-readers", type=int, default=None, help="processes reading the ring (default 1 with --ring-writers, else 0)")
     p.add_argument(
         "--schema-interval",
         type=float,
@@ -134,6 +144,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds the children may take to start (default 180)")
     args = p.parse_args(argv)
+    if args.ring_readers is None:
+        args.ring_readers = 1 if args.ring_writers else 0
     if args.url and args.binary:
         p.error("--binary only applies to the embedded server, not with --url")
     if args.url and args.cluster:

@@ -12,6 +12,9 @@ WRITE_KINDS = ("element", "update", "slice", "step", "index")
 READ_KINDS = ("element", "slice", "step", "batch", "rows", "column")
 READ_WEIGHTS = (4, 2, 2, 3, 2, 1)
 SCHEMA_KINDS = ("add", "delete", "rename", "dtype")
+RING_READ_KINDS = ("sample", "slice", "batch")
+#: Slots of the ring store of ``--ring-writers``.
+RING_SLOTS = 64
 
 #: Sequence numbers stay below this so that they are exact in float32 obs leaves (24-bit mantissa).
 SEQ_LIMIT = 2**22
@@ -86,6 +89,39 @@ def make_element(w: int, seq: int, row: int) -> TensorDict:
         },
         batch_size=[],
     )
+
+
+def make_ring_rows(w: int, seq: int, n: int) -> TensorDict:
+    """The ``n`` rows ring writer ``w`` extends with at ``seq``: row j stamped ``(w, seq, j)``, every other
+    leaf a function of the stamp (homogeneous keys only, so the ring can take its rows as SETRANGEs)."""
+    j = torch.arange(n, dtype=torch.int64)
+    stamp = torch.stack([torch.full((n,), w), torch.full((n,), seq), j], 1)
+    base = (seq * 64 + j).to(torch.float64)
+    return TensorDict(
+        {
+            "stamp": stamp,
+            "obs": (base.unsqueeze(1) + torch.arange(16, dtype=torch.float64) * 0.25 + w).to(torch.float32),
+            "small": torch.stack([torch.full((n,), w % 256), torch.full((n,), seq % 256), j % 256], 1).to(torch.uint8),
+            "nested": {"a": torch.stack([base, -base / 4, base + w * 1e6], 1)},
+        },
+        batch_size=[n],
+    )
+
+
+def check_ring_row(td: TensorDictBase, where: str, writers: int) -> str | None:
+    """None when ring row ``td`` holds what its stamp's writer extended; else the problem."""
+    stamp = td.get("stamp", None)
+    if not isinstance(stamp, torch.Tensor) or stamp.shape != (3,) or stamp.dtype != torch.int64:
+        return f"{where}: bad stamp {_describe(stamp)}"
+    w, seq, j = (int(v) for v in stamp)
+    if not (0 <= w < writers and 0 <= seq < SEQ_LIMIT and 0 <= j < 64):
+        return f"{where}: stamp {(w, seq, j)} was never written"
+    want = make_ring_rows(w, seq, j + 1)[j]
+    for path in (("obs",), ("small",), ("nested", "a")):
+        got, exp = td.get(_key(path), None), want.get(_key(path))
+        if not isinstance(got, torch.Tensor) or got.dtype != exp.dtype or got.shape != exp.shape or not torch.equal(got, exp):
+            return f"{where}: stamp {(w, seq, j)} but {_key(path)!r} holds {_describe(got)}, expected {_describe(exp)}"
+    return None
 
 
 def initial_element(owner: int, row: int) -> TensorDict:

@@ -19,7 +19,7 @@ from tensordict import lazy_stack
 from tdstore import LazyStackedTensorDictStore
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer, check_loopback, resolve_binary
-from tools.stress.elements import MAX_EXAMPLES, check_element, initial_element
+from tools.stress.elements import MAX_EXAMPLES, RING_SLOTS, check_element, check_ring_row, initial_element, make_ring_rows
 from tools.stress.workers import Layout, Tally, WorkerConfig, child_main
 
 
@@ -128,12 +128,31 @@ def _join_children(procs: dict[str, Any], results_by_name: dict[str, Tally], set
             setup_errors.append(f"{name}: exited with code {p.exitcode} without a report")
 
 
+def final_ring_check(ring: LazyStackedTensorDictStore, writers: int, results: list[Tally]) -> tuple[int, int, list[str], list[str]]:
+    """Every slot holds a whole row, and the ring's write counter moved by exactly the rows extended
+    (between the rows that surely went in and those that may have). Returns (lost, torn, examples...)."""
+    torn_ex = [
+        p
+        for k, td in enumerate(ring.to_tensordict().unbind(0))
+        if int(td["stamp"][0]) >= 0 and (p := check_ring_row(td, f"[final] ring slot {k}", writers))
+    ]
+    sure, maybe = sum(t.ring_rows for t in results), sum(t.ring_maybe for t in results)
+    counted = ring.write_count - RING_SLOTS  # the first extend of a store filled by index starts at rw = count
+    lost_ex = (
+        []
+        if sure <= counted <= sure + maybe
+        else [f"[final] the ring's write counter moved by {counted} rows; writers extended {sure} (+{maybe} unsure)"]
+    )
+    return len(lost_ex), len(torn_ex), lost_ex, torn_ex[:MAX_EXAMPLES]
+
+
 def _clean_up(
     stop: Any,
     procs: dict[str, Any],
     store: LazyStackedTensorDictStore | None,
     server: EmbeddedServer | None,
     cluster: EmbeddedCluster | None,
+    ring: LazyStackedTensorDictStore | None = None,
 ) -> None:
     """Stop the children still running (only after a failure of the parent), delete the store, stop our server."""
     if stop is not None:
@@ -143,12 +162,13 @@ def _clean_up(
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
-    if store is not None:
-        try:
-            store.clear_redis()
-            store.close()
-        except Exception:
-            pass
+    for st in (store, ring):
+        if st is not None:
+            try:
+                st.clear_redis()
+                st.close()
+            except Exception:
+                pass
     if server is not None:
         server.stop()
     if cluster is not None:
@@ -162,6 +182,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
     url, server_info, server, cluster = _start_server(args)
     prefix = f"tdstore-stress-{uuid.uuid4().hex[:12]}"
     store: LazyStackedTensorDictStore | None = None
+    ring: LazyStackedTensorDictStore | None = None
     procs: dict[str, Any] = {}
     stop: Any = None
     try:
@@ -172,8 +193,22 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         server_info["segments"] = store._engine.header.segments.n
         server_info["spread"] = store._engine.header.spread
         server_info["row_block"] = [".".join(leaf.path) for leaf in store._engine.header.grouped()]
+        if args.ring_writers:
+            # slots no extend reached yet hold stamp (-1, 0, 0): readers skip them
+            blank = make_ring_rows(0, 0, RING_SLOTS).zero_()
+            blank["stamp"][:, 0] = -1
+            ring = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(list(blank.unbind(0)), 0), url=url, prefix=f"{prefix}-ring")
         cfg = WorkerConfig(
-            pickle.dumps(store), layout, args.seconds, args.max_ops, args.max_errors, args.seed, args.schema_interval, args.fault
+            pickle.dumps(store),
+            layout,
+            args.seconds,
+            args.max_ops,
+            args.max_errors,
+            args.seed,
+            args.schema_interval,
+            args.fault,
+            pickle.dumps(ring) if ring is not None else b"",
+            args.ring_writers,
         )
         ctx = mp.get_context(args.start_method)
         if args.start_method == "forkserver":
@@ -182,6 +217,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         roles = [("writer", w) for w in range(args.writers)] + [("reader", r) for r in range(args.readers)]
         if args.schema_races:
             roles.append(("schema", 0))
+        roles += [("ringwriter", w) for w in range(args.ring_writers)] + [("ringreader", r) for r in range(args.ring_readers)]
         procs = {
             f"{role}{i}": ctx.Process(target=child_main, args=(role, i, cfg, go, stop, out), name=f"stress-{role}{i}", daemon=True)
             for role, i in roles
@@ -209,11 +245,15 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         final_tb: str | None = None
         try:
             final_lost, final_torn, final_lost_ex, final_torn_ex = final_check(store, layout, results)
+            if ring is not None:
+                lost, torn, lost_ex, torn_ex = final_ring_check(ring, args.ring_writers, results)
+                final_lost, final_torn = final_lost + lost, final_torn + torn
+                final_lost_ex, final_torn_ex = final_lost_ex + lost_ex, final_torn_ex + torn_ex
         except Exception:
             final_tb = traceback.format_exc()
             setup_errors.append(f"final check: {traceback.format_exception_only(sys.exc_info()[1])[-1].strip()}")
     finally:
-        _clean_up(stop, procs, store, server, cluster)
+        _clean_up(stop, procs, store, server, cluster, ring)
     return _figures(
         args,
         layout,
@@ -273,6 +313,7 @@ def _figures(
         "schema_total": sum(v for k, v in ops.items() if k.startswith("schema.")),
         "ops_per_second": {k: round(v / run_seconds, 1) for k, v in sorted(ops.items())} if run_seconds > 0 else {},
         "max_latency_ms": {k: round(v, 2) for k, v in sorted(max_ms.items())},
+        "ring_extends": dict(sum((t.ring_paths for t in results), Counter())),
         "torn": torn_seen + final_torn,
         "torn_seen_by_readers": torn_seen,
         "torn_final": final_torn,
@@ -297,6 +338,8 @@ def _figures(
             "seed": args.seed,
             "start_method": args.start_method,
             "fault": args.fault,
+            "ring_writers": args.ring_writers,
+            "ring_readers": args.ring_readers,
         },
         "server": server_info,
         "run_seconds": round(run_seconds, 3),
@@ -321,6 +364,9 @@ def report(fig: dict[str, Any]) -> str:
             f"  {kind:<15} {n:>9}  ({fig['ops_per_second'].get(kind, 0):>8.1f}/s, max {fig['max_latency_ms'].get(kind, 0):.1f} ms)"
         )
     lines.append(f"  {'total':<15} {fig['ops_total']:>9}")
+    if fig["ring_extends"]:
+        paths = ", ".join(f"{k} {v}" for k, v in sorted(fig["ring_extends"].items()))
+        lines.append(f"ring extends:    {paths} (direct: rows as SETRANGEs; else through write.lua)")
     lines.append(f"torn elements:   {fig['torn']} (seen by readers {fig['torn_seen_by_readers']}, final check {fig['torn_final']})")
     lines.append(
         f"lost/regressed:  {fig['lost']} (regressions seen by readers {fig['regressed_seen_by_readers']}, final check {fig['lost_final']})"

@@ -17,12 +17,14 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, _direct
 from tools.stress.elements import (
     EXTRA_VALUE,
     MAX_EXAMPLES,
     READ_KINDS,
     READ_WEIGHTS,
+    RING_READ_KINDS,
+    RING_SLOTS,
     SCHEMA_KINDS,
     SEQ_LIMIT,
     SPARE_VALUES,
@@ -30,7 +32,9 @@ from tools.stress.elements import (
     WRITE_KINDS,
     _describe,
     check_element,
+    check_ring_row,
     make_element,
+    make_ring_rows,
     stack_batch,
 )
 
@@ -76,6 +80,8 @@ class WorkerConfig:
     seed: int
     schema_interval: float = 0.0
     fault: str = "none"
+    ring_blob: bytes = b""  # the ring store of --ring-writers (pickled), if any
+    ring_writers: int = 0
 
 
 @dataclass
@@ -95,6 +101,9 @@ class Tally:
     last_seq: dict[int, int] = field(default_factory=dict)
     maybe_seq: dict[int, int] = field(default_factory=dict)
     elapsed: float = 0.0
+    ring_rows: int = 0  # rows a ring writer extended
+    ring_maybe: int = 0  # rows of extends that raised (they may or may not have gone in)
+    ring_paths: Counter = field(default_factory=Counter)  # how the extends went (tdstore._direct.outcomes)
 
     def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` as one op of ``kind``: count it and keep its worst latency."""
@@ -298,6 +307,54 @@ def _reader_step(run: _Run, obs: _Observer) -> bool:
     return True
 
 
+def _ring_writer_step(run: _Run, ring: LazyStackedTensorDictStore, w: int, seq_box: list[int]) -> bool:
+    """One extend of ring writer ``w``: 1-24 rows stamped with its next sequence number."""
+    if seq_box[0] >= SEQ_LIMIT - 1:
+        return False
+    seq_box[0] += 1
+    n = run.rng.randint(1, 24)
+    rows = make_ring_rows(w, seq_box[0], n)
+    try:
+        run.tally.timed("write.ring_extend", lambda: ring.extend(rows))
+    except Exception:
+        run.tally.error("write.ring_extend")
+        run.tally.ring_maybe += n
+        return True
+    run.tally.ring_rows += n
+    return True
+
+
+def _ring_reader_step(run: _Run, ring: LazyStackedTensorDictStore) -> bool:
+    """One read of the ring (a sample, a slice or a random batch), checked row by row."""
+    rng, tally, writers = run.rng, run.tally, run.cfg.ring_writers
+    kind = run.pick(RING_READ_KINDS)
+    try:
+        if kind == "sample":
+            if ring.write_count == 0:
+                return True
+            res = tally.timed("read.ring_sample", lambda: ring.sample(rng.randint(1, 48)).td)
+            where = "ring.sample"
+        elif kind == "slice":
+            a = rng.randrange(RING_SLOTS)
+            b = rng.randrange(a + 1, RING_SLOTS + 1)
+            res = tally.timed("read.ring_slice", lambda: ring[a:b])
+            where = f"ring[{a}:{b}]"
+        else:
+            idx = torch.randint(0, RING_SLOTS, (rng.randint(1, 64),))
+            res = tally.timed("read.ring_batch", lambda: ring[idx])
+            where = f"ring[{idx.tolist()}]"
+        for k, td in enumerate(res.unbind(0)):
+            if int(td["stamp"][0]) < 0:  # a slot no extend reached yet (zeros but for this mark)
+                continue
+            problem = check_ring_row(td, f"{where} row {k}", writers)
+            if problem is not None:
+                tally.torn_element(problem)
+                return True
+    except Exception:
+        tally.error(f"read.ring_{kind}")
+    return True
+
+
 class _SchemaRacer:
     """Changes the schema over and over; keeps its own idea of the current schema."""
 
@@ -349,7 +406,11 @@ def child_main(role: str, index: int, cfg: WorkerConfig, go: Any, stop: Any, out
     try:
         run = _Run(name, cfg, go, stop)
         tally = run.tally
-        run.store[0].to_tensordict()  # connect and load the scripts before the clock starts
+        ring = pickle.loads(cfg.ring_blob) if role.startswith("ring") else None
+        if ring is not None:
+            ring[0].to_tensordict()  # connect before the clock starts
+        else:
+            run.store[0].to_tensordict()  # connect and load the scripts before the clock starts
         out.put(("ready", name, None))
         if not go.wait(timeout=600):
             raise TimeoutError("the parent never gave the start signal")
@@ -362,6 +423,12 @@ def child_main(role: str, index: int, cfg: WorkerConfig, go: Any, stop: Any, out
         elif role == "schema":
             racer = _SchemaRacer(run)
             run.loop(racer.step)
+        elif role == "ringwriter" and ring is not None:
+            ring_seq = [0]
+            run.loop(lambda: _ring_writer_step(run, ring, index, ring_seq))
+            tally.ring_paths.update(_direct.outcomes)
+        elif role == "ringreader" and ring is not None:
+            run.loop(lambda: _ring_reader_step(run, ring))
         else:
             raise ValueError(f"unknown role {role!r}")
     except Exception:

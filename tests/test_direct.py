@@ -1,0 +1,149 @@
+"""Ring writes whose rows go as plain SETRANGEs between the two ends of ``lua/direct.lua`` (``tdstore/_direct.py``).
+
+Each test runs on redis-server and on fakeredis: the transaction, the refusals and the fall back
+to ``write.lua`` are the same on both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+from conftest import Backend, ClusterBackend
+from tensordict import TensorDict
+
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _direct
+
+pytestmark = pytest.mark.ring
+
+COUNT = 10
+
+
+def rows(lo: int, n: int) -> TensorDict:
+    """n rows tagged lo .. lo + n - 1 (a row block of obs and tag)."""
+    tags = torch.arange(lo, lo + n)
+    return TensorDict({"obs": tags.to(torch.float32).unsqueeze(-1).expand(n, 3).clone(), "tag": tags.clone()}, [n])
+
+
+def tags(s: LazyStackedTensorDictStore) -> list[int]:
+    return s.get("tag").tolist()
+
+
+def asides(raw: redis.Redis, s: LazyStackedTensorDictStore) -> list[bytes]:
+    """Keys a direct write moves its data keys to: none may outlive its transaction."""
+    return [k for k in raw.keys(f"{s._engine.keys.base}:*") if k.endswith(b":w")]
+
+
+@pytest.fixture
+def ring(one_node: Backend) -> LazyStackedTensorDictStore:
+    s = LazyStackedTensorDictStore(count=COUNT, **one_node.kwargs())
+    s.extend(rows(0, 4))  # creates the keys (write.lua); the handle now knows the cursor
+    return s
+
+
+def test_an_extend_goes_direct_and_wraps(ring, one_node):
+    before = dict(_direct.outcomes)
+    ring.extend(rows(4, 3))
+    ring.extend(rows(7, 5))  # slots 7, 8, 9, then 0, 1
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 2
+    assert tags(ring) == [10, 11, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert ring.write_count == 12
+    assert ring.sample(64).td["tag"].min() >= 2
+    assert asides(one_node.client(), ring) == []
+
+
+def test_a_write_found_after_another_writer_goes_through_write_lua(ring, one_node):
+    other = LazyStackedTensorDictStore.from_store(td_id=ring.td_id, **one_node.kwargs())
+    other.extend(rows(100, 2))  # the first handle's cursor is stale now
+    before = dict(_direct.outcomes)
+    ring.extend(rows(4, 3))
+    assert _direct.outcomes["moved"] == before.get("moved", 0) + 1
+    assert tags(ring)[:9] == [0, 1, 2, 3, 100, 101, 4, 5, 6]
+    assert ring.write_count == 9
+    for k in range(8):  # backing off, then direct again: every row lands once
+        ring.extend(rows(200 + k, 1))
+    assert ring.write_count == 17
+    assert asides(one_node.client(), ring) == []
+
+
+def test_a_lost_key_is_named_and_never_recreated(ring, one_node):
+    raw = one_node.client()
+    block = ring._engine.keys.data(ring._engine.header.row[0])
+    raw.delete(block)
+    with pytest.raises(StoreDamagedError):
+        ring.extend(rows(4, 2))
+    assert raw.exists(block) == 0
+    assert asides(raw, ring) == []
+
+
+def test_a_flushed_script_cache_writes_once(ring, one_node):
+    raw = one_node.client()
+    ring.extend(rows(4, 1))  # the direct script is loaded
+    raw.script_flush()
+    ring.extend(rows(5, 2))
+    ring.extend(rows(7, 1))
+    assert tags(ring)[:8] == list(range(8)) and ring.write_count == 8
+    assert asides(raw, ring) == []
+
+
+def test_a_schema_change_by_another_handle_is_seen(ring, one_node):
+    other = LazyStackedTensorDictStore.from_store(td_id=ring.td_id, **one_node.kwargs())
+    other["extra"] = torch.zeros(COUNT, 2)
+    with pytest.raises(KeyError, match="extra"):  # planned again from the new schema: the batch lacks a key
+        ring.extend(rows(4, 2))
+    batch = rows(4, 2)
+    batch["extra"] = torch.ones(2, 2)
+    ring.extend(batch)
+    assert tags(ring)[4:6] == [4, 5] and ring.get("extra")[4:6].tolist() == [[1.0, 1.0]] * 2
+    assert ring.write_count == 6
+
+
+def test_bad_input_raises_before_anything_is_written(ring):
+    bad = rows(4, 2)
+    bad["tag"] = bad["tag"].to(torch.int32)
+    with pytest.raises((TypeError, ValueError)):
+        ring.extend(bad)
+    assert ring.write_count == 4 and tags(ring)[:4] == [0, 1, 2, 3]
+
+
+def test_a_store_with_a_sampling_policy_goes_through_write_lua(ring):
+    ring.set_rate_limit(min_size=1, samples_per_insert=100.0, error_buffer=1e9)
+    before = dict(_direct.outcomes)
+    ring.extend(rows(4, 2))
+    assert _direct.outcomes.get("direct", 0) == before.get("direct", 0)
+    assert tags(ring)[4:6] == [4, 5]
+
+
+def test_an_error_in_the_opening_script_writes_nothing(ring, one_node):
+    """A header field out of range makes 'open' raise inside the transaction: the rows land only on the
+    aside key (created by the SETRANGEs), which 'close' deletes; the data keys keep every byte."""
+    raw = one_node.client()
+    ring.extend(rows(4, 1))  # direct from here on
+    meta = ring._engine.keys.meta
+    before = {k: raw.get(k) for k in raw.keys(f"{ring._engine.keys.base}:d:*")}
+    raw.hset(meta, "rw", "-3")  # out of range: tds_ring_fields raises
+    with pytest.raises(Exception, match="rw"):
+        ring.extend(rows(5, 2))
+    raw.hset(meta, "rw", "5")
+    assert {k: raw.get(k) for k in raw.keys(f"{ring._engine.keys.base}:d:*")} == before
+    assert asides(raw, ring) == []
+    ring.extend(rows(5, 2))
+    assert tags(ring)[:7] == list(range(7))
+
+
+def test_a_ring_on_a_cluster_goes_direct_on_its_primary(redis_cluster):
+    """A store that is not spread keeps every key under the header's hash tag: the transaction goes to the
+    primary that serves it, and a lost key or another writer is handled as on one server."""
+    backend = ClusterBackend(redis_cluster)
+    s = LazyStackedTensorDictStore(count=COUNT, **backend.kwargs())
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **backend.kwargs())
+    s.extend(rows(0, 4))
+    before = dict(_direct.outcomes)
+    s.extend(rows(4, 3))
+    s.extend(rows(7, 5))
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 2
+    other.extend(rows(100, 1))
+    s.extend(rows(12, 1))  # the cursor moved: write.lua
+    assert tags(s) == [10, 11, 100, 12, 4, 5, 6, 7, 8, 9] and s.write_count == 14
+    assert [k for k in backend.keys() if k.endswith(b":w")] == []
+    s.clear_redis()
