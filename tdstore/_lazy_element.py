@@ -1,7 +1,8 @@
 """``store[i]``: the write-through view of one element of a lazy store (``ElementView``).
 
-The dense ``TensorDictStore`` is an ``ElementView`` of a whole stack.  A view works only through
-the store's public members and its :class:`~tdstore._common.StackOps` (``store.stack_ops``).
+The dense ``TensorDictStore`` is an ``ElementView`` of a whole stack.  A view reads through the
+store's public members and its :class:`~tdstore._common.StackOps` (``store.stack_ops``), and
+writes with the ``WriteSurface`` every handle has (``_store_base``), on the store's engine.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.base import NO_DEFAULT
 
-from . import _index, _nontensor, _writes
-from ._common import LOCK_ERROR, KeysView, StackStore, StoreCommon, only_keys
-from ._schema import Header, NestedPath
-from ._surface import SurfaceMixin
-from ._unsupported import StoreUnsupported
-from ._values import as_path, display, leaves_of
+from . import _index, _nontensor
+from ._common import StackStore
+from ._schema import NestedPath
+from ._store_base import StoreBase
+from ._values import as_path, display
 
 
-class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
+class ElementView(StoreBase):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -35,48 +35,43 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     def __init__(self, store: StackStore, element: int | None, under: NestedPath = ()) -> None:
         self._store = store
         self._ops = store.stack_ops
+        self._engine = self._ops.engine
+        self._cache_metadata = self._ops.cache_metadata
         self._element = element
         self._under = under
         self._batch_size = torch.Size((*self._ops.engine.header.inner, *self._ops.engine.header.subtree_dims(under)))
         self._device = store.device
         self._init_tensordict_state()
 
-    # identity / metadata
+    _whole_stack = False  # writes cover one element of the stack
+
+    # device (identity and schema: ``_identity.StoreIdentity``)
     @property
     def device(self) -> torch.device | None:
-        return self._device
+        return self._store.device
 
     @device.setter
     def device(self, value: Any) -> None:
         raise RuntimeError("the device of a store element cannot be set; call .to(device) for a local copy")
 
-    def _paths(self) -> list[NestedPath]:
-        return self._ops.paths()
-
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
-        return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
-
-    def entry_class(self, key: Any) -> type:
-        return self._store.entry_class(self._under + as_path(key))
-
     def __repr__(self) -> str:
         keys = list(self.keys(include_nested=True, leaves_only=True))
         return f"{type(self._store).__name__}[{self._element}](keys={keys}, batch_size={self._batch_size}, td_id={self._store.td_id!r})"
 
-    # index composition
-    def _store_index(self, index: Any = None) -> tuple:
-        h = self._ops.engine.header
+    # index composition: the view's index, as an index of the stack (its element at the stack dim)
+    def _stack_index(self, index: Any = None) -> tuple:
+        h = self._engine.header
         inner = _index.normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
     # reads
     def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         """One read of this element: ``paths``, or every leaf below ``under`` when ``paths`` is None."""
-        return self._ops.read(self._store_index(index), paths, under=under, strip=strip)
+        return self._ops.read(self._stack_index(index), paths, under=under, strip=strip)
 
     def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
         path = self._under + rel
-        h = self._ops.header
+        h = self._header
         if path in h.leaves:
             try:
                 return self._read([path]).get(display(path))
@@ -132,82 +127,10 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
             return self.to_tensordict()
         return ElementView(self._store, self._element, self._under)
 
-    # writes
-    def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
-        new = [p for p in items if p not in self._ops.engine.header.leaves]
-        if new and self._store.is_locked:
-            raise RuntimeError(LOCK_ERROR)
-        # a key the store does not have is created for every element (the others zeros or None)
-        self._ops.write(self._store_index(index), items)
-
-    def _set_tuple(
-        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
-    ) -> TensorDictBase:
-        path = self._under + as_path(key)
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, path))
-        return self
-
-    def _set_str(
-        self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False
-    ) -> TensorDictBase:
-        return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
-
-    def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
-        return self._set_at_tuple((key,), value, idx, validated=validated, non_blocking=non_blocking)
-
-    def _set_at_tuple(self, key: tuple, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
-        path = self._under + as_path(key)
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, path), idx)
-        return self
-
-    def _setitem_index(self, index: Any, value: Any) -> None:
-        if not isinstance(value, (TensorDictBase, dict)):
-            raise TypeError("element[index] = value needs a TensorDict or a dict of tensors")
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, self._under), index)
-
-    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
-        self,
-        input_dict_or_td: Any,
-        clone: bool = False,
-        inplace: bool = False,
-        *,
-        non_blocking: bool = False,
-        keys_to_update: Any = None,
-        is_leaf: Any = None,
-        update_batch_size: bool = False,
-        ignore_lock: bool = False,
-    ) -> TensorDictBase:
-        """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
-        items = leaves_of(input_dict_or_td, self._ops.engine.header.stack_pos, self._under)
-        items = only_keys(items, keys_to_update, self._under)
-        if items:
-            self._write(items)
-        return self
-
-    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
-        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
-    ) -> TensorDictBase:
-        return self.update(input_dict_or_td, keys_to_update=keys_to_update)
-
-    def _write_back(self, keys: Any, values: Any, method: str) -> None:
-        if keys:
-            self._write({self._under + as_path(k): v for k, v in zip(keys, values)})
-
-    def _write_local(self, local: TensorDictBase) -> None:
-        self._write(leaves_of(local, self._ops.engine.header.stack_pos, self._under))
-
-    def _fill_paths(self, under: NestedPath, value: Any) -> None:
-        engine = self._ops.engine
-        keys = engine.keys
-        full = self._under + under
-
-        def plan(h: Header, kt: Any) -> Any:
-            paths = [p for p in h.leaves if p[: len(full)] == full]
-            if not paths:
-                raise KeyError(f"key {display(under) if under else display(self._under)!r} is not in the store")
-            return _writes.plan_fill(keys, h, paths, value, kt, element=self._element)
-
-        engine.run_write(plan)
+    # writes (``_write_surface.WriteSurface``): the lock that governs them is the store's
+    @property
+    def _writes_locked(self) -> bool:
+        return self._store.is_locked
 
     def _del(self, key: tuple) -> None:
         raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")
