@@ -24,7 +24,7 @@ from . import _nontensor
 from ._common import LOCK_ERROR
 from ._leases import LeasedSample
 from ._policy import SamplingPolicy
-from ._replay import ReplayMethods
+from ._replay import ReplayMethods, pops_a_key
 from ._ring import RingState, RingWrite, Sample
 from ._sampling import PrioritizedSample
 from .lazy import LazyStackedTensorDictStore
@@ -116,7 +116,7 @@ class DenseRing:
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
-        if (args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs:
+        if pops_a_key(args, kwargs):
             return super().pop(*args, **kwargs)  # type: ignore[misc]  # TensorDictBase.pop, further along the MRO
         return self.pop_items(*args, **kwargs)
 

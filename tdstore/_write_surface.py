@@ -130,7 +130,8 @@ class WriteSurface(StoreIdentity):
         elif isinstance(value, (int, float, bool, complex)) or (
             isinstance(value, torch.Tensor) and value.ndim == 0 and not isinstance(value, TensorDictBase)
         ):
-            value = self._fill_value(index, value)
+            self._write(self._fill_value(index, value), index)
+            return
         elif isinstance(value, torch.Tensor):
             raise TypeError("store[index] = tensor is ambiguous; write a TensorDict (or a dict of tensors) or a number")
         elif is_tensorclass(value):
