@@ -2,7 +2,8 @@
 a fixed batch size and no dim names, the message of a locked store, and small argument helpers.
 
 ``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` (``_lazy_element``) and the dense
-``TensorDictStore`` (``dense``) build on them (through ``_store_base.StoreBase``).
+``TensorDictStore`` (``dense``) build on them (through ``_store_base.StoreBase``; the two views
+through ``_view.StackView``).
 :class:`StackStore` and :class:`StackOps` say what a view or the dense store may use of the lazy
 store it wraps; :data:`MixinBase` is the base of the mixins the store classes are made of.
 """
@@ -90,7 +91,7 @@ class KeysView:
 
 
 class StackOps(Protocol):
-    """What the views of a lazy store (``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
+    """What the views of a lazy store (``StackView``: ``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
 
     These are the store's own reads and key changes, each one atomic call, with no check of a
     view's lock or sub-tree (the view checks those first); views write through their own

@@ -54,7 +54,7 @@ def _doc(name: str) -> str:
 class DenseRing:
     """The shared ring of a dense store (see ``ReplayMethods``, whose methods these call)."""
 
-    _store: Any  # the hidden LazyStackedTensorDictStore (ElementView's StackStore)
+    _store: Any  # the hidden LazyStackedTensorDictStore (the StackView's StackStore)
     _under: tuple
     _batchless: bool
     is_locked: bool

@@ -1,28 +1,21 @@
-"""``store[i]``: the write-through view of one element of a lazy store (``ElementView``).
-
-The dense ``TensorDictStore`` is an ``ElementView`` of a whole stack.  A view reads through the
-store's public members and its :class:`~tdstore._common.StackOps` (``store.stack_ops``), and
-writes with the ``WriteSurface`` every handle has (``_store_base``), on the store's engine.
-"""
+"""``store[i]``: the write-through view of one element of a lazy store (``ElementView``), a ``StackView``."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.base import NO_DEFAULT
 
-from . import _index, _nontensor
+from . import _index
 from ._common import StackStore
 from ._schema import NestedPath
-from ._store_base import StoreBase
-from ._values import as_path, display
+from ._values import display
+from ._view import StackView
 
 
-class ElementView(StoreBase):
+class ElementView(StackView):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -33,15 +26,8 @@ class ElementView(StoreBase):
     """
 
     def __init__(self, store: StackStore, element: int | None, under: NestedPath = ()) -> None:
-        self._store = store
-        self._ops = store.stack_ops
-        self._engine = self._ops.engine
-        self._cache_metadata = self._ops.cache_metadata
-        self._element = element
-        self._under = under
-        self._batch_size = torch.Size((*self._ops.engine.header.inner, *self._ops.engine.header.subtree_dims(under)))
-        self._device = store.device
-        self._init_tensordict_state()
+        h = store.stack_ops.engine.header
+        super().__init__(store, element, under, torch.Size((*h.inner, *h.subtree_dims(under))))
 
     _whole_stack = False  # writes cover one element of the stack
 
@@ -64,62 +50,12 @@ class ElementView(StoreBase):
         inner = _index.normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
-    # reads
-    def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
-        """One read of this element: ``paths``, or every leaf below ``under`` when ``paths`` is None."""
-        return self._ops.read(self._stack_index(index), paths, under=under, strip=strip)
+    # reads (``_view.StackView``): a nested key of the element is a view of it
+    def _subtree_view(self, path: NestedPath) -> TensorDictBase:
+        return ElementView(self._store, self._element, path)
 
-    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
-        path = self._under + rel
-        h = self._header
-        if path in h.leaves:
-            try:
-                return self._read([path]).get(display(path))
-            except KeyError:
-                if default is not NO_DEFAULT:
-                    return default
-                raise
-        if any(p[: len(path)] == path for p in h.leaves):
-            return ElementView(self._store, self._element, path)
-        if default is not NO_DEFAULT:
-            return default
-        raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
-
-    def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._read_key((key,), default, **kwargs)
-
-    def _get_tuple(self, key: tuple, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._read_key(as_path(key), default, **kwargs)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
-        if index is Ellipsis or (isinstance(index, tuple) and not index):
-            return self
-        return self._index_tensordict(index)
-
-    def _get_at_str(self, key: str, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._get_at_tuple((key,), idx, default, **kwargs)
-
-    def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        path = self._under + as_path(key)
-        try:
-            td = self._read(None, idx, under=path, strip=False)
-        except KeyError:
-            if default is not NO_DEFAULT:
-                return default
-            raise
-        return td.get(display(path))
-
-    def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
-        return self._read(None, index, under=self._under)
-
-    def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
-        return self._read(None, under=self._under)
-
-    def to_local(self) -> TensorDictBase:
-        warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
-        return self.to_tensordict()
+    def _missing_key(self, rel: NestedPath) -> KeyError:
+        return KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
 
     def _clone(self, recurse: bool = True) -> TensorDictBase:
         """An in-memory copy of the element (clone(False) gives another view of it)."""

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
-from tensordict.base import NO_DEFAULT
 
 from . import _index, _nontensor, _whole_store
 from ._common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
@@ -28,9 +27,9 @@ from ._connection import open_client
 from ._dense_ring import DenseRing
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
-from ._lazy_element import ElementView
 from ._schema import NestedPath
 from ._values import as_path, display
+from ._view import StackView
 from .lazy import LazyStackedTensorDictStore, attach
 
 
@@ -58,7 +57,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(DenseRing, ElementView):
+class TensorDictStore(DenseRing, StackView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:
@@ -115,12 +114,12 @@ class TensorDictStore(DenseRing, ElementView):
         self._init_view(store, ())
 
     def _init_view(self, store: StackStore, under: NestedPath, locked: bool = False) -> None:
-        ElementView.__init__(self, store, 0, under)
-        header = self._ops.engine.header
+        header = store.stack_ops.engine.header
         self._batchless = header.batchless
         # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
-        self._batch_size = torch.Size((*(() if self._batchless else store.batch_size), *header.subtree_dims(under)))
-        self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
+        batch_size = torch.Size((*(() if self._batchless else store.batch_size), *header.subtree_dims(under)))
+        # fills cover element 0 of a batchless store, or the whole store
+        StackView.__init__(self, store, 0 if self._batchless else None, under, batch_size)
         if locked:
             self.lock_()
 
@@ -324,22 +323,9 @@ class TensorDictStore(DenseRing, ElementView):
         )
 
     # -- reads -------------------------------------------------------------------------------
-    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
-        path = self._under + rel
-        h = self._header
-        if path in h.leaves:
-            try:
-                value = self._read([path]).get(display(path))
-            except KeyError:
-                if default is not NO_DEFAULT:
-                    return default
-                raise
-            return value
-        if any(p[: len(path)] == path for p in h.leaves):
-            return type(self)._open_view(self._store, path, self.is_locked)
-        if default is not NO_DEFAULT:
-            return default
-        raise KeyError(f"key {display(rel)!r} is not in the store ({self._ops.engine.where()})")
+    def _subtree_view(self, path: NestedPath) -> TensorDictBase:
+        """A nested key is a write-through view of that sub-tree, locked when the store is."""
+        return type(self)._open_view(self._store, path, self.is_locked)
 
     def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
         """``clone()`` copies the store into a new td_id on the server (one atomic call); ``clone(False)`` is another handle on it.
@@ -370,11 +356,7 @@ class TensorDictStore(DenseRing, ElementView):
         engine.set_header(header)
         return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))
 
-    # -- writes (``_write_surface.WriteSurface``): the store's own lock, whole entries one tensor per key
-    @property
-    def _writes_locked(self) -> bool:
-        return self.is_locked
-
+    # -- writes (``_write_surface.WriteSurface``): whole entries are one tensor per key
     def _stack_values(self, items: dict[NestedPath, Any], whole: bool) -> dict[NestedPath, Any]:
         return _dense_values(items, self._batchless and whole)
 
