@@ -114,15 +114,6 @@ class StackOps(Protocol):
         """Whether the handle keeps the schema (``cache_metadata=``)."""
         ...
 
-    @property
-    def header(self) -> Header:
-        """The cached header, or the server's when the handle keeps no metadata."""
-        ...
-
-    def paths(self) -> list[NestedPath]:
-        """The store's leaf paths, in the order their keys were created."""
-        ...
-
     def read(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         """``paths`` (default: every leaf below ``under``) at ``index`` of the stack, in one call."""
         ...

@@ -338,13 +338,6 @@ class LazyStackOps:
     def cache_metadata(self) -> bool:
         return self._store._cache_metadata
 
-    @property
-    def header(self) -> Header:
-        return self._store._header
-
-    def paths(self) -> list[NestedPath]:
-        return self._store._paths()
-
     def read(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         return self._store._read_index(index, paths, under=under, strip=strip)
 
