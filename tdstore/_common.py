@@ -1,11 +1,11 @@
-"""What the two store classes share: the keys view, the TensorDictBase class flags and the rules
-for a fixed batch size and no dim names, the in-place methods that run on the server or through a
-copy, the message of a locked store, and small argument helpers.
+"""What every store handle shares: the keys view, the TensorDictBase class flags and the rules for
+a fixed batch size and no dim names, the message of a locked store, and small argument helpers.
 
 ``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` (``_lazy_element``) and the dense
-``TensorDictStore`` (``dense``) build on them.  :class:`StackStore` and :class:`StackOps` say what
-a view or the dense store may use of the lazy store it wraps; :data:`MixinBase` is the base of the
-mixins the store classes are made of.
+``TensorDictStore`` (``dense``) build on them (through ``_store_base.StoreBase``; the two views
+through ``_view.StackView``).
+:class:`StackStore` and :class:`StackOps` say what a view or the dense store may use of the lazy
+store it wraps; :data:`MixinBase` is the base of the mixins the store classes are made of.
 """
 
 from __future__ import annotations
@@ -91,10 +91,11 @@ class KeysView:
 
 
 class StackOps(Protocol):
-    """What the views of a lazy store (``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
+    """What the views of a lazy store (``StackView``: ``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
 
-    These are the store's own reads and writes, each one atomic call, with no check of a view's
-    lock or sub-tree (the view checks those first).  They live on this separate object so that the
+    These are the store's own reads and key changes, each one atomic call, with no check of a
+    view's lock or sub-tree (the view checks those first); views write through their own
+    ``WriteSurface`` on the store's engine.  They live on this separate object so that the
     store's user-facing methods stay those of a tensordict.
     """
 
@@ -113,31 +114,8 @@ class StackOps(Protocol):
         """Whether the handle keeps the schema (``cache_metadata=``)."""
         ...
 
-    @property
-    def header(self) -> Header:
-        """The cached header, or the server's when the handle keeps no metadata."""
-        ...
-
-    def paths(self) -> list[NestedPath]:
-        """The store's leaf paths, in the order their keys were created."""
-        ...
-
-    def full_index(self) -> Any:
-        """The index of the whole stack."""
-        ...
-
     def read(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         """``paths`` (default: every leaf below ``under``) at ``index`` of the stack, in one call."""
-        ...
-
-    def write(
-        self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None
-    ) -> None:
-        """Write ``items`` at ``index`` of the stack in one call (``replace``: a key may change dtype or shape)."""
-        ...
-
-    def set_rows(self, index: Any, value: Any) -> None:
-        """``store[index] = value`` on the stack (a tensordict, a dict of tensors or a number)."""
         ...
 
     def allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -278,41 +256,6 @@ class StoreCommon(MixinBase):
     def _popped_value(self, value: Any) -> Any:
         """``pop``/``popitem`` of a nested key return its data, not a view of keys about to be deleted."""
         return value.to_tensordict() if getattr(value, "_tdstore_reads_remote", False) else value
-
-    # in-place methods
-    _fills_without_reading = True
-
-    def zero_(self) -> Any:
-        """Zero every leaf on the server in one atomic call, without reading or sending the data."""
-        self._fill_paths((), 0)
-        return self
-
-    def _fill_(self, key: tuple, value: Any) -> None:
-        """``fill_(key, value)``: one atomic call on the server; the value is cast to each leaf's dtype, as ``Tensor.fill_`` does."""
-        self._fill_paths(as_path(key), value)
-
-    def _inplace_on_copies(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """Other in-place methods (``add_``, ``apply_``, ``clamp_``...): one read, a local update, one write.
-
-        Two round trips, each atomic, but not atomic together: a write by another
-        process between them is overwritten. ``zero_`` and ``fill_`` run on the server.
-        """
-        local = self.to_tensordict()
-        result = method(local, *args, **kwargs)
-        if result is not local:
-            return result
-        self._write_local(local)
-        return self
-
-    def apply_(self, fn: Any, *others: Any, **kwargs: Any) -> Any:
-        """``fn`` on every leaf of a local copy, written back (one read, one write; see ``_inplace_on_copies``)."""
-        return self._inplace_on_copies(lambda local: local.apply_(fn, *others, **kwargs))
-
-    def _fill_paths(self, under: NestedPath, value: Any) -> None:
-        raise NotImplementedError
-
-    def _write_local(self, local: TensorDictBase) -> None:
-        raise NotImplementedError
 
 
 def only_keys(items: dict[NestedPath, Any], keys_to_update: Any, under: NestedPath = ()) -> dict[NestedPath, Any]:

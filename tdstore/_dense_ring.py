@@ -24,7 +24,7 @@ from . import _nontensor
 from ._common import LOCK_ERROR
 from ._leases import LeasedSample
 from ._policy import SamplingPolicy
-from ._replay import ReplayMethods
+from ._replay import ReplayMethods, pops_a_key
 from ._ring import RingState, RingWrite, Sample
 from ._sampling import PrioritizedSample
 from .lazy import LazyStackedTensorDictStore
@@ -54,7 +54,7 @@ def _doc(name: str) -> str:
 class DenseRing:
     """The shared ring of a dense store (see ``ReplayMethods``, whose methods these call)."""
 
-    _store: Any  # the hidden LazyStackedTensorDictStore (ElementView's StackStore)
+    _store: Any  # the hidden LazyStackedTensorDictStore (the StackView's StackStore)
     _under: tuple
     _batchless: bool
     is_locked: bool
@@ -116,7 +116,7 @@ class DenseRing:
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
-        if (args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs:
+        if pops_a_key(args, kwargs):
             return super().pop(*args, **kwargs)  # type: ignore[misc]  # TensorDictBase.pop, further along the MRO
         return self.pop_items(*args, **kwargs)
 

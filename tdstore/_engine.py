@@ -11,7 +11,8 @@ one round trip, and a stale cache costs one more, never wrong data.
 
 How ``store[i] = td`` becomes one call:
 
-1. The store (``_lazy_writes``) splits ``td`` into its leaves and hands :meth:`Engine.run_write`
+1. The handle's write surface (``_write_surface``: the same for every store class and view)
+   splits ``td`` into its leaves and hands :meth:`Engine.run_write`
    a *plan*: a function of the cached header that returns the ops, built with the op kinds of
    ``_ops.Write`` (``_writes.plan_element_write``: one ``R`` op, a SETRANGE of the element's
    bytes, per homogeneous leaf, or one for the row of the small leaves the row block groups,

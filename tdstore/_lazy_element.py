@@ -1,28 +1,21 @@
-"""``store[i]``: the write-through view of one element of a lazy store (``ElementView``).
-
-The dense ``TensorDictStore`` is an ``ElementView`` of a whole stack.  A view works only through
-the store's public members and its :class:`~tdstore._common.StackOps` (``store.stack_ops``).
-"""
+"""``store[i]``: the write-through view of one element of a lazy store (``ElementView``), a ``StackView``."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.base import NO_DEFAULT
 
-from . import _index, _nontensor, _writes
-from ._common import LOCK_ERROR, KeysView, StackStore, StoreCommon, only_keys
-from ._schema import Header, NestedPath
-from ._surface import SurfaceMixin
-from ._unsupported import StoreUnsupported
-from ._values import as_path, display, leaves_of
+from . import _index
+from ._common import StackStore
+from ._schema import NestedPath
+from ._values import display
+from ._view import StackView
 
 
-class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
+class ElementView(StackView):
     """``store[i]``: a write-through view of element ``i`` (or of a nested key of it).
 
     Each read or write is one atomic call: ``view[key]`` reads one leaf of the
@@ -33,98 +26,36 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
     """
 
     def __init__(self, store: StackStore, element: int | None, under: NestedPath = ()) -> None:
-        self._store = store
-        self._ops = store.stack_ops
-        self._element = element
-        self._under = under
-        self._batch_size = torch.Size((*self._ops.engine.header.inner, *self._ops.engine.header.subtree_dims(under)))
-        self._device = store.device
-        self._init_tensordict_state()
+        h = store.stack_ops.engine.header
+        super().__init__(store, element, under, torch.Size((*h.inner, *h.subtree_dims(under))))
 
-    # identity / metadata
+    _whole_stack = False  # writes cover one element of the stack
+
+    # device (identity and schema: ``_identity.StoreIdentity``)
     @property
     def device(self) -> torch.device | None:
-        return self._device
+        return self._store.device
 
     @device.setter
     def device(self, value: Any) -> None:
         raise RuntimeError("the device of a store element cannot be set; call .to(device) for a local copy")
 
-    def _paths(self) -> list[NestedPath]:
-        return self._ops.paths()
-
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
-        return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
-
-    def entry_class(self, key: Any) -> type:
-        return self._store.entry_class(self._under + as_path(key))
-
     def __repr__(self) -> str:
         keys = list(self.keys(include_nested=True, leaves_only=True))
         return f"{type(self._store).__name__}[{self._element}](keys={keys}, batch_size={self._batch_size}, td_id={self._store.td_id!r})"
 
-    # index composition
-    def _store_index(self, index: Any = None) -> tuple:
-        h = self._ops.engine.header
+    # index composition: the view's index, as an index of the stack (its element at the stack dim)
+    def _stack_index(self, index: Any = None) -> tuple:
+        h = self._engine.header
         inner = _index.normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
-    # reads
-    def _read(self, paths: list[NestedPath] | None, index: Any = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
-        """One read of this element: ``paths``, or every leaf below ``under`` when ``paths`` is None."""
-        return self._ops.read(self._store_index(index), paths, under=under, strip=strip)
+    # reads (``_view.StackView``): a nested key of the element is a view of it
+    def _subtree_view(self, path: NestedPath) -> TensorDictBase:
+        return ElementView(self._store, self._element, path)
 
-    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
-        path = self._under + rel
-        h = self._ops.header
-        if path in h.leaves:
-            try:
-                return self._read([path]).get(display(path))
-            except KeyError:
-                if default is not NO_DEFAULT:
-                    return default
-                raise
-        if any(p[: len(path)] == path for p in h.leaves):
-            return ElementView(self._store, self._element, path)
-        if default is not NO_DEFAULT:
-            return default
-        raise KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
-
-    def _get_str(self, key: str, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._read_key((key,), default, **kwargs)
-
-    def _get_tuple(self, key: tuple, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._read_key(as_path(key), default, **kwargs)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
-        if index is Ellipsis or (isinstance(index, tuple) and not index):
-            return self
-        return self._index_tensordict(index)
-
-    def _get_at_str(self, key: str, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        return self._get_at_tuple((key,), idx, default, **kwargs)
-
-    def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
-        path = self._under + as_path(key)
-        try:
-            td = self._read(None, idx, under=path, strip=False)
-        except KeyError:
-            if default is not NO_DEFAULT:
-                return default
-            raise
-        return td.get(display(path))
-
-    def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
-        return self._read(None, index, under=self._under)
-
-    def _to_tensordict(self, *, retain_none: bool | None = None) -> TensorDictBase:
-        return self._read(None, under=self._under)
-
-    def to_local(self) -> TensorDictBase:
-        warnings.warn("to_local() is deprecated; use to_tensordict()", DeprecationWarning, stacklevel=2)
-        return self.to_tensordict()
+    def _missing_key(self, rel: NestedPath) -> KeyError:
+        return KeyError(f"key {display(rel)!r} is not in element {self._element} of the store")
 
     def _clone(self, recurse: bool = True) -> TensorDictBase:
         """An in-memory copy of the element (clone(False) gives another view of it)."""
@@ -132,82 +63,10 @@ class ElementView(StoreCommon, SurfaceMixin, StoreUnsupported, TensorDictBase):
             return self.to_tensordict()
         return ElementView(self._store, self._element, self._under)
 
-    # writes
-    def _write(self, items: dict[NestedPath, Any], index: Any = None) -> None:
-        new = [p for p in items if p not in self._ops.engine.header.leaves]
-        if new and self._store.is_locked:
-            raise RuntimeError(LOCK_ERROR)
-        # a key the store does not have is created for every element (the others zeros or None)
-        self._ops.write(self._store_index(index), items)
-
-    def _set_tuple(
-        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
-    ) -> TensorDictBase:
-        path = self._under + as_path(key)
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, path))
-        return self
-
-    def _set_str(
-        self, key: str, value: Any, *, inplace: Any, validated: bool, ignore_lock: bool = False, non_blocking: bool = False
-    ) -> TensorDictBase:
-        return self._set_tuple((key,), value, inplace=inplace, validated=validated, non_blocking=non_blocking, ignore_lock=ignore_lock)
-
-    def _set_at_str(self, key: str, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
-        return self._set_at_tuple((key,), value, idx, validated=validated, non_blocking=non_blocking)
-
-    def _set_at_tuple(self, key: tuple, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
-        path = self._under + as_path(key)
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, path), idx)
-        return self
-
-    def _setitem_index(self, index: Any, value: Any) -> None:
-        if not isinstance(value, (TensorDictBase, dict)):
-            raise TypeError("element[index] = value needs a TensorDict or a dict of tensors")
-        self._write(leaves_of(value, self._ops.engine.header.stack_pos, self._under), index)
-
-    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
-        self,
-        input_dict_or_td: Any,
-        clone: bool = False,
-        inplace: bool = False,
-        *,
-        non_blocking: bool = False,
-        keys_to_update: Any = None,
-        is_leaf: Any = None,
-        update_batch_size: bool = False,
-        ignore_lock: bool = False,
-    ) -> TensorDictBase:
-        """Write every leaf of ``input_dict_or_td`` into this element in one atomic call."""
-        items = leaves_of(input_dict_or_td, self._ops.engine.header.stack_pos, self._under)
-        items = only_keys(items, keys_to_update, self._under)
-        if items:
-            self._write(items)
-        return self
-
-    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
-        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
-    ) -> TensorDictBase:
-        return self.update(input_dict_or_td, keys_to_update=keys_to_update)
-
-    def _write_back(self, keys: Any, values: Any, method: str) -> None:
-        if keys:
-            self._write({self._under + as_path(k): v for k, v in zip(keys, values)})
-
-    def _write_local(self, local: TensorDictBase) -> None:
-        self._write(leaves_of(local, self._ops.engine.header.stack_pos, self._under))
-
-    def _fill_paths(self, under: NestedPath, value: Any) -> None:
-        engine = self._ops.engine
-        keys = engine.keys
-        full = self._under + under
-
-        def plan(h: Header, kt: Any) -> Any:
-            paths = [p for p in h.leaves if p[: len(full)] == full]
-            if not paths:
-                raise KeyError(f"key {display(under) if under else display(self._under)!r} is not in the store")
-            return _writes.plan_fill(keys, h, paths, value, kt, element=self._element)
-
-        engine.run_write(plan)
+    # writes (``_write_surface.WriteSurface``): the lock that governs them is the store's
+    @property
+    def _writes_locked(self) -> bool:
+        return self._store.is_locked
 
     def _del(self, key: tuple) -> None:
         raise RuntimeError("a key cannot be deleted from one element of a store; use del store[key] to delete it everywhere")

@@ -1,10 +1,11 @@
 """What a lazy store handle is, and the accessors every part of ``LazyStackedTensorDictStore`` uses.
 
-``LazyStackedTensorDictStore`` (``lazy``) is assembled from mixins that each do one job: reads
-(``_lazy_reads``), writes (``_lazy_writes``), key changes (``_lazy_keys``), the handle's lifetime
-(``_lazy_lifecycle``) and the ring (``_replay``).  They all build on :class:`LazyState`, which
-holds the handle's state: its engine (server calls and the cached header), the label of the
-server kind, where reads land, and the layout of the stack.
+``LazyStackedTensorDictStore`` (``lazy``) is a ``StoreBase`` (``_store_base``: identity, writes,
+tensordict's surface) with what only the lazy store does, one mixin each: reads
+(``_lazy_reads``), key changes (``_lazy_keys``), the handle's lifetime (``_lazy_lifecycle``) and
+the ring (``_replay``).  They all build on :class:`LazyState`, which holds the handle's state:
+its engine (server calls and the cached header), the label of the server kind, where reads land,
+and the layout of the stack.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from typing import Any, Self
 
 import torch
 
-from ._common import MixinBase
 from ._engine import Engine
-from ._schema import Header, NestedPath
+from ._identity import StoreIdentity
 from ._values import check_device, usable_device
 
 
-class LazyState(MixinBase):
+class LazyState(StoreIdentity):
     """The state of a handle on a lazy store, set by :meth:`_init_handle` (construction and unpickling)."""
 
     _engine: Engine
@@ -57,18 +57,6 @@ class LazyState(MixinBase):
         self._init_handle(engine, backend=backend, device=dev, cache_metadata=cache_metadata)
         return self
 
-    @property
-    def _header(self) -> Header:
-        """The store's header: the cached one, or read again from the server when the handle keeps no metadata."""
-        if not self._cache_metadata:
-            self._engine.set_header(self._engine.fetch_header())
-        return self._engine.header
-
-    def _paths(self) -> list[NestedPath]:
-        """The store's leaf paths, in the order their keys were created."""
-        h = self._header
-        return [leaf.path for leaf in sorted(h.leaves.values(), key=lambda leaf: leaf.number)]
-
-    def _full_index(self) -> Any:
-        """The index that covers the whole stack."""
-        return (slice(None),) * len(self._batch_size) if self._batch_size else ()
+    def _stack_index(self, index: Any) -> Any:
+        """An index of the lazy store is an index of the stack."""
+        return index

@@ -33,7 +33,7 @@ from ._engine import Engine
 from ._errors import LeaseLostError
 from ._ops import Read
 from ._ring import Sample
-from ._ring_args import refuse_spread
+from ._ring_args import check_batch_size, refuse_spread
 from ._ring_reads import _decode_sample, _row_read_call
 from ._schema import Header, NestedPath
 
@@ -190,8 +190,7 @@ def pop(
     lease: Any,
 ) -> LeasedSample:
     """Up to ``batch_size`` items under a lease of ``lease`` seconds (see ``LazyStackedTensorDictStore.pop_items``)."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
+    check_batch_size(batch_size, "pop")
     ms = lease_ms(lease)
     engine.refuse_if_readonly()
     refuse_spread(engine)

@@ -23,6 +23,12 @@ from ._sampling import PrioritizedSample
 from ._values import as_path
 
 
+def pops_a_key(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``pop(*args, **kwargs)`` is TensorDict's ``pop(key[, default])`` (a key, str or tuple, first)
+    rather than the queue's ``pop(batch_size, ...)``: one rule for every store's ``pop``."""
+    return bool(args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs
+
+
 class ReplayMethods(LazyState):
     """The shared ring buffer, and server-side priorities, rate limiting and queues, shared by every handle on the store."""
 
@@ -239,7 +245,7 @@ class ReplayMethods(LazyState):
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
-        if (args and isinstance(args[0], (str, tuple))) or "key" in kwargs or "default" in kwargs:
+        if pops_a_key(args, kwargs):
             return super().pop(*args, **kwargs)  # TensorDictBase.pop, further along the MRO
         return self.pop_items(*args, **kwargs)
 

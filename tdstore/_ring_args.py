@@ -1,4 +1,4 @@
-"""The arguments that ring calls share: generations and the one-slot rule.
+"""The arguments that ring calls share: batch sizes, generations and the one-slot rule.
 
 ``_ring`` (writes), ``_ring_reads`` (samples, pops) and ``_sampling`` (priority updates) check
 their arguments with these, before anything is sent. Slot indices mean what they mean to
@@ -21,6 +21,12 @@ def refuse_spread(engine: Engine) -> None:
             f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
             "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True"
         )
+
+
+def check_batch_size(batch_size: Any, what: str) -> None:
+    """``sample``'s and ``pop``'s batch size: a positive int (``ValueError`` naming the call otherwise)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"{what} needs a positive int batch_size, got {batch_size!r}")
 
 
 def _int_tensor(value: Any) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ._ops import Read
 from ._policy import SamplingPolicy
 from ._reads import DenseResult, het_rows, plan_rows_tx, with_tables
 from ._ring import DRAW_HIGH, RING_FIELDS, Sample, generations, ring_writes_of
-from ._ring_args import refuse_spread
+from ._ring_args import check_batch_size, refuse_spread
 from ._schema import Header, Leaf, NestedPath
 from ._segments import het_row_read_op, row_read_op
 from ._values import build_td, columns_maker, display, stack_members
@@ -109,8 +109,7 @@ def sample(
 
 
 def _check_sample_args(batch_size: Any, min_size: Any, beta: Any) -> None:
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"sample needs a positive int batch_size, got {batch_size!r}")
+    check_batch_size(batch_size, "sample")
     if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0):
         raise ValueError(f"min_size must be None or an int >= 0, got {min_size!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
@@ -278,8 +277,7 @@ def pop(
     engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None
 ) -> Sample:
     """The next unread items, in write order, each handed to exactly one caller (see ``LazyStackedTensorDictStore.pop``)."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
+    check_batch_size(batch_size, "pop")
     engine.refuse_if_readonly()
     refuse_spread(engine)
     channel = engine.keys.events

@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
-from tensordict.base import NO_DEFAULT
 
 from . import _index, _nontensor, _whole_store
-from ._common import LOCK_ERROR, KeysView, StackStore, fetch_existing, only_keys, ttl_to_ms
+from ._common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
 from ._connection import open_client
 from ._dense_ring import DenseRing
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
-from ._lazy_element import ElementView
 from ._schema import NestedPath
-from ._values import as_path, display, leaves_of, subtree_dims
+from ._values import as_path, display
+from ._view import StackView
 from .lazy import LazyStackedTensorDictStore, attach
 
 
@@ -58,7 +57,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(DenseRing, ElementView):
+class TensorDictStore(DenseRing, StackView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:
@@ -115,16 +114,18 @@ class TensorDictStore(DenseRing, ElementView):
         self._init_view(store, ())
 
     def _init_view(self, store: StackStore, under: NestedPath, locked: bool = False) -> None:
-        ElementView.__init__(self, store, 0, under)
-        header = self._ops.engine.header
+        header = store.stack_ops.engine.header
         self._batchless = header.batchless
         # a sub-tree view has the store's batch dims and the sub-tree's own extra ones (chat-style [5, 1])
-        self._batch_size = torch.Size((*(() if self._batchless else store.batch_size), *header.subtree_dims(under)))
-        self._element = 0 if self._batchless else None  # fills cover element 0, or the whole store
+        batch_size = torch.Size((*(() if self._batchless else store.batch_size), *header.subtree_dims(under)))
+        # fills cover element 0 of a batchless store, or the whole store
+        StackView.__init__(self, store, 0 if self._batchless else None, under, batch_size)
         if locked:
             self.lock_()
 
-    def _store_index(self, index: Any = None) -> tuple:
+    _whole_stack = True  # writes cover every row (a batchless store: its one element)
+
+    def _stack_index(self, index: Any = None) -> tuple:
         """The index of the underlying stack: the same index, or element 0 and nothing else when batchless."""
         if self._batchless:
             return (0, *_index.normalize(index, torch.Size([]))) if index is not None else (0,)
@@ -138,7 +139,7 @@ class TensorDictStore(DenseRing, ElementView):
             # the index reaches a sub-tree's own batch dims, which the server does not index: read
             # the store's rows in one call and index the rest locally
             return self._read(paths, None, under, strip)[index]
-        out = self._ops.read(self._store_index(index), paths, under=under, strip=strip)
+        out = self._ops.read(self._stack_index(index), paths, under=under, strip=strip)
         if isinstance(out, LazyStackedTensorDict):
             # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
             # value repeated over the rows as one NonTensorData (what TensorDict.set(key, value) holds)
@@ -279,58 +280,10 @@ class TensorDictStore(DenseRing, ElementView):
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store")
         return _tensorclass.wrap(cls._open_view(store), engine.header.tensorclass, tensorclass_cls)
 
-    # -- identity --------------------------------------------------------------------------
-    @property
-    def td_id(self) -> str:
-        return self._store.td_id
-
-    @property
-    def _td_id(self) -> str:
-        return self._store.td_id
-
-    @property
-    def prefix(self) -> str:
-        return self._store.prefix
-
-    @property
-    def readonly(self) -> bool:
-        return self._store.readonly
-
+    # -- device, repr (identity and schema: ``_identity.StoreIdentity``) ----------------------
     @property
     def _backend(self) -> str:
         return self._ops.backend
-
-    @property
-    def _meta_cache(self) -> dict[str, tuple[list[int] | None, torch.dtype]] | None:
-        """The cached schema as ``tensordict.store`` keeps it: ``{"dotted.key.path": (full shape, dtype)}``.
-
-        The full shape is a list with the store's batch dims (``None`` for a key whose
-        elements differ in shape); every key of the store, whatever sub-tree this
-        view is.  ``None`` when the handle keeps no metadata (``cache_metadata=False``).
-        """
-        if not self._ops.cache_metadata:
-            return None
-        h = self._ops.engine.header
-        lead = [] if self._batchless else [h.count]
-        return {".".join(p): (lead + list(leaf.shape) if leaf.shape is not None else None, leaf.dtype) for p, leaf in h.leaves.items()}
-
-    def _full_key_path(self, key: Any) -> str:
-        """The dotted path of ``key`` from the root of the store (``store["nested"]._full_key_path("b") == "nested.b"``)."""
-        return ".".join(self._under + as_path(key))
-
-    @property
-    def tensorclass_path(self) -> str | None:
-        """``module.QualName`` of the tensorclass the store was uploaded from, or ``None`` (a name only: never imported)."""
-        return (self._ops.engine.header.tensorclass or None) if not self._under else None
-
-    @property
-    def _tensorclass_cls(self) -> str | None:
-        """The ``tensordict.store`` name of :attr:`tensorclass_path` (``None`` on a sub-tree view, as there)."""
-        return self.tensorclass_path
-
-    @property
-    def _engine(self) -> Engine:
-        return self._ops.engine
 
     @property
     def device(self) -> torch.device | None:
@@ -341,16 +294,9 @@ class TensorDictStore(DenseRing, ElementView):
         self._store.device = value
         self._device = self._store.device
 
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
-        return KeysView(self._paths, self._under, include_nested, leaves_only, sort)
-
-    def __len__(self) -> int:
-        return self._batch_size[0] if len(self._batch_size) else 0
-
-    def entry_class(self, key: Any) -> type:
-        """``torch.Tensor`` for a leaf; for a sub-tree the store's own class, which ``store[key]`` returns."""
-        cls = self._store.entry_class(self._under + as_path(key))
-        return type(self) if cls in (TensorDict, LazyStackedTensorDict) else cls
+    def _subtree_class(self, het: bool) -> type:
+        """A nested key reads as a sub-tree view: the store's own class."""
+        return type(self)
 
     def __getitem__(self, index: Any) -> Any:
         # store[:] (a full slice of every batch dim) is the store itself, written through, as in
@@ -377,22 +323,9 @@ class TensorDictStore(DenseRing, ElementView):
         )
 
     # -- reads -------------------------------------------------------------------------------
-    def _read_key(self, rel: NestedPath, default: Any, **kwargs: Any) -> Any:
-        path = self._under + rel
-        h = self._ops.header
-        if path in h.leaves:
-            try:
-                value = self._read([path]).get(display(path))
-            except KeyError:
-                if default is not NO_DEFAULT:
-                    return default
-                raise
-            return value
-        if any(p[: len(path)] == path for p in h.leaves):
-            return type(self)._open_view(self._store, path, self.is_locked)
-        if default is not NO_DEFAULT:
-            return default
-        raise KeyError(f"key {display(rel)!r} is not in the store ({self._ops.engine.where()})")
+    def _subtree_view(self, path: NestedPath) -> TensorDictBase:
+        """A nested key is a write-through view of that sub-tree, locked when the store is."""
+        return type(self)._open_view(self._store, path, self.is_locked)
 
     def _clone(self, recurse: bool = True, pbar: bool = False) -> TensorDictBase:
         """``clone()`` copies the store into a new td_id on the server (one atomic call); ``clone(False)`` is another handle on it.
@@ -423,75 +356,9 @@ class TensorDictStore(DenseRing, ElementView):
         engine.set_header(header)
         return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))
 
-    # -- writes ------------------------------------------------------------------------------
-    def _write(
-        self, items: dict[NestedPath, Any], index: Any = None, *, replace: bool = True, sub: dict[NestedPath, tuple[int, ...]] | None = None
-    ) -> None:
-        ops = self._ops
-        new = [p for p in items if p not in ops.engine.header.leaves]
-        if new and self.is_locked:
-            raise RuntimeError(LOCK_ERROR)
-        if index is None:
-            # whole entries: new keys are added, and (unless in place) a key may change dtype or shape, as set() replaces
-            ops.write(ops.full_index(), _dense_values(items, self._batchless), replace=replace and not self.is_locked)
-            return
-        # a key the store does not have is created for every row (the others read as zeros, or None
-        # for non-tensor data) in the same call that writes these rows
-        ops.write(self._store_index(index), _dense_values(items, False), sub=sub)
-
-    def _set_tuple(
-        self, key: tuple, value: Any, *, inplace: Any, validated: bool, non_blocking: bool = False, ignore_lock: bool = False
-    ) -> TensorDictBase:
-        path = self._under + as_path(key)
-        items = leaves_of(value, 0, path)
-        if inplace is True:
-            missing = [p for p in items if p not in self._ops.engine.header.leaves]
-            if missing:
-                raise KeyError(f"key {display(missing[0])!r} is not in the store (set_ writes existing keys only)")
-        self._write(items, replace=inplace is not True)
-        return self
-
-    def _setitem_index(self, index: Any, value: Any) -> None:
-        if isinstance(value, (int, float, bool, complex)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
-            self._ops.set_rows(self._store_index(index), value)
-            return
-        if is_tensorclass(value):
-            value = value.to_tensordict()
-        if not isinstance(value, (TensorDictBase, dict)):
-            raise TypeError("store[index] = value needs a TensorDict, a tensorclass, a dict of tensors or a number")
-        # keys this write creates take on the extra batch dims of the value's sub-trees (a chat [5, 1])
-        self._write(
-            leaves_of(value, 0, self._under),
-            index,
-            sub=subtree_dims(value, value.batch_dims, self._under) if isinstance(value, TensorDictBase) else None,
-        )
-
-    def update(  # type: ignore[override]  # no **kwargs (an unknown keyword raises), and not MutableMapping.update's signature
-        self,
-        input_dict_or_td: Any,
-        clone: bool = False,
-        inplace: bool = False,
-        *,
-        non_blocking: bool = False,
-        keys_to_update: Any = None,
-        is_leaf: Any = None,
-        update_batch_size: bool = False,
-        ignore_lock: bool = False,
-    ) -> TensorDictBase:
-        """Write (add or replace) every entry of ``input_dict_or_td`` in one atomic call."""
-        items = only_keys(leaves_of(input_dict_or_td, 0, self._under), keys_to_update, self._under)
-        if inplace:
-            missing = [p for p in items if p not in self._ops.engine.header.leaves]
-            if missing:
-                raise KeyError(f"key {display(missing[0])!r} is not in the store (update_ writes existing keys only)")
-        if items:
-            self._write(items, replace=not inplace)
-        return self
-
-    def update_(  # type: ignore[override]  # no **kwargs: an unknown keyword raises
-        self, input_dict_or_td: Any, clone: bool = False, *, non_blocking: bool = False, keys_to_update: Any = None
-    ) -> TensorDictBase:
-        return self.update(input_dict_or_td, inplace=True, keys_to_update=keys_to_update)
+    # -- writes (``_write_surface.WriteSurface``): whole entries are one tensor per key
+    def _stack_values(self, items: dict[NestedPath, Any], whole: bool) -> dict[NestedPath, Any]:
+        return _dense_values(items, self._batchless and whole)
 
     def _del(self, key: tuple) -> None:
         if self.is_locked:

@@ -1,6 +1,7 @@
 """``LazyStackedTensorDictStore``: a lazy stack of tensordicts that lives on a Redis-wire server.
 
-The class is put together here from mixins that each do one job (``_lazy_state`` lists them);
+The class is a ``StoreBase`` (identity, writes, tensordict's surface) plus the mixins only the
+lazy store has (``_lazy_state`` lists them);
 this module holds its construction, identity and pickling, the views it hands out, and
 :class:`LazyStackOps`, the internal interface its views and the dense ``TensorDictStore`` use.
 """
@@ -11,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.base import NO_DEFAULT
 
 from . import _nontensor
-from ._common import KeysView, StoreCommon, fetch_existing, ttl_to_ms
+from ._common import fetch_existing, ttl_to_ms
 from ._connection import open_client
 from ._engine import Engine, new_td_id
 from ._keys import StoreKeys
@@ -23,17 +24,13 @@ from ._lazy_element import ElementView
 from ._lazy_keys import LazyKeys
 from ._lazy_lifecycle import LazyLifecycle
 from ._lazy_reads import LazyReads
-from ._lazy_writes import LazyWrites
 from ._replay import ReplayMethods
 from ._schema import Header, NestedPath
-from ._surface import SurfaceMixin
-from ._unsupported import StoreUnsupported
-from ._values import as_path, check_device, display, usable_device
+from ._store_base import StoreBase
+from ._values import as_path, check_device, usable_device
 
 
-class LazyStackedTensorDictStore(
-    LazyReads, LazyWrites, LazyKeys, LazyLifecycle, StoreCommon, ReplayMethods, SurfaceMixin, StoreUnsupported, TensorDictBase
-):
+class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, StoreBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -246,56 +243,7 @@ class LazyStackedTensorDictStore(
             f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)"
         )
 
-    # -- identity and metadata -----------------------------------------------------------
-    @property
-    def td_id(self) -> str:
-        """The identifier of the store on the server (read-only)."""
-        return self._engine.keys.td_id
-
-    @property
-    def _td_id(self) -> str:
-        return self._engine.keys.td_id
-
-    @property
-    def prefix(self) -> str:
-        return self._engine.keys.prefix
-
-    @property
-    def readonly(self) -> bool:
-        """Whether this handle refuses writes (``readonly=True``)."""
-        return self._engine.readonly
-
-    @property
-    def _meta_cache(self) -> dict[str, tuple[list[int] | None, torch.dtype]] | None:
-        """The cached schema as ``tensordict.store`` keeps it: ``{"dotted.key.path": (full shape, dtype)}``.
-
-        The full shape is a list with the stack's batch dims, ``None`` for a
-        heterogeneous key; ``None`` as a whole when the handle keeps no metadata
-        (``cache_metadata=False``).
-        """
-        if not self._cache_metadata:
-            return None
-        h = self._engine.header
-        sp = h.stack_pos
-        return {
-            ".".join(p): ([*leaf.shape[:sp], h.count, *leaf.shape[sp:]] if leaf.shape is not None else None, leaf.dtype)
-            for p, leaf in h.leaves.items()
-        }
-
-    def _full_key_path(self, key: Any) -> str:
-        """The dotted path of ``key`` (as ``tensordict.store`` names keys)."""
-        return ".".join(as_path(key))
-
-    @property
-    def tensorclass_path(self) -> str | None:
-        """``module.QualName`` of the tensorclass the store was uploaded from, or ``None`` (a name only: never imported)."""
-        return self._engine.header.tensorclass or None
-
-    @property
-    def _tensorclass_cls(self) -> str | None:
-        """The ``tensordict.store`` name of :attr:`tensorclass_path`."""
-        return self.tensorclass_path
-
+    # -- device and repr (identity and schema: ``_identity.StoreIdentity``) ---------------------
     @property
     def device(self) -> torch.device | None:
         return self._device
@@ -303,22 +251,6 @@ class LazyStackedTensorDictStore(
     @device.setter
     def device(self, value: Any) -> None:
         self._device = check_device(torch.device(value) if value is not None else None)
-
-    def keys(self, include_nested: bool = False, leaves_only: bool = False, is_leaf: Any = None, *, sort: bool = False) -> KeysView:  # type: ignore[override]  # a KeysView snapshot of the server's schema, with sort=
-        return KeysView(self._paths, (), include_nested, leaves_only, sort)
-
-    def __len__(self) -> int:
-        return self._batch_size[0] if len(self._batch_size) else 0
-
-    def entry_class(self, key: Any) -> type:
-        path = as_path(key)
-        h = self._header
-        if path in h.leaves:
-            return torch.Tensor
-        under = [leaf for p, leaf in h.leaves.items() if p[: len(path)] == path]
-        if not under:
-            raise KeyError(f"key {display(path)!r} is not in the store")
-        return LazyStackedTensorDict if any(leaf.het for leaf in under) else TensorDict
 
     def __repr__(self) -> str:
         try:
@@ -406,26 +338,8 @@ class LazyStackOps:
     def cache_metadata(self) -> bool:
         return self._store._cache_metadata
 
-    @property
-    def header(self) -> Header:
-        return self._store._header
-
-    def paths(self) -> list[NestedPath]:
-        return self._store._paths()
-
-    def full_index(self) -> Any:
-        return self._store._full_index()
-
     def read(self, index: Any, paths: list[NestedPath] | None = None, under: NestedPath = (), strip: bool = True) -> TensorDictBase:
         return self._store._read_index(index, paths, under=under, strip=strip)
-
-    def write(
-        self, index: Any, items: dict[NestedPath, Any], *, replace: bool = False, sub: dict[NestedPath, tuple[int, ...]] | None = None
-    ) -> None:
-        self._store._write(index, items, replace=replace, sub=sub)
-
-    def set_rows(self, index: Any, value: Any) -> None:
-        self._store._setitem_index(index, value)
 
     def allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
         self._store._allocate(specs)
