@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
-from torchrl.data.replay_buffers.storages import Storage
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from . import _index, _ring
+from . import _index, _ring, _torchrl_marks
 from ._connection import SECRET_KWARGS
 from ._dense_ring import dense_rows
 from ._engine import new_td_id
@@ -31,6 +32,8 @@ from .lazy import LazyStackedTensorDictStore
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
+#: The keys the leaves of a pytree other than a dict of tensors are stored under: ``_tree0``, ``_tree1``...
+TREE_KEY = "_tree"
 #: Keys a TensorDictReplayBuffer puts into the data it is given or returns; buffer metadata, never stored.
 METADATA_KEYS = ("index", "index_generation")
 #: Connection keywords kept in ``state_dict`` (never a secret: see ``SECRET_KWARGS``).
@@ -58,6 +61,31 @@ def _is_reattach_error(err: KeyError) -> bool:
     return "created again" in text or "it was deleted, expired, or never created" in text
 
 
+def _only_dicts(tree: Any) -> bool:
+    """Whether every container of the pytree ``tree`` is a plain dict (a TensorDict holds it as it is)."""
+    if isinstance(tree, torch.Tensor):
+        return True
+    return type(tree) is dict and all(_only_dicts(v) for v in tree.values())
+
+
+def _flip(items: list) -> Any:
+    """A list of pytrees of one structure as one pytree of stacked leaves (as torchrl's storages take a list)."""
+    flat = [tree_flatten(item) for item in items]
+    odd = [type(x).__name__ for x in flat[0][0] if not isinstance(x, torch.Tensor)]
+    if odd:
+        raise TypeError(
+            f"StoreStorage stores TensorDicts, tensorclasses, tensors and pytrees of tensors, not a {type(items[0]).__name__} "
+            f"holding {odd[0]} (wrap non-tensor values in a TensorDict as NonTensorData)"
+        )
+    specs = {str(spec) for _, spec in flat}
+    if len(specs) != 1:
+        raise ValueError(f"StoreStorage: the list's items must have one tree structure, got {len(specs)} different ones")
+    try:
+        return tree_unflatten([torch.stack(list(col)) for col in zip(*(leaves for leaves, _ in flat))], flat[0][1])
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"StoreStorage: the list's items cannot be stacked leaf by leaf: {err}") from None
+
+
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
     """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
     engine = s.stack_ops.engine
@@ -66,11 +94,14 @@ def has_keys(s: LazyStackedTensorDictStore) -> bool:
     return bool(engine.header.leaves)
 
 
-class StoreStorage(_TorchrlStoreStorage):
+class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     """A torchrl ``Storage`` over a tdstore ring of ``max_size`` slots on a Redis-wire server.
 
-    It subclasses torchrl's ``StoreStorage`` only so that torchrl treats it alike (its
-    default collate function); every method is this class's own.  The ring store is
+    It subclasses torchrl's ``StoreStorage`` so that torchrl treats it alike (its default
+    collate function), and ``TensorStorage``, whose contract it keeps (``_storage`` is a
+    tensor collection of ``max_size`` rows, the store; ``get``/``set`` index it), so that
+    what torchrl offers only to tensor storages works (``ConsumingSampler``, ``Sequence``
+    sample units, staleness, dataset export); every method it uses is this class's own.  The ring store is
     opened (created when missing, attached to when it exists) on first use, with the id
     ``td_id`` (a new one unless given): every process that opens a ``StoreStorage`` with
     the same ``td_id`` and server shares one buffer.  Keys come from the first data written.
@@ -107,8 +138,14 @@ class StoreStorage(_TorchrlStoreStorage):
         tensorclass_cls: type | None = None,
         ndim: int = 1,
         ragged: bool = False,
+        compilable: bool = False,
+        checkpointer: Any = None,
+        consolidated: bool = False,
+        shared_init: bool = False,
         **store_kwargs: Any,
     ) -> None:
+        # consolidated and shared_init are LazyTensorStorage's memory layout and fork-time set-up:
+        # a server's store is one layout, shared by every process already (accepted, nothing to do)
         if ndim != 1:
             raise NotImplementedError(
                 f"StoreStorage(ndim={ndim}): storages of more than one dim are not offered: the server's ring has one "
@@ -126,7 +163,6 @@ class StoreStorage(_TorchrlStoreStorage):
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None
         self._reopens = 0
-        self._in_place = 0  # in-place writes of this process (see _mutation_revision)
         self._inner: tuple[int, ...] = ()  # the elements' batch size a new store is made with (the first write's)
         self._tree = False  # this process wrote dicts of tensors (read back as dicts, as torchrl's storages do)
         if max_size is None:
@@ -134,7 +170,11 @@ class StoreStorage(_TorchrlStoreStorage):
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
             self._ring = self._attach_existing()
             max_size = self._ring.capacity
-        Storage.__init__(self, max_size=max_size)
+        Storage.__init__(self, max_size=max_size, checkpointer=checkpointer, compilable=compilable)
+        self.ndim = 1
+        self._gen_base: tuple[tuple[str, int], int] | None = None  # (store_identity, gb) read once per store
+        self._keep_write_count = False  # set by StoreWriter._empty(empty_write_count=False) for the next _empty
+        self._treespec: TreeSpec | None = None  # the pytree this process wrote (other than dicts of tensors)
         self._tensorclass_type: type[Any] | None = tensorclass_cls  # any @tensorclass: its methods come from the decorator
         self._is_tensor: bool | None = None  # None: not known in this process yet (read from the store's keys)
         self.initialized = True
@@ -180,11 +220,13 @@ class StoreStorage(_TorchrlStoreStorage):
         have = tuple(s.batch_size[1:])
         if have == inner:
             return
-        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again
+        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again (with what empty() carried)
+            m = _torchrl_marks.read(s.stack_ops.engine)
             s.clear_redis()
             self._inner, self._ring = inner, None
             self._reopens += 1
             self._store  # noqa: B018
+            self._carry(m.gb, m.wb)
             return
         raise ValueError(
             f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
@@ -242,6 +284,34 @@ class StoreStorage(_TorchrlStoreStorage):
         d = self._conn.get("device")
         return torch.device(d) if d is not None else None
 
+    @device.setter
+    def device(self, value: Any) -> None:
+        """``"auto"`` (TensorStorage's "the data's device") reads to CPU, the server's side of any device."""
+        self._conn["device"] = None if value in (None, "auto") else value
+
+    # TensorStorage's bookkeeping of in-process memory, which a server's store has no use for
+    @property
+    def _storage_keys(self) -> None:
+        """No key filter: the store takes new keys (TensorStorage filters only a locked shared-memory storage's)."""
+        return None
+
+    @_storage_keys.setter
+    def _storage_keys(self, value: Any) -> None:
+        """Ignored (see the getter)."""
+
+    @property
+    def _total_shape(self) -> torch.Size:
+        return torch.Size([self.max_size])
+
+    def _content_devices(self) -> set[torch.device]:
+        return {self.device or torch.device("cpu")}
+
+    def _share_memory_(self) -> None:
+        """Nothing: every process reaches the rows on the server."""
+
+    def _fork_safe(self) -> bool:
+        return True
+
     @property
     def shape(self) -> torch.Size:
         """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
@@ -266,16 +336,32 @@ class StoreStorage(_TorchrlStoreStorage):
 
     @property
     def _mutation_revision(self) -> int:
-        """Changes whenever any process extends the ring (the server's write count), this process writes
-        rows in place (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers' explicit slots)
-        or the buffer is emptied or reloaded.  In-place writes by *other* processes do not move it (the
-        ring keeps no server counter of them): a ``SliceSampler(cache_values=True)`` in another process
-        keeps its episode boundaries until the next ``extend``."""
-        return (self._reopens << 96) + (self._in_place << 64) + self.with_store(lambda s: s.write_count)
+        """Changes whenever any process extends the ring (the server's write count ``rw``), writes rows
+        in place through torchrl (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers'
+        written slots: the header's ``tr``, see :mod:`tdstore._torchrl_marks`) or the buffer is emptied
+        or reloaded.  One round trip (``HMGET``)."""
+        m = self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+        return (self._reopens << 96) + (m.tr << 48) + m.rw
 
     def _bump_mutation_revision(self) -> None:
-        """An in-place write of this process (torchrl calls this after ``set_at_``, ``set_``, ``update_``)."""
-        self._in_place = getattr(self, "_in_place", 0) + 1
+        """Nothing: every in-place write of this class moves the server's revision itself (torchrl calls
+        this after ``set_at_``, ``set_``, ``update_``, whose writes through ``storage[:]`` did)."""
+
+    def _bump_server_revision(self) -> None:
+        """An in-place write: the header's ``tr`` + 1, which every process's ``_mutation_revision`` reads."""
+        self.with_store(lambda s: _torchrl_marks.bump(s.stack_ops.engine))
+
+    def marks(self) -> _torchrl_marks.Marks:
+        """The ring write count and torchrl's counters (``tr``, ``gb``, ``wb``): one round trip."""
+        return self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+
+    def generation_base(self) -> int:
+        """What the buffer's torchrl generations start from (``gb``: it grows at each ``empty()``), read once per store."""
+        ident = self.store_identity
+        if self._gen_base is None or self._gen_base[0] != ident:
+            gb = self.marks().gb
+            self._gen_base = (self.store_identity, gb)  # (identity after the read: a reopen in it counts)
+        return self._gen_base[1]
 
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
@@ -286,21 +372,22 @@ class StoreStorage(_TorchrlStoreStorage):
     def _to_rows(self, data: Any) -> TensorDictBase:
         """``data`` (a batch) as the tensordict the ring stores; remembers the data kind.
 
-        Dicts of tensors (torchrl's pytrees) are stored as a TensorDict of their keys and read
-        back as dicts in this process; other pytrees (tuples, lists of tensors per field) are
-        refused, naming the type."""
+        Pytrees (dicts, tuples, lists, named tuples of tensors, any nesting), as torchrl's
+        ``LazyTensorStorage`` takes them (each leaf's dim 0 is the batch; a ``list`` is a list of
+        items, stacked leaf by leaf): dicts of tensors are stored as a TensorDict of their keys,
+        other trees as a TensorDict of their leaves (``"_tree0"``, ``"_tree1"``...); both are
+        read back in the tree's form in this process (see :meth:`get`)."""
         if isinstance(data, list):
-            if data and all(isinstance(d, dict) for d in data):
-                data = [TensorDict(d, batch_size=[]) for d in data]
-            odd = [type(d).__name__ for d in data if not isinstance(d, torch.Tensor) and not is_tensor_collection(d)]
-            if odd:
-                raise TypeError(
-                    f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {odd[0]} "
-                    "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
-                )
-            data = lazy_stack(list(data)) if data and is_tensor_collection(data[0]) else torch.stack(list(data))
-        elif isinstance(data, dict):
-            data = self._dict_rows(data)
+            if data and all(isinstance(d, torch.Tensor) and not is_tensor_collection(d) for d in data):
+                data = torch.stack(list(data))
+            elif data and all(is_tensor_collection(d) for d in data):
+                data = lazy_stack(list(data))
+            else:
+                data = _flip(data)
+        if not isinstance(data, torch.Tensor) and not is_tensor_collection(data):
+            data = self._tree_rows(data)
+        else:
+            self._tree, self._treespec = False, None
         if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
             self._is_tensor = True
             rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
@@ -320,18 +407,29 @@ class StoreStorage(_TorchrlStoreStorage):
         self._fit_layout(rows)
         return rows
 
-    def _dict_rows(self, data: dict) -> TensorDictBase:
-        """A dict of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict."""
-        leaves = list(TensorDict(data, batch_size=[]).values(True, True))
-        if not leaves:
-            raise ValueError("StoreStorage got an empty dict: nothing to write")
+    def _tree_rows(self, data: Any) -> TensorDictBase:
+        """A pytree of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict (see :meth:`_to_rows`)."""
+        leaves, spec = tree_flatten(data)
+        odd = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if odd or not leaves:
+            what = f"a {type(data).__name__} holding {odd[0]}" if odd else f"an empty {type(data).__name__}"
+            raise TypeError(
+                f"StoreStorage stores TensorDicts, tensorclasses, tensors and pytrees of tensors, not {what} "
+                "(wrap non-tensor values in a TensorDict as NonTensorData)"
+            )
         n = leaves[0].shape[:1]
-        try:
+        bad = [tuple(x.shape) for x in leaves if x.shape[:1] != n]
+        if bad or not n:
+            raise ValueError(
+                f"StoreStorage: the tree's tensors must share their first dim (the batch): got {tuple(leaves[0].shape)} and "
+                f"{bad[0] if bad else '(no dim)'}"
+            )
+        if _only_dicts(data):
             td = TensorDict(data, batch_size=n)
-        except RuntimeError as err:
-            raise ValueError(f"StoreStorage: the dict's tensors must share their first dim (the batch), got {err}") from None
-        self._tree = True
-        return td
+            self._tree, self._treespec = True, None
+            return td
+        self._tree, self._treespec = True, spec
+        return TensorDict({f"{TREE_KEY}{i}": x for i, x in enumerate(leaves)}, batch_size=n)
 
     def extend_ring(self, data: Any) -> torch.Tensor:
         """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
@@ -377,7 +475,7 @@ class StoreStorage(_TorchrlStoreStorage):
             s[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     def _set_at_cursor(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         """``set(slots, rows, set_cursor=True)``: a ring write where ``slots`` continue the server's cursor, else in place."""
@@ -417,7 +515,7 @@ class StoreStorage(_TorchrlStoreStorage):
             s[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     # -- torchrl's update_if_present ------------------------------------------------------
     supports_conditional_update = True
@@ -466,7 +564,7 @@ class StoreStorage(_TorchrlStoreStorage):
             st[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     # -- reads -----------------------------------------------------------------------------
     def stash(self, sample: Drawn) -> None:
@@ -484,6 +582,8 @@ class StoreStorage(_TorchrlStoreStorage):
         A slice (``storage[:]``, through which torchrl's ``set_at_``, ``set_``, ``update_`` and
         ``rb[key] = value`` write) answers rows whose in-place writes reach the server too
         (:mod:`tdstore._torchrl_rows`)."""
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            return self._written_key(index)  # torchrl's sample units read a whole key (the written slots)
         p = self.stashed(index)
         slots = None
         if p is not None:
@@ -505,14 +605,23 @@ class StoreStorage(_TorchrlStoreStorage):
             td = write_through(td, slots, self._write_rows)
         if self._tensorclass_type is not None:
             return self._tensorclass_type.from_tensordict(td)
+        if self._treespec is not None:
+            return tree_unflatten([td.get(f"{TREE_KEY}{i}") for i in range(self._treespec.num_leaves)], self._treespec)
         if self._tree:
             return td.to_dict()
         return td
 
+    def _written_key(self, key: Any) -> torch.Tensor:
+        """The values of ``key`` at the written slots (``storage.get("done")``, as a ``LazyTensorStorage`` answers)."""
+        n = len(self)
+        if n == 0:
+            raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
+        return self.with_store(lambda s: s.stack_ops.read(slice(0, n))).get(key)
+
     def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
         """An in-place write of rows ``storage[:]`` read: one atomic call on the store, then a new revision."""
         self.with_store(fn)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):
@@ -537,15 +646,26 @@ class StoreStorage(_TorchrlStoreStorage):
 
     # -- emptying, state, pickling ---------------------------------------------------------
     def _empty(self) -> None:
-        """Delete the buffer's store on the server (one atomic call); the next use recreates it
-        with the same ``td_id``, empty.  The ring has no server operation that empties it in
-        place, so this is not safe while other processes write: a write racing the delete
-        either lands before it (and is dropped) or recreates the store itself.  Other
-        handles reopen the new store on their next call."""
+        """Delete the buffer's store on the server (one atomic call) and make it again, empty, with the
+        same ``td_id``.  The new store carries the generations over (its generation base is past every
+        generation the old one gave, so an ``(index, generation)`` handle taken before never looks live
+        again) and, after ``rb.empty(empty_write_count=False)``, the write count.  The ring has no
+        server operation that empties it in place, so this is not safe while other processes write:
+        a write racing the delete either lands before it (and is dropped) or recreates the store
+        itself.  Other handles reopen the new store on their next call."""
         self._pending = None
+        keep, self._keep_write_count = self._keep_write_count, False
+        m = self.marks()
         self.with_store(lambda s: s.clear_redis())
         self._ring = None
         self._reopens += 1
+        laps = (m.rw - 1) // self.max_size + 1 if m.rw else 0
+        self._carry(m.gb + laps, m.wb + m.rw if keep else 0)
+
+    def _carry(self, generation_base: int, write_base: int) -> None:
+        """Give the (new) store the bases an emptied one leaves (nothing to do when both are 0)."""
+        if generation_base or write_base:
+            self.with_store(lambda s: _torchrl_marks.set_base(s.stack_ops.engine, generation_base, write_base))
 
     def state_dict(self) -> dict[str, Any]:
         """td_id, max_size and the non-secret connection fields: what another handle needs to attach."""
