@@ -668,7 +668,26 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             self.with_store(lambda s: _torchrl_marks.set_base(s.stack_ops.engine, generation_base, write_base))
 
     def state_dict(self) -> dict[str, Any]:
-        """td_id, max_size and the non-secret connection fields: what another handle needs to attach."""
+        """td_id, max_size and the non-secret connection fields (what another handle needs to attach),
+        and the rows as a ``LazyTensorStorage``'s state dict holds them (``_storage``: ``max_size`` rows,
+        the unwritten ones zeros; ``_len``; read in one call), so that it loads into one.  Rows whose
+        shapes vary between elements are left out (``_storage`` is then ``{}``, as an empty storage's)."""
+        n = len(self)
+        rows: Any = {}
+        if n:
+            got = self.get(slice(0, n))
+            if isinstance(got, torch.Tensor):
+                rows = torch.cat([got, got.new_zeros((self.max_size - n, *got.shape[1:]))])
+            elif is_tensor_collection(got) and not isinstance(got, LazyStackedTensorDict) and not self._tree:
+                td = got._tensordict if is_tensorclass(got) else got
+                full = td.new_zeros((self.max_size, *td.batch_size[1:]))
+                full[:n] = td
+                rows = TensorDict(full.to_dict(), batch_size=full.batch_size).state_dict()  # (a plain TensorDict's)
+        return {"_storage": rows, "initialized": True, "_len": n, **self.reference()}
+
+    def reference(self) -> dict[str, Any]:
+        """What names the buffer (no rows, no round trip): td_id, max_size, the non-secret connection
+        fields and the data kind; ``load_state_dict`` of it attaches to the buffer."""
         return {
             "td_id": self._td_id,
             "max_size": self.max_size,
@@ -680,7 +699,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Attach to the buffer ``state_dict`` names (by td_id; one round trip).
+        """Attach to the buffer ``state_dict`` names (by td_id; one round trip); when that buffer is gone
+        (emptied, another server), write the state dict's rows into this one instead.
 
         Connection fields this handle was given win over the saved ones (its password
         for one stays in this process).  A tensorclass is only taken from the saved name
@@ -702,10 +722,18 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             raise ValueError(
                 f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
             )
+        conn, td_id = self._conn, self._td_id
         self._conn = {**state_dict.get("conn", {}), **self._conn}
         self._td_id = state_dict["td_id"]
         self._pending = None
-        self._ring = self._attach_existing()
+        try:
+            self._ring = self._attach_existing()
+        except KeyError:  # that buffer is gone (emptied, another server): its rows, when the state dict has them
+            if not state_dict.get("_len") or not len(state_dict.get("_storage", ())):
+                raise
+            self._conn, self._td_id = conn, td_id
+            self._load_memory_state(state_dict)
+            return
         self._reopens += 1
         self._is_tensor = state_dict.get("is_tensor")
         path = state_dict.get("tensorclass")
@@ -748,7 +776,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         from ._checkpoint import export_store
 
         self._pending = None
-        export_store(self._store, path, extra={"store.json": self.state_dict()})
+        export_store(self._store, path, extra={"store.json": self.reference()})
 
     def loads(self, path: Any) -> None:
         """Restore the checkpoint ``dumps`` wrote in ``path`` (which store it lands on: :mod:`tdstore._torchrl_checkpoint`)."""

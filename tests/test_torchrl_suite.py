@@ -1,0 +1,402 @@
+"""torchrl's kinds of replay-buffer test (composable buffers, storages, samplers, writers, trajectories,
+state dicts, transforms, pytrees, tensorclasses, devices), each run on an in-memory ``LazyTensorStorage``
+and on tdstore's ``StoreStorage`` (redis-server and fakeredis) through torchrl's public API only.
+
+Written for tdstore in the manner of torchrl's ``test/test_rb.py`` (nothing copied): every case takes
+``storage``, a factory ``storage(max_size, **kw)``, and asserts the same thing whatever the factory
+makes.  Where a server cannot behave the same, the case says so with ``refused_on_store`` (README,
+"What differs from LazyTensorStorage").
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import fakeredis
+import pytest
+import torch
+
+pytest.importorskip("torchrl")
+
+from tensordict import TensorDict, tensorclass  # noqa: E402
+from torchrl.data import (  # noqa: E402
+    LazyTensorStorage,
+    RandomSampler,
+    ReplayBuffer,
+    RoundRobinWriter,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+    TensorDictMaxValueWriter,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
+
+from tdstore.torchrl import StoreStorage  # noqa: E402
+
+
+@tensorclass
+class Transition:
+    obs: torch.Tensor
+    reward: torch.Tensor
+
+
+@pytest.fixture(params=["memory", "redis", "fakeredis"])
+def storage(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """``storage(max_size, **kw)``: a LazyTensorStorage, or a StoreStorage on redis-server or fakeredis."""
+    if request.param == "memory":
+        yield LazyTensorStorage
+        return
+    if request.param == "redis":
+        srv = request.getfixturevalue("redis_server")
+        conn: dict[str, Any] = {"url": srv.url}
+    else:
+        server = fakeredis.FakeServer()
+        conn = {"client_factory": lambda: fakeredis.FakeRedis(server=server)}
+    prefix = f"suite-{request.node.name[-40:]}".replace("[", "-").replace("]", "")
+
+    def make(max_size: int, **kw: Any) -> StoreStorage:
+        extra = {"client": conn["client_factory"]()} if "client_factory" in conn else {"url": conn["url"]}
+        return StoreStorage(max_size, prefix=prefix, **extra, **kw)
+
+    make.on_store = True  # type: ignore[attr-defined]
+    yield make
+
+
+def on_store(storage: Any) -> bool:
+    return getattr(storage, "on_store", False)
+
+
+def transitions(n: int, start: int = 0) -> TensorDict:
+    v = torch.arange(start, start + n)
+    return TensorDict(
+        obs=v[:, None].float().expand(n, 4).clone(),
+        action=(v % 3)[:, None],
+        reward=v.float()[:, None],
+        next=TensorDict(obs=v[:, None].float().expand(n, 4) + 1, batch_size=[n]),
+        batch_size=[n],
+    )
+
+
+def of_kind(kind: str, n: int, start: int = 0) -> Any:
+    td = transitions(n, start)
+    if kind == "tensor":
+        return td["reward"][:, 0]
+    if kind == "tensorclass":
+        return Transition(obs=td["obs"], reward=td["reward"], batch_size=[n])
+    if kind == "pytree":
+        return {"obs": td["obs"], "extra": (td["reward"], [td["action"]])}
+    return td
+
+
+def first_leaf(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict):
+        return x["obs"]
+    return x.get("obs") if hasattr(x, "get") else x.obs
+
+
+KINDS = ["tensordict", "tensor", "tensorclass", "pytree"]
+
+
+# -- composable buffers: writers x samplers x data kinds -----------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("sampler", [RandomSampler, SamplerWithoutReplacement])
+def test_composable_add_extend_sample(storage, kind, sampler):
+    rb = ReplayBuffer(storage=storage(10), sampler=sampler(), writer=RoundRobinWriter(), batch_size=4)
+    rb.add(of_kind(kind, 1)[0] if kind != "pytree" else {"obs": torch.zeros(4), "extra": (torch.zeros(1), [torch.zeros(1, dtype=torch.int64)])})
+    idx = rb.extend(of_kind(kind, 6, 1))
+    assert idx.tolist() == list(range(1, 7)) and len(rb) == 7
+    out = rb.sample()
+    assert first_leaf(out).shape == (4, 4) or kind == "tensor"
+    assert rb.write_count == 7
+    rb.extend(of_kind(kind, 6, 7))  # wraps around
+    assert len(rb) == 10 and rb.write_count == 13
+    assert first_leaf(rb[0]).flatten()[0] == (10 if kind != "tensor" else 10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_index_and_len(storage, kind):
+    rb = ReplayBuffer(storage=storage(8), batch_size=2)
+    rb.extend(of_kind(kind, 5))
+    assert len(rb) == 5 and len(rb.storage) == 5
+    got = rb[torch.tensor([4, 0])]
+    assert first_leaf(got).reshape(2, -1)[:, 0].tolist() == [4.0, 0.0]
+    assert first_leaf(rb[1:3]).reshape(2, -1)[:, 0].tolist() == [1.0, 2.0]
+
+
+def test_empty_and_reuse(storage):
+    rb = TensorDictReplayBuffer(storage=storage(6), batch_size=3)
+    rb.extend(transitions(6))
+    rb.empty()
+    assert len(rb) == 0 and rb.write_count == 0
+    rb.extend(transitions(2, 50))
+    assert len(rb) == 2 and rb[:]["reward"].flatten().tolist() == [50.0, 51.0]
+
+
+def test_empty_keeps_the_write_count(storage):
+    rb = ReplayBuffer(storage=storage(6))
+    rb.extend(transitions(4))
+    rb.empty(empty_write_count=False)
+    assert len(rb) == 0 and rb.write_count == 4
+    rb.extend(transitions(1))
+    assert rb.write_count == 5
+
+
+def test_generations_after_empty(storage):
+    rb = ReplayBuffer(storage=storage(4), writer=RoundRobinWriter(track_generations=True))
+    idx = rb.extend(transitions(4))
+    gen = rb.writer.generations_of(idx)
+    rb.empty()
+    rb.extend(transitions(4, 10))
+    assert (rb.writer.generations_of(idx) != gen).all()
+    res = rb.update_if_present(index=idx, generation=gen, patch={"reward": torch.zeros(4, 1)})
+    assert not res.updated.any()
+
+
+def test_inplace_writing(storage):
+    rb = TensorDictReplayBuffer(storage=storage(10), batch_size=2)
+    rb.extend(transitions(6))
+    rb[3] = transitions(1, 100)[0]
+    rb[4:6] = transitions(2, 200)
+    assert rb[:]["reward"].flatten().tolist() == [0.0, 1.0, 2.0, 100.0, 200.0, 201.0]
+    assert len(rb) == 6
+
+
+def test_set_at_and_update(storage):
+    rb = ReplayBuffer(storage=storage(5))
+    rb.extend(transitions(5))
+    rb.set_at_("reward", torch.full((2, 1), -1.0), torch.tensor([0, 4]))
+    rb.update_(TensorDict(action=torch.full((5, 1), 7), batch_size=[5]))
+    assert rb["reward"].flatten().tolist() == [-1.0, 1.0, 2.0, 3.0, -1.0]
+    assert rb["action"].flatten().tolist() == [7] * 5
+
+
+# -- storages: state dicts, pickles, checkpoints ---------------------------------------------------------
+@pytest.mark.parametrize("init_out", [True, False])
+def test_storage_state_dict(storage, init_out):
+    rb = TensorDictReplayBuffer(storage=storage(20), batch_size=3)
+    rb.extend(transitions(5))
+    state = rb.state_dict()
+    out = TensorDictReplayBuffer(storage=storage(20), batch_size=3)
+    if init_out:
+        out.extend(transitions(2, 90))
+    out.load_state_dict(state)
+    assert len(out) == 5 and out[:]["reward"].flatten().tolist() == list(range(5))
+    assert out.sample()["obs"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("direction", ["into memory", "from memory"])
+def test_state_dict_across_storage_kinds(storage, direction):
+    if direction == "into memory":
+        src, dst = TensorDictReplayBuffer(storage=storage(8)), TensorDictReplayBuffer(storage=LazyTensorStorage(8))
+    else:
+        src, dst = TensorDictReplayBuffer(storage=LazyTensorStorage(8)), TensorDictReplayBuffer(storage=storage(8))
+    src.extend(transitions(3))
+    dst.storage.load_state_dict(src.storage.state_dict())
+    assert len(dst) == 3 and dst[:]["reward"].flatten().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_state_dict_of_an_emptied_buffer_restores_its_rows(storage):
+    rb = TensorDictReplayBuffer(storage=storage(8))
+    rb.extend(transitions(3))
+    state = rb.state_dict()
+    if on_store(storage):
+        rb.storage._store.clear_redis()  # the buffer is gone (emptied elsewhere, a server restarted)
+    out = TensorDictReplayBuffer(storage=storage(8))
+    out.load_state_dict(state)
+    assert len(out) == 3 and out[:]["reward"].flatten().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_dumps_loads(storage, tmp_path):
+    rb = TensorDictReplayBuffer(storage=storage(10), batch_size=2)
+    rb.extend(transitions(7))
+    rb.dumps(tmp_path)
+    rb.empty()
+    rb.loads(tmp_path)
+    assert len(rb) == 7 and rb[:]["reward"].flatten().tolist() == list(range(7))
+
+
+def test_pickle(storage):
+    rb = TensorDictReplayBuffer(storage=storage(6), batch_size=2)
+    rb.extend(transitions(4))
+    if on_store(storage) and not isinstance(rb.storage._conn.get("url"), str):
+        pytest.skip("a handle on a fakeredis client holds no URL a copy could reconnect with")
+    back = pickle.loads(pickle.dumps(rb))
+    assert len(back) == 4 and back.sample()["obs"].shape == (2, 4)
+
+
+# -- samplers -------------------------------------------------------------------------------------------
+def test_sampler_without_replacement_epochs(storage):
+    rb = ReplayBuffer(storage=storage(10), sampler=SamplerWithoutReplacement(drop_last=True), batch_size=3)
+    rb.extend(transitions(9))
+    seen = torch.cat([rb.sample()["reward"].flatten() for _ in range(3)])
+    assert sorted(seen.tolist()) == list(range(9))
+
+
+def episodes(ids: list[int]) -> TensorDict:
+    n = len(ids)
+    ep = torch.tensor(ids)
+    done = torch.zeros(n, 1, dtype=torch.bool)
+    done[:-1, 0] = ep[1:] != ep[:-1]
+    done[-1, 0] = True
+    return TensorDict(obs=torch.arange(n, dtype=torch.float32), episode=ep, next=TensorDict(done=done, batch_size=[n]), batch_size=[n])
+
+
+@pytest.mark.parametrize("key", ["traj_key", "end_key"])
+def test_slice_sampler(storage, key):
+    kw = {"traj_key": "episode"} if key == "traj_key" else {"end_key": ("next", "done")}
+    rb = TensorDictReplayBuffer(storage=storage(20), sampler=SliceSampler(num_slices=3, **kw), batch_size=9)
+    rb.extend(episodes([0] * 5 + [1] * 6 + [2] * 4))
+    for _ in range(5):
+        ep = rb.sample()["episode"].reshape(3, 3)
+        assert (ep == ep[:, :1]).all()
+
+
+def test_slice_sampler_without_replacement(storage):
+    rb = TensorDictReplayBuffer(storage=storage(20), sampler=SliceSamplerWithoutReplacement(num_slices=2, traj_key="episode"), batch_size=8)
+    rb.extend(episodes([0] * 4 + [1] * 4 + [2] * 4 + [3] * 4))
+    for _ in range(2):
+        ep = rb.sample()["episode"].reshape(2, 4)
+        assert (ep == ep[:, :1]).all()
+
+
+def test_slice_sampler_cache_follows_in_place_writes(storage):
+    rb = TensorDictReplayBuffer(storage=storage(8), sampler=SliceSampler(num_slices=2, traj_key="episode", cache_values=True), batch_size=4)
+    rb.extend(episodes([0] * 4 + [1] * 4))
+    rb.sample()
+    rb.set_("episode", torch.tensor([2, 2, 3, 3, 4, 4, 5, 5]))
+    for _ in range(10):
+        ep = rb.sample()["episode"].reshape(2, 2)
+        assert (ep[:, 0] == ep[:, 1]).all()
+
+
+def test_rb_trajectories_with_a_wrapping_cursor(storage):
+    rb = TensorDictReplayBuffer(storage=storage(10), sampler=SliceSampler(num_slices=2, end_key=("next", "done")), batch_size=6)
+    rb.extend(episodes([0] * 6 + [1] * 6))  # wraps: slots 0..1 hold the end of episode 1
+    for _ in range(5):
+        ep = rb.sample()["episode"].reshape(2, 3)
+        assert (ep == ep[:, :1]).all()
+
+
+def against_memory(storage: Any, run: Any) -> Any:
+    """``run(storage)``; on a StoreStorage, also ``run(LazyTensorStorage)``, which must give the same."""
+    got = run(storage)
+    if on_store(storage):
+        assert got == run(LazyTensorStorage)
+    return got
+
+
+def test_consuming_sampler(storage):
+    from torchrl.data.replay_buffers.samplers import ConsumingSampler
+
+    def run(make: Any) -> Any:
+        rb = TensorDictReplayBuffer(storage=make(6), sampler=ConsumingSampler(), batch_size=3)
+        rb.set_rng(torch.Generator().manual_seed(0))
+        rb.extend(transitions(6))
+        drawn = torch.cat([rb.sample()["reward"].flatten() for _ in range(2)])
+        assert sorted(drawn.tolist()) == list(range(6))
+        rb.extend(transitions(2, 40))  # the consumed slots take the new rows
+        return drawn.tolist(), len(rb), sorted(rb[:]["reward"].flatten().tolist())
+
+    against_memory(storage, run)
+
+
+def test_sequence_sample_unit(storage):
+    from torchrl.data.replay_buffers.sample_units import Sequence
+
+    rb = TensorDictReplayBuffer(storage=storage(12), sample_unit=Sequence(3, done_key=("next", "done")), batch_size=2)
+    rb.extend(episodes([0] * 5 + [1] * 5))
+    out = rb.sample()
+    assert out.batch_size == (6,)
+
+
+# -- writers --------------------------------------------------------------------------------------------
+def test_max_value_writer(storage):
+    rb = TensorDictReplayBuffer(storage=storage(4), writer=TensorDictMaxValueWriter(rank_key="key"), batch_size=2)
+    for v in [5.0, 1.0, 9.0, 3.0, 7.0, 0.5, 8.0]:
+        rb.add(TensorDict(key=torch.tensor(v), obs=torch.ones(2)))
+    assert sorted(rb[:]["key"].tolist()) == [5.0, 7.0, 8.0, 9.0]
+    rb.extend(TensorDict(key=torch.tensor([10.0, 0.1]), obs=torch.ones(2, 2), batch_size=[2]))
+    assert sorted(rb[:]["key"].tolist()) == [7.0, 8.0, 9.0, 10.0]
+
+
+def test_round_robin_writer_generations(storage):
+    rb = ReplayBuffer(storage=storage(3), writer=RoundRobinWriter(track_generations=True), batch_size=2)
+    idx = rb.extend(transitions(5))
+    assert rb.writer.generations_of(torch.arange(3)).tolist() == [1, 1, 0]
+    _, info = rb.sample(return_info=True)
+    assert "index_generation" in info
+    assert idx.tolist() == [0, 1, 2, 0, 1]
+
+
+# -- transforms, compile, devices, tensorclasses ---------------------------------------------------------
+def test_insert_transform(storage):
+    from torchrl.envs.transforms import Compose, RenameTransform
+
+    rb = TensorDictReplayBuffer(storage=storage(6), batch_size=3, transform=Compose(RenameTransform(["obs"], ["o"], create_copy=True)))
+    rb.extend(transitions(4))
+    assert "o" in rb.sample().keys()
+    rb.insert_transform(0, RenameTransform(["reward"], ["r"], create_copy=True))
+    out = rb.sample()
+    assert (out["r"] == out["reward"]).all() and "r" not in rb.storage[:].keys()
+
+
+def test_compilable_buffer(storage):
+    rb = ReplayBuffer(storage=storage(8, compilable=True), batch_size=3, compilable=True)
+    rb.extend(transitions(5))
+    assert rb.sample()["obs"].shape == (3, 4)
+
+
+def test_torch_compile_through_the_storage(storage):
+    rb = ReplayBuffer(storage=storage(8), batch_size=3)
+    rb.extend(transitions(5))
+
+    @torch.compile(backend="eager")
+    def draw() -> torch.Tensor:
+        return rb.sample()["obs"].sum()
+
+    assert draw().item() >= 0
+
+
+def test_device_argument(storage):
+    rb = ReplayBuffer(storage=storage(6, device="cpu"), batch_size=2)
+    rb.extend(transitions(3))
+    assert rb.sample().device == torch.device("cpu") and rb.storage.device == torch.device("cpu")
+
+
+def test_tensorclass_round_trip(storage):
+    rb = ReplayBuffer(storage=storage(6), batch_size=2)
+    rb.extend(of_kind("tensorclass", 4))
+    out = rb.sample()
+    assert isinstance(out, Transition) and out.obs.shape == (2, 4)
+
+
+def test_pytree_round_trip(storage):
+    rb = ReplayBuffer(storage=storage(6), batch_size=2)
+    rb.extend(of_kind("pytree", 4))
+    out = rb[:]
+    assert isinstance(out["extra"], tuple) and isinstance(out["extra"][1], list)
+    assert out["extra"][0].flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_elements_with_their_own_batch_dims(storage):
+    rb = ReplayBuffer(storage=storage(5), batch_size=3)
+    rb.extend(TensorDict(a=torch.randn(2, 4, 3), batch_size=[2, 4]))
+    assert rb[:].batch_size == (2, 4) and rb.sample().batch_size == (3, 4)
+
+
+# -- ndim > 1 ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ndim", [2])
+def test_multidim_storage(storage, ndim):
+    if on_store(storage):  # README: what differs from LazyTensorStorage
+        with pytest.raises(NotImplementedError, match=r"ndim=2.*one cursor.*batch size \[n, T\]"):
+            storage(12, ndim=ndim)
+        return
+    rb = TensorDictReplayBuffer(storage=storage(12, ndim=ndim), batch_size=5)
+    rb.extend(TensorDict(obs=torch.arange(12.0).reshape(3, 4), batch_size=[3, 4]))
+    assert len(rb) == 12 and rb.storage.shape == (4, 3)
+    assert rb.sample().batch_size == (5,)
