@@ -380,8 +380,11 @@ def test_features_torchrl_keeps_for_tensor_storages(one_node):
         drawn = sorted(rb.sample()["a"].tolist() + rb.sample()["a"].tolist())
         rb.extend(data(3, 100))  # consumed slots are written first
         got.append((drawn, sorted(rb[:]["a"].tolist())))
-        seq = TensorDictReplayBuffer(storage=type(storage)(8, **({} if isinstance(storage, LazyTensorStorage) else one_node.kwargs())),
-                                     sample_unit=Sequence(3, done_key="done"), batch_size=2)
+        seq = TensorDictReplayBuffer(
+            storage=type(storage)(8, **({} if isinstance(storage, LazyTensorStorage) else one_node.kwargs())),
+            sample_unit=Sequence(3, done_key="done"),
+            batch_size=2,
+        )
         seq.set_rng(torch.Generator().manual_seed(1))
         seq.extend(TensorDict(a=torch.arange(6.0), done=torch.tensor([0, 0, 1, 0, 0, 1], dtype=torch.bool)[:, None], batch_size=[6]))
         got.append(seq.sample()["a"].tolist())

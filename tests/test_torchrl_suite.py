@@ -30,7 +30,6 @@ from torchrl.data import (  # noqa: E402
     SliceSampler,
     SliceSamplerWithoutReplacement,
     TensorDictMaxValueWriter,
-    TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
 
@@ -107,7 +106,9 @@ KINDS = ["tensordict", "tensor", "tensorclass", "pytree"]
 @pytest.mark.parametrize("sampler", [RandomSampler, SamplerWithoutReplacement])
 def test_composable_add_extend_sample(storage, kind, sampler):
     rb = ReplayBuffer(storage=storage(10), sampler=sampler(), writer=RoundRobinWriter(), batch_size=4)
-    rb.add(of_kind(kind, 1)[0] if kind != "pytree" else {"obs": torch.zeros(4), "extra": (torch.zeros(1), [torch.zeros(1, dtype=torch.int64)])})
+    rb.add(
+        of_kind(kind, 1)[0] if kind != "pytree" else {"obs": torch.zeros(4), "extra": (torch.zeros(1), [torch.zeros(1, dtype=torch.int64)])}
+    )
     idx = rb.extend(of_kind(kind, 6, 1))
     assert idx.tolist() == list(range(1, 7)) and len(rb) == 7
     out = rb.sample()
