@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
@@ -146,13 +146,10 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     ) -> None:
         # consolidated and shared_init are LazyTensorStorage's memory layout and fork-time set-up:
         # a server's store is one layout, shared by every process already (accepted, nothing to do)
-        if ndim != 1:
-            raise NotImplementedError(
-                f"StoreStorage(ndim={ndim}): storages of more than one dim are not offered: the server's ring has one "
-                "cursor and one length along dim 0 (torchrl's ndim>1 storages count and write cells of a [max_size/T, T] "
-                "grid). Write elements with their own batch dims instead: extend with data of batch size [n, T] stores n "
-                "elements of batch size [T]"
-            )
+        if int(ndim) < 1:
+            raise ValueError(f"StoreStorage(ndim={ndim}): ndim is at least 1")
+        if store_kwargs.get("device") == "auto":  # TensorStorage's "the data's device": a server's rows read to CPU
+            store_kwargs.pop("device")
         self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
@@ -165,13 +162,15 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         self._reopens = 0
         self._inner: tuple[int, ...] = ()  # the elements' batch size a new store is made with (the first write's)
         self._tree = False  # this process wrote dicts of tensors (read back as dicts, as torchrl's storages do)
+        self.ndim = int(ndim)
         if max_size is None:
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
             self._ring = self._attach_existing()
-            max_size = self._ring.capacity
+            self._inner = tuple(self._ring.batch_size[1:])
+            max_size = self._ring.capacity * self._lanes(self._inner)
+        self._cells = int(max_size)  # what was asked for: an ndim>1 storage's dim 0 is cells / lanes, rounded up
         Storage.__init__(self, max_size=max_size, checkpointer=checkpointer, compilable=compilable)
-        self.ndim = 1
         self._gen_base: tuple[tuple[str, int], int] | None = None  # (store_identity, gb) read once per store
         self._keep_write_count = False  # set by StoreWriter._empty(empty_write_count=False) for the next _empty
         self._treespec: TreeSpec | None = None  # the pytree this process wrote (other than dicts of tensors)
@@ -197,16 +196,35 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             try:
                 if self._ragged:
                     self._ring = LazyStackedTensorDictStore(
-                        count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
+                        count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )
                 else:
                     from .dense import TensorDictStore
 
-                    dense = TensorDictStore(batch_size=[self.max_size, *self._inner], td_id=self._td_id, **self._open_kwargs())
+                    count = self._count_for(self._inner)
+                    dense = TensorDictStore(batch_size=[count, *self._inner], td_id=self._td_id, **self._open_kwargs())
                     self._ring = dense._store  # a LazyStackedTensorDictStore whose header says dense
             except (ValueError, TypeError):  # the store exists with another layout or kind: attach to it as it is
                 self._ring = self._attach_existing()
+            if self.ndim > 1 and len(self._ring.batch_size) >= self.ndim:  # (attached to a store written already)
+                self.max_size = self._ring.capacity * self._lanes(tuple(self._ring.batch_size[1:]))
         return self._ring
+
+    def _lanes(self, inner: tuple[int, ...]) -> int:
+        """Cells per ring slot: the element dims an ndim>1 storage counts (``inner[:ndim-1]``), 1 for ndim=1."""
+        return int(torch.Size(inner[: self.ndim - 1]).numel())
+
+    def _count_for(self, inner: tuple[int, ...]) -> int:
+        """The ring's slots for elements of batch size ``inner``: ``max_size``; with ndim>1, ``max_size``
+        cells over the lanes, rounded up (as torchrl's ``LazyTensorStorage`` makes its dim 0)."""
+        if self.ndim == 1 or len(inner) < self.ndim - 1:
+            return self._cells
+        return -(self._cells // -self._lanes(inner))
+
+    @property
+    def _dim0(self) -> int:
+        """The ring's slots (dim 0 of the storage): ``max_size`` when ndim=1 (no round trip)."""
+        return self.max_size if self.ndim == 1 else self._store.capacity
 
     def _fit_layout(self, rows: TensorDictBase) -> None:
         """Make the store's element batch size that of ``rows``' elements (``rows.batch_size[1:]``).
@@ -217,8 +235,12 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         self.with_store(lambda s: self._fit_store(s, tuple(rows.batch_size[1:]), rows.batch_size))
 
     def _fit_store(self, s: LazyStackedTensorDictStore, inner: tuple[int, ...], batch: torch.Size) -> None:
+        if len(inner) < self.ndim - 1:
+            raise ValueError(f"StoreStorage(ndim={self.ndim}) stores data of at least {self.ndim} batch dims, got batch size {list(batch)}")
         have = tuple(s.batch_size[1:])
-        if have == inner:
+        if have == inner and (self.ndim == 1 or s.capacity == self._count_for(inner)):
+            if self.ndim > 1:
+                self.max_size = s.capacity * self._lanes(inner)
             return
         if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again (with what empty() carried)
             m = _torchrl_marks.read(s.stack_ops.engine)
@@ -227,6 +249,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             self._reopens += 1
             self._store  # noqa: B018
             self._carry(m.gb, m.wb)
+            if self.ndim > 1:
+                self.max_size = self._count_for(inner) * self._lanes(inner)  # as torchrl's: whole lanes
             return
         raise ValueError(
             f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
@@ -275,8 +299,33 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
     # -- what torchrl reads ----------------------------------------------------------------
     def __len__(self) -> int:
-        """The number of written slots, read from the server (one round trip)."""
+        """The number of written cells (slots, times the lanes when ndim>1), read from the server (one round trip)."""
+        return self._len_along_dim0 * (1 if self.ndim == 1 else self._lanes(self._inner_now()))
+
+    @property
+    def _len_along_dim0(self) -> int:
+        """The written slots, read from the server (one round trip)."""
         return self.with_store(lambda s: s.ring_state().written)
+
+    def _inner_now(self) -> tuple[int, ...]:
+        return tuple(self._store.batch_size[1:])
+
+    @property
+    def _is_full(self) -> bool:
+        return self._len_along_dim0 == self._dim0
+
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        """The ring's slots; for an ndim>1 storage not written yet, what the data's lanes make of ``max_size`` (no round trip)."""
+        if self.ndim == 1:
+            return self.max_size
+        ring = self._ring
+        if ring is not None and len(ring.batch_size) >= self.ndim:
+            return ring.capacity
+        data = single_data if single_data is not None else batched_data
+        if data is None:
+            raise ValueError("single_data or batched_data must be passed.")
+        shape = data.shape if hasattr(data, "shape") else tree_flatten(data)[0][0].shape
+        return self._count_for(tuple(shape[1 if batched_data is not None else 0 :]))
 
     @property
     def device(self) -> torch.device | None:
@@ -301,7 +350,10 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
     @property
     def _total_shape(self) -> torch.Size:
-        return torch.Size([self.max_size])
+        if self.ndim == 1:
+            return torch.Size([self.max_size])
+        inner = self._inner_now()
+        return torch.Size([self._dim0, *inner[: self.ndim - 1]])
 
     def _content_devices(self) -> set[torch.device]:
         return {self.device or torch.device("cpu")}
@@ -314,8 +366,9 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
     @property
     def shape(self) -> torch.Size:
-        """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
-        return torch.Size([len(self)])
+        """The written slots (and, when ndim>1, the lanes), as a ``LazyTensorStorage``'s shape (one round trip)."""
+        n = self._len_along_dim0
+        return torch.Size([n]) if self.ndim == 1 else torch.Size([n, *self._inner_now()[: self.ndim - 1]])
 
     @property
     def _len(self) -> int:
@@ -329,7 +382,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     def _last_cursor_index(self) -> int | None:
         """The slot written last, from the server (SliceSampler cuts trajectories there)."""
         rw = self.with_store(lambda s: s.write_count)
-        return None if rw == 0 else (rw - 1) % self.max_size
+        return None if rw == 0 else (rw - 1) % self._dim0
 
     def _set_last_cursor(self, cursor: Any) -> None:
         """Ignored: the cursor is the server's."""
@@ -390,7 +443,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             self._tree, self._treespec = False, None
         if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
             self._is_tensor = True
-            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[: self.ndim])
             self._fit_layout(rows)
             return rows
         if not is_tensor_collection(data):
@@ -417,8 +470,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
                 f"StoreStorage stores TensorDicts, tensorclasses, tensors and pytrees of tensors, not {what} "
                 "(wrap non-tensor values in a TensorDict as NonTensorData)"
             )
-        n = leaves[0].shape[:1]
-        bad = [tuple(x.shape) for x in leaves if x.shape[:1] != n]
+        n = leaves[0].shape[: self.ndim]
+        bad = [tuple(x.shape) for x in leaves if x.shape[: self.ndim] != n]
         if bad or not n:
             raise ValueError(
                 f"StoreStorage: the tree's tensors must share their first dim (the batch): got {tuple(leaves[0].shape)} and "
@@ -444,13 +497,14 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         n = rows.batch_size[0] if rows.batch_dims else 0
         if n == 0:
             raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
-        if n <= self.max_size:
+        m = self._dim0
+        if n <= m:
             return self.with_store(lambda s: s.extend(rows).indices)
 
         def write_chunk(start: int) -> torch.Tensor:
-            return self.with_store(lambda s: s.extend(rows[start : start + self.max_size]).indices)
+            return self.with_store(lambda s: s.extend(rows[start : start + m]).indices)
 
-        return torch.cat([write_chunk(i) for i in range(0, n, self.max_size)])
+        return torch.cat([write_chunk(i) for i in range(0, n, m)])
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write ``data`` at explicit slots: ``rb[index] = data``, and torchrl's own writers.
@@ -465,7 +519,14 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         anything is written.  Several processes' cursors are not reconciled: a writer behind the
         server's cursor writes its slots in place, over others' rows (use ``StoreWriter``).
         """
-        slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
+        if isinstance(cursor, tuple) and self.ndim > 1:
+            if set_cursor:
+                raise ValueError(f"StoreStorage(ndim={self.ndim}): a writer's cursor indexes dim 0, got {cursor!r}")
+            self._set_cells(cursor, data)
+            return
+        single = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
+        bound = self.max_size if self.ndim == 1 else self._max_size_along_dim0(**{"single_data" if single else "batched_data": data})
+        slots, one = _index.positions(cursor, bound)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
         if set_cursor:
             self._set_at_cursor(slots, rows)
@@ -477,10 +538,28 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         self.with_store(write)
         self._bump_server_revision()
 
+    def _set_cells(self, index: tuple, data: Any) -> None:
+        """``rb[(i, j)] = data`` of an ndim>1 storage: the dim-0 rows read, changed here and written back
+        (two atomic calls: a write another process makes to those rows in between is lost)."""
+        first, rest = index[0], index[1:]
+        slots, _ = _index.positions(first, self._dim0)
+        slots = slots.unique()
+        local = self.with_store(lambda s: self._read(s, slots))
+        where = torch.searchsorted(slots, _index.positions(first, self._dim0)[0])
+        pos = where if isinstance(first, torch.Tensor) and first.ndim and any(isinstance(r, torch.Tensor) for r in rest) else None
+        if pos is not None:
+            local[(pos, *rest)] = data
+        elif isinstance(first, int) or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            local[(0, *rest)] = data
+        else:
+            local[(where, *rest)] = data
+        rows = local if not self._is_tensor else local
+        self._write_in_place(slots, rows)
+
     def _set_at_cursor(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         """``set(slots, rows, set_cursor=True)``: a ring write where ``slots`` continue the server's cursor, else in place."""
         state = self.with_store(lambda s: s.ring_state())
-        m = self.max_size
+        m = self._dim0
         n = int(slots.numel())
         if n and bool((slots == (state.cursor + torch.arange(n)) % m).all()):
             got = self._extend_rows(rows, rows)
@@ -584,6 +663,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         (:mod:`tdstore._torchrl_rows`)."""
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
             return self._written_key(index)  # torchrl's sample units read a whole key (the written slots)
+        if isinstance(index, tuple) and self.ndim > 1 and len(index) > 1:
+            return self._get_cells(index)
         p = self.stashed(index)
         slots = None
         if p is not None:
@@ -591,7 +672,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             td = p.td
         else:
             if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
-                slots = torch.arange(*index.indices(len(self)))
+                slots = torch.arange(*index.indices(self._len_along_dim0))
                 index = slots
             td = self.with_store(lambda s: self._read(s, index))
         if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
@@ -611,9 +692,23 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             return td.to_dict()
         return td
 
+    def _get_cells(self, index: tuple) -> Any:
+        """``storage[(i, j, ...)]`` of an ndim>1 storage: the dim-0 rows ``i`` read (one call), the rest picked here."""
+        first, rest = index[0], index[1:]
+        rows = self.get(first)
+        if isinstance(first, int) or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            sel: tuple = rest
+        elif isinstance(first, torch.Tensor) and any(isinstance(r, torch.Tensor) for r in rest):
+            sel = (torch.arange(first.numel()).reshape(first.shape), *rest)  # paired with the other index tensors
+        else:
+            sel = (slice(None), *rest)
+        if isinstance(rows, torch.Tensor) or is_tensor_collection(rows):
+            return rows[sel]
+        return tree_map(lambda x: x[sel], rows)
+
     def _written_key(self, key: Any) -> torch.Tensor:
         """The values of ``key`` at the written slots (``storage.get("done")``, as a ``LazyTensorStorage`` answers)."""
-        n = len(self)
+        n = self._len_along_dim0
         if n == 0:
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         return self.with_store(lambda s: s.stack_ops.read(slice(0, n))).get(key)
@@ -628,12 +723,12 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
             return s.stack_ops.read(slice(0, 0))
-        slots, one = _index.positions(index, self.max_size)  # a mask means what it means to indexing
+        slots, one = _index.positions(index, self._dim0)  # a mask means what it means to indexing
         got = s.stack_ops.read(slots)
         return got[0] if one else got
 
     def contains(self, item: Any) -> Any:
-        n = len(self)
+        n = self._len_along_dim0
         if isinstance(item, int):
             if item < 0:
                 item += n
@@ -659,7 +754,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         self.with_store(lambda s: s.clear_redis())
         self._ring = None
         self._reopens += 1
-        laps = (m.rw - 1) // self.max_size + 1 if m.rw else 0
+        laps = (m.rw - 1) // self._dim0 + 1 if m.rw else 0
         self._carry(m.gb + laps, m.wb + m.rw if keep else 0)
 
     def _carry(self, generation_base: int, write_base: int) -> None:
@@ -672,18 +767,19 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         and the rows as a ``LazyTensorStorage``'s state dict holds them (``_storage``: ``max_size`` rows,
         the unwritten ones zeros; ``_len``; read in one call), so that it loads into one.  Rows whose
         shapes vary between elements are left out (``_storage`` is then ``{}``, as an empty storage's)."""
-        n = len(self)
+        n = self._len_along_dim0
         rows: Any = {}
         if n:
-            got = self.get(slice(0, n))
+            got, m = self.get(slice(0, n)), self._dim0
             if isinstance(got, torch.Tensor):
-                rows = torch.cat([got, got.new_zeros((self.max_size - n, *got.shape[1:]))])
+                rows = torch.cat([got, got.new_zeros((m - n, *got.shape[1:]))])
             elif is_tensor_collection(got) and not isinstance(got, LazyStackedTensorDict) and not self._tree:
                 td = got._tensordict if is_tensorclass(got) else got
-                full = td.new_zeros((self.max_size, *td.batch_size[1:]))
+                full = td.new_zeros((m, *td.batch_size[1:]))
                 full[:n] = td
                 rows = TensorDict(full.to_dict(), batch_size=full.batch_size).state_dict()  # (a plain TensorDict's)
-        return {"_storage": rows, "initialized": True, "_len": n, **self.reference()}
+        cells = n if self.ndim == 1 else n * self._lanes(self._inner_now())
+        return {"_storage": rows, "initialized": True, "_len": cells, **self.reference()}
 
     def reference(self) -> dict[str, Any]:
         """What names the buffer (no rows, no round trip): td_id, max_size, the non-secret connection
@@ -754,16 +850,19 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """
         stored, n = state_dict["_storage"], int(state_dict["_len"])
         if isinstance(stored, torch.Tensor):
-            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[: self.ndim])
         elif isinstance(stored, dict):
             rows = TensorDict()
             rows.load_state_dict(stored, strict=False)  # type: ignore[arg-type]  # (a copy would drop its batch size metadata)
         else:
             raise ValueError(f"StoreStorage.load_state_dict: a LazyTensorStorage state dict whose _storage is {type(stored).__name__}")
-        if not rows.batch_dims or rows.batch_size[0] != self.max_size:
+        inner = tuple(rows.batch_size[1:])
+        if rows.batch_dims < self.ndim or rows.batch_size[0] != self._count_for(inner):
             raise ValueError(
                 f"the state dict is of a storage of batch size {list(rows.batch_size)}, this storage has max_size {self.max_size}"
+                + (f" and ndim {self.ndim}" if self.ndim > 1 else "")
             )
+        n = -(n // -self._lanes(inner))  # written cells -> dim-0 rows
         self._empty()
         if n:
             self._extend_rows(self._to_rows(rows[:n] if TENSOR_KEY not in rows.keys() else rows[TENSOR_KEY][:n]), rows)

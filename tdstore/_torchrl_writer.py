@@ -47,10 +47,10 @@ class StoreWriter(Writer):
         one = data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]
         index = int(storage.extend_ring(one)[0])
         self._mark_update_entities(index)
-        return index
+        return index if storage.ndim == 1 else self._replicate_index(index)
 
     def extend(self, data: Any) -> torch.Tensor:
-        index = self._ring_storage().extend_ring(data)
+        index = self._replicate_index(self._ring_storage().extend_ring(data))  # (ndim>1: every cell's coordinates)
         self._mark_update_entities(index)
         return index
 
@@ -66,9 +66,11 @@ class StoreWriter(Writer):
             return _torchrl_generations(p.generations, storage.generation_base())
         if isinstance(index, tuple):
             index = index[0]
-        slots, one = _index.positions(index, storage.max_size)  # a mask means what it means to indexing
+        if isinstance(index, torch.Tensor) and storage.ndim > 1 and index.ndim > 1 and index.shape[-1] == storage.ndim:
+            index = index[..., 0]  # coordinates: the slot is the first
+        slots, one = _index.positions(index, storage._dim0)  # a mask means what it means to indexing
         m = storage.marks()
-        gen = _torchrl_generations(_ring.generations(slots, m.rw, storage.max_size), m.gb)
+        gen = _torchrl_generations(_ring.generations(slots, m.rw, storage._dim0), m.gb)
         if one:
             return gen[0]
         if isinstance(index, torch.Tensor) and index.dtype not in _index.MASK_DTYPES:

@@ -220,9 +220,14 @@ def test_elements_with_their_own_batch_dims(real):
     assert len(srv) == 3
 
 
-def test_ndim_storages_are_refused_with_the_alternative(real):
-    with pytest.raises(NotImplementedError, match="ndim=2.*batch size"):
-        StoreStorage(8, ndim=2, **real.kwargs())
+def test_ndim_storage_refuses_data_of_fewer_dims_before_writing(one_node):
+    rb = ReplayBuffer(storage=StoreStorage(8, ndim=2, **one_node.kwargs()), dim_extend=0)
+    with pytest.raises(ValueError, match=r"ndim=2\) stores data of at least 2 batch dims, got batch size \[3\]"):
+        rb.extend(data(3))
+    assert len(rb) == 0
+    rb = ReplayBuffer(storage=rb.storage, dim_extend=0)  # (torchrl's writer moved its in-process cursor before the refusal)
+    rb.extend(TensorDict(a=torch.ones(3, 2), batch_size=[3, 2]))
+    assert len(rb) == 6 and rb.storage.shape == (3, 2) and rb.storage.max_size == 8
 
 
 # -- 6. pytrees ------------------------------------------------------------------------------------------

@@ -363,6 +363,12 @@ def test_torch_compile_through_the_storage(storage):
     assert draw().item() >= 0
 
 
+def test_device_auto(storage):
+    rb = ReplayBuffer(storage=storage(6, device="auto"), batch_size=2)
+    rb.extend(transitions(3))
+    assert rb.sample()["obs"].device == torch.device("cpu")
+
+
 def test_device_argument(storage):
     rb = ReplayBuffer(storage=storage(6, device="cpu"), batch_size=2)
     rb.extend(transitions(3))
@@ -391,13 +397,51 @@ def test_elements_with_their_own_batch_dims(storage):
 
 
 # -- ndim > 1 ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ndim", [2])
-def test_multidim_storage(storage, ndim):
-    if on_store(storage):  # README: what differs from LazyTensorStorage
-        with pytest.raises(NotImplementedError, match=r"ndim=2.*one cursor.*batch size \[n, T\]"):
-            storage(12, ndim=ndim)
-        return
-    rb = TensorDictReplayBuffer(storage=storage(12, ndim=ndim), batch_size=5)
-    rb.extend(TensorDict(obs=torch.arange(12.0).reshape(3, 4), batch_size=[3, 4]))
-    assert len(rb) == 12 and rb.storage.shape == (4, 3)
-    assert rb.sample().batch_size == (5,)
+def cells(kind: str, shape: tuple[int, ...]) -> Any:
+    obs = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+    if kind == "tensor":
+        return obs
+    if kind == "tensorclass":
+        return Transition(obs=obs, reward=-obs, batch_size=shape)
+    if kind == "pytree":
+        return {"obs": obs, "more": (-obs,)}
+    return TensorDict(obs=obs, batch_size=shape)
+
+
+def obs_of(x: Any) -> list:
+    return (x if isinstance(x, torch.Tensor) else x["obs"] if isinstance(x, (dict, TensorDict)) else x.obs).tolist()
+
+
+@pytest.mark.parametrize("kind", ["tensordict", "tensor", "tensorclass"])  # (an ndim>1 LazyTensorStorage indexes no pytree)
+@pytest.mark.parametrize("sampler", [RandomSampler, lambda: SamplerWithoutReplacement(drop_last=False)])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_multidim_storage(storage, ndim, kind, sampler):
+    """As torchrl's ndim>1 storages: dim 0 is time, the others lanes; sampling draws cells."""
+
+    def run(make: Any) -> Any:
+        shape = (3, 4) if ndim == 2 else (3, 4, 2)  # [lanes, time, ...] as collectors give it (dim_extend = 1)
+        rb = ReplayBuffer(storage=make(24, ndim=ndim), sampler=sampler(), batch_size=5)
+        rb.set_rng(torch.Generator().manual_seed(0))
+        idx = rb.extend(cells(kind, shape))
+        got = [len(rb), tuple(rb.storage.shape), tuple(idx.shape), obs_of(rb.sample()), obs_of(rb[:])]
+        got.append(obs_of(rb.storage[tuple(idx[:3].unbind(-1))]))  # the cells extend returned
+        rb.extend(cells(kind, shape))
+        got.append([len(rb), rb.write_count, obs_of(rb.sample())])
+        rb.empty()
+        got.append(len(rb))
+        return got
+
+    against_memory(storage, run)
+
+
+def test_multidim_slice_sampler(storage):
+    def run(make: Any) -> Any:
+        rb = TensorDictReplayBuffer(storage=make(16, ndim=2), sampler=SliceSampler(num_slices=2, traj_key="episode"), batch_size=6)
+        ep = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 3, 3, 3, 3, 3]])
+        rb.extend(TensorDict(episode=ep, obs=ep.float(), batch_size=[2, 8]))
+        for _ in range(5):
+            e = rb.sample()["episode"].reshape(2, 3)
+            assert (e == e[:, :1]).all()
+        return len(rb)
+
+    against_memory(storage, run)
