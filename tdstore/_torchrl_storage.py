@@ -14,6 +14,7 @@ from copy import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
@@ -84,6 +85,17 @@ def _flip(items: list) -> Any:
         return tree_unflatten([torch.stack(list(col)) for col in zip(*(leaves for leaves, _ in flat))], flat[0][1])
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"StoreStorage: the list's items cannot be stacked leaf by leaf: {err}") from None
+
+
+def _from_the_end(index: Any) -> bool:
+    """Whether ``index`` counts from the end or is a mask (so means something else below the capacity)."""
+    if isinstance(index, int):
+        return index < 0
+    if isinstance(index, (list, np.ndarray)):
+        index = torch.as_tensor(index)
+    if isinstance(index, torch.Tensor):
+        return index.dtype == torch.bool or bool((index < 0).any())
+    return False
 
 
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
@@ -723,7 +735,9 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
             return s.stack_ops.read(slice(0, 0))
-        slots, one = _index.positions(index, self._dim0)  # a mask means what it means to indexing
+        # as a LazyTensorStorage's, negative positions and masks are taken along the written slots only
+        bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
+        slots, one = _index.positions(index, bound)
         got = s.stack_ops.read(slots)
         return got[0] if one else got
 

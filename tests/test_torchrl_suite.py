@@ -445,3 +445,128 @@ def test_multidim_slice_sampler(storage):
         return len(rb)
 
     against_memory(storage, run)
+
+
+# -- more of torchrl's storage and buffer cases ---------------------------------------------------------
+def test_writer_cursor_position(storage):
+    rb = ReplayBuffer(storage=storage(5), batch_size=2)
+    rb.add(transitions(1)[0])
+    assert rb.writer._cursor == 1
+    rb.extend(transitions(6))
+    assert rb.writer._cursor == 2 and len(rb) == 5
+
+
+def test_storage_not_initialized(storage):
+    s = storage(10)
+    with pytest.raises(RuntimeError):
+        s[0]
+
+
+@pytest.mark.parametrize("index", [[0, 2], -1, slice(-2, None), "mask"])
+def test_rb_indexing(storage, index):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(6))
+        rb.extend(transitions(4))
+        i = torch.tensor([True, False, True, True]) if index == "mask" else index
+        return rb[i]["reward"].flatten().tolist()
+
+    against_memory(storage, run)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_iterate_a_buffer(storage, drop_last):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(10), sampler=SamplerWithoutReplacement(drop_last=drop_last, shuffle=False), batch_size=3)
+        rb.extend(transitions(7))
+        return [b["reward"].flatten().tolist() for b in rb]
+
+    against_memory(storage, run)
+
+
+def test_prefetch(storage):
+    rb = TensorDictReplayBuffer(storage=storage(10), batch_size=3, prefetch=2)
+    rb.extend(transitions(8))
+    for _ in range(4):
+        assert rb.sample()["obs"].shape == (3, 4)
+
+
+def test_sampler_state_dict_round_trip(storage):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(10), sampler=SamplerWithoutReplacement(), batch_size=2)
+        rb.set_rng(torch.Generator().manual_seed(4))
+        rb.extend(transitions(6))
+        first = rb.sample()["reward"].flatten().tolist()
+        state = rb.sampler.state_dict()
+        sampler = SamplerWithoutReplacement()
+        sampler.load_state_dict(state)
+        rest = [rb.sample()["reward"].flatten().tolist() for _ in range(2)]
+        return sorted(first + sum(rest, []))
+
+    against_memory(storage, run)
+
+
+@pytest.mark.parametrize("source", ["memory", "store"])
+def test_storage_dumps_loads_across_kinds(storage, tmp_path, source):
+    if not on_store(storage):
+        pytest.skip("the same as test_dumps_loads on memory")
+    src = LazyTensorStorage(8) if source == "memory" else storage(8)
+    dst = storage(8) if source == "memory" else LazyTensorStorage(8)
+    rb = TensorDictReplayBuffer(storage=src)
+    rb.extend(transitions(5))
+    src.dumps(tmp_path / "s")
+    dst.loads(tmp_path / "s")
+    assert len(dst) == 5 and dst[:]["reward"].flatten().tolist() == list(range(5))
+
+
+def test_slice_sampler_strict_length_false_and_span(storage):
+    def run(make: Any) -> Any:
+        rb = TensorDictReplayBuffer(
+            storage=make(20), sampler=SliceSampler(slice_len=4, traj_key="episode", strict_length=False, span=True), batch_size=8
+        )
+        rb.set_rng(torch.Generator().manual_seed(0))
+        rb.extend(episodes([0] * 3 + [1] * 6 + [2] * 2))
+        out = rb.sample()
+        return tuple(out.batch_size)
+
+    against_memory(storage, run)
+
+
+def test_rb_add_tensorclass_element(storage):
+    rb = ReplayBuffer(storage=storage(4), batch_size=2)
+    rb.add(Transition(obs=torch.ones(3), reward=torch.zeros(1), batch_size=[]))
+    rb.extend(Transition(obs=torch.zeros(2, 3), reward=torch.ones(2, 1), batch_size=[2]))
+    assert isinstance(rb[0], Transition) and rb[:].obs.shape == (3, 3)
+
+
+def test_stack_of_two_buffers(storage):
+    rb = ReplayBuffer(storage=storage(4), batch_size=2)
+    rb.extend(transitions(4))
+    other = ReplayBuffer(storage=storage(4), batch_size=2)
+    other.extend(transitions(4, 10))
+    assert torch.stack([rb[:], other[:]]).batch_size == (2, 4)
+
+
+def test_update_priority_with_store_free_sampler_is_a_no_op(storage):
+    rb = TensorDictReplayBuffer(storage=storage(6), batch_size=2)
+    rb.extend(transitions(4))
+    rb.update_priority(torch.tensor([0, 1]), torch.tensor([1.0, 2.0]))  # RandomSampler ignores priorities
+    assert len(rb) == 4
+
+
+def test_extend_a_batch_longer_than_the_buffer(storage):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(4))
+        idx = rb.extend(transitions(10))
+        return idx.tolist(), rb[:]["reward"].flatten().tolist(), rb.write_count
+
+    against_memory(storage, run)
+
+
+def test_write_at_and_extend_returns_indices(storage):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(6), writer=RoundRobinWriter(track_generations=True))
+        rb.extend(transitions(6))
+        rb.writer.write_at(torch.tensor([1, 3]), transitions(2, 50))
+        return rb[:]["reward"].flatten().tolist(), rb.writer.generations_of(torch.arange(6)).tolist(), len(rb)
+
+    against_memory(storage, run)
