@@ -87,6 +87,11 @@ def _flip(items: list) -> Any:
         raise ValueError(f"StoreStorage: the list's items cannot be stacked leaf by leaf: {err}") from None
 
 
+#: What reaches the server runs outside ``torch.compile``'s graphs (torch.compile through a buffer on this
+#: storage graph-breaks at the storage, as torchrl's own storages do around their shared counters).
+_eager = torch.compiler.disable
+
+
 def _from_the_end(index: Any) -> bool:
     """Whether ``index`` counts from the end or is a mask (so means something else below the capacity)."""
     if isinstance(index, int):
@@ -202,6 +207,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
 
     @property
+    @_eager
     def _store(self) -> LazyStackedTensorDictStore:
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
@@ -290,6 +296,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         or another one is loaded (a sampler forgets what it knew of the old one).  No round trip."""
         return self._td_id, self._reopens
 
+    @_eager
     def with_store(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> Any:
         """Run ``fn`` on the store; when another handle emptied the buffer (deleted and
         recreated the store), reopen it once and run ``fn`` on the new one.  The writer and
@@ -310,11 +317,13 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             ) from None
 
     # -- what torchrl reads ----------------------------------------------------------------
+    @_eager
     def __len__(self) -> int:
         """The number of written cells (slots, times the lanes when ndim>1), read from the server (one round trip)."""
         return self._len_along_dim0 * (1 if self.ndim == 1 else self._lanes(self._inner_now()))
 
     @property
+    @_eager
     def _len_along_dim0(self) -> int:
         """The written slots, read from the server (one round trip)."""
         return self.with_store(lambda s: s.ring_state().written)
@@ -323,9 +332,11 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         return tuple(self._store.batch_size[1:])
 
     @property
+    @_eager
     def _is_full(self) -> bool:
         return self._len_along_dim0 == self._dim0
 
+    @_eager
     def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
         """The ring's slots; for an ndim>1 storage not written yet, what the data's lanes make of ``max_size`` (no round trip)."""
         if self.ndim == 1:
@@ -361,6 +372,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """Ignored (see the getter)."""
 
     @property
+    @_eager
     def _total_shape(self) -> torch.Size:
         if self.ndim == 1:
             return torch.Size([self.max_size])
@@ -377,6 +389,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         return True
 
     @property
+    @_eager
     def shape(self) -> torch.Size:
         """The written slots (and, when ndim>1, the lanes), as a ``LazyTensorStorage``'s shape (one round trip)."""
         n = self._len_along_dim0
@@ -391,6 +404,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """Ignored: the length is the server's (torchrl's writers assign it after a write)."""
 
     @property
+    @_eager
     def _last_cursor_index(self) -> int | None:
         """The slot written last, from the server (SliceSampler cuts trajectories there)."""
         rw = self.with_store(lambda s: s.write_count)
@@ -400,6 +414,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """Ignored: the cursor is the server's."""
 
     @property
+    @_eager
     def _mutation_revision(self) -> int:
         """Changes whenever any process extends the ring (the server's write count ``rw``), writes rows
         in place through torchrl (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers'
@@ -416,10 +431,12 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """An in-place write: the header's ``tr`` + 1, which every process's ``_mutation_revision`` reads."""
         self.with_store(lambda s: _torchrl_marks.bump(s.stack_ops.engine))
 
+    @_eager
     def marks(self) -> _torchrl_marks.Marks:
         """The ring write count and torchrl's counters (``tr``, ``gb``, ``wb``): one round trip."""
         return self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
 
+    @_eager
     def generation_base(self) -> int:
         """What the buffer's torchrl generations start from (``gb``: it grows at each ``empty()``), read once per store."""
         ident = self.store_identity
@@ -496,6 +513,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         self._tree, self._treespec = True, spec
         return TensorDict({f"{TREE_KEY}{i}": x for i, x in enumerate(leaves)}, batch_size=n)
 
+    @_eager
     def extend_ring(self, data: Any) -> torch.Tensor:
         """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
 
@@ -518,6 +536,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
         return torch.cat([write_chunk(i) for i in range(0, n, m)])
 
+    @_eager
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write ``data`` at explicit slots: ``rb[index] = data``, and torchrl's own writers.
 
@@ -667,6 +686,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         p = self._pending
         return p if p is not None and index is p.indices else None
 
+    @_eager
     def get(self, index: Any) -> Any:
         """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store.
 
@@ -741,6 +761,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         got = s.stack_ops.read(slots)
         return got[0] if one else got
 
+    @_eager
     def contains(self, item: Any) -> Any:
         n = self._len_along_dim0
         if isinstance(item, int):

@@ -352,15 +352,20 @@ def test_compilable_buffer(storage):
     assert rb.sample()["obs"].shape == (3, 4)
 
 
-def test_torch_compile_through_the_storage(storage):
-    rb = ReplayBuffer(storage=storage(8), batch_size=3)
-    rb.extend(transitions(5))
+@pytest.mark.parametrize("compilable", [False, True])
+def test_torch_compile_through_the_storage(storage, compilable):
+    """torch.compile of a function that extends and samples (the storage's server calls run eagerly)."""
+    rb = ReplayBuffer(storage=storage(8, compilable=compilable), sampler=RandomSampler(), batch_size=3, compilable=compilable)
+    td = TensorDict(a=torch.ones(2, 3), batch_size=[2])
 
     @torch.compile(backend="eager")
-    def draw() -> torch.Tensor:
-        return rb.sample()["obs"].sum()
+    def extend_and_sample(td: TensorDict) -> torch.Tensor:
+        rb.extend(td)
+        return rb.sample()["a"].sum()
 
-    assert draw().item() >= 0
+    for _ in range(5):
+        assert extend_and_sample(td).item() == 9.0
+    assert len(rb) == 8 and rb.write_count == 10
 
 
 def test_device_auto(storage):
