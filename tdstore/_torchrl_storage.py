@@ -792,6 +792,14 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         laps = (m.rw - 1) // self._dim0 + 1 if m.rw else 0
         self._carry(m.gb + laps, m.wb + m.rw if keep else 0)
 
+    def delete(self) -> None:
+        """Delete the buffer's keys on the server (one atomic call).  Unlike ``empty()``, whose new store
+        keeps the generations going, nothing stays: a later use makes the buffer again from 0."""
+        self._pending = None
+        self.with_store(lambda s: s.clear_redis())
+        self._ring = None
+        self._reopens += 1
+
     def _carry(self, generation_base: int, write_base: int) -> None:
         """Give the (new) store the bases an emptied one leaves (nothing to do when both are 0)."""
         if generation_base or write_base:
