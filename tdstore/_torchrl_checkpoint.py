@@ -77,6 +77,8 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
             saved = json.loads(state_file.read_text())
         except ValueError:
             saved = {}
+        if isinstance(saved, dict):
+            storage.adopt_treespec(saved.get("treespec"))
         name = saved.get("tensorclass") if isinstance(saved, dict) else None
         if isinstance(name, str):  # only a class this process imported already: nothing is imported
             module, _, attr = name.rpartition(".")

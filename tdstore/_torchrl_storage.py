@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten, treespec_dumps, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
@@ -63,10 +63,20 @@ def _is_reattach_error(err: KeyError) -> bool:
 
 
 def _only_dicts(tree: Any) -> bool:
-    """Whether every container of the pytree ``tree`` is a plain dict (a TensorDict holds it as it is)."""
+    """Whether every container of the pytree ``tree`` is a plain dict of string keys (a TensorDict holds it as it is)."""
     if isinstance(tree, torch.Tensor):
         return True
-    return type(tree) is dict and all(_only_dicts(v) for v in tree.values())
+    return type(tree) is dict and all(isinstance(k, str) and _only_dicts(v) for k, v in tree.items())
+
+
+def _spec_text(spec: TreeSpec | None) -> str | None:
+    """``spec`` as JSON text for state dicts and checkpoints (None when none, or not serializable)."""
+    if spec is None:
+        return None
+    try:
+        return treespec_dumps(spec)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
 
 
 def _flip(items: list) -> Any:
@@ -835,6 +845,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             if self._tensorclass_type is not None
             else None,
             "is_tensor": self._is_tensor,
+            "treespec": _spec_text(self._treespec),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -875,6 +886,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             return
         self._reopens += 1
         self._is_tensor = state_dict.get("is_tensor")
+        self.adopt_treespec(state_dict.get("treespec"))
         path = state_dict.get("tensorclass")
         if path is not None and self._tensorclass_type is None:
             import sys
@@ -883,6 +895,14 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             cls = getattr(sys.modules.get(module), name, None)
             if cls is not None and is_tensorclass(cls):
                 self._tensorclass_type = cls
+
+    def adopt_treespec(self, text: Any) -> None:
+        """Read the buffer's rows as the pytree ``text`` (``treespec_dumps``) describes, when this process wrote none."""
+        if isinstance(text, str) and self._treespec is None:
+            try:
+                self._treespec, self._tree = treespec_loads(text), True
+            except (ValueError, TypeError, KeyError):  # a tree of a type this process does not know: rows stay a TensorDict
+                pass
 
     def _load_memory_state(self, state_dict: dict[str, Any]) -> None:
         """Replace the buffer's rows with those of a ``LazyTensorStorage.state_dict()`` (same ``max_size``).

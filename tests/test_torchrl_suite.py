@@ -575,3 +575,104 @@ def test_write_at_and_extend_returns_indices(storage):
         return rb[:]["reward"].flatten().tolist(), rb.writer.generations_of(torch.arange(6)).tolist(), len(rb)
 
     against_memory(storage, run)
+
+
+@tensorclass
+class WithText:
+    tensor: torch.Tensor
+    td: TensorDict
+    text: str
+
+
+def dump_data(kind: str) -> Any:
+    if kind == "tensor":
+        return torch.arange(3)
+    if kind == "pytree":
+        return {"a": torch.arange(3), "b": {"c": [torch.ones(3), (-torch.ones(3, 2),)]}, 30: -torch.ones(3, 1)}
+    if kind == "tc":
+        return WithText(tensor=torch.arange(3), td=TensorDict(x=torch.ones(3, 2), batch_size=[3]), text="some text", batch_size=[3])
+    return TensorDict(a=torch.arange(3), b=TensorDict(c=torch.ones(3, 2), batch_size=[3]), batch_size=[3])
+
+
+def flat(x: Any) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    if is_tc(x):
+        x = x.to_tensordict() if hasattr(x, "to_tensordict") else x
+    if isinstance(x, TensorDict) or hasattr(x, "flatten_keys"):
+        return sorted((str(k), v.tolist()) for k, v in x.flatten_keys(".").items() if isinstance(v, torch.Tensor))
+    return [v.tolist() for v in tree_flatten(x)[0]]
+
+
+def is_tc(x: Any) -> bool:
+    from tensordict import is_tensorclass
+
+    return is_tensorclass(x)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "td", "tc", "pytree"])
+@pytest.mark.parametrize("isinit", [True, False])
+def test_storage_set_range_and_dumps_loads(storage, kind, isinit, tmp_path):
+    from torch.utils._pytree import tree_map
+
+    data = dump_data(kind)
+    s = storage(10)
+    s.set(range(3), data)
+    s.dumps(tmp_path / "save")
+    s.dumps(tmp_path / "save")  # twice into one directory
+    back = storage(10)
+    if isinit:
+        back.set(range(3), tree_map(lambda x: torch.zeros_like(x), data) if kind == "pytree" else data.clone().zero_())
+    if kind in ("tensor", "pytree") and not isinit and not on_store(storage):
+        with pytest.raises(RuntimeError, match="non-initialized"):
+            back.loads(tmp_path / "save")
+        return
+    back.loads(tmp_path / "save")
+    assert flat(back[:]) == flat(s[:])
+
+
+def test_pytree_with_int_keys(storage):
+    def run(make: Any) -> Any:
+        rb = ReplayBuffer(storage=make(10), batch_size=2)
+        rb.add({"a": torch.zeros(3), "b": {"c": (torch.zeros(2), [torch.ones(1)])}, 30: -torch.ones(())})
+        rb.extend({"a": torch.ones(4, 3), "b": {"c": (torch.ones(4, 2), [torch.ones(4, 1)])}, 30: torch.arange(4.0)})
+        out = rb[:]
+        return len(rb), sorted(map(str, out)), out[30].tolist(), out["b"]["c"][1][0].flatten().tolist()
+
+    against_memory(storage, run)
+
+
+def test_non_tensor_data(storage):
+    def run(make: Any) -> Any:
+        rb = TensorDictReplayBuffer(storage=make(6), batch_size=3)
+        rb.extend(TensorDict(obs=torch.arange(4.0), text=["a", "b", "c", "d"], batch_size=[4]))
+        rb.set_rng(torch.Generator().manual_seed(0))
+        out = rb.sample()
+        return [o for o in out["text"]], out["obs"].tolist(), rb[:]["text"]
+
+    against_memory(storage, run)
+
+
+def test_storage_ensemble(storage):
+    from torchrl.data.replay_buffers import ReplayBufferEnsemble
+
+    def run(make: Any) -> Any:
+        r1 = TensorDictReplayBuffer(storage=make(6), batch_size=4)
+        r2 = TensorDictReplayBuffer(storage=make(6), batch_size=4)
+        r1.extend(transitions(3))
+        r2.extend(transitions(3, 10))
+        ens = ReplayBufferEnsemble(r1, r2, batch_size=4, sample_from_all=True)
+        out = ens.sample()
+        return sorted(out["reward"].flatten().tolist()) and len(out["reward"])
+
+    against_memory(storage, run)
+
+
+def test_extend_lazy_stack_along_dim_1(storage):
+    from tensordict import LazyStackedTensorDict
+
+    rb = ReplayBuffer(storage=storage(6), batch_size=2)
+    td1 = TensorDict(a=torch.rand(5, 4, 8), batch_size=5)
+    td2 = TensorDict(a=torch.rand(5, 4, 8), batch_size=5)
+    rb.extend(LazyStackedTensorDict(td1, td2, stack_dim=1))
+    assert len(rb) == 5 and rb.sample(3).batch_size == (3, 2)
