@@ -676,3 +676,31 @@ def test_extend_lazy_stack_along_dim_1(storage):
     td2 = TensorDict(a=torch.rand(5, 4, 8), batch_size=5)
     rb.extend(LazyStackedTensorDict(td1, td2, stack_dim=1))
     assert len(rb) == 5 and rb.sample(3).batch_size == (3, 2)
+
+
+def test_staleness_aware_sampler(storage):
+    from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
+
+    def run(make: Any) -> Any:
+        sampler = StalenessAwareSampler(max_staleness=1)
+        rb = TensorDictReplayBuffer(storage=make(10), sampler=sampler, batch_size=16)
+        rb.extend(transitions(6).set("policy_version", torch.tensor([0, 0, 1, 1, 2, 2])))
+        sampler.consumer_version = 2
+        return sorted(set(rb.sample()["policy_version"].tolist()))
+
+    against_memory(storage, run)
+
+
+def test_child_process_extends_the_same_buffer(storage):
+    import multiprocessing as mp
+
+    if on_store(storage) and not isinstance(storage(1)._conn.get("url"), str):
+        pytest.skip("fakeredis lives in this process")
+    rb = TensorDictReplayBuffer(storage=storage(10), batch_size=3)
+    rb.extend(transitions(2))
+    proc = mp.get_context("fork").Process(target=rb.extend, args=(transitions(3, 10),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    if on_store(storage):  # the server's buffer: the child's rows are here
+        assert len(rb) == 5 and rb[:]["reward"].flatten().tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
