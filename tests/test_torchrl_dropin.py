@@ -394,3 +394,25 @@ def test_features_torchrl_keeps_for_tensor_storages(one_node):
         seq.extend(TensorDict(a=torch.arange(6.0), done=torch.tensor([0, 0, 1, 0, 0, 1], dtype=torch.bool)[:, None], batch_size=[6]))
         got.append(seq.sample()["a"].tolist())
     assert got[:2] == got[2:]
+
+
+def test_store_samplers_refuse_ndim_storages_naming_torchrls(one_node):
+    from tdstore.torchrl import StoreSampler, StoreWriter
+
+    rb = ReplayBuffer(storage=StoreStorage(8, ndim=2, **one_node.kwargs()), writer=StoreWriter(), sampler=StoreSampler(), batch_size=2)
+    idx = rb.extend(TensorDict(a=torch.ones(2, 3), batch_size=[2, 3]))  # [lanes, time]: dim_extend=1
+    assert idx.shape == (6, 2) and len(rb) == 6
+    with pytest.raises(ValueError, match="ndim=2.*use torchrl's RandomSampler"):
+        rb.sample()
+
+
+def test_in_place_writes_of_another_process_move_the_revision(one_node):
+    rb = replay_buffer(6, **one_node.kwargs())
+    rb.extend(data(6))
+    other = ReplayBuffer(storage=StoreStorage(td_id=rb.storage.td_id, **one_node.kwargs()))
+    before = rb.storage._mutation_revision
+    other[2] = data(1, 50)[0]
+    assert rb.storage._mutation_revision != before and rb["a"][2] == 50.0
+    before = rb.storage._mutation_revision
+    other.set_at_("a", torch.tensor([7.0]), torch.tensor([0]))
+    assert rb.storage._mutation_revision != before
