@@ -432,6 +432,8 @@ def test_multidim_storage(storage, ndim, kind, sampler):
         got.append(obs_of(rb.storage[tuple(idx[:3].unbind(-1))]))  # the cells extend returned
         rb.extend(cells(kind, shape))
         got.append([len(rb), rb.write_count, obs_of(rb.sample())])
+        if isinstance(rb.sampler, SamplerWithoutReplacement):
+            got.append(sorted(v for batch in rb for v in torch.as_tensor(obs_of(batch)).flatten().tolist()))
         rb.empty()
         got.append(len(rb))
         return got
@@ -439,11 +441,15 @@ def test_multidim_storage(storage, ndim, kind, sampler):
     against_memory(storage, run)
 
 
-def test_multidim_slice_sampler(storage):
+@pytest.mark.parametrize("key", ["traj_key", "end_key"])
+def test_multidim_slice_sampler(storage, key):
     def run(make: Any) -> Any:
-        rb = TensorDictReplayBuffer(storage=make(16, ndim=2), sampler=SliceSampler(num_slices=2, traj_key="episode"), batch_size=6)
+        kw = {"traj_key": "episode"} if key == "traj_key" else {"end_key": ("next", "done")}
+        rb = TensorDictReplayBuffer(storage=make(16, ndim=2), sampler=SliceSampler(num_slices=2, **kw), batch_size=6)
         ep = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 3, 3, 3, 3, 3]])
-        rb.extend(TensorDict(episode=ep, obs=ep.float(), batch_size=[2, 8]))
+        done = torch.zeros(2, 8, 1, dtype=torch.bool)
+        done[0, 3] = done[0, 7] = done[1, 2] = done[1, 7] = True
+        rb.extend(TensorDict(episode=ep, obs=ep.float(), next=TensorDict(done=done, batch_size=[2, 8]), batch_size=[2, 8]))
         for _ in range(5):
             e = rb.sample()["episode"].reshape(2, 3)
             assert (e == e[:, :1]).all()
