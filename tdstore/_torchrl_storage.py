@@ -602,6 +602,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         state = self.with_store(lambda s: s.ring_state())
         m = self._dim0
         n = int(slots.numel())
+        if n and state.written == state.cursor and int(slots[0]) > state.written and torch.equal(slots, slots[0] + torch.arange(n)):
+            state = self._wait_for_writers(int(slots[0]), state)
         if n and bool((slots == (state.cursor + torch.arange(n)) % m).all()):
             got = self._extend_rows(rows, rows)
             if not torch.equal(got, slots):
@@ -618,7 +620,8 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             if not torch.equal(new, state.written + torch.arange(new.numel())) or state.written != state.cursor:
                 raise RuntimeError(
                     f"StoreStorage: the writer wrote slot {int(new[0])}, which the ring has not written yet, off its cursor "
-                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
+                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor "
+                    f"(a write ahead of it waits wait_for_writers={self.wait_for_writers} s for other processes' writes before it)"
                 )
             if (~fresh).any():  # a batch of updates and new rows (TensorDictMap): two atomic calls
                 self._write_in_place(slots[~fresh], rows[~fresh])
@@ -629,6 +632,30 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
                 )
             return
         self._write_in_place(slots, rows)
+
+    #: How long a write of new slots ahead of the server's cursor waits for the writes before them (seconds).
+    wait_for_writers: float = 10.0
+
+    def _wait_for_writers(self, first: int, state: _ring.RingState) -> _ring.RingState:
+        """New slots ahead of the cursor of a ring not full yet: processes sharing this writer's cursor (torchrl's
+        writers keep it in shared memory across a fork) are writing the slots before them.  Wait, on the store's
+        events, until the ring has written up to ``first`` (at most ``wait_for_writers`` seconds); then the slots
+        continue the cursor.  Returns the ring state then (the same when the wait ran out: the caller refuses)."""
+        from . import _waiting
+        from ._errors import MustWait
+
+        def attempt(s: LazyStackedTensorDictStore) -> _ring.RingState:
+            now = s.ring_state()
+            if now.written < first and now.written == now.cursor:
+                raise MustWait("writers", f"the ring has written {now.written} slots, this write starts at {first}")
+            return now
+
+        try:
+            return self.with_store(
+                lambda s: _waiting.until_ready(s.stack_ops.engine, lambda: attempt(s), self.wait_for_writers, "a write ahead of the cursor")
+            )
+        except TimeoutError:
+            return state
 
     def _write_in_place(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         def write(s: LazyStackedTensorDictStore) -> None:
