@@ -710,3 +710,29 @@ def test_child_process_extends_the_same_buffer(storage):
     assert proc.exitcode == 0
     if on_store(storage):  # the server's buffer: the child's rows are here
         assert len(rb) == 5 and rb[:]["reward"].flatten().tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
+
+
+def test_forked_writers_share_torchrls_cursor(storage):
+    """Forked processes extending one buffer through torchrl's writer (its cursor in shared memory): every row lands once."""
+    import multiprocessing as mp
+
+    if on_store(storage) and not isinstance(storage(1)._conn.get("url"), str):
+        pytest.skip("fakeredis lives in this process")
+    rb = ReplayBuffer(storage=storage(40))
+    rb.extend(TensorDict(a=torch.zeros(1), batch_size=[1]))
+    rb.writer._cursor, rb.writer._write_count  # noqa: B018  # (made before the fork: shared)
+    if not on_store(storage):
+        rb.storage._storage.share_memory_()
+
+    def work(k: int) -> None:
+        for j in range(3):
+            rb.extend(TensorDict(a=torch.full((4,), float(k * 10 + j)), batch_size=[4]))
+
+    procs = [mp.get_context("fork").Process(target=work, args=(k,)) for k in (1, 2, 3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    got = sorted(rb[:]["a"].tolist())
+    assert got == [0.0] + sorted(float(k * 10 + j) for k in (1, 2, 3) for j in range(3) for _ in range(4))
