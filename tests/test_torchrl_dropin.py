@@ -427,6 +427,7 @@ def test_a_write_ahead_of_the_cursor_waits_for_the_writes_before_it(one_node):
     first = ReplayBuffer(storage=storage, writer=RoundRobinWriter())
     ahead = ReplayBuffer(storage=StoreStorage(td_id=storage.td_id, **one_node.kwargs()), writer=RoundRobinWriter())
     ahead.writer._cursor = 3  # its process took slots 3..4 of the shared cursor; slots 0..2 are another's
+    ahead.storage.wait_for_writers = 600  # (however slow the machine)
     errors: list[BaseException] = []
 
     def write_ahead() -> None:

@@ -723,6 +723,8 @@ def test_forked_writers_share_torchrls_cursor(storage):
     rb.writer._cursor, rb.writer._write_count  # noqa: B018  # (made before the fork: shared)
     if not on_store(storage):
         rb.storage._storage.share_memory_()
+    else:
+        rb.storage.wait_for_writers = 600  # (however slow the machine: a child waits for the others' slots)
 
     def work(k: int) -> None:
         for j in range(3):
