@@ -45,6 +45,7 @@ SCRIPT_NAMES = (
     "tree_build",
     "ack",
     "restore",
+    "marks",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"

@@ -2,8 +2,8 @@
 
 Which store the buffer ends up on:
 
-* the checkpoint's own ``td_id`` when no store of that id is on the server (the server lost
-  it, was restarted without persistence, or is another server) or when it is this storage's
+* the checkpoint's own ``td_id`` when no store of that id holding anything is on the server (the
+  buffer was emptied, the server lost it, was restarted without persistence, or is another server) or when it is this storage's
   own id (``rb.dumps(p); rb.empty(); rb.loads(p)``): other processes ``attach`` to the same id;
 * this storage's ``td_id`` otherwise (the checkpointed buffer still lives there and belongs
   to someone else: it is left alone).
@@ -28,14 +28,18 @@ if TYPE_CHECKING:
 
 
 def _exists(td_id: str, conn: dict[str, Any]) -> bool:
+    """Whether a store of ``td_id`` holds anything (an emptied buffer's new, empty store counts as none)."""
     from .store import TensorDictStore
 
     try:
         store = TensorDictStore.from_store(td_id=td_id, **conn)
     except KeyError:
         return False
-    _lazy_handle(store).close()
-    return True
+    handle = _lazy_handle(store)
+    try:
+        return bool(handle._engine.header.leaves) or handle.write_count > 0
+    finally:
+        handle.close()
 
 
 def _drop_if_empty(storage: StoreStorage) -> None:
@@ -73,6 +77,8 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
             saved = json.loads(state_file.read_text())
         except ValueError:
             saved = {}
+        if isinstance(saved, dict):
+            storage.adopt_treespec(saved.get("treespec"))
         name = saved.get("tensorclass") if isinstance(saved, dict) else None
         if isinstance(name, str):  # only a class this process imported already: nothing is imported
             module, _, attr = name.rpartition(".")

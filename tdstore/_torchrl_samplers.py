@@ -18,6 +18,15 @@ from ._values import build_td
 from .lazy import LazyStackedTensorDictStore
 
 
+def _slots_only(storage: Storage, sampler: object) -> None:
+    """tdstore's samplers draw ring slots: an ndim>1 storage's batches are of cells (torchrl's samplers draw those)."""
+    if getattr(storage, "ndim", 1) > 1:
+        raise ValueError(
+            f"{type(sampler).__name__} draws the ring's slots (dim 0), but this StoreStorage has ndim={storage.ndim}, whose "
+            "samples are cells: use torchrl's RandomSampler, SamplerWithoutReplacement or SliceSampler"
+        )
+
+
 class StoreSampler(Sampler):
     """Uniform sampling (with replacement) over the slots the ring has written, in one round trip.
 
@@ -49,6 +58,7 @@ class StoreSampler(Sampler):
             raise TypeError(
                 f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages"
             )
+        _slots_only(storage, self)
         got = storage.with_store(lambda s: self._draw(storage, s, int(batch_size)))
         storage.stash(got)
         return got.indices, {}
@@ -120,6 +130,7 @@ class StoreSamplerWithoutReplacement(SamplerWithoutReplacement):
     len_storage: int  # torchrl's: the storage length that list was made for
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
+        _slots_only(storage, self)
         n = len(storage)
         if n == 0:
             raise RuntimeError(EMPTY_ERROR)
@@ -199,6 +210,7 @@ class StorePrioritizedSampler(PrioritizedSampler):
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if not isinstance(storage, StoreStorage):
             raise TypeError(f"StorePrioritizedSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}")
+        _slots_only(storage, self)
 
         def draw(s: LazyStackedTensorDictStore) -> PrioritizedSample:
             if not has_keys(s):

@@ -14,13 +14,15 @@ from copy import copy
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
-from torchrl.data.replay_buffers.storages import Storage
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten, treespec_dumps, treespec_loads
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from . import _index, _ring
+from . import _index, _ring, _torchrl_marks
 from ._connection import SECRET_KWARGS
 from ._dense_ring import dense_rows
 from ._engine import new_td_id
@@ -31,6 +33,8 @@ from .lazy import LazyStackedTensorDictStore
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
+#: The keys the leaves of a pytree other than a dict of tensors are stored under: ``_tree0``, ``_tree1``...
+TREE_KEY = "_tree"
 #: Keys a TensorDictReplayBuffer puts into the data it is given or returns; buffer metadata, never stored.
 METADATA_KEYS = ("index", "index_generation")
 #: Connection keywords kept in ``state_dict`` (never a secret: see ``SECRET_KWARGS``).
@@ -58,6 +62,57 @@ def _is_reattach_error(err: KeyError) -> bool:
     return "created again" in text or "it was deleted, expired, or never created" in text
 
 
+def _only_dicts(tree: Any) -> bool:
+    """Whether every container of the pytree ``tree`` is a plain dict of string keys (a TensorDict holds it as it is)."""
+    if isinstance(tree, torch.Tensor):
+        return True
+    return type(tree) is dict and all(isinstance(k, str) and _only_dicts(v) for k, v in tree.items())
+
+
+def _spec_text(spec: TreeSpec | None) -> str | None:
+    """``spec`` as JSON text for state dicts and checkpoints (None when none, or not serializable)."""
+    if spec is None:
+        return None
+    try:
+        return treespec_dumps(spec)
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+
+
+def _flip(items: list) -> Any:
+    """A list of pytrees of one structure as one pytree of stacked leaves (as torchrl's storages take a list)."""
+    flat = [tree_flatten(item) for item in items]
+    odd = [type(x).__name__ for x in flat[0][0] if not isinstance(x, torch.Tensor)]
+    if odd:
+        raise TypeError(
+            f"StoreStorage stores TensorDicts, tensorclasses, tensors and pytrees of tensors, not a {type(items[0]).__name__} "
+            f"holding {odd[0]} (wrap non-tensor values in a TensorDict as NonTensorData)"
+        )
+    specs = {str(spec) for _, spec in flat}
+    if len(specs) != 1:
+        raise ValueError(f"StoreStorage: the list's items must have one tree structure, got {len(specs)} different ones")
+    try:
+        return tree_unflatten([torch.stack(list(col)) for col in zip(*(leaves for leaves, _ in flat))], flat[0][1])
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"StoreStorage: the list's items cannot be stacked leaf by leaf: {err}") from None
+
+
+#: What reaches the server runs outside ``torch.compile``'s graphs (torch.compile through a buffer on this
+#: storage graph-breaks at the storage, as torchrl's own storages do around their shared counters).
+_eager = torch.compiler.disable
+
+
+def _from_the_end(index: Any) -> bool:
+    """Whether ``index`` counts from the end or is a mask (so means something else below the capacity)."""
+    if isinstance(index, int):
+        return index < 0
+    if isinstance(index, (list, np.ndarray)):
+        index = torch.as_tensor(index)
+    if isinstance(index, torch.Tensor):
+        return index.dtype == torch.bool or bool((index < 0).any())
+    return False
+
+
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
     """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
     engine = s.stack_ops.engine
@@ -66,11 +121,14 @@ def has_keys(s: LazyStackedTensorDictStore) -> bool:
     return bool(engine.header.leaves)
 
 
-class StoreStorage(_TorchrlStoreStorage):
+class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     """A torchrl ``Storage`` over a tdstore ring of ``max_size`` slots on a Redis-wire server.
 
-    It subclasses torchrl's ``StoreStorage`` only so that torchrl treats it alike (its
-    default collate function); every method is this class's own.  The ring store is
+    It subclasses torchrl's ``StoreStorage`` so that torchrl treats it alike (its default
+    collate function), and ``TensorStorage``, whose contract it keeps (``_storage`` is a
+    tensor collection of ``max_size`` rows, the store; ``get``/``set`` index it), so that
+    what torchrl offers only to tensor storages works (``ConsumingSampler``, ``Sequence``
+    sample units, staleness, dataset export); every method it uses is this class's own.  The ring store is
     opened (created when missing, attached to when it exists) on first use, with the id
     ``td_id`` (a new one unless given): every process that opens a ``StoreStorage`` with
     the same ``td_id`` and server shares one buffer.  Keys come from the first data written.
@@ -107,15 +165,18 @@ class StoreStorage(_TorchrlStoreStorage):
         tensorclass_cls: type | None = None,
         ndim: int = 1,
         ragged: bool = False,
+        compilable: bool = False,
+        checkpointer: Any = None,
+        consolidated: bool = False,
+        shared_init: bool = False,
         **store_kwargs: Any,
     ) -> None:
-        if ndim != 1:
-            raise NotImplementedError(
-                f"StoreStorage(ndim={ndim}): storages of more than one dim are not offered: the server's ring has one "
-                "cursor and one length along dim 0 (torchrl's ndim>1 storages count and write cells of a [max_size/T, T] "
-                "grid). Write elements with their own batch dims instead: extend with data of batch size [n, T] stores n "
-                "elements of batch size [T]"
-            )
+        # consolidated and shared_init are LazyTensorStorage's memory layout and fork-time set-up:
+        # a server's store is one layout, shared by every process already (accepted, nothing to do)
+        if int(ndim) < 1:
+            raise ValueError(f"StoreStorage(ndim={ndim}): ndim is at least 1")
+        if store_kwargs.get("device") == "auto":  # TensorStorage's "the data's device": a server's rows read to CPU
+            store_kwargs.pop("device")
         self._secrets = {k: store_kwargs.pop(k) for k in list(store_kwargs) if k in SECRET_KWARGS}
         if "url" in store_kwargs and store_kwargs["url"] is not None:
             self._secrets["url"] = store_kwargs["url"]
@@ -126,15 +187,20 @@ class StoreStorage(_TorchrlStoreStorage):
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None
         self._reopens = 0
-        self._in_place = 0  # in-place writes of this process (see _mutation_revision)
         self._inner: tuple[int, ...] = ()  # the elements' batch size a new store is made with (the first write's)
         self._tree = False  # this process wrote dicts of tensors (read back as dicts, as torchrl's storages do)
+        self.ndim = int(ndim)
         if max_size is None:
             if td_id is None:
                 raise ValueError("StoreStorage needs max_size (or the td_id of an existing buffer, whose size is read from the server)")
             self._ring = self._attach_existing()
-            max_size = self._ring.capacity
-        Storage.__init__(self, max_size=max_size)
+            self._inner = tuple(self._ring.batch_size[1:])
+            max_size = self._ring.capacity * self._lanes(self._inner)
+        self._cells = int(max_size)  # what was asked for: an ndim>1 storage's dim 0 is cells / lanes, rounded up
+        Storage.__init__(self, max_size=max_size, checkpointer=checkpointer, compilable=compilable)
+        self._gen_base: tuple[tuple[str, int], int] | None = None  # (store_identity, gb) read once per store
+        self._keep_write_count = False  # set by StoreWriter._empty(empty_write_count=False) for the next _empty
+        self._treespec: TreeSpec | None = None  # the pytree this process wrote (other than dicts of tensors)
         self._tensorclass_type: type[Any] | None = tensorclass_cls  # any @tensorclass: its methods come from the decorator
         self._is_tensor: bool | None = None  # None: not known in this process yet (read from the store's keys)
         self.initialized = True
@@ -151,22 +217,42 @@ class StoreStorage(_TorchrlStoreStorage):
         return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
 
     @property
+    @_eager
     def _store(self) -> LazyStackedTensorDictStore:
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
                 if self._ragged:
                     self._ring = LazyStackedTensorDictStore(
-                        count=self.max_size, inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
+                        count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )
                 else:
                     from .dense import TensorDictStore
 
-                    dense = TensorDictStore(batch_size=[self.max_size, *self._inner], td_id=self._td_id, **self._open_kwargs())
+                    count = self._count_for(self._inner)
+                    dense = TensorDictStore(batch_size=[count, *self._inner], td_id=self._td_id, **self._open_kwargs())
                     self._ring = dense._store  # a LazyStackedTensorDictStore whose header says dense
             except (ValueError, TypeError):  # the store exists with another layout or kind: attach to it as it is
                 self._ring = self._attach_existing()
+            if self.ndim > 1 and len(self._ring.batch_size) >= self.ndim:  # (attached to a store written already)
+                self.max_size = self._ring.capacity * self._lanes(tuple(self._ring.batch_size[1:]))
         return self._ring
+
+    def _lanes(self, inner: tuple[int, ...]) -> int:
+        """Cells per ring slot: the element dims an ndim>1 storage counts (``inner[:ndim-1]``), 1 for ndim=1."""
+        return int(torch.Size(inner[: self.ndim - 1]).numel())
+
+    def _count_for(self, inner: tuple[int, ...]) -> int:
+        """The ring's slots for elements of batch size ``inner``: ``max_size``; with ndim>1, ``max_size``
+        cells over the lanes, rounded up (as torchrl's ``LazyTensorStorage`` makes its dim 0)."""
+        if self.ndim == 1 or len(inner) < self.ndim - 1:
+            return self._cells
+        return -(self._cells // -self._lanes(inner))
+
+    @property
+    def _dim0(self) -> int:
+        """The ring's slots (dim 0 of the storage): ``max_size`` when ndim=1 (no round trip)."""
+        return self.max_size if self.ndim == 1 else self._store.capacity
 
     def _fit_layout(self, rows: TensorDictBase) -> None:
         """Make the store's element batch size that of ``rows``' elements (``rows.batch_size[1:]``).
@@ -177,14 +263,22 @@ class StoreStorage(_TorchrlStoreStorage):
         self.with_store(lambda s: self._fit_store(s, tuple(rows.batch_size[1:]), rows.batch_size))
 
     def _fit_store(self, s: LazyStackedTensorDictStore, inner: tuple[int, ...], batch: torch.Size) -> None:
+        if len(inner) < self.ndim - 1:
+            raise ValueError(f"StoreStorage(ndim={self.ndim}) stores data of at least {self.ndim} batch dims, got batch size {list(batch)}")
         have = tuple(s.batch_size[1:])
-        if have == inner:
+        if have == inner and (self.ndim == 1 or s.capacity == self._count_for(inner)):
+            if self.ndim > 1:
+                self.max_size = s.capacity * self._lanes(inner)
             return
-        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again
+        if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again (with what empty() carried)
+            m = _torchrl_marks.read(s.stack_ops.engine)
             s.clear_redis()
             self._inner, self._ring = inner, None
             self._reopens += 1
             self._store  # noqa: B018
+            self._carry(m.gb, m.wb)
+            if self.ndim > 1:
+                self.max_size = self._count_for(inner) * self._lanes(inner)  # as torchrl's: whole lanes
             return
         raise ValueError(
             f"StoreStorage: the buffer's elements have batch size {list(have)}, this data's elements {list(inner)} "
@@ -212,6 +306,7 @@ class StoreStorage(_TorchrlStoreStorage):
         or another one is loaded (a sampler forgets what it knew of the old one).  No round trip."""
         return self._td_id, self._reopens
 
+    @_eager
     def with_store(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> Any:
         """Run ``fn`` on the store; when another handle emptied the buffer (deleted and
         recreated the store), reopen it once and run ``fn`` on the new one.  The writer and
@@ -232,9 +327,38 @@ class StoreStorage(_TorchrlStoreStorage):
             ) from None
 
     # -- what torchrl reads ----------------------------------------------------------------
+    @_eager
     def __len__(self) -> int:
-        """The number of written slots, read from the server (one round trip)."""
+        """The number of written cells (slots, times the lanes when ndim>1), read from the server (one round trip)."""
+        return self._len_along_dim0 * (1 if self.ndim == 1 else self._lanes(self._inner_now()))
+
+    @property
+    @_eager
+    def _len_along_dim0(self) -> int:
+        """The written slots, read from the server (one round trip)."""
         return self.with_store(lambda s: s.ring_state().written)
+
+    def _inner_now(self) -> tuple[int, ...]:
+        return tuple(self._store.batch_size[1:])
+
+    @property
+    @_eager
+    def _is_full(self) -> bool:
+        return self._len_along_dim0 == self._dim0
+
+    @_eager
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        """The ring's slots; for an ndim>1 storage not written yet, what the data's lanes make of ``max_size`` (no round trip)."""
+        if self.ndim == 1:
+            return self.max_size
+        ring = self._ring
+        if ring is not None and len(ring.batch_size) >= self.ndim:
+            return ring.capacity
+        data = single_data if single_data is not None else batched_data
+        if data is None:
+            raise ValueError("single_data or batched_data must be passed.")
+        shape = data.shape if hasattr(data, "shape") else tree_flatten(data)[0][0].shape
+        return self._count_for(tuple(shape[1 if batched_data is not None else 0 :]))
 
     @property
     def device(self) -> torch.device | None:
@@ -242,10 +366,44 @@ class StoreStorage(_TorchrlStoreStorage):
         d = self._conn.get("device")
         return torch.device(d) if d is not None else None
 
+    @device.setter
+    def device(self, value: Any) -> None:
+        """``"auto"`` (TensorStorage's "the data's device") reads to CPU, the server's side of any device."""
+        self._conn["device"] = None if value in (None, "auto") else value
+
+    # TensorStorage's bookkeeping of in-process memory, which a server's store has no use for
     @property
+    def _storage_keys(self) -> None:
+        """No key filter: the store takes new keys (TensorStorage filters only a locked shared-memory storage's)."""
+        return None
+
+    @_storage_keys.setter
+    def _storage_keys(self, value: Any) -> None:
+        """Ignored (see the getter)."""
+
+    @property
+    @_eager
+    def _total_shape(self) -> torch.Size:
+        if self.ndim == 1:
+            return torch.Size([self.max_size])
+        inner = self._inner_now()
+        return torch.Size([self._dim0, *inner[: self.ndim - 1]])
+
+    def _content_devices(self) -> set[torch.device]:
+        return {self.device or torch.device("cpu")}
+
+    def _share_memory_(self) -> None:
+        """Nothing: every process reaches the rows on the server."""
+
+    def _fork_safe(self) -> bool:
+        return True
+
+    @property
+    @_eager
     def shape(self) -> torch.Size:
-        """``[len(self)]``: the written slots, as a ``LazyTensorStorage``'s shape (one round trip)."""
-        return torch.Size([len(self)])
+        """The written slots (and, when ndim>1, the lanes), as a ``LazyTensorStorage``'s shape (one round trip)."""
+        n = self._len_along_dim0
+        return torch.Size([n]) if self.ndim == 1 else torch.Size([n, *self._inner_now()[: self.ndim - 1]])
 
     @property
     def _len(self) -> int:
@@ -256,26 +414,46 @@ class StoreStorage(_TorchrlStoreStorage):
         """Ignored: the length is the server's (torchrl's writers assign it after a write)."""
 
     @property
+    @_eager
     def _last_cursor_index(self) -> int | None:
         """The slot written last, from the server (SliceSampler cuts trajectories there)."""
         rw = self.with_store(lambda s: s.write_count)
-        return None if rw == 0 else (rw - 1) % self.max_size
+        return None if rw == 0 else (rw - 1) % self._dim0
 
     def _set_last_cursor(self, cursor: Any) -> None:
         """Ignored: the cursor is the server's."""
 
     @property
+    @_eager
     def _mutation_revision(self) -> int:
-        """Changes whenever any process extends the ring (the server's write count), this process writes
-        rows in place (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers' explicit slots)
-        or the buffer is emptied or reloaded.  In-place writes by *other* processes do not move it (the
-        ring keeps no server counter of them): a ``SliceSampler(cache_values=True)`` in another process
-        keeps its episode boundaries until the next ``extend``."""
-        return (self._reopens << 96) + (self._in_place << 64) + self.with_store(lambda s: s.write_count)
+        """Changes whenever any process extends the ring (the server's write count ``rw``), writes rows
+        in place through torchrl (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers'
+        written slots: the header's ``tr``, see :mod:`tdstore._torchrl_marks`) or the buffer is emptied
+        or reloaded.  One round trip (``HMGET``)."""
+        m = self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+        return (self._reopens << 96) + (m.tr << 48) + m.rw
 
     def _bump_mutation_revision(self) -> None:
-        """An in-place write of this process (torchrl calls this after ``set_at_``, ``set_``, ``update_``)."""
-        self._in_place = getattr(self, "_in_place", 0) + 1
+        """Nothing: every in-place write of this class moves the server's revision itself (torchrl calls
+        this after ``set_at_``, ``set_``, ``update_``, whose writes through ``storage[:]`` did)."""
+
+    def _bump_server_revision(self) -> None:
+        """An in-place write: the header's ``tr`` + 1, which every process's ``_mutation_revision`` reads."""
+        self.with_store(lambda s: _torchrl_marks.bump(s.stack_ops.engine))
+
+    @_eager
+    def marks(self) -> _torchrl_marks.Marks:
+        """The ring write count and torchrl's counters (``tr``, ``gb``, ``wb``): one round trip."""
+        return self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+
+    @_eager
+    def generation_base(self) -> int:
+        """What the buffer's torchrl generations start from (``gb``: it grows at each ``empty()``), read once per store."""
+        ident = self.store_identity
+        if self._gen_base is None or self._gen_base[0] != ident:
+            gb = self.marks().gb
+            self._gen_base = (self.store_identity, gb)  # (identity after the read: a reopen in it counts)
+        return self._gen_base[1]
 
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
@@ -286,24 +464,25 @@ class StoreStorage(_TorchrlStoreStorage):
     def _to_rows(self, data: Any) -> TensorDictBase:
         """``data`` (a batch) as the tensordict the ring stores; remembers the data kind.
 
-        Dicts of tensors (torchrl's pytrees) are stored as a TensorDict of their keys and read
-        back as dicts in this process; other pytrees (tuples, lists of tensors per field) are
-        refused, naming the type."""
+        Pytrees (dicts, tuples, lists, named tuples of tensors, any nesting), as torchrl's
+        ``LazyTensorStorage`` takes them (each leaf's dim 0 is the batch; a ``list`` is a list of
+        items, stacked leaf by leaf): dicts of tensors are stored as a TensorDict of their keys,
+        other trees as a TensorDict of their leaves (``"_tree0"``, ``"_tree1"``...); both are
+        read back in the tree's form in this process (see :meth:`get`)."""
         if isinstance(data, list):
-            if data and all(isinstance(d, dict) for d in data):
-                data = [TensorDict(d, batch_size=[]) for d in data]
-            odd = [type(d).__name__ for d in data if not isinstance(d, torch.Tensor) and not is_tensor_collection(d)]
-            if odd:
-                raise TypeError(
-                    f"StoreStorage stores TensorDicts, tensorclasses, tensors and dicts of tensors, not {odd[0]} "
-                    "(torchrl's LazyTensorStorage also takes other pytrees: wrap them in a TensorDict)"
-                )
-            data = lazy_stack(list(data)) if data and is_tensor_collection(data[0]) else torch.stack(list(data))
-        elif isinstance(data, dict):
-            data = self._dict_rows(data)
+            if data and all(isinstance(d, torch.Tensor) and not is_tensor_collection(d) for d in data):
+                data = torch.stack(list(data))
+            elif data and all(is_tensor_collection(d) for d in data):
+                data = lazy_stack(list(data))
+            else:
+                data = _flip(data)
+        if not isinstance(data, torch.Tensor) and not is_tensor_collection(data):
+            data = self._tree_rows(data)
+        else:
+            self._tree, self._treespec = False, None
         if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
             self._is_tensor = True
-            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: data}, batch_size=data.shape[: self.ndim])
             self._fit_layout(rows)
             return rows
         if not is_tensor_collection(data):
@@ -320,19 +499,31 @@ class StoreStorage(_TorchrlStoreStorage):
         self._fit_layout(rows)
         return rows
 
-    def _dict_rows(self, data: dict) -> TensorDictBase:
-        """A dict of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict."""
-        leaves = list(TensorDict(data, batch_size=[]).values(True, True))
-        if not leaves:
-            raise ValueError("StoreStorage got an empty dict: nothing to write")
-        n = leaves[0].shape[:1]
-        try:
+    def _tree_rows(self, data: Any) -> TensorDictBase:
+        """A pytree of tensors (one batch: each leaf's dim 0 is the batch) as a TensorDict (see :meth:`_to_rows`)."""
+        leaves, spec = tree_flatten(data)
+        odd = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if odd or not leaves:
+            what = f"a {type(data).__name__} holding {odd[0]}" if odd else f"an empty {type(data).__name__}"
+            raise TypeError(
+                f"StoreStorage stores TensorDicts, tensorclasses, tensors and pytrees of tensors, not {what} "
+                "(wrap non-tensor values in a TensorDict as NonTensorData)"
+            )
+        n = leaves[0].shape[: self.ndim]
+        bad = [tuple(x.shape) for x in leaves if x.shape[: self.ndim] != n]
+        if bad or not n:
+            raise ValueError(
+                f"StoreStorage: the tree's tensors must share their first dim (the batch): got {tuple(leaves[0].shape)} and "
+                f"{bad[0] if bad else '(no dim)'}"
+            )
+        if _only_dicts(data):
             td = TensorDict(data, batch_size=n)
-        except RuntimeError as err:
-            raise ValueError(f"StoreStorage: the dict's tensors must share their first dim (the batch), got {err}") from None
-        self._tree = True
-        return td
+            self._tree, self._treespec = True, None
+            return td
+        self._tree, self._treespec = True, spec
+        return TensorDict({f"{TREE_KEY}{i}": x for i, x in enumerate(leaves)}, batch_size=n)
 
+    @_eager
     def extend_ring(self, data: Any) -> torch.Tensor:
         """Write a batch at the server's cursor; returns its slots (``StoreWriter.extend``).
 
@@ -346,14 +537,16 @@ class StoreStorage(_TorchrlStoreStorage):
         n = rows.batch_size[0] if rows.batch_dims else 0
         if n == 0:
             raise RuntimeError(f"Expected at least one element in extend. Got {data=}")
-        if n <= self.max_size:
+        m = self._dim0
+        if n <= m:
             return self.with_store(lambda s: s.extend(rows).indices)
 
         def write_chunk(start: int) -> torch.Tensor:
-            return self.with_store(lambda s: s.extend(rows[start : start + self.max_size]).indices)
+            return self.with_store(lambda s: s.extend(rows[start : start + m]).indices)
 
-        return torch.cat([write_chunk(i) for i in range(0, n, self.max_size)])
+        return torch.cat([write_chunk(i) for i in range(0, n, m)])
 
+    @_eager
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write ``data`` at explicit slots: ``rb[index] = data``, and torchrl's own writers.
 
@@ -367,7 +560,14 @@ class StoreStorage(_TorchrlStoreStorage):
         anything is written.  Several processes' cursors are not reconciled: a writer behind the
         server's cursor writes its slots in place, over others' rows (use ``StoreWriter``).
         """
-        slots, one = _index.positions(cursor, self.max_size)  # a mask means what it means to indexing
+        if isinstance(cursor, tuple) and self.ndim > 1:
+            if set_cursor:
+                raise ValueError(f"StoreStorage(ndim={self.ndim}): a writer's cursor indexes dim 0, got {cursor!r}")
+            self._set_cells(cursor, data)
+            return
+        single = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
+        bound = self.max_size if self.ndim == 1 else self._max_size_along_dim0(**{"single_data" if single else "batched_data": data})
+        slots, one = _index.positions(cursor, bound)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
         if set_cursor:
             self._set_at_cursor(slots, rows)
@@ -377,13 +577,33 @@ class StoreStorage(_TorchrlStoreStorage):
             s[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
+
+    def _set_cells(self, index: tuple, data: Any) -> None:
+        """``rb[(i, j)] = data`` of an ndim>1 storage: the dim-0 rows read, changed here and written back
+        (two atomic calls: a write another process makes to those rows in between is lost)."""
+        first, rest = index[0], index[1:]
+        slots, _ = _index.positions(first, self._dim0)
+        slots = slots.unique()
+        local = self.with_store(lambda s: self._read(s, slots))
+        where = torch.searchsorted(slots, _index.positions(first, self._dim0)[0])
+        pos = where if isinstance(first, torch.Tensor) and first.ndim and any(isinstance(r, torch.Tensor) for r in rest) else None
+        if pos is not None:
+            local[(pos, *rest)] = data
+        elif isinstance(first, int) or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            local[(0, *rest)] = data
+        else:
+            local[(where, *rest)] = data
+        rows = local if not self._is_tensor else local
+        self._write_in_place(slots, rows)
 
     def _set_at_cursor(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         """``set(slots, rows, set_cursor=True)``: a ring write where ``slots`` continue the server's cursor, else in place."""
         state = self.with_store(lambda s: s.ring_state())
-        m = self.max_size
+        m = self._dim0
         n = int(slots.numel())
+        if n and state.written == state.cursor and int(slots[0]) > state.written and torch.equal(slots, slots[0] + torch.arange(n)):
+            state = self._wait_for_writers(int(slots[0]), state)
         if n and bool((slots == (state.cursor + torch.arange(n)) % m).all()):
             got = self._extend_rows(rows, rows)
             if not torch.equal(got, slots):
@@ -400,7 +620,8 @@ class StoreStorage(_TorchrlStoreStorage):
             if not torch.equal(new, state.written + torch.arange(new.numel())) or state.written != state.cursor:
                 raise RuntimeError(
                     f"StoreStorage: the writer wrote slot {int(new[0])}, which the ring has not written yet, off its cursor "
-                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor"
+                    f"(written: {state.written}, cursor: {state.cursor}); a writer's new rows must continue the server's cursor "
+                    f"(a write ahead of it waits wait_for_writers={self.wait_for_writers} s for other processes' writes before it)"
                 )
             if (~fresh).any():  # a batch of updates and new rows (TensorDictMap): two atomic calls
                 self._write_in_place(slots[~fresh], rows[~fresh])
@@ -412,12 +633,36 @@ class StoreStorage(_TorchrlStoreStorage):
             return
         self._write_in_place(slots, rows)
 
+    #: How long a write of new slots ahead of the server's cursor waits for the writes before them (seconds).
+    wait_for_writers: float = 10.0
+
+    def _wait_for_writers(self, first: int, state: _ring.RingState) -> _ring.RingState:
+        """New slots ahead of the cursor of a ring not full yet: processes sharing this writer's cursor (torchrl's
+        writers keep it in shared memory across a fork) are writing the slots before them.  Wait, on the store's
+        events, until the ring has written up to ``first`` (at most ``wait_for_writers`` seconds); then the slots
+        continue the cursor.  Returns the ring state then (the same when the wait ran out: the caller refuses)."""
+        from . import _waiting
+        from ._errors import MustWait
+
+        def attempt(s: LazyStackedTensorDictStore) -> _ring.RingState:
+            now = s.ring_state()
+            if now.written < first and now.written == now.cursor:
+                raise MustWait("writers", f"the ring has written {now.written} slots, this write starts at {first}")
+            return now
+
+        try:
+            return self.with_store(
+                lambda s: _waiting.until_ready(s.stack_ops.engine, lambda: attempt(s), self.wait_for_writers, "a write ahead of the cursor")
+            )
+        except TimeoutError:
+            return state
+
     def _write_in_place(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     # -- torchrl's update_if_present ------------------------------------------------------
     supports_conditional_update = True
@@ -466,7 +711,7 @@ class StoreStorage(_TorchrlStoreStorage):
             st[slots] = rows
 
         self.with_store(write)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     # -- reads -----------------------------------------------------------------------------
     def stash(self, sample: Drawn) -> None:
@@ -478,12 +723,17 @@ class StoreStorage(_TorchrlStoreStorage):
         p = self._pending
         return p if p is not None and index is p.indices else None
 
+    @_eager
     def get(self, index: Any) -> Any:
         """The data at ``index``: the rows a ``StoreSampler`` just read, else one read of the store.
 
         A slice (``storage[:]``, through which torchrl's ``set_at_``, ``set_``, ``update_`` and
         ``rb[key] = value`` write) answers rows whose in-place writes reach the server too
         (:mod:`tdstore._torchrl_rows`)."""
+        if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)):
+            return self._written_key(index)  # torchrl's sample units read a whole key (the written slots)
+        if isinstance(index, tuple) and self.ndim > 1 and len(index) > 1:
+            return self._get_cells(index)
         p = self.stashed(index)
         slots = None
         if p is not None:
@@ -491,7 +741,7 @@ class StoreStorage(_TorchrlStoreStorage):
             td = p.td
         else:
             if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
-                slots = torch.arange(*index.indices(len(self)))
+                slots = torch.arange(*index.indices(self._len_along_dim0))
                 index = slots
             td = self.with_store(lambda s: self._read(s, index))
         if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
@@ -505,26 +755,52 @@ class StoreStorage(_TorchrlStoreStorage):
             td = write_through(td, slots, self._write_rows)
         if self._tensorclass_type is not None:
             return self._tensorclass_type.from_tensordict(td)
+        if self._treespec is not None:
+            return tree_unflatten([td.get(f"{TREE_KEY}{i}") for i in range(self._treespec.num_leaves)], self._treespec)
         if self._tree:
             return td.to_dict()
         return td
 
+    def _get_cells(self, index: tuple) -> Any:
+        """``storage[(i, j, ...)]`` of an ndim>1 storage: the dim-0 rows ``i`` read (one call), the rest picked here."""
+        first, rest = index[0], index[1:]
+        rows = self.get(first)
+        if isinstance(first, int) or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            sel: tuple = rest
+        elif isinstance(first, torch.Tensor) and any(isinstance(r, torch.Tensor) for r in rest):
+            sel = (torch.arange(first.numel()).reshape(first.shape), *rest)  # paired with the other index tensors
+        else:
+            sel = (slice(None), *rest)
+        if isinstance(rows, torch.Tensor) or is_tensor_collection(rows):
+            return rows[sel]
+        return tree_map(lambda x: x[sel], rows)
+
+    def _written_key(self, key: Any) -> torch.Tensor:
+        """The values of ``key`` at the written slots (``storage.get("done")``, as a ``LazyTensorStorage`` answers)."""
+        n = self._len_along_dim0
+        if n == 0:
+            raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
+        return self.with_store(lambda s: s.stack_ops.read(slice(0, n))).get(key)
+
     def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
         """An in-place write of rows ``storage[:]`` read: one atomic call on the store, then a new revision."""
         self.with_store(fn)
-        self._bump_mutation_revision()
+        self._bump_server_revision()
 
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
             return s.stack_ops.read(slice(0, 0))
-        slots, one = _index.positions(index, self.max_size)  # a mask means what it means to indexing
+        # as a LazyTensorStorage's, negative positions and masks are taken along the written slots only
+        bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
+        slots, one = _index.positions(index, bound)
         got = s.stack_ops.read(slots)
         return got[0] if one else got
 
+    @_eager
     def contains(self, item: Any) -> Any:
-        n = len(self)
+        n = self._len_along_dim0
         if isinstance(item, int):
             if item < 0:
                 item += n
@@ -537,18 +813,57 @@ class StoreStorage(_TorchrlStoreStorage):
 
     # -- emptying, state, pickling ---------------------------------------------------------
     def _empty(self) -> None:
-        """Delete the buffer's store on the server (one atomic call); the next use recreates it
-        with the same ``td_id``, empty.  The ring has no server operation that empties it in
-        place, so this is not safe while other processes write: a write racing the delete
-        either lands before it (and is dropped) or recreates the store itself.  Other
-        handles reopen the new store on their next call."""
+        """Delete the buffer's store on the server (one atomic call) and make it again, empty, with the
+        same ``td_id``.  The new store carries the generations over (its generation base is past every
+        generation the old one gave, so an ``(index, generation)`` handle taken before never looks live
+        again) and, after ``rb.empty(empty_write_count=False)``, the write count.  The ring has no
+        server operation that empties it in place, so this is not safe while other processes write:
+        a write racing the delete either lands before it (and is dropped) or recreates the store
+        itself.  Other handles reopen the new store on their next call."""
+        self._pending = None
+        keep, self._keep_write_count = self._keep_write_count, False
+        m = self.marks()
+        self.with_store(lambda s: s.clear_redis())
+        self._ring = None
+        self._reopens += 1
+        laps = (m.rw - 1) // self._dim0 + 1 if m.rw else 0
+        self._carry(m.gb + laps, m.wb + m.rw if keep else 0)
+
+    def delete(self) -> None:
+        """Delete the buffer's keys on the server (one atomic call).  Unlike ``empty()``, whose new store
+        keeps the generations going, nothing stays: a later use makes the buffer again from 0."""
         self._pending = None
         self.with_store(lambda s: s.clear_redis())
         self._ring = None
         self._reopens += 1
 
+    def _carry(self, generation_base: int, write_base: int) -> None:
+        """Give the (new) store the bases an emptied one leaves (nothing to do when both are 0)."""
+        if generation_base or write_base:
+            self.with_store(lambda s: _torchrl_marks.set_base(s.stack_ops.engine, generation_base, write_base))
+
     def state_dict(self) -> dict[str, Any]:
-        """td_id, max_size and the non-secret connection fields: what another handle needs to attach."""
+        """td_id, max_size and the non-secret connection fields (what another handle needs to attach),
+        and the rows as a ``LazyTensorStorage``'s state dict holds them (``_storage``: ``max_size`` rows,
+        the unwritten ones zeros; ``_len``; read in one call), so that it loads into one.  Rows whose
+        shapes vary between elements are left out (``_storage`` is then ``{}``, as an empty storage's)."""
+        n = self._len_along_dim0
+        rows: Any = {}
+        if n:
+            got, m = self.get(slice(0, n)), self._dim0
+            if isinstance(got, torch.Tensor):
+                rows = torch.cat([got, got.new_zeros((m - n, *got.shape[1:]))])
+            elif is_tensor_collection(got) and not isinstance(got, LazyStackedTensorDict) and not self._tree:
+                td = got._tensordict if is_tensorclass(got) else got
+                full = td.new_zeros((m, *td.batch_size[1:]))
+                full[:n] = td
+                rows = TensorDict(full.to_dict(), batch_size=full.batch_size).state_dict()  # (a plain TensorDict's)
+        cells = n if self.ndim == 1 else n * self._lanes(self._inner_now())
+        return {"_storage": rows, "initialized": True, "_len": cells, **self.reference()}
+
+    def reference(self) -> dict[str, Any]:
+        """What names the buffer (no rows, no round trip): td_id, max_size, the non-secret connection
+        fields and the data kind; ``load_state_dict`` of it attaches to the buffer."""
         return {
             "td_id": self._td_id,
             "max_size": self.max_size,
@@ -557,10 +872,12 @@ class StoreStorage(_TorchrlStoreStorage):
             if self._tensorclass_type is not None
             else None,
             "is_tensor": self._is_tensor,
+            "treespec": _spec_text(self._treespec),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Attach to the buffer ``state_dict`` names (by td_id; one round trip).
+        """Attach to the buffer ``state_dict`` names (by td_id; one round trip); when that buffer is gone
+        (emptied, another server), write the state dict's rows into this one instead.
 
         Connection fields this handle was given win over the saved ones (its password
         for one stays in this process).  A tensorclass is only taken from the saved name
@@ -582,12 +899,21 @@ class StoreStorage(_TorchrlStoreStorage):
             raise ValueError(
                 f"the state dict is of a buffer of max_size {state_dict['max_size']}, this storage has max_size {self.max_size}"
             )
+        conn, td_id = self._conn, self._td_id
         self._conn = {**state_dict.get("conn", {}), **self._conn}
         self._td_id = state_dict["td_id"]
         self._pending = None
-        self._ring = self._attach_existing()
+        try:
+            self._ring = self._attach_existing()
+        except KeyError:  # that buffer is gone (emptied, another server): its rows, when the state dict has them
+            if not state_dict.get("_len") or not len(state_dict.get("_storage", ())):
+                raise
+            self._conn, self._td_id = conn, td_id
+            self._load_memory_state(state_dict)
+            return
         self._reopens += 1
         self._is_tensor = state_dict.get("is_tensor")
+        self.adopt_treespec(state_dict.get("treespec"))
         path = state_dict.get("tensorclass")
         if path is not None and self._tensorclass_type is None:
             import sys
@@ -596,6 +922,14 @@ class StoreStorage(_TorchrlStoreStorage):
             cls = getattr(sys.modules.get(module), name, None)
             if cls is not None and is_tensorclass(cls):
                 self._tensorclass_type = cls
+
+    def adopt_treespec(self, text: Any) -> None:
+        """Read the buffer's rows as the pytree ``text`` (``treespec_dumps``) describes, when this process wrote none."""
+        if isinstance(text, str) and self._treespec is None:
+            try:
+                self._treespec, self._tree = treespec_loads(text), True
+            except (ValueError, TypeError, KeyError):  # a tree of a type this process does not know: rows stay a TensorDict
+                pass
 
     def _load_memory_state(self, state_dict: dict[str, Any]) -> None:
         """Replace the buffer's rows with those of a ``LazyTensorStorage.state_dict()`` (same ``max_size``).
@@ -606,16 +940,19 @@ class StoreStorage(_TorchrlStoreStorage):
         """
         stored, n = state_dict["_storage"], int(state_dict["_len"])
         if isinstance(stored, torch.Tensor):
-            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[:1])
+            rows: TensorDictBase = TensorDict({TENSOR_KEY: stored}, batch_size=stored.shape[: self.ndim])
         elif isinstance(stored, dict):
             rows = TensorDict()
             rows.load_state_dict(stored, strict=False)  # type: ignore[arg-type]  # (a copy would drop its batch size metadata)
         else:
             raise ValueError(f"StoreStorage.load_state_dict: a LazyTensorStorage state dict whose _storage is {type(stored).__name__}")
-        if not rows.batch_dims or rows.batch_size[0] != self.max_size:
+        inner = tuple(rows.batch_size[1:])
+        if rows.batch_dims < self.ndim or rows.batch_size[0] != self._count_for(inner):
             raise ValueError(
                 f"the state dict is of a storage of batch size {list(rows.batch_size)}, this storage has max_size {self.max_size}"
+                + (f" and ndim {self.ndim}" if self.ndim > 1 else "")
             )
+        n = -(n // -self._lanes(inner))  # written cells -> dim-0 rows
         self._empty()
         if n:
             self._extend_rows(self._to_rows(rows[:n] if TENSOR_KEY not in rows.keys() else rows[TENSOR_KEY][:n]), rows)
@@ -628,7 +965,7 @@ class StoreStorage(_TorchrlStoreStorage):
         from ._checkpoint import export_store
 
         self._pending = None
-        export_store(self._store, path, extra={"store.json": self.state_dict()})
+        export_store(self._store, path, extra={"store.json": self.reference()})
 
     def loads(self, path: Any) -> None:
         """Restore the checkpoint ``dumps`` wrote in ``path`` (which store it lands on: :mod:`tdstore._torchrl_checkpoint`)."""

@@ -12,6 +12,12 @@ from . import _index, _ring
 from ._torchrl_storage import StoreStorage
 
 
+def _torchrl_generations(ring: torch.Tensor, base: int) -> torch.Tensor:
+    """torchrl's generations from the ring's (0: never written, else writes received): -1 for a slot
+    never written, else ``base`` + writes - 1 (``base`` grows at each ``empty()``)."""
+    return torch.where(ring > 0, ring - 1 + base, torch.full_like(ring, -1))
+
+
 class StoreWriter(Writer):
     """A torchrl ``Writer`` whose slots are reserved on the server, in the call that writes them.
 
@@ -41,10 +47,10 @@ class StoreWriter(Writer):
         one = data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]
         index = int(storage.extend_ring(one)[0])
         self._mark_update_entities(index)
-        return index
+        return index if storage.ndim == 1 else self._replicate_index(index)
 
     def extend(self, data: Any) -> torch.Tensor:
-        index = self._ring_storage().extend_ring(data)
+        index = self._replicate_index(self._ring_storage().extend_ring(data))  # (ndim>1: every cell's coordinates)
         self._mark_update_entities(index)
         return index
 
@@ -57,12 +63,14 @@ class StoreWriter(Writer):
         storage = self._ring_storage()
         p = storage.stashed(index)
         if p is not None:
-            return p.generations - 1
+            return _torchrl_generations(p.generations, storage.generation_base())
         if isinstance(index, tuple):
             index = index[0]
-        slots, one = _index.positions(index, storage.max_size)  # a mask means what it means to indexing
-        rw = storage.with_store(lambda s: s.write_count)
-        gen = _ring.generations(slots, rw, storage.max_size) - 1
+        if isinstance(index, torch.Tensor) and storage.ndim > 1 and index.ndim > 1 and index.shape[-1] == storage.ndim:
+            index = index[..., 0]  # coordinates: the slot is the first
+        slots, one = _index.positions(index, storage._dim0)  # a mask means what it means to indexing
+        m = storage.marks()
+        gen = _torchrl_generations(_ring.generations(slots, m.rw, storage._dim0), m.gb)
         if one:
             return gen[0]
         if isinstance(index, torch.Tensor) and index.dtype not in _index.MASK_DTYPES:
@@ -75,20 +83,14 @@ class StoreWriter(Writer):
 
     @property
     def _write_count(self) -> int:
-        return self._ring_storage().with_store(lambda s: s.write_count)
+        """Rows written since the buffer was made (or emptied with ``empty_write_count=True``), by every process."""
+        m = self._ring_storage().marks()
+        return m.wb + m.rw
 
     def _empty(self, empty_write_count: bool = True) -> None:
-        """Nothing here: ``StoreStorage._empty`` empties the store, and with it the cursor and the write count.
-
-        ``rb.empty(empty_write_count=False)`` is refused (torchrl calls this first, so nothing is
-        emptied): the server's ring derives the cursor, length and generations from one write
-        count, and emptying the buffer restarts it at 0."""
-        if not empty_write_count:
-            raise NotImplementedError(
-                "rb.empty(empty_write_count=False) is not supported by tdstore's StoreStorage: the ring's cursor, length and "
-                "generations all follow one server-side write count, which emptying restarts at 0 (so generations restart "
-                "too: drop (index, generation) handles taken before empty()); use rb.empty()"
-            )
+        """``StoreStorage._empty`` (which torchrl calls next) empties the store, the cursor with it; the
+        write count goes on from where it was when ``empty_write_count`` is False."""
+        self._ring_storage()._keep_write_count = not empty_write_count
 
     def dumps(self, path: Any) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

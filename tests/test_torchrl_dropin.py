@@ -78,12 +78,13 @@ def test_set_at_on_a_partly_written_buffer_writes_the_written_slots(real):
     assert len(srv) == 4
 
 
-def test_set_at_is_one_round_trip_and_bad_input_changes_nothing(real):
+def test_set_at_is_two_round_trips_and_bad_input_changes_nothing(real):
+    """One atomic write, then the server's revision (which other processes' cached samplers read)."""
     rb = replay_buffer(10, **real.kwargs())
     rb.extend(data(10))
     rows = rb.storage[:]
     cmds = top_level_commands(real.client, lambda: rows.set_at_("a", torch.tensor([5.0]), torch.tensor([1])))
-    assert round_trips(cmds) == ["evalsha"], cmds
+    assert round_trips(cmds) == ["evalsha", "evalsha"], cmds
     with pytest.raises(Exception, match="a"):
         rb.set_at_("a", torch.ones(2, 7), torch.tensor([1, 2]))  # wrong shape: refused by the server's write plan
     assert rb["a"].tolist() == [0.0, 5.0, *range(2, 10)]
@@ -146,6 +147,7 @@ def test_round_robin_writer_off_the_servers_cursor(real):
     other = replay_buffer(td_id=rb.storage.td_id, **real.kwargs())  # a StoreWriter elsewhere takes the next slot
     other.extend(data(1, 50))
     rb.writer._cursor = 4  # this writer's own cursor is ahead of the server's (3)
+    rb.storage.wait_for_writers = 0  # (no other process will write slot 3)
     with pytest.raises(RuntimeError, match="not written yet, off its cursor"):
         rb.extend(data(3, 20))
     assert rb[:]["a"].tolist() == [0.0, 1.0, 50.0]
@@ -180,14 +182,26 @@ def test_tensorclass_and_plain_tensors_through_default_writer(real):
 
 
 # -- 3. empty() ------------------------------------------------------------------------------------------
-def test_empty_keeping_the_write_count_is_refused_before_anything_is_emptied(real):
-    rb = replay_buffer(6, **real.kwargs())
-    rb.extend(data(4))
-    with pytest.raises(NotImplementedError, match="empty_write_count=False"):
-        rb.empty(empty_write_count=False)
-    assert len(rb) == 4 and rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    rb.empty()
-    assert len(rb) == 0 and rb.write_count == 0
+@pytest.mark.parametrize("keep", [True, False])
+def test_empty_keeps_generations_and_optionally_the_write_count(one_node, keep):
+    """Handles taken before empty() stay stale; empty(empty_write_count=False) keeps the count (as in memory)."""
+    from tdstore.torchrl import StoreWriter
+
+    got = []
+    for i, storage in enumerate((LazyTensorStorage(6), StoreStorage(6, **one_node.kwargs()))):
+        writer = RoundRobinWriter(track_generations=True) if i == 0 else StoreWriter(track_generations=True)
+        rb = ReplayBuffer(storage=storage, writer=writer)
+        idx = rb.extend(data(8))
+        gen = rb.writer.generations_of(idx)
+        rb.empty(empty_write_count=not keep)
+        assert len(rb) == 0
+        rb.extend(data(8, 10))
+        res = rb.update_if_present(index=idx, generation=gen, patch={"a": torch.full((8,), -1.0)})
+        assert not res.updated.any() and -1.0 not in rb[:]["a"].tolist()
+        got.append((rb.write_count, rb[:]["a"].tolist()))
+    other = StoreStorage(td_id=storage.td_id, **one_node.kwargs())  # another process sees the same count
+    assert ReplayBuffer(storage=other, writer=StoreWriter()).write_count == got[1][0]
+    assert got[0] == got[1] and got[0][0] == (16 if keep else 8)
 
 
 # -- 5. elements with their own batch dims; ndim > 1 storages --------------------------------------------
@@ -207,9 +221,14 @@ def test_elements_with_their_own_batch_dims(real):
     assert len(srv) == 3
 
 
-def test_ndim_storages_are_refused_with_the_alternative(real):
-    with pytest.raises(NotImplementedError, match="ndim=2.*batch size"):
-        StoreStorage(8, ndim=2, **real.kwargs())
+def test_ndim_storage_refuses_data_of_fewer_dims_before_writing(one_node):
+    rb = ReplayBuffer(storage=StoreStorage(8, ndim=2, **one_node.kwargs()), dim_extend=0)
+    with pytest.raises(ValueError, match=r"ndim=2\) stores data of at least 2 batch dims, got batch size \[3\]"):
+        rb.extend(data(3))
+    assert len(rb) == 0
+    rb = ReplayBuffer(storage=rb.storage, dim_extend=0)  # (torchrl's writer moved its in-process cursor before the refusal)
+    rb.extend(TensorDict(a=torch.ones(3, 2), batch_size=[3, 2]))
+    assert len(rb) == 6 and rb.storage.shape == (3, 2) and rb.storage.max_size == 8
 
 
 # -- 6. pytrees ------------------------------------------------------------------------------------------
@@ -229,13 +248,19 @@ def test_dicts_of_tensors(real):
     assert rb[:]["obs"].tolist() == [[1.0, 2.0], [1.0, 1.0], [1.0, 1.0]] and isinstance(rb.sample(2), dict)
 
 
-def test_other_pytrees_are_refused_clearly(real):
-    rb = ReplayBuffer(storage=StoreStorage(4, **real.kwargs()))
-    with pytest.raises(TypeError, match="not tuple.*wrap them in a TensorDict"):
-        rb.add((torch.ones(2), torch.zeros(1)))
-    with pytest.raises(TypeError, match="not tuple"):
-        rb.extend([(torch.ones(2), torch.zeros(1))])
-    assert len(rb) == 0
+def test_other_pytrees_as_in_memory(one_node):
+    mem, srv = both(one_node, 6)
+    for rb in (mem, srv):
+        rb.extend((torch.arange(4.0), {"x": [torch.ones(4, 2), torch.zeros(4, dtype=torch.int64)]}))
+        rb.add((torch.tensor(9.0), {"x": [torch.full((2,), 9.0), torch.tensor(9)]}))
+    got, want = srv[:], mem[:]
+    assert type(got) is type(want) is tuple and isinstance(got[1]["x"], list)
+    same(got[0], want[0])
+    same(got[1]["x"][0], want[1]["x"][0])
+    assert got[1]["x"][1].dtype == torch.int64
+    with pytest.raises(TypeError, match="not a tuple holding str"):
+        srv.add((torch.ones(1), "text"))
+    assert len(srv) == 5
 
 
 # -- 7. state dicts --------------------------------------------------------------------------------------
@@ -348,14 +373,72 @@ def test_tensordict_map_updates_and_inserts_in_one_batch(real):
     assert got[0] == got[1] == [10.0, 21.0, 30.0, 40.0]
 
 
-def test_features_torchrl_keeps_for_its_own_storages_raise_torchrls_clear_error(real):
-    """ConsumingSampler and sequence sample units check for torchrl's storage classes (README: what differs)."""
+def test_features_torchrl_keeps_for_tensor_storages(one_node):
+    """ConsumingSampler and sequence sample units, which torchrl offers to TensorStorage subclasses only."""
     from torchrl.data.replay_buffers.sample_units import Sequence
     from torchrl.data.replay_buffers.samplers import ConsumingSampler
 
-    with pytest.raises(TypeError, match="ConsumingSampler only supports"):
-        TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sampler=ConsumingSampler(), batch_size=2)
-    rb = TensorDictReplayBuffer(storage=StoreStorage(8, **real.kwargs()), sample_unit=Sequence(3, done_key="done"), batch_size=2)
-    rb.extend(TensorDict(a=torch.arange(6.0), done=torch.zeros(6, 1, dtype=torch.bool), batch_size=[6]))
-    with pytest.raises(TypeError, match="requires a TensorDict-backed TensorStorage.*got StoreStorage"):
+    got = []
+    for storage in (LazyTensorStorage(8), StoreStorage(8, **one_node.kwargs())):
+        rb = TensorDictReplayBuffer(storage=storage, sampler=ConsumingSampler(), batch_size=3)
+        rb.set_rng(torch.Generator().manual_seed(0))
+        rb.extend(data(6))
+        drawn = sorted(rb.sample()["a"].tolist() + rb.sample()["a"].tolist())
+        rb.extend(data(3, 100))  # consumed slots are written first
+        got.append((drawn, sorted(rb[:]["a"].tolist())))
+        seq = TensorDictReplayBuffer(
+            storage=type(storage)(8, **({} if isinstance(storage, LazyTensorStorage) else one_node.kwargs())),
+            sample_unit=Sequence(3, done_key="done"),
+            batch_size=2,
+        )
+        seq.set_rng(torch.Generator().manual_seed(1))
+        seq.extend(TensorDict(a=torch.arange(6.0), done=torch.tensor([0, 0, 1, 0, 0, 1], dtype=torch.bool)[:, None], batch_size=[6]))
+        got.append(seq.sample()["a"].tolist())
+    assert got[:2] == got[2:]
+
+
+def test_store_samplers_refuse_ndim_storages_naming_torchrls(one_node):
+    from tdstore.torchrl import StoreSampler, StoreWriter
+
+    rb = ReplayBuffer(storage=StoreStorage(8, ndim=2, **one_node.kwargs()), writer=StoreWriter(), sampler=StoreSampler(), batch_size=2)
+    idx = rb.extend(TensorDict(a=torch.ones(2, 3), batch_size=[2, 3]))  # [lanes, time]: dim_extend=1
+    assert idx.shape == (6, 2) and len(rb) == 6
+    with pytest.raises(ValueError, match="ndim=2.*use torchrl's RandomSampler"):
         rb.sample()
+
+
+def test_in_place_writes_of_another_process_move_the_revision(one_node):
+    rb = replay_buffer(6, **one_node.kwargs())
+    rb.extend(data(6))
+    other = ReplayBuffer(storage=StoreStorage(td_id=rb.storage.td_id, **one_node.kwargs()))
+    before = rb.storage._mutation_revision
+    other[2] = data(1, 50)[0]
+    assert rb.storage._mutation_revision != before and rb["a"][2] == 50.0
+    before = rb.storage._mutation_revision
+    other.set_at_("a", torch.tensor([7.0]), torch.tensor([0]))
+    assert rb.storage._mutation_revision != before
+
+
+def test_a_write_ahead_of_the_cursor_waits_for_the_writes_before_it(one_node):
+    """torchrl's writers share their cursor across forked processes, whose writes may reach the server out of order."""
+    import threading
+
+    storage = StoreStorage(10, **one_node.kwargs())
+    first = ReplayBuffer(storage=storage, writer=RoundRobinWriter())
+    ahead = ReplayBuffer(storage=StoreStorage(td_id=storage.td_id, **one_node.kwargs()), writer=RoundRobinWriter())
+    ahead.writer._cursor = 3  # its process took slots 3..4 of the shared cursor; slots 0..2 are another's
+    ahead.storage.wait_for_writers = 600  # (however slow the machine)
+    errors: list[BaseException] = []
+
+    def write_ahead() -> None:
+        try:
+            ahead.extend(data(2, 30))
+        except BaseException as err:  # noqa: BLE001  # (reported by the assertion below)
+            errors.append(err)
+
+    thread = threading.Thread(target=write_ahead)
+    thread.start()
+    first.extend(data(3))
+    thread.join(60)
+    assert not errors and not thread.is_alive()
+    assert first[:]["a"].tolist() == [0.0, 1.0, 2.0, 30.0, 31.0] and len(first) == 5
