@@ -105,6 +105,12 @@
           check, an id recorded by an earlier attempt gets that attempt's reply back
           ({'OK', version, rw before it} or {'OK', version, applied}) and nothing is
           written; otherwise the reply's third item is recorded under the id.
+    'B', k
+          KEYS[k] is the store header (KEYS[1]): its field 'tr', the count of in-place
+          writes through torchrl (tdstore/_torchrl_marks.py), grows by 1 with the write, so
+          the rows and the revision that other processes' cached samplers read move together.
+          A plain element write carries no request id: a resend of it writes the same bytes
+          again and moves 'tr' twice, which is harmless (a revision only has to change).
     'Q', per
           the store is cut into segments of 'per' elements (must come before 'W'/'G'):
           the key indices of the 'X'/'Y' ops after it each name the first of a block
@@ -247,6 +253,7 @@ local ring_from = 0  -- what a W op adds to 'rw' before its rows (see tds_ring_r
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
+local count_in_place = false  -- a 'B' op: the header's 'tr' + 1 with the write
 local ring_count, counted_keys = nil, {}  -- the count a 'W' or 'G' op's slots are modulo, and the keys checked against it
 local function row_runs()
   local out, j = {}, 1
@@ -562,6 +569,13 @@ for _ = 1, nops do
       error('TDSTORE bad argument: the N op comes first')
     end
     a = a + 3
+  elseif kind == 'B' then
+    if key(a + 1) ~= meta then
+      error('TDSTORE bad argument: the B op names the store header')
+    end
+    tds_int_field(redis.call('HGET', meta, 'tr'), 'tr', 0, TDS_MAXINT, 0)  -- damaged: refused before any write
+    count_in_place = true
+    a = a + 2
   else
     error('TDSTORE bad argument: unknown write op ' .. tostring(kind))
   end
@@ -795,6 +809,9 @@ if ARGV[3] ~= '' then
     end
   end
   redis.call('HINCRBY', meta, 'version', 1)
+end
+if count_in_place then
+  redis.call('HINCRBY', meta, 'tr', 1)
 end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))

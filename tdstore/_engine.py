@@ -128,6 +128,7 @@ class Engine(Transport):
         self._epoch: str | None = None  # the creation this handle belongs to
         self.transactions = True  # dense reads as MULTI/EXEC of plain GETRANGE (see Call); off for good once the server refuses MULTI
         self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
+        self._counting = threading.local()  # .on: this thread's write.lua calls also count an in-place write ('tr')
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.offsets = OffsetTables()  # heterogeneous leaves' offset tables: their rows read as plain GETRANGEs
         self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
@@ -519,6 +520,17 @@ class Engine(Transport):
         call.parse = lambda reply: planned(merge(reply))
 
     # -- writes ------------------------------------------------------------------
+    @contextmanager
+    def counting_in_place(self) -> Iterator[None]:
+        """Within: every ``write.lua`` call this thread makes also adds 1 to the header's ``tr`` (a 'B'
+        op), in the same script, so the write and the count move together in one round trip (torchrl's
+        in-place writes: ``_torchrl_marks``)."""
+        self._counting.on = True
+        try:
+            yield
+        finally:
+            self._counting.on = False
+
     def run_write(
         self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False
     ) -> Header:
@@ -566,6 +578,8 @@ class Engine(Transport):
                 kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)
             if request is not None:
                 ops = [Write.N(kt.ref(self.keys.replies), request), *ops]
+            if getattr(self._counting, "on", False):
+                ops = [*ops, Write.B(1)]  # KEYS[1]: the header (a spread store's segment 0 part holds it)
             if new_header is not None:
                 args: list[Any] = [
                     f"{h.epoch}:V{h.version}",

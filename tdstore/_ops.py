@@ -80,6 +80,7 @@ class Write:
     Y = OpKind("Y", ("kd", "ko", "ks", "rec", "shapes", "data"), keys=(1, 2, 3), writes=(1, 2, 3), rest="sizes", by_row=True)
     Q = OpKind("Q", ("per",))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
+    B = OpKind("B", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the header: its in-place write count 'tr' + 1, with the write
 
 
 class Read:

@@ -1,12 +1,13 @@
-"""The counters a torchrl ``StoreStorage`` keeps in its ring's header beside ``rw`` (``lua/marks.lua``).
+"""The counters a torchrl ``StoreStorage`` keeps in its ring's header beside ``rw``.
 
-* ``tr``: in-place writes of rows through torchrl, by any process: with the ring write count
-  and the store's creation, the storage's ``_mutation_revision`` (one ``HMGET``), so that a
+* ``tr``: in-place writes of rows through torchrl, by any process, counted by the write itself
+  (``write.lua``'s 'B' op, see ``Engine.counting_in_place``): with the ring write count and the
+  store's creation, the storage's ``_mutation_revision`` (one ``HMGET``), so that a
   ``SliceSampler(cache_values=True)`` anywhere sees every write.
 * ``gb``, ``wb``: what an emptied buffer carries over into its new store: a slot's torchrl
   generation is ``gb`` + its ring generation - 1, and ``rb.write_count`` is ``wb`` + ``rw``,
   so a handle taken before ``empty()`` stays stale and ``empty(empty_write_count=False)``
-  keeps the count.
+  keeps the count (``lua/marks.lua`` sets them).
 """
 
 from __future__ import annotations
@@ -38,18 +39,9 @@ def read(engine: Engine) -> Marks:
     return Marks(engine.ring_writes_from(rw, na), *(int_field(v, n, default=0) for v, n in ((tr, "tr"), (gb, "gb"), (wb, "wb"))))
 
 
-def _call(engine: Engine, *args: str) -> int:
-    reply = _scripts.call(engine.client, "marks", [engine.keys.meta], [engine.header.epoch, *args], engine.execute)
-    if reply[0] == b"GONE" or reply[0] == "GONE":
-        raise engine.gone()
-    return int(reply[1])
-
-
-def bump(engine: Engine) -> int:
-    """One more in-place write (``tr`` + 1); returns the new count."""
-    return _call(engine, "bump")
-
-
 def set_base(engine: Engine, generation_base: int, write_base: int) -> None:
     """The generation and write-count bases of a store just made again by ``empty()``."""
-    _call(engine, "base", str(int(generation_base)), str(int(write_base)))
+    args = [engine.header.epoch, str(int(generation_base)), str(int(write_base))]
+    reply = _scripts.call(engine.client, "marks", [engine.keys.meta], args, engine.execute)
+    if reply[0] in (b"GONE", "GONE"):
+        raise engine.gone()

@@ -437,10 +437,6 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """Nothing: every in-place write of this class moves the server's revision itself (torchrl calls
         this after ``set_at_``, ``set_``, ``update_``, whose writes through ``storage[:]`` did)."""
 
-    def _bump_server_revision(self) -> None:
-        """An in-place write: the header's ``tr`` + 1, which every process's ``_mutation_revision`` reads."""
-        self.with_store(lambda s: _torchrl_marks.bump(s.stack_ops.engine))
-
     @_eager
     def marks(self) -> _torchrl_marks.Marks:
         """The ring write count and torchrl's counters (``tr``, ``gb``, ``wb``): one round trip."""
@@ -573,11 +569,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             self._set_at_cursor(slots, rows)
             return
 
-        def write(s: LazyStackedTensorDictStore) -> None:
-            s[slots] = rows
-
-        self.with_store(write)
-        self._bump_server_revision()
+        self._write_in_place(slots, rows)
 
     def _set_cells(self, index: tuple, data: Any) -> None:
         """``rb[(i, j)] = data`` of an ndim>1 storage: the dim-0 rows read, changed here and written back
@@ -658,11 +650,13 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             return state
 
     def _write_in_place(self, slots: torch.Tensor, rows: TensorDictBase) -> None:
+        """``rows`` at ``slots``, written slots kept as they are (no cursor, no generation): one atomic call,
+        which moves the server's revision too (see :meth:`_write_rows`)."""
+
         def write(s: LazyStackedTensorDictStore) -> None:
             s[slots] = rows
 
-        self.with_store(write)
-        self._bump_server_revision()
+        self._write_rows(write)
 
     # -- torchrl's update_if_present ------------------------------------------------------
     supports_conditional_update = True
@@ -705,13 +699,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """Write the patch of the rows torchrl found live: one atomic call.  The liveness check is the
         writer's, in this process (the store's ``update_if`` checks generations on the server)."""
         rows = TensorDict({k: v for k, v in patch.items()}, batch_size=[index.numel()])
-        slots = index.reshape(-1)
-
-        def write(st: LazyStackedTensorDictStore) -> None:
-            st[slots] = rows
-
-        self.with_store(write)
-        self._bump_server_revision()
+        self._write_in_place(index.reshape(-1), rows)
 
     # -- reads -----------------------------------------------------------------------------
     def stash(self, sample: Drawn) -> None:
@@ -783,9 +771,15 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         return self.with_store(lambda s: s.stack_ops.read(slice(0, n))).get(key)
 
     def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
-        """An in-place write of rows ``storage[:]`` read: one atomic call on the store, then a new revision."""
-        self.with_store(fn)
-        self._bump_server_revision()
+        """An in-place write (``fn`` writes the store once, as ``storage[:]``'s rows, ``rb[i] = td`` and torchrl's
+        writers writing written slots do): the rows and the header's ``tr``, which every process's
+        ``_mutation_revision`` reads, in the same atomic call (one round trip)."""
+
+        def counted(s: LazyStackedTensorDictStore) -> Any:
+            with s.stack_ops.engine.counting_in_place():
+                return fn(s)
+
+        self.with_store(counted)
 
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):

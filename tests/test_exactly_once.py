@@ -432,3 +432,29 @@ def _while_paused(srv: EmbeddedServer, proxy: Any, run: Callable[[], Any]) -> An
     worker.join(60)
     assert len(got) == 1, "the call did not return"
     return got[0]
+
+
+def test_a_counted_in_place_write_sent_twice_writes_its_rows_once(two_engines, monkeypatch):
+    """torchrl's in-place writes move the header's ``tr`` in the write's own call (``Engine.counting_in_place``).
+    An element write has no request id: sent twice, its rows are what one write leaves, and ``tr`` moves
+    twice, which is harmless (a revision only has to change). An ``update_if`` (a request id) runs once: ``tr`` + 1."""
+    raw = two_engines.client()
+    twice, clean = (LazyStackedTensorDictStore(count=COUNT, **two_engines.kwargs()) for _ in range(2))
+    for s in (twice, clean):
+        s.extend(rows(0, COUNT))
+        with s._engine.counting_in_place():
+            s[torch.tensor([1, 3])] = rows(50, 2)
+    seen: list[tuple[Any, Any]] = []
+    send_twice(twice, seen, monkeypatch)
+    with twice._engine.counting_in_place():
+        twice[torch.tensor([2, 4])] = rows(60, 2)
+    with clean._engine.counting_in_place():
+        clean[torch.tensor([2, 4])] = rows(60, 2)
+    got, want = effects(raw, twice), effects(raw, clean)
+    assert got["header"].pop("tr") == b"3" and want["header"].pop("tr") == b"2"
+    assert got == want
+    assert twice.get("tag").tolist() == [0, 50, 60, 51, 61, 5, 6, 7]
+    with twice._engine.counting_in_place():
+        applied = twice.update_if(torch.tensor([0, 5]), torch.tensor([1, 1]), rows(70, 2))
+    assert applied.tolist() == [True, True] and twice.get("tag").tolist()[::5] == [70, 71]
+    assert int(raw.hget(twice._engine.keys.meta, "tr")) == 4  # the resend was answered from the reply cache

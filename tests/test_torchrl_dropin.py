@@ -78,16 +78,30 @@ def test_set_at_on_a_partly_written_buffer_writes_the_written_slots(real):
     assert len(srv) == 4
 
 
-def test_set_at_is_two_round_trips_and_bad_input_changes_nothing(real):
-    """One atomic write, then the server's revision (which other processes' cached samplers read)."""
+def test_in_place_writes_are_one_round_trip_and_bad_input_changes_nothing(real):
+    """One atomic write that moves the server's revision (which other processes' cached samplers read) too."""
     rb = replay_buffer(10, **real.kwargs())
     rb.extend(data(10))
     rows = rb.storage[:]
+    revision = rb.storage._mutation_revision
     cmds = top_level_commands(real.client, lambda: rows.set_at_("a", torch.tensor([5.0]), torch.tensor([1])))
-    assert round_trips(cmds) == ["evalsha", "evalsha"], cmds
+    assert round_trips(cmds) == ["evalsha"], cmds
+    assert rb.storage._mutation_revision != revision
+    for write, trips in (
+        (lambda: rows.set_("b", torch.full((10, 3), 2.0)), ["evalsha"]),
+        (lambda: rows.update_(TensorDict(a=torch.arange(10.0), batch_size=[10])), ["evalsha"]),
+        (lambda: rb.storage.set(3, data(1, 30)[0], set_cursor=False), ["evalsha"]),  # rb[3] = td
+        # torchrl's own writers: the ring state (which slots continue the cursor), then the write
+        (lambda: rb.storage.set(torch.tensor([4, 5]), data(2, 40)), ["hmget", "evalsha"]),
+    ):
+        revision = rb.storage._mutation_revision
+        cmds = top_level_commands(real.client, write)
+        assert round_trips(cmds) == trips, cmds
+        assert rb.storage._mutation_revision != revision
+    assert rb["a"].tolist() == [0.0, 1.0, 2.0, 30.0, 40.0, 41.0, *range(6, 10)]
     with pytest.raises(Exception, match="a"):
         rb.set_at_("a", torch.ones(2, 7), torch.tensor([1, 2]))  # wrong shape: refused by the server's write plan
-    assert rb["a"].tolist() == [0.0, 5.0, *range(2, 10)]
+    assert rb["a"].tolist() == [0.0, 1.0, 2.0, 30.0, 40.0, 41.0, *range(6, 10)]
 
 
 def test_a_copy_of_the_rows_and_new_keys_stay_local(real):
@@ -417,6 +431,27 @@ def test_in_place_writes_of_another_process_move_the_revision(one_node):
     before = rb.storage._mutation_revision
     other.set_at_("a", torch.tensor([7.0]), torch.tensor([0]))
     assert rb.storage._mutation_revision != before
+
+
+def _set_at_in_child(url: str, prefix: str, td_id: str) -> None:
+    rb = ReplayBuffer(storage=StoreStorage(td_id=td_id, url=url, prefix=prefix))
+    rb.storage[:].set_at_("a", torch.tensor([-3.0]), torch.tensor([4]))  # one in-place write
+
+
+def test_one_in_place_write_of_another_os_process_moves_the_revision_once(real):
+    """The rows and the revision move in the same call: a cached SliceSampler in this process sees a write made
+    by another process, and the revision counts that write once."""
+    import multiprocessing as mp
+
+    rb = replay_buffer(6, **real.kwargs())
+    rb.extend(data(6))
+    before = rb.storage._mutation_revision
+    p = mp.get_context("spawn").Process(target=_set_at_in_child, args=(real.server.url, real.prefix, rb.storage.td_id))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    assert rb.storage._mutation_revision - before == 1 << 48  # 'tr' + 1 (rw, the ring's writes, unchanged)
+    assert rb["a"].tolist() == [0.0, 1.0, 2.0, 3.0, -3.0, 5.0]
 
 
 def test_a_write_ahead_of_the_cursor_waits_for_the_writes_before_it(one_node):

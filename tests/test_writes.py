@@ -251,3 +251,32 @@ def test_update_keys_to_update(backend):
     store[2].update(new[2], keys_to_update=[("nested", "b")])
     assert torch.equal(store[2]["nested", "b"], before[2]["nested", "b"] + 1) and torch.equal(store[2]["obs"], before[2]["obs"])
     store.clear_redis()
+
+
+def test_a_write_counted_in_place_moves_tr_in_the_same_call(backend):
+    """``Engine.counting_in_place`` (torchrl's in-place writes): the write's own call adds 1 to the header's
+    ``tr`` (a 'B' op), whatever the write (element, rows, a key, a fill, a new key); a damaged ``tr``
+    refuses the write before anything is written."""
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(6, het=False), **backend.kwargs())
+    engine = store._engine
+    raw = backend.client()
+    writes = [
+        lambda: store.__setitem__(1, store[0].to_tensordict()),
+        lambda: store.__setitem__(slice(2, 5), store[0:3].to_tensordict()),
+        lambda: store.zero_(),
+        lambda: store.set("added", torch.ones(6, 2)),
+    ]
+    for n, write in enumerate(writes, 1):
+        with engine.counting_in_place():
+            write()
+        assert int(raw.hget(engine.keys.meta, "tr")) == n
+    store[0] = store[1].to_tensordict()  # outside the context: not counted
+    assert int(raw.hget(engine.keys.meta, "tr")) == len(writes)
+    if engine.header.spread:  # cut per node (a spread store has no ring, so no torchrl buffer): segment 0 cannot hold the rest back
+        return
+    raw.hset(engine.keys.meta, "tr", "-1")
+    before = store.to_tensordict()
+    with pytest.raises(Exception, match="damaged"), engine.counting_in_place():
+        store["added"] = torch.full((6, 2), 5.0)
+    assert_same(store.to_tensordict(), before)
+    store.clear_redis()
