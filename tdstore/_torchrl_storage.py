@@ -336,7 +336,19 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     @_eager
     def _len_along_dim0(self) -> int:
         """The written slots, read from the server (one round trip)."""
-        return self.with_store(lambda s: s.ring_state().written)
+        return self.with_store(lambda s: self._written_slots(s, ask=True))
+
+    @staticmethod
+    def _written_slots(s: LazyStackedTensorDictStore, *, ask: bool = False) -> int:
+        """The written slots of ``s``: once this handle has seen its ring full, its capacity without a round trip
+        (the ring's write count only grows; a buffer emptied meanwhile is another creation of the store, which
+        the read that follows finds, and ``with_store`` reopens it); else, or with ``ask``, read from the server."""
+        engine = s.stack_ops.engine
+        if engine.ring_full and not ask:
+            return s.capacity
+        n = s.ring_state().written
+        engine.ring_full = engine.ring_full or n >= s.capacity
+        return n
 
     def _inner_now(self) -> tuple[int, ...]:
         return tuple(self._store.batch_size[1:])
@@ -729,9 +741,16 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
             td = p.td
         else:
             if isinstance(index, slice):  # a slice covers the written slots only, as torchrl's storages do
-                slots = torch.arange(*index.indices(self._len_along_dim0))
-                index = slots
-            td = self.with_store(lambda s: self._read(s, index))
+                at = index
+
+                def read_written(s: LazyStackedTensorDictStore) -> TensorDictBase:
+                    nonlocal slots
+                    slots = torch.arange(*at.indices(self._written_slots(s)))
+                    return self._read(s, slots)
+
+                td = self.with_store(read_written)
+            else:
+                td = self.with_store(lambda s: self._read(s, index))
         if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
             td = dense_rows(td)  # non-tensor rows of a dense buffer: one TensorDict, as LazyTensorStorage gives
         self._data_kind()
@@ -765,10 +784,14 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
     def _written_key(self, key: Any) -> torch.Tensor:
         """The values of ``key`` at the written slots (``storage.get("done")``, as a ``LazyTensorStorage`` answers)."""
-        n = self._len_along_dim0
-        if n == 0:
-            raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
-        return self.with_store(lambda s: s.stack_ops.read(slice(0, n))).get(key)
+
+        def read(s: LazyStackedTensorDictStore) -> TensorDictBase:
+            n = self._written_slots(s)
+            if n == 0:
+                raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
+            return s.stack_ops.read(slice(0, n))
+
+        return self.with_store(read).get(key)
 
     def _write_rows(self, fn: Callable[[LazyStackedTensorDictStore], Any]) -> None:
         """An in-place write (``fn`` writes the store once, as ``storage[:]``'s rows, ``rb[i] = td`` and torchrl's

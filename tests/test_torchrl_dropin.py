@@ -433,6 +433,26 @@ def test_in_place_writes_of_another_process_move_the_revision(one_node):
     assert rb.storage._mutation_revision != before
 
 
+def test_a_full_buffer_reads_its_rows_in_one_round_trip_and_sees_another_handle_empty_it(one_node):
+    """Once a handle has seen the ring full, ``storage[:]`` (``rb[:]``, ``rb["a"]``, torchrl's in-place writes) reads
+    the rows without asking the length first (the ring's write count only grows); a buffer another handle emptied
+    and wrote again is another creation of the store, which that read finds."""
+    rb = replay_buffer(4, **one_node.kwargs())
+    rb.extend(data(4))
+    assert len(rb) == 4  # learns the ring is full
+    if one_node.server is not None:
+        for read in (lambda: rb.storage[:], lambda: rb["a"]):
+            cmds = top_level_commands(one_node.client, read)
+            assert round_trips(cmds) == ["transaction"], cmds
+    other = ReplayBuffer(storage=StoreStorage(td_id=rb.storage.td_id, **one_node.kwargs()))
+    other.empty()
+    other.extend(data(2, 10))
+    assert rb.storage[:]["a"].tolist() == [10.0, 11.0] and rb["a"].tolist() == [10.0, 11.0] and len(rb) == 2
+    other.extend(data(2, 12))
+    rb.storage[:].set_at_("a", torch.tensor([-1.0]), torch.tensor([3]))
+    assert other["a"].tolist() == [10.0, 11.0, 12.0, -1.0]
+
+
 def _set_at_in_child(url: str, prefix: str, td_id: str) -> None:
     rb = ReplayBuffer(storage=StoreStorage(td_id=td_id, url=url, prefix=prefix))
     rb.storage[:].set_at_("a", torch.tensor([-3.0]), torch.tensor([4]))  # one in-place write
