@@ -84,8 +84,9 @@ class StoreSampler(Sampler):
     def _draw_here(self, s: LazyStackedTensorDictStore, batch_size: int, m: int) -> _ring.Sample | None:
         """Draw the slots below the bound on the client and read them with the write counter in one
         transaction (see the class docstring); None when the server must draw instead."""
-        if self._bound == 0:
-            self._bound = s.ring_state().written
+        engine = s.stack_ops.engine
+        if self._bound == 0:  # (a ring this handle saw full stays full: no round trip)
+            self._bound = m if engine.ring_full else s.ring_state().written
         if self._bound == 0:
             return None
         slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
@@ -96,6 +97,7 @@ class StoreSampler(Sampler):
         if rw == 0 or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
             return None
         self._bound = min(rw, m)
+        engine.ring_full = engine.ring_full or rw >= m
         if int(slots.max()) >= self._bound:
             return None
         return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, rw, m))

@@ -351,11 +351,15 @@ def test_extend_and_sample_are_one_round_trip(real):
     assert round_trips(top_level_commands(real.client, lambda: rb.sample())) == ["transaction"]
     lazy = replay_buffer(16, batch_size=8, ragged=True, **real.kwargs())
     lazy.extend(lazy_stack([TensorDict(tokens=torch.arange(1 + i % 3)) for i in range(6)]))
+    lazy.sample()  # (on a fresh server, the first sample loads read.lua)
     assert round_trips(top_level_commands(real.client, lambda: lazy.sample())) == ["evalsha"]  # the server draws
     full = replay_buffer(16, batch_size=16, track_generations=True, **real.kwargs())
     full.extend(rows(0, 16))
     full.sample()  # the ring is full: samples are one read transaction from now on (generations included)
     assert round_trips(top_level_commands(real.client, lambda: full.sample())) == ["transaction"]
+    other = replay_buffer(batch_size=4, td_id=full.storage.td_id, **real.kwargs())
+    assert len(other) == 16  # a handle that saw the ring full draws its first batch without reading the length
+    assert round_trips(top_level_commands(real.client, lambda: other.sample())) == ["transaction"]
 
 
 # -- processes ----------------------------------------------------------------------------------------
