@@ -30,7 +30,7 @@ class _Link:
 
     def __init__(self, slots: torch.Tensor, write: Callable[[Callable[[Any], None]], None]) -> None:
         self.slots = slots
-        self.write = write  # runs fn(store) on the buffer's store (reopening it when emptied) and bumps the revision
+        self.write = write  # runs fn(store) on the buffer's store (reopening it when emptied), moving the revision in the same call
 
 
 def _slots_at(link: _Link, index: Any) -> torch.Tensor:
