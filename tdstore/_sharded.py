@@ -91,18 +91,34 @@ class Layout:
         return [0, *np.cumsum(self.counts).tolist()][:-1]
 
     def to_json(self) -> str:
-        return json.dumps({"v": 1, "count": self.count, "stack_dim": self.stack_dim, "inner": list(self.inner), "shards": list(zip(self.ids, self.counts))})
+        return json.dumps(
+            {
+                "v": 1,
+                "count": self.count,
+                "stack_dim": self.stack_dim,
+                "inner": list(self.inner),
+                "shards": list(zip(self.ids, self.counts)),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: bytes | str, where: str) -> Layout:
         try:
             d = json.loads(text)
             ids, counts = zip(*d["shards"]) if d["shards"] else ((), ())
-            out = cls(int(d["count"]), int(d["stack_dim"]), tuple(int(i) for i in d["inner"]), tuple(str(i) for i in ids), tuple(int(c) for c in counts))
+            out = cls(
+                int(d["count"]),
+                int(d["stack_dim"]),
+                tuple(int(i) for i in d["inner"]),
+                tuple(str(i) for i in ids),
+                tuple(int(c) for c in counts),
+            )
         except (ValueError, KeyError, TypeError) as err:
             raise KeyError(f"the sharded ring {where} has a damaged layout key ({err})") from None
         if not out.ids or sum(out.counts) != out.count or min(out.counts) < 1:
-            raise KeyError(f"the sharded ring {where} has a damaged layout key (shards {list(zip(out.ids, out.counts))}, count {out.count})")
+            raise KeyError(
+                f"the sharded ring {where} has a damaged layout key (shards {list(zip(out.ids, out.counts))}, count {out.count})"
+            )
         return out
 
 
@@ -212,7 +228,9 @@ class ShardedRing:
             raise NotImplementedError("a sharded ring (spread=True on a cluster) has no time to live yet: create it without ttl=")
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
-        rc, spec, owned = open_client(url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs)
+        rc, spec, owned = open_client(
+            url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
+        )
         if not spec.cluster:
             raise ValueError("a sharded ring lives on a Redis Cluster: give a redis+cluster:// url or a RedisCluster client")
         self._client, self._owned = rc, owned
@@ -235,7 +253,11 @@ class ShardedRing:
         if count is not None:
             mismatch = [
                 f"{name} {got!r} != stored {have!r}"
-                for name, got, have in (("count", count, layout.count), ("stack_dim", stack_dim, layout.stack_dim), ("inner_batch_size", inner, layout.inner))
+                for name, got, have in (
+                    ("count", count, layout.count),
+                    ("stack_dim", stack_dim, layout.stack_dim),
+                    ("inner_batch_size", inner, layout.inner),
+                )
                 if got != have
             ]
             if shards is not None and shards != len(layout.ids):
@@ -245,7 +267,14 @@ class ShardedRing:
         self._layout = layout
 
         def open_shard(k: int) -> LazyStackedTensorDictStore:
-            common = {"client": rc, "prefix": prefix, "td_id": layout.ids[k], "device": device, "backend": backend, "cache_metadata": cache_metadata}
+            common = {
+                "client": rc,
+                "prefix": prefix,
+                "td_id": layout.ids[k],
+                "device": device,
+                "backend": backend,
+                "cache_metadata": cache_metadata,
+            }
             if readonly:
                 return LazyStackedTensorDictStore.from_store(readonly=True, **common)
             return LazyStackedTensorDictStore(
@@ -432,7 +461,10 @@ class ShardedRing:
         if isinstance(td, (list, tuple)):
             if not td:
                 raise ValueError("extend got an empty list: nothing to write")
-            elements = [e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._layout.inner) if isinstance(e, dict) else e for e in td]
+            elements = [
+                e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._layout.inner) if isinstance(e, dict) else e
+                for e in td
+            ]
             bad = [type(e).__name__ for e in elements if not isinstance(e, TensorDictBase)]
             if bad:
                 raise TypeError(f"extend got a list holding {bad[0]}; it takes a list of TensorDicts (one per element)")
@@ -527,12 +559,15 @@ class ShardedRing:
         slots, scalar, groups = self._by_shard(index)
         if scalar:
             k, _, local = groups[0]
-            return self._on(k, self._shards[k].__getitem__, int(local[0]))
+            return self._on(k, self._element, k, int(local[0]))
         if not groups:
             return self._shards[0][torch.zeros(0, dtype=torch.int64)]
         parts = self._fan_out([(k, self._shards[k].__getitem__, (local,)) for k, _, local in groups])
         order = torch.cat([rows for _, rows, _ in groups])
         return self._rows(torch.cat(parts, dim=self._stack_pos), torch.argsort(order))
+
+    def _element(self, k: int, local: int) -> TensorDictBase:
+        return self._shards[k][local].to_tensordict()
 
     # -- sampling ----------------------------------------------------------------------------
     def _prioritized(self) -> bool:
@@ -547,7 +582,11 @@ class ShardedRing:
             engine = shard._engine
             c = self._layout.counts[k]
             rw = engine.ring_writes()
-            root = engine.command("GETRANGE", engine.keys.priorities, 0, 7) if c == 1 else engine.command("GETRANGE", engine.keys.priorities, -16, -1)
+            root = (
+                engine.command("GETRANGE", engine.keys.priorities, 0, 7)
+                if c == 1
+                else engine.command("GETRANGE", engine.keys.priorities, -16, -1)
+            )
             if not root:
                 return min(rw, c), 0.0, 0.0
             vals = np.frombuffer(root, dtype="<f8")
@@ -600,7 +639,9 @@ class ShardedRing:
                 break
             if min_size is None and timeout is None:
                 what = "no slot with a positive priority" if by_prio and sum(sizes) else "nothing written yet"
-                raise ValueError(f"cannot sample: the sharded ring td_id={self.td_id!r} holds {what} (pass min_size= or timeout= to wait for data)")
+                raise ValueError(
+                    f"cannot sample: the sharded ring td_id={self.td_id!r} holds {what} (pass min_size= or timeout= to wait for data)"
+                )
             pause = self._pause(deadline, pause, f"sample: the sharded ring td_id={self.td_id!r} holds {sum(sizes)} items")
         which = torch.multinomial(torch.tensor(weights, dtype=torch.float64), batch_size, replacement=True, generator=generator)
         parts = torch.bincount(which, minlength=len(self._shards)).tolist()
@@ -655,7 +696,10 @@ class ShardedRing:
 
             gens = generations_arg(generation, n, "update_priority")
         out = torch.zeros(n, dtype=torch.bool)
-        jobs = [(k, _with_kwargs(self._shards[k].update_priority, {"generation": None if gens is None else gens[rows]}), (local, pr[rows])) for k, rows, local in groups]
+        jobs = [
+            (k, _with_kwargs(self._shards[k].update_priority, {"generation": None if gens is None else gens[rows]}), (local, pr[rows]))
+            for k, rows, local in groups
+        ]
         for (_, rows, _), ok in zip(groups, self._fan_out(jobs)):
             out[rows] = ok
         return out
@@ -671,13 +715,26 @@ class ShardedRing:
         for k, c in enumerate(self._layout.counts):
             m = max(1, math.ceil(min_size * c / n))
             eb = None
-            if error_buffer is not None and samples_per_insert is not None and isinstance(error_buffer, (int, float)) and isinstance(samples_per_insert, (int, float)):
+            if (
+                error_buffer is not None
+                and samples_per_insert is not None
+                and isinstance(error_buffer, (int, float))
+                and isinstance(samples_per_insert, (int, float))
+            ):
                 eb = max(error_buffer * c / n, max(1.0, float(samples_per_insert)))
                 if error_buffer < max(1.0, samples_per_insert):
                     eb = error_buffer  # the shard refuses it, with the one-node message
             elif error_buffer is not None:
                 eb = error_buffer
-            jobs.append((k, _with_kwargs(self._shards[k].set_rate_limit, {"min_size": m, "samples_per_insert": samples_per_insert, "error_buffer": eb}), ()))
+            jobs.append(
+                (
+                    k,
+                    _with_kwargs(
+                        self._shards[k].set_rate_limit, {"min_size": m, "samples_per_insert": samples_per_insert, "error_buffer": eb}
+                    ),
+                    (),
+                )
+            )
         self._fan_out(jobs)
 
     def clear_rate_limit(self) -> None:
@@ -692,7 +749,9 @@ class ShardedRing:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: see :meth:`pop_items`."""
         return self.pop_items(*args, **kwargs)
 
-    def pop_items(self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None) -> Any:
+    def pop_items(
+        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+    ) -> Any:
         """Up to ``batch_size`` unread items of one shard, each handed to exactly one caller (in write
         order within the shard; not across shards). The shards are tried in turn; with none unread, the
         pop waits (polling the shards) up to ``timeout`` seconds (``TimeoutError``; ``None``: no limit).

@@ -81,7 +81,12 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is LazyStackedTensorDictStore and kwargs.get("spread") and kwargs.get("shards") != 0 and kwargs.get("_kind", "lazy") == "lazy":
+        if (
+            cls is LazyStackedTensorDictStore
+            and kwargs.get("spread")
+            and kwargs.get("shards") != 0
+            and kwargs.get("_kind", "lazy") == "lazy"
+        ):
             from . import _sharded
 
             if _sharded.is_cluster(kwargs.get("url"), kwargs.get("client")):
