@@ -74,6 +74,8 @@ _UNREACHABLE = (
 )
 #: A pop (or wait) over shards polls them this often, at first and at most.
 _POLL_S = (0.001, 0.05)
+#: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.
+_POP_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -501,6 +503,10 @@ class ShardedRing:
             elif prios.numel() != n:
                 raise ValueError(f"got {prios.numel()} priority values for {n} rows")
         k_total = len(self._shards)
+        if n <= min(self._layout.counts) and self._guarded():
+            k = self._admitting(n, timeout)
+            self._next = (k + 1) % k_total
+            return self._fan_out([(k, self._extend_one, (k, td, priority, timeout))])[0]
         jobs = []
         k, start = self._next, 0
         while start < n:
@@ -513,6 +519,53 @@ class ShardedRing:
         self._next = k
         got = self._fan_out(jobs)
         return RingWrite(torch.cat([w.indices for w in got]), torch.cat([w.generations for w in got]))
+
+    def _guarded(self) -> bool:
+        """Whether a shard may hold an extend back (a rate limiter or queue mode, as this handle knows the policy)."""
+        pol = self._shards[0]._engine.header.sampling
+        return pol is not None and (pol.limit is not None or pol.queue)
+
+    def _heads(self, leases: bool = False) -> list[dict[str, int | None]]:
+        """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
+        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock)."""
+
+        def one(k: int) -> dict[str, int | None]:
+            e = self._shards[k]._engine
+            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo")
+            got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("rw", "sn", "lb", "rr", "lo"), raw)}
+            if leases and got["lo"] is not None:
+                first = e.command("ZRANGE", e.keys.lease_keys[1], 0, 0, "WITHSCORES")
+                got["due"] = int(bool(first) and float(first[1]) <= time.time() * 1000)
+            return got
+
+        return self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
+
+    def _admitting(self, n: int, timeout: float | None) -> int:
+        """The first shard, taken in turn, whose rate limiter and queue admit an extend of ``n`` rows now
+        (as its counters say; waiting, polling them, while none does). The extend is then sent to it
+        with the caller's timeout: a shard that filled up meanwhile holds it back as on one node."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_S[0]
+        k_total = len(self._shards)
+        while True:
+            heads = self._heads()
+            for i in range(k_total):
+                k = (self._next + i) % k_total
+                if self._admits(k, heads[k], n):
+                    return k
+            pause = self._pause(
+                deadline, pause, f"extend: the rate limiter or queue of every shard of the sharded ring td_id={self.td_id!r} holds inserts"
+            )
+
+    def _admits(self, k: int, head: dict[str, int | None], n: int) -> bool:
+        pol = self._shards[k]._engine.header.sampling
+        if pol is None:
+            return True
+        rw, sn, lb, rr = (head[f] or 0 for f in ("rw", "sn", "lb", "rr"))
+        if pol.limit is not None and (rw - lb + 1) * pol.limit.samples_per_insert - sn > pol.limit.max_diff:
+            return False
+        unread = rr if head["lo"] is None else min(rr, head["lo"] or 0)
+        return not (pol.queue and rw + n - unread > self._layout.counts[k])
 
     def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite:
         w = self._shards[k].extend(piece, priority=priority, timeout=timeout)
@@ -762,16 +815,28 @@ class ShardedRing:
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
-            start = self._pop_next
+            heads = self._heads(leases=True)
             for i in range(k_total):
-                k = (start + i) % k_total
-                try:
-                    got = self._on(k, self._shards[k].pop_items, batch_size, timeout=0, keys=keys, lease=lease)
-                except TimeoutError:
+                k = (self._pop_next + i) % k_total
+                h = heads[k]
+                if (h["rw"] or 0) <= (h["rr"] or 0) and not h.get("due"):
                     continue
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # another reader may take these first: then wait on this shard a moment at most, and look again
+                wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
+                try:
+                    got = self._on(k, self._shards[k].pop_items, batch_size, timeout=wait, keys=keys, lease=lease)
+                except TimeoutError:
+                    break
                 self._pop_next = (k + 1) % k_total
                 return self._global(k, got)
-            pause = self._pause(deadline, pause, f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}")
+            else:
+                pause = self._pause(
+                    deadline, pause, f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}"
+                )
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}, timed out")
 
     def _global(self, k: int, got: Any) -> Any:
         off = self._offsets[k]

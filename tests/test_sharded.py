@@ -244,9 +244,9 @@ def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffe
     store.enable_priorities(alpha=0.8)
     store.set_rate_limit(min_size=MIN_SIZE, samples_per_insert=SPI, error_buffer=BUFFER)
     inserts = ACTORS * ROUNDS * CHUNK
-    # each shard lets samples run SPI * its inserts + its buffer: the learners take well under that
-    # (per-shard limiters: a shard whose share is used up holds its part of a sample back)
-    per_learner = int(inserts * SPI * 0.8) // (LEARNERS * BATCH)
+    # the learners take what the ratio allows once all is inserted, less the limiter's offset: the actors can
+    # finish (samples within the buffers of inserts * SPI), and so can the learners (each shard's share within its buffer)
+    per_learner = int(inserts * SPI - SPI * MIN_SIZE) // (LEARNERS * BATCH)
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_actor, args=(redis_cluster.url, store.td_id, a, out)) for a in range(ACTORS)]
@@ -261,7 +261,8 @@ def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffe
     assert store.write_count == inserts and len(store.written) == inserts
     tags = store[list(store.written)]["tag"]
     assert sorted(tags.tolist()) == sorted(1000 * a + CHUNK * r + i + 1 for a in range(ACTORS) for r in range(ROUNDS) for i in range(CHUNK))
-    assert [st.written for st in store.shard_states()] == [inserts // 3] * 3  # each actor took the shards in turn
+    # under the limiter each actor writes to a shard that admits it, the next in turn first: all are used
+    assert sum(st.written for st in store.shard_states()) == inserts and all(st.written > inserts // 6 for st in store.shard_states())
     store.clear_redis()
 
 
@@ -354,6 +355,7 @@ def test_a_node_down_names_its_shard_and_the_others_serve():
     with EmbeddedCluster() as cluster:
         s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True)
         s.extend(rows(torch.arange(30)))
+        before = s[torch.arange(30)]["tag"]
         nodes = s.shard_nodes()
         layout_node = s._client.get_node_from_key(s._keys.shards).name
         down = next(k for k in range(3) if nodes[k] != layout_node)  # the layout key stays up
@@ -363,7 +365,7 @@ def test_a_node_down_names_its_shard_and_the_others_serve():
             s[s.shard_offsets[down]]["tag"].item()
         assert err.value.shard == down and isinstance(err.value, ConnectionError)
         up = (down + 1) % 3
-        assert int(s[s.shard_offsets[up]]["tag"]) == s.shard_offsets[up]  # another shard serves meanwhile
+        assert int(s[s.shard_offsets[up]]["tag"]) == before[s.shard_offsets[up]]  # another shard serves meanwhile
         s.shards[up].extend(rows(torch.tensor([77])))
         cluster.start_node(cluster.ports.index(port))
         # its node is back (empty: these nodes keep nothing on disk): the shard is made again by attaching
