@@ -423,6 +423,17 @@ class ShardedRing:
     def __repr__(self) -> str:
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"
 
+    @property
+    def stack_ops(self) -> _ShardedOps:
+        """Internal: what ``tdstore.torchrl``'s storage and samplers use of a store (its schema, reads by slot)."""
+        return _ShardedOps(self)
+
+    def _read(self, index: Any, paths: list[Any] | None = None) -> TensorDictBase:
+        got = self[index]
+        if paths is not None:
+            got = got.select(*[tuple(p) if len(p) > 1 else p[0] for p in paths])
+        return got
+
     # -- the ring's state --------------------------------------------------------------------
     def _ring_writes(self) -> list[int]:
         """Each shard's ring write count, read at once (one round trip, in parallel)."""
@@ -885,6 +896,15 @@ class ShardedRing:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def cursor(self) -> int:
+        """-1: a sharded ring has no one cursor (each shard has its own, see :meth:`shard_states`)."""
+        return -1
+
+    @property
+    def is_locked(self) -> bool:
+        return False
+
     def __getstate__(self) -> dict[str, Any]:
         return {"keys": self._keys, "layout": self._layout, "shards": self._shards}
 
@@ -896,6 +916,47 @@ class ShardedRing:
         self._pool = None
         self._pool_lock = threading.Lock()
         self._init(shards)
+
+
+class _ShardedEngine:
+    """The little of an ``Engine`` that ``tdstore.torchrl`` asks a store's ops for: the schema (that of a
+    shard holding keys) and no client-side reads (``tx_reads``: the ring samples)."""
+
+    tx_reads = False
+
+    def __init__(self, ring: ShardedRing) -> None:
+        self._ring = ring
+
+    @property
+    def header(self) -> Any:
+        for s in self._ring._shards:
+            if s._engine.header.leaves:
+                return s._engine.header
+        return self._ring._shards[0]._engine.header
+
+    def fetch_header(self) -> Any:
+        for s in self._ring._shards:
+            if not s._engine.header.leaves:
+                s._engine.set_header(s._engine.fetch_header())
+        return self.header
+
+    def set_header(self, h: Any) -> None:
+        """Nothing to set: each shard keeps its own."""
+
+
+class _ShardedOps:
+    """``stack_ops`` of a sharded ring: its schema and reads by global slot."""
+
+    def __init__(self, ring: ShardedRing) -> None:
+        self._ring = ring
+        self.engine = _ShardedEngine(ring)
+
+    @property
+    def header(self) -> Any:
+        return self.engine.header
+
+    def read(self, index: Any, paths: list[Any] | None = None, under: Any = (), strip: bool = True) -> TensorDictBase:
+        return self._ring._read(index, paths)
 
 
 def _with_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:

@@ -185,9 +185,14 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         client: Any = None,
         cache_metadata: bool = True,
         readonly: bool = False,
+        spread: bool = False,
+        shards: int | None = None,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Reconnect to an existing store in one round trip; never writes.
+
+        ``spread`` and ``shards`` are ignored (the store says what it is): a sharded ring's id
+        gives a ``ShardedRing``.
 
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and the server.

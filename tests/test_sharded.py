@@ -328,8 +328,8 @@ def _big_writer(url: str, td_id: str, w: int, batches: int, per: int) -> None:
 def test_a_buffer_larger_than_one_node(tmp_path):
     """Three primaries of 64 MB (noeviction) hold a 150 MB buffer filled by three processes: every row exact."""
     with EmbeddedCluster(extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")) as cluster:
-        count, per, writers = 600, 4, 3  # 600 rows of 256 KiB: 150 MiB, 50 MiB per shard
-        store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True)
+        count, per, writers = 576, 4, 3  # 576 rows of 256 KiB: 151 MB, 50 MB per shard (1 MiB segments: little slack)
+        store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=1 << 20)
         batches = count // (per * writers)
         ctx = mp.get_context("fork")
         procs = [ctx.Process(target=_big_writer, args=(cluster.url, store.td_id, w, batches, per)) for w in range(writers)]
@@ -340,13 +340,13 @@ def test_a_buffer_larger_than_one_node(tmp_path):
             assert p.exitcode == 0
         assert len(store.written) == count and store.write_count == count
         seen = []
-        for start in range(0, count, 50):
-            got = store[torch.arange(start, start + 50)]
+        for start in range(0, count, 48):
+            got = store[torch.arange(start, start + 48)]
             assert torch.equal(got["obs"], got["tag"].float().unsqueeze(-1) + torch.arange(ROW_FLOATS).float())
             seen += got["tag"].tolist()
         assert sorted(seen) == list(range(count))
         used = [cluster.node_client(i).info("memory")["used_memory"] for i in range(3)]
-        assert sum(used) > 150 << 20 and all(u < 64 << 20 for u in used)
+        assert sum(used) > 150_000_000 and all(u < 64 << 20 for u in used)
         assert all(abs(u - sum(used) / 3) < 0.25 * sum(used) / 3 for u in used)  # about a third each
         store.clear_redis()
 
