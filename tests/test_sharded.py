@@ -314,7 +314,9 @@ def test_writers_and_readers_of_a_sharded_queue_get_every_item_once(redis_cluste
 
 # -- a cluster of its own ---------------------------------------------------------------------
 
-ROW_FLOATS = 64 * 1024  # 256 KiB rows
+#: Rows of 256 KiB less 64 bytes: a segment of four is just under 1 MiB, one jemalloc size class (a blob of
+#: 1 MiB plus its header would take the 1.25 MiB class: a quarter of the node's memory lost to rounding).
+ROW_FLOATS = 64 * 1024 - 16
 
 
 def _big_writer(url: str, td_id: str, w: int, batches: int, per: int) -> None:
@@ -328,7 +330,7 @@ def _big_writer(url: str, td_id: str, w: int, batches: int, per: int) -> None:
 def test_a_buffer_larger_than_one_node(tmp_path):
     """Three primaries of 64 MB (noeviction) hold a 150 MB buffer filled by three processes: every row exact."""
     with EmbeddedCluster(extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")) as cluster:
-        count, per, writers = 576, 4, 3  # 576 rows of 256 KiB: 151 MB, 50 MB per shard (1 MiB segments: little slack)
+        count, per, writers = 576, 4, 3  # 576 rows of ~256 KiB: 151 MB, 50 MB per shard, in segments of four rows
         store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=1 << 20)
         batches = count // (per * writers)
         ctx = mp.get_context("fork")
@@ -372,3 +374,42 @@ def test_a_node_down_names_its_shard_and_the_others_serve():
         again = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
         assert again.shard_states()[down].written == 0 and again.shard_states()[up].written == 10
         s.close()
+
+
+# -- torchrl ----------------------------------------------------------------------------------
+
+
+def _rl_attach(url: str, td_id: str, out: mp.Queue) -> None:
+    from tdstore.torchrl import attach
+
+    rb = attach(td_id, url=url, prefix=PREFIX, spread=True, batch_size=16, sampler="prioritized")
+    rb.extend(
+        TensorDict(
+            tag=torch.arange(100, 110), obs=torch.arange(100, 110).double().unsqueeze(-1), neg=-torch.arange(100, 110), batch_size=[10]
+        )
+    )
+    s = rb.sample()
+    out.put((len(rb), bool(whole(s.exclude("index", "priority_weight"))), s["priority_weight"].shape[0]))
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sampler):
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=32, sampler=sampler)
+    rb.extend(rows(torch.arange(30), width=1))
+    ring = rb.storage._store
+    assert isinstance(ring, ShardedRing) and len(rb) == 30
+    s = rb.sample()
+    assert whole(s.exclude(*[k for k in ("index", "priority_weight") if k in s.keys()]))
+    assert torch.equal(ring[s["index"]]["tag"], s["tag"])
+    if sampler == "prioritized":
+        rb.update_priority(s["index"], torch.rand(32) + 0.1)
+        ctx = mp.get_context("fork")
+        out: mp.Queue = ctx.Queue()
+        p = ctx.Process(target=_rl_attach, args=(redis_cluster.url, rb.storage.td_id, out))
+        p.start()
+        n, ok, b = out.get(timeout=120)
+        p.join(timeout=60)
+        assert p.exitcode == 0 and ok and b == 16 and ring.write_count == 40 and n == len(rb)
+    ring.clear_redis()
