@@ -303,7 +303,9 @@ class ShardedRing:
         try:
             from redis.crc import key_slot
 
-            return str(self._client.nodes_manager.slots_cache[key_slot(StoreKeys(self.prefix, self._layout.ids[k]).meta.encode())][0].name)
+            client: Any = self._client
+            slot = key_slot(StoreKeys(self.prefix, self._layout.ids[k]).meta.encode())
+            return str(client.nodes_manager.slots_cache[slot][0].name)
         except Exception:
             return "?"
 
@@ -316,7 +318,8 @@ class ShardedRing:
         except _UNREACHABLE as err:
             raise ShardUnavailableError(
                 f"shard {k} of the sharded ring td_id={self.td_id!r} (store {self._layout.ids[k]!r}, node {self._node_of(k)}) "
-                f"is unavailable: {type(err).__name__}: {err} (the other shards serve meanwhile; this one once the cluster has a primary for it)",
+                f"is unavailable: {type(err).__name__}: {err} (the other shards serve meanwhile; this one once the "
+                "cluster has a primary for it)",
                 k,
             ) from err
 
@@ -488,7 +491,7 @@ class ShardedRing:
             raise TypeError(f"extend takes a TensorDict (or a list of them), got {type(td).__name__}")
         return td
 
-    def _rows(self, td: TensorDictBase, rows: Any) -> TensorDictBase:
+    def _rows(self, td: Any, rows: Any) -> Any:
         return td[(slice(None),) * self._stack_pos + (rows,)]
 
     def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
@@ -500,7 +503,8 @@ class ShardedRing:
         bs = td.batch_size
         if len(bs) != len(self._layout.inner) + 1:
             raise ValueError(
-                f"a batch for this store must have batch size {list(self._layout.inner)} with the element dim inserted at {sp}; got {list(bs)}"
+                f"a batch for this store must have batch size {list(self._layout.inner)} with the element dim "
+                f"inserted at {sp}; got {list(bs)}"
             )
         n = int(bs[sp])
         if not 1 <= n <= self._layout.count:
@@ -702,7 +706,7 @@ class ShardedRing:
             if total > 0 and (min_size is None or sum(sizes) >= min_size):
                 break
             if min_size is None and timeout is None:
-                what = "no slot with a positive priority" if by_prio and sum(sizes) else "nothing written yet"
+                what = "no slot with a positive priority" if by_prio and sum(sizes) > 0 else "nothing written yet"
                 raise ValueError(
                     f"cannot sample: the sharded ring td_id={self.td_id!r} holds {what} (pass min_size= or timeout= to wait for data)"
                 )
@@ -852,7 +856,8 @@ class ShardedRing:
     def _global(self, k: int, got: Any) -> Any:
         off = self._offsets[k]
         if isinstance(got, LeasedSample):
-            return replace(got, indices=got.indices + off, receipt=ShardReceipt(k, got.receipt), _store=self)
+            receipt: Any = ShardReceipt(k, got.receipt)  # what this ring's ack takes
+            return replace(got, indices=got.indices + off, receipt=receipt, _store=self)
         return got._replace(indices=got.indices + off)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
