@@ -413,3 +413,23 @@ def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sam
         p.join(timeout=60)
         assert p.exitcode == 0 and ok and b == 16 and ring.write_count == 40 and n == len(rb)
     ring.clear_redis()
+
+
+def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
+    import subprocess
+    import sys
+
+    s = ring(redis_cluster, count=30)
+    s.extend(rows(torch.arange(14)))
+    run = [sys.executable, "-m", "tdstore"]
+    ls = subprocess.run([*run, "ls", "--prefix", PREFIX, "--url", redis_cluster.url], capture_output=True, text=True, check=True)
+    line = next(x for x in ls.stdout.splitlines() if x.startswith(s.td_id + " "))
+    assert "sharded/3" in line and "14/30" in line
+    assert sum(f"{s.td_id} ~shard" in x for x in ls.stdout.splitlines()) == 3
+    info = subprocess.run(
+        [*run, "info", s.td_id, "--prefix", PREFIX, "--url", redis_cluster.url], capture_output=True, text=True, check=True
+    )
+    assert "sharded ring" in info.stdout and "written 14/30" in info.stdout
+    for k, node in enumerate(s.shard_nodes()):
+        assert f"shard {k}: {s.shard_ids[k]} on {node}" in info.stdout
+    s.clear_redis()
