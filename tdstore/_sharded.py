@@ -637,6 +637,11 @@ class ShardedRing:
     def _element(self, k: int, local: int) -> TensorDictBase:
         return self._shards[k][local].to_tensordict()
 
+    def to_tensordict(self) -> TensorDictBase:
+        """Every slot, read from every shard at once (shard after shard: global slot order)."""
+        parts = self._fan_out([(k, s.to_tensordict, ()) for k, s in enumerate(self._shards)])
+        return torch.cat(parts, dim=self._stack_pos)
+
     # -- sampling ----------------------------------------------------------------------------
     def _prioritized(self) -> bool:
         pol = self._shards[0]._engine.header.sampling

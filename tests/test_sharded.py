@@ -433,3 +433,27 @@ def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
     for k, node in enumerate(s.shard_nodes()):
         assert f"shard {k}: {s.shard_ids[k]} on {node}" in info.stdout
     s.clear_redis()
+
+
+@pytest.mark.slow
+def test_demo_replay_on_a_sharded_ring(redis_cluster):
+    """``tdstore demo --cluster --spread --replay``: actors and a learner on a sharded, prioritized, rate-limited buffer."""
+    import io
+
+    from tdstore.demo import run_demo
+
+    out = io.StringIO()
+    got = run_demo(
+        url=redis_cluster.url,
+        actors=2,
+        count=48,
+        seconds=1.0,
+        batch=16,
+        prefix="demo-sharded",
+        progress=False,
+        out=out,
+        spread=True,
+        replay=True,
+    )
+    assert got["ok"] and got["torn"] == 0 and got["verified"] == 48 and got["lost_writes"] == 0
+    assert "sharded over 3 primaries" in got["server"]
