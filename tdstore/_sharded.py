@@ -492,6 +492,13 @@ class ShardedRing:
         return td
 
     def _rows(self, td: Any, rows: Any) -> Any:
+        if isinstance(rows, torch.Tensor) and type(td) is TensorDict:
+            # index_select: torch's advanced indexing of a CPU tensor costs ~10 ms for 256 rows here (2.13)
+            sp = self._stack_pos
+            try:
+                return td.apply(lambda t: t.index_select(sp, rows), batch_size=[*td.batch_size[:sp], len(rows), *td.batch_size[sp + 1 :]])
+            except (RuntimeError, TypeError):
+                pass
         return td[(slice(None),) * self._stack_pos + (rows,)]
 
     def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
@@ -654,12 +661,11 @@ class ShardedRing:
             shard = self._shards[k]
             engine = shard._engine
             c = self._layout.counts[k]
-            rw = engine.ring_writes()
-            root = (
-                engine.command("GETRANGE", engine.keys.priorities, 0, 7)
-                if c == 1
-                else engine.command("GETRANGE", engine.keys.priorities, -16, -1)
-            )
+            pipe = engine.client.pipeline(transaction=False)  # one round trip: both keys are in the shard's slot
+            pipe.hmget(engine.keys.meta, "rw", "na")
+            pipe.getrange(engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))
+            head, root = pipe.execute()
+            rw = engine.ring_writes_from(head[0], head[1])
             if not root:
                 return min(rw, c), 0.0, 0.0
             vals = np.frombuffer(root, dtype="<f8")
@@ -726,11 +732,11 @@ class ShardedRing:
         got = self._fan_out([(k, _with_kwargs(fn, kw), args) for k, fn, args in jobs])
         back = torch.argsort(torch.argsort(which, stable=True))  # row j of the pieces (in shard order) goes to position order[j]
         td = self._rows(torch.cat([g.td for g in got], dim=self._stack_pos), back) if len(got) > 1 else got[0].td
-        indices = torch.cat([g.indices + self._offsets[k] for k, g in zip(chosen, got)])[back]
-        gens = torch.cat([g.generations for g in got])[back]
+        indices = torch.cat([g.indices + self._offsets[k] for k, g in zip(chosen, got)]).index_select(0, back)
+        gens = torch.cat([g.generations for g in got]).index_select(0, back)
         if not by_prio:
             return Sample(td, indices, gens)
-        probs = torch.cat([g.probabilities * (masses[k] / total) for k, g in zip(chosen, got)])[back]
+        probs = torch.cat([g.probabilities * (masses[k] / total) for k, g in zip(chosen, got)]).index_select(0, back)
         low = min(lows[k] for k in range(len(self._shards)) if masses[k] > 0) / total
         return PrioritizedSample(td, indices, gens, weights_of(probs, low, beta), probs)
 
