@@ -647,7 +647,8 @@ class ShardedRing:
     def to_tensordict(self) -> TensorDictBase:
         """Every slot, read from every shard at once (shard after shard: global slot order)."""
         parts = self._fan_out([(k, s.to_tensordict, ()) for k, s in enumerate(self._shards)])
-        return torch.cat(parts, dim=self._stack_pos)
+        out: TensorDictBase = torch.cat(parts, dim=self._stack_pos)
+        return out
 
     # -- sampling ----------------------------------------------------------------------------
     def _prioritized(self) -> bool:
