@@ -647,7 +647,7 @@ class ShardedRing:
     def to_tensordict(self) -> TensorDictBase:
         """Every slot, read from every shard at once (shard after shard: global slot order)."""
         parts = self._fan_out([(k, s.to_tensordict, ()) for k, s in enumerate(self._shards)])
-        out: TensorDictBase = torch.cat(parts, dim=self._stack_pos)
+        out: Any = torch.cat(parts, dim=self._stack_pos)
         return out
 
     # -- sampling ----------------------------------------------------------------------------
