@@ -72,7 +72,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             See "Spread stores" in the README. Ignored on one server.
             On a cluster, the constructor's ``spread=True`` makes a *sharded ring*
             instead (a ``ShardedRing``: one ring per primary, see ``_sharded``), unless
-            ``shards=0``, which keeps the segments layout above.
+            ``shards=0`` or ``spread="segments"``, which keep the segments layout above.
         shards: with ``spread=True`` on a cluster, the number of shards of the ring
             (default: one per primary; ``0``: a spread store of segments, not a ring).
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
@@ -83,7 +83,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if (
             cls is LazyStackedTensorDictStore
-            and kwargs.get("spread")
+            and kwargs.get("spread") is True
             and kwargs.get("shards") != 0
             and kwargs.get("_kind", "lazy") == "lazy"
         ):
@@ -113,7 +113,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         readonly: bool = False,
         ttl: float | None = None,
         segment_bytes: int | None = None,
-        spread: bool = False,
+        spread: bool | str = False,
         shards: int | None = None,
         _kind: str = "lazy",
         _batchless: bool = False,
@@ -133,7 +133,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             owns_client=owned,
             readonly=readonly,
             segment_bytes=segment_bytes,
-            spread=spread,
+            spread=bool(spread),
         )
         dev = check_device(torch.device(device)) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
