@@ -140,6 +140,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             node = node_of_key(conn.client, StoreKeys(args.prefix, i.td_id).meta)
             rows.append([safe(ring) + f" ~shard {k}", "shard", str(i.count), "-", size_text(i.bytes, args.bytes), "-", safe(node),
                          f"{i.written}/{i.count}"])  # fmt: skip
+    rows += [[safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
     rows.sort(key=lambda row: row[0])
     total = len(listing.stores) + len(listing.unreadable)
     if rows:
