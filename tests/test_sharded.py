@@ -457,3 +457,18 @@ def test_demo_replay_on_a_sharded_ring(redis_cluster):
     )
     assert got["ok"] and got["torn"] == 0 and got["verified"] == 48 and got["lost_writes"] == 0
     assert "sharded over 3 primaries" in got["server"]
+
+
+def test_max_times_sampled_retires_slots_on_every_shard(redis_cluster):
+    s = ring(redis_cluster, count=12)
+    s.enable_priorities(alpha=1.0, max_times_sampled=1)
+    fill(s, [4, 4, 4])
+    seen: list[int] = []
+    gen = torch.Generator().manual_seed(3)
+    while len(seen) < 12:
+        got = s.sample(1, gen)
+        seen += got.indices.tolist()
+    assert sorted(seen) == list(range(12))  # each slot drawn once, then retired, whichever shard holds it
+    with pytest.raises((ValueError, TimeoutError)):
+        s.sample(1, gen)
+    s.clear_redis()
