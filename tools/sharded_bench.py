@@ -11,7 +11,7 @@ Starts a private three-primary Redis Cluster on loopback and runs two rows, one 
 
 Usage::
 
-    python tools/sharded_bench.py [--count 100000] [--reps 30] [--writers 4] [--seconds 5] [--json out.json]
+    python -m tools.sharded_bench [--count 100000] [--reps 30] [--writers 4] [--seconds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,27 +20,22 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:  # run from a checkout without installing tdstore
-    sys.path.insert(0, str(_REPO))
-
-from tensordict import TensorDict  # noqa: E402
-
-from tdstore import LazyStackedTensorDictStore  # noqa: E402
-from tdstore.cluster_server import EmbeddedCluster  # noqa: E402
+from tdstore import LazyStackedTensorDictStore
+from tdstore.cluster_server import EmbeddedCluster
+from tools._probes import raw_commandstats
 
 
 def script_usec(client: Any) -> int:
     """Microseconds the server spent in scripts (``EVALSHA`` and ``EVAL``) since it started (``INFO commandstats``)."""
-    stats = client.info("commandstats")
-    return sum(int(v.get("usec", 0)) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    stats = raw_commandstats(client)
+    return sum(int(v.get("usec", 0)) for k, v in stats.items() if k in ("evalsha", "eval"))
 
 
 def rows(n: int, start: int = 0) -> TensorDict:
