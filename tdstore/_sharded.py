@@ -131,6 +131,11 @@ def is_cluster(url: str | None, client: Any) -> bool:
     return bool(url) and str(url).lower().startswith(("redis+cluster://", "rediss+cluster://"))
 
 
+def wants_shards(kwargs: dict[str, Any]) -> bool:
+    """Whether a store opened with these constructor keywords is a sharded ring (``spread=True`` on a cluster)."""
+    return kwargs.get("spread") is True and kwargs.get("shards") != 0 and is_cluster(kwargs.get("url"), kwargs.get("client"))
+
+
 def plan_layout(client: Any, prefix: str, td_id: str, count: int, shards: int | None, stack_dim: int, inner: tuple[int, ...]) -> Layout:
     """Shard counts as even as can be, shard ``k`` on the ``k % P``-th primary (by name)."""
     primaries = sorted(client.get_primaries(), key=lambda n: n.name)

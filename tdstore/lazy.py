@@ -81,15 +81,10 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if (
-            cls is LazyStackedTensorDictStore
-            and kwargs.get("spread") is True
-            and kwargs.get("shards") != 0
-            and kwargs.get("_kind", "lazy") == "lazy"
-        ):
+        if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
             from . import _sharded
 
-            if _sharded.is_cluster(kwargs.get("url"), kwargs.get("client")):
+            if _sharded.wants_shards(kwargs):
                 return _sharded.ShardedRing(**kwargs)
         return super().__new__(cls)
 
