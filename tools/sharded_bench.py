@@ -91,7 +91,7 @@ def writers_row(cluster: EmbeddedCluster, count: int, writers: int, seconds: flo
     try:
         clients = [cluster.node_client(i) for i in range(len(cluster.ports))]
         before = [script_usec(c) for c in clients]
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("spawn")  # not fork: this process runs shard threads
         procs = [ctx.Process(target=_writer, args=(cluster.url, store.td_id, seconds, batch)) for _ in range(writers)]
         for p in procs:
             p.start()
