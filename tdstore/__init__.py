@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DenseShapeError, LeaseLostError, QueueOverrunError, StoreDamagedError
+from ._errors import DenseShapeError, LeaseLostError, QueueOverrunError, ShardUnavailableError, StoreDamagedError
 from ._headerinfo import StoreFormatError
 
 if TYPE_CHECKING:
     from ._checkpoint import export_checkpoint, import_checkpoint
     from ._connection import PasswordError
     from ._reference import import_reference
+    from ._sharded import ShardedRing
     from .lazy import LazyStackedTensorDictStore
     from .store import TensorDictStore, register_tensorclass
 
@@ -34,6 +35,8 @@ __all__ = [
     "QueueOverrunError",
     "LeaseLostError",
     "DenseShapeError",
+    "ShardUnavailableError",
+    "ShardedRing",
     "register_tensorclass",
     "export_checkpoint",
     "import_checkpoint",
@@ -44,6 +47,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LazyStackedTensorDictStore": "lazy",
     "TensorDictStore": "store",
+    "ShardedRing": "_sharded",
     "register_tensorclass": "store",
     "PasswordError": "_connection",
     "export_checkpoint": "_checkpoint",

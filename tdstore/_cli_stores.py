@@ -92,6 +92,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("ls", conn, err)
     damaged = sorted(td_id for td_id, found in audits.items() if found is not None and not found.intact)
+    from ._keys import StoreKeys
+    from ._sharded import group_shards, node_of_key
+
+    plain, rings = group_shards(listing.stores)
     if args.json:
         print(
             json.dumps(
@@ -102,6 +106,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                         {**info.to_json(schema=False), "integrity": _json_or_none(audits.get(info.td_id))} for info in listing.stores
                     ],
                     "unreadable": [bad.to_json() for bad in listing.unreadable],
+                    "sharded": {
+                        ring: [{"shard": k, "td_id": i.td_id, "written": i.written, "count": i.count} for k, i in parts]
+                        for ring, parts in rings.items()
+                    },
                     "stale": listing.stale,
                     "reference": listing.reference,
                 },
@@ -120,8 +128,18 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             "DAMAGED" if i.td_id in damaged else state_text(i.state),
             f"{i.written}/{i.count}" if i.has_ring else "-",
         ]
-        for i in listing.stores
+        for i in plain
     ]
+    for ring, parts in rings.items():  # a sharded ring: one row, then one per shard (its node in the state column)
+        rows.append(
+            [safe(ring), f"sharded/{len(parts)}", str(sum(i.count for _, i in parts)), str(len(parts[0][1].leaves)),
+             size_text(sum(i.bytes for _, i in parts), args.bytes), "-", "ready",
+             f"{sum(i.written for _, i in parts)}/{sum(i.count for _, i in parts)}"]
+        )  # fmt: skip
+        for k, i in parts:
+            node = node_of_key(conn.client, StoreKeys(args.prefix, i.td_id).meta)
+            rows.append([safe(ring) + f" ~shard {k}", "shard", str(i.count), "-", size_text(i.bytes, args.bytes), "-", safe(node),
+                         f"{i.written}/{i.count}"])  # fmt: skip
     rows += [[safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
     rows.sort(key=lambda row: row[0])
     total = len(listing.stores) + len(listing.unreadable)
@@ -204,7 +222,16 @@ def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], An
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from ._sharded import ring_info, ring_info_lines
     from .inspect_store import audit, store_info
+
+    sharded = _read_store("info", args, lambda client: ring_info(client, args.prefix, args.td_id))
+    if isinstance(sharded, int):
+        return sharded
+    if sharded[1] is not None:
+        conn, info = sharded
+        print(json.dumps({"server": conn.where, **info}, indent=2) if args.json else "\n".join(ring_info_lines(info, conn.where)))
+        return EXIT_OK
 
     got = _read_store("info", args, lambda client: (store_info(client, args.prefix, args.td_id), audit(client, args.prefix, args.td_id)))
     if isinstance(got, int):

@@ -70,3 +70,14 @@ class DenseShapeError(ValueError):
     A dense store keeps one shape per key; nothing was written. Ragged rows need a lazy
     store (``LazyStackedTensorDictStore``; in torchrl, ``replay_buffer(..., ragged=True)``).
     """
+
+
+class ShardUnavailableError(ConnectionError):
+    """A call on one shard of a sharded ring (Redis Cluster, ``spread=True``) could not reach the
+    node holding it (a primary failing over, a node down). The message names the shard, its
+    store id and its node; calls on the other shards go on, and this shard's once the cluster
+    has a new primary for it. Nothing of the failed call was acknowledged."""
+
+    def __init__(self, message: str, shard: int) -> None:
+        super().__init__(message)
+        self.shard = shard

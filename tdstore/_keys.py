@@ -34,6 +34,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:lq       zset    items whose lease expired, waiting for redelivery, by write number
     P:{I}:lo       zset    outstanding (leased or waiting) items, by write number
     P:{I}:lk       zset    receipts settled or expired, by time (the oldest are forgotten)
+    P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
+                           count, layout and shards (each an ordinary store, see ``shard_id``)
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
@@ -110,6 +112,21 @@ def reference_id(prefix: str, key: str) -> str | None:
     return None
 
 
+def shard_id(td_id: str, shard: int, attempt: int) -> str:
+    """The td_id of shard ``shard`` of the sharded ring ``td_id``: an ordinary store, whose hash tag
+    ``attempt`` moves until it falls in a slot of the primary the shard is placed on (``_sharded``)."""
+    return f"{td_id}~s{shard}.{attempt}"
+
+
+def shard_of_id(td_id: str) -> tuple[str, int] | None:
+    """``(sharded ring id, shard)`` when ``td_id`` names a shard (:func:`shard_id`), else None."""
+    head, sep, tail = td_id.rpartition("~s")
+    k, dot, j = tail.partition(".")
+    if sep and dot and k.isdigit() and j.isdigit():
+        return head, int(k)
+    return None
+
+
 @dataclass(frozen=True)
 class StoreKeys:
     """Key names of one store, computed once per handle.
@@ -152,6 +169,11 @@ class StoreKeys:
     def guard(self, seg: int) -> str:
         """The hash a call on segment ``seg`` of a spread store checks: the header itself for segment 0."""
         return self.meta if seg == 0 else f"{self.segment_base(seg)}:g"
+
+    @property
+    def shards(self) -> str:
+        """The layout of a sharded ring whose id this is (``_sharded``): its shards' ids and counts."""
+        return f"{self.base}:sh"
 
     @property
     def inventory(self) -> str:

@@ -19,7 +19,8 @@ def refuse_spread(engine: Engine) -> None:
     if engine.header.spread:
         raise NotImplementedError(
             f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
-            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True"
+            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True, or as a "
+            "sharded ring (LazyStackedTensorDictStore(count=N, url=..., spread=True) without shards=0)"
         )
 
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from . import _index, _ring, _torchrl_marks
+from . import _index, _ring, _sharded, _torchrl_marks
 from ._connection import SECRET_KWARGS
 from ._dense_ring import dense_rows
 from ._engine import new_td_id
@@ -212,8 +212,11 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     def _attach_existing(self) -> LazyStackedTensorDictStore:
         """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
         from ._checkpoint import _lazy_handle
+        from ._sharded import wants_shards
         from .store import TensorDictStore
 
+        if wants_shards(self._open_kwargs()):  # a sharded ring (spread=True on a cluster): see _sharded
+            return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
         return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
 
     @property
@@ -222,7 +225,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
-                if self._ragged:
+                if self._ragged or _sharded.wants_shards(self._open_kwargs()):  # a sharded ring is lazy rings
                     self._ring = LazyStackedTensorDictStore(
                         count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )

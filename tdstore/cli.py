@@ -145,7 +145,8 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--spread",
         action="store_true",
-        help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url)",
+        help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url); "
+        "with --replay, a sharded ring: one ring per primary",
     )
     demo.add_argument(
         "--torchrl",

@@ -118,8 +118,8 @@ def _check_args(
         )
     if torchrl and replay:
         raise ValueError("--torchrl and --replay are two ways to run the replay demo: pick one")
-    if (torchrl or replay) and spread:
-        raise ValueError(f"--{'torchrl' if torchrl else 'replay'} uses the store as a ring, whose calls need one slot: not with --spread")
+    if torchrl and spread:
+        raise ValueError("--torchrl with --spread is not offered by the demo: --replay --spread runs it on a sharded ring")
     if torchrl:
         try:
             import tdstore.torchrl as _  # noqa: F401  (torchrl, and everything torchrl imports)
@@ -197,7 +197,9 @@ def run_demo(
         stack.callback(_quietly_clear, uploaded)
         # Attach a second handle through the constructor, as an application would: it
         # checks the layout and never overwrites the uploaded content.
-        store = LazyStackedTensorDictStore(url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id)
+        store = LazyStackedTensorDictStore(
+            url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id, spread=spread and replay
+        )
         stack.callback(store.close)
         if rb is None:
             pool = ActorPool(hash_actor_main, (store,), actors, seconds)
@@ -249,8 +251,14 @@ def _upload(
         uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
         where += ", through a prioritized, rate-limited torchrl replay buffer (tdstore.torchrl)"
     elif replay:
-        uploaded = LazyStackedTensorDictStore(count=count, url=url, prefix=prefix)
-        uploaded.extend(initial_stack(count))  # lap 0: the initial content, slot i holds element i
+        uploaded = LazyStackedTensorDictStore(count=count, url=url, prefix=prefix, spread=spread)
+        initial = initial_stack(count)
+        if spread:  # a sharded ring (one ring per primary): each shard gets its slots' initial elements
+            for shard, off, n in zip(uploaded.shards, uploaded.shard_offsets, uploaded.shard_counts):
+                shard.extend(initial[off : off + n])
+            where += f", sharded over {len(uploaded.shards)} primaries"
+        else:
+            uploaded.extend(initial)  # lap 0: the initial content, slot i holds element i
         uploaded.enable_priorities(alpha=0.6)
         uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
         rb = RingLearner(uploaded, batch)

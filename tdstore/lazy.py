@@ -70,10 +70,23 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             each call is one atomic script). A call over several segments is then
             atomic per segment; ring calls (``extend``, ``sample``) are refused.
             See "Spread stores" in the README. Ignored on one server.
+            On a cluster, the constructor's ``spread=True`` makes a *sharded ring*
+            instead (a ``ShardedRing``: one ring per primary, see ``_sharded``), unless
+            ``shards=0`` or ``spread="segments"``, which keep the segments layout above.
+        shards: with ``spread=True`` on a cluster, the number of shards of the ring
+            (default: one per primary; ``0``: a spread store of segments, not a ring).
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
+            from . import _sharded
+
+            if _sharded.wants_shards(kwargs):
+                return _sharded.ShardedRing(**kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -95,7 +108,8 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         readonly: bool = False,
         ttl: float | None = None,
         segment_bytes: int | None = None,
-        spread: bool = False,
+        spread: bool | str = False,
+        shards: int | None = None,
         _kind: str = "lazy",
         _batchless: bool = False,
         **redis_kwargs: Any,
@@ -114,7 +128,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             owns_client=owned,
             readonly=readonly,
             segment_bytes=segment_bytes,
-            spread=spread,
+            spread=bool(spread),
         )
         dev = check_device(torch.device(device)) if device is not None else None
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1  # stored as a position, as uploads do
@@ -166,9 +180,14 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         client: Any = None,
         cache_metadata: bool = True,
         readonly: bool = False,
+        spread: bool = False,
+        shards: int | None = None,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Reconnect to an existing store in one round trip; never writes.
+
+        ``spread`` and ``shards`` are ignored (the store says what it is): a sharded ring's id
+        gives a ``ShardedRing``.
 
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and the server.
@@ -180,7 +199,15 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
         engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
-        engine.set_header(fetch_existing(engine))
+        try:
+            engine.set_header(fetch_existing(engine))
+        except KeyError:
+            if spec.cluster and redis_client.exists(engine.keys.shards):  # a sharded ring (spread=True)
+                from ._sharded import ShardedRing
+
+                kw = {"client": redis_client, "prefix": prefix, "td_id": td_id, "device": device, "readonly": readonly}
+                return ShardedRing(backend=backend, cache_metadata=cache_metadata, **kw)  # type: ignore[return-value]
+            raise
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)

@@ -97,7 +97,7 @@ class ClusterBackend(Backend):
         self.spread = spread
 
     def kwargs(self, **extra: Any) -> dict[str, Any]:
-        return {"prefix": self.prefix, "url": self.cluster.url, **({"spread": True} if self.spread else {}), **extra}
+        return {"prefix": self.prefix, "url": self.cluster.url, **({"spread": "segments"} if self.spread else {}), **extra}
 
     def keys(self) -> list[bytes]:
         """Every key under this test's prefix, on every node."""

@@ -270,7 +270,7 @@ def test_a_segment_whose_guard_is_gone_fails_fast(redis_cluster):
 
 
 def test_ring_calls_are_refused_with_a_clear_error(redis_cluster):
-    s = LazyStackedTensorDictStore(count=8, url=redis_cluster.url, prefix=PREFIX, spread=True)
+    s = LazyStackedTensorDictStore(count=8, url=redis_cluster.url, prefix=PREFIX, spread=True, shards=0)  # segments, not shards
     with pytest.raises(NotImplementedError, match="spread over several cluster nodes"):
         s.extend(lazy_stack([stamped(1)]))
     s.clear_redis()
@@ -389,7 +389,7 @@ def test_a_node_that_goes_down_fails_only_the_calls_that_need_it():
 
 
 def test_keys_a_schema_change_adds_take_the_stores_deadline(redis_cluster):
-    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, ttl=120)
+    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, shards=0, segment_bytes=128, ttl=120)
     s.set("obs", torch.zeros(30, 8))  # the first keys: the segments and their guards are made
     s.set("more", torch.ones(30, 4))
     client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
@@ -475,7 +475,7 @@ def test_delete_and_expiry_wait_for_a_schema_change_in_flight(redis_cluster):
 
 
 def test_a_first_change_rolled_back_leaves_no_guard_behind(redis_cluster, monkeypatch):
-    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, segment_bytes=128, ttl=5)
+    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, shards=0, segment_bytes=128, ttl=5)
     real_call = _scripts.call
 
     def fail_at_commit(client, name, keys, args, execute=None):

@@ -57,6 +57,14 @@ def test_spread_bench_compares_both_layouts_on_a_cluster() -> None:
 
 
 @pytest.mark.slow
+def test_sharded_bench_compares_a_sharded_ring_with_one_node() -> None:
+    out = _run("sharded_bench", "--count", "3000", "--reps", "2", "--writers", "2", "--seconds", "0.5")
+    for kind in ("uniform", "prioritized"):
+        assert re.search(rf"sample\(256\) {kind}\s*: one node [\d.]+ ms, sharded over 3 [\d.]+ ms, ratio [\d.]+x", out), out
+    assert re.search(r"2 writer processes, \d+ rows: script time per primary [\d.]+%, [\d.]+%, [\d.]+%", out), out
+
+
+@pytest.mark.slow
 def test_priority_bench_reports_both_operations_by_capacity() -> None:
     out = _run("priority_bench", "--capacities", "1000,5000", "--reps", "2")
     for cap in (1000, 5000):

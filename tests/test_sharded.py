@@ -1,0 +1,474 @@
+"""Sharded rings: one replay buffer over every primary of a Redis Cluster (``spread=True``).
+
+A sharded ring is K one-node rings on distinct primaries plus a layout key (``tdstore._sharded``).
+These tests run on a real cluster (the session's three primaries, or one of their own for a
+buffer larger than one node and for a node that goes away): placement, the global slot
+numbering, exact uniform and prioritized draws over unevenly filled shards (chi-square, seeded:
+deterministic), pops that hand each item out once across shards, processes sharing the buffer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+
+import pytest
+import torch
+from tensordict import TensorDict
+from test_replay import chi2_critical, chi_square
+
+from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+from tdstore.cluster_server import EmbeddedCluster
+
+PREFIX = "sharded"
+
+
+def rows(tags: torch.Tensor, width: int = 4) -> TensorDict:
+    """Rows whose every leaf is a function of their tag (a torn or misplaced row shows)."""
+    n = tags.numel()
+    return TensorDict(tag=tags, obs=tags.double().unsqueeze(-1).expand(n, width).clone(), neg=-tags, batch_size=[n])
+
+
+def whole(td: TensorDict) -> bool:
+    return torch.equal(td["obs"], td["tag"].double().unsqueeze(-1).expand_as(td["obs"])) and torch.equal(td["neg"], -td["tag"])
+
+
+def ring(cluster: EmbeddedCluster, count: int = 30, **kw) -> ShardedRing:
+    s = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, **kw)
+    assert isinstance(s, ShardedRing)
+    return s
+
+
+def keys_per_node(cluster: EmbeddedCluster, td_id: str) -> list[list[bytes]]:
+    out = []
+    for i in range(len(cluster.ports)):
+        node = cluster.node_client(i)
+        out.append(sorted(node.keys(f"{PREFIX}:{{{td_id}*")))
+        node.close()
+    return out
+
+
+def fill(s: ShardedRing, fills: list[int]) -> None:
+    """Give shard k ``fills[k]`` items (tags: the global slot), writing each shard directly."""
+    for k, n in enumerate(fills):
+        if n:
+            off = s.shard_offsets[k]
+            s.shards[k].extend(rows(torch.arange(off, off + n)))
+
+
+def test_shards_on_distinct_primaries_and_one_numbering(redis_cluster):
+    s = ring(redis_cluster, count=31)
+    assert len(s) == s.capacity == 31 and s.shard_counts == (11, 10, 10) and s.shard_offsets == [0, 11, 21]
+    assert len(set(s.shard_nodes())) == 3
+    w = s.extend(rows(torch.arange(100, 130)))  # larger than a shard: cut, one piece per shard, sent at once
+    assert sorted(w.indices.tolist()) == list(range(30)) or len(set(w.indices.tolist())) == 30
+    assert (w.generations == 1).all() and len(s.written) == 30 and s.write_count == 30
+    assert all(len(k) > 0 for k in keys_per_node(redis_cluster, s.td_id))  # keys on every primary
+    # every row is where the ring said it wrote it, read by global slot
+    got = s[w.indices]
+    assert torch.equal(got["tag"], torch.arange(100, 130)) and whole(got)
+    assert int(s[int(w.indices[7])]["tag"]) == 107
+    assert torch.equal(s["tag"][w.indices], torch.arange(100, 130))
+    # writes by global slot land on their shard
+    s[torch.tensor([0, 30])] = rows(torch.tensor([-5, -6]))
+    assert s[torch.tensor([30, 0])]["tag"].tolist() == [-6, -5]
+    # attach: by the constructor with the id, by from_store, by pickling
+    again = LazyStackedTensorDictStore(count=31, url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
+    other = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    copy = pickle.loads(pickle.dumps(s))
+    assert again.shard_ids == other.shard_ids == copy.shard_ids == s.shard_ids
+    assert copy.write_count == other.write_count == 30
+    with pytest.raises(ValueError, match="another layout"):
+        LazyStackedTensorDictStore(count=32, url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
+    assert s.clear_redis() > 0 and not any(keys_per_node(redis_cluster, s.td_id))
+    with pytest.raises(KeyError):
+        LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+
+
+def test_extends_fill_the_shards_evenly(redis_cluster):
+    s = ring(redis_cluster, count=300, shards=3)
+    for i in range(30):  # batches of 5 taken in turn: each shard gets 10 of them
+        s.extend(rows(torch.arange(5 * i, 5 * i + 5)))
+    assert [st.written for st in s.shard_states()] == [50, 50, 50]
+    assert len(s.written) == 150 and set(s.written) == set(range(0, 50)) | set(range(100, 150)) | set(range(200, 250))
+    tags = s[list(s.written)]["tag"]
+    assert sorted(tags.tolist()) == list(range(150)) and whole(s[list(s.written)])
+    s.clear_redis()
+
+
+def test_more_shards_than_primaries(redis_cluster):
+    s = ring(redis_cluster, count=12, shards=6)
+    assert len(s.shards) == 6 and len(set(s.shard_nodes())) == 3
+    w = s.extend(rows(torch.arange(12)))
+    assert sorted(w.indices.tolist()) == list(range(12))
+    assert whole(s[torch.arange(12)])
+    s.clear_redis()
+
+
+def test_uniform_draws_are_exact_over_unevenly_filled_shards(redis_cluster):
+    s = ring(redis_cluster, count=60)  # 20 slots per shard
+    fill(s, [20, 3, 11])  # one full shard, two partly filled
+    slots = torch.tensor(list(s.written))
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(60, dtype=torch.float64)
+    for _ in range(20):
+        got = s.sample(1000, gen)
+        assert torch.equal(got.td["tag"], got.indices) and whole(got.td)
+        counts += torch.bincount(got.indices, minlength=60).double()
+    expected = torch.zeros(60, dtype=torch.float64)
+    expected[slots] = 1 / len(slots)
+    assert chi_square(counts, expected) < chi2_critical(len(slots) - 1)
+    # a seeded generator draws the same batch again
+    a, b = s.sample(64, torch.Generator().manual_seed(5)), s.sample(64, torch.Generator().manual_seed(5))
+    assert torch.equal(a.indices, b.indices)
+    s.clear_redis()
+
+
+def test_prioritized_draws_are_exact_over_unevenly_filled_shards(redis_cluster):
+    s = ring(redis_cluster, count=60)
+    s.enable_priorities(alpha=0.7)
+    fill(s, [5, 20, 12])
+    slots = torch.tensor(list(s.written))
+    prio = (slots % 7).double() + (slots % 3 == 0).double() * 4  # some zeros: never drawn
+    assert s.update_priority(slots, prio).all()
+    weight = torch.zeros(60, dtype=torch.float64)
+    weight[slots] = prio**0.7
+    p = weight / weight.sum()
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.zeros(60, dtype=torch.float64)
+    for _ in range(20):
+        got = s.sample(1000, gen, beta=0.5)
+        counts += torch.bincount(got.indices, minlength=60).double()
+    assert chi_square(counts, p) < chi2_critical(int((p > 0).sum()) - 1)
+    # each row's probability is the one-node ring's, and the weights divide by the smallest over every shard
+    assert torch.allclose(got.probabilities, p[got.indices], rtol=1e-9)
+    low = p[p > 0].min()
+    assert torch.allclose(got.weights, ((p[got.indices] / low) ** -0.5).float())
+    # a uniform draw of a ring with priorities, on asking
+    assert set(s.sample(500, gen, prioritized=False).indices.tolist()) <= set(slots.tolist())
+    s.clear_redis()
+
+
+def test_update_priority_and_update_if_check_generations_across_shards(redis_cluster):
+    s = ring(redis_cluster, count=9)
+    s.enable_priorities(alpha=1.0)
+    w = s.extend(rows(torch.arange(9)))
+    got = s.sample(32, torch.Generator().manual_seed(0))
+    # a later lap overwrites one shard: the stale rows of that shard are skipped, the others applied
+    k = int(s._locate(got.indices[:1])[0])
+    lap = s.shards[k].extend(rows(torch.arange(100, 100 + s.shard_counts[k])))
+    stale = s._locate(got.indices) == k
+    assert torch.equal(s.update_priority(got.indices, 2.0, generation=got.generations), ~stale)
+    applied = s.update_if(got.indices, got.generations, rows(-got.td["tag"] - 1000))
+    assert torch.equal(applied, ~stale)
+    assert len(lap.indices) == s.shard_counts[k] and len(w.indices) == 9
+    s.clear_redis()
+
+
+def test_pop_hands_out_every_item_once_across_shards(redis_cluster):
+    s = ring(redis_cluster, count=30)
+    for i in range(6):
+        s.extend(rows(torch.arange(4 * i, 4 * i + 4)))
+    seen = []
+    while True:
+        try:
+            p = s.pop(3, timeout=0)
+        except TimeoutError:
+            break
+        assert whole(p.td) and torch.equal(s[p.indices]["tag"], p.td["tag"])
+        seen += p.td["tag"].tolist()
+    assert sorted(seen) == list(range(24))
+    # leased: an item not acked comes back; an acked one does not
+    s.extend(rows(torch.tensor([50, 51])))
+    first = s.pop(2, lease=60)
+    with s.pop(2, lease=60, timeout=0) if len(first.indices) < 2 else first as got:
+        assert set(got.td["tag"].tolist()) <= {50, 51}
+    if got is not first:
+        assert s.ack(first) == len(first.indices)
+    with pytest.raises(TimeoutError):
+        s.pop(1, timeout=0)
+    with pytest.raises(ValueError, match="ShardReceipt"):
+        s.ack("nope")
+    s.clear_redis()
+
+
+def test_rate_limiter_and_queue_hold_on_every_shard(redis_cluster):
+    s = ring(redis_cluster, count=30)
+    s.set_rate_limit(min_size=9)
+    assert [sh.sampling_policy.limit.min_size for sh in s.shards] == [3, 3, 3]
+    with pytest.raises(TimeoutError):
+        s.sample(4, timeout=0.05)  # nothing written: no item will come
+    for i in range(3):
+        s.extend(rows(torch.arange(3 * i, 3 * i + 3)))
+    assert len(s.sample(16).indices) == 16
+    s.clear_rate_limit()
+    s.set_rate_limit(min_size=3, samples_per_insert=1.0, error_buffer=6.0)
+    assert [sh.sampling_policy.limit is not None for sh in s.shards] == [True] * 3
+    s.set_queue(True)
+    assert all(sh.sampling_policy.queue for sh in s.shards)
+    s.clear_redis()
+
+
+# -- processes --------------------------------------------------------------------------------
+
+ACTORS, LEARNERS, ROUNDS, CHUNK, CAP = 4, 2, 12, 5, 300
+SPI, MIN_SIZE, BUFFER = 2.0, 12, 60.0
+BATCH = 8
+
+
+def priority_of(tag: torch.Tensor) -> torch.Tensor:
+    return torch.where(tag % 7 == 0, torch.zeros_like(tag, dtype=torch.float64), 1.0 + (tag % 5).double())
+
+
+def _actor(url: str, td_id: str, a: int, out: mp.Queue) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    for r in range(ROUNDS):
+        tags = torch.arange(CHUNK) + 1000 * a + CHUNK * r + 1
+        store.extend(rows(tags), priority=priority_of(tags), timeout=60)
+    out.put(("actor", a, 0))
+
+
+def _learner(url: str, td_id: str, k: int, samples: int, out: mp.Queue) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    gen = torch.Generator().manual_seed(k)
+    bad = 0
+    for _ in range(samples):
+        s = store.sample(BATCH, gen, timeout=60)
+        bad += int(not whole(s.td)) + int(bool((priority_of(s.td["tag"]) == 0).any()))
+        store.update_priority(s.indices, priority_of(s.td["tag"]), generation=s.generations)
+    out.put(("learner", k, bad))
+
+
+def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffer(redis_cluster):
+    store = ring(redis_cluster, count=CAP)
+    store.enable_priorities(alpha=0.8)
+    store.set_rate_limit(min_size=MIN_SIZE, samples_per_insert=SPI, error_buffer=BUFFER)
+    inserts = ACTORS * ROUNDS * CHUNK
+    # the learners take what the ratio allows once all is inserted, less the limiter's offset: the actors can
+    # finish (samples within the buffers of inserts * SPI), and so can the learners (each shard's share within its buffer)
+    per_learner = int(inserts * SPI - SPI * MIN_SIZE) // (LEARNERS * BATCH)
+    ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_actor, args=(redis_cluster.url, store.td_id, a, out)) for a in range(ACTORS)]
+    procs += [ctx.Process(target=_learner, args=(redis_cluster.url, store.td_id, k, per_learner, out)) for k in range(LEARNERS)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [r[2] for r in results] == [0] * len(procs)  # every row whole, none of priority 0
+    assert store.write_count == inserts and len(store.written) == inserts
+    tags = store[list(store.written)]["tag"]
+    assert sorted(tags.tolist()) == sorted(1000 * a + CHUNK * r + i + 1 for a in range(ACTORS) for r in range(ROUNDS) for i in range(CHUNK))
+    # under the limiter each actor writes to a shard that admits it, the next in turn first: all are used
+    assert sum(st.written for st in store.shard_states()) == inserts and all(st.written > inserts // 6 for st in store.shard_states())
+    store.clear_redis()
+
+
+def _popper(url: str, td_id: str, out: mp.Queue) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    got = []
+    while True:
+        p = store.pop(2, timeout=60)
+        tags = p.td["tag"].tolist()
+        got += [t for t in tags if t >= 0]
+        if any(t < 0 for t in tags):
+            break
+    out.put(got)
+
+
+def _queue_writer(url: str, td_id: str, w: int) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    for start in range(0, 30, 3):
+        store.extend(rows(torch.arange(start, start + 3) + 1000 * (w + 1)), timeout=60)
+
+
+def test_writers_and_readers_of_a_sharded_queue_get_every_item_once(redis_cluster):
+    store = ring(redis_cluster, count=24)
+    store.set_queue(True)
+    ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+    out: mp.Queue = ctx.Queue()
+    readers = [ctx.Process(target=_popper, args=(redis_cluster.url, store.td_id, out)) for _ in range(2)]
+    writers = [ctx.Process(target=_queue_writer, args=(redis_cluster.url, store.td_id, w)) for w in range(3)]
+    for p in readers + writers:
+        p.start()
+    for p in writers:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    for k in range(3):  # one sentinel per shard: every reader meets one (a reader stops at its first)
+        store.shards[k].extend(rows(torch.full((1,), -1)), timeout=60)
+    got = [out.get(timeout=120) for _ in readers]
+    for p in readers:
+        p.join(timeout=60)
+    left = []
+    while True:
+        try:
+            left += [t for t in store.pop(8, timeout=0).td["tag"].tolist() if t >= 0]
+        except TimeoutError:
+            break
+    tags = [t for part in got for t in part] + left
+    assert len(tags) == len(set(tags)) == 90 and set(tags) == {1000 * (w + 1) + i for w in range(3) for i in range(30)}
+    store.clear_redis()
+
+
+# -- a cluster of its own ---------------------------------------------------------------------
+
+#: Rows of 256 KiB less 64 bytes: a segment of four is just under 1 MiB, one jemalloc size class (a blob of
+#: 1 MiB plus its header would take the 1.25 MiB class: a quarter of the node's memory lost to rounding).
+ROW_FLOATS = 64 * 1024 - 16
+
+
+def _big_writer(url: str, td_id: str, w: int, batches: int, per: int) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    for b in range(batches):
+        tags = torch.arange(per) + (w * batches + b) * per
+        store.extend(TensorDict(tag=tags, obs=tags.float().unsqueeze(-1) + torch.arange(ROW_FLOATS).float(), batch_size=[per]))
+
+
+@pytest.mark.slow
+def test_a_buffer_larger_than_one_node(tmp_path):
+    """Three primaries of 64 MB (noeviction) hold a 150 MB buffer filled by three processes: every row exact."""
+    with EmbeddedCluster(extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")) as cluster:
+        count, per, writers = 576, 4, 3  # 576 rows of ~256 KiB: 151 MB, 50 MB per shard, in segments of four rows
+        store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=1 << 20)
+        batches = count // (per * writers)
+        ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+        procs = [ctx.Process(target=_big_writer, args=(cluster.url, store.td_id, w, batches, per)) for w in range(writers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            assert p.exitcode == 0
+        assert len(store.written) == count and store.write_count == count
+        seen = []
+        for start in range(0, count, 48):
+            got = store[torch.arange(start, start + 48)]
+            assert torch.equal(got["obs"], got["tag"].float().unsqueeze(-1) + torch.arange(ROW_FLOATS).float())
+            seen += got["tag"].tolist()
+        assert sorted(seen) == list(range(count))
+        used = [cluster.node_client(i).info("memory")["used_memory"] for i in range(3)]
+        assert sum(used) > 150_000_000 and all(u < 64 << 20 for u in used)
+        assert all(abs(u - sum(used) / 3) < 0.25 * sum(used) / 3 for u in used)  # about a third each
+        store.clear_redis()
+
+
+def test_a_node_down_names_its_shard_and_the_others_serve():
+    with EmbeddedCluster() as cluster:
+        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True)
+        s.extend(rows(torch.arange(30)))
+        before = s[torch.arange(30)]["tag"]
+        nodes = s.shard_nodes()
+        layout_node = s._client.get_node_from_key(s._keys.shards).name
+        down = next(k for k in range(3) if nodes[k] != layout_node)  # the layout key stays up
+        port = int(nodes[down].rsplit(":", 1)[1])
+        cluster.stop_node(cluster.ports.index(port))
+        with pytest.raises(ShardUnavailableError, match=f"shard {down} .*{nodes[down]}") as err:
+            s[s.shard_offsets[down]]["tag"].item()
+        assert err.value.shard == down and isinstance(err.value, ConnectionError)
+        up = (down + 1) % 3
+        assert int(s[s.shard_offsets[up]]["tag"]) == before[s.shard_offsets[up]]  # another shard serves meanwhile
+        s.shards[up].extend(rows(torch.tensor([77])))
+        cluster.start_node(cluster.ports.index(port))
+        # its node is back (empty: these nodes keep nothing on disk): the shard is made again by attaching
+        again = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
+        assert again.shard_states()[down].written == 0 and again.shard_states()[up].written == 10
+        s.close()
+
+
+# -- torchrl ----------------------------------------------------------------------------------
+
+
+def _rl_attach(url: str, td_id: str, out: mp.Queue) -> None:
+    from tdstore.torchrl import attach
+
+    rb = attach(td_id, url=url, prefix=PREFIX, spread=True, batch_size=16, sampler="prioritized")
+    rb.extend(
+        TensorDict(
+            tag=torch.arange(100, 110), obs=torch.arange(100, 110).double().unsqueeze(-1), neg=-torch.arange(100, 110), batch_size=[10]
+        )
+    )
+    s = rb.sample()
+    out.put((len(rb), bool(whole(s.exclude("index", "priority_weight"))), s["priority_weight"].shape[0]))
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sampler):
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=32, sampler=sampler)
+    rb.extend(rows(torch.arange(30), width=1))
+    ring = rb.storage._store
+    assert isinstance(ring, ShardedRing) and len(rb) == 30
+    s = rb.sample()
+    assert whole(s.exclude(*[k for k in ("index", "priority_weight") if k in s.keys()]))
+    assert torch.equal(ring[s["index"]]["tag"], s["tag"])
+    if sampler == "prioritized":
+        rb.update_priority(s["index"], torch.rand(32) + 0.1)
+        ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+        out: mp.Queue = ctx.Queue()
+        p = ctx.Process(target=_rl_attach, args=(redis_cluster.url, rb.storage.td_id, out))
+        p.start()
+        n, ok, b = out.get(timeout=120)
+        p.join(timeout=60)
+        assert p.exitcode == 0 and ok and b == 16 and ring.write_count == 40 and n == len(rb)
+    ring.clear_redis()
+
+
+def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
+    import subprocess
+    import sys
+
+    s = ring(redis_cluster, count=30)
+    s.extend(rows(torch.arange(14)))
+    run = [sys.executable, "-m", "tdstore"]
+    ls = subprocess.run([*run, "ls", "--prefix", PREFIX, "--url", redis_cluster.url], capture_output=True, text=True, check=True)
+    line = next(x for x in ls.stdout.splitlines() if x.startswith(s.td_id + " "))
+    assert "sharded/3" in line and "14/30" in line
+    assert sum(f"{s.td_id} ~shard" in x for x in ls.stdout.splitlines()) == 3
+    info = subprocess.run(
+        [*run, "info", s.td_id, "--prefix", PREFIX, "--url", redis_cluster.url], capture_output=True, text=True, check=True
+    )
+    assert "sharded ring" in info.stdout and "written 14/30" in info.stdout
+    for k, node in enumerate(s.shard_nodes()):
+        assert f"shard {k}: {s.shard_ids[k]} on {node}" in info.stdout
+    s.clear_redis()
+
+
+@pytest.mark.slow
+def test_demo_replay_on_a_sharded_ring(redis_cluster):
+    """``tdstore demo --cluster --spread --replay``: actors and a learner on a sharded, prioritized, rate-limited buffer."""
+    import io
+
+    from tdstore.demo import run_demo
+
+    out = io.StringIO()
+    got = run_demo(
+        url=redis_cluster.url,
+        actors=2,
+        count=48,
+        seconds=1.0,
+        batch=16,
+        prefix="demo-sharded",
+        progress=False,
+        out=out,
+        spread=True,
+        replay=True,
+    )
+    assert got["ok"] and got["torn"] == 0 and got["verified"] == 48 and got["lost_writes"] == 0
+    assert "sharded over 3 primaries" in got["server"]
+
+
+def test_max_times_sampled_retires_slots_on_every_shard(redis_cluster):
+    s = ring(redis_cluster, count=12)
+    s.enable_priorities(alpha=1.0, max_times_sampled=1)
+    fill(s, [4, 4, 4])
+    seen: list[int] = []
+    gen = torch.Generator().manual_seed(3)
+    while len(seen) < 12:
+        got = s.sample(1, gen)
+        seen += got.indices.tolist()
+    assert sorted(seen) == list(range(12))  # each slot drawn once, then retired, whichever shard holds it
+    with pytest.raises((ValueError, TimeoutError)):
+        s.sample(1, gen)
+    s.clear_redis()
