@@ -948,6 +948,7 @@ class _ShardedEngine:
 
     def __init__(self, ring: ShardedRing) -> None:
         self._ring = ring
+        self.ring_full = False  # torchrl's readers saw every slot of every shard written (counts only grow)
 
     @property
     def header(self) -> Any:
