@@ -15,16 +15,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DenseShapeError, LeaseLostError, QueueOverrunError, ShardUnavailableError, StoreDamagedError
-from ._headerinfo import StoreFormatError
+from tdstore import _moved
+from tdstore._errors import DenseShapeError, LeaseLostError, QueueOverrunError, ShardUnavailableError, StoreDamagedError
+from tdstore._format.header_info import StoreFormatError
+
+_moved.install()  # old module paths still import: pickles made before the layout step load
 
 if TYPE_CHECKING:
-    from ._checkpoint import export_checkpoint, import_checkpoint
-    from ._connection import PasswordError
-    from ._reference import import_reference
-    from ._sharded import ShardedRing
-    from .lazy import LazyStackedTensorDictStore
-    from .store import TensorDictStore, register_tensorclass
+    from tdstore._checkpoint.export_import import export_checkpoint, import_checkpoint
+    from tdstore._checkpoint.reference import import_reference
+    from tdstore._engine.connection import PasswordError
+    from tdstore._shards.ring import ShardedRing
+    from tdstore.lazy import LazyStackedTensorDictStore
+    from tdstore.store import TensorDictStore, register_tensorclass
 
 __all__ = [
     "LazyStackedTensorDictStore",
@@ -47,12 +50,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "LazyStackedTensorDictStore": "lazy",
     "TensorDictStore": "store",
-    "ShardedRing": "_sharded",
+    "ShardedRing": "_shards.ring",
     "register_tensorclass": "store",
-    "PasswordError": "_connection",
-    "export_checkpoint": "_checkpoint",
-    "import_checkpoint": "_checkpoint",
-    "import_reference": "_reference",
+    "PasswordError": "_engine.connection",
+    "export_checkpoint": "_checkpoint.export_import",
+    "import_checkpoint": "_checkpoint.export_import",
+    "import_reference": "_checkpoint.reference",
 }
 
 

@@ -7,7 +7,7 @@ run the CLI again.
 
 import sys
 
-from .cli import main
+from tdstore.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ class StoreDamagedError(KeyError):
     """Keys of the store are lost or cut short (evicted under ``maxmemory``, deleted by hand).
 
     A subclass of ``KeyError``, which a store that is gone as a whole raises too. Nothing
-    was read or written by the call that raised it; see ``tdstore._integrity``.
+    was read or written by the call that raised it; see ``tdstore._format.integrity``.
     """
 
     def __init__(self, message: str, *, named: bool = True) -> None:
@@ -54,7 +54,7 @@ class LeaseLostError(RuntimeError):
 class MustWait(Exception):
     """The server held a ring call back (a ``WAIT`` reply): nothing was read or written.
 
-    Internal: ``_waiting`` catches it, waits for the store's next event and tries again,
+    Internal: ``_ring.waiting`` catches it, waits for the store's next event and tries again,
     or raises ``TimeoutError`` with :attr:`message`.
     """
 

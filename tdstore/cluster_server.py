@@ -24,7 +24,7 @@ from typing import Any, Self
 import redis
 from redis.cluster import RedisCluster
 
-from .server import EmbeddedServer, ServerStartError
+from tdstore.server import EmbeddedServer, ServerStartError
 
 __all__ = ["EmbeddedCluster"]
 

@@ -10,7 +10,7 @@ and write stays one atomic script call.  A batch size of ``[]`` is a stack of on
 element whose stack dim the class hides (the header says ``batchless``).  The
 header says ``type: dense``, so a lazy handle never opens a dense store by
 mistake, nor the other way round.  The first dim is also a ring (``extend``,
-``sample``, priorities, limiter, queue, leases: ``_dense_ring``), the lazy store's.
+``sample``, priorities, limiter, queue, leases: ``_ring.dense_methods``), the lazy store's.
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
-from . import _index, _nontensor, _whole_store
-from ._common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
-from ._connection import open_client
-from ._dense_ring import DenseRing
-from ._engine import Engine, new_td_id
-from ._keys import StoreKeys
-from ._schema import NestedPath
-from ._values import as_path, display
-from ._view import StackView
-from .lazy import LazyStackedTensorDictStore, attach
+from tdstore._engine import whole_store as _whole_store
+from tdstore._engine.connection import open_client
+from tdstore._engine.engine import Engine, new_td_id
+from tdstore._format import nontensor as _nontensor
+from tdstore._format.keys import StoreKeys
+from tdstore._format.schema import NestedPath
+from tdstore._front.common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
+from tdstore._front.stack_view import StackView
+from tdstore._plan import index as _index
+from tdstore._plan.values import as_path, display
+from tdstore._ring.dense_methods import DenseRing
+from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 
 def _check_batch_size(batch_size: Any) -> torch.Size:
@@ -165,8 +167,8 @@ class TensorDictStore(DenseRing, StackView):
         :meth:`from_store` gives the class back.  The store appears on the server
         only when the upload is complete (one atomic commit), as for lazy uploads.
         """
-        from . import _tensorclass
-        from ._upload import upload
+        from tdstore._format import tensorclass as _tensorclass
+        from tdstore._front.upload import upload
 
         tc_name = _tensorclass.name_of(td)
         if is_tensorclass(td):
@@ -225,7 +227,7 @@ class TensorDictStore(DenseRing, StackView):
         No data is built in local memory or sent: one atomic call makes the server
         allocate every entry as zero bytes.
         """
-        from ._codec import dtype_name
+        from tdstore._format.codec import dtype_name
 
         store = cls(batch_size=batch_size, **kwargs)
         specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -268,7 +270,7 @@ class TensorDictStore(DenseRing, StackView):
         naming the class path and how to pass it.  An unknown ``td_id`` raises
         ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and server.
         """
-        from . import _tensorclass
+        from tdstore._format import tensorclass as _tensorclass
 
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
@@ -280,7 +282,7 @@ class TensorDictStore(DenseRing, StackView):
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store")
         return _tensorclass.wrap(cls._open_view(store), engine.header.tensorclass, tensorclass_cls)
 
-    # -- device, repr (identity and schema: ``_identity.StoreIdentity``) ----------------------
+    # -- device, repr (identity and schema: ``_front.identity.StoreIdentity``) ----------------------
     @property
     def _backend(self) -> str:
         return self._ops.backend
@@ -356,7 +358,7 @@ class TensorDictStore(DenseRing, StackView):
         engine.set_header(header)
         return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))
 
-    # -- writes (``_write_surface.WriteSurface``): whole entries are one tensor per key
+    # -- writes (``_front.write_surface.WriteSurface``): whole entries are one tensor per key
     def _stack_values(self, items: dict[NestedPath, Any], whole: bool) -> dict[NestedPath, Any]:
         return _dense_values(items, self._batchless and whole)
 

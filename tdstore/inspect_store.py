@@ -1,7 +1,7 @@
 """Read what stores a server holds, for ``tdstore ls``, ``info``, ``check`` and ``rm`` (no printing here).
 
 Everything is read from the store headers and the registry set of a prefix (see
-:mod:`tdstore._keys`); nothing the server names is ever imported or unpickled:
+:mod:`tdstore._format.keys`); nothing the server names is ever imported or unpickled:
 dtypes go through tdstore's allow-list and leaf paths stay plain strings.  The
 registry may name stores that expired with their TTL; listing skips those
 without changing the server, and only ``tdstore rm`` removes such an entry.
@@ -10,25 +10,26 @@ Sizes and TTLs are read just after the headers, not atomically with them: an
 inspection is a snapshot for a human, while every data operation is checked by
 the server itself.
 
-The parts: :mod:`tdstore._inspect_connect` (the connection and its errors),
-:mod:`tdstore._inspect_read` (headers and sizes), :mod:`tdstore._inspect_audit`
-(``check``), :mod:`tdstore._inspect_results` (what they return); this module
+The parts: :mod:`tdstore._inspect.connect` (the connection and its errors),
+:mod:`tdstore._inspect.headers` (headers and sizes), :mod:`tdstore._inspect.audit`
+(``check``), :mod:`tdstore._inspect.results` (what they return); this module
 gathers them and deletes stores (``rm``).
 
 Nothing here imports torch or tensordict (``tdstore ls`` answers in a fraction
-of a second): headers are read by :mod:`tdstore._headerinfo`, and ``rm`` runs
+of a second): headers are read by :mod:`tdstore._format.header_info`, and ``rm`` runs
 ``clear.lua`` itself.  Only deleting a spread store goes through the store class
-(its delete takes the schema lock on every node, see ``_spread``).
+(its delete takes the schema lock on every node, see ``_engine.spread``).
 """
 
 from __future__ import annotations
 
 import redis
 
-from . import _batches
-from ._headerinfo import DELETING, HeaderInfo, StoreFormatError
-from ._inspect_audit import audit
-from ._inspect_connect import (
+from tdstore._engine import batches as _batches
+from tdstore._format.header_info import DELETING, HeaderInfo, StoreFormatError
+from tdstore._format.keys import StoreKeys, registry_key
+from tdstore._inspect.audit import audit
+from tdstore._inspect.connect import (
     CONNECT_TIMEOUT,
     DEFAULT_URL,
     REPLY_TIMEOUT,
@@ -40,19 +41,8 @@ from ._inspect_connect import (
     connect,
     resolve_url,
 )
-from ._inspect_read import describe_policy, inspect_for_delete, list_stores, lookup, read_header, store_info, store_layout
-from ._inspect_results import (
-    Audit,
-    Deletion,
-    LeafInfo,
-    Listing,
-    NoSuchStore,
-    StoreBusy,
-    StoreInfo,
-    Unreadable,
-    UnreadableStore,
-)
-from ._keys import StoreKeys, registry_key
+from tdstore._inspect.headers import describe_policy, inspect_for_delete, list_stores, lookup, read_header, store_info, store_layout
+from tdstore._inspect.results import Audit, Deletion, LeafInfo, Listing, NoSuchStore, StoreBusy, StoreInfo, Unreadable, UnreadableStore
 
 __all__ = [
     "Audit",
@@ -136,7 +126,7 @@ def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
 
 
 def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo, spec: str | None = None) -> int | None:
-    """``clear.lua`` on a store whose keys are all in one slot (in batches above ``_batches.BATCH_KEYS``):
+    """``clear.lua`` on a store whose keys are all in one slot (in batches above ``_engine.batches.BATCH_KEYS``):
     keys deleted, or None when the header moved on."""
     from redis.cluster import RedisCluster
 
@@ -157,7 +147,7 @@ def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo, spec: str |
 
 def _delete_spread(client: redis.Redis, prefix: str, td_id: str) -> Deletion:
     """A spread store, through the store class (this imports torch)."""
-    from .store import TensorDictStore
+    from tdstore.store import TensorDictStore
 
     try:
         store = TensorDictStore.from_store(client=client, prefix=prefix, td_id=td_id)

@@ -1,7 +1,7 @@
 """``LazyStackedTensorDictStore``: a lazy stack of tensordicts that lives on a Redis-wire server.
 
 The class is a ``StoreBase`` (identity, writes, tensordict's surface) plus the mixins only the
-lazy store has (``_lazy_state`` lists them);
+lazy store has (``_front.state`` lists them);
 this module holds its construction, identity and pickling, the views it hands out, and
 :class:`LazyStackOps`, the internal interface its views and the dense ``TensorDictStore`` use.
 """
@@ -15,19 +15,19 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.base import NO_DEFAULT
 
-from . import _nontensor
-from ._common import fetch_existing, ttl_to_ms
-from ._connection import open_client
-from ._engine import Engine, new_td_id
-from ._keys import StoreKeys
-from ._lazy_element import ElementView
-from ._lazy_keys import LazyKeys
-from ._lazy_lifecycle import LazyLifecycle
-from ._lazy_reads import LazyReads
-from ._replay import ReplayMethods
-from ._schema import Header, NestedPath
-from ._store_base import StoreBase
-from ._values import as_path, check_device, usable_device
+from tdstore._engine.connection import open_client
+from tdstore._engine.engine import Engine, new_td_id
+from tdstore._format import nontensor as _nontensor
+from tdstore._format.keys import StoreKeys
+from tdstore._format.schema import Header, NestedPath
+from tdstore._front.common import fetch_existing, ttl_to_ms
+from tdstore._front.element import ElementView
+from tdstore._front.key_changes import LazyKeys
+from tdstore._front.lifecycle import LazyLifecycle
+from tdstore._front.reading import LazyReads
+from tdstore._front.store_base import StoreBase
+from tdstore._plan.values import as_path, check_device, usable_device
+from tdstore._ring.lazy_methods import ReplayMethods
 
 
 class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, StoreBase):
@@ -71,7 +71,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             atomic per segment; ring calls (``extend``, ``sample``) are refused.
             See "Spread stores" in the README. Ignored on one server.
             On a cluster, the constructor's ``spread=True`` makes a *sharded ring*
-            instead (a ``ShardedRing``: one ring per primary, see ``_sharded``), unless
+            instead (a ``ShardedRing``: one ring per primary, see ``_shards.ring``), unless
             ``shards=0`` or ``spread="segments"``, which keep the segments layout above.
         shards: with ``spread=True`` on a cluster, the number of shards of the ring
             (default: one per primary; ``0``: a spread store of segments, not a ring).
@@ -82,7 +82,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
-            from . import _sharded
+            from tdstore._shards import ring as _sharded
 
             if _sharded.wants_shards(kwargs):
                 return _sharded.ShardedRing(**kwargs)
@@ -203,7 +203,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             engine.set_header(fetch_existing(engine))
         except KeyError:
             if spec.cluster and redis_client.exists(engine.keys.shards):  # a sharded ring (spread=True)
-                from ._sharded import ShardedRing
+                from tdstore._shards.ring import ShardedRing
 
                 kw = {"client": redis_client, "prefix": prefix, "td_id": td_id, "device": device, "readonly": readonly}
                 return ShardedRing(backend=backend, cache_metadata=cache_metadata, **kw)  # type: ignore[return-value]
@@ -251,7 +251,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         ranges of elements that each fit it. ``spread=True`` spreads the segments
         over the nodes of a Redis Cluster (see the constructor).
         """
-        from ._upload import upload
+        from tdstore._front.upload import upload
 
         ttl_ms = ttl_to_ms(ttl)
         redis_client, spec, owned = open_client(
@@ -270,7 +270,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             f"{cls.__name__}.from_dict is not supported; build a lazy stack and call {cls.__name__}.from_lazy_stack(...)"
         )
 
-    # -- device and repr (identity and schema: ``_identity.StoreIdentity``) ---------------------
+    # -- device and repr (identity and schema: ``_front.identity.StoreIdentity``) ---------------------
     @property
     def device(self) -> torch.device | None:
         return self._device
@@ -313,7 +313,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
 
     @property
     def stack_ops(self) -> LazyStackOps:
-        """Internal: the reads and writes this store's views run on it (see :class:`~tdstore._common.StackOps`)."""
+        """Internal: the reads and writes this store's views run on it (see :class:`~tdstore._front.common.StackOps`)."""
         return LazyStackOps(self)
 
     def __reduce__(self) -> Any:
@@ -348,7 +348,7 @@ def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_
 
 
 class LazyStackOps:
-    """The :class:`~tdstore._common.StackOps` of a lazy store: its own reads and writes, for the views of it."""
+    """The :class:`~tdstore._front.common.StackOps` of a lazy store: its own reads and writes, for the views of it."""
 
     def __init__(self, store: LazyStackedTensorDictStore) -> None:
         self._store = store

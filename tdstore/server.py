@@ -36,8 +36,8 @@ from typing import IO, Any, Self
 
 import redis
 
-from ._server_binary import SERVER_ENV, find_redis_server, resolve_binary
-from ._server_tools import check_loopback, commandstats
+from tdstore._servers.binary import SERVER_ENV, find_redis_server, resolve_binary
+from tdstore._servers.probes import check_loopback, commandstats
 
 __all__ = [
     "SERVER_ENV",

@@ -7,7 +7,7 @@ tensorclass) a dense :class:`~tdstore.TensorDictStore`.
 
 from __future__ import annotations
 
-from ._tensorclass import register_tensorclass
-from .dense import TensorDictStore
+from tdstore._format.tensorclass import register_tensorclass
+from tdstore.dense import TensorDictStore
 
 __all__ = ["TensorDictStore", "register_tensorclass"]

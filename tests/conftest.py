@@ -164,9 +164,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     size = config.getoption("--segment-bytes")
     if size:
-        import tdstore._segments
+        import tdstore._format.segments
 
-        tdstore._segments.DEFAULT_SEGMENT_BYTES = size
+        tdstore._format.segments.DEFAULT_SEGMENT_BYTES = size
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,7 +12,7 @@ from helpers import assert_same, make_stack
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._codec import DTYPES
+from tdstore._format.codec import DTYPES
 
 
 def test_constructor_keywords_and_attach(backend):
@@ -73,7 +73,7 @@ def test_upload_checks_before_writing(backend):
 
 
 def test_failed_upload_leaves_no_keys(backend, monkeypatch):
-    import tdstore._upload as up
+    import tdstore._front.upload as up
 
     calls = {"n": 0}
     real_chunks = up._chunks
@@ -100,7 +100,7 @@ def test_upload_in_chunks_with_progress_bar(backend, capsys):
 
 
 def test_reader_never_sees_a_half_uploaded_store(real):
-    import tdstore._upload as up
+    import tdstore._front.upload as up
 
     seen = []
     real_chunks = up._chunks
@@ -340,7 +340,7 @@ def test_write_that_would_outgrow_the_server_limit_writes_nothing():
 
 
 def test_urls_never_carry_secrets(real, redis_server):
-    from tdstore._connection import open_client
+    from tdstore._engine.connection import open_client
 
     client = real.client()
     client.execute_command("ACL", "SETUSER", "pct", "on", ">p@ss/w:rd", "~*", "+@all")

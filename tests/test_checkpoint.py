@@ -1,4 +1,4 @@
-"""Checkpoints (``tdstore._checkpoint``): rows, ring state, priorities and policy written to disk and restored.
+"""Checkpoints (``tdstore._checkpoint.export_import``): rows, ring state, priorities and policy written to disk and restored.
 
 Round trips run on redis-server and fakeredis; the torchrl ones go through ``rb.dumps``/``rb.loads``.
 """
@@ -17,8 +17,10 @@ from conftest import Backend
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, lazy_stack, tensorclass
 
 import tdstore
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _checkpoint, _upload
-from tdstore._checkpoint import CheckpointError, export_checkpoint, import_checkpoint, read_meta
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._checkpoint import export_import as _checkpoint
+from tdstore._checkpoint.export_import import CheckpointError, export_checkpoint, import_checkpoint, read_meta
+from tdstore._front import upload as _upload
 from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 
@@ -89,7 +91,7 @@ def test_lazy_store_round_trip_keeps_every_key_and_a_wrapped_ring(be: Backend, t
     assert_same_rows(store, back)
     slots = torch.arange(6)
     # generations follow from the ring write count: slot 0..2 written twice, 3..5 once
-    from tdstore._ring import generations
+    from tdstore._ring.extend import generations
 
     assert generations(slots, back.write_count, 6).tolist() == [2, 2, 2, 1, 1, 1]
     assert back[1]["txt"] == {"step": 7, "name": "t7"}
@@ -460,7 +462,7 @@ def _reference_kwargs(real: Backend) -> dict[str, Any]:
 def test_a_dense_reference_store_is_copied_into_tdstore(real: Backend) -> None:
     from tensordict.store import TensorDictStore as ReferenceStore
 
-    from tdstore._reference import import_reference
+    from tdstore._checkpoint.reference import import_reference
 
     data = Step(obs=torch.randn(5, 3), reward=torch.arange(5.0), batch_size=[5])
     ref = ReferenceStore.from_tensordict(data, **_reference_kwargs(real))
@@ -490,7 +492,7 @@ def test_a_lazy_reference_store_is_copied_into_tdstore(real: Backend) -> None:
 def test_reference_json_values_are_copied_and_pickled_ones_refused(real: Backend) -> None:
     from tensordict.store import TensorDictStore as ReferenceStore
 
-    from tdstore._reference import ReferenceStoreError, import_reference
+    from tdstore._checkpoint.reference import ReferenceStoreError, import_reference
 
     ref = ReferenceStore.from_tensordict(TensorDict(x=torch.zeros(3), batch_size=[3]), **_reference_kwargs(real))
     ref.set("run", NonTensorData({"name": "exp-1"}, batch_size=[3]))

@@ -24,7 +24,7 @@ from tensordict import TensorDict, lazy_stack
 
 import tdstore
 from tdstore import LazyStackedTensorDictStore
-from tdstore._keys import StoreKeys, registry_key
+from tdstore._format.keys import StoreKeys, registry_key
 from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 

@@ -32,7 +32,7 @@ from redis.retry import Retry
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore
-from tdstore._connection import TLSHandshakeError
+from tdstore._engine.connection import TLSHandshakeError
 from tdstore.server import EmbeddedServer
 
 pytestmark = pytest.mark.ring

@@ -227,7 +227,7 @@ class Unregistered:
 
 
 def test_tensorclass_round_trip_by_allow_list(backend, monkeypatch):
-    monkeypatch.setattr(tdstore._tensorclass, "_REGISTRY", {})  # registrations stay inside this test
+    monkeypatch.setattr(tdstore._format.tensorclass, "_REGISTRY", {})  # registrations stay inside this test
     tc = Transition(obs=torch.ones(4, 2), reward=torch.arange(4.0), batch_size=[4])
     out = TensorDictStore.from_tensordict(tc, **backend.kwargs())  # the store, as tensordict.store returns
     assert (

@@ -21,9 +21,9 @@ from helpers import round_trips, top_level_commands
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack
 from test_replay import chi2_critical, chi_square
 
-import tdstore._leases
+import tdstore._ring.leases
 from tdstore import DenseShapeError, LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore
-from tdstore._leases import LeasedSample
+from tdstore._ring.leases import LeasedSample
 
 pytestmark = pytest.mark.ring
 
@@ -135,16 +135,16 @@ def test_pops_plain_and_leased_in_write_order(one_node):
 def test_a_resent_leased_pop_gets_the_same_rows_and_an_expired_lease_comes_back(one_node, monkeypatch):
     store = TensorDictStore(batch_size=[8], **one_node.kwargs())
     store.extend(rows(0, 6))
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "resent-1")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "resent-1")
     first = store.pop(2, lease=LONG)
     again = store.pop(2, lease=LONG)  # what a resend after a lost reply sends: the same receipt
     assert again.td["tag"].tolist() == first.td["tag"].tolist() == [0, 1] and again.deadline_ms == first.deadline_ms
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "short")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "short")
     short = store.pop(1, lease=0.05)
     t = store._engine.client.time()
     while int(t[0]) * 1000 + int(t[1]) // 1000 <= short.deadline_ms:  # the server's clock, never a timer race
         t = store._engine.client.time()
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "later")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "later")
     back = store.pop(10, lease=LONG)
     assert type(back.td) is TensorDict and back.td["tag"].tolist() == [2, 3, 4, 5]
     assert back.redelivered.tolist() == [True, False, False, False]

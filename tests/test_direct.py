@@ -1,4 +1,4 @@
-"""Ring writes whose rows go as plain SETRANGEs between the two ends of ``lua/direct.lua`` (``tdstore/_direct.py``).
+"""Ring writes whose rows go as plain SETRANGEs between the two ends of ``lua/direct.lua`` (``tdstore/_ring/direct_extend.py``).
 
 Each test runs on redis-server and on fakeredis: the transaction, the refusals and the fall back
 to ``write.lua`` are the same on both.
@@ -12,7 +12,8 @@ import torch
 from conftest import Backend, ClusterBackend
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _direct
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError
+from tdstore._ring import direct_extend as _direct
 
 pytestmark = pytest.mark.ring
 

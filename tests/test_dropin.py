@@ -166,7 +166,7 @@ def test_chat_lazy_stack_keeps_element_subtrees(backend):
     # elements whose sub-trees disagree are refused, naming the sub-tree (tensordict's lazy_stack refuses them too)
     flat = TensorDict({"chat": {"prompt": {"tokens": torch.zeros(1, 3)}}}, batch_size=[])
     with pytest.raises(ValueError, match=r"\('chat', 'prompt'\).*element 1"):
-        tdstore._upload._subtrees([one_turn("a"), flat], 0)
+        tdstore._front.upload._subtrees([one_turn("a"), flat], 0)
 
 
 def test_chat_row_read_is_one_round_trip(real):
@@ -258,7 +258,7 @@ def test_a_class_path_the_server_names_is_never_imported(backend, monkeypatch):
 
 
 def test_registered_tensorclass_comes_back(backend, monkeypatch):
-    monkeypatch.setattr(tdstore._tensorclass, "_REGISTRY", {})
+    monkeypatch.setattr(tdstore._format.tensorclass, "_REGISTRY", {})
     store = TensorDictStore.from_tensordict(Obs(obs=torch.zeros(2, 1), batch_size=[2]), **backend.kwargs())
     monkeypatch.delitem(sys.modules, __name__)  # as if the class's module were not imported
     with pytest.warns(UserWarning):

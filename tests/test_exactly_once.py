@@ -30,8 +30,12 @@ from conftest import Backend
 from helpers import load_tool, top_level_commands
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore, _codec, _direct, _scripts, _whole_store
-from tdstore._keys import StoreKeys
+from tdstore import LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore
+from tdstore._engine import scripts as _scripts
+from tdstore._engine import whole_store as _whole_store
+from tdstore._format import codec as _codec
+from tdstore._format.keys import StoreKeys
+from tdstore._ring import direct_extend as _direct
 from tdstore.server import EmbeddedServer, commandstats
 
 pytestmark = pytest.mark.ring

@@ -1,5 +1,5 @@
-"""The torch-free header reader (``_headerinfo``, used by ``tdstore ls/info/rm``) and the store's own
-(``_schema.Header.from_fields``) give the same verdict and the same facts.
+"""The torch-free header reader (``_format.header_info``, used by ``tdstore ls/info/rm``) and the store's own
+(``_format.schema.Header.from_fields``) give the same verdict and the same facts.
 
 Real headers come from stores of every kind written on fakeredis; each is also
 corrupted in many ways, and both readers must accept or refuse each variant alike.
@@ -15,9 +15,11 @@ import pytest
 import torch
 from tensordict import NonTensorData, TensorDict, lazy_stack, tensorclass
 
-from tdstore import LazyStackedTensorDictStore, StoreFormatError, TensorDictStore, _codec, _schema
-from tdstore._headerinfo import FORMATS, ITEMSIZE, parse_header
-from tdstore._keys import StoreKeys
+from tdstore import LazyStackedTensorDictStore, StoreFormatError, TensorDictStore
+from tdstore._format import codec as _codec
+from tdstore._format import schema as _schema
+from tdstore._format.header_info import FORMATS, ITEMSIZE, parse_header
+from tdstore._format.keys import StoreKeys
 
 
 @tensorclass

@@ -25,8 +25,9 @@ from conftest import Backend
 from tensordict import TensorDict, lazy_stack
 
 import tdstore
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _sampling
-from tdstore._keys import StoreKeys
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError
+from tdstore._format.keys import StoreKeys
+from tdstore._ring import policy_calls as _sampling
 from tdstore.inspect_store import audit
 
 pytestmark = pytest.mark.ring
@@ -336,7 +337,7 @@ def test_a_header_edited_back_reads_as_before(backend):
 def test_header_damage_is_also_a_format_error():
     """A header value out of range is a StoreDamagedError naming the field, and stays a StoreFormatError
     (what a header this tdstore cannot read has always raised)."""
-    from tdstore._headerinfo import HeaderDamagedError, int_field
+    from tdstore._format.header_info import HeaderDamagedError, int_field
 
     with pytest.raises(HeaderDamagedError, match="header field rw holds '-1'") as err:
         int_field("-1", "rw")
@@ -393,7 +394,7 @@ def test_priorities_that_are_not_finite_numbers_are_refused(backend, bad):
 
 @pytest.mark.parametrize("value", ["abc", "-1", BIG])
 def test_a_full_ring_sampled_by_transaction_checks_rw(backend, value):
-    """A full ring samples as a read transaction that reads rw itself (``_ring_reads``): the same range."""
+    """A full ring samples as a read transaction that reads rw itself (``_ring.sample_pop``): the same range."""
     store, keys = make(backend, "plain")
     store.extend(batch(6, 2))
     _check_sample(store.sample(8, timeout=WAIT), written=8)  # the ring is full: the next sample goes as a transaction

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tdstore import _index
+from tdstore._plan import index as _index
 
 
 def random_component(rng: random.Random, size: int):

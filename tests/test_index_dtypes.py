@@ -29,7 +29,8 @@ import torch
 from helpers import assert_same
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _index
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._plan import index as _index
 
 UINT8_WARNING = "indexing with dtype torch.uint8 is now deprecated"
 

@@ -27,11 +27,11 @@ import torch
 from helpers import load_tool, round_trips, top_level_commands
 from tensordict import TensorDict
 
-import tdstore._leases
+import tdstore._ring.leases
 from tdstore import LazyStackedTensorDictStore, LeaseLostError, QueueOverrunError
-from tdstore._inspect_audit import audit
-from tdstore._inspect_read import list_stores
-from tdstore._leases import LeasedSample
+from tdstore._inspect.audit import audit
+from tdstore._inspect.headers import list_stores
+from tdstore._ring.leases import LeasedSample
 
 pytestmark = pytest.mark.ring
 
@@ -183,15 +183,15 @@ def test_with_block_acks_on_a_clean_exit_only(both):
 def test_a_resent_leased_pop_gets_the_same_items_and_takes_no_more(both, monkeypatch):
     store = both.store(8)
     store.extend(items(0, 6))
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "resent-1")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "resent-1")
     first = store.pop(2, lease=LONG)
     again = store.pop(2, lease=LONG)  # what a resend after a lost reply sends: the same receipt
     assert seqs(again) == seqs(first) == [0, 1] and again.deliveries.tolist() == [1, 1]
     assert again.deadline_ms == first.deadline_ms
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "resent-2")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "resent-2")
     assert seqs(store.pop(10, lease=LONG)) == [2, 3, 4, 5]
     assert store.ack(first) == 2
-    monkeypatch.setattr(tdstore._leases, "new_receipt", lambda: "resent-1")
+    monkeypatch.setattr(tdstore._ring.leases, "new_receipt", lambda: "resent-1")
     with pytest.raises(ValueError, match="acknowledged already"):
         store.pop(2, lease=LONG)
     store.clear_redis()

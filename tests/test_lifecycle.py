@@ -9,7 +9,7 @@ import torch
 from helpers import make_stack
 
 from tdstore import LazyStackedTensorDictStore
-from tdstore._keys import registry_key
+from tdstore._format.keys import registry_key
 
 # Each key's time to live as of one instant (the script's first TIME), so keys that share a
 # deadline show the very same number: from PEXPIRETIME where the server has it (Redis 7,

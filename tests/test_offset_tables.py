@@ -1,4 +1,4 @@
-"""Rows of heterogeneous keys read as plain GETRANGEs from offset tables the handle keeps (``tdstore/_offsets.py``).
+"""Rows of heterogeneous keys read as plain GETRANGEs from offset tables the handle keeps (``tdstore/_format/offsets.py``).
 
 The kept tables are never trusted: the transaction reads each row's offsets (or the segment's
 whole table) back, and a read whose offsets moved since is read again through ``read.lua``. Every
@@ -13,8 +13,9 @@ import torch
 from helpers import round_trips, top_level_commands
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, _wire
-from tdstore._offsets import MAX_HOLD, OffsetTables
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError
+from tdstore._engine import wire as _wire
+from tdstore._format.offsets import MAX_HOLD, OffsetTables
 
 N = 64
 
@@ -214,7 +215,7 @@ def test_a_store_with_a_non_tensor_heterogeneous_key_reads_its_rows_as_a_transac
 def test_keeping_a_table_again_counts_its_bytes_once():
     from types import SimpleNamespace
 
-    from tdstore._segments import Segments
+    from tdstore._format.segments import Segments
 
     h = SimpleNamespace(epoch="e", segments=Segments(4, 4))
     leaf = SimpleNamespace(number=1, version=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tdstore import _scripts
+from tdstore._engine import scripts as _scripts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def test_every_script_has_a_header():
 
 def test_installed_package_loads_its_scripts(tmp_path):
     """Run from outside the checkout, so an installed tdstore (as in CI) is the one imported."""
-    code = "import tdstore, tdstore._scripts as s; print(tdstore.__file__); print(len(s.script_source('write')[0]))"
+    code = "import tdstore, tdstore._engine.scripts as s; print(tdstore.__file__); print(len(s.script_source('write')[0]))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     if proc.returncode != 0 and "No module named 'tdstore'" in proc.stderr:
         pytest.skip("tdstore is not installed in this environment (only the checkout is on sys.path)")

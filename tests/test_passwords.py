@@ -1,6 +1,6 @@
 """One password rule for every entry point, against a private password-protected redis-server.
 
-The rule (``tdstore._connection``): the password given (``password=`` or the URL's
+The rule (``tdstore._engine.connection``): the password given (``password=`` or the URL's
 user info), else ``password_provider()``, else ``$TDSTORE_PASSWORD``.  It holds for
 the store classes, ``tdstore ls/info/rm/demo`` and the demo's actor processes; a
 refused login is one clear sentence naming the server; the password shows up in no
@@ -26,7 +26,7 @@ from tensordict import TensorDict
 
 import tdstore
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._connection import PasswordError
+from tdstore._engine.connection import PasswordError
 from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 

@@ -4,7 +4,7 @@
 gives on a local ``LazyStackedTensorDict``, and ``store.get_at(key, idx, ...)`` what
 ``local[idx].get(key, ...)`` gives: the batch padded to its own longest element (a local lazy
 stack's ``get_at`` pads the whole key first, then indexes), without a tensor per element
-(``tdstore/_ragged.py``).
+(``tdstore/_format/ragged.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_elements_ragged_beyond_their_first_dim_are_read_the_usual_way(backend):
 def test_a_padded_read_is_one_round_trip_without_a_tensor_per_element(pair, real, monkeypatch):
     store = LazyStackedTensorDictStore.from_lazy_stack(_local(), **real.kwargs())
     store.get("tokens", as_padded_tensor=True)  # warm
-    from tdstore import _reads
+    from tdstore._plan import read_plan as _reads
 
     monkeypatch.setattr(_reads, "het_rows", None)  # the per-element builders are not used
     monkeypatch.setattr(_reads, "split_elements", None)

@@ -223,7 +223,7 @@ def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real, monkeypatch):
     # a stale handle: the script refuses, the staging key is deleted, the retry succeeds
     other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **real.kwargs())
     other.rename_key_("y", "w")
-    from tdstore._transport import Transport
+    from tdstore._engine.transport import Transport
 
     deleted = []
     real_call = Transport._staged_call
@@ -243,7 +243,7 @@ def test_bulk_writes_are_staged_then_moved_in_one_pipeline(real, monkeypatch):
 
 def test_plain_scan_matches_the_general_scan():
     """The fast upload scan (plain TensorDicts, key dicts read directly) finds what the general one finds."""
-    from tdstore._upload_scan import scan, scan_plain
+    from tdstore._front.upload_scan import scan, scan_plain
 
     els = [
         TensorDict(a=torch.randn(2, 3), n=TensorDict(b=torch.arange(i + 1), c=TensorDict(d=torch.zeros(1, dtype=torch.int8))))

@@ -1,4 +1,4 @@
-"""The row block (``_rows``): small homogeneous leaves side by side, one row per element.
+"""The row block (``_format.row_block``): small homogeneous leaves side by side, one row per element.
 
 Checked on every engine: which leaves group, that reads and writes of every kind see
 and leave exactly the right bytes (other columns untouched, dead columns ignored),
@@ -18,8 +18,8 @@ from helpers import assert_same, make_stack
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._schema import Header, StoreFormatError
-from tdstore._wire import TX_WHOLE_BYTES_PER_RANGE
+from tdstore._engine.wire import TX_WHOLE_BYTES_PER_RANGE
+from tdstore._format.schema import Header, StoreFormatError
 
 
 def _local(n: int = 40, het: bool = True):

@@ -7,7 +7,7 @@ see conftest.py), where nearly every element sits in a segment of its own and ev
 slice, batch, fill, rename and upload crosses segment boundaries, on both engines.
 Tests that assert the default layout itself (key counts, round trips per chunk) are
 marked ``layout`` and skipped there.  A second run does the same on the cluster with
-*spread* stores (``--cluster-spread``: segments on every node, see ``_spread``).
+*spread* stores (``--cluster-spread``: segments on every node, see ``_engine.spread``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Segments: a stack cut into element ranges, each under its own hash tag (see tdstore/_segments.py).
+"""Segments: a stack cut into element ranges, each under its own hash tag (see tdstore/_format/segments.py).
 
 The whole behavioural suite also runs with tiny segments in CI (``pytest --segment-bytes 64``);
 these tests pin what segments promise: the layout, that an element write touches one
@@ -18,9 +18,9 @@ from helpers import assert_same, top_level_commands
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._keys import StoreKeys
-from tdstore._ops import Read
-from tdstore._segments import Segments, row_read_op, segment_length
+from tdstore._format.keys import StoreKeys
+from tdstore._format.op_kinds import Read
+from tdstore._format.segments import Segments, row_read_op, segment_length
 from tdstore.server import EmbeddedServer
 
 
@@ -308,7 +308,7 @@ def test_scattered_batch_reads_small_blobs_whole(real):
     got = s[idx]
     after = real.commandstats()
     assert torch.equal(got["obs"], local["obs"][idx]) and torch.equal(got["small"], local["small"][idx])
-    # one MULTI/EXEC of plain GETRANGEs (a scattered read of many ranges, see tdstore._wire)
+    # one MULTI/EXEC of plain GETRANGEs (a scattered read of many ranges, see tdstore._engine.wire)
     assert after.get("exec", 0) - before.get("exec", 0) == 1 and after.get("evalsha", 0) == before.get("evalsha", 0)
     # 'small' (14 kB) read whole once, 'obs' (4 MB) one range per row (scattered rows are read in the order asked)
     runs = 1 + int((idx.diff() != 1).sum())

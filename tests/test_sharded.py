@@ -1,6 +1,6 @@
 """Sharded rings: one replay buffer over every primary of a Redis Cluster (``spread=True``).
 
-A sharded ring is K one-node rings on distinct primaries plus a layout key (``tdstore._sharded``).
+A sharded ring is K one-node rings on distinct primaries plus a layout key (``tdstore._shards.ring``).
 These tests run on a real cluster (the session's three primaries, or one of their own for a
 buffer larger than one node and for a node that goes away): placement, the global slot
 numbering, exact uniform and prioritized draws over unevenly filled shards (chi-square, seeded:

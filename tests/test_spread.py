@@ -19,8 +19,11 @@ from helpers import consistent, stamp_writer, stamped, torn_while_running
 from redis.client import Pipeline
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _scripts, _spread, _spread_change
-from tdstore._keys import StoreKeys
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._engine import scripts as _scripts
+from tdstore._engine import spread as _spread
+from tdstore._engine import spread_change as _spread_change
+from tdstore._format.keys import StoreKeys
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import commandstats
 

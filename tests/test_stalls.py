@@ -21,8 +21,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, _sampling
-from tdstore._policy import TREE_FAN
+from tdstore import LazyStackedTensorDictStore
+from tdstore._ring import policy_calls as _sampling
+from tdstore._ring.policy import TREE_FAN
 
 pytestmark = pytest.mark.ring
 

@@ -19,7 +19,7 @@ from helpers import assert_same, round_trips, top_level_commands
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._surface import LOCAL_METHODS, OPERATORS, REFUSED, THROUGH_COPY, SurfaceMixin
+from tdstore._front.tensordict_api import LOCAL_METHODS, OPERATORS, REFUSED, THROUGH_COPY, SurfaceMixin
 
 
 def _elements(het: bool) -> list[TensorDict]:

@@ -1,4 +1,4 @@
-"""The upload's fast paths (``_upload_scan``: plain members key by key, dense columns, gathered
+"""The upload's fast paths (``_front.upload_scan``: plain members key by key, dense columns, gathered
 columns sliced into chunks) store what the general element-by-element path stores."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import torch
 from helpers import assert_same, make_stack
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _upload, _upload_scan
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._front import upload as _upload
+from tdstore._front import upload_scan as _upload_scan
 
 
 def ragged_2d(n: int = 7) -> TensorDict:

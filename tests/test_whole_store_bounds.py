@@ -1,5 +1,5 @@
 """Whole-store calls in bounded batches: ``clear_redis``/``tdstore rm``, ``expire``/``persist``, an
-upload's commit, and the dense ``clone()`` refused above its bound (``tdstore/_batches.py``).
+upload's commit, and the dense ``clone()`` refused above its bound (``tdstore/_engine/batches.py``).
 
 On every engine, with the batch bound forced small: the store is deleted whole, every key gets
 one deadline, an upload appears whole; a client that dies after a first batch leaves a store that
@@ -20,15 +20,18 @@ from helpers import assert_same, make_stack
 from tensordict import TensorDict, lazy_stack
 from test_lifecycle import pttls, same_deadline
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, TensorDictStore, _batches, _scripts, _whole_store, inspect_store
-from tdstore._keys import registry_key
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError, TensorDictStore, inspect_store
+from tdstore._engine import batches as _batches
+from tdstore._engine import scripts as _scripts
+from tdstore._engine import whole_store as _whole_store
+from tdstore._format.keys import registry_key
 
 SMALL = 6  # keys per call in the logic tests: a store of a few segments takes several calls
 
 
 def one_slot(backend) -> None:
     """Skip for a store spread over cluster nodes: its whole-store calls go per segment under the
-    schema lock instead (tdstore/_spread.py; tests/test_spread.py)."""
+    schema lock instead (tdstore/_engine/spread.py; tests/test_spread.py)."""
     if getattr(backend, "spread", False):
         pytest.skip("a spread store deletes and expires per segment under its schema lock")
 

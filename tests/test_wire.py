@@ -1,4 +1,4 @@
-"""The wire side of read transactions (``tdstore._wire``) and the random-batch reads that use it.
+"""The wire side of read transactions (``tdstore._engine.wire``) and the random-batch reads that use it.
 
 A scattered read of many rows is one MULTI/EXEC of plain GETRANGEs, packed by hand and read
 back in one go. These tests pin the packing byte for byte, the reply reading on every kind of
@@ -21,8 +21,9 @@ from helpers import assert_same, top_level_commands
 from redis._parsers import _HiredisParser, _RESP2Parser
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _wire
-from tdstore._connection import _checkout
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._engine import wire as _wire
+from tdstore._engine.connection import _checkout
 
 
 def _i64(*v: int) -> np.ndarray:
@@ -193,7 +194,7 @@ def test_a_schema_change_between_plan_and_read_is_caught_by_the_guards(real) -> 
 
 def test_a_read_of_very_many_ranges_goes_through_the_script(real, monkeypatch) -> None:
     """Past TX_MAX_RANGES the server would hold every queued command until EXEC: read.lua instead."""
-    from tdstore import _reads
+    from tdstore._plan import read_plan as _reads
 
     store, local = _rows_store(real)
     idx = torch.randint(500, (300,), generator=torch.Generator().manual_seed(5))

@@ -1,7 +1,7 @@
 """One write surface, one rule: the same writes through every handle (a lazy store, an element
 view, a dense store, a sub-tree view of each) against the same writes on a local TensorDict.
 
-The rule (``_write_surface``): ``set``/``update``/``[key] =``/``[index] =`` create a missing key;
+The rule (``_front.write_surface``): ``set``/``update``/``[key] =``/``[index] =`` create a missing key;
 ``set_``/``update_``/``set_at_``/``update_at_`` raise ``KeyError`` on one, before anything is
 written; a locked handle (an element view: its store) refuses new keys and writes existing
 ones in place.

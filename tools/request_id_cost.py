@@ -76,7 +76,7 @@ def time_pair(raw: Any, call: list[Any], calls: int) -> tuple[list[float], list[
 
 def time_whole(store: LazyStackedTensorDictStore, n: int, calls: int) -> tuple[list[float], list[float]]:
     """Seconds per whole ``store.extend`` (planning included) with a request id and without, interleaved."""
-    from tdstore import _ring
+    from tdstore._ring import extend as _ring
 
     made = _ring.request_id
     td = rows(n)

@@ -24,8 +24,9 @@ import redis
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore, _whole_store
-from tdstore._keys import StoreKeys
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._engine import whole_store as _whole_store
+from tdstore._format.keys import StoreKeys
 from tdstore.server import server_or_url
 
 

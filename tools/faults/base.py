@@ -14,7 +14,8 @@ import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, _engine
+from tdstore import LazyStackedTensorDictStore
+from tdstore._engine import engine as _engine
 from tdstore.server import EmbeddedServer
 
 #: Every case, in the order they run.

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from tdstore import LazyStackedTensorDictStore, _direct
+from tdstore import LazyStackedTensorDictStore
+from tdstore._ring import direct_extend as _direct
 from tools.stress.elements import (
     EXTRA_VALUE,
     MAX_EXAMPLES,
@@ -103,7 +104,7 @@ class Tally:
     elapsed: float = 0.0
     ring_rows: int = 0  # rows a ring writer extended
     ring_maybe: int = 0  # rows of extends that raised (they may or may not have gone in)
-    ring_paths: Counter = field(default_factory=Counter)  # how the extends went (tdstore._direct.outcomes)
+    ring_paths: Counter = field(default_factory=Counter)  # how the extends went (tdstore._ring.direct_extend.outcomes)
 
     def timed(self, kind: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` as one op of ``kind``: count it and keep its worst latency."""

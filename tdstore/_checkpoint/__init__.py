@@ -1,0 +1,1 @@
+"""Stores to disk and back (``tdstore export``/``import``), and stores written by ``tensordict.store``."""

@@ -1,0 +1,577 @@
+"""Checkpoints: a store's rows, ring, priorities and policy written to a directory, and restored into a new store.
+
+:func:`export_store` reads the store in chunks with its ordinary reads (a slice of elements
+per call: each chunk atomic, no element torn) and writes them into preallocated memmaps (the
+homogeneous keys, in ``TensorDict.memmap``'s layout) and append-only files (heterogeneous and
+non-tensor keys), then the priority tree and sample counts byte for byte, then the metadata
+(format: :mod:`tdstore._checkpoint.disk_format`).  Memory is bounded by a chunk
+(:data:`CHUNK_ELEMENTS` elements, about :data:`CHUNK_BYTES`), not by the store.  The export is a
+snapshot when nobody writes meanwhile: a ring write or a schema change seen between its
+first and last read makes it fail (in-place writes ``store[i] = td`` are not detected).
+
+:func:`import_checkpoint` checks the whole checkpoint first (sizes, offsets, shapes, JSON
+documents: nothing is unpickled), then uploads it through the upload path (``_front.upload``: the
+store appears only when every chunk is written), each chunk read from the files, and finally
+gives the store its ring write count, policy counters, policy, priority tree and sample
+counts in one script call (``lua/restore.lua``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
+
+from tdstore._checkpoint.disk_format import (
+    EXTRA_DIR,
+    META_FILE,
+    RING_FIELDS,
+    TORCHRL_FILE,
+    CheckpointError,
+    CheckpointMeta,
+    KeyEntry,
+    inside,
+    read_meta,
+)
+from tdstore._engine import scripts as _scripts
+from tdstore._engine import whole_store as _whole_store
+from tdstore._engine.engine import Engine
+from tdstore._format import codec as _codec
+from tdstore._format import row_block as _rows
+from tdstore._format.nontensor import NonTensor, decode, element_docs
+from tdstore._format.schema import Header, Leaf
+from tdstore._format.segments import segment_length
+from tdstore._front import upload as _upload
+from tdstore._front.progress import progress
+from tdstore._front.upload_scan import LeafScan
+from tdstore._ring.policy import tree_bytes
+
+__all__ = [
+    "CHUNK_BYTES",
+    "CHUNK_ELEMENTS",
+    "CheckpointError",
+    "export_checkpoint",
+    "export_store",
+    "import_checkpoint",
+    "read_meta",
+    "restore_into",
+]
+
+#: Most elements one chunk reads or writes.
+CHUNK_ELEMENTS = 10_000
+#: About the most bytes one chunk reads or writes (a chunk holds at least one element).
+CHUNK_BYTES = 64 << 20
+#: Bytes per command when the priority tree and the sample counts are copied.
+_RAW_PIECE = 1 << 20
+_STAGE_TTL_MS = 120_000
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+
+def _lazy_handle(store: Any) -> Any:
+    """The ``LazyStackedTensorDictStore`` under ``store`` (a dense store or a tensorclass wraps one)."""
+    from tdstore.lazy import LazyStackedTensorDictStore
+
+    seen = store
+    for attr in ("_tensordict", "_store"):
+        if not isinstance(seen, LazyStackedTensorDictStore):
+            seen = getattr(seen, attr, seen)
+    if not isinstance(seen, LazyStackedTensorDictStore):
+        raise TypeError(f"export_store takes a tdstore store, got {type(store).__name__}")
+    return seen
+
+
+def _ring_fields(engine: Engine) -> dict[str, Any]:
+    """The header's epoch, version and ring counters, in one round trip."""
+    names = ["epoch", "version", "sc", *RING_FIELDS]
+    values = engine.command("HMGET", engine.keys.meta, *names)
+    if values[0] is None:
+        raise engine.gone()
+    return {n: (v.decode() if isinstance(v, bytes) else v) for n, v in zip(names, values, strict=True)}
+
+
+def _raw_key(engine: Engine, key: str, size: int, dest: Path) -> None:
+    """Copy the first ``size`` bytes of a server string into ``dest``, a piece per round trip."""
+    have = int(engine.command("STRLEN", key))
+    if have != size:
+        raise RuntimeError(f"{key!r} holds {have} bytes, not the {size} its policy needs ({engine.where()}); run 'tdstore check'")
+    with open(dest, "wb") as f:
+        for lo in range(0, size, _RAW_PIECE):
+            f.write(engine.command("GETRANGE", key, lo, min(size, lo + _RAW_PIECE) - 1))
+
+
+def _key_entries(h: Header) -> list[KeyEntry]:
+    out = []
+    for i, (path, leaf) in enumerate(sorted(h.leaves.items(), key=lambda kv: kv[1].number)):
+        name = _codec.dtype_name(leaf.dtype)
+        if leaf.shape is not None:
+            out.append(KeyEntry(path, name, "dense", leaf.ndim, "", tuple(leaf.shape)))
+        else:
+            out.append(KeyEntry(path, name, "json" if leaf.json else "ragged", leaf.ndim, f"{EXTRA_DIR}/k{i}"))
+    return out
+
+
+def _memmaps(root: Path, entries: list[KeyEntry], count: int) -> tuple[list[KeyEntry], dict[tuple[str, ...], torch.Tensor]]:
+    """Preallocate the homogeneous keys as ``TensorDict.memmap`` does (sparse files, nothing in memory);
+    returns the entries with their file names and each key's memory-mapped tensor."""
+    dense = [e for e in entries if e.layout == "dense"]
+    if not dense:
+        return entries, {}
+    template = TensorDict(batch_size=[count])
+    for e in dense:
+        assert e.shape is not None
+        template.set(e.path, torch.zeros((), dtype=_codec.DTYPES[e.dtype]).expand(count, *e.shape))
+    mm = template.memmap_like(prefix=root)
+    tensors = {e.path: mm.get(e.path) for e in dense}
+    files = {e.path: os.path.relpath(str(tensors[e.path].filename), root) for e in dense}
+    for rel in files.values():  # a key of empty elements gets no file from tensordict: an empty one
+        (root / rel).touch(exist_ok=True)
+    return [replace(e, file=files[e.path]) if e.layout == "dense" else e for e in entries], tensors
+
+
+def _chunk_rows(h: Header) -> int:
+    """Elements per chunk: at most :data:`CHUNK_ELEMENTS`, and about :data:`CHUNK_BYTES` of homogeneous rows."""
+    per = sum(leaf.element_nbytes for leaf in h.leaves.values() if leaf.shape is not None)
+    return max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, per)))
+
+
+def _read_chunk(store: Any, h: Header, lo: int, hi: int) -> TensorDictBase:
+    """Elements ``lo .. hi - 1``: one ordinary read (one atomic call)."""
+    return store._read_index((slice(None),) * h.stack_pos + (slice(lo, hi),))
+
+
+def _elements(td: TensorDictBase, sp: int) -> list[TensorDictBase]:
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == sp:
+        return list(td.tensordicts)
+    return list(td.unbind(sp))
+
+
+def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: dict, files: dict, lo: int, hi: int) -> int:
+    """Write one chunk into the memmaps and ragged files; returns its bytes."""
+    sp, n, total = h.stack_pos, hi - lo, 0
+    elements: list[TensorDictBase] | None = None
+    for e in entries:
+        if e.layout == "dense":
+            t = td.get(e.path)
+            t = t.movedim(sp, 0) if sp else t
+            mms[e.path][lo:hi] = t
+            total += t.numel() * t.element_size()
+            continue
+        if e.layout == "json":
+            pieces = element_docs(e.path, NonTensor(td.get(e.path)), n, sp)
+        else:
+            if elements is None:
+                elements = _elements(td, sp)
+            pieces = [el.get(e.path) for el in elements]
+        data, offsets, shapes = files[e.path][:3]
+        flat = torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in pieces]) if pieces else torch.zeros(0)
+        ends = files[e.path][3] + np.cumsum([t.numel() for t in pieces], dtype=np.int64) * flat.element_size()
+        data.write(_codec.to_bytes(flat))
+        offsets.write(ends.astype("<i8").tobytes())
+        shapes.write(np.array([d for t in pieces for d in t.shape], dtype="<i8").tobytes())
+        total += int(ends[-1]) - files[e.path][3]
+        files[e.path][3] = int(ends[-1])
+    return total
+
+
+def _prepare_dir(path: Path) -> Path:
+    """A fresh temporary sibling of ``path``, renamed onto it once the checkpoint is whole; ``path`` itself
+    may be absent, an empty directory or an earlier checkpoint (replaced), nothing else."""
+    if path.exists():
+        if not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a directory")
+        if any(path.iterdir()) and not (path / META_FILE).is_file():
+            raise FileExistsError(f"{path} is a directory that holds something else than a tdstore checkpoint; pick another path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _publish_dir(tmp: Path, path: Path) -> None:
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(path)
+
+
+def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
+    """Write ``store`` (its rows, ring state, priorities and policy) into the directory ``path``.
+
+    ``path`` may be absent, an empty directory or an earlier checkpoint (replaced only once the
+    new one is whole).  ``extra`` maps file names to JSON documents written beside the metadata.
+    Raises ``RuntimeError`` when the ring was written or the schema changed during the export.
+    """
+    lazy = _lazy_handle(store)
+    engine: Engine = lazy._engine
+    engine.set_header(engine.fetch_header())
+    h = engine.header
+    before = _ring_fields(engine)
+    path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
+    tmp = _prepare_dir(path)
+    try:
+        meta = _export(lazy, engine, h, before, tmp, pbar)
+        after = _ring_fields(engine)
+        moved = [n for n in ("epoch", "version", "rw", "sn") if after[n] != before[n]]
+        if moved:
+            raise RuntimeError(
+                f"the store with {engine.where()} changed while it was exported ({', '.join(moved)} moved): "
+                "stop its writers and samplers, and export again"
+            )
+        for name, doc in (extra or {}).items():
+            (tmp / name).write_text(json.dumps(doc))
+        (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
+        _publish_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: Path, pbar: bool) -> CheckpointMeta:
+    count = h.count
+    entries = _key_entries(h)
+    # a nested key named like a file of the checkpoint puts the memmap in a folder of its own (no longer torchrl's layout)
+    clash = any(len(e.path) > 1 and e.path[0] in (EXTRA_DIR, META_FILE, TORCHRL_FILE) for e in entries if e.layout == "dense")
+    entries, mms = _memmaps(root / "rows" if clash else root, entries, count)
+    if clash:
+        entries = [replace(e, file=f"rows/{e.file}") if e.layout == "dense" else e for e in entries]
+    ragged = [e for e in entries if e.layout != "dense"]
+    if ragged:
+        (root / EXTRA_DIR).mkdir(exist_ok=True)
+    files: dict[tuple[str, ...], list[Any]] = {}
+    try:
+        for e in ragged:
+            files[e.path] = [
+                open(root / f"{e.file}.data", "wb"),
+                open(root / f"{e.file}.offsets", "wb"),
+                open(root / f"{e.file}.shapes", "wb"),
+                0,
+            ]
+            files[e.path][1].write(b"\0" * 8)
+        rows = _chunk_rows(h)
+        lo = 0
+        with progress(pbar, count, "export") as bar:
+            while entries and lo < count:
+                hi = min(count, lo + rows)
+                got = _write_chunk(_read_chunk(lazy, h, lo, hi), h, entries, mms, files, lo, hi)
+                if bar is not None:
+                    bar.update(hi - lo)
+                if ragged:  # heterogeneous elements: the next chunk is sized on this one's bytes per element
+                    rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
+                lo = hi
+    finally:
+        for f in files.values():
+            for handle in f[:3]:
+                handle.close()
+        mms.clear()  # unmapped: the files hold every row
+    policy_raw = fields.get("sc")
+    policy = json.loads(policy_raw) if policy_raw else None
+    ring: dict[str, Any] = {n: int(fields[n]) for n in ("rw", "lb", "sn", "rr") if fields.get(n) is not None}
+    if fields.get("pm") is not None:
+        ring["pm"] = float(fields["pm"])
+    if policy is not None:
+        ring["policy"] = policy
+    meta = CheckpointMeta(
+        td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
+        batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
+    )  # fmt: skip
+    if policy is not None and policy.get("alpha") is not None:
+        (root / EXTRA_DIR).mkdir(exist_ok=True)
+        meta.priorities = f"{EXTRA_DIR}/priorities.f64"
+        _raw_key(engine, engine.keys.priorities, tree_bytes(count), root / meta.priorities)
+    if policy is not None and policy.get("mt") is not None:
+        (root / EXTRA_DIR).mkdir(exist_ok=True)
+        meta.sampled = f"{EXTRA_DIR}/sampled.u32"
+        _raw_key(engine, engine.keys.times_sampled, 4 * count, root / meta.sampled)
+    if all(e.layout == "dense" for e in entries) and entries and not clash and h.stack_pos == 0 and not h.inner and not h.sub:
+        # torchrl's TensorStorageCheckpointer reads this beside the memmap: LazyTensorStorage(count).loads(root)
+        (root / TORCHRL_FILE).write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": meta.written}))
+    return meta
+
+
+# -- import ---------------------------------------------------------------------------------------
+
+
+class _DenseRows:
+    """The rows of a homogeneous key's memmap file, read a chunk at a time as one tensor (the
+    upload sends a chunk's bytes as they are; a tensor per row would cost more than the upload)."""
+
+    def __init__(self, file: Path, e: KeyEntry, count: int) -> None:
+        assert e.shape is not None
+        self._mm = np.memmap(file, dtype=np.uint8, mode="r") if count * e.element_nbytes else None
+        self._e, self._count = e, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
+        e = self._e
+        assert e.shape is not None
+        nb = e.element_nbytes
+        raw = bytearray(self._mm[lo * nb : hi * nb]) if self._mm is not None else bytearray()
+        return _codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))
+
+
+class _RaggedRows:
+    """The elements of a heterogeneous or non-tensor key's files, read a chunk at a time as one flat
+    tensor of the chunk's bytes (see :class:`_DenseRows`), and their shapes (``shapes``, a memmap)."""
+
+    def __init__(self, root: Path, e: KeyEntry, count: int) -> None:
+        self._e, self._count = e, count
+        self.offsets = np.memmap(root / f"{e.file}.offsets", dtype="<i8", mode="r")
+        self.shapes = np.memmap(root / f"{e.file}.shapes", dtype="<i8", mode="r").reshape(count, e.ndim)
+        size = (root / f"{e.file}.data").stat().st_size
+        self._data = np.memmap(root / f"{e.file}.data", dtype=np.uint8, mode="r") if size else None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def chunk(self, lo: int, hi: int) -> torch.Tensor:
+        off = self.offsets[lo : hi + 1].astype(np.int64)
+        raw = bytearray(self._data[off[0] : off[-1]]) if self._data is not None else bytearray()
+        dtype = _codec.DTYPES[self._e.dtype]
+        return _codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
+
+
+class _FileLeaf(LeafScan):
+    """A leaf of the upload whose elements come from the checkpoint's files, a chunk at a time."""
+
+    def __init__(self, e: KeyEntry, rows: _DenseRows | _RaggedRows, sizes: np.ndarray) -> None:
+        shapes = rows.shapes if isinstance(rows, _RaggedRows) else None
+        super().__init__(e.path, _codec.DTYPES[e.dtype], [], e.shape if e.layout == "dense" else None, shapes, json=e.layout == "json")
+        self.__dict__["sizes"] = sizes  # the cached property, known from the files
+        self._rows = rows
+
+    def data(self, lo: int, hi: int) -> torch.Tensor:
+        return self._rows.chunk(lo, hi)
+
+
+def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner: tuple[int, ...]) -> np.ndarray:
+    """Every element's offsets, shape and (non-tensor) JSON document checked; returns the element sizes."""
+    off = rows.offsets
+    what = f"{root} is not a valid tdstore checkpoint: key {e.path!r}"
+    data_size = (root / f"{e.file}.data").stat().st_size
+    if off[0] != 0 or off[count] != data_size:
+        raise CheckpointError(f"{what}: its offsets run from {int(off[0])} to {int(off[count])}, its data holds {data_size} bytes")
+    sizes = np.diff(np.asarray(off, dtype=np.int64))
+    itemsize = _codec.DTYPES[e.dtype].itemsize
+    for lo in range(0, count, CHUNK_ELEMENTS):
+        hi = min(count, lo + CHUNK_ELEMENTS)
+        dims = np.asarray(rows.shapes[lo:hi])
+        bad = np.flatnonzero((sizes[lo:hi] < 0) | (dims < 0).any(1) | (np.prod(dims, axis=1) * itemsize != sizes[lo:hi]))
+        if bad.size:
+            i = lo + int(bad[0])
+            raise CheckpointError(f"{what}: element {i} has shape {dims[i - lo].tolist()} but {int(sizes[i])} bytes")
+        if e.layout == "json":
+            chunk = rows.chunk(lo, hi).numpy().tobytes()
+            ends = np.asarray(off[lo : hi + 1], dtype=np.int64) - int(off[lo])
+            for i in range(hi - lo):
+                try:
+                    decode(chunk[ends[i] : ends[i + 1]], inner)
+                except ValueError as err:
+                    raise CheckpointError(f"{what}: element {lo + i}: {err}") from None
+    return sizes
+
+
+def _check_tree(root: Path, rel: str) -> None:
+    """Every weight and sum of the priority tree finite and >= 0 (the server would refuse to draw from it otherwise)."""
+    mm = np.memmap(inside(root, rel, "the priority tree"), dtype="<f8", mode="r")
+    step = _RAW_PIECE // 8
+    for lo in range(0, mm.size, step):
+        part = np.asarray(mm[lo : lo + step])
+        if not (np.isfinite(part).all() and (part >= 0).all()):
+            raise CheckpointError(f"{root} is not a valid tdstore checkpoint: its priority tree holds a negative or non-finite weight")
+
+
+def _scans(root: Path, meta: CheckpointMeta) -> list[LeafScan]:
+    out: list[LeafScan] = []
+    for e in meta.keys:
+        if e.layout == "dense":
+            assert e.shape is not None
+            rows = _DenseRows(inside(root, e.file, f"key {e.path!r}"), e, meta.count)
+            sizes = np.full(meta.count, e.element_nbytes, dtype=np.int64)
+            out.append(_FileLeaf(e, rows, sizes))
+        else:
+            ragged = _RaggedRows(root, e, meta.count)
+            sizes = _check_ragged(root, e, ragged, meta.count, meta.inner)
+            out.append(_FileLeaf(e, ragged, sizes))
+    return out
+
+
+def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: str) -> Header:
+    """The header of the upload, as ``_front.upload`` builds it from a scan."""
+    leaves = {}
+    for n, (e, s) in enumerate(zip(meta.keys, scans, strict=True)):
+        leaves[e.path] = Leaf(e.path, n, s.dtype, e.ndim, e.shape, json=s.json)
+    header = Header(
+        version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device, leaves=leaves,
+        next_leaf=len(leaves), state=f"uploading:{token}", kind=meta.kind, tensorclass=meta.tensorclass,
+        batchless=meta.batchless, sub={tuple(p): tuple(d) for p, d in meta.sub},
+    )  # fmt: skip
+    header = _rows.grouped_header(header, len(leaves))
+    width = header.row[1] if header.row is not None else 0
+    largest = max((int(s.element_bytes().max()) for s in scans), default=1)
+    return replace(header, seg=segment_length(meta.count, max(largest, width), engine.segment_size), spread=engine.spread)
+
+
+def _upload_rows(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], pbar: bool, ttl_ms: int) -> None:
+    """Upload the checkpoint's elements (``_front.upload``'s steps: create uploading, chunks, commit), or create an empty store."""
+    if not scans:
+        header = Header(version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device,
+                        kind=meta.kind, tensorclass=meta.tensorclass, batchless=meta.batchless)  # fmt: skip
+        if engine.create(header, ttl_ms=ttl_ms) is not None:
+            raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
+        return
+    token = uuid.uuid4().hex
+    header = _header(engine, meta, scans, token)
+    sizes = {s.path: s.element_bytes() for s in scans}
+    chunk_bytes = _upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
+    spread = engine.spread and header.segments.n > 1
+    if engine.create(header, ttl_ms=_upload.UPLOAD_TTL_MS) is not None:
+        raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
+    header = engine.header
+    try:
+        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=chunk_bytes, spread=spread)
+        _upload._commit(engine, header, token, ttl_ms, spread)
+    except BaseException:
+        try:
+            _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+        finally:
+            engine.set_header(None)
+        raise
+    engine.set_header(header.ready())
+
+
+def _stage(engine: Engine, root: Path, rel: str | None, target: str, token: str) -> tuple[str, int]:
+    """Copy a raw file into a staging key of ``target`` (a short time to live), a piece per command."""
+    stage = engine.keys.staging(target, token)
+    if rel is None:
+        return stage, 0
+    file = inside(root, rel, "a policy file")
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        for lo in range(0, size, 16 * _RAW_PIECE):
+            pipe = engine.client.pipeline(transaction=False)
+            for _ in range(16):
+                piece = f.read(_RAW_PIECE)
+                if piece:
+                    pipe.setrange(stage, lo, piece)
+                    lo += len(piece)
+            pipe.pexpire(stage, _STAGE_TTL_MS)
+            pipe.execute()
+    return stage, size
+
+
+def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
+    """Ring counters, policy, priority tree and sample counts: staged, then set in one script call."""
+    keys = engine.keys
+    token = uuid.uuid4().hex
+    tree_stage, tree_len = _stage(engine, root, meta.priorities, keys.priorities, token)
+    times_stage, times_len = _stage(engine, root, meta.sampled, keys.times_sampled, token)
+    ring = meta.ring
+    words = [f"{n}={ring[n]:.17g}" if n == "pm" else f"{n}={ring[n]}" for n in RING_FIELDS if ring.get(n) is not None]
+    policy = meta.policy
+    h = engine.header
+    try:
+        reply = _scripts.call(
+            engine.client,
+            "restore",
+            [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage],
+            [f"{h.epoch}:V{h.version}", " ".join(words), policy.to_json() if policy else "", tree_len, times_len, keys.events],
+        )
+    finally:
+        engine.command("DEL", tree_stage, times_stage)
+    if reply[0] != b"OK":
+        raise RuntimeError(f"the store with {engine.where()} was changed or deleted by someone else while it was restored")
+    engine.adopt_stale(reply)
+
+
+def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int = 0) -> CheckpointMeta:
+    """Restore the checkpoint in ``path`` as the new store ``engine`` names (which must not exist).
+
+    Everything is checked before anything is written (:class:`CheckpointError`); the store
+    appears with its rows, then gets its ring and policy state in one call.
+    """
+    root = Path(path)
+    meta = read_meta(root)
+    if meta.priorities is not None:
+        _check_tree(root, meta.priorities)
+    scans = _scans(root, meta)
+    _upload_rows(engine, meta, scans, pbar, ttl_ms)
+    if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
+        return meta
+    try:
+        _restore_ring(engine, root, meta)
+    except BaseException:
+        _whole_store.clear(engine)  # no half-restored store is left behind
+        raise
+    return meta
+
+
+# -- the public calls -----------------------------------------------------------------------------
+
+
+def export_checkpoint(store: Any, path: Any, *, pbar: bool = False) -> None:
+    """Write ``store`` (any tdstore store: rows, ring, priorities, policy) into the directory ``path``.
+
+    See :func:`export_store` and :mod:`tdstore._checkpoint.disk_format` for the format.
+    """
+    export_store(store, path, pbar=pbar)
+
+
+def import_checkpoint(
+    path: Any,
+    *,
+    td_id: str | None = None,
+    replace: bool = False,
+    pbar: bool = False,
+    ttl: float | None = None,
+    tensorclass_cls: Any = None,
+    **store_kwargs: Any,
+) -> Any:
+    """A new store on the server ``store_kwargs`` name (``url=...``, ``prefix=...``, ...) holding the checkpoint in ``path``.
+
+    The store gets the checkpoint's td_id unless ``td_id`` is given; a store of that id that
+    exists already is refused (``FileExistsError``) unless ``replace=True``, which deletes it
+    first.  Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the
+    checkpoint's rows, ring state, priorities and sampling policy.
+    """
+    from tdstore._engine.connection import open_client
+    from tdstore._format import tensorclass as _tensorclass
+    from tdstore._format.keys import StoreKeys
+    from tdstore._front.common import ttl_to_ms
+    from tdstore.dense import TensorDictStore, _connection_kwargs
+    from tdstore.lazy import attach
+
+    meta = read_meta(path)
+    tid = meta.td_id if td_id is None else td_id
+    client, spec, owned = open_client(**_connection_kwargs(store_kwargs))
+    keys = StoreKeys(store_kwargs.get("prefix", "tensordict"), tid)
+    options = {"segment_bytes": store_kwargs.get("segment_bytes"), "spread": store_kwargs.get("spread", False)}
+    if replace:
+        old = Engine(spec, keys, client, owns_client=False, **options)  # the store there now, deleted
+        try:
+            old.set_header(old.fetch_header())
+        except KeyError:
+            pass
+        else:
+            _whole_store.clear(old)
+    engine = Engine(spec, keys, client, owns_client=owned, **options)
+    restore_into(path, engine=engine, pbar=pbar, ttl_ms=ttl_to_ms(ttl))
+    store = attach(engine, backend=store_kwargs.get("backend", "redis"), cache_metadata=store_kwargs.get("cache_metadata", True))
+    if engine.header.kind == "dense":
+        store = TensorDictStore._open_view(store)
+    return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)

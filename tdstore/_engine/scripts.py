@@ -1,0 +1,283 @@
+"""Loads the Lua scripts in ``lua/`` and calls them (``call``, ``call_many``); the engine's staged
+writes send the same ``EVALSHA`` at the end of their pipeline (``Transport._staged_call``).
+
+Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
+call costs no extra round trip when the server already knows the script.  On
+``NOSCRIPT`` (server restart, failover, ``SCRIPT FLUSH``, script-cache eviction)
+the script is loaded with ``SCRIPT LOAD`` (on Redis Cluster, on the primary that serves
+the call's slot) and the call is retried once; if the
+cache was flushed again in between, the call is sent as ``EVAL`` with the text.  redis-py
+``Script`` objects are not used: in pipelines they add a ``SCRIPT EXISTS`` round
+trip on every execute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from functools import cache, partial
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+
+from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
+
+LIBRARY = "_lib"
+SCRIPT_NAMES = (
+    "create",
+    "read",
+    "write",
+    "direct",
+    "commit",
+    "clear",
+    "expire",
+    "copy",
+    "lock",
+    "guard",
+    "sampling",
+    "priority",
+    "tree_build",
+    "ack",
+    "restore",
+    "marks",
+)
+#: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
+TREE_LIBRARY = "_tree"
+USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
+#: Scripts that also get the lease table's helpers (``lua/_lease.lua``), after the others.
+LEASE_LIBRARY = "_lease"
+USES_LEASE = frozenset({"read", "ack"})
+
+
+class ServerScriptError(RuntimeError):
+    """A tdstore script refused a call (a bug or a corrupt store, never user input)."""
+
+
+class EmptyRingError(ValueError):
+    """A sample found no written slot (``read.lua``'s ``TDSTORE empty``); a sample given
+    ``timeout=`` or ``min_size=`` waits for one instead (``_ring.policy_calls.wait_or_raise``)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"cannot sample: {detail}")
+        self.detail = detail
+
+
+def _lua_dir() -> Any:
+    """Where the ``.lua`` files are: inside the installed package (``tdstore._lua``) or in a source checkout.
+
+    Returns a ``Traversable`` (a namespace package gives a ``MultiplexedPath``, which
+    is not a ``Path``), so files are only read through ``joinpath(...).read_text()``.
+    """
+    try:
+        packaged = resources.files("tdstore._lua")
+        if packaged.joinpath("read.lua").is_file():
+            return packaged
+    except ModuleNotFoundError:
+        pass
+    return Path(__file__).resolve().parents[2] / "lua"
+
+
+@cache
+def script_source(name: str) -> tuple[str, str]:
+    """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
+    folder = _lua_dir()
+    libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
+    if name in USES_LEASE:
+        libraries.append(LEASE_LIBRARY)
+    text = "".join(folder.joinpath(f"{lib}.lua").read_text() + "\n" for lib in libraries) + folder.joinpath(f"{name}.lua").read_text()
+    return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
+
+
+def call(
+    client: redis.Redis | RedisCluster, name: str, keys: list[str], args: list[Any], execute: Callable[..., Any] | None = None
+) -> list:
+    """Run script ``name`` in one round trip (two more only after NOSCRIPT).
+
+    ``execute(client, *command)`` sends one command (a handle's held connection,
+    see ``_engine.connection.HeldConnection``); by default ``client.execute_command``.
+    """
+    text, sha = script_source(name)
+    run = execute or (lambda c, *command: c.execute_command(*command))
+    try:
+        try:
+            return run(client, "EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            if isinstance(client, RedisCluster):
+                # on the primary that serves the call's slot (after a failover, the new one):
+                # a plain SCRIPT LOAD would go to every primary and fail while any one is down
+                client.execute_command("SCRIPT", "LOAD", text, target_nodes=client.get_node_from_key(keys[0]))
+            else:
+                run(client, "SCRIPT", "LOAD", text)  # on the same connection as the call
+        try:
+            return run(client, "EVALSHA", sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # flushed again between our load and the retry: send the text itself
+            return run(client, "EVAL", text, len(keys), *keys, *args)
+    except ResponseError as err:
+        raise translate(err) from None
+
+
+#: The error prefixes of a cluster redirect (redis-py 5.0 gives some as plain ResponseErrors).
+REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
+
+
+class _Redirected(Exception):
+    """A node answered a call with a cluster redirect: its calls go through RedisCluster."""
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _reset_pool() -> None:
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_reset_pool)  # a forked child has none of the parent's threads
+
+
+def on_nodes(jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``jobs`` (one per cluster node, each one round trip) at the same time; their results in order.
+
+    One thread per node beyond the first: the round trips overlap, so a call over
+    segments on three nodes costs about one round trip, not three.
+    """
+    global _pool
+    if len(jobs) == 1:
+        return [jobs[0]()]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tdstore-node")
+    futures = [_pool.submit(job) for job in jobs[1:]]
+    try:
+        first = jobs[0]()
+    finally:
+        wait(futures)  # every node's round trip is over before anyone acts on the outcome
+    return [first, *(f.result() for f in futures)]
+
+
+def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+    """Run script calls, each on the keys of one slot, as one pipeline per cluster node, all nodes at once.
+
+    Replies come back in the order of ``calls``; a call the server refused comes back as
+    its (translated) exception instead of raising, so the caller sees what the other
+    calls did. A script a node does not know is loaded there and only the calls that
+    missed it are sent again. A node that redirects (resharding, failover) or cannot
+    be reached gets its calls through ``RedisCluster``, one by one, which follows the new
+    map or raises.
+    """
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, (_, keys, _) in enumerate(calls):
+        node = cluster.get_node_from_key(keys[0])
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(calls)
+
+    def job(node: Any, idxs: list[int]) -> None:
+        try:
+            _node_pipeline(node.redis_connection, calls, idxs, out)
+        except (
+            _Redirected,
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.MovedError,
+            redis.exceptions.AskError,
+            redis.exceptions.TryAgainError,
+            redis.exceptions.ClusterDownError,
+        ):
+            for i in idxs:
+                if out[i] is None:
+                    name, keys, args = calls[i]
+                    try:
+                        out[i] = call(cluster, name, keys, args)
+                    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError):
+                        raise
+                    except Exception as err:  # a refusal of this call: the caller decides
+                        out[i] = err
+
+    on_nodes([partial(job, node, idxs) for node, idxs in groups.values()])
+    return out
+
+
+def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[Any]]], idxs: list[int], out: list[Any]) -> None:
+    """``calls[i]`` for i in ``idxs`` as one pipeline on one node's client, replies into ``out``."""
+    todo = idxs
+    for attempt in range(3):
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            name, keys, args = calls[i]
+            text, sha = script_source(name)
+            if attempt < 2:
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            else:  # flushed again between our load and the retry: the text itself
+                pipe.execute_command("EVAL", text, len(keys), *keys, *args)
+        replies = pipe.execute(raise_on_error=False)
+        missing = []
+        for i, reply in zip(todo, replies):
+            if isinstance(reply, NoScriptError):
+                missing.append(i)
+            elif isinstance(reply, ResponseError):
+                if str(reply).split(" ", 1)[0] in REDIRECTS:  # redis-py 5.0 gives redirects as plain errors
+                    raise _Redirected(str(reply))
+                out[i] = translate(reply)
+            else:
+                out[i] = reply
+        if not missing:
+            return
+        for name in {calls[i][0] for i in missing}:
+            client.execute_command("SCRIPT", "LOAD", script_source(name)[0])
+        todo = missing
+
+
+def _tdstore_part(msg: str) -> str:
+    """The ``TDSTORE ...`` message a script raised, without the script hash and line the server adds around it."""
+    msg = msg[msg.index("TDSTORE") :]
+    cut = msg.find(" script: ")  # Redis 7: '<message> script: <sha>, on @user_script:<line>.'
+    msg = msg[:cut] if cut >= 0 else msg
+    cut = msg.find("\nstack traceback")  # fakeredis (lupa) adds the Lua traceback
+    return msg[:cut] if cut >= 0 else msg
+
+
+def translate(err: Exception) -> Exception:
+    """Turn a server error into the exception a user should see (never showing a script hash or line)."""
+    msg = str(err)
+    if "TDSTORE" in msg:
+        msg = _tdstore_part(msg)
+    if "TDSTORE damaged" in msg:
+        return StoreDamagedError(msg[msg.index("TDSTORE damaged") + 17 :], named=False)
+    if "TDSTORE out of memory" in msg:
+        return MemoryError(
+            "the server has no room for this write (it does not evict); nothing was written: "
+            f"{msg[msg.index('TDSTORE out of memory') + 22 :]}"
+        )
+    if "TDSTORE too large" in msg:
+        return ValueError(
+            f"the write would make a value larger than the server accepts; nothing was written: {msg[msg.index('TDSTORE') :]}"
+        )
+    if "TDSTORE exists" in msg:
+        return ValueError(msg[msg.index("TDSTORE exists") + 16 :])
+    if "TDSTORE refused" in msg:
+        return ValueError(msg[msg.index("TDSTORE refused") + 17 :])
+    if "TDSTORE empty" in msg:
+        return EmptyRingError(msg[msg.index("TDSTORE empty") + 13 :].lstrip(": ").split("\n", 1)[0])  # fakeredis adds a traceback
+    if "TDSTORE" in msg:
+        return ServerScriptError(msg[msg.index("TDSTORE") :])
+    low = msg.lower()
+    if isinstance(err, ReadOnlyError) or ("replica" in low and ("readonly" in low or "read only" in low)):
+        return ReadOnlyReplicaError(
+            f"the server is a read-only replica: writes go to its primary (open a handle on the primary, or readonly=True here): {msg}",
+            named=False,
+        )
+    if "unknown command" in low and ("evalsha" in low or "script" in low):
+        return RuntimeError(f"the server does not support Lua scripting (EVALSHA), which tdstore needs: {msg}")
+    if "oom" in low or "maxmemory" in low:
+        return MemoryError(f"the server is out of memory (maxmemory reached); nothing was written by this call: {msg}")
+    if "noperm" in low or "no permissions" in low or "can't run this command" in low:
+        return PermissionError(f"the server's ACL refused the call: {msg}")
+    if "string exceeds maximum allowed size" in low:
+        return ValueError(f"the value is larger than the server allows for one string (proto-max-bulk-len): {msg}")
+    return err

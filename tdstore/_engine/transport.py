@@ -1,0 +1,272 @@
+"""The connection side of a store's engine: held connections, cluster routing and redirects,
+script calls (``EVALSHA``, through ``_engine.scripts``), staged writes and read transactions on the wire.
+
+``Transport`` does not plan: it sends one planned ``Call`` (or one command) to the node that
+serves the store and gives the reply back (for a read transaction, after checking its guards). ``Engine`` (``_engine.engine``) builds on it:
+it plans, runs the loop and handles what comes back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import redis
+from redis.cluster import RedisCluster
+
+from tdstore._engine import limits as _limits
+from tdstore._engine import scripts as _scripts
+from tdstore._engine import wire as _wire
+from tdstore._engine.connection import ConnectionSpec, HeldConnection
+from tdstore._format.keys import StoreKeys
+from tdstore._plan.call import BULK_CHUNK, Call
+
+#: ``Transport._transaction``: the transaction cannot be sent on a cluster (a slot that moved, a node away).
+NO_TRANSACTION = object()
+STAGING_TTL_MS = 60_000
+_BINARY = frozenset({bytes, bytearray, memoryview})
+
+
+def _release_all(held: dict[str, HeldConnection]) -> None:
+    for h in held.values():
+        h.release()
+
+
+class Transport:
+    """One store's connection to its server: a held connection (no pool checkout per command), on
+    Redis Cluster to the primary that serves the store's slot, and one per other node a spread
+    store's segments live on."""
+
+    def __init__(self, spec: ConnectionSpec, keys: StoreKeys, client: redis.Redis | None, owns_client: bool) -> None:
+        self.spec = spec
+        self.keys = keys
+        self._client = client
+        self._owns_client = owns_client
+        self._limits: _limits.ServerLimits | None = None
+        self.value_limit = 512 << 20
+        self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
+        self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
+        # a handle dropped without close() gives its connection back to a caller's shared pool
+        weakref.finalize(self, self._held.release)
+        self._node_held: dict[str, HeldConnection] = {}  # a spread store's other nodes: one held connection each
+        weakref.finalize(self, _release_all, self._node_held)
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            self._client = self.spec.connect()
+        return self._client
+
+    @property
+    def cluster(self) -> RedisCluster:
+        """The client as what it is on Redis Cluster (``spec.cluster``): the node routing, a spread
+        store's calls and its per-node pipelines use it."""
+        return cast(RedisCluster, self.client)
+
+    def close(self) -> None:
+        """Release our connection; a caller's own client is left open. The next call reconnects."""
+        self._held.release()
+        _release_all(self._node_held)
+        self._node = None
+        if self._client is not None and self._owns_client:
+            self._client.close()
+            self._client = None
+
+    @property
+    def limits(self) -> _limits.ServerLimits:
+        """What the server allows (see ``_engine.limits``): read once per server and process, with a
+        warning when its maxmemory-policy may evict a store's keys."""
+        if self._limits is None:
+            where = self.spec.describe()
+            self._limits = _limits.read(self.client, where)
+            _limits.warn_eviction(self._limits, where)
+        return self._limits
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest string the server accepts (``proto-max-bulk-len``).
+
+        ``write.lua`` refuses a call that would grow a string past it before writing
+        anything. Set ``engine.value_limit`` lower for Dragonfly (256 MiB).
+        """
+        return min(self.value_limit, self.limits.value_bytes)
+
+    def where(self) -> str:
+        return f"td_id {self.keys.td_id!r} under prefix {self.keys.prefix!r} on {self.spec.describe()}"
+
+    def gone(self) -> KeyError:
+        return KeyError(f"no store with {self.where()} (it was deleted, expired, or never created)")
+
+    def command(self, *args: Any) -> Any:
+        """One plain command on the handle's held connection (the raw reply, no redis-py callbacks)."""
+        return self.execute(self.client, *args)
+
+    def execute(self, client: Any, *args: Any) -> Any:
+        """One command on the handle's held connection; on Redis Cluster, to the primary that serves the store.
+
+        Every key of a store lives in one slot (of a spread store: its header and segment 0,
+        see ``segment_call`` for the others), so its calls go straight to that node's client
+        instead of through ``RedisCluster``'s per-command routing (about 150 us a call). A redirect
+        (the slot moved: resharding, failover) or a node that cannot be reached hands the command to ``RedisCluster``, which
+        refreshes its map and routes or raises; the next call looks the node up again.
+        """
+        if not self.spec.cluster:
+            return self._held.execute(client, *args)
+        return self._on_store_node(client, lambda node: self._held.execute(node, *args), lambda: client.execute_command(*args))
+
+    def _on_store_node(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
+        """``send`` to the client of the cluster primary that serves the store; ``fallback()`` after a
+        redirect or when that node cannot be reached (the next call looks the node up again)."""
+        node = self._node
+        if node is None:
+            node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
+        try:
+            return send(node)
+        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            pass
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            pass
+        except redis.exceptions.ResponseError as err:
+            # redis-py 5.0's plain client gives a cluster redirect as a bare ResponseError
+            if str(err).split(" ", 1)[0] not in _scripts.REDIRECTS:
+                raise
+        self._held.release()
+        self._node = None
+        return fallback()
+
+    def segment_call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """One script call on the keys of one slot (a spread store's segment), on a connection held to the
+        node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster``."""
+        node = self.cluster.get_node_from_key(keys[0])
+        held = self._node_held.get(node.name)
+        if held is None:
+            held = self._node_held[node.name] = HeldConnection()
+        try:
+            return _scripts.call(node.redis_connection, name, keys, args, held.execute)
+        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+            pass
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            pass
+        except redis.exceptions.ResponseError as err:
+            if str(err).split(" ", 1)[0] not in _scripts.REDIRECTS:  # redis-py 5.0: a bare ResponseError
+                raise
+        held.release()
+        return _scripts.call(self.client, name, keys, args)
+
+    def _check_argument_sizes(self, call: Call) -> None:
+        """Refuse, before sending, a call the server would not read: an argument larger than one string
+        (``proto-max-bulk-len``) or a request larger than ``client-query-buffer-limit``.
+
+        Otherwise the server drops the connection mid-request and redis-py retries for
+        seconds before a bare ``ConnectionError``. Every server accepts a 1 MiB string and
+        request (the smallest limits it allows), so the limits are only looked up above that.
+        """
+        big = total = 0
+        for a in call.args:  # a plain loop: this runs on every call
+            if a.__class__ in _BINARY:
+                n = len(a)
+                total += n
+                if n > big:
+                    big = n
+        if total <= 1 << 19:
+            return
+        if big > self.max_value_bytes:
+            raise ValueError(
+                f"a value of {big} bytes is larger than the server accepts in one piece "
+                f"(proto-max-bulk-len {self.max_value_bytes}); nothing was sent ({self.where()})"
+            )
+        if total + 64 * len(call.args) + 64 * len(call.keys) > self.limits.query_bytes:
+            raise ValueError(
+                f"this call sends {total} bytes in one request, more than the server reads from a client "
+                f"(client-query-buffer-limit {self.limits.query_bytes}); write fewer elements per call, or raise "
+                f"client-query-buffer-limit; nothing was sent ({self.where()})"
+            )
+
+    def queue_staged(self, pipe: Any, staged: list[tuple[str, Any]]) -> None:
+        """Queue on ``pipe`` each staged blob: created empty with a TTL, then filled by plain SETRANGEs of
+        1 MiB (less under a small client-query-buffer-limit)."""
+        piece = self.limits.piece_bytes
+        for key, data in staged:
+            view = memoryview(data).cast("B")
+            # the TTL first (SETRANGE keeps it): a connection lost midway leaves only keys that expire
+            pipe.set(key, b"", px=STAGING_TTL_MS)
+            for a in range(0, len(view), piece):
+                pipe.setrange(key, a, view[a : a + piece])
+
+    def _staged_call(self, call: Call) -> list:
+        """One pipeline: each staged blob created empty with a TTL, filled by plain ~1 MiB SETRANGEs, then the script."""
+        assert call.staged is not None
+        text, sha = _scripts.script_source(call.script)
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            self.queue_staged(pipe, call.staged)
+            # after a NOSCRIPT, send the text itself (EVAL): a second flush cannot get in between
+            script = ("EVALSHA", sha) if attempt == 0 else ("EVAL", text)
+            pipe.execute_command(*script, len(call.keys), *call.keys, *call.args)
+            results = pipe.execute(raise_on_error=False)
+            last = results[-1]
+            if isinstance(last, redis.exceptions.NoScriptError) and attempt == 0:
+                continue
+            for r in results:
+                if isinstance(r, redis.exceptions.ResponseError):
+                    self.client.delete(*(k for k, _ in call.staged))
+                    raise _scripts.translate(r)
+            return last
+        raise _scripts.ServerScriptError("the write script could not be loaded")
+
+    def _transaction(self, call: Call) -> Any:
+        """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call),
+        ``NO_TRANSACTION`` when it cannot be sent on a cluster (the caller reads through the script).
+
+        The commands go out packed by ``_engine.wire`` on the held connection (on a cluster, the
+        store's primary), else through a redis-py transaction pipeline (fakeredis, another
+        thread holding the connection).
+        """
+        assert call.ranges is not None and call.guards is not None
+        names = list(call.guards)
+        getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
+        n = sum(counts)
+        extra = call.fields or []
+        results = self._transact(
+            _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding) + getranges, n + 1
+        )
+        if results is None:
+            if self.spec.cluster:
+                return NO_TRANSACTION
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(self.keys.meta, ["version", *names, *extra])
+            for pieces in call.ranges:
+                for key, starts, lengths in pieces:
+                    for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
+                        pipe.getrange(key, first, last)
+            results = pipe.execute()
+        head = results[0]
+        if head[0] is None:
+            raise self.gone()
+        if [v.decode() if v is not None else None for v in head[1 : 1 + len(names)]] != [call.guards[n] for n in names]:
+            return None
+        call.field_values = dict(zip(extra, head[1 + len(names) :]))
+        reply: list[Any] = [b"OK", head[0]]
+        pos = 1
+        for k in counts:
+            # the chunks of a buffer joined into one bytearray the result tensor then owns (see from_bytes)
+            reply.append(bytearray().join(results[pos : pos + k]))
+            pos += k
+        return reply
+
+    def _transact(self, body: bytes, n_commands: int) -> list | None:
+        """A transaction of packed commands on the held connection (see ``execute``); None to go through redis-py instead."""
+        if not self.spec.cluster:
+            return self._held.transaction(self.client, body, n_commands)
+        return self._on_store_node(self.client, lambda node: self._held.transaction(node, body, n_commands), lambda: None)
+
+    @property
+    def _key_encoding(self) -> tuple[str, str]:
+        """How the client encodes key names (read transactions pack them themselves, and must name the same keys)."""
+        enc = self.__dict__.get("_key_enc")
+        if enc is None:
+            get = getattr(self.client, "get_encoder", None)
+            e = get() if get is not None else None
+            enc = self.__dict__["_key_enc"] = (getattr(e, "encoding", "utf-8"), getattr(e, "encoding_errors", "strict"))
+        return enc

@@ -1,0 +1,51 @@
+"""The arguments that ring calls share: batch sizes, generations and the one-slot rule.
+
+``_ring.extend`` (writes), ``_ring.sample_pop`` (samples, pops) and ``_ring.policy_calls`` (priority updates) check
+their arguments with these, before anything is sent. Slot indices mean what they mean to
+indexing: ``_plan.index.positions``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tdstore._engine.engine import Engine
+
+
+def refuse_spread(engine: Engine) -> None:
+    """Ring calls reserve slots and pick rows on the server, over every segment at once: one slot only."""
+    if engine.header.spread:
+        raise NotImplementedError(
+            f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
+            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True, or as a "
+            "sharded ring (LazyStackedTensorDictStore(count=N, url=..., spread=True) without shards=0)"
+        )
+
+
+def check_batch_size(batch_size: Any, what: str) -> None:
+    """``sample``'s and ``pop``'s batch size: a positive int (``ValueError`` naming the call otherwise)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"{what} needs a positive int batch_size, got {batch_size!r}")
+
+
+def _int_tensor(value: Any) -> torch.Tensor:
+    """``torch.as_tensor``, except that an empty list is an empty int64 tensor (not float32)."""
+    if isinstance(value, (list, tuple)) and not value:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.as_tensor(value)
+
+
+def generations_arg(generation: Any, n: int, what: str) -> torch.Tensor:
+    """The generations a caller gives for ``n`` slots as a 1-D int64 tensor (``TypeError`` for a
+    non-integer dtype, ``ValueError`` for another count or a negative one)."""
+    g = _int_tensor(generation)
+    if g.dtype == torch.bool or g.is_floating_point() or g.is_complex():
+        raise TypeError(f"generations must be integers, got {g.dtype}")
+    gens = g.reshape(-1).to(torch.int64)
+    if gens.numel() != n:
+        raise ValueError(f"{what} got {n} slots and {gens.numel()} generations")
+    if bool((gens < 0).any()):
+        raise ValueError(f"generations are never negative, got {gens.tolist()}")
+    return gens
