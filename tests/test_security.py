@@ -50,9 +50,15 @@ def test_no_pickle_or_eval_in_the_package():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent / "tdstore"
-    for path in root.glob("*.py"):
+    paths = sorted(root.rglob("*.py"))
+    assert len(paths) > 50, "the walk found too few modules: the check would pass vacuously"
+    for path in paths:
         text = path.read_text()
-        if path.name == "_tensorclass.py":
+        if path.name == "_moved.py":
+            # old module paths of tdstore itself, from a table in the file: never a name from elsewhere
+            assert text.count("importlib.import_module") == 1 and "importlib.import_module(MOVED[spec.name])" in text
+            text = text.replace("importlib.import_module", "")
+        if path.name == "tensorclass.py":
             # one import, of a dotted path the caller passes (tensorclass_cls="pkg.mod.Cls"); a path
             # the server names is never imported (tests/test_dropin.py checks it)
             body = text[text.index("def _import_path") : text.index("def resolve")]
