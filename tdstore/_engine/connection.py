@@ -112,14 +112,61 @@ def _login_checked(where: str) -> Callable[[Any], None]:
     """A redis-py ``redis_connect_func``: the usual handshake, with a refused login turned into :class:`PasswordError`."""
 
     def on_connect(conn: Any) -> None:
+        restore = _lean_handshake(conn)
         try:
             conn.on_connect()
         except PasswordError:
             raise
         except redis.AuthenticationError as err:
             raise PasswordError(password_message(where, err)) from None
+        finally:
+            restore()
 
     return on_connect
+
+
+def _server_version(conn: Any) -> tuple[int, ...] | None:
+    """The server's version as its ``HELLO`` reply gave it (None: not known, e.g. a RESP2 handshake)."""
+    meta = getattr(conn, "handshake_metadata", None)
+    if not isinstance(meta, dict):
+        return None
+    raw = meta.get(b"version", meta.get("version"))
+    try:
+        return tuple(int(p) for p in (raw.decode() if isinstance(raw, bytes) else str(raw)).split(".")[:3])
+    except (AttributeError, ValueError):
+        return None
+
+
+#: Handshake commands redis-py sends after ``HELLO`` (one round trip each), and the server version that has them.
+_SETINFO_SINCE, _MAINT_SINCE = (7, 2), (8, 0)
+
+
+def _lean_handshake(conn: Any) -> Callable[[], None]:
+    """Skip what redis-py's handshake would ask a server that lacks it: ``CLIENT MAINT_NOTIFICATIONS``
+    (not before Redis 8) and ``CLIENT SETINFO`` (Redis 7.2) each cost a round trip answered by an
+    error, which redis-py ignores: three of the five round trips of a new connection to Redis 7.0.
+    The version comes from the ``HELLO`` reply; a server that has them gets them as before.
+    Returns what puts the connection's settings back (called once the handshake is done)."""
+    activate = getattr(conn, "activate_maint_notifications_handling_if_enabled", None)
+    if activate is None or not hasattr(conn, "driver_info"):  # another redis-py: its own handshake, untouched
+        return lambda: None
+    info = conn.driver_info
+
+    def lean(*args: Any, **kwargs: Any) -> Any:
+        version = _server_version(conn)
+        if version is not None and version < _SETINFO_SINCE:
+            conn.driver_info = None
+        if version is not None and version < _MAINT_SINCE:
+            return None
+        return activate(*args, **kwargs)
+
+    conn.activate_maint_notifications_handling_if_enabled = lean
+
+    def restore() -> None:
+        conn.__dict__.pop("activate_maint_notifications_handling_if_enabled", None)
+        conn.driver_info = info
+
+    return restore
 
 
 @dataclass(frozen=True)
