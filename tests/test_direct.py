@@ -148,3 +148,28 @@ def test_a_ring_on_a_cluster_goes_direct_on_its_primary(redis_cluster):
     assert tags(s) == [10, 11, 100, 12, 4, 5, 6, 7, 8, 9] and s.write_count == 14
     assert [k for k in backend.keys() if k.endswith(b":w")] == []
     s.clear_redis()
+
+
+def test_a_new_handle_reuses_the_script_the_server_has(real):
+    """The direct script is sent once per server and process: a new handle's first direct write
+    sends EVALSHA only; after a SCRIPT FLUSH the next new handle's write finds NOSCRIPT and writes once."""
+    raw = real.client()
+    first = LazyStackedTensorDictStore(count=COUNT, **real.kwargs())
+    first.extend(rows(0, 2))
+    first.extend(rows(2, 2))  # direct: the script is on the server now
+
+    def loads() -> int:
+        return int(raw.info("commandstats").get("cmdstat_script|load", {}).get("calls", 0))
+
+    other = LazyStackedTensorDictStore.from_store(td_id=first.td_id, **real.kwargs())
+    other.extend(rows(4, 1))  # write.lua: the handle learns the cursor
+    before, direct = loads(), _direct.outcomes["direct"]
+    other.extend(rows(5, 1))
+    assert loads() == before and _direct.outcomes["direct"] == direct + 1
+    raw.script_flush()
+    third = LazyStackedTensorDictStore.from_store(td_id=first.td_id, **real.kwargs())
+    third.extend(rows(6, 1))
+    third.extend(rows(7, 2))  # NOSCRIPT: through write.lua, once
+    third.extend(rows(9, 1))  # the script is loaded again
+    assert tags(third) == list(range(10)) and third.write_count == 10
+    assert asides(raw, third) == []

@@ -52,6 +52,12 @@ class _State:
 
 _STATES: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 
+#: Servers (``ConnectionSpec.describe()``) this process has sent ``lua/direct.lua`` to: a new handle on
+#: one of them sends ``EVALSHA`` without the script's text first. A server that lost it since (restarted,
+#: ``SCRIPT FLUSH``) answers NOSCRIPT: nothing is written, the server leaves this set and the write goes
+#: through ``write.lua`` (see ``extend``).
+_LOADED_ON: set[str] = set()
+
 #: How this process's direct ring writes went (``tools/stress.py`` reports it): "direct" (the rows
 #: went in), "moved" (another writer had moved the cursor), "refused" (anything else write.lua
 #: must do), "skipped" (sent through write.lua while backing off after "moved").
@@ -62,7 +68,16 @@ def _state(engine: Any) -> _State:
     st = _STATES.get(engine)
     if st is None:
         st = _STATES[engine] = _State()
+        st.loaded = _server(engine) in _LOADED_ON
     return st
+
+
+def _server(engine: Any) -> str | None:
+    """The server a handle's direct writes go to, as :data:`_LOADED_ON` names it (None: a cluster, whose
+    nodes each load the script, or fakeredis, whose servers share one address)."""
+    if engine.spec.cluster or type(engine.client).__module__.startswith("fakeredis"):
+        return None
+    return str(engine.spec.describe())
 
 
 def learn(engine: Any, rw: int) -> None:
@@ -119,6 +134,9 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
         if replies is None:  # a cluster slot that moved, a node away: write.lua follows redirects
             return None
         st.loaded = True
+        server = _server(engine)
+        if server is not None:
+            _LOADED_ON.add(server)
     except redis.exceptions.ResponseError as err:
         text = str(err).lower()
         if isinstance(err, redis.exceptions.NoScriptError):
@@ -126,6 +144,7 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
             # (a server restarted, or its scripts flushed, since this handle loaded it)
             engine.execute(engine.client, "DEL", *keys[3::2])
             st.loaded = False
+            _LOADED_ON.discard(_server(engine) or "")
             return None
         if "noperm" in text or "unknown command" in text or "no permissions" in text:
             st.off = True
