@@ -368,8 +368,16 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         assert extra is not None
         start = int(extra)
         _direct.learn(engine, start + n)
+    return ring_write(start, n, h.count)
+
+
+def ring_write(start: int, n: int, count: int) -> RingWrite:
+    """The slots and new generations of ``n`` rows written from ring write ``start`` on."""
+    s0, lap = start % count, start // count
+    if s0 + n <= count:  # no wrap: one run of slots, one generation
+        return RingWrite(torch.arange(s0, s0 + n, dtype=torch.int64), torch.full((n,), lap + 1, dtype=torch.int64))
     writes = torch.arange(start, start + n, dtype=torch.int64)
-    return RingWrite(writes % h.count, torch.div(writes, h.count, rounding_mode="floor") + 1)
+    return RingWrite(writes % count, torch.div(writes, count, rounding_mode="floor") + 1)
 
 
 def _last_of_each(slots: torch.Tensor, gens: torch.Tensor) -> tuple[list[int], list[int]]:
