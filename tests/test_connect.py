@@ -1,11 +1,11 @@
-"""A new connection's handshake: what redis-py would ask a server that lacks it is not asked (``_connection._lean_handshake``)."""
+"""A new connection's handshake: what redis-py would ask a server that lacks it is not asked (``_engine.connection._lean_handshake``)."""
 
 from __future__ import annotations
 
 import torch
 
 from tdstore import TensorDictStore
-from tdstore._connection import _server_version
+from tdstore._engine.connection import _server_version
 
 
 def test_a_new_store_asks_the_server_nothing_it_refuses(real):
