@@ -713,7 +713,7 @@ def test_child_process_extends_the_same_buffer(storage):
 
 
 def test_forked_writers_share_torchrls_cursor(storage):
-    """Forked processes extending one buffer through torchrl's writer (its cursor in shared memory): every row lands once."""
+    """Forked processes extending one buffer with torchrl's shared cursor (taken under a lock): every row lands once."""
     import multiprocessing as mp
 
     if on_store(storage) and not isinstance(storage(1)._conn.get("url"), str):
@@ -730,6 +730,24 @@ def test_forked_writers_share_torchrls_cursor(storage):
         for j in range(3):
             rb.extend(TensorDict(a=torch.full((4,), float(k * 10 + j)), batch_size=[4]))
 
+    # torchrl's writer reads its shared cursor, then moves it, without a lock: two forks may take the same
+    # slots (in memory too; it shows when extends take long enough to overlap). The forks serialize that
+    # step here, as a user must; the rows are written outside the lock, so a fork may write slots ahead of
+    # another's still in flight, which the storage orders on the server.
+    lock = mp.get_context("fork").Lock()
+    take_slots = rb.writer._storage._max_size_along_dim0
+    original_set = rb.writer._storage.set
+
+    def locked_extend(data: Any) -> Any:
+        with lock:
+            cursor = rb.writer._cursor
+            rb.writer._cursor = (cursor + len(data)) % take_slots(batched_data=data)
+            rb.writer._write_count += len(data)
+        index = (torch.arange(cursor, cursor + len(data)) % take_slots(batched_data=data)).long()
+        original_set(index, data)
+        return index
+
+    rb.writer.extend = locked_extend  # type: ignore[method-assign]
     procs = [mp.get_context("fork").Process(target=work, args=(k,)) for k in (1, 2, 3)]
     for p in procs:
         p.start()
