@@ -82,10 +82,12 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
-            from tdstore._shards import ring as _sharded
+            from tdstore._shards.layout import wants_shards
 
-            if _sharded.wants_shards(kwargs):
-                return _sharded.ShardedRing(**kwargs)
+            if wants_shards(kwargs):
+                from tdstore._shards.ring import ShardedRing
+
+                return ShardedRing(**kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -93,7 +93,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             return _server_failed("ls", conn, err)
     damaged = sorted(td_id for td_id, found in audits.items() if found is not None and not found.intact)
     from tdstore._format.keys import StoreKeys
-    from tdstore._shards.ring import group_shards, node_of_key
+    from tdstore._shards.info import group_shards, node_of_key
 
     plain, rings = group_shards(listing.stores)
     if args.json:
@@ -222,7 +222,7 @@ def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], An
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from tdstore._shards.ring import ring_info, ring_info_lines
+    from tdstore._shards.info import ring_info, ring_info_lines
     from tdstore.inspect_store import audit, store_info
 
     sharded = _read_store("info", args, lambda client: ring_info(client, args.prefix, args.td_id))

@@ -29,7 +29,7 @@ from tdstore._plan import index as _index
 from tdstore._ring import extend as _ring
 from tdstore._ring.dense_methods import dense_rows
 from tdstore._ring.policy_calls import PrioritizedSample
-from tdstore._shards import ring as _sharded
+from tdstore._shards import layout as _sharded
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl import marks as _torchrl_marks
 from tdstore.torchrl.row_copy import write_through
@@ -215,7 +215,7 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
     def _attach_existing(self) -> LazyStackedTensorDictStore:
         """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
         from tdstore._checkpoint.export_import import _lazy_handle
-        from tdstore._shards.ring import wants_shards
+        from tdstore._shards.layout import wants_shards
         from tdstore.store import TensorDictStore
 
         if wants_shards(self._open_kwargs()):  # a sharded ring (spread=True on a cluster): see _sharded

@@ -1,0 +1,109 @@
+"""A sharded ring's writes: extend (a batch whole to one shard, shards in turn), append, update_if, item writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
+
+from tdstore._ring.extend import RingWrite
+from tdstore._shards.queue import ShardQueue
+
+
+class ShardWrites(ShardQueue):
+    """Writes of a sharded ring."""
+
+    def _batch(self, td: Any) -> TensorDictBase:
+        if isinstance(td, (list, tuple)):
+            if not td:
+                raise ValueError("extend got an empty list: nothing to write")
+            elements = [
+                e.to_tensordict() if is_tensorclass(e) else TensorDict(e, batch_size=self._layout.inner) if isinstance(e, dict) else e
+                for e in td
+            ]
+            bad = [type(e).__name__ for e in elements if not isinstance(e, TensorDictBase)]
+            if bad:
+                raise TypeError(f"extend got a list holding {bad[0]}; it takes a list of TensorDicts (one per element)")
+            return lazy_stack(elements, dim=self._stack_pos)
+        if is_tensorclass(td):
+            return td.to_tensordict()
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"extend takes a TensorDict (or a list of them), got {type(td).__name__}")
+        return td
+
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+        """Write the elements of ``td`` into one shard's next slots, in one atomic call on its node (a batch
+        larger than the shard is cut, one piece per shard, sent at once). Shards are taken in turn by
+        each handle, from a random start. Returns the global slots written and their generations."""
+        td = self._batch(td)
+        sp = self._stack_pos
+        bs = td.batch_size
+        if len(bs) != len(self._layout.inner) + 1:
+            raise ValueError(
+                f"a batch for this store must have batch size {list(self._layout.inner)} with the element dim "
+                f"inserted at {sp}; got {list(bs)}"
+            )
+        n = int(bs[sp])
+        if not 1 <= n <= self._layout.count:
+            raise ValueError(f"extend got {n} elements for a ring of {self._layout.count} slots (1 to {self._layout.count} per call)")
+        prios = None
+        if priority is not None and not isinstance(priority, (int, float)):
+            prios = torch.as_tensor(priority).reshape(-1)
+            if prios.numel() == 1:
+                prios = None
+                priority = float(torch.as_tensor(priority).reshape(-1)[0])
+            elif prios.numel() != n:
+                raise ValueError(f"got {prios.numel()} priority values for {n} rows")
+        k_total = len(self._shards)
+        if n <= min(self._layout.counts) and self._guarded():
+            k = self._admitting(n, timeout)
+            self._next = (k + 1) % k_total
+            return self._fan_out([(k, self._extend_one, (k, td, priority, timeout))])[0]
+        jobs = []
+        k, start = self._next, 0
+        while start < n:
+            take = min(n - start, self._layout.counts[k])
+            piece = td if take == n else self._rows(td, slice(start, start + take))
+            p = priority if prios is None else prios[start : start + take]
+            jobs.append((k, self._extend_one, (k, piece, p, timeout)))
+            start += take
+            k = (k + 1) % k_total
+        self._next = k
+        got = self._fan_out(jobs)
+        return RingWrite(torch.cat([w.indices for w in got]), torch.cat([w.generations for w in got]))
+
+    def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite:
+        w = self._shards[k].extend(piece, priority=priority, timeout=timeout)
+        return RingWrite(w.indices + self._offsets[k], w.generations)
+
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+        """``extend`` with one element (a tensordict of the inner batch size)."""
+        if isinstance(td, dict):
+            td = TensorDict(td, batch_size=self._layout.inner)
+        if not isinstance(td, TensorDictBase):
+            raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
+        return self.extend(td.unsqueeze(self._stack_pos), priority=priority, timeout=timeout)
+
+    def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
+        """``update_if`` of each shard touched, at once: which rows were applied (see the one-node ring)."""
+        from tdstore._ring.args import generations_arg
+
+        slots, scalar, groups = self._by_shard(index)
+        gens = generations_arg(generation, int(slots.numel()), "update_if")
+        if scalar:
+            td = td.unsqueeze(self._stack_pos)
+        out = torch.zeros(int(slots.numel()), dtype=torch.bool)
+        jobs = [(k, self._shards[k].update_if, (local, gens[rows], self._rows(td, rows))) for k, rows, local in groups]
+        for (_, rows, _), applied in zip(groups, self._fan_out(jobs)):
+            out[rows] = applied
+        return out
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, int) and not isinstance(index, bool):
+            slots, _, groups = self._by_shard(index)
+            k, _, local = groups[0]
+            self._on(k, self._shards[k].__setitem__, int(local[0]), value)
+            return
+        slots, _, groups = self._by_shard(index)
+        self._fan_out([(k, self._shards[k].__setitem__, (local, self._rows(value, rows))) for k, rows, local in groups])

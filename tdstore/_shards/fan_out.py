@@ -1,0 +1,145 @@
+"""What every part of a sharded ring shares: its state, calls on one shard and on every shard at once (one thread each)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+import torch
+from tensordict import TensorDict
+
+from tdstore._errors import ShardUnavailableError
+from tdstore._format.keys import StoreKeys
+from tdstore._plan import index as _index
+from tdstore._shards.layout import Layout
+
+#: Errors that mean a shard's node could not be reached (``ShardUnavailableError`` names the shard).
+_UNREACHABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.TryAgainError,
+    ConnectionError,
+)
+#: A pop (or wait) over shards polls them this often, at first and at most.
+_POLL_S = (0.001, 0.05)
+
+
+class ShardsBase:
+    """The state of a sharded ring and its calls on shards (``ShardedRing`` is made of this and the mixins on it)."""
+
+    _client: Any
+    _layout: Layout
+    _keys: StoreKeys
+    _shards: list[Any]
+    _offsets: list[int]
+    _pool: ThreadPoolExecutor | None
+    _pool_lock: threading.Lock
+
+    def _node_of(self, k: int) -> str:
+        try:
+            from redis.crc import key_slot
+
+            client: Any = self._client
+            slot = key_slot(StoreKeys(self.prefix, self._layout.ids[k]).meta.encode())
+            return str(client.nodes_manager.slots_cache[slot][0].name)
+        except Exception:
+            return "?"
+
+    def _on(self, k: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, a call on shard ``k``: an unreachable node raises ``ShardUnavailableError`` naming it."""
+        try:
+            return fn(*args, **kwargs)
+        except ShardUnavailableError:
+            raise
+        except _UNREACHABLE as err:
+            raise ShardUnavailableError(
+                f"shard {k} of the sharded ring td_id={self.td_id!r} (store {self._layout.ids[k]!r}, node {self._node_of(k)}) "
+                f"is unavailable: {type(err).__name__}: {err} (the other shards serve meanwhile; this one once the "
+                "cluster has a primary for it)",
+                k,
+            ) from err
+
+    def _fan_out(self, jobs: list[tuple[int, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+        """Run one call per shard, all at once (one thread each; inline when only one): their results, in order.
+        Every call finishes before the first error is raised."""
+        if len(jobs) == 1:
+            k, fn, args = jobs[0]
+            return [self._on(k, fn, *args)]
+        pool = self._executor(len(jobs))
+        futures = [pool.submit(self._on, k, fn, *args) for k, fn, args in jobs]
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+        return [f.result() for f in futures]
+
+    def _executor(self, n: int) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=max(n, 4), thread_name_prefix="tdstore-shard")
+        assert self._pool is not None
+        return self._pool
+
+    def _locate(self, slots: torch.Tensor) -> torch.Tensor:
+        """The shard of each global slot."""
+        bounds = torch.tensor(self._offsets[1:], dtype=torch.int64)
+        return torch.bucketize(slots, bounds, right=True)
+
+    def _by_shard(self, index: Any) -> tuple[torch.Tensor, bool, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """Global slots ``index`` as (slots, one slot?, per shard touched: (shard, rows of the index, local slots))."""
+        slots, scalar = _index.positions(index, self._layout.count)
+        which = self._locate(slots)
+        groups = []
+        for k in torch.unique(which).tolist():
+            rows = (which == k).nonzero().reshape(-1)
+            groups.append((k, rows, slots[rows] - self._offsets[k]))
+        return slots, scalar, groups
+
+    @property
+    def td_id(self) -> str:
+        return self._keys.td_id
+
+    @property
+    def prefix(self) -> str:
+        return self._keys.prefix
+
+    @property
+    def _stack_pos(self) -> int:
+        return self._layout.stack_dim
+
+    def _rows(self, td: Any, rows: Any) -> Any:
+        if isinstance(rows, torch.Tensor) and type(td) is TensorDict:
+            # index_select: torch's advanced indexing of a CPU tensor costs ~10 ms for 256 rows here (2.13)
+            sp = self._stack_pos
+            try:
+                return td.apply(lambda t: t.index_select(sp, rows), batch_size=[*td.batch_size[:sp], len(rows), *td.batch_size[sp + 1 :]])
+            except (RuntimeError, TypeError):
+                pass
+        return td[(slice(None),) * self._stack_pos + (rows,)]
+
+    def _pause(self, deadline: float | None, pause: float, what: str) -> float:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}, timed out")
+            pause = min(pause, left)
+        time.sleep(pause)
+        return min(pause * 2, _POLL_S[1])
+
+    # -- priorities, rate limiter, queue -----------------------------------------------------
+    def _all(self, name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._fan_out([(k, _with_kwargs(getattr(s, name), kwargs), args) for k, s in enumerate(self._shards)])
+
+
+def _with_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return call

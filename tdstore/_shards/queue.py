@@ -1,0 +1,173 @@
+"""A sharded ring's rate limiter, queue and pop (leases, ack), and waiting on its state."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tdstore._ring.leases import LeasedSample, Receipt
+from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
+
+#: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.
+_POP_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ShardReceipt:
+    """What ``ack`` needs for a leased pop of a sharded ring: the shard and its own receipt."""
+
+    shard: int
+    receipt: Receipt
+
+
+class ShardQueue(ShardsBase):
+    """The rate limiter, the queue and pop of a sharded ring."""
+
+    _next: int  # this handle's next shard to extend
+    _pop_next: int  # and to pop from
+
+    def _guarded(self) -> bool:
+        """Whether a shard may hold an extend back (a rate limiter or queue mode, as this handle knows the policy)."""
+        pol = self._shards[0]._engine.header.sampling
+        return pol is not None and (pol.limit is not None or pol.queue)
+
+    def _heads(self, leases: bool = False) -> list[dict[str, int | None]]:
+        """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
+        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock)."""
+
+        def one(k: int) -> dict[str, int | None]:
+            e = self._shards[k]._engine
+            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo")
+            got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("rw", "sn", "lb", "rr", "lo"), raw)}
+            if leases and got["lo"] is not None:
+                first = e.command("ZRANGE", e.keys.lease_keys[1], 0, 0, "WITHSCORES")
+                got["due"] = int(bool(first) and float(first[1]) <= time.time() * 1000)
+            return got
+
+        return self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
+
+    def _admitting(self, n: int, timeout: float | None) -> int:
+        """The first shard, taken in turn, whose rate limiter and queue admit an extend of ``n`` rows now
+        (as its counters say; waiting, polling them, while none does). The extend is then sent to it
+        with the caller's timeout: a shard that filled up meanwhile holds it back as on one node."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_S[0]
+        k_total = len(self._shards)
+        while True:
+            heads = self._heads()
+            for i in range(k_total):
+                k = (self._next + i) % k_total
+                if self._admits(k, heads[k], n):
+                    return k
+            pause = self._pause(
+                deadline, pause, f"extend: the rate limiter or queue of every shard of the sharded ring td_id={self.td_id!r} holds inserts"
+            )
+
+    def _admits(self, k: int, head: dict[str, int | None], n: int) -> bool:
+        pol = self._shards[k]._engine.header.sampling
+        if pol is None:
+            return True
+        rw, sn, lb, rr = (head[f] or 0 for f in ("rw", "sn", "lb", "rr"))
+        if pol.limit is not None and (rw - lb + 1) * pol.limit.samples_per_insert - sn > pol.limit.max_diff:
+            return False
+        unread = rr if head["lo"] is None else min(rr, head["lo"] or 0)
+        return not (pol.queue and rw + n - unread > self._layout.counts[k])
+
+    def set_rate_limit(self, *, min_size: int = 1, samples_per_insert: float | None = None, error_buffer: float | None = None) -> None:
+        """A rate limiter on every shard: ``min_size`` and ``error_buffer`` split in proportion to the
+        shards' counts (each at least ``max(1, samples_per_insert)``). The whole buffer's samples minus
+        ``samples_per_insert`` times its inserts stays within the sum of the shards' buffers (see the module docstring)."""
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or not 1 <= min_size <= self._layout.count:
+            raise ValueError(f"min_size must be an int from 1 to the ring's {self._layout.count} slots, got {min_size!r}")
+        n = self._layout.count
+        jobs = []
+        for k, c in enumerate(self._layout.counts):
+            m = max(1, math.ceil(min_size * c / n))
+            eb = None
+            if (
+                error_buffer is not None
+                and samples_per_insert is not None
+                and isinstance(error_buffer, (int, float))
+                and isinstance(samples_per_insert, (int, float))
+            ):
+                eb = max(error_buffer * c / n, max(1.0, float(samples_per_insert)))
+                if error_buffer < max(1.0, samples_per_insert):
+                    eb = error_buffer  # the shard refuses it, with the one-node message
+            elif error_buffer is not None:
+                eb = error_buffer
+            jobs.append(
+                (
+                    k,
+                    _with_kwargs(
+                        self._shards[k].set_rate_limit, {"min_size": m, "samples_per_insert": samples_per_insert, "error_buffer": eb}
+                    ),
+                    (),
+                )
+            )
+        self._fan_out(jobs)
+
+    def clear_rate_limit(self) -> None:
+        self._all("clear_rate_limit")
+
+    def set_queue(self, on: bool = True) -> None:
+        """Queue mode on every shard: an extend that would overwrite items no one popped waits."""
+        self._all("set_queue", on)
+
+    # -- pop ---------------------------------------------------------------------------------
+    def pop(self, *args: Any, **kwargs: Any) -> Any:
+        """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: see :meth:`pop_items`."""
+        return self.pop_items(*args, **kwargs)
+
+    def pop_items(
+        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+    ) -> Any:
+        """Up to ``batch_size`` unread items of one shard, each handed to exactly one caller (in write
+        order within the shard; not across shards). The shards are tried in turn; with none unread, the
+        pop waits (polling the shards) up to ``timeout`` seconds (``TimeoutError``; ``None``: no limit).
+        ``lease=S``: as the one-node ring, the items return ``S`` seconds after a pop that does not ``ack``."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _POLL_S[0]
+        k_total = len(self._shards)
+        while True:
+            heads = self._heads(leases=True)
+            for i in range(k_total):
+                k = (self._pop_next + i) % k_total
+                h = heads[k]
+                if (h["rw"] or 0) <= (h["rr"] or 0) and not h.get("due"):
+                    continue
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # another reader may take these first: then wait on this shard a moment at most, and look again
+                wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
+                try:
+                    got = self._on(k, self._shards[k].pop_items, batch_size, timeout=wait, keys=keys, lease=lease)
+                except TimeoutError:
+                    break
+                self._pop_next = (k + 1) % k_total
+                return self._global(k, got)
+            else:
+                pause = self._pause(
+                    deadline, pause, f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}"
+                )
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}, timed out")
+
+    def _global(self, k: int, got: Any) -> Any:
+        off = self._offsets[k]
+        if isinstance(got, LeasedSample):
+            receipt: Any = ShardReceipt(k, got.receipt)  # what this ring's ack takes
+            return replace(got, indices=got.indices + off, receipt=receipt, _store=self)
+        return got._replace(indices=got.indices + off)
+
+    def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
+        """Settle the items of a leased pop (its receipt, or the ``LeasedSample``) on their shard."""
+        if isinstance(receipt, LeasedSample):
+            receipt = receipt.receipt
+        if not isinstance(receipt, ShardReceipt):
+            raise ValueError(f"a sharded ring acks the receipts its own pops give (ShardReceipt), got {type(receipt).__name__}")
+        return int(self._on(receipt.shard, self._shards[receipt.shard].ack, receipt.receipt, timeout=timeout))
