@@ -46,7 +46,9 @@
           is shorter when every slot is retired); else as 'U'. Counts the rows as samples
           for the limiter and publishes on the Pub/Sub 'channel'. Adds four pieces: the
           slots, rw, each row's sampling probability and the smallest probability of any
-          slot, as little-endian float64 ('' and '' for a uniform sample).
+          slot followed by the tree's sum (the mass the probabilities divide by: a sharded
+          ring's next split), as little-endian float64 ('' and '' for a uniform sample; a
+          resend's last piece has no sum).
     'F', n, channel
           pop: the next min(n, unread) items in write order (the header's read cursor 'rr'
           moves past them, so each goes to one reader); adds two pieces: their slots and
@@ -331,7 +333,7 @@ for _ = 1, nops do
     end
     rows = {}
     local packed, probs = {}, {}
-    local low_prob = ''
+    local low_prob, mass = '', ''
     local counted = {}  -- slot -> its sample count after this call (written when every op has read)
     if by_priority then
       local t = tds_tree(tkey, count)
@@ -340,6 +342,7 @@ for _ = 1, nops do
         do return {'WAIT', 'weight', 'no written slot has a positive priority'} end
       end
       low_prob = tds_f64_pack(low / total)
+      mass = tds_f64_pack(total)
       if policy.mt ~= nil then
         tds_times_check(times_key, count)
       end
@@ -389,7 +392,7 @@ for _ = 1, nops do
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
     out[#out + 1] = table.concat(probs)
-    out[#out + 1] = low_prob
+    out[#out + 1] = low_prob .. mass
   elseif kind == 'F' then
     -- pop: the next unread items in write order, each to exactly one reader
     if rows ~= nil then

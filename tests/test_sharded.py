@@ -149,6 +149,49 @@ def test_prioritized_draws_are_exact_over_unevenly_filled_shards(redis_cluster):
     s.clear_redis()
 
 
+def test_prioritized_draws_stay_exact_when_the_cached_masses_are_stale(redis_cluster):
+    """A sample splits on the masses the previous one saw; here every sample finds them changed by writes
+    it did not see (another handle's), both ways: a shard the split gave no share now has mass (a second
+    round trip draws the rows), and a shard lost its mass (its candidates are rejected)."""
+    s = ring(redis_cluster, count=60)
+    s.enable_priorities(alpha=1.0)
+    fill(s, [20, 20, 20])
+    slots = torch.arange(60)
+    configs = [((slots % 5 + 1.0) * (slots >= 20)).double(), ((slots % 4 + 1.0) * (1 + 9 * (slots >= 40))).double()]
+    gen = torch.Generator().manual_seed(3)
+    counts = [torch.zeros(60, dtype=torch.float64) for _ in configs]
+    for i in range(40):
+        prio = configs[i % 2]
+        for k in range(3):  # straight on the shards: the sharded handle's cached masses go stale
+            s.shards[k].update_priority(torch.arange(20), prio[20 * k : 20 * k + 20])
+        got = s.sample(500, gen)
+        assert got.indices.numel() == 500 and torch.equal(got.td["tag"], got.indices) and whole(got.td)
+        p = prio / prio.sum()
+        assert torch.allclose(got.probabilities, p[got.indices], rtol=1e-9)
+        counts[i % 2] += torch.bincount(got.indices, minlength=60).double()
+    for prio, c in zip(configs, counts):
+        p = prio / prio.sum()
+        assert chi_square(c, p) < chi2_critical(int((p > 0).sum()) - 1)
+    s.clear_redis()
+
+
+def test_a_prioritized_sample_on_unchanged_masses_reads_none(redis_cluster, monkeypatch):
+    """The masses come back with each shard's sample: while they do not change, no sample reads them (one round trip)."""
+    s = ring(redis_cluster, count=30)
+    s.enable_priorities(alpha=0.6)
+    fill(s, [10, 10, 10])
+    gen = torch.Generator().manual_seed(4)
+    s.sample(64, gen)  # the first reads them
+    reads = []
+    real = s._mass_of
+    monkeypatch.setattr(s, "_mass_of", lambda k: reads.append(k) or real(k))
+    for _ in range(5):
+        got = s.sample(64, gen)
+        assert got.indices.numel() == 64 and torch.equal(got.td["tag"], got.indices)
+    assert reads == []
+    s.clear_redis()
+
+
 def test_update_priority_and_update_if_check_generations_across_shards(redis_cluster):
     s = ring(redis_cluster, count=9)
     s.enable_priorities(alpha=1.0)

@@ -64,6 +64,7 @@ def sample(
     beta: float = 1.0,
     min_size: int | None = None,
     timeout: float | None = None,
+    heads: list[tuple[float, float, int]] | None = None,
 ) -> Sample | _sampling.PrioritizedSample:
     """Draw ``batch_size`` written slots (with replacement) and read them, in one call.
 
@@ -72,7 +73,8 @@ def sample(
     ``ragged`` (``as_padded_tensor=True`` or ``as_nested_tensor=True``, with ``padding_side``,
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
     the batch (see ``_format.ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
-    reads only those keys (and the keys below them)."""
+    reads only those keys (and the keys below them). ``heads``: a prioritized sample appends to it its
+    tree's sum and smallest probability and ``rw`` as the script drew (NaN sum on a resend; a sharded ring's next split)."""
     _check_sample_args(batch_size, min_size, beta)
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
@@ -101,6 +103,7 @@ def sample(
                 timeout=timeout,
             )
     planner = _SamplePlanner(engine, batch_size, draws, keys, device, ragged, asked, min_size, beta, as_tx=not by_policy)
+    planner.heads = heads
 
     def run() -> Any:
         try:
@@ -197,6 +200,7 @@ class _SamplePlanner:
     min_size: int | None
     beta: float
     as_tx: bool  # a full ring's uniform sample may go as a transaction (see _tx_sample_call)
+    heads: list[tuple[float, float, int]] | None = field(init=False, default=None)  # see sample()
     packed: bytes = field(init=False)  # the draws as read.lua takes them, packed once for every try
     request: str = field(init=False)  # one per sample, sent with every try: a resend never counts twice
 
@@ -227,6 +231,9 @@ class _SamplePlanner:
             if not by_prio:
                 return got
             probs, low = _sampling.probabilities(reply)
+            if self.heads is not None:
+                mass = np.frombuffer(reply[5], dtype="<f8")[1:2]
+                self.heads.append((float(mass[0]) if len(mass) else math.nan, low, int(reply[3])))
             return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, self.beta), probs)
 
         call = _row_read_call(engine, h, keys, self.batch_size, head, parse, self.request if use_policy else None)

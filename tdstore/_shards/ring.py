@@ -22,8 +22,9 @@ slots and fans calls out.
   at once; the rows are put back in the order of the draw. A row's probability is its shard's
   (``mass_k / mass``) times its probability within the shard; importance weights divide by the
   smallest probability over all shards (``min_k min_weight_k / mass``, each root holds its min).
-  Two round trips at most; the sizes or masses are read just before the draw (not cached from
-  the previous sample: another client's writes would make those stale, and the draw inexact).
+  Two round trips at most. A prioritized sample is usually one: it splits on the masses each shard
+  answered the previous one with, and rejection sampling on the masses the shards answer this time
+  keeps the draw exact when those were stale (``sample.py``; lua/README.md, Sharded rings).
 - **Rate limiter.** Per shard: each shard limits its own samples and inserts with ``min_size``
   and ``error_buffer`` split in proportion to its count (at least ``max(1, samples_per_insert)``
   each), so the whole buffer's ``samples - samples_per_insert * inserts`` stays within the sum of
@@ -122,6 +123,8 @@ class ShardedRing(ShardWrites, ShardSampling):
         self._shards = shards
         self._offsets = self._layout.offsets
         self._full = [False] * len(shards)
+        self._cached = None  # a prioritized sample's shard masses, for the next one's split (see sample.py)
+        self._ratio = 1.0
         self._next = random.randrange(len(shards))  # this handle's next shard to extend
         self._pop_next = random.randrange(len(shards))
 

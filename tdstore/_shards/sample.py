@@ -19,6 +19,8 @@ class ShardSampling(ShardsBase):
     """Sampling and priorities of a sharded ring."""
 
     _full: list[bool]
+    _cached: tuple[list[int], list[float], list[float]] | None  # each shard's size, mass and smallest weight, as last seen
+    _ratio: float  # the last split's largest (current / cached share): how many candidates the next one adds
 
     def _sizes(self) -> list[int]:
         """Items each shard holds, read at once; a full shard (it stays full) is not read again."""
@@ -35,28 +37,27 @@ class ShardSampling(ShardsBase):
         pol = self._shards[0]._engine.header.sampling
         return pol is not None and pol.prioritized
 
+    def _mass_of(self, k: int) -> tuple[int, float, float]:
+        """Shard ``k``'s size, priority mass (root of its sum tree) and smallest positive weight: one pipeline."""
+        engine = self._shards[k]._engine
+        c = self._layout.counts[k]
+        pipe = engine.client.pipeline(transaction=False)  # one round trip: both keys are in the shard's slot
+        pipe.hmget(engine.keys.meta, "rw", "na")
+        pipe.getrange(engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))
+        head, root = pipe.execute()
+        rw = engine.ring_writes_from(head[0], head[1])
+        if not root:
+            return min(rw, c), 0.0, 0.0
+        vals = np.frombuffer(root, dtype="<f8")
+        total = float(vals[0])
+        low = float(vals[1]) if len(vals) > 1 else total
+        if not (math.isfinite(total) and total >= 0 and math.isfinite(low) and low >= 0):
+            raise KeyError(f"shard {k} of the sharded ring td_id={self.td_id!r} has a damaged priority tree")
+        return min(rw, c), total, low
+
     def _masses(self) -> tuple[list[int], list[float], list[float]]:
-        """Each shard's size, priority mass (root of its sum tree) and smallest positive weight, read at once."""
-
-        def one(k: int) -> tuple[int, float, float]:
-            shard = self._shards[k]
-            engine = shard._engine
-            c = self._layout.counts[k]
-            pipe = engine.client.pipeline(transaction=False)  # one round trip: both keys are in the shard's slot
-            pipe.hmget(engine.keys.meta, "rw", "na")
-            pipe.getrange(engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))
-            head, root = pipe.execute()
-            rw = engine.ring_writes_from(head[0], head[1])
-            if not root:
-                return min(rw, c), 0.0, 0.0
-            vals = np.frombuffer(root, dtype="<f8")
-            total = float(vals[0])
-            low = float(vals[1]) if len(vals) > 1 else total
-            if not (math.isfinite(total) and total >= 0 and math.isfinite(low) and low >= 0):
-                raise KeyError(f"shard {k} of the sharded ring td_id={self.td_id!r} has a damaged priority tree")
-            return min(rw, c), total, low
-
-        got = self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
+        """Each shard's size, priority mass and smallest positive weight, read at once."""
+        got = self._fan_out([(k, self._mass_of, (k,)) for k in range(len(self._shards))])
         return [g[0] for g in got], [g[1] for g in got], [g[2] for g in got]
 
     def sample(
@@ -85,41 +86,163 @@ class ShardSampling(ShardsBase):
             self._shards[0]._engine.set_header(self._shards[0]._engine.fetch_header())
             if not self._prioritized():
                 raise ValueError(f"the sharded ring td_id={self.td_id!r} has no priorities: call enable_priorities(alpha=...) first")
+        kw = {"keys": keys, "prioritized": prioritized, "alpha": alpha, "beta": beta, **ragged}
+        if by_prio and min_size is None and timeout is None and self._guessable():
+            guessed = self._sample_on_cached(batch_size, generator, kw, beta)
+            if guessed is not None:
+                return guessed
         deadline = None if timeout is None else time.monotonic() + timeout
+        sizes, weights, lows = self._weights(by_prio, min_size, timeout, deadline)
+        if by_prio:
+            self._cached = (sizes, weights, lows)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        which, chosen, got = self._draw(batch_size, generator, weights, {**kw, "timeout": left})
+        return self._assemble(chosen, got, _back(which, len(chosen)), weights, lows, beta, by_prio)
+
+    def _weights(
+        self, by_prio: bool, min_size: int | None, timeout: float | None, deadline: float | None
+    ) -> tuple[list[int], list[float], list[float]]:
+        """Each shard's size, weight (size, or priority mass) and smallest weight, read at once; waiting (polling)
+        for ``min_size`` items or a positive mass when given a ``min_size`` or ``timeout``."""
         pause = _POLL_S[0]
         while True:
             if by_prio:
-                sizes, masses, lows = self._masses()
-                weights = masses
+                sizes, weights, lows = self._masses()
             else:
                 sizes = self._sizes()
                 weights, lows = [float(s) for s in sizes], []
-            total = sum(weights)
-            if total > 0 and (min_size is None or sum(sizes) >= min_size):
-                break
+            if sum(weights) > 0 and (min_size is None or sum(sizes) >= min_size):
+                return sizes, weights, lows
             if min_size is None and timeout is None:
                 what = "no slot with a positive priority" if by_prio and sum(sizes) > 0 else "nothing written yet"
                 raise ValueError(
                     f"cannot sample: the sharded ring td_id={self.td_id!r} holds {what} (pass min_size= or timeout= to wait for data)"
                 )
             pause = self._pause(deadline, pause, f"sample: the sharded ring td_id={self.td_id!r} holds {sum(sizes)} items")
+
+    def _draw(
+        self, batch_size: int, generator: torch.Generator | None, weights: list[float], kw: dict[str, Any]
+    ) -> tuple[torch.Tensor, list[int], list[Any]]:
+        """Each of ``batch_size`` rows given a shard by one multinomial draw over ``weights``, each shard's rows
+        sampled on its node, all at once: (the shard of each row, the shards sampled, their samples)."""
         which = torch.multinomial(torch.tensor(weights, dtype=torch.float64), batch_size, replacement=True, generator=generator)
         parts = torch.bincount(which, minlength=len(self._shards)).tolist()
         seeds = torch.randint(0, 1 << 62, (len(self._shards),), generator=generator).tolist()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        kw = {"keys": keys, "prioritized": prioritized, "alpha": alpha, "beta": beta, "timeout": left, **ragged}
         chosen = [k for k, b in enumerate(parts) if b]
-        jobs = [(k, self._shards[k].sample, (parts[k], torch.Generator().manual_seed(seeds[k]))) for k in chosen]
-        got = self._fan_out([(k, _with_kwargs(fn, kw), args) for k, fn, args in jobs])
-        back = torch.argsort(torch.argsort(which, stable=True))  # row j of the pieces (in shard order) goes to position order[j]
-        td = self._rows(torch.cat([g.td for g in got], dim=self._stack_pos), back) if len(got) > 1 else got[0].td
-        indices = torch.cat([g.indices + self._offsets[k] for k, g in zip(chosen, got)]).index_select(0, back)
-        gens = torch.cat([g.generations for g in got]).index_select(0, back)
+        jobs = [(k, _with_kwargs(self._shards[k].sample, kw), (parts[k], torch.Generator().manual_seed(seeds[k]))) for k in chosen]
+        return which, chosen, self._fan_out(jobs)
+
+    def _assemble(
+        self,
+        chosen: list[int],
+        got: list[Any],
+        rows: torch.Tensor | None,
+        masses: list[float],
+        lows: list[float],
+        beta: float,
+        by_prio: bool,
+    ) -> Sample | PrioritizedSample:
+        """Rows ``rows`` (None: all) of the shards' samples ``got`` (concatenated in shard order), with global slots; by priority,
+        their probabilities ``mass_k / mass`` times their shard's and weights by the smallest probability of all shards."""
+        td: Any = torch.cat([g.td for g in got], dim=self._stack_pos) if len(got) > 1 else got[0].td
+        indices = torch.cat([g.indices + self._offsets[k] for k, g in zip(chosen, got)])
+        gens = torch.cat([g.generations for g in got])
+        if rows is not None:
+            td, indices, gens = self._rows(td, rows), indices.index_select(0, rows), gens.index_select(0, rows)
         if not by_prio:
             return Sample(td, indices, gens)
-        probs = torch.cat([g.probabilities * (masses[k] / total) for k, g in zip(chosen, got)]).index_select(0, back)
+        total = sum(masses)
+        probs = torch.cat([g.probabilities * (masses[k] / total) for k, g in zip(chosen, got)])
+        probs = probs if rows is None else probs.index_select(0, rows)
         low = min(lows[k] for k in range(len(self._shards)) if masses[k] > 0) / total
         return PrioritizedSample(td, indices, gens, weights_of(probs, low, beta), probs)
+
+    # -- one round trip on the masses the last sample saw (see lua/README.md, Sharded rings) --
+    def _guessable(self) -> bool:
+        """Whether a prioritized sample may split on cached masses: there are some, and no shard's sample counts
+        (a rate limiter or ``max_times_sampled`` would count the rows drawn and then dropped)."""
+        pol = self._shards[0]._engine.header.sampling
+        return self._cached is not None and pol is not None and pol.limit is None and pol.max_times is None
+
+    def _sample_on_cached(
+        self, batch_size: int, generator: torch.Generator | None, kw: dict[str, Any], beta: float
+    ) -> PrioritizedSample | None:
+        """Candidates split over the shards by the cached masses ``q``, each shard sampling its part and answering its
+        current mass ``p`` in the same call (shards with no part read it): one round trip. A candidate of shard ``k``
+        is kept with probability ``(p_k / q_k) / max_j (p_j / q_j)`` (rejection sampling: the kept rows are i.i.d.
+        by the current masses); the first ``batch_size`` kept are the sample, a shortfall is drawn by the current
+        masses in a second round trip. None (nothing sampled) when a shard's mass could not be read."""
+        assert self._cached is not None
+        k_total = len(self._shards)
+        q = torch.tensor(self._cached[1], dtype=torch.float64)
+        q = q / q.sum()
+        over = self._ratio - 1.0  # the last call's excess: a few more candidates than rows, as many as it would reject
+        n = batch_size + (math.ceil(batch_size * over + 3 * math.sqrt(batch_size * over) + 1) if over > 0 else 0)
+        which = torch.multinomial(q, n, replacement=True, generator=generator)
+        parts = torch.bincount(which, minlength=k_total).tolist()
+        seeds = torch.randint(0, 1 << 62, (k_total,), generator=generator).tolist()
+        coins = torch.rand(n, generator=generator, dtype=torch.float64)
+        got = self._fan_out([(k, self._sample_with_mass, (k, parts[k], seeds[k], kw)) for k in range(k_total)])
+        sizes, masses, lows = [g[1] for g in got], [g[2] for g in got], [g[3] for g in got]
+        if any(not math.isfinite(m) for m in masses) or sum(masses) <= 0:
+            self._cached = None
+            return None
+        self._cached = (sizes, masses, lows)
+        p = torch.tensor(masses, dtype=torch.float64) / sum(masses)
+        ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.zeros_like(p))
+        top = float(ratio.max())
+        if bool(((q == 0) & (p > 0)).any()):
+            kept = torch.zeros(0, dtype=torch.int64)  # a shard the split could not reach: no candidate stands
+            self._ratio = 2.0
+        else:
+            kept = (coins < (ratio / top)[which]).nonzero().reshape(-1)[:batch_size]
+            self._ratio = top
+        chosen = [k for k in range(k_total) if got[k][0] is not None]  # a shard found without mass drew nothing
+        out = None
+        if kept.numel():
+            placed = torch.where(torch.tensor([g[0] is not None for g in got])[which], which, k_total)  # those last
+            out = self._assemble(chosen, [got[k][0] for k in chosen], _positions(placed).index_select(0, kept), masses, lows, beta, True)
+        if kept.numel() < batch_size:
+            which2, chosen2, got2 = self._draw(batch_size - kept.numel(), generator, masses, {**kw, "timeout": None})
+            more = self._assemble(chosen2, got2, _back(which2, len(chosen2)), masses, lows, beta, True)
+            out = more if out is None else self._cat(out, more)
+        assert isinstance(out, PrioritizedSample)
+        return out
+
+    def _sample_with_mass(self, k: int, n: int, seed: int, kw: dict[str, Any]) -> tuple[Any, int, float, float]:
+        """Shard ``k``'s prioritized sample of ``n`` rows and its size, mass and smallest weight as it drew them
+        (with ``n`` 0, only those, read); mass 0 when the shard has no slot of positive priority."""
+        from tdstore._format import ragged as _ragged
+        from tdstore._plan.values import as_path
+        from tdstore._ring import sample_pop
+
+        if n == 0:
+            return (None, *self._mass_of(k))
+        shard = self._shards[k]
+        keys = kw.get("keys")
+        keys = [keys] if isinstance(keys, (str, tuple)) else keys
+        ragged = {f: v for f, v in kw.items() if f not in ("keys", "prioritized", "alpha", "beta", "timeout")}
+        if ragged and not _ragged.wanted(ragged):
+            raise TypeError(
+                f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}"
+            )
+        heads: list[tuple[float, float, int]] = []
+        try:
+            got = sample_pop.sample(
+                shard._engine, n, torch.Generator().manual_seed(seed), shard._device, ragged or None,
+                None if keys is None else [as_path(x) for x in keys], prioritized=True, alpha=kw.get("alpha"), beta=kw["beta"], heads=heads,
+            )  # fmt: skip
+        except ValueError:
+            size, mass, low = self._mass_of(k)
+            if mass > 0:
+                raise
+            return None, size, 0.0, 0.0
+        mass, low_prob, rw = heads[-1] if heads else (math.nan, 0.0, 0)
+        return got, min(rw, self._layout.counts[k]), mass, low_prob * mass
+
+    def _cat(self, a: Any, b: Any) -> PrioritizedSample:
+        td: Any = torch.cat([a.td, b.td], dim=self._stack_pos)
+        return PrioritizedSample(td, *(torch.cat([x, y]) for x, y in zip(a[1:], b[1:])))
 
     @property
     def sampling_policy(self) -> Any:
@@ -150,3 +273,13 @@ class ShardSampling(ShardsBase):
         for (_, rows, _), ok in zip(groups, self._fan_out(jobs)):
             out[rows] = ok
         return out
+
+
+def _back(which: torch.Tensor, pieces: int) -> torch.Tensor | None:
+    """Where each row of a draw (its shard: ``which``) is among the shards' pieces concatenated in shard order
+    (None: in order already, one piece)."""
+    return None if pieces == 1 else _positions(which)
+
+
+def _positions(which: torch.Tensor) -> torch.Tensor:
+    return torch.argsort(torch.argsort(which, stable=True))
