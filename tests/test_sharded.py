@@ -458,6 +458,36 @@ def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sam
     ring.clear_redis()
 
 
+def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cluster):
+    """Shards fill in turn, so before every shard is full the written slots are not ``range(len(rb))``:
+    without replacement every written row comes once a pass (rows written meanwhile join it), and
+    torchrl's own ``RandomSampler`` draws written rows only."""
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=6, sampler="without_replacement")
+    for lo, hi in ((0, 7), (7, 12), (12, 15)):  # three batches: one per shard, uneven fills
+        rb.extend(rows(torch.arange(lo, hi), width=1))
+    ring = rb.storage._store
+    assert isinstance(ring, ShardedRing) and len(rb) == 15 and sorted(ring.written) != list(range(15))
+    seen = []
+    for _ in range(2):
+        s = rb.sample()
+        assert torch.equal(ring[s["index"]]["tag"], s["tag"]) and whole(s.exclude("index"))
+        seen += s["tag"].tolist()
+    rb.extend(rows(torch.arange(15, 18), width=1))  # joins the pass
+    while len(seen) < 18:
+        s = rb.sample()
+        assert torch.equal(ring[s["index"]]["tag"], s["tag"])
+        seen += s["tag"].tolist()
+    assert sorted(seen) == list(range(18))  # each written row once in the pass
+    own = TensorDictReplayBuffer(storage=rb.storage, sampler=RandomSampler(), batch_size=64)
+    s = own.sample()
+    assert set(s["index"].tolist()) <= set(ring.written) and whole(s.exclude("index"))
+    ring.clear_redis()
+
+
 def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
     import subprocess
     import sys

@@ -131,18 +131,37 @@ class StoreSamplerWithoutReplacement(SamplerWithoutReplacement):
 
     _sample_list: torch.Tensor | None  # torchrl's: the slots this pass has not drawn yet
     len_storage: int  # torchrl's: the storage length that list was made for
+    _written: torch.Tensor | None = None  # a sharded ring not full: its written slots (the list holds positions in these)
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         _slots_only(storage, self)
-        n = len(storage)
+        slots = storage.written_slots() if isinstance(storage, StoreStorage) else None
+        n = len(storage) if slots is None else slots.numel()
         if n == 0:
             raise RuntimeError(EMPTY_ERROR)
+        before = self._written
+        self._written = slots
         if self._sample_list is not None and 0 < self.len_storage < n:
-            grown = torch.arange(self.len_storage, n)
+            if before is not None:  # the slots written since: those not in the list's set (written slots stay written)
+                grown = slots[~torch.isin(slots, before)] if slots is not None else _not_in(torch.arange(n), before)
+                self._sample_list = before[self._sample_list]
+            else:
+                grown = torch.arange(self.len_storage, n)
             rest = torch.cat([self._sample_list, grown])
             self._sample_list = rest[torch.randperm(rest.numel(), generator=self._rng)] if self.shuffle else rest
             self.len_storage = n
-        return super().sample(_KnownLength(storage, n), batch_size)
+            if slots is not None:  # back to positions in the written slots
+                self._sample_list = torch.searchsorted(slots, self._sample_list)
+        index, info = super().sample(_KnownLength(storage, n), batch_size)
+        return (index if slots is None else slots[index]), info
+
+    def _empty(self) -> None:
+        super()._empty()
+        self._written = None
+
+
+def _not_in(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a[~torch.isin(a, b)]
 
 
 class _KnownLength:

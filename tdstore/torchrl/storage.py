@@ -334,6 +334,33 @@ class StoreStorage(_TorchrlStoreStorage, TensorStorage):
 
     # -- what torchrl reads ----------------------------------------------------------------
     @_eager
+    def written_slots(self) -> torch.Tensor | None:
+        """The written slots of a sharded ring not yet full (one round trip), which ``range(len(self))`` does not
+        name (it numbers its slots shard after shard, and shards fill in turn); None for any other ring, whose
+        written slots are ``range(len(self))``. Samplers draw from these (``StoreSamplerWithoutReplacement``,
+        torchrl's ``RandomSampler`` through ``_rand_given_ndim``)."""
+        from tdstore._shards.ring import ShardedRing
+
+        def written(s: Any) -> torch.Tensor | None:
+            if not isinstance(s, ShardedRing):
+                return None
+            got = s.written  # one round trip until every shard is full (then none)
+            if len(got) == s.capacity:
+                return None
+            return torch.tensor(list(got), dtype=torch.int64)
+
+        return self.with_store(written) if self.ndim == 1 else None
+
+    def _rand_given_ndim(self, batch_size: int) -> Any:
+        """torchrl's uniform draw (``RandomSampler``): over the written slots (see :meth:`written_slots`)."""
+        slots = self.written_slots()
+        if slots is None:
+            return super()._rand_given_ndim(batch_size)
+        if not slots.numel():
+            raise RuntimeError(EMPTY_ERROR)
+        return slots[torch.randint(0, slots.numel(), (batch_size,), generator=self._rng)]
+
+    @_eager
     def __len__(self) -> int:
         """The number of written cells (slots, times the lanes when ndim>1), read from the server (one round trip)."""
         return self._len_along_dim0 * (1 if self.ndim == 1 else self._lanes(self._inner_now()))
