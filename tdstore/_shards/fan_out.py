@@ -66,18 +66,23 @@ class ShardsBase:
             ) from err
 
     def _fan_out(self, jobs: list[tuple[int, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
-        """Run one call per shard, all at once (one thread each; inline when only one): their results, in order.
-        Every call finishes before the first error is raised."""
+        """Run one call per shard, all at once (the last in this thread, the others one thread each): their
+        results, in order. Every call finishes before the first error is raised."""
+        k, fn, args = jobs[-1]
         if len(jobs) == 1:
-            k, fn, args = jobs[0]
             return [self._on(k, fn, *args)]
-        pool = self._executor(len(jobs))
-        futures = [pool.submit(self._on, k, fn, *args) for k, fn, args in jobs]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
-        return [f.result() for f in futures]
+        pool = self._executor(len(jobs) - 1)
+        futures = [pool.submit(self._on, j, f, *a) for j, f, a in jobs[:-1]]
+        last: Any = None
+        try:
+            last = self._on(k, fn, *args)
+        except BaseException as err:  # raised once the others are done
+            last = err
+        errors = [f.exception() for f in futures] + [last if isinstance(last, BaseException) else None]
+        for e in errors:
+            if e is not None:
+                raise e
+        return [f.result() for f in futures] + [last]
 
     def _executor(self, n: int) -> ThreadPoolExecutor:
         if self._pool is None:
