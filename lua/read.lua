@@ -47,8 +47,7 @@
           for the limiter and publishes on the Pub/Sub 'channel'. Adds four pieces: the
           slots, rw, each row's sampling probability and the smallest probability of any
           slot followed by the tree's sum (the mass the probabilities divide by: a sharded
-          ring's next split), as little-endian float64 ('' and '' for a uniform sample; a
-          resend's last piece has no sum).
+          ring's next split), as little-endian float64 ('' and '' for a uniform sample).
     'F', n, channel
           pop: the next min(n, unread) items in write order (the header's read cursor 'rr'
           moves past them, so each goes to one reader); adds two pieces: their slots and
@@ -275,10 +274,11 @@ for _ = 1, nops do
         rows[j] = (rr + j - 1) % count
         packed[j] = tds_p64(rows[j])
       end
-    elseif what == 'P' then  -- by priority: the slots drawn, their probabilities, the smallest one
-      local m = (#seen - 9) / 16
-      low_prob, probs = string.sub(seen, 2, 9), string.sub(seen, 10 + 8 * m)
-      packed[1] = string.sub(seen, 10, 9 + 8 * m)
+    elseif what == 'P' then  -- by priority: the smallest probability, the tree's sum, the slots drawn, their probabilities
+      local head = (#seen - 9) % 16 == 0 and 9 or 17  -- a record without the sum: 9 bytes before the slots
+      local m = (#seen - head) / 16
+      low_prob, probs = string.sub(seen, 2, head), string.sub(seen, head + 1 + 8 * m)
+      packed[1] = string.sub(seen, head + 1, head + 8 * m)
       for j = 1, m do
         rows[j] = tds_u64(packed[1], 8 * j - 7)
       end
@@ -378,7 +378,7 @@ for _ = 1, nops do
       end
     end
     if lim ~= nil or policy.mt ~= nil then  -- a sample that counts: what a resend gets back
-      decision = by_priority and 'P' .. low_prob .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
+      decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
     end
     if lim ~= nil then
       local drawn = #rows

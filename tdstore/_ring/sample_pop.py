@@ -74,7 +74,7 @@ def sample(
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
     the batch (see ``_format.ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
     reads only those keys (and the keys below them). ``heads``: a prioritized sample appends to it its
-    tree's sum and smallest probability and ``rw`` as the script drew (NaN sum on a resend; a sharded ring's next split)."""
+    tree's sum and smallest probability and ``rw`` as the script drew (a sharded ring's next split; NaN: not sent)."""
     _check_sample_args(batch_size, min_size, beta)
     draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
