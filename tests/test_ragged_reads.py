@@ -75,9 +75,11 @@ def test_a_padded_read_is_one_round_trip_without_a_tensor_per_element(pair, real
     store = LazyStackedTensorDictStore.from_lazy_stack(_local(), **real.kwargs())
     store.get("tokens", as_padded_tensor=True)  # warm
     from tdstore._plan import read_plan as _reads
+    from tdstore._plan import read_results as _results
 
-    monkeypatch.setattr(_reads, "het_rows", None)  # the per-element builders are not used
-    monkeypatch.setattr(_reads, "split_elements", None)
+    for module in (_reads, _results):  # the per-element builders are not used
+        monkeypatch.setattr(module, "het_rows", None)
+        monkeypatch.setattr(module, "split_elements", None)
     assert top_level_commands(real.client, lambda: store.get("tokens", as_padded_tensor=True)) == ["evalsha"]
     assert top_level_commands(real.client, lambda: store.get_at("tokens", torch.randint(40, (30,)), as_padded_tensor=True)) == ["evalsha"]
 

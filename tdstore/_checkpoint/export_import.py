@@ -41,12 +41,13 @@ from tdstore._checkpoint.disk_format import (
     inside,
     read_meta,
 )
+from tdstore._checkpoint.file_rows import check_tree, leaf_scans
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
-from tdstore._format.nontensor import NonTensor, decode, element_docs
+from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
 from tdstore._front import upload as _upload
@@ -305,112 +306,6 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
 # -- import ---------------------------------------------------------------------------------------
 
 
-class _DenseRows:
-    """The rows of a homogeneous key's memmap file, read a chunk at a time as one tensor (the
-    upload sends a chunk's bytes as they are; a tensor per row would cost more than the upload)."""
-
-    def __init__(self, file: Path, e: KeyEntry, count: int) -> None:
-        assert e.shape is not None
-        self._mm = np.memmap(file, dtype=np.uint8, mode="r") if count * e.element_nbytes else None
-        self._e, self._count = e, count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def chunk(self, lo: int, hi: int) -> torch.Tensor:
-        e = self._e
-        assert e.shape is not None
-        nb = e.element_nbytes
-        raw = bytearray(self._mm[lo * nb : hi * nb]) if self._mm is not None else bytearray()
-        return _codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))
-
-
-class _RaggedRows:
-    """The elements of a heterogeneous or non-tensor key's files, read a chunk at a time as one flat
-    tensor of the chunk's bytes (see :class:`_DenseRows`), and their shapes (``shapes``, a memmap)."""
-
-    def __init__(self, root: Path, e: KeyEntry, count: int) -> None:
-        self._e, self._count = e, count
-        self.offsets = np.memmap(root / f"{e.file}.offsets", dtype="<i8", mode="r")
-        self.shapes = np.memmap(root / f"{e.file}.shapes", dtype="<i8", mode="r").reshape(count, e.ndim)
-        size = (root / f"{e.file}.data").stat().st_size
-        self._data = np.memmap(root / f"{e.file}.data", dtype=np.uint8, mode="r") if size else None
-
-    def __len__(self) -> int:
-        return self._count
-
-    def chunk(self, lo: int, hi: int) -> torch.Tensor:
-        off = self.offsets[lo : hi + 1].astype(np.int64)
-        raw = bytearray(self._data[off[0] : off[-1]]) if self._data is not None else bytearray()
-        dtype = _codec.DTYPES[self._e.dtype]
-        return _codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
-
-
-class _FileLeaf(LeafScan):
-    """A leaf of the upload whose elements come from the checkpoint's files, a chunk at a time."""
-
-    def __init__(self, e: KeyEntry, rows: _DenseRows | _RaggedRows, sizes: np.ndarray) -> None:
-        shapes = rows.shapes if isinstance(rows, _RaggedRows) else None
-        super().__init__(e.path, _codec.DTYPES[e.dtype], [], e.shape if e.layout == "dense" else None, shapes, json=e.layout == "json")
-        self.__dict__["sizes"] = sizes  # the cached property, known from the files
-        self._rows = rows
-
-    def data(self, lo: int, hi: int) -> torch.Tensor:
-        return self._rows.chunk(lo, hi)
-
-
-def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner: tuple[int, ...]) -> np.ndarray:
-    """Every element's offsets, shape and (non-tensor) JSON document checked; returns the element sizes."""
-    off = rows.offsets
-    what = f"{root} is not a valid tdstore checkpoint: key {e.path!r}"
-    data_size = (root / f"{e.file}.data").stat().st_size
-    if off[0] != 0 or off[count] != data_size:
-        raise CheckpointError(f"{what}: its offsets run from {int(off[0])} to {int(off[count])}, its data holds {data_size} bytes")
-    sizes = np.diff(np.asarray(off, dtype=np.int64))
-    itemsize = _codec.DTYPES[e.dtype].itemsize
-    for lo in range(0, count, CHUNK_ELEMENTS):
-        hi = min(count, lo + CHUNK_ELEMENTS)
-        dims = np.asarray(rows.shapes[lo:hi])
-        bad = np.flatnonzero((sizes[lo:hi] < 0) | (dims < 0).any(1) | (np.prod(dims, axis=1) * itemsize != sizes[lo:hi]))
-        if bad.size:
-            i = lo + int(bad[0])
-            raise CheckpointError(f"{what}: element {i} has shape {dims[i - lo].tolist()} but {int(sizes[i])} bytes")
-        if e.layout == "json":
-            chunk = rows.chunk(lo, hi).numpy().tobytes()
-            ends = np.asarray(off[lo : hi + 1], dtype=np.int64) - int(off[lo])
-            for i in range(hi - lo):
-                try:
-                    decode(chunk[ends[i] : ends[i + 1]], inner)
-                except ValueError as err:
-                    raise CheckpointError(f"{what}: element {lo + i}: {err}") from None
-    return sizes
-
-
-def _check_tree(root: Path, rel: str) -> None:
-    """Every weight and sum of the priority tree finite and >= 0 (the server would refuse to draw from it otherwise)."""
-    mm = np.memmap(inside(root, rel, "the priority tree"), dtype="<f8", mode="r")
-    step = _RAW_PIECE // 8
-    for lo in range(0, mm.size, step):
-        part = np.asarray(mm[lo : lo + step])
-        if not (np.isfinite(part).all() and (part >= 0).all()):
-            raise CheckpointError(f"{root} is not a valid tdstore checkpoint: its priority tree holds a negative or non-finite weight")
-
-
-def _scans(root: Path, meta: CheckpointMeta) -> list[LeafScan]:
-    out: list[LeafScan] = []
-    for e in meta.keys:
-        if e.layout == "dense":
-            assert e.shape is not None
-            rows = _DenseRows(inside(root, e.file, f"key {e.path!r}"), e, meta.count)
-            sizes = np.full(meta.count, e.element_nbytes, dtype=np.int64)
-            out.append(_FileLeaf(e, rows, sizes))
-        else:
-            ragged = _RaggedRows(root, e, meta.count)
-            sizes = _check_ragged(root, e, ragged, meta.count, meta.inner)
-            out.append(_FileLeaf(e, ragged, sizes))
-    return out
-
-
 def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: str) -> Header:
     """The header of the upload, as ``_front.upload`` builds it from a scan."""
     leaves = {}
@@ -508,8 +403,8 @@ def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int =
     root = Path(path)
     meta = read_meta(root)
     if meta.priorities is not None:
-        _check_tree(root, meta.priorities)
-    scans = _scans(root, meta)
+        check_tree(root, meta.priorities)
+    scans = leaf_scans(root, meta)
     _upload_rows(engine, meta, scans, pbar, ttl_ms)
     if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
         return meta

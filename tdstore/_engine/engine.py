@@ -14,21 +14,23 @@ How ``store[i] = td`` becomes one call:
 1. The handle's write surface (``_front.write_surface``: the same for every store class and view)
    splits ``td`` into its leaves and hands :meth:`Engine.run_write`
    a *plan*: a function of the cached header that returns the ops, built with the op kinds of
-   ``_format.op_kinds.Write`` (``_plan.write_plan.plan_element_write``: one ``R`` op, a SETRANGE of the element's
+   ``_format.op_kinds.Write`` (``_plan.element_write.plan_element_write``: one ``R`` op, a SETRANGE of the element's
    bytes, per homogeneous leaf, or one for the row of the small leaves the row block groups,
    and one ``E`` splice per heterogeneous leaf; ``_plan.write_plan.plan_write``
    for any other index, new keys or a key changing shape). Every check of the value happens
    there, before anything is sent.
-2. :meth:`Engine.run_write_reply` turns the ops into ``write.lua``'s ARGV: the header's epoch,
+2. :meth:`Engine.run_write_reply` turns the ops into ``write.lua``'s ARGV (``_engine.write_call``): the header's epoch,
    the ``number:version`` of each leaf touched, what each key must hold (``_format.integrity``), and the
    ops, cut per segment by ``_format.segments.localize_write`` when the store has several.
 3. :meth:`Engine.run` sends it (``_engine.scripts.call``: one ``EVALSHA`` on the handle's held
    connection, ``_engine.transport``). The script checks the versions, checks every argument, then
    writes; a ``STALE`` reply carries the current header, which the engine adopts before it
-   plans again. A spread store's call goes per segment and node instead (``_engine.spread``).
+   plans again. A spread store's call goes per segment and node instead (``_engine.spread_call``,
+   ``_engine.spread``).
 
 A read goes the same way: ``_plan.read_plan`` plans it (a transaction of GETRANGEs when the client
 can name the bytes, else ``read.lua`` ops built with ``_format.op_kinds.Read``) and the call's ``parse``
+(``_plan.read_results``)
 turns the reply into tensors.
 """
 
@@ -50,28 +52,23 @@ import redis
 from tdstore._engine import limits as _limits
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import spread as _spread
-from tdstore._engine import spread_change as _spread_change
 from tdstore._engine.connection import ConnectionSpec
+from tdstore._engine.spread_call import cut_per_segment, spread_call
 from tdstore._engine.transport import NO_TRANSACTION, Transport
+from tdstore._engine.write_call import leaf_shapes, write_call
 from tdstore._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from tdstore._format import integrity as _integrity
 from tdstore._format import segments as _segments
 from tdstore._format.header_info import DELETING, HeaderDamagedError, int_field, ring_writes
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.offsets import OffsetTables
-from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from tdstore._plan import index as _index
 from tdstore._plan import read_plan as _reads
-from tdstore._plan import write_plan as _writes
 from tdstore._plan.call import Call, leaf_checks
-from tdstore._plan.read_plan import DenseResult, ElementsResult
+from tdstore._plan.read_results import DenseResult, ElementsResult, NotRagged
 
 MAX_RETRIES = 64
-#: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
-#: (measured, store.set of a key of 1 MiB: 0.94 ms staged against 2.12 ms through the script on Redis 7.0;
-#: 1.00 / 0.93 on 6.2; at 256 KiB 0.57 / 0.71 and 0.50 / 0.87).
-BULK_WRITE_BYTES = 256 << 10
 
 
 class StaleSchemaError(RuntimeError):
@@ -82,20 +79,11 @@ def _pairs(flat: Sequence[bytes]) -> dict[bytes | str, bytes | str]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
-    """Leaf number -> what localizing its ops needs; the first header that knows the number wins."""
-    table = {}
-    for h in reversed(headers):
-        for leaf in (*h.leaves.values(), *([h.block] if h.block is not None else [])):
-            table[leaf.number] = _segments.LeafShape(leaf.het, 0 if leaf.het else leaf.element_nbytes, 8 * leaf.ndim)
-    return table.__getitem__
-
-
 def lost_race(attempt: int) -> None:
     """The back-off of a call that lost a race against another client's schema change (``attempt``
     counts the losses so far, from 0): none for the first 8, then a random wait that doubles up to
     20 ms, so clients racing each other drift apart instead of colliding in step. (A spread store's
-    call waiting for another client's change to finish waits on that instead: ``_spread_call``.)"""
+    call waiting for another client's change to finish waits on that instead: ``_engine.spread_call``.)"""
     if attempt >= 8:
         time.sleep(min(0.02, 0.0005 * 2 ** (attempt - 8)) * random.random())
 
@@ -336,9 +324,9 @@ class Engine(Transport):
             header = self.header
             call = plan(header)
             if header.segments.n > 1 and call.script in ("read", "tx"):
-                self._localize_read(header, call)
-            if self._spreads(header, call):
-                reply = self._spread_call(plan, header, call)
+                self.localize_read(header, call)
+            if cut_per_segment(header, call):
+                reply = spread_call(self, plan, header, call)
                 if reply is None:  # refreshed: plan again
                     lost_race(attempt)
                     continue
@@ -348,23 +336,23 @@ class Engine(Transport):
                 try:
                     reply = self._transaction(call)
                 except redis.exceptions.ResponseError as err:
-                    return self._transaction_refused(err, plan)
+                    return self.transaction_refused(err, plan)
                 if reply is NO_TRANSACTION:  # a cluster slot that moved, a node away: the script follows redirects
-                    return self._run_with_script_reads(plan)
+                    return self.run_with_script_reads(plan)
                 if reply is None:  # the header moved: refresh, plan again
                     self.set_header(self.fetch_header())
                     continue
                 if self.short(call, reply):  # a key never allocated, or one lost: read.lua tells which
-                    return self._run_with_script_reads(plan)
+                    return self.run_with_script_reads(plan)
                 if call.verify is not None:
                     reply = call.verify(reply)
                     if reply is None:  # rows moved since their offsets were kept: read.lua reads them
-                        return self._run_with_script_reads(plan)
+                        return self.run_with_script_reads(plan)
                 out = call.parse(reply)
                 if call.fields and isinstance(out, DenseResult):
                     out.fields = call.field_values
                 return out
-            self._check_argument_sizes(call)
+            self.check_argument_sizes(call)
             reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self.execute)
             status = reply[0]
             if status == b"OK":
@@ -396,55 +384,6 @@ class Engine(Transport):
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
     @staticmethod
-    def _spreads(header: Header, call: Call) -> bool:
-        """Whether ``call`` is cut per segment (a spread store's call that reaches past segment 0's slot)."""
-        return (
-            header.spread
-            and call.script in ("read", "write", "tx")
-            and (header.segments.n > 1 or (call.schema is not None and call.schema.segments.n > 1))
-        )
-
-    def _spread_call(self, plan: Callable[[Header], Call], header: Header, call: Call) -> Any:
-        """A spread store's call (see ``_engine.spread``): ``(result,)``, ``_engine.spread.LOCAL`` when it stays in
-        segment 0, or None to plan again. While another client's schema change is under way the call
-        waits for it and plans again here, without counting a lost race, for at most the lock's lease."""
-        deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
-        while True:
-            self._check_argument_sizes(call)
-            if call.schema is not None:
-                reply = _spread_change.run_schema_change(self, header, call)
-            elif call.script == "tx":
-                try:
-                    reply = _spread.run_transaction(self, header, call)
-                except redis.exceptions.ResponseError as err:
-                    return (self._transaction_refused(err, plan),)
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    # a node away (a failover, say): read through the scripts, which RedisCluster
-                    # routes with a fresh slot map, or which raise naming the store
-                    return (self._run_with_script_reads(plan),)
-            else:
-                reply = _spread.run_data(self, header, call)
-            if reply is _spread.WAIT:
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.001 * random.random())
-                header = self.header
-                call = plan(header)
-                if header.segments.n > 1 and call.script in ("read", "tx"):
-                    self._localize_read(header, call)
-                if not self._spreads(header, call):
-                    return None
-                continue
-            if reply is None or reply is _spread.LOCAL:
-                return reply
-            if call.script == "tx" and self.short(call, reply):
-                return (self._run_with_script_reads(plan),)
-            out = call.parse(reply)
-            if call.fields and isinstance(out, DenseResult):
-                out.fields = call.field_values
-            return (out,)
-
-    @staticmethod
     def short(call: Call, reply: list) -> bool:
         """Whether a read transaction's reply holds fewer bytes than it asked for: a key shorter than
         the header implies (never allocated, or lost), which only ``read.lua`` can tell apart."""
@@ -454,20 +393,20 @@ class Engine(Transport):
                 return True
         return False
 
-    def _transaction_refused(self, err: redis.exceptions.ResponseError, plan: Callable[[Header], Call]) -> Any:
+    def transaction_refused(self, err: redis.exceptions.ResponseError, plan: Callable[[Header], Call]) -> Any:
         """A server or ACL user without MULTI/EXEC (for good), or one that refuses the transaction now
         (at maxmemory a server refuses to queue commands): this call reads through the script."""
         text = str(err).lower()
         if "noperm" in text or "unknown command" in text or "no permissions" in text:
             self.transactions = False
-        return self._run_with_script_reads(plan)
+        return self.run_with_script_reads(plan)
 
     @property
     def tx_reads(self) -> bool:
         """Whether this thread's dense reads go as transactions now (see ``transactions``)."""
         return self.transactions and not getattr(self._script_reads, "on", False)
 
-    def _run_with_script_reads(self, plan: Callable[[Header], Call]) -> Any:
+    def run_with_script_reads(self, plan: Callable[[Header], Call]) -> Any:
         self._script_reads.on = True
         try:
             return self._run(plan)
@@ -511,10 +450,10 @@ class Engine(Transport):
             return None
         try:
             return self.run(lambda h: _reads.ragged_call(self, h, path, ids))
-        except _reads.NotRagged:
+        except NotRagged:
             return None
 
-    def _localize_read(self, h: Header, call: Call) -> None:
+    def localize_read(self, h: Header, call: Call) -> None:
         """Turn a read planned on whole leaves into segment-local ops (see ``_format.segments``), in place."""
         if call.script == "tx":
             assert call.ranges is not None
@@ -538,6 +477,11 @@ class Engine(Transport):
             yield
         finally:
             self._counting.on = False
+
+    @property
+    def counts_in_place(self) -> bool:
+        """Whether this thread's ``write.lua`` calls count an in-place write now (see :meth:`counting_in_place`)."""
+        return bool(getattr(self._counting, "on", False))
 
     def run_write(
         self, plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]], *, keyset: bool = False
@@ -566,59 +510,7 @@ class Engine(Transport):
         resend of the call gets its first reply back instead of writing again."""
         self.refuse_if_readonly()
         state: dict[str, Header] = {}
-
-        def plan_call(h: Header) -> Call:
-            kt = self.key_table(h)
-            new_header, ops, touched = plan(h, kt)
-            if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
-                # the first keys of a store created empty fix its segment length, and say how large it may grow
-                sizes = _writes.first_element_sizes(self.keys, new_header, ops, kt)
-                new_header = replace(
-                    new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), self.segment_size)
-                )
-                self.check_room(new_header, sum(mean for mean, _ in sizes))
-            if h.row is not None and new_header is not None and new_header.row is None:
-                ops = [*ops, Write.D(kt.ref(self.keys.data(h.row[0])))]  # the block's last leaf left it
-            if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit
-                new_header, ops = _spread_change.copy_on_write(self.keys, h, new_header, kt, ops)
-            after = new_header or h
-            if after.segments.n > 1:
-                kt, ops = _segments.localize_write(after.segments, self.keys, leaf_shapes(after, h), kt, ops)
-            if request is not None:
-                ops = [Write.N(kt.ref(self.keys.replies), request), *ops]
-            if getattr(self._counting, "on", False):
-                ops = [*ops, Write.B(1)]  # KEYS[1]: the header (a spread store's segment 0 part holds it)
-            if new_header is not None:
-                args: list[Any] = [
-                    f"{h.epoch}:V{h.version}",
-                    "",
-                    new_header.schema_json(),
-                    new_header.version_fields(h),
-                    self.max_value_bytes,
-                ]
-            else:
-                args = [f"{h.epoch}:K{h.keyset_version}" if keyset else f"{h.epoch}:*", leaf_checks(touched), "", "", self.max_value_bytes]
-            staged: list[tuple[str, Any]] = []
-            sent = []
-            for op in ops:
-                if op[0] == Write.S.marker and len(op[2]) >= BULK_WRITE_BYTES:
-                    # a large new blob: staged by plain SETRANGE in the same round trip, moved by the script
-                    target = kt.keys[op[1] - 1]
-                    stage = self.keys.staging(target, uuid.uuid4().hex[:12])
-                    staged.append((stage, op[2]))
-                    op = Write.M(kt.ref(stage), op[1], len(op[2]))
-                sent.append(op)
-            args += [self.checks_memo.checks(self.keys, h, kt.keys, new_header), len(sent)]
-            for op in sent:
-                args.extend(op)
-            state["new"] = new_header or h
-
-            def parse(reply: list) -> tuple[Header, bytes | None]:
-                return state["new"], reply[2] if len(reply) > 2 else None
-
-            return Call("write", kt.keys, args, parse, staged=staged or None, ops=sent, schema=new_header)
-
-        header, extra = self.run(plan_call)
+        header, extra = self.run(lambda h: write_call(self, plan, h, keyset=keyset, request=request, state=state))
         self.set_header(header)
         return header, extra
 

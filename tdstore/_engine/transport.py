@@ -154,7 +154,7 @@ class Transport:
         held.release()
         return _scripts.call(self.client, name, keys, args)
 
-    def _check_argument_sizes(self, call: Call) -> None:
+    def check_argument_sizes(self, call: Call) -> None:
         """Refuse, before sending, a call the server would not read: an argument larger than one string
         (``proto-max-bulk-len``) or a request larger than ``client-query-buffer-limit``.
 

@@ -30,6 +30,7 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass
 from tdstore._format.schema import Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, only_keys
 from tdstore._front.identity import StoreIdentity
+from tdstore._plan import element_write as _element_write
 from tdstore._plan import index as _index
 from tdstore._plan import write_plan as _writes
 from tdstore._plan.values import as_path, display, leaves_of, subtree_dims
@@ -100,7 +101,7 @@ class WriteSurface(StoreIdentity):
 
         def plan(h: Header, kt: Any) -> Any:
             # store[i] = td of existing keys: the element write's fast path, else the general planner
-            fast = _writes.plan_element_write(keys, h, element, items, kt)
+            fast = _element_write.plan_element_write(keys, h, element, items, kt)
             return fast if fast is not None else _writes.plan_write(keys, h, index, items, kt)
 
         self._engine.run_write(plan)

@@ -34,7 +34,7 @@ from tensordict.base import _is_leaf_nontensor
 from tdstore._format.nontensor import NonTensor
 from tdstore._format.schema import NestedPath
 from tdstore._plan.index import Plan
-from tdstore._plan.read_plan import DenseResult, ElementsResult
+from tdstore._plan.read_results import DenseResult, ElementsResult
 
 
 @contextlib.contextmanager

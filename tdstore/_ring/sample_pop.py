@@ -28,7 +28,8 @@ from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
 from tdstore._plan.call import Call, leaf_checks
-from tdstore._plan.read_plan import DenseResult, het_rows, plan_rows_tx, with_tables
+from tdstore._plan.read_plan import plan_rows_tx, with_tables
+from tdstore._plan.read_results import DenseResult, het_rows
 from tdstore._plan.values import build_td, columns_maker, display, stack_members
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import waiting as _waiting

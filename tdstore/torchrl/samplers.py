@@ -11,7 +11,7 @@ from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH  # s
 from torchrl.data.replay_buffers.storages import Storage
 
 from tdstore._plan import index as _index
-from tdstore._plan.read_plan import DenseResult
+from tdstore._plan.read_results import DenseResult
 from tdstore._plan.values import build_td
 from tdstore._ring import extend as _ring
 from tdstore._ring.policy_calls import PrioritizedSample

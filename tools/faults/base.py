@@ -15,7 +15,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore
-from tdstore._engine import engine as _engine
+from tdstore._engine.write_call import BULK_WRITE_BYTES
 from tdstore.server import EmbeddedServer
 
 #: Every case, in the order they run.
@@ -44,7 +44,7 @@ ROUND_SEQ = 100_000
 SAW_WIDTH = 110
 #: Whole-leaf writes of at least this many bytes take tdstore's bulk path (plain SETRANGEs into a
 #: staging key moved by the script); dense reads of any size are a MULTI/EXEC of plain GETRANGEs.
-BULK_BYTES = getattr(_engine, "BULK_WRITE_BYTES", 4 << 20)
+BULK_BYTES = BULK_WRITE_BYTES
 BULK_TEXT = f"{BULK_BYTES / 2**20:g} MiB"
 BULK_COUNT = 16
 BULK_WIDTH = -(-BULK_BYTES // (4 * BULK_COUNT))  # float32 per element, so that one leaf is BULK_BYTES
