@@ -97,21 +97,17 @@ def usable(engine: Any, h: Header) -> bool:
     return not h.spread and h.segments.n == 1 and h.sampling is None and bool(h.leaves)
 
 
-def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[Leaf], n: int, request: str) -> int | None:
-    """Send the planned ring write ``ops`` (a 'W' op, then 'X' ops) direct; the slot of its first
-    row (the cursor before it), or None when it must go through ``write.lua``."""
-    st = _state(engine)
-    assert st.rw is not None
-    if not ops or ops[0][0] != Write.W.marker or any(op[0] != Write.X.marker for op in ops[1:]):
-        return None
-    rw = st.rw
-    count = h.count
-    s0 = rw % count
+def _aside_writes(
+    engine: Any, kt: Any, ops: list[list[Any]], count: int, s0: int, n: int
+) -> tuple[list[str], list[int], list[tuple[str, int, memoryview]]]:
+    """The keys of a direct ring write (the header, the reply cache, then each leaf's blob and its aside
+    key), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into the aside keys
+    (two per leaf when the rows wrap around the ring)."""
     first = min(n, count - s0)
     keys: list[str] = [engine.keys.meta, engine.keys.replies]
     sizes: list[int] = []
     writes: list[tuple[str, int, memoryview]] = []
-    for op in ops[1:]:
+    for op in ops:
         key, nb = kt.keys[op[1] - 1], int(op[2])
         if nb == 0:
             continue
@@ -122,6 +118,20 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
         writes.append((aside, s0 * nb, data[: first * nb]))
         if first < n:
             writes.append((aside, 0, data[first * nb :]))
+    return keys, sizes, writes
+
+
+def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[Leaf], n: int, request: str) -> int | None:
+    """Send the planned ring write ``ops`` (a 'W' op, then 'X' ops) direct; the slot of its first
+    row (the cursor before it), or None when it must go through ``write.lua``."""
+    st = _state(engine)
+    assert st.rw is not None
+    if not ops or ops[0][0] != Write.W.marker or any(op[0] != Write.X.marker for op in ops[1:]):
+        return None
+    rw = st.rw
+    count = h.count
+    s0 = rw % count
+    keys, sizes, writes = _aside_writes(engine, kt, ops[1:], count, s0, n)
     if not writes:
         return None
     channel = engine.keys.events

@@ -92,31 +92,53 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("ls", conn, err)
     damaged = sorted(td_id for td_id, found in audits.items() if found is not None and not found.intact)
-    from tdstore._format.keys import StoreKeys
-    from tdstore._shards.info import group_shards, node_of_key
+    from tdstore._shards.info import group_shards
 
     plain, rings = group_shards(listing.stores)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "server": conn.where,
-                    "prefix": args.prefix,
-                    "stores": [
-                        {**info.to_json(schema=False), "integrity": _json_or_none(audits.get(info.td_id))} for info in listing.stores
-                    ],
-                    "unreadable": [bad.to_json() for bad in listing.unreadable],
-                    "sharded": {
-                        ring: [{"shard": k, "td_id": i.td_id, "written": i.written, "count": i.count} for k, i in parts]
-                        for ring, parts in rings.items()
-                    },
-                    "stale": listing.stale,
-                    "reference": listing.reference,
-                },
-                indent=2,
-            )
-        )
+        _print_ls_json(conn.where, args.prefix, listing, audits, rings)
         return EXIT_OK
+    rows = _ls_rows(args, conn.client, listing, plain, rings, damaged)
+    total = len(listing.stores) + len(listing.unreadable)
+    if rows:
+        size = "BYTES" if args.bytes else "SIZE"
+        for line in table(["TD_ID", "TYPE", "COUNT", "KEYS", size, "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
+            print(line)
+        for bad in listing.unreadable:
+            print(f"unreadable {safe(bad.td_id)}: {safe(bad.error)}")
+    print(f"{plural(total, 'store')} under prefix {safe(args.prefix)!r} on {conn.where}")
+    _print_ls_notes(listing, audits, damaged)
+    return EXIT_OK
+
+
+def _print_ls_json(where: str, prefix: str, listing: Any, audits: dict[str, Audit | None], rings: dict[str, Any]) -> None:
+    """``tdstore ls --json``: every store, the sharded rings, stale entries and stores of the reference."""
+    print(
+        json.dumps(
+            {
+                "server": where,
+                "prefix": prefix,
+                "stores": [{**info.to_json(schema=False), "integrity": _json_or_none(audits.get(info.td_id))} for info in listing.stores],
+                "unreadable": [bad.to_json() for bad in listing.unreadable],
+                "sharded": {
+                    ring: [{"shard": k, "td_id": i.td_id, "written": i.written, "count": i.count} for k, i in parts]
+                    for ring, parts in rings.items()
+                },
+                "stale": listing.stale,
+                "reference": listing.reference,
+            },
+            indent=2,
+        )
+    )
+
+
+def _ls_rows(
+    args: argparse.Namespace, client: Any, listing: Any, plain: list[StoreInfo], rings: dict[str, Any], damaged: list[str]
+) -> list[list[str]]:
+    """The table of ``tdstore ls``: a row per store, a sharded ring's row then one per shard, unreadable entries."""
+    from tdstore._format.keys import StoreKeys
+    from tdstore._shards.info import node_of_key
+
     rows = [
         [
             safe(i.td_id),
@@ -137,19 +159,16 @@ def _cmd_ls(args: argparse.Namespace) -> int:
              f"{sum(i.written for _, i in parts)}/{sum(i.count for _, i in parts)}"]
         )  # fmt: skip
         for k, i in parts:
-            node = node_of_key(conn.client, StoreKeys(args.prefix, i.td_id).meta)
+            node = node_of_key(client, StoreKeys(args.prefix, i.td_id).meta)
             rows.append([safe(ring) + f" ~shard {k}", "shard", str(i.count), "-", size_text(i.bytes, args.bytes), "-", safe(node),
                          f"{i.written}/{i.count}"])  # fmt: skip
     rows += [[safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
     rows.sort(key=lambda row: row[0])
-    total = len(listing.stores) + len(listing.unreadable)
-    if rows:
-        size = "BYTES" if args.bytes else "SIZE"
-        for line in table(["TD_ID", "TYPE", "COUNT", "KEYS", size, "TTL", "STATE", "RING"], rows, right={2, 3, 4, 5}):
-            print(line)
-        for bad in listing.unreadable:
-            print(f"unreadable {safe(bad.td_id)}: {safe(bad.error)}")
-    print(f"{plural(total, 'store')} under prefix {safe(args.prefix)!r} on {conn.where}")
+    return rows
+
+
+def _print_ls_notes(listing: Any, audits: dict[str, Audit | None], damaged: list[str]) -> None:
+    """Notes of ``tdstore ls`` on stderr: damaged stores, stores of the reference, stale registry entries."""
     for td_id in damaged:
         found = audits[td_id]
         assert found is not None
@@ -173,7 +192,6 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             f"of stores that no longer exist (expired?): {ids}; 'tdstore rm ID' removes an entry",
             file=sys.stderr,
         )
-    return EXIT_OK
 
 
 def _audit_all(client: Any, prefix: str, stores: Sequence[StoreInfo]) -> dict[str, Audit | None]:
