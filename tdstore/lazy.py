@@ -3,7 +3,7 @@
 The class is a ``StoreBase`` (identity, writes, tensordict's surface) plus the mixins only the
 lazy store has (``_front.state`` lists them);
 this module holds its construction, identity and pickling, the views it hands out, and
-:class:`LazyStackOps`, the internal interface its views and the dense ``TensorDictStore`` use.
+:class:`LazyStackAccess`, the internal interface its views and the dense ``TensorDictStore`` use.
 """
 
 from __future__ import annotations
@@ -314,9 +314,9 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         return self.to_tensordict().unbind(dim)
 
     @property
-    def stack_ops(self) -> LazyStackOps:
-        """Internal: the reads and writes this store's views run on it (see :class:`~tdstore._front.common.StackOps`)."""
-        return LazyStackOps(self)
+    def stack_ops(self) -> LazyStackAccess:
+        """Internal: the reads and writes this store's views run on it (see :class:`~tdstore._front.common.StackAccess`)."""
+        return LazyStackAccess(self)
 
     def __reduce__(self) -> Any:
         return (_restore, (type(self), self.__getstate__()))
@@ -349,8 +349,8 @@ def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_
     return LazyStackedTensorDictStore._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)
 
 
-class LazyStackOps:
-    """The :class:`~tdstore._front.common.StackOps` of a lazy store: its own reads and writes, for the views of it."""
+class LazyStackAccess:
+    """The :class:`~tdstore._front.common.StackAccess` of a lazy store: its own reads and writes, for the views of it."""
 
     def __init__(self, store: LazyStackedTensorDictStore) -> None:
         self._store = store

@@ -4,7 +4,7 @@ a fixed batch size and no dim names, the message of a locked store, and small ar
 ``LazyStackedTensorDictStore`` (``lazy``), its ``ElementView`` (``_front.element``) and the dense
 ``TensorDictStore`` (``dense``) build on them (through ``_front.store_base.StoreBase``; the two views
 through ``_front.stack_view.StackView``).
-:class:`StackStore` and :class:`StackOps` say what a view or the dense store may use of the lazy
+:class:`StackStore` and :class:`StackAccess` say what a view or the dense store may use of the lazy
 store it wraps; :data:`MixinBase` is the base of the mixins the store classes are made of.
 """
 
@@ -90,7 +90,7 @@ class KeysView:
         return f"KeysView({self._items()})"
 
 
-class StackOps(Protocol):
+class StackAccess(Protocol):
     """What the views of a lazy store (``StackView``: ``ElementView``, the dense ``TensorDictStore``) run on it: ``store.stack_ops``.
 
     These are the store's own reads and key changes, each one atomic call, with no check of a
@@ -132,10 +132,10 @@ class StackOps(Protocol):
 
 
 class StackStore(Protocol):
-    """A lazy store as its views see it: its public members and :class:`StackOps`."""
+    """A lazy store as its views see it: its public members and :class:`StackAccess`."""
 
     @property
-    def stack_ops(self) -> StackOps: ...
+    def stack_ops(self) -> StackAccess: ...
 
     @property
     def td_id(self) -> str: ...

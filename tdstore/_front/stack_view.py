@@ -1,8 +1,8 @@
-"""``StackView``: a handle on a lazy store it wraps, which it reads through the store's ``StackOps``.
+"""``StackView``: a handle on a lazy store it wraps, which it reads through the store's ``StackAccess``.
 
 The element view of a lazy store (``store[i]``, ``_front.element``) and the dense
 ``TensorDictStore`` (``dense``, a view of a whole stack) are stack views: each reads through the
-store's public members and its :class:`~tdstore._front.common.StackOps` (``store.stack_ops``), and
+store's public members and its :class:`~tdstore._front.common.StackAccess` (``store.stack_ops``), and
 writes with the ``WriteSurface`` every handle has (``_front.store_base``), on the store's engine.  A
 view says how its indices map onto the stack (``_stack_index``) and what a nested key gives
 (``_subtree_view``); the reads of keys, indices and the whole view are the same code here.

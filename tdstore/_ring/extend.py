@@ -122,7 +122,7 @@ def _batch_len(value: Any, h: Header) -> int:
     )
 
 
-def _leaf_ops(
+def _plan_leaf_rows(
     kt: KeyTable,
     engine: Engine,
     h: Header,
@@ -180,7 +180,7 @@ def _leaf_ops(
         _codec.dtype_name(dtype)
         shapes = {tuple(t.shape) for t in elems}
         if len(shapes) == 1:
-            return _leaf_ops(kt, engine, h, None, number, path, torch.stack(elems))
+            return _plan_leaf_rows(kt, engine, h, None, number, path, torch.stack(elems))
         _refuse_ragged(h, path, None, shapes)
         ndim = elems[0].ndim
         leaf = Leaf(path, number, dtype, ndim, None)
@@ -296,7 +296,9 @@ def _plan_rows(
         number = leaf.number if leaf is not None else next_leaf
         if leaf is None:
             next_leaf += 1
-        new_leaf, ops, ch = _leaf_ops(kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what), isinstance(value, NonTensor))
+        new_leaf, ops, ch = _plan_leaf_rows(
+            kt, engine, h, leaf, number, path, _rows_of(path, value, h, n, what), isinstance(value, NonTensor)
+        )
         leaves[path] = new_leaf
         changed |= ch
         pre += [op for op in ops if write_kind(op) in _WHOLE_KEY_OPS]
