@@ -54,7 +54,7 @@ MOVED: dict[str, str] = {
     "tdstore._nontensor": "tdstore._format.nontensor",
     "tdstore._offsets": "tdstore._format.offsets",
     "tdstore._ops": "tdstore._format.op_kinds",
-    "tdstore._policy": "tdstore._ring.policy",
+    "tdstore._policy": "tdstore._format.sampling_policy",
     "tdstore._progress": "tdstore._front.progress",
     "tdstore._ragged": "tdstore._format.ragged",
     "tdstore._reads": "tdstore._plan.read_plan",
@@ -90,7 +90,7 @@ MOVED: dict[str, str] = {
     "tdstore._view": "tdstore._front.stack_view",
     "tdstore._waiting": "tdstore._ring.waiting",
     "tdstore._whole_store": "tdstore._engine.whole_store",
-    "tdstore._wire": "tdstore._engine.wire",
+    "tdstore._wire": "tdstore._format.wire",
     "tdstore._write_surface": "tdstore._front.write_surface",
     "tdstore._writes": "tdstore._plan.write_plan",
 }

@@ -14,7 +14,7 @@ from helpers import round_trips, top_level_commands
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, StoreDamagedError
-from tdstore._engine import wire as _wire
+from tdstore._format import wire as _wire
 from tdstore._format.offsets import MAX_HOLD, OffsetTables
 
 N = 64

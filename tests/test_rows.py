@@ -18,8 +18,8 @@ from helpers import assert_same, make_stack
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._engine.wire import TX_WHOLE_BYTES_PER_RANGE
 from tdstore._format.schema import Header, StoreFormatError
+from tdstore._format.wire import TX_WHOLE_BYTES_PER_RANGE
 
 
 def _local(n: int = 40, het: bool = True):

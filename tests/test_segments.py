@@ -308,7 +308,7 @@ def test_scattered_batch_reads_small_blobs_whole(real):
     got = s[idx]
     after = real.commandstats()
     assert torch.equal(got["obs"], local["obs"][idx]) and torch.equal(got["small"], local["small"][idx])
-    # one MULTI/EXEC of plain GETRANGEs (a scattered read of many ranges, see tdstore._engine.wire)
+    # one MULTI/EXEC of plain GETRANGEs (a scattered read of many ranges, see tdstore._format.wire)
     assert after.get("exec", 0) - before.get("exec", 0) == 1 and after.get("evalsha", 0) == before.get("evalsha", 0)
     # 'small' (14 kB) read whole once, 'obs' (4 MB) one range per row (scattered rows are read in the order asked)
     runs = 1 + int((idx.diff() != 1).sum())

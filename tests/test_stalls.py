@@ -22,8 +22,8 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore
+from tdstore._format.sampling_policy import TREE_FAN
 from tdstore._ring import policy_calls as _sampling
-from tdstore._ring.policy import TREE_FAN
 
 pytestmark = pytest.mark.ring
 

@@ -1,4 +1,4 @@
-"""The wire side of read transactions (``tdstore._engine.wire``) and the random-batch reads that use it.
+"""The wire side of read transactions (``tdstore._format.wire``) and the random-batch reads that use it.
 
 A scattered read of many rows is one MULTI/EXEC of plain GETRANGEs, packed by hand and read
 back in one go. These tests pin the packing byte for byte, the reply reading on every kind of
@@ -22,8 +22,8 @@ from redis._parsers import _HiredisParser, _RESP2Parser
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._engine import wire as _wire
 from tdstore._engine.connection import _checkout
+from tdstore._format import wire as _wire
 
 
 def _i64(*v: int) -> np.ndarray:

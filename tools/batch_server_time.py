@@ -78,7 +78,7 @@ def main() -> None:
             wall = (time.perf_counter() - t) / args.reads * 1e3
             cpu = (server_cpu(client) - cpu0) / args.reads * 1e3
             stats = raw_commandstats(client)
-            # a script call (EVALSHA) or a transaction (MULTI/EXEC of plain GETRANGEs, see tdstore/_engine/wire.py)
+            # a script call (EVALSHA) or a transaction (MULTI/EXEC of plain GETRANGEs, see tdstore/_format/wire.py)
             calls = sum(stats.get(c, {}).get("calls", 0) for c in ("evalsha", "exec"))
             usec = sum(stats.get(c, {}).get("usec", 0) for c in ("evalsha", "exec", "multi"))
             kind = "+".join(c.upper() for c in ("evalsha", "exec") if c in stats)

@@ -22,7 +22,7 @@ A checkpoint is a directory::
 imported), ``sub`` (``[[path, dims], ...]``), ``keys`` (``{"path", "dtype", "layout": "dense" | "ragged"
 | "json", "shape" (dense), "ndim", "file"}``: ``file`` is the memmap file, or the ``_tdstore/k<i>``
 stem), ``ring`` (``rw`` and the policy counters ``pm``, ``lb``, ``sn``, ``rr`` as the header holds them,
-``policy``: the ``sc`` JSON of ``_ring.policy``), ``priorities`` and ``sampled`` (file names or null).
+``policy``: the ``sc`` JSON of ``_format.sampling_policy``), ``priorities`` and ``sampled`` (file names or null).
 
 Nothing is ever unpickled: JSON and raw bytes only.  Every field and every file size is checked
 (:func:`read_meta`) before anything is written to a server; a malformed checkpoint raises
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tdstore._ring.policy import SamplingPolicy, tree_bytes
+from tdstore._format.sampling_policy import SamplingPolicy, tree_bytes
 
 FORMAT = "tdstore-checkpoint"
 FORMAT_VERSION = 1
@@ -46,7 +46,7 @@ META_FILE = "tdstore.json"
 TORCHRL_FILE = "storage_metadata.json"
 EXTRA_DIR = "_tdstore"
 LAYOUTS = ("dense", "ragged", "json")
-#: Header counters a checkpoint carries (``_ring.policy``): ring writes, largest priority, limiter base, samples, queue cursor.
+#: Header counters a checkpoint carries (``_format.sampling_policy``): ring writes, largest priority, limiter base, samples, queue cursor.
 RING_FIELDS = ("rw", "pm", "lb", "sn", "rr")
 #: Bytes per element of each dtype name a store accepts (``_format.codec.DTYPES``; kept here so that this module needs no torch).
 ITEMSIZE = {

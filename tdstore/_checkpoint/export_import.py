@@ -48,12 +48,12 @@ from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
 from tdstore._format.nontensor import NonTensor, element_docs
+from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
 from tdstore._front import upload as _upload
 from tdstore._front.progress import progress
 from tdstore._front.upload_scan import LeafScan
-from tdstore._ring.policy import tree_bytes
 
 __all__ = [
     "CHUNK_BYTES",

@@ -32,7 +32,7 @@ import redis
 from redis.connection import SSLConnection, parse_url
 
 from tdstore._engine import deadline as _deadline
-from tdstore._engine import wire as _wire
+from tdstore._format import wire as _wire
 
 _HIREDIS_PACK: Any = None
 _HIREDIS_PACKER: Any = None
@@ -472,7 +472,7 @@ class HeldConnection:
         return self._on_held(client, send, lambda: _deadline.execute_command(client, *args))
 
     def transaction(self, client: Any, body: bytes, n_commands: int) -> list[Any] | None:
-        """``MULTI``, ``n_commands`` commands packed by ``_engine.wire``, ``EXEC``: the raw ``EXEC`` reply;
+        """``MULTI``, ``n_commands`` commands packed by ``_format.wire``, ``EXEC``: the raw ``EXEC`` reply;
         None when no connection can be held (see ``execute``)."""
         send: Callable[[Any], Any] = lambda conn: _wire.transaction(conn, body, n_commands)  # noqa: E731
         return self._on_held(client, send, lambda: _deadline.fallback(client, send, lambda: None))

@@ -44,8 +44,8 @@ from typing import Any
 import redis
 
 from tdstore._engine import scripts as _scripts
-from tdstore._engine import wire as _wire
 from tdstore._format import integrity as _integrity
+from tdstore._format import wire as _wire
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.op_kinds import READ_OPS, WRITE_OPS, OpKind, read_kind, read_ops
 from tdstore._format.schema import Header

@@ -17,8 +17,8 @@ from redis.cluster import RedisCluster
 
 from tdstore._engine import limits as _limits
 from tdstore._engine import scripts as _scripts
-from tdstore._engine import wire as _wire
 from tdstore._engine.connection import ConnectionSpec, HeldConnection
+from tdstore._format import wire as _wire
 from tdstore._format.keys import StoreKeys
 from tdstore._plan.call import BULK_CHUNK, Call
 
@@ -219,7 +219,7 @@ class Transport:
         """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call),
         ``NO_TRANSACTION`` when it cannot be sent on a cluster (the caller reads through the script).
 
-        The commands go out packed by ``_engine.wire`` on the held connection (on a cluster, the
+        The commands go out packed by ``_format.wire`` on the held connection (on a cluster, the
         store's primary), else through a redis-py transaction pipeline (fakeredis, another
         thread holding the connection).
         """

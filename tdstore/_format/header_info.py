@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdstore._errors import StoreDamagedError
-from tdstore._ring.policy import UNBOUNDED, SamplingPolicy
+from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy
 
 __all__ = [
     "FORMATS",
@@ -175,7 +175,7 @@ class HeaderInfo:
     tracked: bool = False
     """The store keeps an inventory of its keys (header field ``na``, see ``_format.integrity``)."""
     sampling: SamplingPolicy | None = None
-    """The ring's sampling policy (header field ``sc``, see ``_ring.policy``), if it has one."""
+    """The ring's sampling policy (header field ``sc``, see ``_format.sampling_policy``), if it has one."""
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
 

@@ -216,7 +216,7 @@ class StoreKeys:
 
     @property
     def sampling_keys(self) -> list[str]:
-        """The keys a ring's sampling policy keeps (see ``_ring.policy``), in the order scripts take them."""
+        """The keys a ring's sampling policy keeps (see ``_format.sampling_policy``), in the order scripts take them."""
         return [self.priorities, self.times_sampled]
 
     def describe(self, key: str) -> tuple[str, int, int] | None:

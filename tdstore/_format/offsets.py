@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tdstore._engine import wire as _wire
-from tdstore._engine.wire import Piece
 from tdstore._errors import StoreDamagedError
+from tdstore._format import wire as _wire
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, Leaf
+from tdstore._format.wire import Piece
 
 #: Table bytes one handle keeps at most (8 bytes per element and heterogeneous leaf): 64 MiB hold
 #: the tables of 8 million elements. Past it, reads of the leaves not kept go through read.lua.

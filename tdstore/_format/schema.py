@@ -29,7 +29,7 @@ import torch
 
 from tdstore._format import codec as _codec
 from tdstore._format.header_info import StoreFormatError, parse_header
-from tdstore._ring.policy import SamplingPolicy
+from tdstore._format.sampling_policy import SamplingPolicy
 
 __all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
 from tdstore._format.segments import Segments
@@ -151,7 +151,7 @@ class Header:
 
     sampling: SamplingPolicy | None = None
     """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
-    ``_ring.policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
+    ``_format.sampling_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain

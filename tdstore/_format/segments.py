@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from tdstore._engine.wire import Piece
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.op_kinds import OpKind, Read, Write, read_kind, read_ops, write_kind
+from tdstore._format.wire import Piece
 
 #: Default target size of one segment's blob of one leaf.  Small enough that a
 #: shape-changing write into a 1 GiB store costs about what it costs in a 4 MiB one

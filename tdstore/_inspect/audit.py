@@ -95,7 +95,7 @@ def _tree_problems(client: redis.Redis, key: str, count: int) -> list[str]:
     children (the checks a draw makes along its path, here on every node)."""
     import numpy as np
 
-    from tdstore._ring.policy import TREE_FAN, tree_bytes
+    from tdstore._format.sampling_policy import TREE_FAN, tree_bytes
 
     size = tree_bytes(count)
     have = int(client.strlen(key))

@@ -14,8 +14,8 @@ import redis
 
 from tdstore._format.header_info import HeaderInfo, StoreFormatError, int_field, parse_header, ring_writes
 from tdstore._format.keys import StoreKeys, reference_id, reference_pattern, registry_key
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._inspect.results import LeafInfo, Listing, NoSuchStore, StoreInfo, Unreadable, UnreadableStore
-from tdstore._ring.policy import SamplingPolicy
 
 __all__ = ["describe_policy", "inspect_for_delete", "list_stores", "lookup", "read_header", "store_info", "store_layout"]
 

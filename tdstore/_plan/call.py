@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import redis
 from redis.cluster import RedisCluster
 
-from tdstore._engine import wire as _wire
+from tdstore._format import wire as _wire
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, Leaf
 

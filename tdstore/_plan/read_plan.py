@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._engine import wire as _wire
 from tdstore._format import codec as _codec
 from tdstore._format import nontensor as _nontensor
 from tdstore._format import row_block as _rows
 from tdstore._format import segments as _segments
+from tdstore._format import wire as _wire
 from tdstore._format.keys import KeyTable
 from tdstore._format.offsets import RowPlan
 from tdstore._format.op_kinds import Read

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import LazyStackedTensorDict
 
 from tdstore._format import nontensor as _nontensor
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._front.common import LOCK_ERROR
 from tdstore._ring.extend import RingState, RingWrite, Sample
 from tdstore._ring.lazy_methods import ReplayMethods, pops_a_key
 from tdstore._ring.leases import LeasedSample
-from tdstore._ring.policy import SamplingPolicy
 from tdstore._ring.policy_calls import PrioritizedSample
-from tdstore.lazy import LazyStackedTensorDictStore
+
+if TYPE_CHECKING:
+    from tdstore.lazy import LazyStackedTensorDictStore
 
 
 def dense_rows(td: Any) -> Any:
@@ -68,7 +70,7 @@ class DenseRing:
             )
         if self._under:
             raise TypeError(f"the ring is the whole store's: call it on the store, not on its sub-tree {'.'.join(self._under)!r}")
-        assert isinstance(self._store, LazyStackedTensorDictStore)
+        assert isinstance(self._store, ReplayMethods)  # the hidden lazy store: the ring's methods are its own
         return self._store
 
     def _writable_ring(self) -> LazyStackedTensorDictStore:

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from tdstore._engine import scripts as _scripts
-from tdstore._engine import wire as _wire
+from tdstore._format import wire as _wire
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf
 from tdstore._plan.call import leaf_checks

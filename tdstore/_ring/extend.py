@@ -35,6 +35,7 @@ from tdstore._engine.engine import Engine, request_id
 from tdstore._errors import DenseShapeError
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
+from tdstore._format import sampling_policy as _policy
 from tdstore._format.keys import KeyTable
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.op_kinds import Write, write_kind
@@ -43,7 +44,6 @@ from tdstore._plan import index as _index
 from tdstore._plan.leaf_writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from tdstore._plan.values import display, leaves_of, subtree_dims
 from tdstore._ring import direct_extend as _direct
-from tdstore._ring import policy as _policy
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import generations_arg, refuse_spread

@@ -16,6 +16,7 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tdstore._engine.engine import Engine
 from tdstore._errors import MustWait
 from tdstore._format import ragged as _ragged
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._front.common import LOCK_ERROR
 from tdstore._front.state import LazyState
 from tdstore._plan.values import as_path
@@ -24,7 +25,6 @@ from tdstore._ring import leases as _leases
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
-from tdstore._ring.policy import SamplingPolicy
 from tdstore._ring.policy_calls import PrioritizedSample
 
 

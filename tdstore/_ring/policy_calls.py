@@ -1,6 +1,6 @@
 """A ring's sampling policy on the server: priorities, rate limiter, queue; one script call each.
 
-The policy (``_ring.policy.SamplingPolicy``) is set by ``lua/sampling.lua`` and enforced by
+The policy (``_format.sampling_policy.SamplingPolicy``) is set by ``lua/sampling.lua`` and enforced by
 the scripts every actor and learner calls, so it holds across processes and machines:
 
 * **priorities**: a sum tree of the slots' weights (priority ** alpha) in one key beside
@@ -28,16 +28,16 @@ import torch
 from tensordict import TensorDictBase
 
 from tdstore._engine import scripts as _scripts
-from tdstore._engine import wire as _wire
 from tdstore._engine.engine import Engine, request_id
 from tdstore._errors import MustWait
 from tdstore._format import codec as _codec
+from tdstore._format import wire as _wire
+from tdstore._format.sampling_policy import UNBOUNDED, WEIGHT_SUM, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 from tdstore._format.schema import Header
 from tdstore._plan import index as _index
 from tdstore._plan.call import Call
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import generations_arg, refuse_spread
-from tdstore._ring.policy import UNBOUNDED, WEIGHT_SUM, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 
 
 class PrioritizedSample(NamedTuple):

@@ -25,6 +25,7 @@ from tdstore._format import ragged as _ragged
 from tdstore._format import row_block as _rows
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Read
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
 from tdstore._plan.call import Call, leaf_checks
@@ -35,7 +36,6 @@ from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
 from tdstore._ring.extend import DRAW_HIGH, RING_FIELDS, Sample, generations, ring_writes_of
-from tdstore._ring.policy import SamplingPolicy
 
 
 def _selected(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
