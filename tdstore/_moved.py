@@ -4,6 +4,10 @@ A pickle names the module of each class it holds (``tdstore._torchrl_storage.Sto
 When a module moved into a subpackage, importing its old path gives the module at its new path
 (the same module object, not a copy), through a finder at the end of ``sys.meta_path``: it is asked
 only for names no other finder knows, and it imports nothing until such a name is asked for.
+
+Three old modules have the path of a package now (``tdstore._engine``, ``tdstore._ring``,
+``tdstore._checkpoint``): the package answers for the old module's names (:func:`shadowed_attribute`,
+called by the package's ``__getattr__``), importing that module only when such a name is asked for.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 MOVED: dict[str, str] = {
     "tdstore._batches": "tdstore._engine.batches",
@@ -94,6 +100,22 @@ MOVED: dict[str, str] = {
     "tdstore._write_surface": "tdstore._front.write_surface",
     "tdstore._writes": "tdstore._plan.write_plan",
 }
+
+
+#: Old modules whose path is a package's now -> the module that holds their names.
+SHADOWED: dict[str, str] = {name: MOVED[name] for name in ("tdstore._checkpoint", "tdstore._engine", "tdstore._ring")}
+
+
+def shadowed_attribute(package: str, name: str) -> Any:
+    """``package.name`` of an old pickle (``tdstore._ring.Sample``, say): the name of the module that
+    the package replaced. A submodule's name is left to the import system (nothing heavy is imported)."""
+    here = Path(sys.modules[package].__file__ or "").parent
+    if name.startswith("__") or (here / f"{name}.py").exists() or (here / name).is_dir():
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(SHADOWED[package]), name)
+    except AttributeError:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
 
 class _AliasLoader(importlib.abc.Loader):

@@ -1,0 +1,196 @@
+"""The package layout: old module paths still import (so earlier pickles load), and the folders keep their shape.
+
+The pickles here are made the way an earlier release made them: pickled now (protocol 2, whose
+``GLOBAL`` opcodes name a module and a class as text), then every module path of the new layout
+rewritten to the path the module had before (``tdstore._front.element`` -> ``tdstore._lazy_element``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pickle
+import pickletools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict, lazy_stack
+
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore._moved import MOVED, SHADOWED
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tdstore"
+
+#: The subpackages from the lowest layer up: a module-level import goes only to an earlier one
+#: (or within its own package, or to ``tdstore._errors``, which imports nothing of tdstore).
+LAYERS = ["_format", "_plan", "_engine", "_front", "_ring", "_shards"]
+#: Other private subpackages and what they may import at module level.
+SIDE = {
+    "_servers": set(),
+    "_inspect": {"_format", "_engine"},
+    "_checkpoint": {"_format", "_plan", "_engine", "_front", "_ring"},
+}
+
+
+# -- old module paths ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("old", sorted(set(MOVED) - set(SHADOWED)))
+def test_an_old_module_path_imports_the_new_module(old: str) -> None:
+    assert importlib.import_module(old) is importlib.import_module(MOVED[old])
+
+
+@pytest.mark.parametrize("old", sorted(SHADOWED))
+def test_an_old_module_that_is_a_package_now_answers_for_its_names(old: str) -> None:
+    package, module = importlib.import_module(old), importlib.import_module(SHADOWED[old])
+    # the classes the old module defined (a pickle names classes; a name that is a submodule now is the submodule)
+    public = [name for name, value in vars(module).items() if isinstance(value, type) and value.__module__ == module.__name__]
+    public += getattr(module, "__all__", [])
+    assert public
+    for name in public:
+        assert getattr(package, name) is getattr(module, name)
+    with pytest.raises(AttributeError):
+        package.no_such_name  # noqa: B018
+
+
+def _as_before(blob: bytes) -> bytes:
+    """``blob`` (protocol 2) with every module of the new layout named by its old path."""
+    new_to_old = {new: old for old, new in MOVED.items()}
+    out = blob
+    for op, arg, _ in pickletools.genops(blob):
+        if op.name == "GLOBAL":
+            module, name = arg.split(" ", 1)
+            if module in new_to_old:
+                out = out.replace(f"c{module}\n{name}\n".encode(), f"c{new_to_old[module]}\n{name}\n".encode())
+    return out
+
+
+def _old_pickle(obj: Any, *old_paths: str) -> bytes:
+    blob = _as_before(pickle.dumps(obj, protocol=2))
+    for old in old_paths:
+        assert f"c{old}\n".encode() in blob, old
+    return blob
+
+
+def _stack() -> Any:
+    return lazy_stack([TensorDict(obs=torch.full((i + 1, 2), float(i)), step=torch.tensor(i)) for i in range(4)])
+
+
+def test_an_old_pickle_of_a_lazy_store_and_of_an_element_view_loads(real: Any) -> None:
+    store = LazyStackedTensorDictStore.from_lazy_stack(_stack(), **real.kwargs())
+    again = pickle.loads(_old_pickle(store, "tdstore._connection"))
+    assert type(again) is LazyStackedTensorDictStore and again.td_id == store.td_id
+    assert torch.equal(again[2]["obs"], torch.full((3, 2), 2.0))
+    view = pickle.loads(_old_pickle(store[1], "tdstore._lazy_element", "tdstore._connection"))
+    assert type(view) is type(store[1])
+    view["obs"] = torch.full((2, 2), 9.0)  # written through the view loaded from the old pickle
+    assert torch.equal(store[1]["obs"], torch.full((2, 2), 9.0))
+
+
+def test_an_old_pickle_of_a_dense_store_loads(real: Any) -> None:
+    store = TensorDictStore.from_tensordict(TensorDict(x=torch.arange(6.0), batch_size=[6]), **real.kwargs())
+    again = pickle.loads(_old_pickle(store, "tdstore._connection"))
+    assert type(again) is TensorDictStore
+    again[1:3] = TensorDict(x=torch.tensor([7.0, 8.0]), batch_size=[2])
+    assert store["x"].tolist() == [0.0, 7.0, 8.0, 3.0, 4.0, 5.0]
+
+
+def test_an_old_pickle_of_a_torchrl_storage_loads(real: Any) -> None:
+    pytest.importorskip("torchrl")
+    from tdstore.torchrl import StoreStorage
+
+    storage = StoreStorage(8, **real.kwargs())
+    storage.set(torch.arange(3), TensorDict(obs=torch.ones(3, 2), batch_size=[3]))
+    again = pickle.loads(_old_pickle(storage, "tdstore._torchrl_storage"))
+    assert type(again) is StoreStorage
+    assert len(again) == 3 and torch.equal(again.get(torch.arange(3))["obs"], torch.ones(3, 2))
+
+
+def test_an_old_pickle_of_a_ring_sample_loads(real: Any) -> None:
+    """``tdstore._ring`` was a module and is a package now: an old pickle naming ``tdstore._ring.Sample`` still loads."""
+    store = LazyStackedTensorDictStore.from_lazy_stack(_stack(), **real.kwargs())
+    written = store.extend(_stack()[:2])
+    blob = pickle.dumps(written, protocol=2).replace(b"ctdstore._ring.extend\n", b"ctdstore._ring\n")
+    assert b"ctdstore._ring\n" in blob
+    again = pickle.loads(blob)
+    assert type(again) is type(written) and repr(again) == repr(written)
+
+
+# -- the shape of the folders -------------------------------------------------------------------
+
+
+def _module_imports(path: Path) -> list[str]:
+    """The tdstore modules ``path`` imports when it is imported (not in functions, not for typing only)."""
+    found: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.append(node.module)
+            elif isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+
+    visit(ast.parse(path.read_text()).body)
+    return [name for name in found if name == "tdstore" or name.startswith("tdstore.")]
+
+
+def _node(module: str) -> str:
+    """A subpackage's name, or a top-level module's."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        here = _node(".".join(rel.parts))
+        for target in _module_imports(path):
+            there = _node(target)
+            if there != here:
+                edges.setdefault(here, set()).add(there)
+    return edges
+
+
+def test_few_modules_at_the_top_and_none_too_long() -> None:
+    top = [p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= 15, sorted(p.name for p in top)
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    # the sharded ring and the torchrl storage are being split by the helpers that own them
+    assert set(long) <= {"_shards/ring.py", "torchrl/storage.py"}, long
+
+
+def test_no_module_name_is_used_twice() -> None:
+    names = [p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_imports_go_down_the_layers_and_never_round_in_a_cycle() -> None:
+    edges = _graph()
+    for i, package in enumerate(LAYERS):
+        assert edges.get(package, set()) <= {*LAYERS[:i], "_errors"}, package
+    for package, allowed in SIDE.items():
+        assert edges.get(package, set()) <= {*allowed, "_errors"}, package
+    for start in edges:  # no cycle between subpackages or top-level modules
+        seen, todo = set(), list(edges[start])
+        while todo:
+            node = todo.pop()
+            assert node != start, f"an import cycle through {start}"
+            if node not in seen:
+                seen.add(node)
+                todo.extend(edges.get(node, ()))
+
+
+def test_the_format_and_engine_packages_import_nothing_when_imported() -> None:
+    for package in ("_format", "_engine", "_plan"):
+        assert _module_imports(PACKAGE / package / "__init__.py") == [], package
