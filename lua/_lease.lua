@@ -8,7 +8,7 @@
   before newer items, in write order, with its delivery count. Items are named by their
   ring write number w (slot w % count), which never repeats.
 
-  The keys (tdstore/_keys.py names them; all under the store's hash tag), as the table K:
+  The keys (tdstore/_format/keys.py names them; all under the store's hash tag), as the table K:
     K.l   hash   'i<w>' -> '<deliveries> <receipt>' for every outstanding item (receipt ''
                  while it waits for redelivery); 'r<receipt>' -> '<state> <numbers...>':
                  'L w...' a live lease, 'X w...' a lease that expired and was reclaimed,

@@ -1,5 +1,5 @@
 --[[
-  _lib.lua: helpers prepended by tdstore/_scripts.py to every other script.
+  _lib.lua: helpers prepended by tdstore/_engine/scripts.py to every other script.
 
   Not a script on its own. Every function is local, so each registered script
   stays self-contained (EVALSHA needs the whole text) and runs on Lua 5.1 and 5.4
@@ -126,7 +126,7 @@ local function tds_check(meta, spec, leaves)
 end
 
 -- Integrity. Every data and table key of a store must hold what the header implies (see
--- tdstore/_integrity.py): a key lost to eviction or a DEL is reported, never recreated as
+-- tdstore/_format/integrity.py): a key lost to eviction or a DEL is reported, never recreated as
 -- zeros. A store whose header has the field 'na' keeps an inventory, the hash KEYS[2] of
 -- every data and table key that has been allocated ('na' counts its entries), so a key that
 -- is absent because it was never allocated (a ring or from_schema store allocates a
@@ -194,7 +194,7 @@ local function tds_finite(x, lo, hi)
 end
 
 -- The ring's sampling policy, header field 'sc' (raw value v; nil when absent), decoded and
--- checked as tdstore/_policy.py writes it: alpha in 0..1e300, mt an integer in 1..2^32-1,
+-- checked as tdstore/_format/sampling_policy.py writes it: alpha in 0..1e300, mt an integer in 1..2^32-1,
 -- limit {spi >= 0, min_size an integer >= 0, min_diff <= max_diff}, queue a boolean.
 local function tds_policy(v)
   if not v then
@@ -236,7 +236,7 @@ end
 -- Check that the offsets 'first' and 'last' (entry lo and a later one of the offset table 'key')
 -- do not decrease and stay below 2^53, before the bytes between them are read: a table edited by
 -- hand is reported, never cut into rows. The entries between are checked by the client, which
--- compares every element's size with the bytes read (tdstore/_reads.py check_elements).
+-- compares every element's size with the bytes read (tdstore/_plan/read_results.py check_elements).
 local function tds_bounds_rise(key, first, last, lo)
   if last < first or last > TDS_MAXINT then
     tds_damaged('the offset table ' .. key .. ' decreases or passes 2^53 from entry ' .. string.format('%.0f', lo) .. ' (written by another client?)')
@@ -270,7 +270,7 @@ local function tds_ring_fields(count, rw)
 end
 
 -- The check of KEYS[n] in a checks table (write.lua ARGV[6], commit.lua ARGV[4], built by
--- tdstore/_integrity.py): code (1: a heterogeneous leaf's data, at least the last offset of its
+-- tdstore/_format/integrity.py): code (1: a heterogeneous leaf's data, at least the last offset of its
 -- offset table KEYS[aux]; 2: exactly 'length' bytes), length, aux; nil when the table has none.
 local function tds_expected(checks, n)
   local p = 24 * (n - 1)

@@ -1,9 +1,9 @@
 --[[
   _tree.lua: the priority tree of a ring with server-side priorities (see sampling.lua),
-  prepended by tdstore/_scripts.py to the scripts that sample or set priorities, after
+  prepended by tdstore/_engine/scripts.py to the scripts that sample or set priorities, after
   _lib.lua. Not a script on its own.
 
-  The tree lives in one string key (named by the client, tdstore/_keys.py): a sum tree of
+  The tree lives in one string key (named by the client, tdstore/_format/keys.py): a sum tree of
   fan-out TDS_FAN over the ring's slots. Leaf s holds the weight of slot s (its priority ^
   alpha; 0 for a slot never written or retired) as a little-endian float64; every node above
   holds two float64, the sum of the weights below it and the smallest positive one (0 when
@@ -13,7 +13,7 @@
 
   Layout for capacity C: level 1 is the C leaves (8 bytes each); level k + 1 has
   ceil(n_k / TDS_FAN) nodes (16 bytes each), up to a level of one node, the root (for C = 1,
-  the leaf itself). Levels follow each other in the key; tdstore/_policy.py computes the same
+  the leaf itself). Levels follow each other in the key; tdstore/_format/sampling_policy.py computes the same
   size. A node's children are consecutive, so one GETRANGE reads them all.
 
   A draw reads one block of children per level, O(TDS_FAN log C), and keeps the blocks it
@@ -115,7 +115,7 @@ local function tds_f64_read(s, kind, n)
 end
 
 -- The sum of every weight of a tree stays at most TDS_WSUM (float64 ends at 1.8e308), so no sum
--- overflows: a tree of `count` slots takes weights up to TDS_WSUM / count (tdstore/_sampling.py
+-- overflows: a tree of `count` slots takes weights up to TDS_WSUM / count (tdstore/_ring/policy_calls.py
 -- refuses larger priorities first, naming the largest allowed).
 local TDS_WSUM = 1e307
 

@@ -7,7 +7,7 @@
   No pattern matching is used, so a prefix or td_id holding glob characters cannot
   reach another store.
 
-  A store of more keys than one call may delete (tdstore/_batches.py) is deleted in
+  A store of more keys than one call may delete (tdstore/_engine/batches.py) is deleted in
   batches: the first batch turns the header into a tombstone (state 'deleting', no
   'version': every script answers GONE, see tds_lapsed in _lib.lua), the next ones
   delete keys under that tombstone, the last one the header and the registry entry.

@@ -14,7 +14,7 @@
   write.lua checks the keys it writes in place, see _lib.lua) before the store is published,
   and a store that keeps an inventory (header field 'na') gets every key listed in it.
 
-  A store of more keys than one call may touch (tdstore/_batches.py) is committed in batches of
+  A store of more keys than one call may touch (tdstore/_engine/batches.py) is committed in batches of
   keys, each checked, listed and given the store's deadline, under the one deadline the first
   batch read and returned; the header's state turns 'ready' in the last batch only, so readers
   still see no store or the whole store. The first batch gives the header the later of the
@@ -29,7 +29,7 @@
   ARGV[2]     the store's time to live in milliseconds, '0' for none
   ARGV[3]     the deadline in Unix milliseconds that ARGV[2] stands for (a spread store: its
               segments on other nodes got the same one), or ''
-  ARGV[4]     what each key holds, as write.lua's ARGV[6] (tdstore/_integrity.py)
+  ARGV[4]     what each key holds, as write.lua's ARGV[6] (tdstore/_format/integrity.py)
   ARGV[5]     optional: the phase of a commit cut in batches: 'first', 'next' or 'last' (KEYS
               then hold the header, the inventory, and this batch's keys)
 

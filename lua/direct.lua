@@ -1,6 +1,6 @@
 --[[
   direct.lua: the two ends of a ring write whose rows travel as plain SETRANGEs
-  (tdstore/_direct.py). A row argument of a script costs the server about 1.2 us per KiB
+  (tdstore/_ring/direct_extend.py). A row argument of a script costs the server about 1.2 us per KiB
   to become a Lua string (a 500-row extend of 150 KB: 0.2 ms, against 5 us for SETRANGE),
   so the client sends, in one round trip:
 

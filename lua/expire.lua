@@ -7,7 +7,7 @@
   write.lua. The version check makes a client whose cache misses a newer leaf
   refresh first, so no key is left without the deadline.
 
-  A store of more keys than one call may touch (tdstore/_batches.py) goes in batches
+  A store of more keys than one call may touch (tdstore/_engine/batches.py) goes in batches
   of keys, all with the one deadline the first batch read (and returned): the first
   batch gives the header the later of its old and new deadline and records the earlier
   one in its field 'xd' (tds_ttl_begin in _lib.lua), the last one gives the header the

@@ -17,7 +17,7 @@
               '<epoch>:*' otherwise (see tds_check in _lib.lua)
   ARGV[2]     'number:version' of every leaf read
   ARGV[3]     number of ops, then each op. The client declares each kind once, in
-              tdstore/_ops.py (class Read: its arguments, which are KEYS indices, and
+              tdstore/_format/op_kinds.py (class Read: its arguments, which are KEYS indices, and
               how many reply pieces it adds); a new kind is an entry there and its parser here:
     'R', k, n, ranges, join
           n byte ranges of KEYS[k] (a homogeneous leaf); 'ranges' packs n pairs
@@ -98,7 +98,7 @@
           the whole offset table KEYS[ko] of one segment of a heterogeneous leaf, as the
           server holds it ('' when absent): one piece. The client keeps it to read the
           leaf's rows later as plain GETRANGEs in a transaction that reads each row's
-          offsets back (tdstore/_offsets.py); it checks the table's size itself
+          offsets back (tdstore/_format/offsets.py); it checks the table's size itself
     'Q', per
           the store is cut into segments of 'per' elements (must come before 'U'/'I'):
           the key indices of the 'X'/'Y' ops after it each name the first of a block
@@ -206,7 +206,7 @@ for _ = 1, nops do
       local first = tds_u64(offs, 1)
       local last = tds_u64(offs, 8 * (hi - lo + 1) + 1)
       -- the run's bounds only: the client checks every element's size against the bytes read
-      -- (tdstore/_reads.py check_elements), so the table is not decoded here entry by entry
+      -- (tdstore/_plan/read_results.py check_elements), so the table is not decoded here entry by entry
       tds_bounds_rise(okey, first, last, lo)
       if last > first then
         out[#out + 1] = tds_whole(meta, dkey, redis.call('GETRANGE', dkey, first, last - 1), last - first, true)

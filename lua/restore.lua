@@ -1,5 +1,5 @@
 --[[
-  restore.lua: give a store restored from a checkpoint (tdstore/_checkpoint.py) its ring and
+  restore.lua: give a store restored from a checkpoint (tdstore/_checkpoint/export_import.py) its ring and
   sampling state, in one step: the ring write count and the policy counters in the header,
   the policy itself ('sc'), and the priority tree and sample counts, which the client has
   written beforehand into staging keys (plain SETRANGEs, a short time to live) and which
@@ -18,7 +18,7 @@
   ARGV[1]     '<epoch>:V<version>' the store was committed at (see tds_check in _lib.lua)
   ARGV[2]     header fields, space-separated 'name=value' words, among rw, pm, lb, sn, rr;
               each value a number (pm a float, the others integers >= 0)
-  ARGV[3]     the sampling policy (JSON, tdstore/_policy.py), '' for none
+  ARGV[3]     the sampling policy (JSON, tdstore/_format/sampling_policy.py), '' for none
   ARGV[4]     the priority tree's byte length (the staged key must hold exactly that), '0' for none
   ARGV[5]     the sample counts' byte length (likewise), '0' for none
   ARGV[6]     the store's Pub/Sub channel

@@ -1,6 +1,6 @@
 --[[
   sampling.lua: set a ring's sampling policy (priorities, rate limiter, queue), the header
-  field 'sc' (JSON, see tdstore/_policy.py) that write.lua and read.lua enforce.
+  field 'sc' (JSON, see tdstore/_format/sampling_policy.py) that write.lua and read.lua enforce.
 
   Every change bumps the header's 'version' and 'kv', so a ring call planned from a header
   that does not know the new policy is answered STALE and planned again: no extend can
@@ -14,7 +14,7 @@
   KEYS[3]     the times-sampled counts: 4 little-endian bytes per slot
   KEYS[4]     the store's reply cache (see tds_request in _lib.lua), with ARGV[5]
   ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
-  ARGV[2]     the new policy (JSON, tdstore/_policy.py), '' for none
+  ARGV[2]     the new policy (JSON, tdstore/_format/sampling_policy.py), '' for none
   ARGV[3]     what the change needs, space-separated words:
     (priorities turn on through tree_build.lua, which builds their tree in bounded steps)
     'limit'   a new rate limiter: inserts and samples count from now ('lb' = ring writes

@@ -1,7 +1,7 @@
 --[[
   tree_build.lua: turn a ring's priorities on in steps of bounded work, one step per call, so
   that no call blocks the server for long (a tree of 10^7 slots is 90 MB; built in one script
-  it blocked every other client for 6 s). The client (tdstore/_sampling.py) calls it until it
+  it blocked every other client for 6 s). The client (tdstore/_ring/policy_calls.py) calls it until it
   answers 'OK ON'; any client asking for the same priorities may make the next step (a builder
   that died is resumed by the next enable_priorities), and a resent step only makes progress.
 
@@ -41,7 +41,7 @@
   KEYS[7]     the tree's zeros, staged by the client (may be absent)
   KEYS[8]     the counts' zeros, staged by the client (may be absent)
   ARGV[1]     '<epoch>:V<version>' the policy was built from (see tds_check in _lib.lua)
-  ARGV[2]     the policy to set at the end (JSON, tdstore/_policy.py), with the priorities on
+  ARGV[2]     the policy to set at the end (JSON, tdstore/_format/sampling_policy.py), with the priorities on
   ARGV[3]     alpha, as the client formats it (compared with the state's)
   ARGV[4]     max_times_sampled, '-' for none
   ARGV[5]     the store's Pub/Sub channel (told when the policy switches on)

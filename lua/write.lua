@@ -22,7 +22,7 @@
               ('kv=7 lv:3=7 lv:5=-'; '-' deletes the field)
   ARGV[5]     the largest string the server accepts, in bytes (proto-max-bulk-len,
               or less on servers with a lower SETRANGE cap)
-  ARGV[6]     what each key holds (tdstore/_integrity.py): per KEYS index i, 24 bytes at
+  ARGV[6]     what each key holds (tdstore/_format/integrity.py): per KEYS index i, 24 bytes at
               24 * (i - 1): three little-endian int64 (code, length, aux). code 0: not
               checked; 1: a heterogeneous leaf's data, at least as long as the last
               offset of its offset table KEYS[aux]; 2: exactly 'length' bytes (aux: a
@@ -31,7 +31,7 @@
               allocates or deletes whole) is checked; a key the inventory says was never
               allocated is allocated (zeros) first; any other mismatch refuses the call.
   ARGV[7]     number of ops, then each op. The client declares each kind once, in
-              tdstore/_ops.py (class Write: its arguments, which are KEYS indices, and
+              tdstore/_format/op_kinds.py (class Write: its arguments, which are KEYS indices, and
               which keys it writes); a new kind is an entry there and its parser here:
     'R', k, n, ranges, data
           n SETRANGEs into KEYS[k]: 'ranges' packs n pairs (start, length) as
@@ -51,7 +51,7 @@
     'O', ks, kd
           KEYS[kd] becomes a copy of KEYS[ks] (COPY on the server; deleted when KEYS[ks]
           does not exist): a spread store's schema change writes a copy of each key it
-          would change in place, so the change appears at its commit (see _spread_change.py)
+          would change in place, so the change appears at its commit (see tdstore/_engine/spread_change.py)
     'C', kb, kd, stride, col, nb
           KEYS[kd] becomes the column of the row block KEYS[kb] whose rows are
           stride bytes: nb bytes at col of every row, back to back (a leaf leaving
@@ -92,7 +92,7 @@
           a homogeneous leaf, addressed by the rows of 'W' or 'G': 'data' holds one
           nb-byte element per row; consecutive slots become one SETRANGE.
     'K', k, nb, stride, col, data
-          one column of the row block (see tdstore/_rows.py), addressed by the rows of
+          one column of the row block (see tdstore/_format/row_block.py), addressed by the rows of
           'W' or 'G': 'data' holds one nb-byte element per row, written at
           row * stride + col (one SETRANGE per row)
     'Y', kd, ko, ks, rec, shapes, data, size_1, ..., size_n
@@ -107,7 +107,7 @@
           written; otherwise the reply's third item is recorded under the id.
     'B', k
           KEYS[k] is the store header (KEYS[1]): its field 'tr', the count of in-place
-          writes through torchrl (tdstore/_torchrl_marks.py), grows by 1 with the write, so
+          writes through torchrl (tdstore/torchrl/marks.py), grows by 1 with the write, so
           the rows and the revision that other processes' cached samplers read move together.
           A plain element write carries no request id: a resend of it writes the same bytes
           again and moves 'tr' twice, which is harmless (a revision only has to change).

@@ -110,17 +110,22 @@ def shadowed_attribute(package: str, name: str) -> Any:
     """``package.name`` of an old pickle (``tdstore._ring.Sample``, say): the name of the module that
     the package replaced. A submodule's name is left to the import system (nothing heavy is imported)."""
     here = Path(sys.modules[package].__file__ or "").parent
-    if name.startswith("__") or (here / f"{name}.py").exists() or (here / name).is_dir():
+    if package not in SHADOWED or name.startswith("__") or (here / f"{name}.py").exists() or (here / name).is_dir():
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     try:
-        return getattr(importlib.import_module(SHADOWED[package]), name)
+        return getattr(_new_module(package), name)
     except AttributeError:
         raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
 
 
+def _new_module(old: str) -> ModuleType:
+    """The module at the new path of the old module ``old`` (a name of the table above, never another)."""
+    return importlib.import_module(MOVED[old])
+
+
 class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(MOVED[spec.name])
+        return _new_module(spec.name)
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run: the module at the new path has run already."""

@@ -187,7 +187,7 @@ class HeaderInfo:
 
 
 def _leaf(rec: dict) -> LeafRecord:
-    """``_format.schema.Leaf.from_json`` without torch."""
+    """One leaf record of the schema, checked (``_format.schema.Header.from_fields`` makes it a ``Leaf``)."""
     path = rec["path"]
     if not isinstance(path, list) or not path or not all(isinstance(p, str) for p in path):
         raise StoreFormatError(f"bad leaf path {path!r}")

@@ -47,7 +47,7 @@ class Call:
     field_values: dict[str, bytes | None] | None = None  # ... and what it read
     ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
     schema: Header | None = None  # a write's new header (a schema change), else None
-    verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _offsets)
+    verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _format.offsets)
 
 
 def leaf_checks(leaves: Iterable[Leaf]) -> str:
