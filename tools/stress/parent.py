@@ -12,7 +12,7 @@ import traceback
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from tensordict import lazy_stack
 
@@ -210,18 +210,7 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
             pickle.dumps(ring) if ring is not None else b"",
             args.ring_writers,
         )
-        ctx = mp.get_context(args.start_method)
-        if args.start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "tensordict", "tdstore"])
-        go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-        roles = [("writer", w) for w in range(args.writers)] + [("reader", r) for r in range(args.readers)]
-        if args.schema_races:
-            roles.append(("schema", 0))
-        roles += [("ringwriter", w) for w in range(args.ring_writers)] + [("ringreader", r) for r in range(args.ring_readers)]
-        procs = {
-            f"{role}{i}": ctx.Process(target=child_main, args=(role, i, cfg, go, stop, out), name=f"stress-{role}{i}", daemon=True)
-            for role, i in roles
-        }
+        procs, go, stop, out = _children(args, cfg)
         for p in procs.values():
             p.start()
         inbox = _Inbox(procs, out)
@@ -239,35 +228,50 @@ def run_stress(args: argparse.Namespace) -> dict[str, Any]:
         results_by_name = inbox.results
         _join_children(procs, results_by_name, setup_errors)
         results = [results_by_name[n] for n in procs if n in results_by_name]
-        final_lost = final_torn = 0
-        final_lost_ex: list[str] = []
-        final_torn_ex: list[str] = []
-        final_tb: str | None = None
-        try:
-            final_lost, final_torn, final_lost_ex, final_torn_ex = final_check(store, layout, results)
-            if ring is not None:
-                lost, torn, lost_ex, torn_ex = final_ring_check(ring, args.ring_writers, results)
-                final_lost, final_torn = final_lost + lost, final_torn + torn
-                final_lost_ex, final_torn_ex = final_lost_ex + lost_ex, final_torn_ex + torn_ex
-        except Exception:
-            final_tb = traceback.format_exc()
-            setup_errors.append(f"final check: {traceback.format_exception_only(sys.exc_info()[1])[-1].strip()}")
+        final = _final_checks(store, ring, layout, args.ring_writers, results, setup_errors)
     finally:
         _clean_up(stop, procs, store, server, cluster, ring)
-    return _figures(
-        args,
-        layout,
-        server_info,
-        results,
-        run_seconds,
-        time.time() - started,
-        final_lost,
-        final_torn,
-        final_lost_ex,
-        final_torn_ex,
-        setup_errors,
-        final_tb,
-    )
+    return _figures(args, layout, server_info, results, run_seconds, time.time() - started, final, setup_errors)
+
+
+def _children(args: argparse.Namespace, cfg: WorkerConfig) -> tuple[dict[str, Any], Any, Any, Any]:
+    """The child processes of every role (not started yet), and the events and queue they share."""
+    ctx = mp.get_context(args.start_method)
+    if args.start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "tensordict", "tdstore"])
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    roles = [("writer", w) for w in range(args.writers)] + [("reader", r) for r in range(args.readers)]
+    if args.schema_races:
+        roles.append(("schema", 0))
+    roles += [("ringwriter", w) for w in range(args.ring_writers)] + [("ringreader", r) for r in range(args.ring_readers)]
+    procs = {
+        f"{role}{i}": ctx.Process(target=child_main, args=(role, i, cfg, go, stop, out), name=f"stress-{role}{i}", daemon=True)
+        for role, i in roles
+    }
+    return procs, go, stop, out
+
+
+class _Final(NamedTuple):
+    """What the final checks of the store (and the ring) found after the run."""
+
+    lost: int
+    torn: int
+    lost_ex: list[str]
+    torn_ex: list[str]
+    tb: str | None = None
+
+
+def _final_checks(store: Any, ring: Any, layout: Layout, ring_writers: int, results: list[Tally], setup_errors: list[str]) -> _Final:
+    """The whole store (and ring) checked against what the writers report; a failing check is a harness error."""
+    try:
+        lost, torn, lost_ex, torn_ex = final_check(store, layout, results)
+        if ring is not None:
+            r_lost, r_torn, r_lost_ex, r_torn_ex = final_ring_check(ring, ring_writers, results)
+            lost, torn, lost_ex, torn_ex = lost + r_lost, torn + r_torn, lost_ex + r_lost_ex, torn_ex + r_torn_ex
+        return _Final(lost, torn, lost_ex, torn_ex)
+    except Exception:
+        setup_errors.append(f"final check: {traceback.format_exception_only(sys.exc_info()[1])[-1].strip()}")
+        return _Final(0, 0, [], [], traceback.format_exc())
 
 
 def _figures(
@@ -277,13 +281,10 @@ def _figures(
     results: list[Tally],
     run_seconds: float,
     wall_seconds: float,
-    final_lost: int,
-    final_torn: int,
-    final_lost_ex: list[str],
-    final_torn_ex: list[str],
+    final: _Final,
     setup_errors: list[str],
-    final_tb: str | None,
 ) -> dict[str, Any]:
+    final_lost, final_torn, final_lost_ex, final_torn_ex, final_tb = final
     ops: Counter = Counter()
     max_ms: dict[str, float] = {}
     error_kinds: Counter = Counter()
@@ -325,27 +326,32 @@ def _figures(
         "first_traceback": first_tb,
         "torn_examples": (torn_ex + final_torn_ex)[: 2 * MAX_EXAMPLES],
         "lost_examples": (lost_ex + final_lost_ex)[: 2 * MAX_EXAMPLES],
-        "config": {
-            "writers": args.writers,
-            "readers": args.readers,
-            "seconds": args.seconds,
-            "rows": layout.count,
-            "rows_per_writer": args.rows_per_writer,
-            "writer_kinds": {f"writer{w}": list(layout.kinds(w)) for w in range(args.writers)},
-            "schema_races": args.schema_races,
-            "schema_interval": args.schema_interval if args.schema_races else None,
-            "max_ops": args.max_ops,
-            "seed": args.seed,
-            "start_method": args.start_method,
-            "fault": args.fault,
-            "ring_writers": args.ring_writers,
-            "ring_readers": args.ring_readers,
-        },
+        "config": _config(args, layout),
         "server": server_info,
         "run_seconds": round(run_seconds, 3),
         "wall_seconds": round(wall_seconds, 3),
     }
     return figures
+
+
+def _config(args: argparse.Namespace, layout: Layout) -> dict[str, Any]:
+    """The run's settings, as the figures report them."""
+    return {
+        "writers": args.writers,
+        "readers": args.readers,
+        "seconds": args.seconds,
+        "rows": layout.count,
+        "rows_per_writer": args.rows_per_writer,
+        "writer_kinds": {f"writer{w}": list(layout.kinds(w)) for w in range(args.writers)},
+        "schema_races": args.schema_races,
+        "schema_interval": args.schema_interval if args.schema_races else None,
+        "max_ops": args.max_ops,
+        "seed": args.seed,
+        "start_method": args.start_method,
+        "fault": args.fault,
+        "ring_writers": args.ring_writers,
+        "ring_readers": args.ring_readers,
+    }
 
 
 def report(fig: dict[str, Any]) -> str:
