@@ -36,20 +36,15 @@ from tools.bench.workload import (
     make_element,
     make_large_stack,
     make_stack,
+    materialize,
     raw_layout,
+    same_data,
     tensor_bytes,
 )
 from tools.bench.writers import WriterPool
 
 
 # --------------------------------------------------------------------------- cases
-def _materialize(x: Any) -> Any:
-    """A slice read's result as local tensors (tdstore and the reference already return them)."""
-    if type(x) in (TensorDict, LazyStackedTensorDict):
-        return x
-    return x.to_tensordict()
-
-
 @dataclass
 class Stores:
     """The working stores of one case, one per contender."""
@@ -107,11 +102,11 @@ class Runner:
         for i in sorted({0, count - 1, int(self.rng.integers(count))}):
             want = s.stack.tensordicts[i]
             got = s.tdstore[i].to_tensordict()
-            if not _same(got, want):
+            if not same_data(got, want):
                 self.problems.append(f"{case}: tdstore element {i} differs from the uploaded data")
             if s.reference is not None:
                 with contextlib.suppress(Exception):
-                    if not _same(s.reference[i].to_tensordict(), want):
+                    if not same_data(s.reference[i].to_tensordict(), want):
                         self.notes.append(f"{case}: reference element {i} differs from the uploaded data")
             pieces = iter(s.raw.read_element(i))
             for leaf in s.leaves:
@@ -124,7 +119,7 @@ class Runner:
     def check_written(self, case: str, op: str, s: Stores, written: tuple[int, TensorDict]) -> None:
         """The element written last (by every contender, in the last round) reads back from tdstore."""
         i, td = written
-        if not _same(s.tdstore[i].to_tensordict(), td):
+        if not same_data(s.tdstore[i].to_tensordict(), td):
             self.problems.append(f"{case}/{op}: tdstore element {i} does not read back what was written")
 
     def drop(self, s: Stores) -> None:
@@ -287,8 +282,8 @@ class Runner:
         }
         self.run(case, "batch_read", self._with_ref(s, lambda n: Contender(n, batches[n])), self._batch_args, {"batch": batch})
         slices = {
-            "tdstore": lambda a: _materialize(s.tdstore[a : a + batch]),
-            "reference": lambda a: _materialize(ref[a : a + batch]),
+            "tdstore": lambda a: materialize(s.tdstore[a : a + batch]),
+            "reference": lambda a: materialize(ref[a : a + batch]),
             "raw": lambda a: s.raw.read_runs([(a, a + batch - 1)]),
         }
         self.run(case, "slice_read", self._with_ref(s, lambda n: Contender(n, slices[n])), self._slice_args, {"batch": batch})
@@ -398,7 +393,7 @@ class Runner:
         batches = [make_batch(n, self.gen) for _ in range(max(1, min(FILL_ROWS, count) // n))]
         fills = [Contender(name, lambda a, f=ring[name]: [f(b) for b in batches]) for name in names]
         self.run(case, "fill", fills, lambda: None, {"rows": n * len(batches), "per_extend": n})
-        if not _same(s.tdstore[(s.tdstore.write_count - 1) % count].to_tensordict(), batches[-1][-1]):
+        if not same_data(s.tdstore[(s.tdstore.write_count - 1) % count].to_tensordict(), batches[-1][-1]):
             self.problems.append(f"{case}/fill: tdstore's last extended row does not read back")
 
     # -- heterogeneous against homogeneous ------------------------------------------
@@ -422,9 +417,9 @@ class Runner:
             ("batch_read", lambda a: het.tdstore[a], "homogeneous batch_read", lambda a: hom.tdstore[a], batch_args),
             (
                 "slice_read",
-                lambda a: _materialize(het.tdstore[a]),
+                lambda a: materialize(het.tdstore[a]),
                 "homogeneous slice_read",
-                lambda a: _materialize(hom.tdstore[a]),
+                lambda a: materialize(hom.tdstore[a]),
                 slice_args,
             ),
             (
@@ -448,7 +443,7 @@ class Runner:
                     f"{kind}_slice",
                     lambda a, kw=kw: het.tdstore.get_at("tokens", a, **kw),
                     "homogeneous slice_read",
-                    lambda a: _materialize(hom.tdstore[a]),
+                    lambda a: materialize(hom.tdstore[a]),
                     slice_args,
                 ),
                 (
@@ -594,9 +589,3 @@ class Runner:
 def _drop_store(store: Any) -> None:
     store.clear_redis()
     store.close()
-
-
-def _same(a: Any, b: Any) -> bool:
-    keys_a = {k if isinstance(k, tuple) else (k,) for k in a.keys(True, True)}
-    keys_b = {k if isinstance(k, tuple) else (k,) for k in b.keys(True, True)}
-    return keys_a == keys_b and all(torch.equal(a.get(_path_key(k)), b.get(_path_key(k))) for k in keys_a)

@@ -333,3 +333,17 @@ class RawFloor:
         for key, offset, data in ops:
             pipe.setrange(key, offset, data)
         return pipe.execute()
+
+
+def materialize(x: Any) -> Any:
+    """A slice read's result as local tensors (tdstore and the reference already return them)."""
+    if type(x) in (TensorDict, LazyStackedTensorDict):
+        return x
+    return x.to_tensordict()
+
+
+def same_data(a: Any, b: Any) -> bool:
+    """Whether two tensordicts hold the same keys with equal tensors."""
+    keys_a = {k if isinstance(k, tuple) else (k,) for k in a.keys(True, True)}
+    keys_b = {k if isinstance(k, tuple) else (k,) for k in b.keys(True, True)}
+    return keys_a == keys_b and all(torch.equal(a.get(_path_key(k)), b.get(_path_key(k))) for k in keys_a)
