@@ -40,7 +40,8 @@ from torchrl.data.replay_buffers.samplers import Sampler
 
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
-from tdstore.torchrl.storage import METADATA_KEYS, TENSOR_KEY, StoreStorage
+from tdstore.torchrl.storage import StoreStorage
+from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
 
 __all__ = [

@@ -16,7 +16,8 @@ from tdstore._plan.values import build_td
 from tdstore._ring import extend as _ring
 from tdstore._ring.policy_calls import PrioritizedSample
 from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.torchrl.storage import EMPTY_ERROR, Drawn, StoreStorage, has_keys
+from tdstore.torchrl.storage import StoreStorage
+from tdstore.torchrl.storage_base import EMPTY_ERROR, Drawn, has_keys
 
 
 def _slots_only(storage: Storage, sampler: object) -> None:
