@@ -54,11 +54,11 @@ from tdstore._engine.connection import open_client
 from tdstore._engine.engine import new_td_id
 from tdstore._format.keys import StoreKeys
 from tdstore._ring.extend import RingState
-from tdstore._shards.extend import ShardWrites
 from tdstore._shards.fan_out import _POLL_S
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
 from tdstore._shards.queue import ShardReceipt
 from tdstore._shards.sample import ShardSampling
+from tdstore._shards.shard_writes import ShardWrites
 from tdstore._shards.view import _ShardedOps
 
 # old pickles and imports name these here
