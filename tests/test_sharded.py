@@ -545,3 +545,60 @@ def test_max_times_sampled_retires_slots_on_every_shard(redis_cluster):
     with pytest.raises((ValueError, TimeoutError)):
         s.sample(1, gen)
     s.clear_redis()
+
+
+@pytest.mark.slow
+def test_a_primary_failing_over_mid_run_loses_nothing_and_the_others_serve():
+    """3 primaries + 3 replicas: shard ``down``'s primary hands over to its replica (CLUSTER FAILOVER,
+    in a thread) while this thread writes and reads. Each call succeeds or raises
+    ShardUnavailableError naming shard ``down``; once the new primary serves, every call goes on
+    and every row acknowledged is read back exactly."""
+    import threading
+
+    with EmbeddedCluster(replicas=1) as cluster:
+        s = LazyStackedTensorDictStore(count=30000, url=cluster.url, prefix=PREFIX, spread=True)
+        down = 1
+        port = int(s.shard_nodes()[down].rsplit(":", 1)[1])
+        acked: dict[int, tuple[int, int]] = {}  # global slot -> (tag, generation) of its last acknowledged write
+        tag = 0
+
+        def step() -> list[int]:
+            """One extend (the shards in turn) and one read of an acknowledged slot of every shard: the shards that failed."""
+            nonlocal tag
+            failed = []
+            try:
+                w = s.extend(rows(torch.arange(tag, tag + 4)))
+                for slot, t, g in zip(w.indices.tolist(), range(tag, tag + 4), w.generations.tolist()):
+                    acked[slot] = (t, g)
+            except ShardUnavailableError as err:
+                assert err.shard == down and f"shard {down} " in str(err), err
+                failed.append(err.shard)
+            tag += 4
+            for k, off in enumerate(s.shard_offsets):
+                if off in acked:
+                    try:
+                        got = s[off]
+                        assert int(got["tag"]) == acked[off][0] and whole(got.unsqueeze(0))
+                    except ShardUnavailableError as err:
+                        assert err.shard == down == k, err
+                        failed.append(k)
+            return failed
+
+        for _ in range(30):
+            assert step() == []
+        failing = threading.Thread(target=lambda: cluster.failover(cluster.ports.index(port)))
+        failing.start()
+        calls = 0
+        while failing.is_alive() and tag < 29000:  # mid-run: calls go on while the shard fails over
+            step()
+            calls += 1
+        failing.join()
+        assert s.shard_nodes()[down] != f"127.0.0.1:{port}"  # a new primary holds the shard
+        for _ in range(30):  # then every call goes on, on every shard
+            assert step() == []
+        slots = torch.tensor(sorted(acked))
+        got = s[slots]
+        assert whole(got) and got["tag"].tolist() == [acked[i][0] for i in slots.tolist()]
+        states = s.shard_states()
+        assert len(acked) <= sum(st.written for st in states) <= tag  # a call that raised may still have been written
+        s.close()
