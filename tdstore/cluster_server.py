@@ -141,9 +141,10 @@ class EmbeddedCluster:
             for port in self.ports[1:]:
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
             self._wait_ok(clients)
-            for i, c in enumerate(clients[p:]):
-                c.execute_command("CLUSTER", "REPLICATE", _my_id(clients[i]))
-            self._wait_replicated(clients)
+            if self._replicas:
+                for i, c in enumerate(clients[p:]):
+                    c.execute_command("CLUSTER", "REPLICATE", _my_id(clients[i]))
+                self._wait_replicated(clients)
         finally:
             for c in clients:
                 c.close()
@@ -165,9 +166,9 @@ class EmbeddedCluster:
             roles = [_role(c) for c in clients]
             views = [_topology(c) for c in clients]
             masters = sum(r["role"] == "master" for r in roles)
-            in_sync = all(r["role"] == "master" and r.get("connected_slaves") == "1" for r in roles if r["role"] == "master") and all(
-                r.get("master_link_status") == "up" for r in roles if r["role"] == "slave"
-            )
+            in_sync = all(
+                r["role"] == "master" and r.get("connected_slaves") == str(self._replicas) for r in roles if r["role"] == "master"
+            ) and all(r.get("master_link_status") == "up" for r in roles if r["role"] == "slave")
             agreed = all(v == views[0] for v in views)
             if masters == self._primaries and in_sync and agreed and all(_info_ok(c.cluster("INFO"), self._n) for c in clients):
                 return
@@ -213,6 +214,27 @@ class EmbeddedCluster:
                 c.close()
         return j
 
+    def kill_primary(self, i: int) -> int:
+        """Kill primary ``i`` and wait until the cluster promotes its replica (after cluster-node-timeout,
+        1 s) and every other node sees the cluster ok. Writes its replica had not received are lost.
+        Returns the new primary's index (``start_node(i)`` brings ``i`` back as its replica)."""
+        j = self.replica_of(i)
+        self.stop_node(i)
+        clients = {k: self.node_client(k) for k in range(self._n) if k != i}
+        try:
+            deadline = time.monotonic() + self._timeout
+            while True:
+                infos = [c.cluster("INFO") for c in clients.values()]
+                promoted = _role(clients[j]).get("role") == "master"
+                if promoted and all(_text(_field(info, "cluster_state")) == "ok" for info in infos):
+                    return j
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"node {j} was not promoted in {self._timeout:.0f} s")
+                time.sleep(0.05)
+        finally:
+            for c in clients.values():
+                c.close()
+
     def stop(self) -> None:
         """Stop every node and delete their folders; safe to call twice."""
         for srv in self.servers:
@@ -226,11 +248,14 @@ class EmbeddedCluster:
     def start_node(self, i: int) -> None:
         """Start node ``i`` again on its port with its cluster config, and wait until the cluster is ok.
 
-        Its data is gone: the nodes keep nothing on disk."""
+        Its data is gone: the nodes keep nothing on disk. With replicas: and until every primary has
+        its replica in sync (a primary that was killed comes back as a replica)."""
         self.servers[i].start_process()
         clients = [self.node_client(j) for j in range(self._n)]
         try:
             self._wait_ok(clients)
+            if self._replicas:  # a primary that was failed over comes back as its replica's replica
+                self._wait_replicated(clients)
         finally:
             for c in clients:
                 c.close()
@@ -272,6 +297,13 @@ def _topology(c: redis.Redis) -> dict[str, tuple[str, str]]:
         role = "master" if "master" in flags else "slave"
         out[f[0]] = (role, f[3] if role == "slave" else " ".join(f[8:]))
     return out
+
+
+def _field(info: Any, name: str) -> Any:
+    if isinstance(info, (bytes, str)):
+        text = _text(info)
+        info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {_text(k): v for k, v in info.items()}.get(name)
 
 
 def _info_ok(info: Any, n: int) -> bool:

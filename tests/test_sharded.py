@@ -602,3 +602,63 @@ def test_a_primary_failing_over_mid_run_loses_nothing_and_the_others_serve():
         states = s.shard_states()
         assert len(acked) <= sum(st.written for st in states) <= tag  # a call that raised may still have been written
         s.close()
+
+
+def test_min_replicas_refuses_a_write_no_replica_acknowledges(redis_cluster):
+    s = ring(redis_cluster, count=30, min_replicas=1)  # the session's cluster has no replicas
+    with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
+        s.extend(rows(torch.arange(3)))
+    with pytest.raises(ValueError, match="min_replicas"):
+        ring(redis_cluster, count=30, min_replicas=-1)
+    assert pickle.loads(pickle.dumps(s))._min_replicas == 1
+    s.clear_redis()
+    assert not any(keys_per_node(redis_cluster, s.td_id))
+
+
+@pytest.mark.slow
+def test_a_killed_primary_loses_nothing_acknowledged_with_min_replicas():
+    """min_replicas=1: a write returns once a replica has it. Shard ``down``'s primary is killed (in a
+    thread, which waits until the cluster promotes its replica) while this thread writes: calls on
+    that shard raise ShardUnavailableError naming it (unreachable, then no replica to acknowledge
+    until the killed node comes back as the new primary's replica); the other shards serve
+    meanwhile; then every call goes on and every row acknowledged is read back exactly."""
+    import threading
+
+    with EmbeddedCluster(replicas=1) as cluster:
+        s = LazyStackedTensorDictStore(count=30000, url=cluster.url, prefix=PREFIX, spread=True, min_replicas=1)
+        layout_node = s._client.get_node_from_key(s._keys.shards).name
+        down = next(k for k, node in enumerate(s.shard_nodes()) if node != layout_node)
+        old = s.shard_nodes()[down]
+        acked: dict[int, int] = {}
+        tag = 0
+
+        def extend() -> int | None:
+            """An extend of 3 rows: its shard, or None if it raised (naming shard ``down``)."""
+            nonlocal tag
+            tag += 3
+            try:
+                w = s.extend(rows(torch.arange(tag, tag + 3)))
+            except ShardUnavailableError as err:
+                assert err.shard == down and f"shard {down} " in str(err), err
+                return None
+            acked.update(zip(w.indices.tolist(), range(tag, tag + 3)))
+            return int(s._locate(w.indices[:1])[0])
+
+        for _ in range(30):
+            assert extend() is not None
+        i = cluster.ports.index(int(old.rsplit(":", 1)[1]))
+        killing = threading.Thread(target=cluster.kill_primary, args=(i,))
+        killing.start()
+        while killing.is_alive() and tag < 25000:
+            extend()
+        killing.join()
+        # the replica is the primary now, with no replica of its own: its shard refuses, the others serve
+        after = [extend() for _ in range(6)]
+        assert after.count(None) == 2 and set(after) - {None} == {0, 1, 2} - {down}
+        cluster.start_node(i)  # back (empty) as the new primary's replica, in sync
+        assert all(extend() is not None for _ in range(30))  # then every call goes on
+        assert s.shard_nodes()[down] != old
+        slots = torch.tensor(sorted(acked))
+        got = s[slots]
+        assert whole(got) and got["tag"].tolist() == [acked[i] for i in slots.tolist()]
+        s.close()

@@ -36,6 +36,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:lk       zset    receipts settled or expired, by time (the oldest are forgotten)
     P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
+    P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
+                           after a write, then ``WAIT``; it expires in 2 s
     P:stores       set     registry of the prefix: the td_id of every store created under it
     <key>:stage:<token>  string  staging copy of a large new blob for <key>, moved into
                            place by write.lua (RENAME); expires on its own if not
@@ -174,6 +176,11 @@ class StoreKeys:
     def shards(self) -> str:
         """The layout of a sharded ring whose id this is (``_shards.ring``): its shards' ids and counts."""
         return f"{self.base}:sh"
+
+    @property
+    def fence(self) -> str:
+        """A shard's replication fence: written after a write, before ``WAIT`` (``_shards.fan_out._replicated``)."""
+        return f"{self.base}:f"
 
     @property
     def inventory(self) -> str:

@@ -28,6 +28,8 @@ _UNREACHABLE = (
 )
 #: A pop (or wait) over shards polls them this often, at first and at most.
 _POLL_S = (0.001, 0.05)
+#: How long a write waits for ``min_replicas`` replicas to acknowledge it (``WAIT``), in milliseconds.
+REPLICA_WAIT_MS = 2000
 
 
 class ShardsBase:
@@ -40,6 +42,7 @@ class ShardsBase:
     _offsets: list[int]
     _pool: ThreadPoolExecutor | None
     _pool_lock: threading.Lock
+    _min_replicas: int
 
     def _node_of(self, k: int) -> str:
         try:
@@ -58,16 +61,46 @@ class ShardsBase:
         except ShardUnavailableError:
             raise
         except _UNREACHABLE as err:
-            raise ShardUnavailableError(
-                f"shard {k} of the sharded ring td_id={self.td_id!r} (store {self._layout.ids[k]!r}, node {self._node_of(k)}) "
-                f"is unavailable: {type(err).__name__}: {err} (the other shards serve meanwhile; this one once the "
-                "cluster has a primary for it)",
-                k,
-            ) from err
+            raise self._unavailable(k, f"is unavailable: {type(err).__name__}: {err}") from err
 
-    def _fan_out(self, jobs: list[tuple[int, Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+    def _unavailable(self, k: int, what: str) -> ShardUnavailableError:
+        return ShardUnavailableError(
+            f"shard {k} of the sharded ring td_id={self.td_id!r} (store {self._layout.ids[k]!r}, node {self._node_of(k)}) "
+            f"{what} (the other shards serve meanwhile; this one once the cluster has a primary for it)",
+            k,
+        )
+
+    def _replicated(self, k: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """A write on shard ``k`` acknowledged once ``min_replicas`` replicas of its primary have it.
+
+        ``WAIT`` counts the writes of its own connection, and a script cannot call it, so after the
+        write this sends, on the node the shard's slot mapped to before the write, a pipeline of a
+        throw-away write (``StoreKeys.fence``: it replicates after ours, in the primary's one
+        replication stream) and ``WAIT min_replicas``: a replica that has the fence has the write.
+        That node no longer being the primary (a failover in between) or too few replicas answering
+        within ``REPLICA_WAIT_MS`` raises ``ShardUnavailableError``: the write may be lost."""
+        fence = StoreKeys(self.prefix, self._layout.ids[k]).fence
+        node = self._client.get_node_from_key(fence)
+        out = fn(*args)
+        pipe = node.redis_connection.pipeline(transaction=False)
+        pipe.set(fence, b"", px=REPLICA_WAIT_MS)
+        pipe.execute_command("WAIT", self._min_replicas, REPLICA_WAIT_MS)
+        try:
+            acks = int(pipe.execute()[1])
+        except redis.exceptions.ResponseError as err:  # MOVED, READONLY...: the primary changed since the write
+            raise self._unavailable(k, f"changed primary before a replica acknowledged a write ({err}): it may be lost") from err
+        if acks < self._min_replicas:
+            raise self._unavailable(
+                k, f"wrote on its primary but {acks} of min_replicas={self._min_replicas} replicas acknowledged it: it may be lost"
+            )
+        return out
+
+    def _fan_out(self, jobs: list[tuple[int, Callable[..., Any], tuple[Any, ...]]], write: bool = False) -> list[Any]:
         """Run one call per shard, all at once (the last in this thread, the others one thread each): their
-        results, in order. Every call finishes before the first error is raised."""
+        results, in order. Every call finishes before the first error is raised. ``write``: calls that
+        write rows or priorities, acknowledged by ``min_replicas`` replicas (``_replicated``) if it is set."""
+        if write and self._min_replicas:
+            jobs = [(k, self._replicated, (k, fn, *args)) for k, fn, args in jobs]
         k, fn, args = jobs[-1]
         if len(jobs) == 1:
             return [self._on(k, fn, *args)]

@@ -35,7 +35,11 @@ slots and fans calls out.
   order within a shard, not across shards (as partitions in Kafka). A pop waiting for items polls
   the shards (from 1 ms to 50 ms apart): each shard's events are on its own node.
 - **Faults.** A call on a shard whose node cannot be reached raises ``ShardUnavailableError``
-  naming the shard, its store and node; the other shards serve meanwhile.
+  naming the shard, its store and node; the other shards serve meanwhile, and this one once the
+  cluster has promoted a replica. A write is acknowledged by the shard's primary; with
+  ``min_replicas=n`` a call writing rows or priorities returns only once ``n`` replicas have it
+  (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so a failover
+  loses nothing acknowledged; else it raises ``ShardUnavailableError``.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class ShardedRing(ShardWrites, ShardSampling):
     ``LazyStackedTensorDictStore.from_store(td_id=...)``, attaches to it. It has the ring's calls
     (``extend``, ``append``, ``sample``, ``update_if``, priorities, the rate limiter, the queue,
     ``pop``/``ack``) and reads and writes by global slot (``store[i]``, ``store[idx]``).
+    ``min_replicas=n``: a call writing rows or priorities returns once ``n`` replicas have it.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class ShardedRing(ShardWrites, ShardSampling):
         backend: str = "redis",
         cache_metadata: bool = True,
         spread: bool = True,
+        min_replicas: int = 0,
         db: int = 0,
         unix_socket_path: str | None = None,
         **redis_kwargs: Any,
@@ -103,6 +109,9 @@ class ShardedRing(ShardWrites, ShardSampling):
             raise NotImplementedError("a sharded ring (spread=True on a cluster) has no time to live yet: create it without ttl=")
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
+            raise ValueError(f"min_replicas must be an int >= 0 (replicas that acknowledge each write), got {min_replicas!r}")
+        self._min_replicas = min_replicas
         rc, spec, owned = open_client(
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
@@ -264,6 +273,8 @@ class ShardedRing(ShardWrites, ShardSampling):
     def clear_redis(self) -> int:
         """Delete every shard, then the layout key. Returns the count of keys deleted."""
         n = sum(self._all("clear_redis"))
+        for sid in self._layout.ids:  # replication fences (min_replicas): gone in 2 s anyway
+            self._client.delete(StoreKeys(self.prefix, sid).fence)
         return n + int(self._client.delete(self._keys.shards))
 
     def close(self) -> None:
@@ -291,10 +302,11 @@ class ShardedRing(ShardWrites, ShardSampling):
         return False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"keys": self._keys, "layout": self._layout, "shards": self._shards}
+        return {"keys": self._keys, "layout": self._layout, "shards": self._shards, "min_replicas": self._min_replicas}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._keys, self._layout = state["keys"], state["layout"]
+        self._min_replicas = state.get("min_replicas", 0)
         shards = state["shards"]
         self._client = shards[0]._engine.client
         self._owned = False

@@ -270,7 +270,7 @@ class ShardSampling(ShardsBase):
             (k, _with_kwargs(self._shards[k].update_priority, {"generation": None if gens is None else gens[rows]}), (local, pr[rows]))
             for k, rows, local in groups
         ]
-        for (_, rows, _), ok in zip(groups, self._fan_out(jobs)):
+        for (_, rows, _), ok in zip(groups, self._fan_out(jobs, write=True)):
             out[rows] = ok
         return out
 

@@ -59,7 +59,7 @@ class ShardWrites(ShardQueue):
         if n <= min(self._layout.counts) and self._guarded():
             k = self._admitting(n, timeout)
             self._next = (k + 1) % k_total
-            return self._fan_out([(k, self._extend_one, (k, td, priority, timeout))])[0]
+            return self._fan_out([(k, self._extend_one, (k, td, priority, timeout))], write=True)[0]
         jobs = []
         k, start = self._next, 0
         while start < n:
@@ -70,7 +70,7 @@ class ShardWrites(ShardQueue):
             start += take
             k = (k + 1) % k_total
         self._next = k
-        got = self._fan_out(jobs)
+        got = self._fan_out(jobs, write=True)
         return RingWrite(torch.cat([w.indices for w in got]), torch.cat([w.generations for w in got]))
 
     def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite:
@@ -95,7 +95,7 @@ class ShardWrites(ShardQueue):
             td = td.unsqueeze(self._stack_pos)
         out = torch.zeros(int(slots.numel()), dtype=torch.bool)
         jobs = [(k, self._shards[k].update_if, (local, gens[rows], self._rows(td, rows))) for k, rows, local in groups]
-        for (_, rows, _), applied in zip(groups, self._fan_out(jobs)):
+        for (_, rows, _), applied in zip(groups, self._fan_out(jobs, write=True)):
             out[rows] = applied
         return out
 
@@ -103,7 +103,7 @@ class ShardWrites(ShardQueue):
         if isinstance(index, int) and not isinstance(index, bool):
             slots, _, groups = self._by_shard(index)
             k, _, local = groups[0]
-            self._on(k, self._shards[k].__setitem__, int(local[0]), value)
+            self._fan_out([(k, self._shards[k].__setitem__, (int(local[0]), value))], write=True)
             return
         slots, _, groups = self._by_shard(index)
-        self._fan_out([(k, self._shards[k].__setitem__, (local, self._rows(value, rows))) for k, rows, local in groups])
+        self._fan_out([(k, self._shards[k].__setitem__, (local, self._rows(value, rows))) for k, rows, local in groups], write=True)
