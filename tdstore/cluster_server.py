@@ -82,6 +82,7 @@ class EmbeddedCluster:
         self._binary = binary
         self._extra = tuple(extra_args)
         self._timeout = startup_timeout
+        self._state_timeout = max(startup_timeout, 60.0)  # a replica syncing, a failover: generous, on a busy machine
         self.servers: list[EmbeddedServer] = []
         self.ports: list[int] = []
 
@@ -161,7 +162,7 @@ class EmbeddedCluster:
 
     def _wait_replicated(self, clients: list[redis.Redis]) -> None:
         """Until every primary has its replica in sync and every node sees them so (and the cluster is ok)."""
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._state_timeout
         while True:
             roles = [_role(c) for c in clients]
             views = [_topology(c) for c in clients]
@@ -173,7 +174,7 @@ class EmbeddedCluster:
             if masters == self._primaries and in_sync and agreed and all(_info_ok(c.cluster("INFO"), self._n) for c in clients):
                 return
             if time.monotonic() > deadline:
-                raise ServerStartError(f"the cluster's replicas did not come in sync in {self._timeout:.0f} s: {roles}")
+                raise ServerStartError(f"the cluster's replicas did not come in sync in {self._state_timeout:.0f} s: {roles}")
             time.sleep(0.05)
 
     def replica_of(self, i: int) -> int:
@@ -203,10 +204,10 @@ class EmbeddedCluster:
             c.close()
         clients = [self.node_client(k) for k in range(self._n)]
         try:
-            deadline = time.monotonic() + self._timeout
+            deadline = time.monotonic() + self._state_timeout
             while _role(clients[j]).get("role") != "master":
                 if time.monotonic() > deadline:
-                    raise ServerStartError(f"node {j} was not promoted in {self._timeout:.0f} s")
+                    raise ServerStartError(f"node {j} was not promoted in {self._state_timeout:.0f} s")
                 time.sleep(0.05)
             self._wait_replicated(clients)
         finally:
@@ -222,14 +223,14 @@ class EmbeddedCluster:
         self.stop_node(i)
         clients = {k: self.node_client(k) for k in range(self._n) if k != i}
         try:
-            deadline = time.monotonic() + self._timeout
+            deadline = time.monotonic() + self._state_timeout
             while True:
                 infos = [c.cluster("INFO") for c in clients.values()]
                 promoted = _role(clients[j]).get("role") == "master"
                 if promoted and all(_text(_field(info, "cluster_state")) == "ok" for info in infos):
                     return j
                 if time.monotonic() > deadline:
-                    raise ServerStartError(f"node {j} was not promoted in {self._timeout:.0f} s")
+                    raise ServerStartError(f"node {j} was not promoted in {self._state_timeout:.0f} s")
                 time.sleep(0.05)
         finally:
             for c in clients.values():
