@@ -194,3 +194,15 @@ def test_imports_go_down_the_layers_and_never_round_in_a_cycle() -> None:
 def test_the_format_and_engine_packages_import_nothing_when_imported() -> None:
     for package in ("_format", "_engine", "_plan"):
         assert _module_imports(PACKAGE / package / "__init__.py") == [], package
+
+
+def test_the_lua_scripts_are_found_one_way_only_as_package_data() -> None:
+    """``tdstore._lua`` in the wheel (``pyproject.toml`` maps it to ``lua/``) and in a checkout (a link to ``lua/``)."""
+    import inspect
+
+    from tdstore._engine import scripts
+
+    assert scripts._lua_dir().joinpath("read.lua").is_file()
+    source = inspect.getsource(scripts._lua_dir)
+    assert "__file__" not in source and "Path(" not in source
+    assert (PACKAGE / "_lua").is_symlink() and (PACKAGE / "_lua").resolve() == (PACKAGE.parent / "lua").resolve()

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache, partial
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -69,18 +68,14 @@ class EmptyRingError(ValueError):
 
 
 def _lua_dir() -> Any:
-    """Where the ``.lua`` files are: inside the installed package (``tdstore._lua``) or in a source checkout.
+    """Where the ``.lua`` files are: the package data ``tdstore._lua``, found one way only.
 
-    Returns a ``Traversable`` (a namespace package gives a ``MultiplexedPath``, which
+    The wheel holds them as ``tdstore/_lua`` (``pyproject.toml`` maps that package to ``lua/``); a
+    source checkout has ``tdstore/_lua`` as a link to ``lua/``, so both find the same files the
+    same way.  Returns a ``Traversable`` (a namespace package gives a ``MultiplexedPath``, which
     is not a ``Path``), so files are only read through ``joinpath(...).read_text()``.
     """
-    try:
-        packaged = resources.files("tdstore._lua")
-        if packaged.joinpath("read.lua").is_file():
-            return packaged
-    except ModuleNotFoundError:
-        pass
-    return Path(__file__).resolve().parents[2] / "lua"
+    return resources.files("tdstore._lua")
 
 
 @cache
