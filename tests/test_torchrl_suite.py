@@ -756,3 +756,23 @@ def test_forked_writers_share_torchrls_cursor(storage):
     assert [p.exitcode for p in procs] == [0, 0, 0]
     got = sorted(rb[:]["a"].tolist())
     assert got == [0.0] + sorted(float(k * 10 + j) for k in (1, 2, 3) for j in range(3) for _ in range(4))
+
+
+@pytest.mark.parametrize("checkpointer", ["TensorStorageCheckpointer", "FlatStorageCheckpointer", "NestedStorageCheckpointer"])
+def test_torchrls_checkpointers_round_trip_to_the_same_storage_and_to_memory(storage, checkpointer, tmp_path):
+    """``rb.dumps``/``rb.loads`` with one of torchrl's checkpointers: the rows come back in a new buffer of the
+    same kind and in a ``LazyTensorStorage`` (a store's dump is in torchrl's memmap layout)."""
+    from torchrl.data.replay_buffers import checkpointers
+
+    def buffer(s: Any) -> ReplayBuffer:
+        s.checkpointer = getattr(checkpointers, checkpointer)()
+        return ReplayBuffer(storage=s, batch_size=4)
+
+    rb = buffer(storage(30))
+    rb.extend(transitions(12))
+    rb.dumps(tmp_path)
+    for again in (buffer(storage(30)), buffer(LazyTensorStorage(30))):
+        again.loads(tmp_path)
+        assert len(again) == 12
+        for key in ("obs", "reward", ("next", "obs")):
+            assert torch.equal(again[:][key], rb[:][key])
