@@ -63,7 +63,7 @@ from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout
 from tdstore._shards.queue import ShardReceipt
 from tdstore._shards.sample import ShardSampling
 from tdstore._shards.shard_writes import ShardWrites
-from tdstore._shards.view import _ShardedOps
+from tdstore._shards.view import _ShardedAccess
 
 # old pickles and imports name these here
 __all__ = ["Layout", "ShardReceipt", "ShardedRing", "WrittenSlots", "is_cluster", "plan_layout", "wants_shards"]
@@ -197,9 +197,9 @@ class ShardedRing(ShardWrites, ShardSampling):
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"
 
     @property
-    def stack_ops(self) -> _ShardedOps:
+    def stack_ops(self) -> _ShardedAccess:
         """Internal: what ``tdstore.torchrl``'s storage and samplers use of a store (its schema, reads by slot)."""
-        return _ShardedOps(self)
+        return _ShardedAccess(self)
 
     def _read(self, index: Any, paths: list[Any] | None = None) -> TensorDictBase:
         got = self[index]

@@ -37,7 +37,7 @@ class _ShardedEngine:
         """Nothing to set: each shard keeps its own."""
 
 
-class _ShardedOps:
+class _ShardedAccess:
     """``stack_ops`` of a sharded ring: its schema and reads by global slot."""
 
     def __init__(self, ring: ShardedRing) -> None:
