@@ -413,6 +413,8 @@ class EmbeddedServer:
                         return
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 pass
+            except AttributeError:  # redis-py read a half-ready server's HELLO reply as a list: not ready yet
+                pass
             except redis.ResponseError as e:  # e.g. LOADING: not ready yet
                 if "LOADING" not in str(e):
                     raise
