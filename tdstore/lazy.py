@@ -184,12 +184,14 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         readonly: bool = False,
         spread: bool = False,
         shards: int | None = None,
+        min_replicas: int = 0,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Reconnect to an existing store in one round trip; never writes.
 
         ``spread`` and ``shards`` are ignored (the store says what it is): a sharded ring's id
-        gives a ``ShardedRing``.
+        gives a ``ShardedRing``, whose writes, pops and acks return once ``min_replicas`` replicas
+        have them (a handle's own choice, as on the constructor; other stores refuse it).
 
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and the server.
@@ -208,8 +210,15 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
                 from tdstore._shards.ring import ShardedRing
 
                 kw = {"client": redis_client, "prefix": prefix, "td_id": td_id, "device": device, "readonly": readonly}
+                kw["min_replicas"] = min_replicas
                 return ShardedRing(backend=backend, cache_metadata=cache_metadata, **kw)  # type: ignore[return-value]
             raise
+        if min_replicas:
+            engine.close()
+            raise ValueError(
+                f"min_replicas={min_replicas!r}: the store with {engine.where()} is not a sharded ring (spread=True on a cluster), "
+                "the one kind of store whose writes wait for replicas"
+            )
         if engine.header.kind != "lazy":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store, not a lazy stack")
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)

@@ -254,7 +254,9 @@ def test_rate_limiter_and_queue_hold_on_every_shard(redis_cluster):
 
 # -- processes --------------------------------------------------------------------------------
 
-ACTORS, LEARNERS, ROUNDS, CHUNK, CAP = 4, 2, 12, 5, 300
+# per-shard limiters let the shards fill unevenly (each admits as the learners draw from it, and draws
+# follow the shards' masses), so the ring has room to spare: no shard wraps however the fills drift
+ACTORS, LEARNERS, ROUNDS, CHUNK, CAP = 4, 2, 12, 5, 480
 SPI, MIN_SIZE, BUFFER = 2.0, 12, 60.0
 BATCH = 8
 
@@ -304,8 +306,8 @@ def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffe
     assert store.write_count == inserts and len(store.written) == inserts
     tags = store[list(store.written)]["tag"]
     assert sorted(tags.tolist()) == sorted(1000 * a + CHUNK * r + i + 1 for a in range(ACTORS) for r in range(ROUNDS) for i in range(CHUNK))
-    # under the limiter each actor writes to a shard that admits it, the next in turn first: all are used
-    assert sum(st.written for st in store.shard_states()) == inserts and all(st.written > inserts // 6 for st in store.shard_states())
+    # under the limiter each actor writes to the least written shard that admits it: all are used
+    assert sum(st.written for st in store.shard_states()) == inserts and all(st.written > inserts // 10 for st in store.shard_states())
     store.clear_redis()
 
 
@@ -460,11 +462,12 @@ def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sam
 
 def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cluster):
     """Shards fill in turn, so before every shard is full the written slots are not ``range(len(rb))``:
-    without replacement every written row comes once a pass (rows written meanwhile join it), and
-    torchrl's own ``RandomSampler`` draws written rows only."""
-    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+    without replacement every written row comes once a pass (rows written meanwhile join it),
+    torchrl's own ``RandomSampler`` draws written rows only, and its ``SamplerWithoutReplacement``
+    raises rather than read slots not written (``replay_buffer`` gives it the subclass that draws them)."""
+    from torchrl.data import RandomSampler, SamplerWithoutReplacement, TensorDictReplayBuffer
 
-    from tdstore.torchrl import replay_buffer
+    from tdstore.torchrl import StoreSamplerWithoutReplacement, replay_buffer
 
     rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=6, sampler="without_replacement")
     for lo, hi in ((0, 7), (7, 12), (12, 15)):  # three batches: one per shard, uneven fills
@@ -485,7 +488,22 @@ def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cl
     own = TensorDictReplayBuffer(storage=rb.storage, sampler=RandomSampler(), batch_size=64)
     s = own.sample()
     assert set(s["index"].tolist()) <= set(ring.written) and whole(s.exclude("index"))
+    # torchrl's SamplerWithoutReplacement draws range(len): slots not written raise, never rows of zeros
+    blind = TensorDictReplayBuffer(storage=rb.storage, sampler=SamplerWithoutReplacement(), batch_size=18)
+    with pytest.raises(IndexError, match="not written yet.*StoreSamplerWithoutReplacement"):
+        blind.sample()
+    # given to replay_buffer, it is made the subclass that draws the written slots (the same object)
+    mine = SamplerWithoutReplacement()
+    again = replay_buffer(url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=rb.storage.td_id, batch_size=6, sampler=mine)
+    assert again.sampler is mine and isinstance(mine, StoreSamplerWithoutReplacement)
+    assert sorted(t for _ in range(3) for t in again.sample()["tag"].tolist()) == list(range(18))
+    # slices and positions from the end are along the written slots, as a LazyTensorStorage's
+    assert sorted(rb.storage[:]["tag"].tolist()) == list(range(18))
+    last = max(ring.written)
+    assert rb.storage[torch.tensor([-1])]["tag"].tolist() == ring[torch.tensor([last])]["tag"].tolist()
     ring.clear_redis()
+    with pytest.raises(ValueError, match="min_replicas=1 is for a sharded ring"):
+        replay_buffer(10, url=redis_cluster.url, prefix=PREFIX, min_replicas=1).extend(rows(torch.arange(2), width=1))
 
 
 def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
@@ -611,6 +629,22 @@ def test_min_replicas_refuses_a_write_no_replica_acknowledges(redis_cluster):
     with pytest.raises(ValueError, match="min_replicas"):
         ring(redis_cluster, count=30, min_replicas=-1)
     assert pickle.loads(pickle.dumps(s))._min_replicas == 1
+    # pops and acks change a shard's state too: they wait for the replicas as writes do
+    leased = ring(redis_cluster, count=30)
+    leased.extend(rows(torch.arange(4)))
+    strict = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=leased.td_id, min_replicas=1)
+    assert isinstance(strict, ShardedRing) and strict._min_replicas == 1
+    with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
+        strict.pop(1, timeout=5)
+    got = leased.pop(1, lease=60.0, timeout=5)
+    with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
+        strict.ack(got)
+    plain = LazyStackedTensorDictStore(count=4, url=redis_cluster.url, prefix=PREFIX)
+    with pytest.raises(ValueError, match="not a sharded ring"):
+        LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=plain.td_id, min_replicas=1)
+    strict.close()
+    leased.clear_redis()
+    plain.clear_redis()
     s.clear_redis()
     assert not any(keys_per_node(redis_cluster, s.td_id))
 

@@ -95,6 +95,11 @@ class ShardsBase:
             )
         return out
 
+    def _acked(self, k: int, fn: Callable[..., Any]) -> tuple[Any, ...]:
+        """What ``_on(k, *this, *args)`` runs for a call that changes shard ``k``'s state: ``fn``, through
+        ``_replicated`` if ``min_replicas`` is set (a pop or ack a failover must not undo)."""
+        return (self._replicated, k, fn) if self._min_replicas else (fn,)
+
     def _fan_out(self, jobs: list[tuple[int, Callable[..., Any], tuple[Any, ...]]], write: bool = False) -> list[Any]:
         """Run one call per shard, all at once (the last in this thread, the others one thread each): their
         results, in order. Every call finishes before the first error is raised. ``write``: calls that

@@ -50,18 +50,21 @@ class ShardQueue(ShardsBase):
         return self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
 
     def _admitting(self, n: int, timeout: float | None) -> int:
-        """The first shard, taken in turn, whose rate limiter and queue admit an extend of ``n`` rows now
-        (as its counters say; waiting, polling them, while none does). The extend is then sent to it
-        with the caller's timeout: a shard that filled up meanwhile holds it back as on one node."""
+        """Of the shards whose rate limiter and queue admit an extend of ``n`` rows now (as their counters
+        say; waiting, polling them, while none does), the least written for its size, ties taken in turn.
+        Choosing by the fresh counts keeps the shards' fill even whatever the limiters hold back, so no
+        shard wraps while another has room (with W writers of batches of n, a shard is at most about
+        W * n rows past the others). The extend is then sent to it with the caller's timeout: a shard that
+        filled up meanwhile holds it back as on one node."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
             heads = self._heads()
-            for i in range(k_total):
-                k = (self._next + i) % k_total
-                if self._admits(k, heads[k], n):
-                    return k
+            order = [(self._next + i) % k_total for i in range(k_total)]
+            admitting = [k for k in order if self._admits(k, heads[k], n)]
+            if admitting:
+                return min(admitting, key=lambda k: (heads[k]["rw"] or 0) / self._layout.counts[k])
             pause = self._pause(
                 deadline, pause, f"extend: the rate limiter or queue of every shard of the sharded ring td_id={self.td_id!r} holds inserts"
             )
@@ -144,7 +147,11 @@ class ShardQueue(ShardsBase):
                 # another reader may take these first: then wait on this shard a moment at most, and look again
                 wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
                 try:
-                    got = self._on(k, self._shards[k].pop_items, batch_size, timeout=wait, keys=keys, lease=lease)
+                    got = self._on(
+                        k,
+                        *self._acked(k, _with_kwargs(self._shards[k].pop_items, {"timeout": wait, "keys": keys, "lease": lease})),
+                        batch_size,
+                    )
                 except TimeoutError:
                     break
                 self._pop_next = (k + 1) % k_total
@@ -170,4 +177,5 @@ class ShardQueue(ShardsBase):
             receipt = receipt.receipt
         if not isinstance(receipt, ShardReceipt):
             raise ValueError(f"a sharded ring acks the receipts its own pops give (ShardReceipt), got {type(receipt).__name__}")
-        return int(self._on(receipt.shard, self._shards[receipt.shard].ack, receipt.receipt, timeout=timeout))
+        k = receipt.shard
+        return int(self._on(k, *self._acked(k, _with_kwargs(self._shards[k].ack, {"timeout": timeout})), receipt.receipt))

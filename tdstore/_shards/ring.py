@@ -37,9 +37,12 @@ slots and fans calls out.
 - **Faults.** A call on a shard whose node cannot be reached raises ``ShardUnavailableError``
   naming the shard, its store and node; the other shards serve meanwhile, and this one once the
   cluster has promoted a replica. A write is acknowledged by the shard's primary; with
-  ``min_replicas=n`` a call writing rows or priorities returns only once ``n`` replicas have it
-  (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so a failover
-  loses nothing acknowledged; else it raises ``ShardUnavailableError``.
+  ``min_replicas=n`` a call writing rows or priorities, a pop and an ack return only once ``n``
+  replicas have it (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so
+  a failover loses nothing acknowledged; else it raises ``ShardUnavailableError`` (a pop that raised
+  so may have taken its items: with ``lease=`` they return when the lease runs out). The rate
+  limiter's sample counts are not waited for: a failover may lose the last few, which lets the
+  limiter admit that many more inserts.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class ShardedRing(ShardWrites, ShardSampling):
     ``LazyStackedTensorDictStore.from_store(td_id=...)``, attaches to it. It has the ring's calls
     (``extend``, ``append``, ``sample``, ``update_if``, priorities, the rate limiter, the queue,
     ``pop``/``ack``) and reads and writes by global slot (``store[i]``, ``store[idx]``).
-    ``min_replicas=n``: a call writing rows or priorities returns once ``n`` replicas have it.
+    ``min_replicas=n``: a call writing rows or priorities, a pop or an ack returns once ``n`` replicas have it.
     """
 
     def __init__(

@@ -36,8 +36,9 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
-from torchrl.data.replay_buffers.samplers import Sampler
+from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
 
+from tdstore._shards.layout import wants_shards
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage
@@ -78,7 +79,8 @@ def _buffer_keywords(tensordict: bool) -> frozenset[str]:
 def _store_keywords() -> frozenset[str]:
     """What a store constructor takes: its own keywords, and any ``redis.Redis`` / ``RedisCluster`` keyword."""
     own = _parameters(LazyStackedTensorDictStore.__init__) - {"count", "td_id", "_kind", "_batchless"}
-    return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | {"password_provider", "cluster"})
+    extra = {"password_provider", "cluster", "min_replicas"}
+    return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | extra)
 
 
 def _split_keywords(kwargs: dict[str, Any], buffer_kwargs: dict[str, Any] | None, tensordict: bool) -> tuple[dict, dict]:
@@ -140,7 +142,9 @@ def replay_buffer(
             ``"without_replacement"`` (:class:`StoreSamplerWithoutReplacement`),
             ``"prioritized"`` (:class:`StorePrioritizedSampler` with ``alpha``, ``beta``,
             ``eps`` and ``max_times_sampled``: priorities on the server), or any torchrl
-            ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
+            ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...). On a sharded ring
+            (``spread=True``) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
+            :class:`StoreSamplerWithoutReplacement`, which draws the written slots.
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
             (for tensorclass or plain-tensor data).
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
@@ -168,6 +172,10 @@ def replay_buffer(
             raise ValueError(f"sampler must be one of {sorted([*_SAMPLERS, 'prioritized'])} or a torchrl Sampler, got {sampler!r}")
         else:
             sampler = _SAMPLERS[sampler]()
+    if type(sampler) is SamplerWithoutReplacement and wants_shards(store_kwargs):
+        # torchrl's draws range(len), which a sharded ring not full has not all written: its subclass draws the
+        # written slots (the same object, so the caller's reference and its state_dict stay the buffer's)
+        sampler.__class__ = StoreSamplerWithoutReplacement
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer

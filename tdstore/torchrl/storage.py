@@ -96,7 +96,11 @@ class StoreStorage(StorageWrites):
 
                 def read_written(s: LazyStackedTensorDictStore) -> TensorDictBase:
                     nonlocal slots
-                    slots = torch.arange(*at.indices(self._written_slots(s)))
+                    written = self._sharded_written(s) if self.ndim == 1 else None
+                    if written is not None:  # a sharded ring not full: its written slots are not range(len)
+                        slots = written[at]
+                    else:
+                        slots = torch.arange(*at.indices(self._written_slots(s)))
                     return self._read(s, slots)
 
                 td = self.with_store(read_written)

@@ -297,17 +297,20 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         name (it numbers its slots shard after shard, and shards fill in turn); None for any other ring, whose
         written slots are ``range(len(self))``. Samplers draw from these (``StoreSamplerWithoutReplacement``,
         torchrl's ``RandomSampler`` through ``_rand_given_ndim``)."""
+        return self.with_store(self._sharded_written) if self.ndim == 1 else None
+
+    @staticmethod
+    def _sharded_written(s: Any) -> torch.Tensor | None:
+        """The written slots of ``s`` if it is a sharded ring not full yet (one round trip until every shard
+        is full, then none), else None."""
         from tdstore._shards.ring import ShardedRing
 
-        def written(s: Any) -> torch.Tensor | None:
-            if not isinstance(s, ShardedRing):
-                return None
-            got = s.written  # one round trip until every shard is full (then none)
-            if len(got) == s.capacity:
-                return None
-            return torch.tensor(list(got), dtype=torch.int64)
-
-        return self.with_store(written) if self.ndim == 1 else None
+        if not isinstance(s, ShardedRing):
+            return None
+        got = s.written
+        if len(got) == s.capacity:
+            return None
+        return torch.tensor(list(got), dtype=torch.int64)
 
     def _rand_given_ndim(self, batch_size: int) -> Any:
         """torchrl's uniform draw (``RandomSampler``): over the written slots (see :meth:`written_slots`)."""

@@ -288,13 +288,36 @@ class StorageWrites(StorageBase):
 
         self.with_store(counted)
 
+    @staticmethod
+    def _written_only(s: LazyStackedTensorDictStore, index: Any, written: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The slots ``index`` names on a sharded ring not full: negative positions and masks along its written
+        slots; slots it has not written raise ``IndexError`` (never rows of zeros), naming the samplers that
+        draw written slots."""
+        if _from_the_end(index):
+            at, one = _index.positions(index, int(written.numel()))
+            return written[at], one
+        slots, one = _index.positions(index, s.capacity)
+        unwritten = slots[~torch.isin(slots, written)]
+        if unwritten.numel():
+            raise IndexError(
+                f"slots {sorted(set(unwritten.tolist()))[:8]} of the sharded ring td_id={s.td_id!r} are not written yet: "
+                f"until every shard is full its {written.numel()} written slots are not range(len) (shards fill in turn), "
+                "so torchrl's SamplerWithoutReplacement cannot draw them; tdstore's samplers (StoreSampler, "
+                "StoreSamplerWithoutReplacement, StorePrioritizedSampler) and torchrl's RandomSampler draw written slots"
+            )
+        return slots, one
+
     def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
             return s.stack_ops.read(slice(0, 0))
         # as a LazyTensorStorage's, negative positions and masks are taken along the written slots only
-        bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
-        slots, one = _index.positions(index, bound)
+        written = self._sharded_written(s) if self.ndim == 1 else None
+        if written is not None:  # a sharded ring not full: its written slots are not range(len) (see written_slots)
+            slots, one = self._written_only(s, index, written)
+        else:
+            bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
+            slots, one = _index.positions(index, bound)
         got = s.stack_ops.read(slots)
         return got[0] if one else got
