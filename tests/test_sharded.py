@@ -497,6 +497,8 @@ def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cl
     again = replay_buffer(url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=rb.storage.td_id, batch_size=6, sampler=mine)
     assert again.sampler is mine and isinstance(mine, StoreSamplerWithoutReplacement)
     assert sorted(t for _ in range(3) for t in again.sample()["tag"].tolist()) == list(range(18))
+    with pytest.raises(IndexError, match="not full"):  # torchrl's SliceSampler reads a whole key: not until full
+        rb.storage.get("tag")
     # slices and positions from the end are along the written slots, as a LazyTensorStorage's
     assert sorted(rb.storage[:]["tag"].tolist()) == list(range(18))
     last = max(ring.written)

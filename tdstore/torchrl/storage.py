@@ -141,6 +141,13 @@ class StoreStorage(StorageWrites):
         """The values of ``key`` at the written slots (``storage.get("done")``, as a ``LazyTensorStorage`` answers)."""
 
         def read(s: LazyStackedTensorDictStore) -> TensorDictBase:
+            written = self._sharded_written(s)
+            if written is not None:  # positions in a whole key would not be slots (torchrl's SliceSampler takes them as slots)
+                raise IndexError(
+                    f"storage.get({key!r}): the sharded ring td_id={s.td_id!r} is not full, so its {written.numel()} written "
+                    "slots are not range(len) and a key's values cannot stand for them; torchrl's SliceSampler and other "
+                    "readers of whole keys work once every shard is full (tdstore's samplers and RandomSampler work now)"
+                )
             n = self._written_slots(s)
             if n == 0:
                 raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
