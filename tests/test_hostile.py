@@ -26,6 +26,7 @@ from tensordict import TensorDict, lazy_stack
 
 import tdstore
 from tdstore import LazyStackedTensorDictStore, StoreDamagedError
+from tdstore._checkpoint.export_import import export_store
 from tdstore._format.keys import StoreKeys
 from tdstore._ring import policy_calls as _sampling
 from tdstore.inspect_store import audit
@@ -114,7 +115,15 @@ def calls(store: LazyStackedTensorDictStore, backend: Backend, keys: StoreKeys, 
         store.enable_priorities(alpha=1.0)
         assert sorted(set(store.sample(64, prioritized=True, timeout=WAIT).indices.tolist())) == list(store.written)
 
-    out = {"open": reopen, "written": written, "element": element, "sample": sample, "pop": pop, "update_if": update_if, "extend": extend}
+    def export() -> None:  # a checkpoint holds the ring's counters: never out of range ones
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = export_store(store, f"{tmp}/ckpt")
+            assert meta.ring.get("rw") == 6 and meta.count == 8
+
+    out = {"open": reopen, "written": written, "element": element, "sample": sample, "pop": pop, "update_if": update_if}
+    out.update(export=export, extend=extend)
     if setup == "plain":
         out["enable_priorities"] = enable_priorities
     if setup == "prio":
@@ -145,12 +154,12 @@ HUGE_INT = str(2**63)
 # (field, hostile value (None: the field deleted), policy setup, calls that must raise)
 RING = {"open", "sample", "pop", "update_if", "extend", "enable_priorities"}
 HEADER_EDITS: list[tuple[str, str | None, str, set[str]]] = [
-    *[("count", v, "plain", RING) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None, "100", "7", "4")],
-    *[("rw", v, "plain", RING | {"written"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "", "-0")],
-    *[("rr", v, "queue", {"open", "pop", "extend"}) for v in ("-50", "99", "x", "1.5")],
-    *[("sn", v, "limit", {"open", "sample", "extend"}) for v in ("-1", "x", BIG)],
-    *[("lb", v, "limit", {"open", "sample", "extend"}) for v in ("-1", "99", "x")],
-    *[("pm", v, "prio", {"open", "extend"}) for v in ("inf", "nan", "-1", "x", "1e305")],
+    *[("count", v, "plain", RING | {"export"}) for v in ("-5", "abc", BIG, HUGE_INT, "2.5", "", None, "100", "7", "4")],
+    *[("rw", v, "plain", RING | {"written", "export"}) for v in ("-100", "abc", BIG, HUGE_INT, "2.5", "", "-0")],
+    *[("rr", v, "queue", {"open", "pop", "extend", "export"}) for v in ("-50", "99", "x", "1.5")],
+    *[("sn", v, "limit", {"open", "sample", "extend", "export"}) for v in ("-1", "x", BIG)],
+    *[("lb", v, "limit", {"open", "sample", "extend", "export"}) for v in ("-1", "99", "x")],
+    *[("pm", v, "prio", {"open", "extend", "export"}) for v in ("inf", "nan", "-1", "x", "1e305")],
     *[
         ("sc", v, "plain", {"open", "sample", "extend"})
         for v in (

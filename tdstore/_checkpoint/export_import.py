@@ -100,6 +100,19 @@ def _ring_fields(engine: Engine) -> dict[str, Any]:
     return {n: (v.decode() if isinstance(v, bytes) else v) for n, v in zip(names, values, strict=True)}
 
 
+def _intact(engine: Engine) -> None:
+    """Raise ``StoreDamagedError`` unless every data and table key holds what the header implies (``tdstore
+    check``'s audit, two pipelines): the reads of an export would take a lost segment, or a count another
+    client edited, for rows never written, and a checkpoint must hold only rows that were."""
+    from tdstore._format.integrity import damaged
+    from tdstore._inspect.audit import audit
+
+    found = audit(engine.client, engine.keys.prefix, engine.keys.td_id)
+    if found.problems:
+        detail = "; ".join(found.problems[:3]) + (f" (and {len(found.problems) - 3} more)" if len(found.problems) > 3 else "")
+        raise damaged(engine.where(), f"its keys disagree with its header (count {engine.header.count}): {detail}", engine.keys.td_id)
+
+
 def _raw_key(engine: Engine, key: str, size: int, dest: Path) -> None:
     """Copy the first ``size`` bytes of a server string into ``dest``, a piece per round trip."""
     have = int(engine.command("STRLEN", key))
@@ -220,6 +233,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     engine.set_header(engine.fetch_header())
     h = engine.header
     before = _ring_fields(engine)
+    _intact(engine)
     path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
     tmp = _prepare_dir(path)
     try:
