@@ -196,8 +196,17 @@ def test_every_timeout_holds_when_the_server_is_stopped(server):
     every_waiting_call(full, empty, "stopped")
 
 
-def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server):
+@pytest.mark.parametrize("retries", ["redis-py's", "none"])
+def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server, retries):
+    """The server answered the waiter's first try, then died: the wait goes on to its deadline (a
+    restart or failover may come back meanwhile) and ends with TimeoutError, whether or not redis-py's
+    retries run out before it (``none``: they run out at once)."""
     _, empty = waiting_stores(server.url)
+    if retries == "none":
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        empty._engine.client.set_retry(Retry(NoBackoff(), 0))
     admin = server.client()
     channel = empty._engine.keys.events
     out: dict[str, Any] = {}
@@ -219,6 +228,8 @@ def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server):
     assert not th.is_alive()
     assert isinstance(out.get("err"), TimeoutError) and not isinstance(out["err"], redis.RedisError), out
     print(f"killed while subscribed: wait_for TimeoutError after {out['took']:.3f} s (late by {out['took'] - 3:+.3f} s)")
+    if retries == "none":  # the ConnectionError came at once, yet the waiter went on to its deadline
+        assert out["took"] >= 3 - 0.05, out
     assert out["took"] < 3 + SLACK
 
 

@@ -14,7 +14,10 @@ A waiter also tries again once a second without a message (``SAFETY_S``): a mess
 with a dropped Pub/Sub connection then costs at most a second, never a hang.
 
 A ``timeout`` is a deadline (``_engine.deadline``): the tries and the Pub/Sub connection (its
-connect, subscribe and reads) all end by then, even when the server stops answering. Where
+connect, subscribe and reads) all end by then, even when the server stops answering. A server
+that answered the first try and then stops (killed, restarting, failing over) is waited out
+within the deadline as any other wait, and the ``TimeoutError`` says so; one unreachable from
+the start raises redis-py's ``ConnectionError`` at once. Where
 the server's ACL refuses ``SUBSCRIBE`` (a read-only user without ``+subscribe`` and the
 channel), the handle warns once and polls instead, every ``POLL_FIRST_S`` growing to
 ``POLL_MAX_S``.
@@ -31,7 +34,7 @@ from typing import Any, TypeVar
 import redis
 
 from tdstore._engine import deadline as _deadline
-from tdstore._errors import MustWait
+from tdstore._errors import MustWait, ShardUnavailableError
 
 T = TypeVar("T")
 
@@ -63,6 +66,12 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                     return attempt()
                 except MustWait as err:
                     held = err
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+                    # the server answered the first try, then went away (killed, restarting, failing over):
+                    # a waiter with a deadline waits it out like any other wait, then times out naming it
+                    if deadline is None or deadline.left() <= 0 or isinstance(err, ShardUnavailableError):
+                        raise
+                    held = MustWait("server", f"the server stopped answering while it waited ({type(err).__name__}: {err})")
                 left = SAFETY_S if deadline is None else min(SAFETY_S, deadline.left())
                 if left <= 0:
                     raise _timed_out(engine, what, deadline, held)
