@@ -10,8 +10,10 @@ connection the call uses, once, instead of checks sprinkled over the call paths:
 - the handle's held connection (``_engine.connection.HeldConnection``), the Pub/Sub connection a
   waiter listens on (``_ring.waiting``) and any connection made meanwhile get their socket read and
   connect timeouts clamped to what is left (:func:`bounded`, at least ``MIN_SOCKET_S``);
-- their retry policy is the client's own (count, backoff, errors) with every pause cut to what
-  is left (:class:`DeadlineRetry`): no retry starts after the deadline;
+- their retry policy is the client's own (backoff, errors) with every pause cut to what is left
+  (:class:`DeadlineRetry`): no retry starts after the deadline, and tries go on until it whatever
+  the client's retry count (a server down for part of the deadline is ridden out; one down
+  throughout ends the call at the deadline, with the builtin ``TimeoutError``);
 - a redis-py timeout or connection error that escapes once the deadline has passed becomes the
   builtin ``TimeoutError`` naming the call (``within``).
 
@@ -37,6 +39,8 @@ import redis
 MIN_SOCKET_S = 0.1
 #: A redis-py error this close to the deadline (seconds) counts as the deadline's.
 _SLACK_S = 0.02
+#: The least pause between tries once the client's retry count is used up (tries go on to the deadline).
+_OVERTIME_PAUSE_S = 0.05
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -194,11 +198,14 @@ class DeadlineRetry:
                     fail(error, failures)
                 else:
                     fail(error)
+                if 0 <= retries < failures and self.deadline.left() <= _SLACK_S:
+                    raise self.deadline.error(error) from error
+                # under a deadline the deadline bounds the tries, not the count: a server that is down
+                # (killed, restarting, failing over) gets tried until then, so the call ends the same way
+                # every time (TimeoutError naming the last error), not by how redis-py's jitter fell
+                pause = backoff.compute(min(failures, max(retries, 1))) if backoff is not None else 0.0
                 if 0 <= retries < failures:
-                    if self.deadline.left() <= _SLACK_S:
-                        raise self.deadline.error(error) from error
-                    raise
-                pause = backoff.compute(failures) if backoff is not None else 0.0
+                    pause = max(pause, _OVERTIME_PAUSE_S)  # past the client's count: never a tight loop
                 left = self.deadline.left()
                 if pause >= left:  # no time for another try: wait out the deadline, as the call was asked to
                     time.sleep(left)

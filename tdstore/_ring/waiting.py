@@ -15,9 +15,9 @@ with a dropped Pub/Sub connection then costs at most a second, never a hang.
 
 A ``timeout`` is a deadline (``_engine.deadline``): the tries and the Pub/Sub connection (its
 connect, subscribe and reads) all end by then, even when the server stops answering. A server
-that answered the first try and then stops (killed, restarting, failing over) is waited out
-within the deadline as any other wait, and the ``TimeoutError`` says so; one unreachable from
-the start raises redis-py's ``ConnectionError`` at once. Where
+that stops answering (killed, restarting, failing over) is waited out within the deadline as any
+other wait (each try's connection retries until the deadline, ``_engine.deadline.DeadlineRetry``;
+a try that raises all the same is a wait too), and the ``TimeoutError`` says so. Where
 the server's ACL refuses ``SUBSCRIBE`` (a read-only user without ``+subscribe`` and the
 channel), the handle warns once and polls instead, every ``POLL_FIRST_S`` growing to
 ``POLL_MAX_S``.
@@ -67,8 +67,8 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                 except MustWait as err:
                     held = err
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-                    # the server answered the first try, then went away (killed, restarting, failing over):
-                    # a waiter with a deadline waits it out like any other wait, then times out naming it
+                    # the server went away (killed, restarting, failing over): a waiter with a deadline
+                    # waits it out like any other wait, then times out naming it
                     if deadline is None or deadline.left() <= 0 or isinstance(err, ShardUnavailableError):
                         raise
                     held = MustWait("server", f"the server stopped answering while it waited ({type(err).__name__}: {err})")
