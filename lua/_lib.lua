@@ -586,7 +586,10 @@ local function tds_ttl_begin(meta, deadline)
   local left = redis.call('PTTL', meta)
   local old = nil
   if left > 0 then
-    old = tds_now_ms() + left
+    -- the deadline itself where the server says it (PEXPIRETIME, Redis 7+); else the clock plus
+    -- PTTL, which a script crossing a millisecond may put 1 ms late
+    local at = redis.pcall('PEXPIRETIME', meta)
+    old = (type(at) == 'number' and at > 0) and at or (tds_now_ms() + left)
   end
   if old == nil or deadline == nil then
     redis.call('PERSIST', meta)

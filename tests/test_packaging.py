@@ -22,7 +22,7 @@ def test_scripts_load_from_a_namespace_package_path(monkeypatch):
     try:
         for name in _scripts.SCRIPT_NAMES:
             text, sha = _scripts.script_source(name)
-            assert "tds_check" in text and len(sha) == 40
+            assert f"{name}.lua:" in text and len(sha) == 40
     finally:
         _scripts.script_source.cache_clear()
 

@@ -25,6 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
+from tdstore._engine.script_text import assemble
 from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
 
 LIBRARY = "_lib"
@@ -80,12 +81,13 @@ def _lua_dir() -> Any:
 
 @cache
 def script_source(name: str) -> tuple[str, str]:
-    """``(text, sha1)`` of script ``name`` with the shared helpers prepended."""
+    """``(text, sha1)`` of script ``name`` with the shared helpers it uses prepended."""
     folder = _lua_dir()
     libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
     if name in USES_LEASE:
         libraries.append(LEASE_LIBRARY)
-    text = "".join(folder.joinpath(f"{lib}.lua").read_text() + "\n" for lib in libraries) + folder.joinpath(f"{name}.lua").read_text()
+    # only the helpers the script uses: every call makes each top-level helper again (see _engine.script_text)
+    text = assemble([folder.joinpath(f"{lib}.lua").read_text() for lib in libraries], folder.joinpath(f"{name}.lua").read_text())
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
