@@ -18,25 +18,18 @@ from pathlib import Path
 
 import pytest
 
-MODULES = [
-    "test_api.py",
-    "test_reads.py",
-    "test_writes.py",
-    "test_round_trips.py",
-    "test_ring.py",
-    "test_dense.py",
-    "test_nontensor.py",
-    "test_surface.py",
-    "test_lifecycle.py",
-    "test_bad_input.py",
-    "test_segments.py",
-    "test_rows.py",
-    "test_new_keys.py",
-    "test_dropin.py",
-]
+#: The modules, in groups of about a minute each: one pytest process per group, since a process
+#: costs ~7 s to start (torch, tensordict, the servers) and 28 of them cost more than their tests.
+GROUPS = {
+    "surface-rows-nontensor": ["test_surface.py", "test_rows.py", "test_nontensor.py"],
+    "segments-trips-dropin-lifecycle": ["test_segments.py", "test_round_trips.py", "test_dropin.py", "test_lifecycle.py"],
+    "badinput-dense-writes": ["test_bad_input.py", "test_dense.py", "test_writes.py"],
+    "api-reads-ring-newkeys": ["test_api.py", "test_reads.py", "test_ring.py", "test_new_keys.py"],
+}
+MODULES = [m for group in GROUPS.values() for m in group]
 
 
-def _run(module: str, *options: str) -> None:
+def _run(modules: list[str], *options: str) -> None:
     here = Path(__file__).parent
     cmd = [
         sys.executable,
@@ -51,24 +44,24 @@ def _run(module: str, *options: str) -> None:
         "--segment-bytes",
         "64",
         *options,
-        str(here / module),
+        *(str(here / m) for m in modules),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=here.parent, timeout=1200)
-    assert proc.returncode == 0, f"segmented suite failed ({module}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, f"segmented suite failed ({', '.join(modules)}):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
     # a module whose tests all use the ring is skipped whole on spread stores (they refuse the ring)
     assert (" passed" in proc.stdout or (options and " skipped" in proc.stdout)) and " failed" not in proc.stdout
 
 
-# One run per module, so that a parallel test run (pytest -n) spreads them over its workers.
+# One run per group, so that a parallel test run (pytest -n) spreads them over its workers.
 @pytest.mark.slow
-@pytest.mark.parametrize("module", MODULES)
-def test_behavioural_suite_with_tiny_segments(module: str) -> None:
-    _run(module)
+@pytest.mark.parametrize("group", GROUPS)
+def test_behavioural_suite_with_tiny_segments(group: str) -> None:
+    _run(GROUPS[group])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", MODULES)
-def test_behavioural_suite_on_spread_stores(module: str) -> None:
+@pytest.mark.parametrize("group", GROUPS)
+def test_behavioural_suite_on_spread_stores(group: str) -> None:
     """The cluster's stores spread (``--cluster-spread``): each tiny segment under its own hash
     tag, so nearly every call crosses nodes; ring tests are skipped (a spread store refuses them)."""
-    _run(module, "--cluster-spread", "-k", "cluster")
+    _run(GROUPS[group], "--cluster-spread", "-k", "cluster")
