@@ -38,7 +38,11 @@ from tdstore.server import EmbeddedServer
 pytestmark = pytest.mark.ring
 
 ROOT = Path(__file__).resolve().parent.parent
-SLACK = 0.5  # the bound: TimeoutError within timeout + 0.5 s
+# How late a TimeoutError may come. The calls are a few ms late (each prints its lateness; the README's
+# figure), but a 2-core CI machine running the suite on both cores has stalled this process for about a
+# second (a timeout-0 call took 1.04 s once, and 0.10 s in 180 tries alone). The bound tells a kept
+# deadline from redis-py's own behaviour (socket waits without end, retries for seconds), not from a stall.
+SLACK = 2.0
 
 
 def el(i: int) -> TensorDict:

@@ -108,3 +108,14 @@ def test_checkpoint_bench_reports_export_and_import() -> None:
     for mode in ("export", "import"):
         assert re.search(rf"^{mode}\s+[\d.]+ s\s+\d+ MiB/s\s+peak memory over baseline\s+[\d.]+ MiB$", out, re.M), out
     assert "restored ring state and 'step' identical: True" in out
+
+
+@pytest.mark.slow
+def test_helpers_cost_compares_both_script_texts() -> None:
+    out = _run("helpers_cost", "--rounds", "2", "--calls", "20", "--count", "100")
+    for mode in ("every helper", "helpers used"):
+        assert re.search(
+            mode + r"\s+server us per EVALSHA: element write\s+[\d.]+\s+element read\s+[\d.]+\s+extend\(500\)\s+[\d.]+;"
+            r"\s+element write / raw floor [\d.]+x",
+            out,
+        ), out
