@@ -305,12 +305,12 @@ def open_client(
     client is used as it is, which a store must then never close.
     """
     kwargs = dict(redis_kwargs)
-    if kwargs.get("min_replicas"):  # a sharded ring takes it before opening its client; any other store lands here
+    min_replicas = kwargs.pop("min_replicas", 0)
+    if min_replicas:  # a sharded ring takes it before opening its client; any other store lands here
         raise ValueError(
-            f"min_replicas={kwargs['min_replicas']!r} is for a sharded ring (spread=True on a Redis Cluster), whose writes "
+            f"min_replicas={min_replicas!r} is for a sharded ring (spread=True on a Redis Cluster), whose writes "
             "wait for replicas; this store is not one"
         )
-    kwargs.pop("min_replicas", None)
     provider = kwargs.pop("password_provider", None)
     if "credential_provider" in kwargs:
         raise TypeError("credential_provider is not supported; pass password= or password_provider=")

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import redis
 
 from tdstore._engine import deadline as _deadline
-from tdstore._errors import MustWait, ShardUnavailableError
+from tdstore._errors import MustWait
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                     # the server went away (killed, restarting, failing over): a waiter with a deadline
                     # waits it out like any other wait, then times out naming it
-                    if deadline is None or deadline.left() <= 0 or isinstance(err, ShardUnavailableError):
+                    if deadline is None or deadline.left() <= 0:
                         raise
                     held = MustWait("server", f"the server stopped answering while it waited ({type(err).__name__}: {err})")
                 left = SAFETY_S if deadline is None else min(SAFETY_S, deadline.left())

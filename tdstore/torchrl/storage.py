@@ -101,7 +101,7 @@ class StoreStorage(StorageWrites):
                         slots = written[at]
                     else:
                         slots = torch.arange(*at.indices(self._written_slots(s)))
-                    return self._read(s, slots)
+                    return self._read(s, slots, written)
 
                 td = self.with_store(read_written)
             else:

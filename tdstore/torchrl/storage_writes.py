@@ -307,13 +307,16 @@ class StorageWrites(StorageBase):
             )
         return slots, one
 
-    def _read(self, s: LazyStackedTensorDictStore, index: Any) -> TensorDictBase:
+    def _read(self, s: LazyStackedTensorDictStore, index: Any, written: torch.Tensor | None = None) -> TensorDictBase:
+        """The rows at ``index``. ``written``: the written slots of a sharded ring not full, when the caller has
+        read them already (else they are read here, one round trip until every shard is full)."""
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
             return s.stack_ops.read(slice(0, 0))
         # as a LazyTensorStorage's, negative positions and masks are taken along the written slots only
-        written = self._sharded_written(s) if self.ndim == 1 else None
+        if written is None and self.ndim == 1:
+            written = self._sharded_written(s)
         if written is not None:  # a sharded ring not full: its written slots are not range(len) (see written_slots)
             slots, one = self._written_only(s, index, written)
         else:
