@@ -141,15 +141,23 @@ def _server_version(conn: Any) -> tuple[int, ...] | None:
 _SETINFO_SINCE, _MAINT_SINCE = (7, 2), (8, 0)
 
 
+#: redis-py's methods that run right after ``HELLO`` in a connection's handshake, newest release first.
+_HANDSHAKE_HOOKS = ("_add_maint_notifications_to_handshake", "activate_maint_notifications_handling_if_enabled")
+
+
 def _lean_handshake(conn: Any) -> Callable[[], None]:
     """Skip what redis-py's handshake would ask a server that lacks it: ``CLIENT MAINT_NOTIFICATIONS``
     (not before Redis 8) and ``CLIENT SETINFO`` (Redis 7.2) each cost a round trip answered by an
-    error, which redis-py ignores: three of the five round trips of a new connection to Redis 7.0.
+    error, which redis-py ignores: three of the five round trips of a new connection to Redis 7.0
+    (redis-py 8.2 sends them in one round trip with the rest of the handshake, still answered by errors).
     The version comes from the ``HELLO`` reply; a server that has them gets them as before.
     Returns what puts the connection's settings back (called once the handshake is done)."""
-    activate = getattr(conn, "activate_maint_notifications_handling_if_enabled", None)
-    if activate is None or not hasattr(conn, "driver_info"):  # another redis-py: its own handshake, untouched
+    # the hook redis-py calls between HELLO and CLIENT SETINFO: redis-py 8.2 queues the handshake's
+    # tail (one round trip for all of it), earlier releases sent each command on its own
+    hook = next((name for name in _HANDSHAKE_HOOKS if callable(getattr(conn, name, None))), None)
+    if hook is None or not hasattr(conn, "driver_info"):  # another redis-py: its own handshake, untouched
         return lambda: None
+    activate = getattr(conn, hook)
     info = conn.driver_info
 
     def lean(*args: Any, **kwargs: Any) -> Any:
@@ -160,10 +168,10 @@ def _lean_handshake(conn: Any) -> Callable[[], None]:
             return None
         return activate(*args, **kwargs)
 
-    conn.activate_maint_notifications_handling_if_enabled = lean
+    setattr(conn, hook, lean)
 
     def restore() -> None:
-        conn.__dict__.pop("activate_maint_notifications_handling_if_enabled", None)
+        conn.__dict__.pop(hook, None)
         conn.driver_info = info
 
     return restore
