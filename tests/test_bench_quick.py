@@ -13,9 +13,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: The operations of issue #6, per case.
 EXPECTED = {
-    "homogeneous": {"upload", "dense_upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"},
+    "homogeneous": {
+        "upload",
+        "upload_vs_gathering_floor",
+        "dense_upload",
+        "element_read",
+        "element_write",
+        "batch_read",
+        "slice_read",
+        "full_read",
+        "extend",
+        "fill",
+    },
     "heterogeneous": {
         "upload",
+        "upload_vs_gathering_floor",
         "element_read",
         "element_write",
         "shape_change_write",

@@ -92,6 +92,13 @@ class Runner:
         leaves = raw_layout(stack)
         raw = RawFloor(self.client, f"{self.prefix}-raw-{case}", leaves)
         raw.upload()
+        gathered = f"{self.prefix}-rawcheck-{case}"
+        raw.upload_from(stack, gathered)
+        for leaf in leaves:  # the gathering floor stores what the floor does
+            for kind in ("d", "o", "s") if leaf.het else ("d",):
+                if self.client.get(raw.key(kind, leaf, gathered)) != self.client.get(raw.key(kind, leaf)):
+                    self.problems.append(f"{case}: the gathering floor's {kind!r} key of leaf {leaf.path} differs from the floor's")
+        raw.drop(gathered)
         stores = Stores(td, ref, raw, stack, leaves)
         self.verify(case, stores)
         return stores
@@ -218,6 +225,15 @@ class Runner:
             up.append(Contender("reference", upload_ref, drop_td))
         up.append(Contender("raw", upload_raw, s.raw.drop))
         self.run(case, "upload", up, lambda: None)
+
+        def upload_raw_gathered(_: Any) -> str:
+            base = f"{self.prefix}-upgather-{uuid.uuid4().hex[:6]}"
+            s.raw.upload_from(stack, base)
+            return base
+
+        # the same upload against a floor that gathers its blobs from the stack (a plain redis-py upload of it)
+        gathered = [Contender("tdstore", upload_td, drop_td), Contender("raw", upload_raw_gathered, s.raw.drop)]
+        self.run(case, "upload_vs_gathering_floor", gathered, lambda: None)
 
     def dense_upload_op(self, case: str, s: Stores) -> None:
         """The homogeneous elements as one dense TensorDict (``TensorDictStore.from_tensordict``), against

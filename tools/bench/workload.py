@@ -30,9 +30,21 @@ GiB = 1 << 30
 #: Operations per case, in the order they run (the shape-changing write last: it
 #: changes element sizes that the other heterogeneous operations rely on).
 OPERATIONS: dict[str, tuple[str, ...]] = {
-    "homogeneous": ("upload", "dense_upload", "element_read", "element_write", "batch_read", "slice_read", "full_read", "extend", "fill"),
+    "homogeneous": (
+        "upload",
+        "upload_vs_gathering_floor",
+        "dense_upload",
+        "element_read",
+        "element_write",
+        "batch_read",
+        "slice_read",
+        "full_read",
+        "extend",
+        "fill",
+    ),
     "heterogeneous": (
         "upload",
+        "upload_vs_gathering_floor",
         "element_read",
         "element_write",
         "batch_read",
@@ -81,6 +93,7 @@ class Settings:
 
 FULL_REPS = {
     "upload": 5,
+    "upload_vs_gathering_floor": 5,
     "dense_upload": 10,
     "element_read": 300,
     "element_write": 300,
@@ -101,6 +114,7 @@ FULL_REPS = {
 }
 QUICK_REPS = {
     "upload": 2,
+    "upload_vs_gathering_floor": 2,
     "dense_upload": 2,
     "element_read": 30,
     "element_write": 30,
@@ -276,6 +290,27 @@ class RawFloor:
             if leaf.het:
                 pipe.set(self.key("o", leaf, base), leaf.offsets_bytes)
                 pipe.set(self.key("s", leaf, base), leaf.shapes_bytes)
+        return pipe.execute()
+
+    def upload_from(self, stack: LazyStackedTensorDict, base: str) -> list:
+        """SET the same blobs and tables, gathered from the lazy stack itself: what a plain redis-py
+        upload of the stack costs (one ``torch.stack``, or ``torch.cat`` with its tables when the
+        elements differ in shape, per key; no checks), where :meth:`upload` sends blobs made beforehand."""
+        elements = stack.tensordicts
+        pipe = self._pipe()
+        for leaf in self.leaves:
+            key = _path_key(leaf.path)
+            tensors = [el.get(key) for el in elements]
+            if leaf.het:
+                pipe.set(self.key("d", leaf, base), tensor_bytes(torch.cat([t.reshape(-1) for t in tensors])))
+                sizes = np.array([t.nbytes for t in tensors], dtype=np.int64)
+                offsets = np.zeros(len(tensors) + 1, dtype="<i8")
+                np.cumsum(sizes, out=offsets[1:])
+                pipe.set(self.key("o", leaf, base), offsets.tobytes())
+                shapes = np.fromiter((s for t in tensors for s in t.shape), dtype="<i8")
+                pipe.set(self.key("s", leaf, base), shapes.tobytes())
+            else:
+                pipe.set(self.key("d", leaf, base), tensor_bytes(torch.stack(tensors)))
         return pipe.execute()
 
     def drop(self, base: str) -> None:
