@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from typing import Any
 
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_stack
 
 
@@ -153,3 +157,21 @@ def torn_while_running(store, procs, rows: list[int]) -> tuple[int, int]:
         p.join()
         assert p.exitcode == 0
     return reads, torn
+
+
+def mp_context() -> Any:
+    """A ``forkserver`` context whose server imports torch, tensordict and tdstore once: each child
+    process starts in milliseconds, where a ``spawn`` child spends ~3 s importing them. Like spawn
+    (and unlike fork) a child starts from a clean process, so a test's threads and sockets do not leak into it."""
+    _FORKSERVER.set_forkserver_preload(["torch", "tensordict", "tdstore"])
+    return _FORKSERVER
+
+
+#: Taken at import: tests replace ``multiprocessing.get_context`` by :func:`mp_context` (the demo's actors).
+_FORKSERVER = multiprocessing.get_context("forkserver")
+
+
+def no_retry() -> Retry:
+    """A redis-py retry policy that retries nothing: a test that expects a connection to fail gets the
+    failure at once, where redis-py's default policy (three retries with backoff) makes it wait."""
+    return Retry(NoBackoff(), 0)

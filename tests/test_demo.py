@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+from helpers import mp_context, no_retry
 from tensordict import TensorDict, lazy_stack
 
 from tdstore.cli import main
@@ -98,15 +100,22 @@ def test_redact_url_hides_passwords() -> None:
     assert redact_url("unix:///tmp/x.sock") == "unix:///tmp/x.sock"
 
 
+def _fast_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's actor processes from a preloaded forkserver (``helpers.mp_context``) instead of spawn: each
+    starts in milliseconds, not ~3 s of imports. The CLI tests below run the demo as it is, with spawn."""
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: mp_context())
+
+
 # -- the demo end to end -----------------------------------------------------------------------------
 
 
-def test_run_demo_in_process(redis_server: EmbeddedServer) -> None:
+def test_run_demo_in_process(redis_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the session's private server (a given url), so the test can also see that no key is left.
 
     The path without a url (the demo starts its own server) is run by the CLI test below;
     each run spawns actors that import torch, so the two paths share the work.
     """
+    _fast_actors(monkeypatch)
     prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
     out = io.StringIO()
     figures = run_demo(url=redis_server.url, actors=2, count=64, seconds=1.5, batch=16, prefix=prefix, progress=False, out=out)
@@ -118,9 +127,10 @@ def test_run_demo_in_process(redis_server: EmbeddedServer) -> None:
     assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
 
 
-def test_run_demo_as_a_prioritized_rate_limited_replay_buffer(redis_server: EmbeddedServer) -> None:
+def test_run_demo_as_a_prioritized_rate_limited_replay_buffer(redis_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--replay``: actors extend the ring with priorities, the learner samples by priority and
     updates them, under the server's samples-per-insert limiter; every element checked, none left."""
+    _fast_actors(monkeypatch)
     prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
     out = io.StringIO()
     figures = run_demo(url=redis_server.url, actors=2, count=32, seconds=1.0, batch=16, prefix=prefix, progress=False, out=out, replay=True)
@@ -190,7 +200,7 @@ def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
     assert url.startswith("redis+cluster://127.0.0.1:") and proc.stdout.rstrip().endswith("stopped")
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(redis.ConnectionError):  # stopped: nothing listens there any more
-        redis.Redis(port=port, socket_connect_timeout=1).ping()
+        redis.Redis(port=port, socket_connect_timeout=1, retry=no_retry()).ping()
 
 
 # -- the CLI's errors ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
+from helpers import no_retry
 from tensordict import TensorDict, lazy_stack, tensorclass
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -47,4 +48,4 @@ def test_extend_says_what_it_takes(backend, value, error, match):
 
 def test_a_server_that_is_down_is_named_with_the_store():
     with pytest.raises(redis.ConnectionError, match=r"td_id 'gone' under prefix 'p' on redis://127\.0\.0\.1:1/0 cannot be reached"):
-        TensorDictStore(batch_size=[3], url="redis://127.0.0.1:1/0", prefix="p", td_id="gone")
+        TensorDictStore(batch_size=[3], url="redis://127.0.0.1:1/0", prefix="p", td_id="gone", retry=no_retry())

@@ -13,7 +13,6 @@ out by reading the server's clock (``TIME``) past the deadline the pop returned.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -24,7 +23,7 @@ import fakeredis
 import pytest
 import redis
 import torch
-from helpers import load_tool, round_trips, top_level_commands
+from helpers import load_tool, mp_context, round_trips, top_level_commands
 from tensordict import TensorDict
 
 import tdstore._ring.leases
@@ -385,7 +384,7 @@ def _holder(td_id: str, url: str, holding, out: str) -> None:
 def test_a_reader_killed_while_holding_a_lease_loses_nothing(redis_server, tmp_path):
     store = LazyStackedTensorDictStore(count=16, url=redis_server.url, prefix="lease")
     store.extend(items(0, 3))
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     holding = ctx.Event()
     p = ctx.Process(target=_holder, args=(store.td_id, redis_server.url, holding, str(tmp_path / "held")))
     p.start()
@@ -454,7 +453,7 @@ def test_four_writers_three_leased_readers_one_killed_every_item_acknowledged_on
     store.set_queue(True)  # writers wait for readers: nothing is overwritten
     store.extend(items(0, 1, writer=99))  # creates the keys
     store.pop(1, lease=LONG).ack()
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     stop, holding = ctx.Event(), ctx.Event()
     logs = [str(tmp_path / f"reader{r}") for r in range(3)]
     readers = [ctx.Process(target=_reader, args=(store.td_id, redis_server.url, logs[r], stop, r == 2, holding)) for r in range(3)]

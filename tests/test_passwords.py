@@ -22,6 +22,7 @@ from urllib.parse import quote
 import pytest
 import redis
 import torch
+from helpers import no_retry
 from tensordict import TensorDict
 
 import tdstore
@@ -67,7 +68,7 @@ def _secret_free(*texts: object) -> None:
 
 def test_embedded_server_requires_its_password_and_hides_it(server) -> None:
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(unix_socket_path=server.unix_socket_path).ping()
+        redis.Redis(unix_socket_path=server.unix_socket_path, retry=no_retry()).ping()
     assert server.client().ping()
     assert server.password == PASSWORD and PASSWORD not in server.url
     cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
@@ -113,7 +114,7 @@ def test_a_refused_login_is_one_clear_error(server, monkeypatch, how) -> None:
     elif how == "wrong provider":
         kwargs["password_provider"] = lambda: "nope"
     with pytest.raises(PasswordError) as err:
-        LazyStackedTensorDictStore(count=2, prefix="refused", **kwargs)
+        LazyStackedTensorDictStore(count=2, prefix="refused", retry=no_retry(), **kwargs)
     assert isinstance(err.value, redis.AuthenticationError)  # code that catches redis-py's error keeps working
     assert tdstore.PasswordError is PasswordError
     assert str(err.value).startswith(f"the server at unix://{sock}?db=0 {NEEDS}")

@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+from helpers import mp_context
 from tensordict import TensorDict
 from test_replay import chi2_critical, chi_square
 
@@ -292,7 +293,7 @@ def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffe
     # the learners take what the ratio allows once all is inserted, less the limiter's offset: the actors can
     # finish (samples within the buffers of inserts * SPI), and so can the learners (each shard's share within its buffer)
     per_learner = int(inserts * SPI - SPI * MIN_SIZE) // (LEARNERS * BATCH)
-    ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+    ctx = mp_context()  # forkserver: not fork (this process may run shard threads)
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_actor, args=(redis_cluster.url, store.td_id, a, out)) for a in range(ACTORS)]
     procs += [ctx.Process(target=_learner, args=(redis_cluster.url, store.td_id, k, per_learner, out)) for k in range(LEARNERS)]
@@ -332,7 +333,7 @@ def _queue_writer(url: str, td_id: str, w: int) -> None:
 def test_writers_and_readers_of_a_sharded_queue_get_every_item_once(redis_cluster):
     store = ring(redis_cluster, count=24)
     store.set_queue(True)
-    ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+    ctx = mp_context()  # forkserver: not fork (this process may run shard threads)
     out: mp.Queue = ctx.Queue()
     readers = [ctx.Process(target=_popper, args=(redis_cluster.url, store.td_id, out)) for _ in range(2)]
     writers = [ctx.Process(target=_queue_writer, args=(redis_cluster.url, store.td_id, w)) for w in range(3)]
@@ -378,7 +379,7 @@ def test_a_buffer_larger_than_one_node(tmp_path):
         count, per, writers = 576, 4, 3  # 576 rows of ~256 KiB: 151 MB, 50 MB per shard, in segments of four rows
         store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=1 << 20)
         batches = count // (per * writers)
-        ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+        ctx = mp_context()  # forkserver: not fork (this process may run shard threads)
         procs = [ctx.Process(target=_big_writer, args=(cluster.url, store.td_id, w, batches, per)) for w in range(writers)]
         for p in procs:
             p.start()
@@ -450,7 +451,7 @@ def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sam
     assert torch.equal(ring[s["index"]]["tag"], s["tag"])
     if sampler == "prioritized":
         rb.update_priority(s["index"], torch.rand(32) + 0.1)
-        ctx = mp.get_context("spawn")  # not fork: this process may run shard threads
+        ctx = mp_context()  # forkserver: not fork (this process may run shard threads)
         out: mp.Queue = ctx.Queue()
         p = ctx.Process(target=_rl_attach, args=(redis_cluster.url, rb.storage.td_id, out))
         p.start()

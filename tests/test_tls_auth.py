@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from helpers import assert_same, make_stack
+from helpers import assert_same, make_stack, no_retry
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -97,7 +97,7 @@ def test_store_over_tls_with_an_acl_user(tls_server):
     assert b"s3cret" not in pickle.dumps(store) and "s3cret" not in repr(store)
     # the data really travels over TLS: the plain port is closed (port 0) and only TLS answers
     with pytest.raises(redis.ConnectionError):
-        redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
+        redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, retry=no_retry()).ping()
     store.clear_redis()
 
 
@@ -129,11 +129,11 @@ def test_wrong_credentials_give_a_clear_error(tls_server):
         redis.AuthenticationError, match=rf"the server at rediss://127.0.0.1:{port}/0 needs a password \(or the one given is wrong\)"
     ):
         LazyStackedTensorDictStore(
-            url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls"
+            url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls", retry=no_retry()
         )
     with pytest.raises(redis.ConnectionError):
         # a client that does not trust the server's certificate refuses the connection
-        LazyStackedTensorDictStore(url=f"rediss://actor:s3cret@127.0.0.1:{port}/0", count=2, prefix="tls")
+        LazyStackedTensorDictStore(url=f"rediss://actor:s3cret@127.0.0.1:{port}/0", count=2, prefix="tls", retry=no_retry())
     assert srv.client().keys("tls:*") == []
 
 
@@ -147,5 +147,7 @@ def test_store_on_a_plain_acl_user(redis_server):
     assert store["x"].tolist() == [1.0, 1.0]
     assert "pw1" not in repr(store) and b"pw1" not in pickle.dumps(store)
     with pytest.raises(redis.AuthenticationError):
-        LazyStackedTensorDictStore(unix_socket_path=redis_server.unix_socket_path, username="plain", password="nope", count=2, prefix="acl")
+        LazyStackedTensorDictStore(
+            unix_socket_path=redis_server.unix_socket_path, username="plain", password="nope", count=2, prefix="acl", retry=no_retry()
+        )
     store.clear_redis()

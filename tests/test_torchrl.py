@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("torchrl")
 
-from helpers import round_trips, top_level_commands  # noqa: E402
+from helpers import mp_context, round_trips, top_level_commands  # noqa: E402
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack, tensorclass  # noqa: E402
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
@@ -399,7 +399,7 @@ def _actor(url, prefix, td_id, actor, go, done_q, all_done):
 def test_four_actor_processes_and_a_learner(real):
     learner = replay_buffer(1000, batch_size=64, **real.kwargs())
     td_id = learner.storage.td_id  # creates the store, so the actors attach to it by id
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     go, all_done, q = ctx.Event(), ctx.Event(), ctx.Queue()
     kw = real.kwargs()
     procs = [ctx.Process(target=_actor, args=(kw["url"], kw["prefix"], td_id, a, go, q, all_done)) for a in range(ACTORS)]
@@ -518,7 +518,8 @@ def test_benchmark_smoke():
     assert out["actors"]["rows"] == 2 * 100 and out["actors"]["write_count"] == 2 * 100 + 2  # + one schema row each
 
 
-def test_demo_through_a_torchrl_replay_buffer():
+def test_demo_through_a_torchrl_replay_buffer(monkeypatch):
+    monkeypatch.setattr(mp, "get_context", lambda method=None: mp_context())  # actors from a preloaded forkserver, not spawn
     from tdstore.demo import run_demo
 
     f = run_demo(actors=2, count=48, seconds=1.0, batch=16, torchrl=True, progress=False, out=sys.stderr)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("torchrl")
 
-from helpers import round_trips, top_level_commands  # noqa: E402
+from helpers import mp_context, round_trips, top_level_commands  # noqa: E402
 from tensordict import TensorDict, tensorclass  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyTensorStorage,
@@ -461,12 +461,11 @@ def _set_at_in_child(url: str, prefix: str, td_id: str) -> None:
 def test_one_in_place_write_of_another_os_process_moves_the_revision_once(real):
     """The rows and the revision move in the same call: a cached SliceSampler in this process sees a write made
     by another process, and the revision counts that write once."""
-    import multiprocessing as mp
 
     rb = replay_buffer(6, **real.kwargs())
     rb.extend(data(6))
     before = rb.storage._mutation_revision
-    p = mp.get_context("spawn").Process(target=_set_at_in_child, args=(real.server.url, real.prefix, rb.storage.td_id))
+    p = mp_context().Process(target=_set_at_in_child, args=(real.server.url, real.prefix, rb.storage.td_id))
     p.start()
     p.join(120)
     assert p.exitcode == 0
