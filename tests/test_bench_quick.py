@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXPECTED = {
     "homogeneous": {
         "upload",
-        "upload_vs_gathering_floor",
+        "upload_vs_plain_upload",
         "dense_upload",
         "element_read",
         "element_write",
@@ -27,7 +27,7 @@ EXPECTED = {
     },
     "heterogeneous": {
         "upload",
-        "upload_vs_gathering_floor",
+        "upload_vs_plain_upload",
         "element_read",
         "element_write",
         "shape_change_write",

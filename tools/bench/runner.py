@@ -94,10 +94,10 @@ class Runner:
         raw.upload()
         gathered = f"{self.prefix}-rawcheck-{case}"
         raw.upload_from(stack, gathered)
-        for leaf in leaves:  # the gathering floor stores what the floor does
+        for leaf in leaves:  # the plain upload stores what the floor does
             for kind in ("d", "o", "s") if leaf.het else ("d",):
                 if self.client.get(raw.key(kind, leaf, gathered)) != self.client.get(raw.key(kind, leaf)):
-                    self.problems.append(f"{case}: the gathering floor's {kind!r} key of leaf {leaf.path} differs from the floor's")
+                    self.problems.append(f"{case}: the plain upload's {kind!r} key of leaf {leaf.path} differs from the floor's")
         raw.drop(gathered)
         stores = Stores(td, ref, raw, stack, leaves)
         self.verify(case, stores)
@@ -231,9 +231,9 @@ class Runner:
             s.raw.upload_from(stack, base)
             return base
 
-        # the same upload against a floor that gathers its blobs from the stack (a plain redis-py upload of it)
+        # the same upload against a plain redis-py upload of the stack (tensordict's get per element and key, no checks)
         gathered = [Contender("tdstore", upload_td, drop_td), Contender("raw", upload_raw_gathered, s.raw.drop)]
-        self.run(case, "upload_vs_gathering_floor", gathered, lambda: None)
+        self.run(case, "upload_vs_plain_upload", gathered, lambda: None)
 
     def dense_upload_op(self, case: str, s: Stores) -> None:
         """The homogeneous elements as one dense TensorDict (``TensorDictStore.from_tensordict``), against

@@ -32,7 +32,7 @@ GiB = 1 << 30
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "homogeneous": (
         "upload",
-        "upload_vs_gathering_floor",
+        "upload_vs_plain_upload",
         "dense_upload",
         "element_read",
         "element_write",
@@ -44,7 +44,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     ),
     "heterogeneous": (
         "upload",
-        "upload_vs_gathering_floor",
+        "upload_vs_plain_upload",
         "element_read",
         "element_write",
         "batch_read",
@@ -93,7 +93,7 @@ class Settings:
 
 FULL_REPS = {
     "upload": 5,
-    "upload_vs_gathering_floor": 5,
+    "upload_vs_plain_upload": 5,
     "dense_upload": 10,
     "element_read": 300,
     "element_write": 300,
@@ -114,7 +114,7 @@ FULL_REPS = {
 }
 QUICK_REPS = {
     "upload": 2,
-    "upload_vs_gathering_floor": 2,
+    "upload_vs_plain_upload": 2,
     "dense_upload": 2,
     "element_read": 30,
     "element_write": 30,
@@ -294,8 +294,9 @@ class RawFloor:
 
     def upload_from(self, stack: LazyStackedTensorDict, base: str) -> list:
         """SET the same blobs and tables, gathered from the lazy stack itself: what a plain redis-py
-        upload of the stack costs (one ``torch.stack``, or ``torch.cat`` with its tables when the
-        elements differ in shape, per key; no checks), where :meth:`upload` sends blobs made beforehand."""
+        upload of the stack costs (each element's tensor through tensordict's public ``get``, then one
+        ``torch.stack``, or ``torch.cat`` and its tables when the elements differ in shape, per key; no
+        checks), where :meth:`upload` sends blobs made beforehand."""
         elements = stack.tensordicts
         pipe = self._pipe()
         for leaf in self.leaves:
