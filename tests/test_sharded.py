@@ -14,7 +14,7 @@ import pickle
 
 import pytest
 import torch
-from helpers import mp_context
+from helpers import mp_context, round_trips, top_level_commands
 from tensordict import TensorDict
 from test_replay import chi2_critical, chi_square
 
@@ -507,6 +507,42 @@ def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cl
     ring.clear_redis()
     with pytest.raises(ValueError, match="min_replicas=1 is for a sharded ring"):
         replay_buffer(10, url=redis_cluster.url, prefix=PREFIX, min_replicas=1).extend(rows(torch.arange(2), width=1))
+
+
+def _round_trips_per_node(cluster: EmbeddedCluster, fn) -> list[list[str]]:
+    """Each primary's round trips (MONITOR, the commands scripts issue left out) while ``fn`` runs."""
+    seen: dict[int, list[str]] = {}
+
+    def watch(i: int) -> None:
+        if i == 3:
+            fn()
+            return
+        seen[i] = round_trips(top_level_commands(lambda: cluster.node_client(i), lambda: watch(i + 1)))
+
+    watch(0)
+    return [seen[i] for i in range(3)]
+
+
+def test_torchrl_reads_of_a_sharded_ring_ask_each_shard_its_size_until_it_is_full(redis_cluster):
+    """Until every shard is full, a read through torchrl's storage first asks each shard not full how many rows
+    it holds (one HMGET per shard, all at once), then reads the rows (one transaction per shard read); a shard
+    seen full is not asked again, so a full ring's read leaves the shards it does not read alone."""
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=6)
+    for lo, hi in ((0, 7), (7, 12), (12, 15)):  # every shard holds rows, none is full
+        rb.extend(rows(torch.arange(lo, hi), width=1))
+    rb.storage[torch.tensor([0])]  # the read scripts are on every node
+    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
+    assert sorted(nodes) == [["hmget"], ["hmget"], ["hmget", "transaction"]], nodes
+    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[:])
+    assert nodes == [["hmget", "transaction"]] * 3, nodes
+    rb.extend(rows(torch.arange(15, 75), width=1))  # every shard full (one may wrap first: shards fill in turn)
+    rb.storage[torch.tensor([0])]  # this handle sees them full
+    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
+    assert sorted(nodes)[:2] == [[], []] and "transaction" in sorted(nodes)[2], nodes
+    assert len(rb) == 60
+    rb.storage._store.clear_redis()
 
 
 def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
