@@ -173,5 +173,5 @@ _FORKSERVER = multiprocessing.get_context("forkserver")
 
 def no_retry() -> Retry:
     """A redis-py retry policy that retries nothing: a test that expects a connection to fail gets the
-    failure at once, where redis-py's default policy (three retries with backoff) makes it wait."""
+    failure at once, where redis-py's default policy retries it with a growing backoff (seconds in all)."""
     return Retry(NoBackoff(), 0)

@@ -112,8 +112,8 @@ def _fast_actors(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_run_demo_in_process(redis_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the session's private server (a given url), so the test can also see that no key is left.
 
-    The path without a url (the demo starts its own server) is run by the CLI test below;
-    each run spawns actors that import torch, so the two paths share the work.
+    The path without a url (the demo starts its own server) is run by the CLI test below, whose actors are
+    spawned as the demo does it; here they come from the tests' preloaded forkserver.
     """
     _fast_actors(monkeypatch)
     prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
