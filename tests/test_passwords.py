@@ -29,7 +29,7 @@ import tdstore
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._engine.connection import PasswordError
 from tdstore.cli import main
-from tdstore.server import EmbeddedServer
+from tdstore.server import EmbeddedServer, commandstats
 
 PASSWORD = 'p@ss:w/rd "x" ' + uuid.uuid4().hex[:6]
 NEEDS = "needs a password (or the one given is wrong)"
@@ -113,8 +113,13 @@ def test_a_refused_login_is_one_clear_error(server, monkeypatch, how) -> None:
         monkeypatch.setenv("TDSTORE_PASSWORD", "nope")
     elif how == "wrong provider":
         kwargs["password_provider"] = lambda: "nope"
-    with pytest.raises(PasswordError) as err:
-        LazyStackedTensorDictStore(count=2, prefix="refused", retry=no_retry(), **kwargs)
+    admin = server.client()
+    before = commandstats(admin)
+    with pytest.raises(PasswordError) as err:  # redis-py's own retry policy: a refused login is not tried again
+        LazyStackedTensorDictStore(count=2, prefix="refused", **kwargs)
+    after = commandstats(admin)
+    logins = sum(after.get(c, 0) - before.get(c, 0) for c in ("hello", "auth"))
+    assert logins == 1, (before, after)
     assert isinstance(err.value, redis.AuthenticationError)  # code that catches redis-py's error keeps working
     assert tdstore.PasswordError is PasswordError
     assert str(err.value).startswith(f"the server at unix://{sock}?db=0 {NEEDS}")

@@ -129,7 +129,7 @@ def test_wrong_credentials_give_a_clear_error(tls_server):
         redis.AuthenticationError, match=rf"the server at rediss://127.0.0.1:{port}/0 needs a password \(or the one given is wrong\)"
     ):
         LazyStackedTensorDictStore(
-            url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls", retry=no_retry()
+            url=f"rediss://actor:wrong@127.0.0.1:{port}/0", ssl_ca_certs=str(folder / "ca.crt"), count=2, prefix="tls"
         )
     with pytest.raises(redis.ConnectionError):
         # a client that does not trust the server's certificate refuses the connection
@@ -147,7 +147,5 @@ def test_store_on_a_plain_acl_user(redis_server):
     assert store["x"].tolist() == [1.0, 1.0]
     assert "pw1" not in repr(store) and b"pw1" not in pickle.dumps(store)
     with pytest.raises(redis.AuthenticationError):
-        LazyStackedTensorDictStore(
-            unix_socket_path=redis_server.unix_socket_path, username="plain", password="nope", count=2, prefix="acl", retry=no_retry()
-        )
+        LazyStackedTensorDictStore(unix_socket_path=redis_server.unix_socket_path, username="plain", password="nope", count=2, prefix="acl")
     store.clear_redis()

@@ -79,6 +79,32 @@ class _TLSHintConnection(SSLConnection):
         return wrapped
 
 
+class _RefusedLoginIsFinal:
+    """Mixed into a client's connection class: a refused login ends the connect at once. redis-py
+    retries a failed handshake as it would a dropped socket (ten times, seconds of backoff, an AUTH
+    each time), but a wrong password stays wrong. Its retry loop disconnects before each new try:
+    there the refusal is raised again, which ends the loop."""
+
+    def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        super().disconnect(*args, **kwargs)  # type: ignore[misc]  # a redis-py connection class follows in the MRO
+        error = args[0] if args else kwargs.get("error")
+        if isinstance(error, PasswordError):
+            raise error
+
+
+_FINAL_LOGIN: dict[type, type] = {}
+
+
+def _final_login(cls: type) -> type:
+    """``cls`` with :class:`_RefusedLoginIsFinal` in front (one class per connection class)."""
+    if issubclass(cls, _RefusedLoginIsFinal):
+        return cls
+    made = _FINAL_LOGIN.get(cls)
+    if made is None:
+        made = _FINAL_LOGIN[cls] = type(cls.__name__, (_RefusedLoginIsFinal, cls), {"__module__": __name__})
+    return made
+
+
 def password_message(where: str, err: Exception) -> str:
     """The one sentence for a refused login at ``where`` (the server's own text is no help: it may
     say "HELLO must be called..." when the only thing missing is a password)."""
@@ -236,13 +262,15 @@ class ConnectionSpec:
         kwargs.setdefault("redis_connect_func", _login_checked(self.describe()))
         _skip_version_lookup(kwargs)
         if self.unix_socket_path:
-            return redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
-        if self.ssl:
-            kwargs["ssl"] = True
-        client = redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
+            client = redis.Redis(unix_socket_path=self.unix_socket_path, db=self.db, **kwargs)
+        else:
+            if self.ssl:
+                kwargs["ssl"] = True
+            client = redis.Redis(host=self.host, port=self.port, db=self.db, **kwargs)
         pool = client.connection_pool
         if self.ssl and pool.connection_class is SSLConnection and hasattr(SSLConnection, "_wrap_socket_with_ssl"):
             pool.connection_class = _TLSHintConnection  # a plain server: one clear error, not a minute of retries
+        pool.connection_class = _final_login(pool.connection_class)  # a refused login (PasswordError) is not retried
         return client
 
 
@@ -383,7 +411,7 @@ def _adopt(client: Any, provider: Callable[[], str] | None) -> tuple[redis.Redis
         ckw.pop(secret, None)
     path = ckw.pop("path", None)
     kwargs = {k: v for k, v in ckw.items() if k in (*_ADOPTED_SETTINGS, "ssl")}
-    if pool.connection_class.__name__.startswith("SSL"):
+    if issubclass(pool.connection_class, SSLConnection) or pool.connection_class.__name__.startswith("SSL"):
         kwargs["ssl"] = True
     ssl = bool(kwargs.pop("ssl", False))
     spec = ConnectionSpec(
