@@ -159,16 +159,22 @@ def torn_while_running(store, procs, rows: list[int]) -> tuple[int, int]:
     return reads, torn
 
 
+#: Taken at import, before :func:`children_from_forkserver` replaces ``multiprocessing.get_context``.
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch", "tensordict", "tdstore"])
+
+
 def mp_context() -> Any:
     """A ``forkserver`` context whose server imports torch, tensordict and tdstore once: each child
     process starts in milliseconds, where a ``spawn`` child spends ~3 s importing them. Like spawn
     (and unlike fork) a child starts from a clean process, so a test's threads and sockets do not leak into it."""
-    _FORKSERVER.set_forkserver_preload(["torch", "tensordict", "tdstore"])
     return _FORKSERVER
 
 
-#: Taken at import: tests replace ``multiprocessing.get_context`` by :func:`mp_context` (the demo's actors).
-_FORKSERVER = multiprocessing.get_context("forkserver")
+def children_from_forkserver(monkeypatch: Any) -> None:
+    """Code under test that asks ``multiprocessing.get_context(...)`` for its child processes (the demo's
+    actors) gets :func:`mp_context` instead, for the rest of the test."""
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: _FORKSERVER)
 
 
 def no_retry() -> Retry:

@@ -21,11 +21,7 @@ def _check_handshake(srv: EmbeddedServer) -> None:
     raw.execute_command("CONFIG", "RESETSTAT")
     store = TensorDictStore(batch_size=[4], url=srv.url)
     store["x"] = torch.zeros(4, 2)
-    pool = store._store.stack_ops.engine.client.connection_pool
-    try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py 5.0 wants a command name
-        conn = pool.get_connection("PING")
+    conn = store._store.stack_ops.engine.client.connection_pool.get_connection()
     version = _server_version(conn)
     assert version is not None and version[0] >= 6  # known from HELLO
     if version < (7, 2):  # no CLIENT SETINFO, no CLIENT MAINT_NOTIFICATIONS: each was an error reply

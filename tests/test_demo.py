@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from helpers import mp_context, no_retry
+from helpers import children_from_forkserver, no_retry
 from tensordict import TensorDict, lazy_stack
 
 from tdstore.cli import main
@@ -100,12 +99,6 @@ def test_redact_url_hides_passwords() -> None:
     assert redact_url("unix:///tmp/x.sock") == "unix:///tmp/x.sock"
 
 
-def _fast_actors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo's actor processes from a preloaded forkserver (``helpers.mp_context``) instead of spawn: each
-    starts in milliseconds, not ~3 s of imports. The CLI tests below run the demo as it is, with spawn."""
-    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: mp_context())
-
-
 # -- the demo end to end -----------------------------------------------------------------------------
 
 
@@ -115,7 +108,7 @@ def test_run_demo_in_process(redis_server: EmbeddedServer, monkeypatch: pytest.M
     The path without a url (the demo starts its own server) is run by the CLI test below, whose actors are
     spawned as the demo does it; here they come from the tests' preloaded forkserver.
     """
-    _fast_actors(monkeypatch)
+    children_from_forkserver(monkeypatch)  # the CLI tests below run the demo as it is, with spawn
     prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
     out = io.StringIO()
     figures = run_demo(url=redis_server.url, actors=2, count=64, seconds=1.5, batch=16, prefix=prefix, progress=False, out=out)
@@ -130,7 +123,7 @@ def test_run_demo_in_process(redis_server: EmbeddedServer, monkeypatch: pytest.M
 def test_run_demo_as_a_prioritized_rate_limited_replay_buffer(redis_server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--replay``: actors extend the ring with priorities, the learner samples by priority and
     updates them, under the server's samples-per-insert limiter; every element checked, none left."""
-    _fast_actors(monkeypatch)
+    children_from_forkserver(monkeypatch)  # the CLI tests below run the demo as it is, with spawn
     prefix = f"test-demo-{uuid.uuid4().hex[:8]}"
     out = io.StringIO()
     figures = run_demo(url=redis_server.url, actors=2, count=32, seconds=1.0, batch=16, prefix=prefix, progress=False, out=out, replay=True)

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("torchrl")
 
-from helpers import mp_context, round_trips, top_level_commands  # noqa: E402
+from helpers import children_from_forkserver, mp_context, round_trips, top_level_commands  # noqa: E402
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack, tensorclass  # noqa: E402
 from torchrl.data import RandomSampler, ReplayBuffer, RoundRobinWriter, SamplerWithoutReplacement, SliceSampler, TensorDictReplayBuffer  # noqa: E402
 
@@ -519,7 +519,7 @@ def test_benchmark_smoke():
 
 
 def test_demo_through_a_torchrl_replay_buffer(monkeypatch):
-    monkeypatch.setattr(mp, "get_context", lambda method=None: mp_context())  # actors from a preloaded forkserver, not spawn
+    children_from_forkserver(monkeypatch)
     from tdstore.demo import run_demo
 
     f = run_demo(actors=2, count=48, seconds=1.0, batch=16, torchrl=True, progress=False, out=sys.stderr)

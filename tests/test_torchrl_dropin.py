@@ -461,7 +461,6 @@ def _set_at_in_child(url: str, prefix: str, td_id: str) -> None:
 def test_one_in_place_write_of_another_os_process_moves_the_revision_once(real):
     """The rows and the revision move in the same call: a cached SliceSampler in this process sees a write made
     by another process, and the revision counts that write once."""
-
     rb = replay_buffer(6, **real.kwargs())
     rb.extend(data(6))
     before = rb.storage._mutation_revision

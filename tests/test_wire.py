@@ -22,7 +22,6 @@ from redis._parsers import _HiredisParser, _RESP2Parser
 from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._engine.connection import _checkout
 from tdstore._format import wire as _wire
 
 
@@ -71,7 +70,7 @@ def conn(request, real):
     key = f"wire-{uuid.uuid4().hex}"
     client.set(key, bytes(range(256)) * 40)
     client.hset(key + "h", "f", "v")
-    c = _checkout(client.connection_pool)
+    c = client.connection_pool.get_connection()
     assert isinstance(c._parser, _HiredisParser) != (request.param == "python-parser")
     c.key = key
     yield c
@@ -111,7 +110,7 @@ def test_a_large_reply_arrives_in_many_reads(real) -> None:
     key = f"wire-{uuid.uuid4().hex}"
     blob = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     client.set(key, blob)
-    c = _checkout(client.connection_pool)
+    c = client.connection_pool.get_connection()
     try:
         starts = np.arange(0, 3 << 20, 4096, dtype=np.int64)[::-1].copy()  # 768 ranges, backwards
         body = _wire.pack_chunked_getranges([[(key, starts, np.full(starts.size, 4096, np.int64))]], 1 << 20)[0]
@@ -252,7 +251,7 @@ def test_resp3_pushes_are_handed_to_redis_py_not_taken_for_replies(real) -> None
     client = _client(real, protocol=3)
     key = f"wire-{uuid.uuid4().hex}"
     client.set(key, b"abcdef")
-    c = _checkout(client.connection_pool)
+    c = client.connection_pool.get_connection()
     try:
         seen = []
         c._parser.handle_push_response = lambda r: seen.append(r)

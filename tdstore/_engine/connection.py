@@ -446,14 +446,6 @@ def _cluster_spec(client: Any, provider: Callable[[], str] | None) -> Connection
     )
 
 
-def _checkout(pool: Any) -> Any:
-    """A connection from ``pool``: redis-py 5.0 wants a command name, later releases warn when given one."""
-    try:
-        return pool.get_connection()
-    except TypeError:
-        return pool.get_connection("EVALSHA")
-
-
 _HELD: weakref.WeakSet[HeldConnection] = weakref.WeakSet()
 
 
@@ -533,7 +525,7 @@ class HeldConnection:
                 self._forget()
                 # under a deadline, a connection of our own: the pool's checkout would connect unbounded
                 self._own = deadline is not None
-                self._conn = _deadline.new_connection(pool) if self._own else _checkout(pool)
+                self._conn = _deadline.new_connection(pool) if self._own else pool.get_connection()
                 self._pool, self._pid = pool, os.getpid()
             conn = self._conn
             if deadline is not None:

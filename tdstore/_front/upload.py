@@ -332,10 +332,7 @@ class Batch:
                 pipe.execute_command(*command)
             return pipe.execute(raise_on_error=False)
         pool = client.connection_pool
-        try:
-            conn = pool.get_connection()
-        except TypeError:  # redis-py 5.0 wants a command name (later releases warn when given one)
-            conn = pool.get_connection("SETRANGE")
+        conn = pool.get_connection()
         try:
             return conn.retry.call_with_retry(lambda: self._exchange(conn), lambda _: conn.disconnect())
         except BaseException:
