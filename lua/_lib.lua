@@ -617,3 +617,53 @@ local function tds_ttl_end(meta, deadline)
     redis.call('PERSIST', meta)
   end
 end
+
+-- The absolute deadline (Unix ms) of the store whose header is 'meta', -1 for none: new keys
+-- get it, so a store with a time to live expires as a whole (SET drops a key's expiry).
+-- PEXPIRETIME where the server has it (Redis 7); on Redis 6, whose clock moves inside a script,
+-- a PTTL read within one millisecond of TIME (read again until it is) gives it to the millisecond.
+local function tds_deadline_of(meta)
+  local at = redis.pcall('PEXPIRETIME', meta)
+  if type(at) == 'number' then
+    return at
+  end
+  local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+  local t0, t1, ttl
+  repeat
+    t0 = ms(redis.call('TIME'))
+    ttl = redis.call('PTTL', meta)
+    t1 = ms(redis.call('TIME'))
+  until t0 == t1
+  return ttl > 0 and t0 + ttl or -1
+end
+
+-- Raise 'TDSTORE out of memory' (before any write) when 'allocated' more bytes would take a
+-- server that does not evict past its maxmemory: Redis checks maxmemory only when a script
+-- starts, so one call could otherwise overshoot it by all it allocates.
+local function tds_room(allocated)
+  local info = redis.pcall('INFO', 'memory')
+  if type(info) == 'string' then
+    local used = tonumber(string.match(info, 'used_memory:(%d+)'))
+    local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
+    local policy = string.match(info, 'maxmemory_policy:([%w%-]+)')
+    if used and max and max > 0 and policy == 'noeviction' and used + allocated > max then
+      error('TDSTORE out of memory: the call would allocate ' .. string.format('%.0f', allocated) .. ' bytes; the server uses ' ..
+            string.format('%.0f', used) .. ' of its maxmemory ' .. string.format('%.0f', max))
+    end
+  end
+end
+
+-- Swap in a new schema: the JSON 'schema', the guard fields 'guards' sets ('name=value' words,
+-- 'kv=7 lv:3=7 lv:5=-'; '-' deletes the field), and 'version' one up. The caller checked the
+-- exact version first (a schema is planned from the one it replaces).
+local function tds_set_schema(meta, schema, guards)
+  redis.call('HSET', meta, 'schema', schema)
+  for name, value in string.gmatch(guards, '([%w:]+)=([%d%-]+)') do
+    if value == '-' then
+      redis.call('HDEL', meta, name)
+    else
+      redis.call('HSET', meta, name, value)
+    end
+  end
+  redis.call('HINCRBY', meta, 'version', 1)
+end

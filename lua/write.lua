@@ -706,16 +706,7 @@ for _, g in pairs(grow) do
   end
 end
 if allocated > 0 then
-  local info = redis.pcall('INFO', 'memory')
-  if type(info) == 'string' then
-    local used = tonumber(string.match(info, 'used_memory:(%d+)'))
-    local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
-    local policy = string.match(info, 'maxmemory_policy:([%w%-]+)')
-    if used and max and max > 0 and policy == 'noeviction' and used + allocated > max then
-      error('TDSTORE out of memory: the call would allocate ' .. string.format('%.0f', allocated) .. ' bytes; the server uses ' ..
-            string.format('%.0f', used) .. ' of its maxmemory ' .. string.format('%.0f', max))
-    end
-  end
+  tds_room(allocated)
 end
 
 local grows, records = #allocate > 0, #allocate > 0
@@ -800,15 +791,7 @@ for _, op in ipairs(ops) do
   end
 end
 if ARGV[3] ~= '' then
-  redis.call('HSET', meta, 'schema', ARGV[3])
-  for name, value in string.gmatch(ARGV[4], '([%w:]+)=([%d%-]+)') do
-    if value == '-' then
-      redis.call('HDEL', meta, name)
-    else
-      redis.call('HSET', meta, name, value)
-    end
-  end
-  redis.call('HINCRBY', meta, 'version', 1)
+  tds_set_schema(meta, ARGV[3], ARGV[4])
 end
 if count_in_place then
   redis.call('HINCRBY', meta, 'tr', 1)
@@ -829,26 +812,14 @@ if ring_n > 0 then
     redis.call('PUBLISH', channel, 'w')
   end
 end
--- SET and RENAME drop a key's expiry: give new keys the header's deadline, so a store with a
--- time to live expires as a whole. The deadline is absolute: PEXPIRETIME where the server has it
--- (Redis 7); on Redis 6, whose clock moves inside a script, a PTTL read within one millisecond
--- of TIME (read again until it is) gives it to the millisecond.
--- (looked up only when some key may need it: an element write into existing keys skips it)
+-- SET and RENAME drop a key's expiry: new keys get the header's deadline (tds_deadline_of), so a
+-- store with a time to live expires as a whole (looked up only when some key may need it: an
+-- element write into existing keys skips it)
 local expiring = #allocate > 0 or #fresh > 0 or inv ~= nil
 for _, op in ipairs(ops) do
   expiring = expiring or op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O'
 end
-local at = expiring and redis.pcall('PEXPIRETIME', meta) or -1
-if type(at) ~= 'number' then
-  local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
-  local t0, t1, ttl
-  repeat
-    t0 = ms(redis.call('TIME'))
-    ttl = redis.call('PTTL', meta)
-    t1 = ms(redis.call('TIME'))
-  until t0 == t1
-  at = ttl > 0 and t0 + ttl or -1
-end
+local at = expiring and tds_deadline_of(meta) or -1
 if at > 0 then
   for _, op in ipairs(ops) do
     if op.kind == 'S' or op.kind == 'M' or op.kind == 'Z' or op.kind == 'C' or op.kind == 'O' then

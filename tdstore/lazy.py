@@ -27,6 +27,7 @@ from tdstore._front.lifecycle import LazyLifecycle
 from tdstore._front.reading import LazyReads
 from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
+from tdstore._ring import direct_extend as _direct
 from tdstore._ring.lazy_methods import ReplayMethods
 
 
@@ -144,7 +145,9 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             batchless=_batchless,
         )
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
-        if existing is not None:
+        if existing is None:  # made here: no ring write yet, so its first extend may go direct (_ring.direct_extend)
+            _direct.learn(engine, 0)
+        else:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
             if existing.kind != _kind:

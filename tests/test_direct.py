@@ -10,10 +10,12 @@ import pytest
 import redis
 import torch
 from conftest import Backend, ClusterBackend
+from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError
+from tdstore import LazyStackedTensorDictStore, StoreDamagedError, TensorDictStore
 from tdstore._ring import direct_extend as _direct
+from tdstore.server import EmbeddedServer
 
 pytestmark = pytest.mark.ring
 
@@ -51,6 +53,77 @@ def test_an_extend_goes_direct_and_wraps(ring, one_node):
     assert ring.write_count == 12
     assert ring.sample(64).td["tag"].min() >= 2
     assert asides(one_node.client(), ring) == []
+
+
+def test_the_first_extend_of_a_new_ring_goes_direct_and_allocates_its_keys(one_node):
+    """A ring made empty gets its schema and its keys from its first extend, in the same transaction:
+    the row block is allocated whole (zeros past the rows), listed in the inventory, and read back
+    as written by a handle that saw none of it."""
+    raw = one_node.client()
+    s = LazyStackedTensorDictStore(count=COUNT, **one_node.kwargs())
+    before = dict(_direct.outcomes)
+    got = s.extend(rows(0, 4))
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 1
+    assert got.indices.tolist() == [0, 1, 2, 3] and s.write_count == 4
+    keys = s._engine.keys
+    block = keys.data(s._engine.header.row[0])
+    assert raw.strlen(block) == COUNT * s._engine.header.row[1]
+    assert raw.hkeys(keys.inventory) == [block.encode()] and raw.hget(keys.meta, "na") == b"1"
+    assert raw.hget(keys.meta, "dw") is None and asides(raw, s) == []
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **one_node.kwargs())
+    assert tags(other) == [0, 1, 2, 3, 0, 0, 0, 0, 0, 0] and other.write_count == 4
+    assert other.get("obs")[3].tolist() == [3.0, 3.0, 3.0]
+    s.extend(rows(4, 2))  # direct again, into the keys it made
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 2 and tags(other)[:6] == list(range(6))
+
+
+def test_a_new_rings_first_extend_is_one_transaction(real):
+    s = TensorDictStore(batch_size=[COUNT], **real.kwargs())
+    assert round_trips(top_level_commands(real.client, lambda: s.extend(rows(0, 3)))) == ["transaction"]
+    assert s["tag"][:3].tolist() == [0, 1, 2]
+
+
+def test_a_first_extend_that_another_handle_beat_is_planned_again(one_node):
+    """Two handles give a new ring its first rows: the second one's schema was planned from the version
+    the first changed, so its 'open' refuses (nothing written, no key taken) and it writes through write.lua."""
+    raw = one_node.client()
+    first = LazyStackedTensorDictStore(count=COUNT, **one_node.kwargs())
+    second = LazyStackedTensorDictStore(count=COUNT, td_id=first.td_id, **one_node.kwargs())  # attached: cursor unknown
+    _direct.learn(second._engine, 0)  # as if it had made the store too
+    first.extend(rows(0, 3))
+    before = dict(_direct.outcomes)
+    second.extend(rows(100, 2))
+    assert _direct.outcomes["refused"] == before.get("refused", 0) + 1
+    assert tags(first)[:5] == [0, 1, 2, 100, 101] and first.write_count == 5
+    assert asides(raw, first) == [] and raw.hget(first._engine.keys.meta, "na") == b"1"
+
+
+def test_a_first_extend_gives_its_keys_the_stores_deadline(real):
+    raw = real.client()
+    s = LazyStackedTensorDictStore(count=COUNT, ttl=600, **real.kwargs())
+    s.extend(rows(0, 2))
+    keys = s._engine.keys
+    pipe = raw.pipeline(transaction=True)  # one EXEC: the three are read within a millisecond (Redis 6 has no PEXPIRETIME)
+    for k in (keys.meta, keys.data(s._engine.header.row[0]), keys.inventory):
+        pipe.pttl(k)
+    header, block, inventory = pipe.execute()
+    assert header > 0 and abs(block - header) <= 1 and abs(inventory - header) <= 1
+
+
+def test_a_first_extend_past_maxmemory_is_refused_before_writing():
+    """The keys the first rows need would take the server past its maxmemory: 'open' refuses, nothing
+    is allocated or written, and the same extend goes in once there is room."""
+    with EmbeddedServer(extra_args=["--maxmemory", "24mb"]) as srv:
+        raw = srv.client()
+        raw.setrange("someone-else", (12 << 20) - 1, b"\0")  # the server holds 12 MiB of other data
+        s = LazyStackedTensorDictStore(count=1 << 20, segment_bytes=64 << 20, url=srv.url, prefix="p")  # a 16 MiB row block
+        with pytest.raises(MemoryError, match="maxmemory"):
+            s.extend(rows(0, 2))
+        assert [k for k in raw.keys("p:*") if b":d:" in k or k.endswith(b":w")] == []
+        assert raw.hget(s._engine.keys.meta, "rw") is None
+        raw.delete("someone-else")
+        s.extend(rows(0, 2))
+        assert s.write_count == 2 and s.get("tag")[:3].tolist() == [0, 1, 0]
 
 
 def test_a_write_found_after_another_writer_goes_through_write_lua(ring, one_node):

@@ -198,8 +198,9 @@ def send_twice(store: LazyStackedTensorDictStore, seen: list[tuple[Any, Any]], m
             return plain_send(engine_, head, writes, tail, load)
         first = plain_send(engine_, head, writes, tail, load)
         second = plain_send(engine_, head, writes, tail)
+        assert first[0][0] == b"GO" and first[-1] == [b"OK"], first
         assert second[0][0] == b"DONE" and second[-1] == [b"NO"], second
-        seen.append((first[-1], [b"OK", *second[0][1:]]))
+        seen.append(([b"OK", *first[0][1:]], [b"OK", *second[0][1:]]))
         return second
 
     monkeypatch.setattr(_direct, "_send", send)

@@ -39,6 +39,17 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
     return table.__getitem__
 
 
+def first_keys(engine: Engine, h: Header, new_header: Header, ops: list[list[Any]], kt: KeyTable) -> Header:
+    """``new_header`` with its segment length fixed when it gives a store created empty its first keys
+    (which say how large it may grow), after refusing a store that cannot fit the server; else as it is."""
+    if h.seg or h.leaves or not new_header.leaves:
+        return new_header
+    sizes = _writes.first_element_sizes(engine.keys, new_header, ops, kt)
+    new_header = replace(new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), engine.segment_size))
+    engine.check_room(new_header, sum(mean for mean, _ in sizes))
+    return new_header
+
+
 def write_call(
     engine: Engine,
     plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]],
@@ -52,13 +63,8 @@ def write_call(
     leaves goes into ``state["new"]`` for the reply's parse."""
     kt = engine.key_table(h)
     new_header, ops, touched = plan(h, kt)
-    if new_header is not None and not h.seg and not h.leaves and new_header.leaves:
-        # the first keys of a store created empty fix its segment length, and say how large it may grow
-        sizes = _writes.first_element_sizes(engine.keys, new_header, ops, kt)
-        new_header = replace(
-            new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), engine.segment_size)
-        )
-        engine.check_room(new_header, sum(mean for mean, _ in sizes))
+    if new_header is not None:
+        new_header = first_keys(engine, h, new_header, ops, kt)
     if h.row is not None and new_header is not None and new_header.row is None:
         ops = [*ops, Write.D(kt.ref(engine.keys.data(h.row[0])))]  # the block's last leaf left it
     if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit

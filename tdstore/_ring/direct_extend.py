@@ -2,20 +2,22 @@
 
 A row argument of a script costs the server about 1.2 us per KiB to become a Lua string
 (``write.lua`` spends 0.3 ms of a 500-row extend of 150 KB on it), against a few
-microseconds for ``SETRANGE``. An ``extend`` whose rows go to existing homogeneous keys
-(the row block, or blobs of their own) of a single-segment store without a sampling policy
-is sent instead as one transaction, in one round trip::
+microseconds for ``SETRANGE``. An ``extend`` whose rows go to homogeneous keys (the row
+block, or blobs of their own) of a single-segment store without a sampling policy is sent
+instead as one transaction, in one round trip::
 
     MULTI, EVALSHA direct 'open', SETRANGE K:w ..., EVALSHA direct 'close', EXEC
 
 'open' checks what ``write.lua`` checks (the request id, the schema versions, the key sizes)
 and that the ring cursor is where this handle expects it (the slots of the rows follow from
-it), then moves each data key K to K:w; the rows go there, and 'close' moves the keys back
-and advances the cursor. Everything runs in one ``EXEC``: a reader never sees a row without
-its cursor, nor a key away. When 'open' refuses, the rows hit a hash and write nothing, and
-the write goes through ``write.lua`` (the cursor moved: another writer got in first; a key
-to allocate; a stale schema...). A handle that keeps finding the cursor moved (several
-writers) sends through ``write.lua`` directly for a while, then tries again.
+it), advances the cursor, records the request and moves each data key K to K:w; the rows go
+there, and 'close' moves the keys back. Everything runs in one ``EXEC``: a reader never sees a
+row without its cursor, nor a key away. The first extend of a ring this handle made (cursor 0,
+no keys yet) goes the same way: 'open' also swaps in the schema its rows create and allocates
+the keys. When 'open' refuses, the rows hit a hash and write nothing, and the write goes
+through ``write.lua`` (the cursor moved: another writer got in first; a stale schema; a lost
+key...). A handle that keeps finding the cursor moved (several writers) sends through
+``write.lua`` directly for a while, then tries again.
 """
 
 from __future__ import annotations
@@ -94,17 +96,18 @@ def usable(engine: Any, h: Header) -> bool:
         st.skip -= 1
         outcomes["skipped"] += 1
         return False
-    return not h.spread and h.segments.n == 1 and h.sampling is None and bool(h.leaves)
+    # a store without keys yet: its first write creates them (direct when the store keeps an inventory)
+    return not h.spread and h.segments.n == 1 and h.sampling is None and (bool(h.leaves) or h.tracked)
 
 
 def _aside_writes(
     engine: Any, kt: Any, ops: list[list[Any]], count: int, s0: int, n: int
 ) -> tuple[list[str], list[int], list[tuple[str, int, memoryview]]]:
-    """The keys of a direct ring write (the header, the reply cache, then each leaf's blob and its aside
-    key), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into the aside keys
-    (two per leaf when the rows wrap around the ring)."""
+    """The keys of a direct ring write (the header, the inventory, the reply cache, then each leaf's blob
+    and its aside key), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into
+    the aside keys (two per leaf when the rows wrap around the ring)."""
     first = min(n, count - s0)
-    keys: list[str] = [engine.keys.meta, engine.keys.replies]
+    keys: list[str] = [engine.keys.meta, engine.keys.inventory, engine.keys.replies]
     sizes: list[int] = []
     writes: list[tuple[str, int, memoryview]] = []
     for op in ops:
@@ -121,24 +124,31 @@ def _aside_writes(
     return keys, sizes, writes
 
 
-def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[Leaf], n: int, request: str) -> int | None:
+def extend(
+    engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[Leaf], n: int, request: str, new_header: Header | None = None
+) -> int | None:
     """Send the planned ring write ``ops`` (a 'W' op, then 'X' ops) direct; the slot of its first
-    row (the cursor before it), or None when it must go through ``write.lua``."""
+    row (the cursor before it), or None when it must go through ``write.lua``. ``new_header``: the
+    schema the write gives a store without keys (its first keys, allocated by 'open')."""
     st = _state(engine)
     assert st.rw is not None
     if not ops or ops[0][0] != Write.W.marker or any(op[0] != Write.X.marker for op in ops[1:]):
         return None
     rw = st.rw
-    count = h.count
+    after = new_header or h
+    count = after.count
     s0 = rw % count
     keys, sizes, writes = _aside_writes(engine, kt, ops[1:], count, s0, n)
     if not writes:
         return None
-    channel = engine.keys.events
+    if new_header is None:
+        check, schema = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(touched)], ["", ""]
+    else:  # a schema change is planned from the exact version it replaces, as write.lua's are
+        check, schema = [f"{h.epoch}:V{h.version}", ""], [new_header.schema_json(), new_header.version_fields(h)]
     sha = _scripts.script_source("direct")[1]
     nk = len(keys)
-    head = ["EVALSHA", sha, nk, *keys, "open", request, rw, n, f"{h.epoch}:K{h.keyset_version}", leaf_checks(touched), *sizes]
-    tail = ["EVALSHA", sha, nk, *keys, "close", request, rw, n, channel]
+    head = ["EVALSHA", sha, nk, *keys, "open", request, rw, n, *check, *schema, engine.keys.events, *sizes]
+    tail = ["EVALSHA", sha, nk, *keys, "close", request]
     try:
         replies = _send(engine, head, writes, tail, load=not st.loaded)
         if replies is None:  # a cluster slot that moved, a node away: write.lua follows redirects
@@ -152,7 +162,7 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
         if isinstance(err, redis.exceptions.NoScriptError):
             # neither end ran: the rows went to the aside keys only, which nothing reads
             # (a server restarted, or its scripts flushed, since this handle loaded it)
-            engine.execute(engine.client, "DEL", *keys[3::2])
+            engine.execute(engine.client, "DEL", *keys[4::2])
             st.loaded = False
             _LOADED_ON.discard(_server(engine) or "")
             return None
@@ -169,11 +179,13 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
     if status == b"GO":
         if not (isinstance(closed, list) and closed and closed[0] == b"OK"):
             raise _scripts.ServerScriptError(f"unexpected reply {closed!r} from direct.lua close")
+        _adopt(engine, new_header, opened[1])
         st.rw = rw + n
         st.backoff = _FIRST_SKIP
         outcomes["direct"] += 1
         return rw
     if status == b"DONE":  # a resend of a write that went in: its first reply
+        _adopt(engine, new_header, opened[1])
         start = int(opened[2][1:]) if opened[2][:1] == b"W" else int(opened[2])
         st.rw = start + n
         return start
@@ -190,6 +202,17 @@ def extend(engine: Any, h: Header, kt: Any, ops: list[list[Any]], touched: list[
     if status == b"GONE":
         raise engine.gone()
     return None  # 'SCRIPT': write.lua allocates, names a lost key, or applies the policy
+
+
+def _adopt(engine: Any, new_header: Header | None, version: bytes) -> None:
+    """After a write that gave the store its first keys: the schema it made, when the server's version
+    is still the one it set (else a later change came first: the header is read again)."""
+    if new_header is None:
+        return
+    if version == str(new_header.version).encode():
+        engine.set_header(new_header)
+    else:
+        engine.set_header(engine.fetch_header())
 
 
 #: A row run at least this long is sent as it is, not copied into one buffer with the commands around it.

@@ -32,6 +32,7 @@ from tensordict import TensorDictBase
 
 from tdstore._engine import deadline as _deadline
 from tdstore._engine.engine import Engine, request_id
+from tdstore._engine.write_call import first_keys
 from tdstore._errors import DenseShapeError
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
@@ -323,9 +324,13 @@ def _extend_direct(engine: Engine, plan: Callable[[Header, KeyTable], Any], n: i
     kt = engine.key_table(h)
     new_header, ops, touched = plan(h, kt)
     if new_header is not None:
-        return None
+        if h.leaves or not h.tracked:  # a schema change of a store with keys: write.lua's
+            return None
+        new_header = first_keys(engine, h, new_header, ops, kt)  # the first keys, allocated by direct.lua 'open'
+        if new_header.segments.n != 1:
+            return None
     with engine.naming_errors():
-        return _direct.extend(engine, h, kt, ops, touched, n, request)
+        return _direct.extend(engine, h, kt, ops, touched, n, request, new_header)
 
 
 @_deadline.honours_timeout("extend")
