@@ -115,7 +115,8 @@ def split(rows: torch.Tensor | np.ndarray, grouped: list[Leaf]) -> dict[NestedPa
 def join(width: int, columns: list[tuple[Leaf, np.ndarray]]) -> np.ndarray:
     """Rows ``(n, width)`` uint8 with each ``(leaf, data (n, element bytes))`` at its column (dead gaps zero)."""
     n = columns[0][1].shape[0]
-    rows = np.zeros((n, width), dtype=np.uint8)
+    whole = sum(data.shape[1] for _, data in columns) == width  # no dead gap to zero
+    rows = (np.empty if whole else np.zeros)((n, width), dtype=np.uint8)
     for leaf, data in columns:
         col = leaf.col
         assert col is not None  # a grouped leaf

@@ -52,7 +52,12 @@ def _bulk(value: bytes) -> bytes:
 
 def pack(*args: bytes | str | int, encoding: tuple[str, str] = ("utf-8", "strict")) -> bytes:
     """One command in RESP (bytes, str in ``encoding`` (name, errors) as the client encodes it, int in decimal)."""
-    parts = [b"*%d\r\n" % len(args)]
+    return b"*%d\r\n%b" % (len(args), pack_args(*args, encoding=encoding))
+
+
+def pack_args(*args: bytes | str | int, encoding: tuple[str, str] = ("utf-8", "strict")) -> bytes:
+    """``args`` as RESP bulk strings, without the array header: part of a command (see :func:`pack`)."""
+    parts = []
     for a in args:
         if isinstance(a, str):
             a = a.encode(*encoding)

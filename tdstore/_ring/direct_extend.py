@@ -215,6 +215,22 @@ def _adopt(engine: Any, new_header: Header | None, version: bytes) -> None:
         engine.set_header(engine.fetch_header())
 
 
+#: The packed ``EVALSHA sha numkeys keys...`` of recent direct writes: the same for every write of a handle.
+_PREFIXES: dict[tuple[Any, ...], bytes] = {}
+
+
+def _pack_call(call: list[Any], enc: tuple[str, str]) -> bytes:
+    """``call`` (``EVALSHA``, sha, number of keys, keys, args) in RESP, its ``EVALSHA`` through the keys packed once."""
+    fixed = 3 + int(call[2])
+    cache_key = (*call[:fixed], *enc)
+    prefix = _PREFIXES.get(cache_key)
+    if prefix is None:
+        if len(_PREFIXES) >= 256:
+            _PREFIXES.clear()
+        prefix = _PREFIXES[cache_key] = _wire.pack_args(*call[:fixed], encoding=enc)
+    return b"*%d\r\n%b%b" % (len(call), prefix, _wire.pack_args(*call[fixed:], encoding=enc))
+
+
 #: A row run at least this long is sent as it is, not copied into one buffer with the commands around it.
 _BIG = 32 * 1024
 
@@ -242,13 +258,13 @@ def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]
     ``load``: the script's text goes first inside the transaction (SCRIPT LOAD), so the EVALSHAs after it find it."""
     text = _scripts.script_source("direct")[0]
     enc = engine._key_encoding
-    parts: list[Any] = [_wire.MULTI, *([_wire.pack("SCRIPT", "LOAD", text)] if load else []), _wire.pack(*head, encoding=enc)]
+    parts: list[Any] = [_wire.MULTI, *([_wire.pack("SCRIPT", "LOAD", text)] if load else []), _pack_call(head, enc)]
     for key, offset, data in writes:
         k = key.encode(*enc)
         parts.append(b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (len(k), k, len(str(offset)), offset, len(data)))
         parts.append(data)
         parts.append(b"\r\n")
-    parts += [_wire.pack(*tail, encoding=enc), _wire.EXEC]
+    parts += [_pack_call(tail, enc), _wire.EXEC]
     n_commands = len(writes) + 2 + load
 
     def send(conn: Any) -> Any:

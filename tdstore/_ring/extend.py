@@ -140,9 +140,15 @@ def _plan_leaf_rows(
     shape becomes heterogeneous, in the same call, as ``store[i] = td`` does.
     """
     keys = engine.keys
-    dk, ok, sk = keys.data(number), keys.offsets(number), keys.shapes(number)
+    dk = keys.data(number)
     ops: list[list[Any]] = []
     changed = False
+    if isinstance(rows, torch.Tensor) and not json and leaf is not None and not leaf.json and not leaf.het:
+        # the common case first: rows for an existing homogeneous leaf, of its element shape
+        check_dtype(path, rows, leaf.dtype)
+        if rows.shape[1:] == leaf.shape:
+            return leaf, [_row_op(kt, engine, h, leaf, _codec.to_bytes(rows))], False
+    ok, sk = keys.offsets(number), keys.shapes(number)
     if json or (leaf is not None and leaf.json):
         if not json or (leaf is not None and not leaf.json):
             raise TypeError(
@@ -302,6 +308,9 @@ def _plan_rows(
         )
         leaves[path] = new_leaf
         changed |= ch
+        if len(ops) == 1 and not ch:  # the common case: one op writing the rows of an existing leaf
+            post.append(ops[0])
+            continue
         pre += [op for op in ops if write_kind(op) in _WHOLE_KEY_OPS]
         post += [op for op in ops if write_kind(op) not in _WHOLE_KEY_OPS]
     if len(leaves) != len(h.leaves):
@@ -344,7 +353,6 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     items = leaves_of(value, h0.stack_pos)
     if not items:
         raise ValueError("extend got a batch with no keys")
-    sub = subtree_dims(value, value.batch_dims) if isinstance(value, TensorDictBase) else None  # for keys the first extend creates
     prios = ""
     if priority is not None:
         prios = _policy.format_priorities(_sampling.priority_values(priority, n, policy=_sampling.policy_of(engine), slots=h0.count))
@@ -355,6 +363,9 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
+        # the nested sub-trees' batch dims, for keys the write creates (a store's first extend)
+        new_keys = isinstance(value, TensorDictBase) and any(p not in h.leaves for p in items)
+        sub = subtree_dims(value, value.batch_dims) if new_keys else None
         new_header, ops, touched = _plan_rows(engine, h, kt, items, n, Write.W(n, channel), ring=True, sub=sub)
         if h.sampling is not None and h.sampling.prioritized:
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
