@@ -40,7 +40,7 @@ def asides(raw: redis.Redis, s: LazyStackedTensorDictStore) -> list[bytes]:
 @pytest.fixture
 def ring(one_node: Backend) -> LazyStackedTensorDictStore:
     s = LazyStackedTensorDictStore(count=COUNT, **one_node.kwargs())
-    s.extend(rows(0, 4))  # creates the keys (write.lua); the handle now knows the cursor
+    s.extend(rows(0, 4))  # creates the schema and the keys (direct, as the handle made the store)
     return s
 
 

@@ -342,9 +342,11 @@ def test_prioritized_sampler_keeps_the_tree_on_the_server(real):
 
 
 def test_extend_and_sample_are_one_round_trip(real):
+    replay_buffer(64, batch_size=16, **real.kwargs()).extend(rows(0, 8))  # the scripts are on the server now
     rb = replay_buffer(64, batch_size=16, **real.kwargs())
-    rb.extend(rows(0, 8))
-    # the first extend creates the keys (write.lua); the next go as one transaction (rows as SETRANGEs, see _direct)
+    # the first extend opens the connection and creates the store, then writes the rows, the schema they
+    # make and the keys they need as one transaction (rows as SETRANGEs, see _direct); the next ones too
+    assert round_trips(top_level_commands(real.client, lambda: rb.extend(rows(0, 8)))) == ["hello", "evalsha", "transaction"]
     assert round_trips(top_level_commands(real.client, lambda: rb.extend(rows(8, 8)))) == ["transaction"]
     assert round_trips(top_level_commands(real.client, lambda: rb.add(rows(16, 1)[0]))) == ["transaction"]
     rb.sample()  # a sampler's first batch reads the written length first
