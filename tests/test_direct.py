@@ -180,6 +180,37 @@ def test_bad_input_raises_before_anything_is_written(ring):
     assert ring.write_count == 4 and tags(ring)[:4] == [0, 1, 2, 3]
 
 
+def test_a_batch_that_fits_the_row_block_skips_the_general_planner(ring, monkeypatch):
+    """A batch giving every key of the row block as a plain tensor of its dtype and shape is planned by
+    the row block's own path; anything else (a dtype, a shape, a key missing or new, a tensor subclass)
+    goes to the general planner, which words the error or plans the schema change."""
+    from tdstore._ring import extend as _extend
+
+    general = _extend._plan_rows
+    planned: list[int] = []
+
+    def counting(*args, **kwargs):
+        planned.append(1)
+        return general(*args, **kwargs)
+
+    monkeypatch.setattr(_extend, "_plan_rows", counting)
+    ring.extend(rows(4, 3))
+    assert planned == [] and tags(ring)[4:7] == [4, 5, 6]
+    other_dtype, missing, subclass, other_shape = (rows(7, 2) for _ in range(4))
+    other_dtype["tag"] = other_dtype["tag"].to(torch.int32)
+    del missing["tag"]
+    for batch in (other_dtype, missing):
+        with pytest.raises((TypeError, KeyError)):
+            ring.extend(batch)
+    assert len(planned) == 2 and ring.write_count == 7
+    subclass["obs"] = torch.nn.Parameter(subclass["obs"], requires_grad=False)
+    ring.extend(subclass)
+    assert len(planned) == 3 and tags(ring)[7:9] == [7, 8]
+    other_shape["obs"] = torch.zeros(2, 4)
+    ring.extend(other_shape)  # a lazy store's key of another shape turns heterogeneous: a schema change
+    assert len(planned) >= 4 and ring.get("obs", as_list=True)[0].shape == (4,) and ring.write_count == 11
+
+
 def test_a_store_with_a_sampling_policy_goes_through_write_lua(ring):
     ring.set_rate_limit(min_size=1, samples_per_insert=100.0, error_buffer=1e9)
     before = dict(_direct.outcomes)

@@ -23,6 +23,7 @@ maps them onto the written slots it sees, so the batch only holds written slots.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -324,12 +325,65 @@ def _plan_rows(
     return new_header, [*pre, head, *post], touched
 
 
-def _extend_direct(engine: Engine, plan: Callable[[Header, KeyTable], Any], n: int, request: str) -> int | None:
+class _BlockRows(NamedTuple):
+    """What a ring write of a store whose every key lives in the row block needs of its header (see :func:`_block_plan`)."""
+
+    grouped: tuple[Leaf, ...]  # by column
+    kt: KeyTable  # the header, the inventory if kept, the row block
+    block: int  # the row block's index in ``kt``
+
+
+#: Per handle: the header it last wrote with, and that header's row block (None: a key outside the block).
+_BLOCKS: weakref.WeakKeyDictionary[Engine, tuple[Header, _BlockRows | None]] = weakref.WeakKeyDictionary()
+
+
+def _block_rows(engine: Engine, h: Header) -> _BlockRows | None:
+    cached = _BLOCKS.get(engine)
+    if cached is not None and cached[0] is h:
+        return cached[1]
+    grouped = tuple(h.grouped())
+    fits = h.row is not None and h.stack_pos == 0 and len(grouped) == len(h.leaves)
+    fits = fits and all(not leaf.het and not leaf.json and leaf.element_nbytes > 0 for leaf in grouped)
+    out = None
+    if fits:
+        assert h.row is not None
+        kt = engine.key_table(h)
+        out = _BlockRows(grouped, kt, kt.ref(engine.keys.data(h.row[0])))
+    _BLOCKS[engine] = (h, out)
+    return out
+
+
+def _block_plan(engine: Engine, h: Header, items: dict[NestedPath, Any], n: int) -> tuple[KeyTable, list[list[Any]], list[Leaf]] | None:
+    """The plan of a ring write (``_plan_rows``'s ops: 'W', then one 'X' of whole rows) when every key of the
+    store is a column of the row block and the batch gives each one as a plain tensor of its leaf's dtype
+    and element shape, rows first: the common write, planned without the general planner. None for anything
+    else, which the general planner plans (and words the error of)."""
+    b = _block_rows(engine, h)
+    if b is None or len(items) != len(b.grouped):
+        return None
+    assert h.row is not None
+    columns = []
+    for leaf in b.grouped:
+        t = items.get(leaf.path)
+        if t.__class__ is not torch.Tensor or t.dtype != leaf.dtype or t.shape[0] != n or t.shape[1:] != leaf.shape:
+            return None
+        columns.append((leaf, np.frombuffer(_codec.to_bytes(t), dtype=np.uint8).reshape(n, -1)))
+    rows = _rows.join(h.row[1], columns)
+    return b.kt, [Write.W(n, engine.keys.events), Write.X(b.block, h.row[1], rows.data.cast("B"))], list(b.grouped)
+
+
+def _extend_direct(
+    engine: Engine, plan: Callable[[Header, KeyTable], Any], n: int, request: str, items: dict[NestedPath, Any]
+) -> int | None:
     """The first slot of an extend sent with its rows as plain SETRANGEs (``_ring.direct_extend``), or None when it
     goes through ``write.lua`` (planned there again: bad input raises here, before anything is sent)."""
     h = engine.header
     if not _direct.usable(engine, h):
         return None
+    fast = _block_plan(engine, h, items, n)
+    if fast is not None:
+        with engine.naming_errors():
+            return _direct.extend(engine, h, *fast, n, request)
     kt = engine.key_table(h)
     new_header, ops, touched = plan(h, kt)
     if new_header is not None:
@@ -374,7 +428,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         return new_header, ops, touched
 
     request = request_id()  # one per extend, sent with every attempt: a resend never writes twice
-    start = _extend_direct(engine, plan, n, request) if not prios else None
+    start = _extend_direct(engine, plan, n, request, items) if not prios else None
     if start is not None:
         h = engine.header
     else:

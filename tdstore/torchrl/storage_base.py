@@ -5,9 +5,10 @@ buffer), and what torchrl asks of a ``TensorStorage`` about it (length, shape, c
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -91,9 +92,23 @@ def _flip(items: list) -> Any:
         raise ValueError(f"StoreStorage: the list's items cannot be stacked leaf by leaf: {err}") from None
 
 
-#: What reaches the server runs outside ``torch.compile``'s graphs (torch.compile through a buffer on this
-#: storage graph-breaks at the storage, as torchrl's own storages do around their shared counters).
-_eager = torch.compiler.disable
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    """``fn`` run outside ``torch.compile``'s graphs: what reaches the server (torch.compile through a
+    buffer on this storage graph-breaks at the storage, as torchrl's own storages do around their shared
+    counters). ``torch.compiler.disable``'s wrapper costs a few microseconds per call, several times per
+    ``extend`` (the storage's methods call each other), so outside a compiled region ``fn`` runs as it is."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return cast(_F, call)
 
 
 def _from_the_end(index: Any) -> bool:
