@@ -130,3 +130,11 @@ def test_bench_help_names_its_command_and_no_issue() -> None:
     direct = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert direct.returncode == 0 and direct.stdout.startswith("usage: python -m tools.bench ")
     assert "issue" not in direct.stdout.lower()
+    # the arguments are parsed before torch is imported: --help answers at once
+    code = (
+        "import runpy, sys\nsys.argv = ['bench', '--help']\n"
+        "try:\n    runpy.run_module('tools.bench', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'tensordict' not in sys.modules, 'imported'\n"
+    )
+    light = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert light.returncode == 0, light.stderr[-2000:]

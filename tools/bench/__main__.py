@@ -47,18 +47,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import redis
-import tensordict
-import torch
-
-import tdstore
-from tools.bench.measure import Target, open_target
-from tools.bench.report import HEADER, print_table
-from tools.bench.runner import Runner
-from tools.bench.workload import OPERATIONS, RefLazy, Settings, make_settings
+# torch, tensordict and the benchmark's modules are imported once the arguments are parsed: ``--help``
+# and a bad argument answer at once instead of after seconds of imports
+if TYPE_CHECKING:
+    from tools.bench.measure import Target
+    from tools.bench.workload import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,6 +75,13 @@ def _git_commit() -> str | None:
 
 def environment(target: Target, settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
     """Versions and settings, so that two JSON files can be compared."""
+    import redis
+    import tensordict
+    import torch
+
+    import tdstore
+    from tools.bench.workload import OPERATIONS, RefLazy
+
     return {
         "argv": list(argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -142,6 +145,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 when tdstore and the raw floor ran every operation, else 1."""
     args = parse_args(argv)
+    from tools.bench.measure import open_target
+    from tools.bench.report import HEADER, print_table
+    from tools.bench.runner import Runner
+    from tools.bench.workload import make_settings
+
     settings = make_settings(args)
     t_start = time.monotonic()
     with open_target(args, settings) as target:
