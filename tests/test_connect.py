@@ -29,3 +29,38 @@ def _check_handshake(srv: EmbeddedServer) -> None:
     assert conn.driver_info is not None  # the connection's settings are back after the handshake
     store.clear_redis()
     store.close()
+
+
+def test_stores_of_one_process_share_a_client_and_reuse_its_connections() -> None:
+    """Stores opened with the same settings share one client: a new store takes a connection another one
+    gave back instead of connecting again; other settings (a database, a password) get a client of their
+    own, and the client goes with the last store using it."""
+    import gc
+    import weakref
+
+    with EmbeddedServer() as srv:
+        raw = srv.client()
+
+        def connections() -> int:
+            return int(raw.info("stats")["total_connections_received"])
+
+        first = TensorDictStore(batch_size=[4], url=srv.url)
+        first["x"] = torch.zeros(4, 2)
+        client = first._store.stack_ops.engine.client
+        second = TensorDictStore(batch_size=[4], url=srv.url)
+        assert second._store.stack_ops.engine.client is client
+        other_db = TensorDictStore(batch_size=[4], url=srv.url + ("?db=1" if srv.url.startswith("unix") else "/1"))
+        assert other_db._store.stack_ops.engine.client is not client
+        second["x"] = torch.ones(4, 2)
+        first.close()  # its connection goes back to the shared pool: the next store takes it
+        before = connections()
+        third = TensorDictStore(batch_size=[4], url=srv.url)
+        third["x"] = torch.full((4, 2), 3.0)
+        assert connections() == before
+        assert first["x"].sum() == 0 and second["x"].sum() == 8 and third["x"].sum() == 24  # the closed one reconnects
+        ref = weakref.ref(client)
+        for store in (first, second, third):
+            store.clear_redis()
+        del first, second, third, store, client
+        gc.collect()
+        assert ref() is None

@@ -380,7 +380,11 @@ def open_client(
     )
     if spec.cluster and (spec.unix_socket_path or spec.db):
         raise ValueError("a Redis Cluster is reached over TCP, database 0")
-    return spec.connect(password, secrets), spec, True
+    if spec.cluster:
+        return spec.connect(password, secrets), spec, True
+    from tdstore._engine.shared_clients import shared_client
+
+    return shared_client(spec, password, secrets), spec, False
 
 
 #: The settings of a caller's client that a store's own clients copy (the rest are redis-py's defaults).
