@@ -38,6 +38,24 @@ local function tds_now_ms()
   return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
 
+-- The absolute deadline (Unix ms) of the store whose header is 'meta', -1 for none (-2: no header):
+-- new keys get it, so a store with a time to live expires as a whole (SET drops a key's expiry).
+-- PEXPIRETIME where the server has it (Redis 7); on Redis 6, whose clock moves inside a script,
+-- a PTTL read within one millisecond of TIME (read again until it is) gives it to the millisecond.
+local function tds_deadline_of(meta)
+  local at = redis.pcall('PEXPIRETIME', meta)
+  if type(at) == 'number' then
+    return at
+  end
+  local t0, t1, ttl
+  repeat
+    t0 = tds_now_ms()
+    ttl = redis.call('PTTL', meta)
+    t1 = tds_now_ms()
+  until t0 == t1
+  return ttl > 0 and t0 + ttl or -1
+end
+
 -- Whether the header 'meta' stands for a store that a whole-store call cut in batches left
 -- half-done (lua/README.md, "Whole-store calls in batches"): a tombstone (state 'deleting':
 -- clear.lua deletes the keys batch by batch, the header last), or a header whose field 'xd'
@@ -517,17 +535,9 @@ local function tds_remember(req, decision)
   redis.call('HSET', key, slot, req.rid .. ' ' .. #decision, req.rid, decision, '#', string.format('%.0f', n),
              '#o', string.format('%.0f', oldest), '#b', string.format('%.0f', bytes))
   if n == 1 then
-    local at = redis.pcall('PEXPIRETIME', KEYS[1])
-    if type(at) == 'number' then
-      if at > 0 then
-        redis.call('PEXPIREAT', key, at)
-      end
-    else  -- Redis 6: no PEXPIRETIME; the header's deadline from its time to live, as tds_expire_keys gives new keys
-      local ttl = redis.call('PTTL', KEYS[1])
-      if ttl > 0 then
-        local now = redis.call('TIME')
-        redis.call('PEXPIREAT', key, tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + ttl)
-      end
+    local at = tds_deadline_of(KEYS[1])
+    if at > 0 then
+      redis.call('PEXPIREAT', key, at)
     end
   end
 end
@@ -618,24 +628,6 @@ local function tds_ttl_end(meta, deadline)
   end
 end
 
--- The absolute deadline (Unix ms) of the store whose header is 'meta', -1 for none: new keys
--- get it, so a store with a time to live expires as a whole (SET drops a key's expiry).
--- PEXPIRETIME where the server has it (Redis 7); on Redis 6, whose clock moves inside a script,
--- a PTTL read within one millisecond of TIME (read again until it is) gives it to the millisecond.
-local function tds_deadline_of(meta)
-  local at = redis.pcall('PEXPIRETIME', meta)
-  if type(at) == 'number' then
-    return at
-  end
-  local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
-  local t0, t1, ttl
-  repeat
-    t0 = ms(redis.call('TIME'))
-    ttl = redis.call('PTTL', meta)
-    t1 = ms(redis.call('TIME'))
-  until t0 == t1
-  return ttl > 0 and t0 + ttl or -1
-end
 
 -- Raise 'TDSTORE out of memory' (before any write) when 'allocated' more bytes would take a
 -- server that does not evict past its maxmemory: Redis checks maxmemory only when a script

@@ -32,6 +32,7 @@ import redis
 from redis.connection import SSLConnection, parse_url
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine.shared_clients import shared_client
 from tdstore._format import wire as _wire
 
 _HIREDIS_PACK: Any = None
@@ -382,9 +383,9 @@ def open_client(
         raise ValueError("a Redis Cluster is reached over TCP, database 0")
     if spec.cluster:
         return spec.connect(password, secrets), spec, True
-    from tdstore._engine.shared_clients import shared_client
-
-    return shared_client(spec, password, secrets), spec, False
+    # the password the client will log in with (given, else the rule's): the shared client is keyed on it
+    login = password if password is not None else default_password(spec.password_provider)
+    return shared_client(spec, login, secrets), spec, False
 
 
 #: The settings of a caller's client that a store's own clients copy (the rest are redis-py's defaults).

@@ -26,11 +26,8 @@ _LOCK = threading.Lock()
 
 
 def shared_client(spec: ConnectionSpec, password: str | None, secrets: dict[str, Any]) -> redis.Redis:
-    """The client of this process for ``spec`` with this password and these secrets; made when there is none."""
-    from tdstore._engine.connection import default_password
-
-    if password is None:
-        password = default_password(spec.password_provider)
+    """The client of this process for ``spec`` logging in with ``password`` (None: none) and these
+    secrets; made when there is none."""
     key = (spec.describe(), spec.ssl, tuple(sorted(spec.kwargs.items())), password, tuple(sorted(secrets.items())))
     try:
         hash(key)

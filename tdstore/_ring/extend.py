@@ -141,15 +141,9 @@ def _plan_leaf_rows(
     shape becomes heterogeneous, in the same call, as ``store[i] = td`` does.
     """
     keys = engine.keys
-    dk = keys.data(number)
+    dk, ok, sk = keys.data(number), keys.offsets(number), keys.shapes(number)
     ops: list[list[Any]] = []
     changed = False
-    if isinstance(rows, torch.Tensor) and not json and leaf is not None and not leaf.json and not leaf.het:
-        # the common case first: rows for an existing homogeneous leaf, of its element shape
-        check_dtype(path, rows, leaf.dtype)
-        if rows.shape[1:] == leaf.shape:
-            return leaf, [_row_op(kt, engine, h, leaf, _codec.to_bytes(rows))], False
-    ok, sk = keys.offsets(number), keys.shapes(number)
     if json or (leaf is not None and leaf.json):
         if not json or (leaf is not None and not leaf.json):
             raise TypeError(
@@ -227,6 +221,12 @@ def _row_op(kt: KeyTable, engine: Engine, h: Header, leaf: Leaf, data: Any) -> l
     return Write.K(kt.ref(engine.keys.data(h.row[0])), leaf.element_nbytes, h.row[1], leaf.col, data)
 
 
+def _block_op(block: int, width: int, columns: list[tuple[Leaf, np.ndarray]]) -> list[Any]:
+    """The 'X' op writing whole rows of the row block (KEYS index ``block``, ``width`` bytes per row): the
+    columns ``(leaf, data (n, element bytes))`` joined."""
+    return Write.X(block, width, _rows.join(width, columns).data.cast("B"))
+
+
 def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[Any]]) -> list[list[Any]]:
     """``ops`` with the 'K' ops of every live column of the block (a ring write) joined into one 'X' op of whole rows."""
     assert h.row is not None
@@ -235,8 +235,8 @@ def _whole_rows(kt: KeyTable, engine: Engine, h: Header, n: int, ops: list[list[
     grouped = h.grouped()
     if sorted(by_col) != [leaf.col for leaf in grouped]:
         return ops
-    rows = _rows.join(width, [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped])
-    return [op for op in ops if op[0] != Write.K.marker] + [Write.X(kt.ref(engine.keys.data(number)), width, rows.data.cast("B"))]
+    columns = [(leaf, np.frombuffer(by_col[leaf.col][5], dtype=np.uint8).reshape(n, -1)) for leaf in grouped]
+    return [op for op in ops if op[0] != Write.K.marker] + [_block_op(kt.ref(engine.keys.data(number)), width, columns)]
 
 
 def _group_first_keys(
@@ -259,9 +259,8 @@ def _group_first_keys(
             columns.append((leaf, np.frombuffer(op[3], dtype=np.uint8).reshape(n, -1)))
     keep_pre = [op for op in pre if not (op[0] == Write.Z.marker and kt.keys[op[1] - 1] in cols)]
     block = kt.ref(engine.keys.data(number))
-    rows = _rows.join(width, columns)
     alloc = [] if h.tracked else [Write.Z(block, h.count * width)]  # a tracked store allocates each segment when first written
-    return grouped_h, [*keep_pre, *alloc], [*keep_post, Write.X(block, width, rows.data.cast("B"))]
+    return grouped_h, [*keep_pre, *alloc], [*keep_post, _block_op(block, width, columns)]
 
 
 #: Ops that set or allocate a whole key (a key a ring write creates): they go before the row-picking head.
@@ -309,9 +308,6 @@ def _plan_rows(
         )
         leaves[path] = new_leaf
         changed |= ch
-        if len(ops) == 1 and not ch:  # the common case: one op writing the rows of an existing leaf
-            post.append(ops[0])
-            continue
         pre += [op for op in ops if write_kind(op) in _WHOLE_KEY_OPS]
         post += [op for op in ops if write_kind(op) not in _WHOLE_KEY_OPS]
     if len(leaves) != len(h.leaves):
@@ -368,8 +364,7 @@ def _block_plan(engine: Engine, h: Header, items: dict[NestedPath, Any], n: int)
         if t.__class__ is not torch.Tensor or t.dtype != leaf.dtype or t.shape[0] != n or t.shape[1:] != leaf.shape:
             return None
         columns.append((leaf, np.frombuffer(_codec.to_bytes(t), dtype=np.uint8).reshape(n, -1)))
-    rows = _rows.join(h.row[1], columns)
-    return b.kt, [Write.W(n, engine.keys.events), Write.X(b.block, h.row[1], rows.data.cast("B"))], list(b.grouped)
+    return b.kt, [Write.W(n, engine.keys.events), _block_op(b.block, h.row[1], columns)], list(b.grouped)
 
 
 def _extend_direct(
