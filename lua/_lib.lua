@@ -79,10 +79,10 @@ end
 -- be at version n: used by schema changes), 'K<n>' (the key set must be at version n:
 -- used by reads that select keys by prefix) or '*' (no global check). 'leaves' lists
 -- the leaves the call touches as 'number:version' words; each must still carry that
--- leaf version. Returns nil when the call may go on, else the reply to send back:
+-- leaf version. Returns nil and the current version when the call may go on (one HMGET
+-- for the store guards and every leaf version named), else the reply to send back:
 -- 'GONE' for a deleted store, 'STALE' + header for an outdated cache.
 local function tds_check(meta, spec, leaves)
-  -- one HMGET for the store guards and every leaf version the call names
   local fields, want = {'version', 'epoch', 'kv'}, {}
   for n, v in string.gmatch(leaves, '(%d+):(%d+)') do
     fields[#fields + 1] = 'lv:' .. n
@@ -140,7 +140,7 @@ local function tds_check(meta, spec, leaves)
       return tds_stale(meta)
     end
   end
-  return nil
+  return nil, cur
 end
 
 -- Integrity. Every data and table key of a store must hold what the header implies (see

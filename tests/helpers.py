@@ -52,11 +52,11 @@ def assert_same(a: TensorDictBase, b: TensorDictBase) -> None:
         assert torch.equal(va, vb), (key, va, vb)
 
 
-def top_level_commands(client_factory, fn) -> list[str]:
+def top_level_commands(client_factory, fn, *, lua: bool = False) -> list[str]:
     """Names of the commands clients sent to the server while ``fn`` ran, read with MONITOR.
 
     Commands that scripts issue (MONITOR marks them 'lua') are left out, so the
-    list is exactly the round trips the server received.
+    list is exactly the round trips the server received; ``lua=True`` gives those instead.
     """
     import threading
     import uuid
@@ -74,7 +74,7 @@ def top_level_commands(client_factory, fn) -> list[str]:
                 text = cmd["command"]
                 if sentinel in text:
                     return
-                if cmd.get("client_type") != "lua":
+                if (cmd.get("client_type") == "lua") == lua:
                     seen.append(text.split(" ", 1)[0].lower())
 
         thread = threading.Thread(target=collect, daemon=True)

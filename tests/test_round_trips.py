@@ -102,6 +102,23 @@ def test_one_round_trip(store, real, name):
     assert calls == (0 if "(HMGET)" in name or "(PTTL)" in name else want)
 
 
+@pytest.mark.parametrize("het", [False, True], ids=["homog", "het"])
+def test_an_element_write_in_place_is_its_checks_and_its_setranges(real, het):
+    """write.lua's short path (lua/write.lua, in_place): one HMGET of the guards, one STRLEN per key
+    written (a heterogeneous leaf: its offset table's length and last offset, and the element's
+    offsets), then the SETRANGEs; none of pass 1's or pass 2's other commands."""
+    from collections import Counter
+
+    s = LazyStackedTensorDictStore.from_lazy_stack(make_stack(8, het=het), **real.kwargs())
+    s[0] = s[0].to_tensordict()  # the script loaded, the header cached
+    el = s[5].to_tensordict().apply(lambda t: ~t if t.dtype == torch.bool else t + 1)  # same shapes, other bytes
+    inner = top_level_commands(real.client, lambda: s.__setitem__(5, el), lua=True)
+    want = {"hmget": 1, "strlen": 3, "getrange": 2, "setrange": 2} if het else {"hmget": 1, "strlen": 1, "setrange": 1}
+    assert Counter(inner) == want, inner
+    assert (s[5].to_tensordict() == el).all()
+    s.clear_redis()
+
+
 def test_from_store_is_one_read_only_round_trip(store, real):
     client = real.client()
     client.ping()  # the connection handshake is not part of the operation

@@ -68,3 +68,23 @@ def test_every_helper_a_script_calls_is_in_its_text(name):
     defined |= {n.strip() for m in re.finditer(r"^\s+local\s+([\w\s,]+?)\s*=", text, re.M) for n in m.group(1).split(",")}
     used = {n for n in names_in(text) if n.lower().startswith("tds_")}
     assert used <= defined, sorted(used - defined)
+
+
+def test_helpers_only_the_rest_uses_are_made_below_the_marker():
+    """A script's common path returns above its REST line: the helpers only the code below uses come after it."""
+    script = "if x then\n  return inc(1)\nend\n-- tds:rest\nreturn twice(2) + #dead()\n"
+    text = assemble([LIB], script)
+    head, rest = text.split("-- tds:rest\n")
+    assert "local function inc" in head and "local function twice" not in head and "local function dead" not in head
+    assert "local function twice" in rest and "local function dead" in rest and "struct = {K = K}" in rest
+    assert rest.index("local K, L") < rest.index("local function twice") < rest.index("return twice(2)")
+    assert "local function inc" not in rest  # made once, above: the rest sees it
+
+
+def test_write_makes_only_the_short_paths_helpers_before_it():
+    """write.lua's in-place path returns before the marker: the tree, inventory and ring helpers come after."""
+    text, _ = scripts.script_source("write")
+    head = text.split("-- tds:rest\n")[0]
+    assert "local function tds_check" in head and "local function in_place" in head
+    assert "local function tds_tree" not in head and "local function tds_inventory" not in head
+    assert "local function tds_tree" in text and "local function tds_inventory" in text

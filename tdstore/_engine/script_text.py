@@ -60,11 +60,14 @@ def definitions(library: str) -> tuple[str, list[Definition]]:
     return "".join(preamble), out
 
 
-def assemble(libraries: list[str], script: str) -> str:
-    """The text to send: each library's preamble and the definitions ``script`` needs (transitively,
-    across libraries, later ones may use earlier ones), in their order, then ``script``."""
-    cut = [definitions(lib) for lib in libraries]
-    needed = set(names_in(script))
+#: A line of a script after which the helpers that only the code below it uses are made (Lua makes a
+#: closure when it reaches a ``local function``): a script whose common calls return above it skips them.
+REST = "-- tds:rest"
+
+
+def _needed(cut: list[tuple[str, list[Definition]]], names: set[str]) -> set[tuple[int, int]]:
+    """The definitions (library, position) that ``names`` need, directly or through each other."""
+    needed = set(names)
     keep: set[tuple[int, int]] = set()
     for li in range(len(cut) - 1, -1, -1):  # a definition only uses what stands above it
         for di in range(len(cut[li][1]) - 1, -1, -1):
@@ -72,9 +75,27 @@ def assemble(libraries: list[str], script: str) -> str:
             if d.defines & needed:
                 keep.add((li, di))
                 needed |= d.uses
+    return keep
+
+
+def assemble(libraries: list[str], script: str) -> str:
+    """The text to send: each library's preamble and the definitions ``script`` needs (transitively,
+    across libraries, later ones may use earlier ones), in their order, then ``script``.
+
+    When ``script`` has a :data:`REST` line, the definitions needed only below it go there instead
+    (still in their order: none of those above uses one of them)."""
+    cut = [definitions(lib) for lib in libraries]
+    head, marker, rest = script.partition(f"\n{REST}\n")
+    first = _needed(cut, set(names_in(head)))
+    later = _needed(cut, set(names_in(rest))) - first if marker else set()
     parts = []
     for li, (preamble, defs) in enumerate(cut):
         parts.append(preamble)
-        parts += [d.text for di, d in enumerate(defs) if (li, di) in keep]
+        parts += [d.text for di, d in enumerate(defs) if (li, di) in first]
         parts.append("\n")
-    return "".join(parts) + script
+    if not marker:
+        return "".join(parts) + script
+    parts += [head, marker]
+    for li, (_, defs) in enumerate(cut):
+        parts += [d.text for di, d in enumerate(defs) if (li, di) in later]
+    return "".join(parts) + "\n" + rest
