@@ -252,9 +252,8 @@ local function in_place()
       end
       a = a + 9 + (hi - lo + 1)
     elseif kind == 'B' and KEYS[tonumber(ARGV[a + 1]) or 0] == meta then
-      local tr = redis.call('HGET', meta, 'tr')
-      if tr ~= nil and tr ~= false and not string.match(tr, '^%d+$') then
-        return nil
+      if not pcall(tds_int_field, redis.call('HGET', meta, 'tr'), 'tr', 0, TDS_MAXINT, 0) then
+        return nil  -- damaged: pass 1 refuses it, naming the field
       end
       counts = true
       a = a + 2

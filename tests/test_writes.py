@@ -279,4 +279,9 @@ def test_a_write_counted_in_place_moves_tr_in_the_same_call(backend):
     with pytest.raises(Exception, match="damaged"), engine.counting_in_place():
         store["added"] = torch.full((6, 2), 5.0)
     assert_same(store.to_tensordict(), before)
+    for bad in ("-1", "9" * 20):  # an element write too (write.lua's short path hands it to the passes, which refuse it)
+        raw.hset(engine.keys.meta, "tr", bad)
+        with pytest.raises(Exception, match="damaged"), engine.counting_in_place():
+            store[1] = store[4].to_tensordict()
+        assert_same(store.to_tensordict(), before)
     store.clear_redis()
