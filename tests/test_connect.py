@@ -58,9 +58,15 @@ def test_stores_of_one_process_share_a_client_and_reuse_its_connections() -> Non
         third["x"] = torch.full((4, 2), 3.0)
         assert connections() == before
         assert first["x"].sum() == 0 and second["x"].sum() == 8 and third["x"].sum() == 24  # the closed one reconnects
+        second.clear_redis()  # a deleted store gives its connection back too (torchrl's fresh buffer per fill)
+        before = connections()
+        fourth = TensorDictStore(batch_size=[4], url=srv.url)
+        fourth["x"] = torch.full((4, 2), 4.0)
+        assert connections() == before and fourth["x"].sum() == 32
+        fourth.clear_redis()
         ref = weakref.ref(client)
         for store in (first, second, third):
             store.clear_redis()
-        del first, second, third, store, client
+        del first, second, third, fourth, store, client
         gc.collect()
         assert ref() is None

@@ -64,10 +64,15 @@ class Transport:
         store's calls and its per-node pipelines use it."""
         return cast(RedisCluster, self.client)
 
-    def close(self) -> None:
-        """Release our connection; a caller's own client is left open. The next call reconnects."""
+    def idle(self) -> None:
+        """Give the held connections back to their pools (a deleted store's handle needs none); the next
+        call takes one again, from the pool."""
         self._held.release()
         _release_all(self._node_held)
+
+    def close(self) -> None:
+        """Release our connection; a caller's own client is left open. The next call reconnects."""
+        self.idle()
         self._node = None
         if self._client is not None and self._owns_client:
             self._client.close()

@@ -51,8 +51,12 @@ class LazyLifecycle(LazyState):
 
         One call; a store of more than ~1,000 keys goes in batches under a tombstone header that
         every other call reads as a deleted store (a client dying half-way leaves what the next
-        ``clear_redis``, ``tdstore rm`` or creation of the same id deletes)."""
-        return _whole_store.clear(self._engine)
+        ``clear_redis``, ``tdstore rm`` or creation of the same id deletes). The handle gives its connection
+        back to the process's shared pool, where the next store opened takes it (using the handle again
+        takes one)."""
+        deleted = _whole_store.clear(self._engine)
+        self._engine.idle()
+        return deleted
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Any:
         last = self._last_op_queue[-1] if getattr(self, "_last_op_queue", None) else None
