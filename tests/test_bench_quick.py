@@ -100,3 +100,7 @@ def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
         assert line["status"] == "ok", line
         assert line["idle_per_s"] > 0 and line["loaded_per_s"] > 0 and line["writer_rows_per_s"] > 0
         assert line["kept"] == pytest.approx(line["loaded_per_s"] / line["idle_per_s"])
+        assert len(line["cpu_ms_per_sample"]) == 2 and all(0 < share <= 1.5 for share in line["learner_cpu_share"])
+    niced = learner["tdstore"]["niced_writers"]  # the diagnosis: the same writers yielding the CPU
+    assert niced["loaded_per_s"] > 0 and niced["writer_rows_per_s"] > 0
+    assert niced["kept"] == pytest.approx(niced["loaded_per_s"] / learner["tdstore"]["idle_per_s"])

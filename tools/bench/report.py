@@ -80,6 +80,12 @@ def print_table(report: dict[str, Any]) -> None:
                         f"kept {line['kept']:.2f}x  writers {line['writer_rows_per_s']:,.0f} rows/s  "
                         f"server busy {line['server_cpu_share']:.0%} of a core"
                     )
+                    niced = line.get("niced_writers")
+                    if niced:  # the same writers yielding the CPU: what is left is the server's share
+                        print(
+                            f"  {'':<10} the same writers at nice 19: {niced['loaded_per_s']:,.0f}/s loaded  kept {niced['kept']:.2f}x  "
+                            f"writers {niced['writer_rows_per_s']:,.0f} rows/s"
+                        )
                 else:
                     print(f"  {name:<10} {line.get('status')}: {line.get('error', '')}")
     for problem in report["problems"]:
