@@ -160,6 +160,17 @@ if ARGV[3] ~= '' and not string.find(ARGV[1], ':V', 1, true) then
   error('TDSTORE bad argument: a schema change must check the exact version')
 end
 
+-- Whether elements lo..hi of a heterogeneous leaf keep their sizes: 'offs' holds their offsets
+-- (8 * (hi - lo + 2) bytes), 'sizes' the new sizes in order.
+local function sizes_kept(offs, sizes)
+  for j = 1, #sizes do
+    if tds_u64(offs, 8 * j + 1) - tds_u64(offs, 8 * j - 7) ~= sizes[j] then
+      return false
+    end
+  end
+  return true
+end
+
 -- The common write, in a short path: store[i] = td (or a slice) of existing keys, every byte
 -- written where it already is ('R' ops, 'E' ops whose elements keep their sizes, 'B'). It
 -- checks what pass 1 checks for such ops, in fewer commands, and writes only when every op
@@ -229,16 +240,16 @@ local function in_place()
       if #offs ~= 8 * (hi - lo + 2) then
         return nil
       end
-      local total = 0
+      local sizes, total = {}, 0
       for j = 1, hi - lo + 1 do
-        local size = tonumber(ARGV[a + 8 + j])
-        if size == nil or tds_u64(offs, 8 * j + 1) - tds_u64(offs, 8 * j - 7) ~= size then
-          return nil  -- a size changes: pass 2 moves the bytes after it
+        sizes[j] = tonumber(ARGV[a + 8 + j])
+        if sizes[j] == nil then
+          return nil
         end
-        total = total + size
+        total = total + sizes[j]
       end
-      if total ~= #data then
-        return nil
+      if total ~= #data or not sizes_kept(offs, sizes) then
+        return nil  -- a size changes: pass 2 moves the bytes after it
       end
       if total > 0 then
         writes[#writes + 1] = {KEYS[d], tds_u64(offs, 1), data}
@@ -411,10 +422,7 @@ local function add_splice(op)
     error('TDSTORE bad argument: elements out of range of the offset table')
   end
   op.offs = offs  -- pass 2 reuses them unless an earlier op of the call wrote the table
-  local same = true
-  for j = 1, #op.sizes do
-    same = same and tds_u64(offs, 8 * j + 1) - tds_u64(offs, 8 * (j - 1) + 1) == op.sizes[j]
-  end
+  local same = sizes_kept(offs, op.sizes)
   op.same = same
   -- the shape records are written, so checked first, unless the leaf has one dim and every size stays
   if op.skn ~= nil and not (same and op.rec <= 8) then
@@ -723,13 +731,7 @@ local function splice(op)
   local offs, same = op.offs, op.same
   if dirty[op.okey] then  -- an earlier op of this call moved the offsets: read them as they are now
     offs = redis.call('GETRANGE', op.okey, 8 * lo, 8 * (hi + 2) - 1)
-    same = true
-    for j = 1, n do
-      if tds_u64(offs, 8 * j + 1) - tds_u64(offs, 8 * (j - 1) + 1) ~= op.sizes[j] then
-        same = false
-        break
-      end
-    end
+    same = sizes_kept(offs, op.sizes)
   end
   local first = tds_u64(offs, 1)
   if same then
