@@ -77,6 +77,8 @@ if mode == 'close' then
 elseif mode ~= 'open' then
   error('TDSTORE bad argument: direct.lua mode ' .. tostring(mode))
 end
+-- tds:rest
+-- (the helpers 'open' uses are made here: 'close' needs none, see tdstore/_engine/script_text.py)
 
 local rw_want, n = tds_num(ARGV[3], 'ring write counter'), tds_num(ARGV[4], 'row count')
 local function refuse(reply)
@@ -98,7 +100,7 @@ local schema = ARGV[7]
 if schema ~= '' and not string.find(ARGV[5], ':V', 1, true) then
   error('TDSTORE bad argument: a schema change must check the exact version')
 end
-local bad = tds_check(meta, ARGV[5], ARGV[6])
+local bad, version = tds_check(meta, ARGV[5], ARGV[6])
 if bad then
   return refuse(bad)
 end
@@ -131,7 +133,6 @@ end
 if schema ~= '' then
   tds_set_schema(meta, schema, ARGV[8])
 end
-redis.call('HINCRBY', meta, 'rw', string.format('%.0f', n))
 tds_remember(request, 'W' .. string.format('%.0f', rw_want))
 if ARGV[9] ~= '' then
   redis.call('PUBLISH', ARGV[9], 'w')  -- delivered with the EXEC: a reader it wakes finds the rows in
@@ -153,5 +154,10 @@ end
 if inv ~= nil and at > 0 then
   redis.call('PEXPIREAT', inv, at)
 end
-redis.call('HSET', meta, 'dw', ARGV[2])  -- 'close' moves the keys back under this mark only
-return {'GO', redis.call('HGET', meta, 'version'), string.format('%.0f', rw_want)}
+-- the cursor past the rows (from the count as the ring sees it: a store filled by index starts at
+-- its count, as in write.lua), and the mark under which alone 'close' moves the keys back
+redis.call('HSET', meta, 'rw', string.format('%.0f', rw + n), 'dw', ARGV[2])
+if schema ~= '' then
+  version = redis.call('HGET', meta, 'version')
+end
+return {'GO', version, string.format('%.0f', rw_want)}
