@@ -277,3 +277,21 @@ def test_a_new_handle_reuses_the_script_the_server_has(real):
     third.extend(rows(9, 1))  # the script is loaded again
     assert tags(third) == list(range(10)) and third.write_count == 10
     assert asides(raw, third) == []
+
+
+def test_a_direct_write_into_a_ring_filled_by_index_counts_on_from_its_count(one_node):
+    """A store written by index holds a full ring (rw counts as ``count`` while the raw counter is 0): a
+    direct write into it moves the counter to ``count + n``, as write.lua does, never to ``n``."""
+    s = LazyStackedTensorDictStore(count=COUNT, **one_node.kwargs())
+    s.extend(rows(0, COUNT))  # the keys exist
+    raw = one_node.client()
+    raw.hset(s._engine.keys.meta, "rw", 0)  # as a store filled by index has it (holds data, raw counter 0)
+    assert s.write_count == COUNT
+    st = _direct._state(s._engine)
+    st.rw, st.skip = COUNT, 0  # the handle knows where the cursor is: the write goes direct
+    before = dict(_direct.outcomes)
+    got = s.extend(rows(100, 2))
+    assert _direct.outcomes["direct"] == before.get("direct", 0) + 1
+    assert got.indices.tolist() == [0, 1] and s.write_count == COUNT + 2
+    assert int(raw.hget(s._engine.keys.meta, "rw")) == COUNT + 2
+    assert tags(s)[:3] == [100, 101, 2] and s.sample(64).td["tag"].min() >= 2  # every slot stays written
