@@ -196,7 +196,7 @@ local function in_place()
     have = redis.call('STRLEN', KEYS[n])
     if code == 1 then
       local olen = length(aux)
-      if have == 0 or olen == nil or olen < 8 or have < tds_u64(redis.call('GETRANGE', KEYS[aux], olen - 8, olen - 1), 1) then
+      if have == 0 or olen == nil or have < tds_last_offset(olen, function(from, to) return redis.call('GETRANGE', KEYS[aux], from, to) end) then
         return nil
       end
     elseif have ~= want or have == 0 then
