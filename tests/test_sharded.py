@@ -253,6 +253,24 @@ def test_rate_limiter_and_queue_hold_on_every_shard(redis_cluster):
     s.clear_redis()
 
 
+def test_an_extend_held_by_a_limiter_another_handle_cleared_goes_on(redis_cluster):
+    """A handle that cached a rate limiter must see it cleared by another handle: the demo's learner
+    clears it at the end of a run, and an actor polling with the stale policy used to wait forever."""
+    s = ring(redis_cluster, count=30)
+    s.set_rate_limit(min_size=3, samples_per_insert=1.0, error_buffer=3.0)
+    for i in range(3):
+        s.extend(rows(torch.arange(3 * i, 3 * i + 3)), timeout=30)  # a shard each, never sampled: every limiter holds
+    actor = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    assert actor.shards[0].sampling_policy.limit is not None  # the actor caches the limiter
+    with pytest.raises(TimeoutError):
+        actor.extend(rows(torch.arange(3)), timeout=0.05)  # held, as it should be
+    s.clear_rate_limit()
+    got = actor.extend(rows(torch.arange(100, 103)), timeout=30)  # the stale policy held it until the timeout
+    assert got.indices.numel() == 3
+    assert all(sh.sampling_policy is None or sh.sampling_policy.limit is None for sh in actor.shards)
+    s.clear_redis()
+
+
 # -- processes --------------------------------------------------------------------------------
 
 # per-shard limiters let the shards fill unevenly (each admits as the learners draw from it, and draws

@@ -36,11 +36,17 @@ class ShardQueue(ShardsBase):
 
     def _heads(self, leases: bool = False) -> list[dict[str, int | None]]:
         """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
-        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock)."""
+        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock).
+
+        The same read carries the shard's header version: when another handle changed the policy (cleared
+        the rate limiter, say), this handle adopts the new header before judging the counters, so a
+        waiting ``extend`` or ``pop`` never waits on a limiter that is gone."""
 
         def one(k: int) -> dict[str, int | None]:
             e = self._shards[k]._engine
-            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo")
+            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "version")
+            if not _is_int(raw[5], e.header.version):
+                e.set_header(e.fetch_header())  # raises, naming the store, if it was deleted or damaged
             got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("rw", "sn", "lb", "rr", "lo"), raw)}
             if leases and got["lo"] is not None:
                 first = e.command("ZRANGE", e.keys.lease_keys[1], 0, 0, "WITHSCORES")
@@ -179,3 +185,11 @@ class ShardQueue(ShardsBase):
             raise ValueError(f"a sharded ring acks the receipts its own pops give (ShardReceipt), got {type(receipt).__name__}")
         k = receipt.shard
         return int(self._on(k, *self._acked(k, _with_kwargs(self._shards[k].ack, {"timeout": timeout})), receipt.receipt))
+
+
+def _is_int(raw: Any, value: int) -> bool:
+    """Whether a field read from the server holds ``value`` (``False`` for a missing or damaged field)."""
+    try:
+        return raw is not None and int(raw) == value
+    except (TypeError, ValueError):
+        return False
