@@ -114,7 +114,7 @@ def test_run_demo_in_process(redis_server: EmbeddedServer, monkeypatch: pytest.M
     figures = run_demo(url=redis_server.url, actors=2, count=64, seconds=1.5, batch=16, prefix=prefix, progress=False, out=out)
     _assert_clean(figures, actors=2, count=64, batch=16)
     assert redis_server.unix_socket_path in figures["server"]
-    assert 1.4 < figures["seconds"] < 10
+    assert figures["seconds"] > 1.4  # the learner sampled for the whole run (no upper bound: a busy machine may stretch it)
     assert redis_server.client().keys(f"{prefix}:*") == []
     text = out.getvalue()
     assert "0 torn elements" in text and "64/64 elements verified" in text and "OK" in text
@@ -145,7 +145,7 @@ def _cli_demo(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,  # bounds a hang only: a run takes seconds, several times that on a busy CI machine
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -186,7 +186,7 @@ def test_cli_demo_on_a_spread_store(tmp_path: Path) -> None:
 
 def test_cluster_tool_starts_and_stops(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cluster", "--seconds", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tools.cluster", "--seconds", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=1200
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     url = next(line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("url: "))

@@ -38,6 +38,9 @@ ACTOR_START_TIMEOUT = 120.0
 #: Seconds an actor may take to report after the run ends (one write is milliseconds).
 ACTOR_STOP_TIMEOUT = 30.0
 
+#: Seconds between an actor's looks at ``stop`` while it waits for the start (an aborted run).
+START_POLL = 0.1
+
 #: Each actor's report once it stopped: (writes, seconds it wrote, last seq written to each slot).
 ActorReport = tuple[int, float, np.ndarray]
 
@@ -85,17 +88,27 @@ def _write_until_stopped(
     write: Callable[[int], int], count: int, actor: int, seconds: float, start: Any, stop: Any, counter: Any, results: Any
 ) -> None:
     """An actor's timed loop: ``write(seq)`` (which returns the slot written) until ``stop`` or the
-    clock; reports ready, then done with the last sequence number written to each slot."""
+    clock; reports ready, then done with the last sequence number written to each slot.
+
+    Once released by ``start``, an actor writes at least once, however late its process wakes (on
+    a busy machine that can be after the learner set ``stop``): a run's figures always show each
+    actor's writes. ``stop`` before ``start`` (the run was aborted) ends it without a write.
+    """
     last_seq = np.full(count, -1, dtype=np.int64)
     results.put(("ready", actor))
-    start.wait()
+    while not start.wait(START_POLL):  # returns at once on ``go``
+        if stop.is_set() and not start.is_set():
+            results.put(("done", actor, 0, 0.0, last_seq))
+            return
     t0 = time.monotonic()
     end = t0 + seconds
     seq = 0
-    while not stop.is_set() and time.monotonic() < end:
+    while True:
         last_seq[write(seq)] = seq
         seq += 1
         counter.value = seq
+        if stop.is_set() or time.monotonic() >= end:
+            break
     results.put(("done", actor, seq, time.monotonic() - t0, last_seq))
 
 
@@ -185,9 +198,8 @@ class ActorPool:
         return self._collect()
 
     def release(self) -> None:
-        """On any exit path: tell the actors to stop, and release those still waiting for the start, so that they can exit."""
+        """On any exit path: tell the actors to stop; those still waiting for the start see it and exit without a write."""
         self._stop.set()
-        self._start.set()
 
     def _start_ignoring_sigint(self) -> None:
         """Start the actors with SIGINT ignored from birth.

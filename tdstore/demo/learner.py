@@ -25,6 +25,9 @@ __all__ = ["RingLearner", "Tally", "figures", "sample_until", "verify_final"]
 
 #: Seconds between two progress updates (and checks that no actor died).
 TICK = 0.2
+#: Seconds the learner's first draw may take. Only a stalled server makes it slow (the rate limiter
+#: never holds a learner that has sampled nothing), so this bounds a failure, not the run.
+FIRST_DRAW_TIMEOUT = 60.0
 
 
 class RingLearner:
@@ -87,15 +90,21 @@ def sample_until(
     batch: int,
 ) -> Tally:
     """Release the actors, then sample and check batches for ``seconds`` (or until the rate limiter
-    holds the learner past the end); every :data:`TICK`, update the progress and check the actors."""
+    holds the learner past the end); every :data:`TICK`, update the progress and check the actors.
+
+    The learner reads at least once, however late it gets to its first draw, and that draw may
+    take :data:`FIRST_DRAW_TIMEOUT`: a run's figures always show what the learner read.
+    """
     placed = rb is None
     tally = Tally()
     pool.go()
     t0 = time.monotonic()
     end = t0 + seconds
     next_tick = t0 + TICK
-    while (now := time.monotonic()) < end:
-        drawn = _draw(store, rb, gen, count=count, batch=batch, left=max(0.0, end - now))
+    now = t0
+    while tally.reads == 0 or (now := time.monotonic()) < end:
+        left = max(end - now, FIRST_DRAW_TIMEOUT) if tally.reads == 0 else max(0.0, end - now)
+        drawn = _draw(store, rb, gen, count=count, batch=batch, left=left)
         if drawn is None:
             break
         sampled, idx = drawn
