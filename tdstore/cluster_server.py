@@ -70,7 +70,7 @@ class EmbeddedCluster:
         replicas: int = 0,
         binary: str | None = None,
         extra_args: tuple[str, ...] = (),
-        startup_timeout: float = 20.0,
+        startup_timeout: float = 120.0,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -122,8 +122,11 @@ class EmbeddedCluster:
         return self
 
     def _node_args(self) -> list[str]:
-        # a replica is promoted (or a node marked failed) after cluster-node-timeout
-        timeout = "1000" if self._replicas else "2000"
+        # a replica is promoted (or a node marked failed) after cluster-node-timeout. With replicas, 5 s:
+        # a primary a busy machine leaves unanswered for a second or two is not failed over unasked
+        # (only kill_primary waits for it). Without, 2 s: a primary marked failed stays so until twice
+        # this after it was marked, which start_node may wait out.
+        timeout = "5000" if self._replicas else "2000"
         return ["--cluster-enabled", "yes", "--cluster-node-timeout", timeout, "--cluster-require-full-coverage", "no", *self._extra]
 
     def _start_nodes(self) -> None:
@@ -217,7 +220,7 @@ class EmbeddedCluster:
 
     def kill_primary(self, i: int) -> int:
         """Kill primary ``i`` and wait until the cluster promotes its replica (after cluster-node-timeout,
-        1 s) and every other node sees the cluster ok. Writes its replica had not received are lost.
+        5 s) and every other node sees the cluster ok. Writes its replica had not received are lost.
         Returns the new primary's index (``start_node(i)`` brings ``i`` back as its replica)."""
         j = self.replica_of(i)
         self.stop_node(i)

@@ -114,7 +114,8 @@ class EmbeddedServer:
         extra_args: more redis-server arguments, appended last so that they
             can override ours, e.g. ``["--maxmemory", "50mb"]``.
         binary: redis-server to run; default :func:`find_redis_server`.
-        startup_timeout: seconds to wait for the first PING answer.
+        startup_timeout: seconds to wait for the first PING answer (it bounds a hang only: a
+            server that exits is reported at once, and one that starts answers in milliseconds).
         password: make the server require this password (``requirepass``).  It
             is handed to redis-server on its stdin, not on its command line
             (which ``ps`` shows to every user); :attr:`url` does not hold it,
@@ -128,7 +129,7 @@ class EmbeddedServer:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         binary: str | None = None,
-        startup_timeout: float = 10.0,
+        startup_timeout: float = 120.0,
         password: str | None = None,
     ) -> None:
         if unix_socket and port is not None:
