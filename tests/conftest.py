@@ -21,6 +21,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from tdstore._engine import deadline as _deadline
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import SERVER_ENV, EmbeddedServer, commandstats, find_redis_server
 
@@ -137,6 +138,23 @@ def one_node(request: pytest.FixtureRequest) -> Iterator[Backend]:
     else:
         server = fakeredis.FakeServer()
         yield Backend("fakeredis", lambda: fakeredis.FakeRedis(server=server), None)
+
+
+@pytest.fixture
+def replies_are_never_cut_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's ``timeout`` bounds its waiting here, never how long the server takes to answer.
+
+    Under a deadline each socket read is cut to what is left of it, but never below
+    ``_engine.deadline.MIN_SOCKET_S`` (0.1 s). So on a busy machine a ``timeout=0`` call whose
+    reply came later than that would raise "the server did not answer in time": a call that must
+    succeed would fail (its write landing all the same), and one that must wait would not raise the
+    error the test matches. With the floor at 30 s, ``timeout=0`` still tries once and raises at
+    once when the call must wait (what these tests check); only a reply slower than 30 s (a hang)
+    fails. ``Deadline.socket_timeout`` reads the module's ``MIN_SOCKET_S`` at each call (nothing
+    imports it by value), so this reaches every connection a call uses. fakeredis and the cluster
+    never cut a read: nothing changes there. A deadline kept against a server that stops answering
+    is test_deadlines.py's subject."""
+    monkeypatch.setattr(_deadline, "MIN_SOCKET_S", 30.0)
 
 
 @pytest.fixture

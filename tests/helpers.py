@@ -79,10 +79,11 @@ def top_level_commands(client_factory, fn, *, lua: bool = False) -> list[str]:
 
         thread = threading.Thread(target=collect, daemon=True)
         thread.start()
-        started.wait(5)
+        started.wait(120)
         fn()
         poke.echo(sentinel)
-        thread.join(10)
+        thread.join(120)  # the reader stops at the sentinel: a long limit only bounds a hang
+        assert not thread.is_alive(), "MONITOR never showed the sentinel: the command list would be cut short"
     return seen
 
 

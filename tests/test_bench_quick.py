@@ -53,7 +53,7 @@ def test_quick_bench_writes_every_operation(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=1200,  # bounds a hang only: a quick run takes about 30 s, several times that on a busy CI machine
     )
     assert proc.returncode == 0, f"bench exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())

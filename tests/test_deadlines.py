@@ -8,7 +8,9 @@ polling where SUBSCRIBE is refused); ``rediss://`` to a plain server and ``redis
 fail clearly. Each test starts its own servers: none pauses or kills a server another test uses.
 
 The bounds are upper bounds only (never a minimum speed); each call's lateness (time past its
-timeout) is printed, ``pytest -s`` shows it.
+timeout) is printed, ``pytest -s`` shows it. The stores here are made with ``slow_to_fail()``: a
+socket read or a pause between tries that a deadline does not cut takes a minute, far past the
+``SLACK`` a kept deadline is given on a busy machine.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 import redis
 import torch
 from helpers import load_tool
-from redis.backoff import ConstantBackoff
+from redis.backoff import AbstractBackoff, ConstantBackoff
 from redis.retry import Retry
 from tensordict import TensorDict
 
@@ -40,9 +42,24 @@ pytestmark = pytest.mark.ring
 ROOT = Path(__file__).resolve().parent.parent
 # How late a TimeoutError may come. The calls are a few ms late (each prints its lateness; the README's
 # figure), but a 2-core CI machine running the suite on both cores has stalled this process for about a
-# second (a timeout-0 call took 1.04 s once, and 0.10 s in 180 tries alone). The bound tells a kept
-# deadline from redis-py's own behaviour (socket waits without end, retries for seconds), not from a stall.
-SLACK = 2.0
+# second (a timeout-0 call took 1.04 s once, and 0.10 s in 180 tries alone), and can be 5x slower than
+# that. A deadline that is not kept is later still: with the stores' slow_to_fail() settings, a socket read
+# or a pause between tries that the deadline does not cut lasts a minute (and without a deadline a paused
+# server is waited on for good), so the bound tells a kept deadline from a broken one, not from a stall.
+SLACK = 15.0
+# What a deadline must cut, made long (a minute): redis-py's socket timeouts (5 s by default) and the pause
+# between tries (the first resend is at once, so a cut reply is still sent again within the deadline).
+BROKEN_S = 60.0
+
+
+class _ResendThenWait(AbstractBackoff):
+    def compute(self, failures: int) -> float:
+        return 0.01 if failures <= 1 else BROKEN_S
+
+
+def slow_to_fail(**extra: Any) -> dict[str, Any]:
+    """Client settings of the stores here: anything a deadline fails to cut takes ``BROKEN_S``."""
+    return {"socket_timeout": BROKEN_S, "socket_connect_timeout": BROKEN_S, "retry": Retry(_ResendThenWait(), 3), **extra}
 
 
 def el(i: int) -> TensorDict:
@@ -87,10 +104,10 @@ def server() -> Iterator[EmbeddedServer]:
 def waiting_stores(url: str, prefix: str = "dl") -> tuple[LazyStackedTensorDictStore, LazyStackedTensorDictStore]:
     """``full``: a queue-mode ring of 8 unread items (an ``extend`` waits); ``empty``: a ring of 16
     slots holding 4 popped items (``pop``, ``sample(min_size=10)`` and ``wait_for(written=16)`` wait)."""
-    full = LazyStackedTensorDictStore(url=url, count=8, prefix=prefix)
+    full = LazyStackedTensorDictStore(url=url, count=8, prefix=prefix, **slow_to_fail())
     full.set_queue(True)
     full.extend([el(i) for i in range(8)])
-    empty = LazyStackedTensorDictStore(url=url, count=16, prefix=prefix)
+    empty = LazyStackedTensorDictStore(url=url, count=16, prefix=prefix, **slow_to_fail())
     empty.extend([el(i) for i in range(4)])
     assert empty.pop(4).indices.tolist() == [0, 1, 2, 3]
     return full, empty
@@ -121,9 +138,9 @@ def assert_intact(full: LazyStackedTensorDictStore, empty: LazyStackedTensorDict
 # -- a paused server ----------------------------------------------------------------------------
 def test_every_timeout_holds_while_the_server_is_paused(server):
     full, empty = waiting_stores(server.url)
-    fresh = LazyStackedTensorDictStore.from_store(td_id=empty.td_id, url=server.url, prefix="dl")
+    fresh = LazyStackedTensorDictStore.from_store(td_id=empty.td_id, url=server.url, prefix="dl", **slow_to_fail())
     fresh.close()  # its next call opens a new client and connection, under that call's deadline
-    ring = LazyStackedTensorDictStore(url=server.url, count=4, prefix="dl")
+    ring = LazyStackedTensorDictStore(url=server.url, count=4, prefix="dl", **slow_to_fail())
     ring.extend([el(i) for i in range(4)])  # a full ring: a uniform sample is a read transaction
     assert ring.sample(2).indices.tolist() != []
     assert server.pid is not None
@@ -146,15 +163,15 @@ def test_every_timeout_holds_while_the_server_is_paused(server):
 def test_an_ack_keeps_its_deadline_and_the_with_form_the_pops(server):
     """``ack(receipt, timeout=)`` and the ``with store.pop(n, lease=S, timeout=T)`` form (which acks
     within ``T``) raise TimeoutError on time on a paused server; the receipt is acked afterwards."""
-    ring = LazyStackedTensorDictStore(url=server.url, count=8, prefix="dl")
+    ring = LazyStackedTensorDictStore(url=server.url, count=8, prefix="dl", **slow_to_fail())
     ring.extend([el(i) for i in range(4)])
     got = ring.pop(2, lease=600, timeout=5)
-    held = ring.pop(2, lease=600, timeout=1)
+    held = ring.pop(2, lease=600, timeout=2)  # must succeed: its reads are cut to what is left of 2 s
     assert server.pid is not None
     os.kill(server.pid, signal.SIGSTOP)
     try:
         late_by(lambda: ring.ack(got.receipt, timeout=1), 1, "paused: ack")
-        late_by(lambda: held.__exit__(None, None, None), 1, "paused: the with form's ack (the pop's timeout)")
+        late_by(lambda: held.__exit__(None, None, None), 2, "paused: the with form's ack (the pop's timeout)")
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert ring.ack(got.receipt, timeout=10) == 2 and held.ack() == 2
@@ -180,7 +197,7 @@ def test_a_waiter_subscribed_before_the_pause_ends_on_time(server):
         wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "the pop subscribed")
         assert server.pid is not None
         os.kill(server.pid, signal.SIGSTOP)
-        th.join(30)
+        th.join(3 + SLACK + 30)
     finally:
         os.kill(server.pid, signal.SIGCONT)
     assert not th.is_alive()
@@ -204,7 +221,8 @@ def test_every_timeout_holds_when_the_server_is_stopped(server):
 def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server, retries):
     """The server answered the waiter's first try, then died: the wait goes on to its deadline (a
     restart or failover may come back meanwhile) and ends with TimeoutError, whether or not redis-py's
-    retries run out before it (``none``: they run out at once)."""
+    retries run out before it (``slow_to_fail()``'s policy: they do not; ``none``: they run
+    out at once)."""
     _, empty = waiting_stores(server.url)
     if retries == "none":
         from redis.backoff import NoBackoff
@@ -228,7 +246,7 @@ def test_a_waiter_ends_on_time_when_the_server_dies_under_it(server, retries):
     wait_until(lambda: dict(admin.pubsub_numsub(channel)).get(channel.encode(), 0) == 1, "wait_for subscribed")
     assert server.pid is not None
     os.kill(server.pid, signal.SIGKILL)
-    th.join(30)
+    th.join(3 + SLACK + 30)
     assert not th.is_alive()
     assert isinstance(out.get("err"), TimeoutError) and not isinstance(out["err"], redis.RedisError), out
     print(f"killed while subscribed: wait_for TimeoutError after {out['took']:.3f} s (late by {out['took'] - 3:+.3f} s)")
@@ -281,8 +299,8 @@ def test_without_a_timeout_the_clients_retry_policy_is_used_with_one_the_deadlin
     # with a timeout the deadline bounds the tries, not the count: the client's backoff, then tries every
     # 50 ms at least until the deadline, which ends the call with TimeoutError (the same every time)
     _CountingBackoff.calls = 0
-    took = late_by(lambda: store.pop(1, timeout=1), 1, "stopped, retries used up: pop")
-    assert _CountingBackoff.calls > 3 and took > -0.05
+    took = late_by(lambda: store.pop(1, timeout=2), 2, "stopped, retries used up: pop")
+    assert _CountingBackoff.calls > 3 and took > -0.05  # four tries take ~40 ms: the timeout leaves room for stalls
 
 
 # -- sample(timeout=) on an empty ring waits ----------------------------------------------------
@@ -420,7 +438,7 @@ def test_rediss_against_a_plain_server_fails_within_the_connect_timeout_with_a_t
     with pytest.raises(
         TLSHandshakeError, match=r"no TLS handshake with 127\.0\.0\.1:\d+ within 1 s .*use redis:// for a server without TLS"
     ):
-        LazyStackedTensorDictStore(url=f"rediss://127.0.0.1:{server.port}/0", count=2, socket_connect_timeout=1)
+        LazyStackedTensorDictStore(url=f"rediss://127.0.0.1:{server.port}/0", count=2, **slow_to_fail(socket_connect_timeout=1))
     took = time.monotonic() - start
     print(f"rediss:// to a plain server: refused after {took:.3f} s (connect timeout 1 s)")
     assert took < 1 + SLACK

@@ -5,7 +5,8 @@ tree, or the table), before anything is read or written: never a raw Lua error, 
 weights or rows never written. A call the edited field does not matter to must stay correct.
 Priorities whose weights could overflow the tree's sums are refused before writing
 (``ValueError`` naming the largest allowed). Each edit runs on redis-server and fakeredis;
-every waiting call gets a small ``timeout``, so a hang fails fast as a ``TimeoutError``.
+every waiting call gets a small ``timeout``, so a hang fails fast as a ``TimeoutError`` (a slow
+reply does not: see ``replies_are_never_cut_short``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tdstore._format.keys import StoreKeys
 from tdstore._ring import policy_calls as _sampling
 from tdstore.inspect_store import audit
 
-pytestmark = pytest.mark.ring
+pytestmark = [pytest.mark.ring, pytest.mark.usefixtures("replies_are_never_cut_short")]
 
 WAIT = 1.0  # every waiting call's timeout: a hostile value that made a call wait would fail the test at once
 

@@ -10,6 +10,7 @@ keys; ``python -m tools.faults --case eviction`` runs a real ``maxmemory`` + ``a
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -264,11 +265,16 @@ def test_devices_that_cannot_hold_reads_are_refused(real, device):
 def test_a_write_to_a_replica_names_the_replica(redis_server):
     with EmbeddedServer(unix_socket=False) as primary, EmbeddedServer(unix_socket=False) as replica:
         st = LazyStackedTensorDictStore.from_lazy_stack(_stack(3), url=primary.url, prefix="p")
-        replica.client().replicaof("127.0.0.1", primary.port)
-        for _ in range(2000):  # wait for the first sync (bounded by tries, not by the clock)
-            if replica.client().exists(st._engine.keys.meta) and replica.client().info("replication").get("master_link_status") == "up":
-                break
-            primary.client().wait(1, 5)
+        rc, pc = replica.client(), primary.client()
+        rc.replicaof("127.0.0.1", primary.port)
+        deadline = time.monotonic() + 120  # bounds a failure only: the first sync takes milliseconds
+
+        def synced() -> bool:
+            return bool(rc.exists(st._engine.keys.meta)) and rc.info("replication").get("master_link_status") == "up"
+
+        while not synced():
+            assert time.monotonic() < deadline, f"the replica did not sync with its primary in 120 s: {rc.info('replication')}"
+            pc.wait(1, 50)
         other = LazyStackedTensorDictStore.from_store(td_id=st.td_id, url=replica.url, prefix="p")
         assert_same(other.to_tensordict(), _stack(3))  # reads work on a replica
         with pytest.raises(PermissionError, match=rf"replica.*{replica.port}|{replica.port}.*replica"):

@@ -8,7 +8,8 @@ it holds a lease, and four writers with three leased readers (one killed) acknow
 item exactly once.
 
 No test races a timer: "not redelivered" uses leases of minutes, and a lease is known to have run
-out by reading the server's clock (``TIME``) past the deadline the pop returned.
+out by reading the server's clock (``TIME``) past the deadline the pop returned, or is made to run
+out by moving its deadline to the past by hand.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from tdstore._inspect.audit import audit
 from tdstore._inspect.headers import list_stores
 from tdstore._ring.leases import LeasedSample
 
-pytestmark = pytest.mark.ring
+pytestmark = [pytest.mark.ring, pytest.mark.usefixtures("replies_are_never_cut_short")]
 
 LONG = 600.0  # seconds: a lease that never runs out during a test
-SHORT = 0.2  # seconds: a lease the test waits out (on the server's clock)
+SHORT = 0.2  # seconds: a lease the test waits out (on the server's clock) before its next call
 
 
 class Both:
@@ -112,10 +113,12 @@ def test_a_leased_pop_returns_its_receipt_and_an_ack_settles_it(both):
 def test_unacknowledged_items_come_back_in_write_order_flagged_and_counted(both):
     store = both.store(16)
     store.extend(items(0, 6))
-    a = store.pop(2, lease=0.5)
-    b = store.pop(2, lease=SHORT)  # runs out first: still handed out after a's, in write order
+    a = store.pop(2, lease=LONG)
+    b = store.pop(2, lease=LONG)
     kept = store.pop(1, lease=LONG)
-    wait_out(store, a, b)
+    # a's and b's leases run out (their deadlines moved to the past, as time would; no short lease
+    # races the pops above), b's first: its items are still handed out after a's, in write order
+    both.make_client().zadd(store._engine.keys.lease_keys[1], {b.receipt.id: 0, a.receipt.id: 1})
     again = store.pop(10, lease=SHORT)
     assert seqs(again) == [0, 1, 2, 3, 5]  # the expired ones first, in write order, then the unread one
     assert again.deliveries.tolist() == [2, 2, 2, 2, 1] and again.redelivered.tolist() == [True] * 4 + [False]
@@ -169,7 +172,7 @@ def test_an_ack_after_the_lease_ran_out(both):
 def test_with_block_acks_on_a_clean_exit_only(both):
     store = both.store(8)
     store.extend(items(0, 2))
-    with store.pop(1, lease=SHORT) as got:
+    with store.pop(1, lease=LONG) as got:  # acknowledged while it holds the item
         assert seqs(got) == [0]
     with pytest.raises(RuntimeError, match="boom"), store.pop(1, lease=SHORT) as failed:
         raise RuntimeError("boom")

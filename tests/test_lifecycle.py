@@ -91,45 +91,49 @@ def test_failed_upload_leaves_no_registry_entry(backend):
 
 @pytest.mark.ring
 def test_ttl_on_creation_covers_keys_added_later(backend):
-    store = LazyStackedTensorDictStore(count=4, ttl=120, **backend.kwargs())
+    store = LazyStackedTensorDictStore(count=4, ttl=600, **backend.kwargs())
     store.extend(make_stack(3))  # creates every leaf: they take the header's deadline
     store.set("extra", torch.zeros(4, 2))
     store[1] = make_stack(9)[8].set("extra", torch.ones(2))  # tokens grows: the key gains offset and shape tables
     ttls = pttls(backend, store)
     assert len(ttls) >= 6
     assert same_deadline(backend, ttls), ttls
-    assert 110_000 < next(iter(ttls.values())) <= 120_000
-    assert 110 < store.ttl() <= 120
+    # a long time to live, read within a tenth of it: a busy machine never runs out the window
+    assert 540_000 < next(iter(ttls.values())) <= 600_000
+    assert 540 < store.ttl() <= 600
 
 
 def test_expire_and_persist_act_on_every_key_at_once(backend):
     store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), **backend.kwargs())
     assert store.ttl() is None
-    store.expire(30.5)
+    store.expire(600.5)
     ttls = pttls(backend, store)
-    assert same_deadline(backend, ttls) and 29_000 < next(iter(ttls.values())) <= 30_500
+    assert same_deadline(backend, ttls) and 540_000 < next(iter(ttls.values())) <= 600_500
     store.persist()
     assert set(pttls(backend, store).values()) == {-1}
     assert store.ttl() is None
 
 
 def test_upload_with_ttl(backend):
-    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=50, **backend.kwargs())
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=600, **backend.kwargs())
     ttls = pttls(backend, store)
-    assert same_deadline(backend, ttls) and 40_000 < next(iter(ttls.values())) <= 50_000
+    assert same_deadline(backend, ttls) and 540_000 < next(iter(ttls.values())) <= 600_000
 
 
 def test_a_store_expires_as_a_whole(backend):
-    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=0.3, **backend.kwargs())
+    # a long time to live while the store is checked, then a short one on purpose: a busy machine
+    # never sees the store go before its checks (every key taking the one deadline is test_upload_with_ttl)
+    store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(5), ttl=600, **backend.kwargs())
     assert store[1]["obs"].tolist() == [10.0, 11.0, 12.0, 13.0]
 
     def store_keys() -> list[bytes]:  # the registry entry stays (stale): `tdstore ls` skips it
         return [k for k in backend.keys() if b"{" in k]
 
     assert len(store_keys()) >= 4
-    deadline = time.monotonic() + 5
+    store.expire(0.05)
+    deadline = time.monotonic() + 60  # a limit on a hang only: the keys go within ~0.1 s
     while store_keys() and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.02)
     assert store_keys() == []
     with pytest.raises(KeyError, match="expired"):
         store[1].to_tensordict()

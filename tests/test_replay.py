@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, QueueOverrunError, StoreDamagedError, TensorDictStore
 
-pytestmark = pytest.mark.ring
+pytestmark = [pytest.mark.ring, pytest.mark.usefixtures("replies_are_never_cut_short")]
 
 
 def rows(lo: int, n: int, het: bool = False) -> TensorDict:

@@ -4,11 +4,14 @@ On fakeredis and redis-server, at small sizes with tiny steps: the tree the step
 sum tree of "every written slot weighs 1" (checked against a tree folded here from its leaves),
 slots written during the build are covered, other clients' calls during the build behave as
 without priorities, a builder that dies is resumed, and one asking for other parameters is
-refused. On a real server the longest stall is measured while a ring of 10^6 (10^7: slow) slots
-gets its priorities: a thread with its own connection PINGs in a loop and records the longest
-gap (which includes the client's own scheduling), and SLOWLOG records each command's server time
-exactly. The bounds are generous (busy CI machines: every step slows down when the server shares
-its cores); the figures measured on an idle 2-core machine are in lua/README.md.
+refused. On a real server, while a ring of 10^6 (10^7: slow) slots gets its priorities, a thread
+with its own connection PINGs in a loop: it must never get BUSY (a script past 5 s). The build
+must take at least one script call per ``BUILD_STEP_BYTES`` of tree (counted by the server's
+commandstats): that is what shows it yields. SLOWLOG (each command's time, measured by the
+server) bounds the longest command generously: a step is a few ms here, 30 ms on a busy machine.
+The PING loop's longest gap is printed, never asserted: it also holds this process's own
+scheduling, which a busy CI machine stretches. The figures measured on a 2-core machine are in
+lua/README.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore
-from tdstore._format.sampling_policy import TREE_FAN
+from tdstore._format.sampling_policy import TREE_FAN, tree_bytes
 from tdstore._ring import policy_calls as _sampling
 
 pytestmark = pytest.mark.ring
@@ -262,23 +265,49 @@ def filled_ring(real, count: int) -> LazyStackedTensorDictStore:
     return store
 
 
-def measure_enable(real, count: int) -> tuple[LazyStackedTensorDictStore, float, float, list[str]]:
-    """``enable_priorities`` on a filled ring of ``count`` slots: the longest PING gap (ms), the
-    slowest command SLOWLOG saw (ms), and the error replies the PING loop got."""
+#: The longest any one command may hold the server while priorities are built (SLOWLOG, ms). A step
+#: is 3-30 ms even on a busy machine (lua/README.md), so a machine 5x slower stays far below; the tree
+#: built by one script (before the steps) took 1,234 ms at 10^6 slots and went past 5 s (BUSY) at
+#: 10^7. The step count, not this bound, is what shows the build yields.
+SLOWEST_MS = 1000
+
+
+def script_calls(admin) -> int:
+    """Script calls the server has run (EVALSHA, or EVAL when a script was flushed): INFO commandstats."""
+    stats = admin.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval"))
+
+
+def measure_enable(real, count: int) -> tuple[LazyStackedTensorDictStore, float, int, list[str]]:
+    """``enable_priorities`` on a filled ring of ``count`` slots: the slowest command SLOWLOG saw
+    (ms), the script calls the build took, and the error replies the PING loop got (whose longest
+    gap is printed)."""
     store = filled_ring(real, count)
     admin = real.client()
-    old = admin.config_get("slowlog-log-slower-than")["slowlog-log-slower-than"]
+    old = admin.config_get("slowlog-*")
     admin.config_set("slowlog-log-slower-than", 1000)
+    admin.config_set("slowlog-max-len", 100_000)  # every step slower than 1 ms is kept (the default keeps 128)
     admin.slowlog_reset()
     try:
+        calls = script_calls(admin)
         with PingLoop(real.client()) as loop:
             store.enable_priorities(alpha=1.0, max_times_sampled=1000)  # counts allocated, never reached here
-        slowest = max((e["duration"] for e in admin.slowlog_get(10_000)), default=0) / 1000
+        steps = script_calls(admin) - calls
+        slowest = max((e["duration"] for e in admin.slowlog_get(100_000)), default=0) / 1000
     finally:
-        admin.config_set("slowlog-log-slower-than", old)
+        admin.config_set("slowlog-log-slower-than", old["slowlog-log-slower-than"])
+        admin.config_set("slowlog-max-len", old["slowlog-max-len"])
     gap = max(loop.gaps) * 1000
-    print(f"enable_priorities on {count} slots: longest PING gap {gap:.1f} ms, slowest command {slowest:.1f} ms")
-    return store, gap, slowest, loop.errors
+    print(f"enable_priorities on {count} slots: {steps} script calls, slowest command {slowest:.1f} ms, longest PING gap {gap:.1f} ms")
+    return store, slowest, steps, loop.errors
+
+
+def check_built_in_steps(count: int, slowest: float, steps: int, errors: list[str]) -> None:
+    """No BUSY; at least one script call per ``BUILD_STEP_BYTES`` of tree (each step writes at most that
+    much); no command held the server for long (SLOWLOG: the server's own time, not the client's)."""
+    assert errors == []
+    assert steps >= tree_bytes(count) // _sampling.BUILD_STEP_BYTES, (steps, tree_bytes(count))
+    assert slowest < SLOWEST_MS, f"a command held the server for {slowest:.0f} ms"
 
 
 def check_exact_draws(store: LazyStackedTensorDictStore, count: int) -> None:
@@ -296,19 +325,15 @@ def check_exact_draws(store: LazyStackedTensorDictStore, count: int) -> None:
 
 
 def test_enable_priorities_on_a_million_slots_never_stalls(real):
-    store, gap, slowest, errors = measure_enable(real, 10**6)
-    assert errors == []
-    # SLOWLOG is the server's exact time per command (one script built the tree: 1.2 s here); the PING
-    # gap also holds the client's scheduling (a busy CI machine), so its bound only catches a real stall
-    assert slowest < 250 and gap < 1000
+    store, slowest, steps, errors = measure_enable(real, 10**6)
+    check_built_in_steps(10**6, slowest, steps, errors)
     check_exact_draws(store, 10**6)
     store.clear_redis()
 
 
 @pytest.mark.slow
 def test_enable_priorities_on_ten_million_slots_never_stalls(real):
-    store, gap, slowest, errors = measure_enable(real, 10**7)
-    assert errors == []  # no BUSY
-    assert slowest < 250 and gap < 1000  # one script built the tree: 6.3 s (BUSY after 5 s)
+    store, slowest, steps, errors = measure_enable(real, 10**7)
+    check_built_in_steps(10**7, slowest, steps, errors)
     check_exact_draws(store, 10**7)
     store.clear_redis()
