@@ -516,3 +516,21 @@ def test_a_first_change_rolled_back_leaves_no_guard_behind(redis_cluster, monkey
     client.close()
     assert len(ttls) > 1 and all(3_500_000 < t <= 3_600_000 for t in ttls), ttls
     s.clear_redis()
+
+
+def test_a_node_that_answers_moved_hands_its_calls_to_the_cluster_client(redis_cluster):
+    """A map that went stale (a resharding, a failover): every node the client picks answers MOVED.
+    Each node's pipeline of a multi-segment call then goes through RedisCluster, which follows the
+    redirect: the call succeeds, never hands the redirect to the user as the call's error."""
+    s = spread_store(redis_cluster)
+    client = s._engine.cluster
+    cache = client.nodes_manager.slots_cache
+    primaries = sorted({nodes[0].name for nodes in cache.values()})
+    by_name = {nodes[0].name: nodes[0] for nodes in cache.values()}
+    wrong = {name: by_name[primaries[(i + 1) % len(primaries)]] for i, name in enumerate(primaries)}
+    for slot, nodes in cache.items():
+        cache[slot] = [wrong[nodes[0].name], *nodes[1:]]  # every slot served, as the client thinks, by another node
+    s[torch.arange(30)] = lazy_stack([stamped(100 + i) for i in range(30)])  # segments on every node: call_many
+    assert [int(v) for v in s[torch.tensor([29, 3, 17])]["stamp"]] == [129, 103, 117]
+    assert all(consistent(s[i].to_tensordict()) for i in range(30))
+    s.clear_redis()

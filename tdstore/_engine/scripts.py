@@ -120,8 +120,14 @@ def call(
         raise translate(err) from None
 
 
-#: The error prefixes of a cluster redirect (redis-py 5.0 gives some as plain ResponseErrors).
-REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
+#: A cluster node's answer that the call belongs elsewhere or later (resharding, failover): RedisCluster
+#: follows it. ``MovedError``'s text is only the slot and address, without the ``MOVED`` its class stands for.
+REDIRECTS = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
 
 
 class _Redirected(Exception):
@@ -177,15 +183,7 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
     def job(node: Any, idxs: list[int]) -> None:
         try:
             _node_pipeline(node.redis_connection, calls, idxs, out)
-        except (
-            _Redirected,
-            redis.exceptions.ConnectionError,
-            redis.exceptions.TimeoutError,
-            redis.exceptions.MovedError,
-            redis.exceptions.AskError,
-            redis.exceptions.TryAgainError,
-            redis.exceptions.ClusterDownError,
-        ):
+        except (_Redirected, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *REDIRECTS):
             for i in idxs:
                 if out[i] is None:
                     name, keys, args = calls[i]
@@ -218,7 +216,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
             if isinstance(reply, NoScriptError):
                 missing.append(i)
             elif isinstance(reply, ResponseError):
-                if str(reply).split(" ", 1)[0] in REDIRECTS:  # redis-py 5.0 gives redirects as plain errors
+                if isinstance(reply, REDIRECTS):
                     raise _Redirected(str(reply))
                 out[i] = translate(reply)
             else:

@@ -128,14 +128,8 @@ class Transport:
             node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
         try:
             return send(node)
-        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             pass
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            pass
-        except redis.exceptions.ResponseError as err:
-            # redis-py 5.0's plain client gives a cluster redirect as a bare ResponseError
-            if str(err).split(" ", 1)[0] not in _scripts.REDIRECTS:
-                raise
         self._held.release()
         self._node = None
         return fallback()
@@ -149,13 +143,8 @@ class Transport:
             held = self._node_held[node.name] = HeldConnection()
         try:
             return _scripts.call(node.redis_connection, name, keys, args, held.execute)
-        except (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError):
+        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             pass
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            pass
-        except redis.exceptions.ResponseError as err:
-            if str(err).split(" ", 1)[0] not in _scripts.REDIRECTS:  # redis-py 5.0: a bare ResponseError
-                raise
         held.release()
         return _scripts.call(self.client, name, keys, args)
 
