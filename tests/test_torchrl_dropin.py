@@ -218,6 +218,65 @@ def test_empty_keeps_generations_and_optionally_the_write_count(one_node, keep):
     assert got[0] == got[1] and got[0][0] == (16 if keep else 8)
 
 
+def test_empty_keeps_the_buffers_priorities_rate_limiter_and_queue(one_node):
+    """torchrl's samplers keep their priority settings across empty(): so does the buffer's store, whose
+    policy other processes share. Before, the store came back bare: the next extend with td_error failed
+    to set its priorities, and a limiter or queue set on the store was gone for every process."""
+    rb = replay_buffer(6, sampler="prioritized", alpha=0.7, beta=0.4, batch_size=4, **one_node.kwargs())
+    store = rb.storage._store
+    store.set_rate_limit(min_size=2, samples_per_insert=2.0, error_buffer=8.0)
+    store.set_queue(True)
+    before = store.sampling_policy
+    rb.extend(TensorDict({"a": torch.arange(3.0), "td_error": torch.tensor([1.0, 2.0, 3.0])}, [3]))
+    rb.empty()
+    assert len(rb) == 0 and rb.storage._store.sampling_policy == before
+    idx = rb.extend(TensorDict({"a": torch.arange(10.0, 13.0), "td_error": torch.tensor([0.0, 0.0, 5.0])}, [3]))
+    assert sorted(idx.tolist()) == [0, 1, 2]
+    assert rb.sample(4)["a"].tolist() == [12.0] * 4  # the rows' td_error became their priorities: only slot 2 is drawn
+    other = StoreStorage(td_id=rb.storage.td_id, **one_node.kwargs())
+    assert other._store.sampling_policy == before
+
+
+def test_load_state_dict_keeps_the_policy_and_the_limiter_counts_from_after_the_rows(one_node):
+    """load_state_dict empties the store and writes the rows; the buffer keeps its policy, and the
+    limiter counts inserts from after the loaded rows (the buffer's content, not inserts a learner
+    must catch up with)."""
+    mem = ReplayBuffer(storage=LazyTensorStorage(6))
+    mem.extend(data(5))
+    rb = ReplayBuffer(storage=StoreStorage(6, **one_node.kwargs()))
+    store = rb.storage._store
+    store.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=1.0)
+    before = store.sampling_policy
+    rb.storage.load_state_dict(mem.storage.state_dict())
+    assert len(rb) == 5 and rb.storage._store.sampling_policy == before
+    engine = rb.storage._store._engine
+    assert engine.command("HMGET", engine.keys.meta, "lb", "sn") == [b"5", b"0"]
+    same(rb[:], mem[:])
+
+
+def test_reads_index_the_written_rows_as_a_lazy_tensor_storage_does(one_node):
+    """Below the capacity but past the written rows, a read raises IndexError as torchrl's does (it never
+    returns a slot never written); a position tensor of two dims gives rows of its shape; ``contains``
+    counts negative positions from the end. Then, the buffer full, every slot reads."""
+    mem, srv = both(one_node, 6)
+    for rb in (mem, srv):
+        rb.extend(data(4))
+    for index in (5, 4, torch.tensor([3, 4]), [0, 5], -5):
+        for rb in (mem, srv):
+            with pytest.raises(IndexError):
+                rb[index]
+    for index in (3, -1, torch.tensor([[0, 1], [2, 3]]), [[3, 0], [-1, 1]], slice(1, None)):
+        got, want = srv[index], mem[index]
+        assert got.batch_size == want.batch_size, index
+        same(got["b"], want["b"])
+    probe = torch.tensor([0, -1, -4, -5, 3, 4])
+    assert srv.storage.contains(probe).tolist() == mem.storage.contains(probe).tolist() == [True, True, True, False, True, False]
+    for rb in (mem, srv):
+        rb.extend(data(3, 10))  # full and wrapped
+    same(srv[5]["a"], mem[5]["a"])
+    same(srv[torch.tensor([[5, 0], [1, 4]])]["a"], mem[torch.tensor([[5, 0], [1, 4]])]["a"])
+
+
 # -- 5. elements with their own batch dims; ndim > 1 storages --------------------------------------------
 def test_elements_with_their_own_batch_dims(real):
     x = torch.randn(3, 2, 4)

@@ -227,6 +227,17 @@ def set_rate_limit(engine: Engine, min_size: int, samples_per_insert: float | No
     _change(engine, lambda p: replace(p, limit=limit), "limit")
 
 
+def restore_policy(engine: Engine, policy: SamplingPolicy) -> None:
+    """Give the ring ``policy`` exactly as another store held it (torchrl's ``empty()`` makes the store
+    again, and the buffer keeps its priorities, limiter and queue): priorities built as
+    ``enable_priorities`` builds them, then the limiter (its counts start now) and the queue in one call."""
+    if policy.alpha is not None:
+        enable_priorities(engine, policy.alpha, policy.max_times)
+    if policy.limit is not None or policy.queue:
+        needs = " ".join(word for word, on in (("limit", policy.limit is not None), ("queue", policy.queue)) if on)
+        _change(engine, lambda p: replace(p, limit=policy.limit, queue=policy.queue), needs)
+
+
 def clear_rate_limit(engine: Engine) -> None:
     _change(engine, lambda p: replace(p, limit=None), "")
 

@@ -21,7 +21,9 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._ring.dense_methods import dense_rows
+from tdstore._ring.policy_calls import policy_of, restore_policy
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl.row_copy import write_through
 from tdstore.torchrl.storage_base import _PUBLIC_CONN, TENSOR_KEY, TREE_KEY, Drawn, _eager, _spec_text
@@ -105,7 +107,7 @@ class StoreStorage(StorageWrites):
 
                 td = self.with_store(read_written)
             else:
-                td = self.with_store(lambda s: self._read(s, index))
+                td = self.with_store(lambda s: self._read(s, index, written_only=True))
         if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
             td = dense_rows(td)  # non-tensor rows of a dense buffer: one TensorDict, as LazyTensorStorage gives
         self._data_kind()
@@ -165,7 +167,7 @@ class StoreStorage(StorageWrites):
         if isinstance(item, torch.Tensor):
             if item.dtype == torch.bool:
                 return item.sum() <= n
-            return (item >= 0) & (item < n) if item.ndim else torch.tensor(0 <= int(item) < n)
+            return (item >= -n) & (item < n) if item.ndim else torch.tensor(-n <= int(item) < n)  # negatives count from the end
         raise NotImplementedError(f"type {type(item)} is not supported yet.")
 
     # -- emptying, state, pickling ---------------------------------------------------------
@@ -176,15 +178,27 @@ class StoreStorage(StorageWrites):
         again) and, after ``rb.empty(empty_write_count=False)``, the write count.  The ring has no
         server operation that empties it in place, so this is not safe while other processes write:
         a write racing the delete either lands before it (and is dropped) or recreates the store
-        itself.  Other handles reopen the new store on their next call."""
+        itself.  Other handles reopen the new store on their next call.  The new store keeps the old one's sampling
+        policy (priorities, rate limiter, queue), as torchrl's samplers keep theirs across ``empty()``."""
+        self._restore(self._delete_and_make_again())
+
+    def _delete_and_make_again(self) -> list[SamplingPolicy]:
+        """:meth:`_empty` without the policy: the store made again bare, and the policies the old one had."""
         self._pending = None
         keep, self._keep_write_count = self._keep_write_count, False
         m = self.marks()
+        policies = self.with_store(_policies)
         self.with_store(lambda s: s.clear_redis())
         self._ring = None
         self._reopens += 1
         laps = (m.rw - 1) // self._dim0 + 1 if m.rw else 0
         self._carry(m.gb + laps, m.wb + m.rw if keep else 0)
+        return policies
+
+    def _restore(self, policies: list[SamplingPolicy]) -> None:
+        """Give the store made again by :meth:`_empty` the policies the old one had (each shard its own)."""
+        if any(p != SamplingPolicy() for p in policies):
+            self.with_store(lambda s: _restore_policies(s, policies))
 
     def delete(self) -> None:
         """Delete the buffer's keys on the server (one atomic call).  Unlike ``empty()``, whose new store
@@ -305,9 +319,10 @@ class StoreStorage(StorageWrites):
                 + (f" and ndim {self.ndim}" if self.ndim > 1 else "")
             )
         n = -(n // -self._lanes(inner))  # written cells -> dim-0 rows
-        self._empty()
+        policies = self._delete_and_make_again()
         if n:
             self._extend_rows(self._to_rows(rows[:n] if TENSOR_KEY not in rows.keys() else rows[TENSOR_KEY][:n]), rows)
+        self._restore(policies)  # after the rows: a limiter counts inserts from after the buffer's content
 
     def dumps(self, path: Any) -> None:
         """Write a checkpoint of the buffer into the directory ``path``: every row, the ring state
@@ -348,3 +363,20 @@ class StoreStorage(StorageWrites):
     def __repr__(self) -> str:
         where = {k: v for k, v in self._conn.items() if k in _PUBLIC_CONN}
         return f"{type(self).__name__}(td_id={self._td_id!r}, max_size={self.max_size}, {where})"
+
+
+def _ring_engines(s: Any) -> list[Any]:
+    """The engines of the rings that hold a policy: the store's, or each shard's (a sharded ring)."""
+    shards = getattr(s, "shards", None)
+    return [shard._engine for shard in shards] if shards is not None else [s._engine]
+
+
+def _policies(s: Any) -> list[SamplingPolicy]:
+    """Each ring's sampling policy as the server holds it (one round trip each)."""
+    return [policy_of(e, fresh=True) for e in _ring_engines(s)]
+
+
+def _restore_policies(s: Any, policies: list[SamplingPolicy]) -> None:
+    """Each ring of ``s`` gets its policy of ``policies`` (:func:`_policies` of the store it replaces)."""
+    for engine, policy in zip(_ring_engines(s), policies, strict=True):
+        restore_policy(engine, policy)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass, lazy_stack
 from tensordict.utils import unravel_key_list
@@ -307,9 +308,16 @@ class StorageWrites(StorageBase):
             )
         return slots, one
 
-    def _read(self, s: LazyStackedTensorDictStore, index: Any, written: torch.Tensor | None = None) -> TensorDictBase:
+    def _read(
+        self, s: LazyStackedTensorDictStore, index: Any, written: torch.Tensor | None = None, *, written_only: bool = False
+    ) -> TensorDictBase:
         """The rows at ``index``. ``written``: the written slots of a sharded ring not full, when the caller has
-        read them already (else they are read here, one round trip until every shard is full)."""
+        read them already (else they are read here, one round trip until every shard is full).
+
+        ``written_only`` (``storage[index]``): as a ``LazyTensorStorage``, which indexes its written rows,
+        a position past them raises ``IndexError`` instead of reading a slot never written (one round trip
+        for the ring's length until this handle has seen it full); a position tensor of several dims
+        gives rows of its shape. Writes (``written_only=False``) address every slot, as torchrl's do."""
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
@@ -319,8 +327,25 @@ class StorageWrites(StorageBase):
             written = self._sharded_written(s)
         if written is not None:  # a sharded ring not full: its written slots are not range(len) (see written_slots)
             slots, one = self._written_only(s, index, written)
+        elif written_only:
+            slots, one = _index.positions(index, self._written_slots(s))
         else:
             bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
             slots, one = _index.positions(index, bound)
         got = s.stack_ops.read(slots)
-        return got[0] if one else got
+        if one:
+            return got[0]
+        shape = _positions_shape(index) if written_only else None
+        return got if shape is None else got.reshape(*shape, *got.batch_size[1:])
+
+
+def _positions_shape(index: Any) -> tuple[int, ...] | None:
+    """The shape of a position tensor (or nested list, or array) of several dims, which torch gives the
+    rows it selects; None for any other index (its rows come back as one dim)."""
+    if isinstance(index, list):
+        index = torch.as_tensor(index)
+    if isinstance(index, np.ndarray):
+        index = torch.from_numpy(index)
+    if isinstance(index, torch.Tensor) and index.ndim > 1 and index.dtype not in (torch.bool, torch.uint8):
+        return tuple(index.shape)
+    return None
