@@ -34,7 +34,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,31 @@ class CheckpointMeta:
         """The slots a sampler draws from (``tds_written`` in ``lua/_lib.lua``)."""
         rw = int(self.ring.get("rw") or 0)
         return self.count if rw == 0 and self.keys else min(rw, self.count)
+
+    def narrowed(self, *, drop: Collection[tuple[str, ...]] = (), rw: int | None = None) -> CheckpointMeta:
+        """This checkpoint restored without the keys ``drop`` (paths; absent ones ignored) and, with ``rw``, with that
+        ring write count in place of its own (its written slots must stay what they are: ``min(rw, count)``).
+
+        What a torchrl buffer's ``loads`` restores (``tdstore.torchrl.dumps_loads``): a torchrl checkpoint's
+        rows carry the metadata keys its writer stores (``"index"``), which a buffer on a ring never writes,
+        and its cursor is its writer's, not a ring's.  A checkpoint left with no key keeps no written slot.
+        """
+        left_out = set(drop)
+        keys = [k for k in self.keys if k.path not in left_out]
+        ring = dict(self.ring)
+        if rw is not None:
+            if isinstance(rw, bool) or not isinstance(rw, int) or rw < 0:
+                raise ValueError(f"a ring write count is an int >= 0, got {rw!r}")
+            if min(rw, self.count) != self.written:
+                raise ValueError(f"a ring write count of {rw} would make {min(rw, self.count)} slots written, not {self.written}")
+            if ring.get("lb") is not None or ring.get("rr") is not None:  # (counted in ring writes too)
+                raise ValueError("the ring write count of a checkpoint with a rate limiter or a queue cursor is its own")
+            ring["rw"] = rw
+        if self.keys and not keys:
+            ring.pop("rw", None)
+            for name in ("lb", "rr"):
+                ring.pop(name, None)
+        return replace(self, keys=keys, ring=ring)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -331,7 +357,8 @@ def _memmap_keys(root: Path, folder: Path, prefix: tuple[str, ...], count: int |
 
 def _torchrl_meta(root: Path) -> CheckpointMeta:
     """A checkpoint of torchrl's ``LazyTensorStorage`` (``storage.dumps(path)``): a dense store (one shape per key,
-    as there) whose ring had ``len`` writes, under a new td_id."""
+    as there) whose ring had ``len`` writes, under a new td_id.  With ``len`` 0 (an emptied buffer, whose memmaps
+    still hold the old rows) nothing is written: no key is restored (a store holding rows would be a full ring)."""
     import uuid
 
     try:
@@ -344,4 +371,4 @@ def _torchrl_meta(root: Path) -> CheckpointMeta:
     count, keys = _memmap_keys(root, root, (), None)
     if length > count:
         raise _bad(root, f"len {length} is beyond the storage size {count}")
-    return CheckpointMeta(str(uuid.uuid4()), "dense", count, 0, (), keys, {"rw": length} if length else {})
+    return CheckpointMeta(str(uuid.uuid4()), "dense", count, 0, (), keys if length else [], {"rw": length} if length else {})

@@ -62,6 +62,7 @@ __all__ = [
     "export_checkpoint",
     "export_store",
     "import_checkpoint",
+    "import_narrowed",
     "read_meta",
     "restore_into",
 ]
@@ -408,14 +409,15 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
     engine.adopt_stale(reply)
 
 
-def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int = 0) -> CheckpointMeta:
+def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int = 0, meta: CheckpointMeta | None = None) -> CheckpointMeta:
     """Restore the checkpoint in ``path`` as the new store ``engine`` names (which must not exist).
 
     Everything is checked before anything is written (:class:`CheckpointError`); the store
-    appears with its rows, then gets its ring and policy state in one call.
+    appears with its rows, then gets its ring and policy state in one call.  ``meta``: what
+    :func:`read_meta` read of ``path``, narrowed by the caller (``CheckpointMeta.narrowed``).
     """
     root = Path(path)
-    meta = read_meta(root)
+    meta = read_meta(root) if meta is None else meta
     if meta.priorities is not None:
         check_tree(root, meta.priorities)
     scans = leaf_scans(root, meta)
@@ -458,6 +460,24 @@ def import_checkpoint(
     first.  Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the
     checkpoint's rows, ring state, priorities and sampling policy.
     """
+    return import_narrowed(
+        path, read_meta(path), td_id=td_id, replace=replace, pbar=pbar, ttl=ttl, tensorclass_cls=tensorclass_cls, **store_kwargs
+    )
+
+
+def import_narrowed(
+    path: Any,
+    meta: CheckpointMeta,
+    *,
+    td_id: str | None = None,
+    replace: bool = False,
+    pbar: bool = False,
+    ttl: float | None = None,
+    tensorclass_cls: Any = None,
+    **store_kwargs: Any,
+) -> Any:
+    """:func:`import_checkpoint` of ``path`` as ``meta`` describes it: what :func:`read_meta` read there, narrowed by
+    the caller (``CheckpointMeta.narrowed``: keys left out, another ring write count), restored in the same calls."""
     from tdstore._engine.connection import open_client
     from tdstore._format import tensorclass as _tensorclass
     from tdstore._format.keys import StoreKeys
@@ -465,7 +485,6 @@ def import_checkpoint(
     from tdstore.dense import TensorDictStore, _connection_kwargs
     from tdstore.lazy import attach
 
-    meta = read_meta(path)
     tid = meta.td_id if td_id is None else td_id
     client, spec, owned = open_client(**_connection_kwargs(store_kwargs))
     keys = StoreKeys(store_kwargs.get("prefix", "tensordict"), tid)
@@ -479,7 +498,7 @@ def import_checkpoint(
         else:
             _whole_store.clear(old)
     engine = Engine(spec, keys, client, owns_client=owned, **options)
-    restore_into(path, engine=engine, pbar=pbar, ttl_ms=ttl_to_ms(ttl))
+    restore_into(path, engine=engine, pbar=pbar, ttl_ms=ttl_to_ms(ttl), meta=meta)
     store = attach(engine, backend=store_kwargs.get("backend", "redis"), cache_metadata=store_kwargs.get("cache_metadata", True))
     if engine.header.kind == "dense":
         store = TensorDictStore._open_view(store)

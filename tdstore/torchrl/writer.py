@@ -97,7 +97,12 @@ class StoreWriter(Writer):
         Path(path).mkdir(parents=True, exist_ok=True)
 
     def loads(self, path: Any) -> None:
-        """Nothing to load: the cursor and write count are the server's."""
+        """Nothing to load here: the cursor and write count are the server's.
+
+        ``ReplayBuffer.loads`` loads the storage first, and ``StoreStorage.loads`` has already given the ring
+        the cursor and write count a torchrl writer saved in ``path`` (``metadata.json``, beside ``storage/``),
+        in the call that restored the ring (:mod:`tdstore.torchrl.dumps_loads`); a tdstore checkpoint's ring
+        state is in the storage's checkpoint itself."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
