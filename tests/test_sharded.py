@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import time
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from tensordict import TensorDict
 from test_replay import chi2_critical, chi_square
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._shards.layout import WrittenSlots
 from tdstore.cluster_server import EmbeddedCluster
 
 PREFIX = "sharded"
@@ -269,6 +272,120 @@ def test_an_extend_held_by_a_limiter_another_handle_cleared_goes_on(redis_cluste
     assert got.indices.numel() == 3
     assert all(sh.sampling_policy is None or sh.sampling_policy.limit is None for sh in actor.shards)
     s.clear_redis()
+
+
+def test_pop_and_queue_mode_count_rows_written_by_index(redis_cluster):
+    """A shard filled by index (``s[i] = ...``: its raw ``rw`` stays 0) is a full ring, as the scripts and the one-node
+    ring count it: the sharded pop hands its rows out, and in queue mode an extend goes to the shard a pop made room
+    on. The counters' read used to take the raw 0: pop saw nothing unread and an extend went to a full shard."""
+    s = ring(redis_cluster, count=6)
+    s[torch.arange(6)] = rows(torch.arange(6))
+    s.set_queue(True)
+    assert sorted(s.shards[1].pop(2, timeout=0).td["tag"].tolist()) == [2, 3]  # room on shard 1, none elsewhere
+    s._next = 0  # the shard this handle would take next (and the least written, by the raw counter) is full
+    w = s.extend(rows(torch.tensor([100])), timeout=0)
+    assert s._locate(w.indices).tolist() == [1] and s[w.indices]["tag"].tolist() == [100]
+    seen = []
+    while True:
+        try:
+            p = s.pop(2, timeout=0)
+        except TimeoutError:
+            break
+        assert whole(p.td) and torch.equal(s[p.indices]["tag"], p.td["tag"])
+        seen += p.td["tag"].tolist()
+    assert sorted(seen) == [0, 1, 4, 5, 100]
+    s.clear_redis()
+
+
+def test_a_handle_samples_by_the_priorities_another_handle_enabled(redis_cluster):
+    """A handle opened before another enabled priorities samples by them (``prioritized=None``: the ring's policy
+    decides), as a one-node ring adopts a policy changed elsewhere: the read of the shards' sizes carries their header
+    version. With every shard full (no size is read), the shards' own samples tell, and the rows are drawn again
+    by the masses. Such a handle used to split the rows by the shards' sizes and return a plain Sample."""
+    a = ring(redis_cluster, count=30)
+    b = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
+    b.enable_priorities(alpha=1.0)
+    off = b.shard_offsets
+    b.shards[1].extend(rows(torch.arange(off[1], off[1] + 10)), priority=1.0)
+    b.shards[2].extend(rows(torch.arange(off[2], off[2] + 10)), priority=100.0)  # shard 0 empty
+    prio = torch.zeros(30, dtype=torch.float64)
+    prio[off[1] : off[1] + 10], prio[off[2] : off[2] + 10] = 1.0, 100.0
+    for i in range(2):
+        got = a.sample(2000, torch.Generator().manual_seed(i))
+        assert isinstance(got, PrioritizedSample) and torch.equal(got.td["tag"], got.indices) and whole(got.td)
+        assert torch.allclose(got.probabilities, (prio / prio.sum())[got.indices], rtol=1e-9)
+        assert float((got.indices >= off[2]).double().mean()) > 0.97  # 100/101 of the mass; by size: 1/2
+    a.clear_redis()
+    # every shard full: a handle that saw them full reads no size before it draws
+    a = ring(redis_cluster, count=6)
+    fill(a, [2, 2, 2])
+    c = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
+    assert not isinstance(c.sample(8, torch.Generator().manual_seed(0)), PrioritizedSample) and all(c._full)
+    a.enable_priorities(alpha=1.0)
+    prio = torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0, 100.0], dtype=torch.float64)
+    a.update_priority(torch.arange(6), prio)
+    got = c.sample(2000, torch.Generator().manual_seed(1))
+    assert isinstance(got, PrioritizedSample) and torch.equal(got.td["tag"], got.indices)
+    assert torch.allclose(got.probabilities, (prio / prio.sum())[got.indices], rtol=1e-9)
+    assert float((got.indices >= 4).double().mean()) > 0.95  # 200/204 of the mass; by size: 1/3
+    a.clear_redis()
+
+
+def test_an_extend_that_meets_a_queue_set_elsewhere_then_waits_on_every_shard(redis_cluster):
+    """A handle that did not know of queue mode learns it from its first extend's shard (which adopts the policy):
+    its next extend chooses among the shards with room, not the next in turn. It used to judge by shard 0's cached
+    header only, and sent the next extend to a full shard."""
+    s = ring(redis_cluster, count=6)
+    actor = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    s.set_queue(True)
+    fill(s, [0, 0, 2])  # shard 2's queue is full
+    actor._next = 1
+    first = actor.extend(rows(torch.tensor([100])), timeout=0)  # to shard 1, in turn: it adopts the queue mode
+    assert actor._locate(first.indices).tolist() == [1] and actor.shards[1].sampling_policy.queue
+    second = actor.extend(rows(torch.tensor([101])), timeout=0)  # shard 2 is next in turn, and full
+    assert actor._locate(second.indices).tolist() == [0]
+    s.clear_redis()
+
+
+def test_a_waiting_extend_keeps_one_deadline_for_the_whole_call(redis_cluster, monkeypatch):
+    """``extend(timeout=T)`` in queue mode: the wait for a shard that admits it and that shard's own wait share one
+    deadline. Here the counters' read ends at T and another writer takes the room it found: the shard is sent what
+    is left (nothing) and refuses at once. It used to be sent T again (2T in all)."""
+    big = 3.0
+    s = ring(redis_cluster, count=6)
+    other = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    s.set_queue(True)
+    fill(s, [2, 2, 2])
+    other.shards[0].pop(1, timeout=0)  # room for one row on shard 0
+    real_heads, real_one, sent = s._heads, s._extend_one, []
+
+    def slow_heads(leases: bool = False):
+        got = real_heads(leases)
+        time.sleep(big)  # the read ends when the call's time is up
+        return got
+
+    def racing(k, piece, priority, timeout):
+        sent.append(timeout)
+        other.shards[k].extend(rows(torch.tensor([99])), timeout=0)  # another writer takes the room first
+        return real_one(k, piece, priority, timeout)
+
+    monkeypatch.setattr(s, "_heads", slow_heads)
+    monkeypatch.setattr(s, "_extend_one", racing)
+    t = time.monotonic()
+    with pytest.raises(TimeoutError):
+        s.extend(rows(torch.tensor([7])), timeout=big)
+    took = time.monotonic() - t
+    assert sent == [0.0] and took < big + 2.5, (sent, took)  # it took at least 2 * big
+    s.clear_redis()
+
+
+def test_written_slots_refuse_an_index_out_of_range():
+    w = WrittenSlots([0, 10], [3, 2])  # slots 0, 1, 2, 10, 11
+    assert list(w) == [0, 1, 2, 10, 11] and [w[i] for i in range(-5, 5)] == [0, 1, 2, 10, 11] * 2
+    assert w[1:-1] == [1, 2, 10]
+    for i in (5, 6, -6, -8):
+        with pytest.raises(IndexError):
+            w[i]
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -753,3 +870,39 @@ def test_a_killed_primary_loses_nothing_acknowledged_with_min_replicas():
         got = s[slots]
         assert whole(got) and got["tag"].tolist() == [acked[i] for i in slots.tolist()]
         s.close()
+
+
+def test_torchrl_in_place_writes_revision_write_count_and_empty_on_a_sharded_ring(redis_cluster):
+    """What torchrl's storage keeps beside the rows works on a sharded ring as on one node: in-place
+    writes (``rb[i] = td``, ``storage[:]``'s ``set_`` and ``update_``) move the mutation revision, ``write_count`` and
+    ``empty()`` keep torchrl's counters in every shard's header, and ``empty()`` keeps the shards'
+    priorities. Each of these raised AttributeError before (the sharded engine had no ``command``)."""
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(30, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=4, sampler="prioritized", alpha=0.7)
+    rb.extend(rows(torch.arange(12), width=1))
+    ring = rb.storage._store
+    written = sorted(ring.written)
+    assert len(written) == 12 and rb.write_count == 12
+    revisions = [rb.storage._mutation_revision]
+    rb[written[-1]] = rows(torch.tensor([99]), width=1)[0]
+    revisions.append(rb.storage._mutation_revision)
+    both = torch.tensor([written[0], written[-1]])
+    rb[both] = rows(torch.tensor([7, 8]), width=1)  # two shards
+    revisions.append(rb.storage._mutation_revision)
+    assert rb[both]["tag"].tolist() == [7, 8]
+    rb.storage[:].set_("tag", torch.arange(100, 112))
+    revisions.append(rb.storage._mutation_revision)
+    assert sorted(rb[:]["tag"].tolist()) == list(range(100, 112))
+    rb.storage[:].update_({"tag": torch.arange(200, 212)})
+    revisions.append(rb.storage._mutation_revision)
+    assert sorted(rb[:]["tag"].tolist()) == list(range(200, 212))
+    assert len(set(revisions)) == len(revisions), revisions  # every in-place write moved it
+    policies = [s.sampling_policy for s in ring.shards]
+    rb.empty(empty_write_count=False)
+    assert len(rb) == 0 and rb.write_count == 12
+    assert [s.sampling_policy for s in rb.storage._store.shards] == policies
+    idx = rb.extend(rows(torch.arange(5), width=1))
+    assert rb.write_count == 17 and len(rb) == 5
+    assert set(rb.sample()["index"].tolist()) <= set(idx.tolist())
+    rb.storage._store.clear_redis()

@@ -212,20 +212,36 @@ class Engine(Transport):
         a ``STALE`` reply's, or the new header a schema-changing script sends back with its ``OK``."""
         self.set_header(self._parse_header(_pairs(reply[1:])))
 
-    def ring_writes(self) -> int:
+    def ring_writes(self, *, fresh: bool = False) -> int:
         """The ring write counter of the header, in one round trip (``HMGET``); never writes.
 
         ``rw`` as ring calls see it (``_format.header_info.ring_writes``): a store holding data the ring
-        never wrote counts as a full ring of ``count`` writes.
+        never wrote counts as a full ring of ``count`` writes. With ``fresh``, the read also carries the
+        header's ``version`` and a header that moved is adopted first (:meth:`adopt_version`).
         """
-        rw, epoch, na = self.command("HMGET", self.keys.meta, "rw", "epoch", "na")
+        rw, epoch, na, version = self.command("HMGET", self.keys.meta, "rw", "epoch", "na", "version")
         if epoch is None:
             raise self.gone()
         if self._epoch is not None and epoch.decode() != self._epoch:
             raise KeyError(
                 f"the store with {self.where()} was deleted and created again since this handle opened it; reopen it with from_store"
             )
+        if fresh:
+            self.adopt_version(version)
         return self.ring_writes_from(rw, na)
+
+    def adopt_version(self, raw: Any) -> None:
+        """Adopt the current header when ``raw``, the header field ``version`` as a read of other fields carried
+        it (an ``HMGET``, a pipeline), is not the cached header's: one more round trip (``HGETALL``), only then.
+        What the caller then derives from the fields it read (``ring_writes_from``, the sampling policy) goes
+        by the header they belong to, not by one another handle changed since. Raises, naming the store, if
+        it was deleted, recreated or damaged."""
+        try:
+            same = raw is not None and int(raw) == self.header.version
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            self.set_header(self.fetch_header())
 
     def ring_writes_from(self, rw: Any, na: Any, header: Header | None = None) -> int:
         """The ring write count from the header fields ``rw`` and ``na`` as read (here, or by a read

@@ -112,6 +112,8 @@ class WrittenSlots(Sequence[int]):
         if isinstance(i, slice):
             return list(self)[i]
         i = int(i) + (self._n if int(i) < 0 else 0)
+        if not 0 <= i < self._n:
+            raise IndexError("written slot index out of range")
         for r in self._ranges:
             if i < len(r):
                 return r[i]

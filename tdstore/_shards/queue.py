@@ -30,13 +30,17 @@ class ShardQueue(ShardsBase):
     _pop_next: int  # and to pop from
 
     def _guarded(self) -> bool:
-        """Whether a shard may hold an extend back (a rate limiter or queue mode, as this handle knows the policy)."""
-        pol = self._shards[0]._engine.header.sampling
-        return pol is not None and (pol.limit is not None or pol.queue)
+        """Whether a shard may hold an extend back (a rate limiter or queue mode, as this handle knows the policy).
+
+        Any shard's cached header tells: each is refreshed by the calls and reads on its shard (a shard's extend
+        adopts a header another handle changed), so the first extend that meets a policy set elsewhere makes the
+        next ones wait on the counters of every shard; a policy cleared elsewhere is seen by the counters' read."""
+        return any(pol is not None and (pol.limit is not None or pol.queue) for pol in _policies(self._shards))
 
     def _heads(self, leases: bool = False) -> list[dict[str, int | None]]:
         """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
-        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock).
+        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock). ``rw`` is the
+        count the scripts work with (``Engine.ring_writes_from``): a shard filled by index is a full ring.
 
         The same read carries the shard's header version: when another handle changed the policy (cleared
         the rate limiter, say), this handle adopts the new header before judging the counters, so a
@@ -44,10 +48,10 @@ class ShardQueue(ShardsBase):
 
         def one(k: int) -> dict[str, int | None]:
             e = self._shards[k]._engine
-            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "version")
-            if not _is_int(raw[5], e.header.version):
-                e.set_header(e.fetch_header())  # raises, naming the store, if it was deleted or damaged
-            got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("rw", "sn", "lb", "rr", "lo"), raw)}
+            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "na", "version")
+            e.adopt_version(raw[6])  # raises, naming the store, if it was deleted or damaged
+            got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("sn", "lb", "rr", "lo"), raw[1:5])}
+            got["rw"] = e.ring_writes_from(raw[0], raw[5])
             if leases and got["lo"] is not None:
                 first = e.command("ZRANGE", e.keys.lease_keys[1], 0, 0, "WITHSCORES")
                 got["due"] = int(bool(first) and float(first[1]) <= time.time() * 1000)
@@ -55,14 +59,13 @@ class ShardQueue(ShardsBase):
 
         return self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
 
-    def _admitting(self, n: int, timeout: float | None) -> int:
+    def _admitting(self, n: int, deadline: float | None) -> int:
         """Of the shards whose rate limiter and queue admit an extend of ``n`` rows now (as their counters
         say; waiting, polling them, while none does), the least written for its size, ties taken in turn.
         Choosing by the fresh counts keeps the shards' fill even whatever the limiters hold back, so no
         shard wraps while another has room (with W writers of batches of n, a shard is at most about
-        W * n rows past the others). The extend is then sent to it with the caller's timeout: a shard that
-        filled up meanwhile holds it back as on one node."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        W * n rows past the others). The extend is then sent to it with what is left of the caller's
+        ``deadline`` (``time.monotonic()``; None: none): a shard that filled up meanwhile holds it back as on one node."""
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
@@ -187,9 +190,6 @@ class ShardQueue(ShardsBase):
         return int(self._on(k, *self._acked(k, _with_kwargs(self._shards[k].ack, {"timeout": timeout})), receipt.receipt))
 
 
-def _is_int(raw: Any, value: int) -> bool:
-    """Whether a field read from the server holds ``value`` (``False`` for a missing or damaged field)."""
-    try:
-        return raw is not None and int(raw) == value
-    except (TypeError, ValueError):
-        return False
+def _policies(shards: Sequence[Any]) -> list[Any]:
+    """Each shard's sampling policy as this handle last saw it (its cached header)."""
+    return [s._engine.header.sampling for s in shards]

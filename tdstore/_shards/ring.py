@@ -61,7 +61,7 @@ from tdstore._engine.connection import open_client
 from tdstore._engine.engine import new_td_id
 from tdstore._format.keys import StoreKeys
 from tdstore._ring.extend import RingState
-from tdstore._shards.fan_out import _POLL_S
+from tdstore._shards.fan_out import _POLL_S, _with_kwargs
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
 from tdstore._shards.queue import ShardReceipt
 from tdstore._shards.sample import ShardSampling
@@ -212,8 +212,9 @@ class ShardedRing(ShardWrites, ShardSampling):
 
     # -- the ring's state --------------------------------------------------------------------
     def _ring_writes(self) -> list[int]:
-        """Each shard's ring write count, read at once (one round trip, in parallel)."""
-        return self._fan_out([(k, s._engine.ring_writes, ()) for k, s in enumerate(self._shards)])
+        """Each shard's ring write count, read at once (one round trip, in parallel; a shard's header another
+        handle changed is adopted, so the count goes by the current header)."""
+        return self._fan_out([(k, _with_kwargs(s._engine.ring_writes, {"fresh": True}), ()) for k, s in enumerate(self._shards)])
 
     def shard_states(self) -> list[RingState]:
         """``(write_count, cursor, written)`` of every shard's ring, read at once."""

@@ -13,6 +13,7 @@ import torch
 from tdstore._ring.extend import Sample
 from tdstore._ring.policy_calls import PrioritizedSample, weights_of
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
+from tdstore._shards.queue import _policies
 
 
 class ShardSampling(ShardsBase):
@@ -23,9 +24,11 @@ class ShardSampling(ShardsBase):
     _ratio: float  # the last split's largest (current / cached share): how many candidates the next one adds
 
     def _sizes(self) -> list[int]:
-        """Items each shard holds, read at once; a full shard (it stays full) is not read again."""
+        """Items each shard holds, read at once; a full shard (it stays full) is not read again. Each read carries
+        its shard's header version: a header another handle changed (enabled priorities, say) is adopted."""
         todo = [k for k in range(len(self._shards)) if not self._full[k]]
-        got = dict(zip(todo, self._fan_out([(k, self._shards[k]._engine.ring_writes, ()) for k in todo]))) if todo else {}
+        jobs = [(k, _with_kwargs(self._shards[k]._engine.ring_writes, {"fresh": True}), ()) for k in todo]
+        got = dict(zip(todo, self._fan_out(jobs))) if todo else {}
         out = []
         for k, c in enumerate(self._layout.counts):
             n = c if self._full[k] else min(got[k], c)
@@ -34,17 +37,20 @@ class ShardSampling(ShardsBase):
         return out
 
     def _prioritized(self) -> bool:
-        pol = self._shards[0]._engine.header.sampling
-        return pol is not None and pol.prioritized
+        """Whether the ring has priorities, as this handle last saw any shard's header (priorities, once enabled,
+        stay: any shard seen with them tells, whichever of the shards' reads and calls refreshed it)."""
+        return any(pol is not None and pol.prioritized for pol in _policies(self._shards))
 
     def _mass_of(self, k: int) -> tuple[int, float, float]:
-        """Shard ``k``'s size, priority mass (root of its sum tree) and smallest positive weight: one pipeline."""
+        """Shard ``k``'s size, priority mass (root of its sum tree) and smallest positive weight: one pipeline, which
+        also reads the header version (a header another handle changed is adopted)."""
         engine = self._shards[k]._engine
         c = self._layout.counts[k]
         pipe = engine.client.pipeline(transaction=False)  # one round trip: both keys are in the shard's slot
-        pipe.hmget(engine.keys.meta, "rw", "na")
+        pipe.hmget(engine.keys.meta, "rw", "na", "version")
         pipe.getrange(engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))
         head, root = pipe.execute()
+        engine.adopt_version(head[2])
         rw = engine.ring_writes_from(head[0], head[1])
         if not root:
             return min(rw, c), 0.0, 0.0
@@ -93,10 +99,18 @@ class ShardSampling(ShardsBase):
                 return guessed
         deadline = None if timeout is None else time.monotonic() + timeout
         sizes, weights, lows = self._weights(by_prio, min_size, timeout, deadline)
+        if prioritized is None and not by_prio and self._prioritized():
+            by_prio = True  # the sizes' read adopted priorities another handle enabled: the split goes by the masses
+            sizes, weights, lows = self._weights(by_prio, min_size, timeout, deadline)
         if by_prio:
             self._cached = (sizes, weights, lows)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         which, chosen, got = self._draw(batch_size, generator, weights, {**kw, "timeout": left})
+        if prioritized is None and not by_prio and any(isinstance(g, PrioritizedSample) for g in got):
+            # the shards' samples adopted priorities that no read saw (full shards are not asked their size):
+            # these rows were split by size, so draw again, by the masses (this handle now knows the policy)
+            kw = {**kw, "min_size": min_size, "timeout": None if deadline is None else max(0.0, deadline - time.monotonic())}
+            return self.sample(batch_size, generator, **kw)
         return self._assemble(chosen, got, _back(which, len(chosen)), weights, lows, beta, by_prio)
 
     def _weights(
@@ -160,9 +174,10 @@ class ShardSampling(ShardsBase):
     # -- one round trip on the masses the last sample saw (see lua/README.md, Sharded rings) --
     def _guessable(self) -> bool:
         """Whether a prioritized sample may split on cached masses: there are some, and no shard's sample counts
-        (a rate limiter or ``max_times_sampled`` would count the rows drawn and then dropped)."""
-        pol = self._shards[0]._engine.header.sampling
-        return self._cached is not None and pol is not None and pol.limit is None and pol.max_times is None
+        (a rate limiter or ``max_times_sampled`` would count the rows drawn and then dropped), as this handle last saw
+        every shard's header (the shards' calls refresh them; no read is added to know it)."""
+        pols = _policies(self._shards)
+        return self._cached is not None and all(pol is None or (pol.limit is None and pol.max_times is None) for pol in pols)
 
     def _sample_on_cached(
         self, batch_size: int, generator: torch.Generator | None, kw: dict[str, Any], beta: float

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
 from tdstore._ring.extend import RingWrite
+from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
 
 
@@ -57,9 +59,11 @@ class ShardWrites(ShardQueue):
                 raise ValueError(f"got {prios.numel()} priority values for {n} rows")
         k_total = len(self._shards)
         if n <= min(self._layout.counts) and self._guarded():
-            k = self._admitting(n, timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout  # one for the whole call
+            k = self._admitting(n, deadline)
             self._next = (k + 1) % k_total
-            return self._fan_out([(k, self._extend_one, (k, td, priority, timeout))], write=True)[0]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._fan_out([(k, self._extend_one, (k, td, priority, left))], write=True)[0]
         jobs = []
         k, start = self._next, 0
         while start < n:
@@ -98,6 +102,46 @@ class ShardWrites(ShardQueue):
         for (_, rows, _), applied in zip(groups, self._fan_out(jobs, write=True)):
             out[rows] = applied
         return out
+
+    def set_at_(self, key: Any, value: Any, index: Any, **kwargs: Any) -> Any:
+        """``value`` into ``key`` at global slots ``index``: each shard touched writes its slots, all at once
+        (torchrl's ``set_at_``, ``set_`` and ``rb[key] = value`` on its storage's rows write through this)."""
+        slots, scalar, groups = self._by_shard(index)
+        set_at = [_with_kwargs(self._shards[k].set_at_, kwargs) for k, _, _ in groups]
+        self._fan_out(
+            [
+                (k, fn, (key, self._part(value, rows, scalar), int(local[0]) if scalar else local))
+                for fn, (k, rows, local) in zip(set_at, groups)
+            ],
+            write=True,
+        )
+        return self
+
+    def update_at_(self, input_dict_or_td: Any, index: Any, **kwargs: Any) -> Any:
+        """``input_dict_or_td``'s keys at global slots ``index``, each shard touched its own, all at once (torchrl's ``update_``)."""
+        slots, scalar, groups = self._by_shard(index)
+        update_at = [_with_kwargs(self._shards[k].update_at_, kwargs) for k, _, _ in groups]
+        self._fan_out(
+            [
+                (k, fn, (self._part(input_dict_or_td, rows, scalar), int(local[0]) if scalar else local))
+                for fn, (k, rows, local) in zip(update_at, groups)
+            ],
+            write=True,
+        )
+        return self
+
+    def _part(self, value: Any, rows: torch.Tensor, scalar: bool) -> Any:
+        """The rows ``rows`` (along the stack dim) of a value written at several slots: a tensor's, a tensordict's,
+        a dict's values'; anything else (a number, a value of one slot) goes to every shard as it is."""
+        if scalar:
+            return value
+        if isinstance(value, TensorDictBase):
+            return self._rows(value, rows) if value.batch_dims > self._stack_pos else value
+        if isinstance(value, dict):
+            return {k: self._part(v, rows, scalar) for k, v in value.items()}
+        if isinstance(value, torch.Tensor) and value.dim() > self._stack_pos:
+            return value.index_select(self._stack_pos, rows)
+        return value
 
     def __setitem__(self, index: Any, value: Any) -> None:
         if isinstance(index, int) and not isinstance(index, bool):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase
@@ -35,6 +37,24 @@ class _ShardedEngine:
 
     def set_header(self, h: Any) -> None:
         """Nothing to set: each shard keeps its own."""
+
+    @property
+    def shard_engines(self) -> list[Any]:
+        """Each shard's engine, in shard order: the header fields torchrl keeps (``tdstore.torchrl.marks``) and
+        the sampling policy live in every shard's header."""
+        return [s._engine for s in self._ring._shards]
+
+    def each_shard(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """``fn(engine)`` for every shard's engine, all at once (one round trip each, overlapping): the results."""
+        return self._ring._fan_out([(k, fn, (s._engine,)) for k, s in enumerate(self._ring._shards)])
+
+    @contextmanager
+    def counting_in_place(self) -> Iterator[None]:
+        """Within: this thread's writes count as in-place writes on every shard (``Engine.counting_in_place``)."""
+        with ExitStack() as stack:
+            for e in self.shard_engines:
+                stack.enter_context(e.counting_in_place())
+            yield
 
 
 class _ShardedAccess:

@@ -12,10 +12,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tdstore._engine import scripts as _scripts
-from tdstore._engine.engine import Engine
 from tdstore._format.header_info import int_field
 
 
@@ -28,9 +27,15 @@ class Marks(NamedTuple):
     wb: int
 
 
-def read(engine: Engine) -> Marks:
+def read(engine: Any) -> Marks:
     """The ring's and torchrl's counters in one round trip; ``KeyError`` when the store was deleted
-    or made again since ``engine`` opened it (``StoreStorage.with_store`` then reopens it)."""
+    or made again since ``engine`` opened it (``StoreStorage.with_store`` then reopens it).
+
+    A sharded ring's (``engine`` has ``shard_engines``): every shard's at once, summed (``gb`` and
+    ``wb``, which :func:`set_base` gives every shard alike, the largest)."""
+    if hasattr(engine, "shard_engines"):
+        got = engine.each_shard(read)
+        return Marks(sum(m.rw for m in got), sum(m.tr for m in got), max(m.gb for m in got), max(m.wb for m in got))
     rw, epoch, na, tr, gb, wb = engine.command("HMGET", engine.keys.meta, "rw", "epoch", "na", "tr", "gb", "wb")
     if epoch is None:
         raise engine.gone()
@@ -39,8 +44,11 @@ def read(engine: Engine) -> Marks:
     return Marks(engine.ring_writes_from(rw, na), *(int_field(v, n, default=0) for v, n in ((tr, "tr"), (gb, "gb"), (wb, "wb"))))
 
 
-def set_base(engine: Engine, generation_base: int, write_base: int) -> None:
-    """The generation and write-count bases of a store just made again by ``empty()``."""
+def set_base(engine: Any, generation_base: int, write_base: int) -> None:
+    """The generation and write-count bases of a store just made again by ``empty()`` (each shard's alike)."""
+    if hasattr(engine, "shard_engines"):
+        engine.each_shard(lambda e: set_base(e, generation_base, write_base))
+        return
     args = [engine.header.epoch, str(int(generation_base)), str(int(write_base))]
     reply = _scripts.call(engine.client, "marks", [engine.keys.meta], args, engine.execute)
     if reply[0] in (b"GONE", "GONE"):

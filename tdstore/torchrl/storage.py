@@ -367,8 +367,8 @@ class StoreStorage(StorageWrites):
 
 def _ring_engines(s: Any) -> list[Any]:
     """The engines of the rings that hold a policy: the store's, or each shard's (a sharded ring)."""
-    shards = getattr(s, "shards", None)
-    return [shard._engine for shard in shards] if shards is not None else [s._engine]
+    engine = s.stack_ops.engine
+    return engine.shard_engines if hasattr(engine, "shard_engines") else [engine]
 
 
 def _policies(s: Any) -> list[SamplingPolicy]:

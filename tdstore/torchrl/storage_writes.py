@@ -328,7 +328,9 @@ class StorageWrites(StorageBase):
         if written is not None:  # a sharded ring not full: its written slots are not range(len) (see written_slots)
             slots, one = self._written_only(s, index, written)
         elif written_only:
-            slots, one = _index.positions(index, self._written_slots(s))
+            # a sharded ring here is full (written is None): every slot is written, nothing to ask
+            sharded_full = self.ndim == 1 and hasattr(s.stack_ops.engine, "shard_engines")
+            slots, one = _index.positions(index, s.capacity if sharded_full else self._written_slots(s))
         else:
             bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
             slots, one = _index.positions(index, bound)
