@@ -189,3 +189,25 @@ def test_calls_go_to_the_owning_primary_and_follow_a_redirect(redis_cluster):
     assert int(s[2]["stamp"]) == 20
     assert s._engine._node.connection_pool.connection_kwargs["port"] == redis_cluster.ports[0]
     s.clear_redis()
+
+
+def test_a_write_after_a_finished_failover_is_acknowledged_by_the_new_primary():
+    """``min_replicas``: a failover that finished before the call leaves the handle's slot map stale. The
+    write follows the old primary's redirect to the new one; the fence and ``WAIT`` go to the node that
+    took it, so the write is acknowledged (it used to raise ShardUnavailableError "it may be lost", a
+    MOVED from the old node, though the write had landed: a caller retrying it wrote it twice)."""
+    with EmbeddedCluster(replicas=1) as cluster:
+        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix="fo", spread=True, shards=3, min_replicas=1)
+        s.extend(TensorDict(tag=torch.arange(30), batch_size=[30]))
+        layout_node = s._client.get_node_from_key(s._keys.shards).name
+        nodes = s.shard_nodes()
+        k = next(k for k, n in enumerate(nodes) if n != layout_node)  # a read of the layout would not refresh k's slot
+        old = int(nodes[k].rsplit(":", 1)[1])
+        new = cluster.failover(cluster.ports.index(old))  # done, the replica in sync, before the write
+        first = s._offsets[k]
+        s[first] = TensorDict(tag=torch.tensor(100))  # an item write on shard k, through the old primary's redirect
+        s[first + 1] = TensorDict(tag=torch.tensor(101))
+        assert s.shard_nodes()[k] == f"127.0.0.1:{cluster.ports[new]}"
+        assert s[first]["tag"].item() == 100 and s[first + 1]["tag"].item() == 101
+        s.clear_redis()
+        s.close()

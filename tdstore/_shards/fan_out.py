@@ -74,14 +74,18 @@ class ShardsBase:
         """A write on shard ``k`` acknowledged once ``min_replicas`` replicas of its primary have it.
 
         ``WAIT`` counts the writes of its own connection, and a script cannot call it, so after the
-        write this sends, on the node the shard's slot mapped to before the write, a pipeline of a
+        write this sends, on the node that took the write, a pipeline of a
         throw-away write (``StoreKeys.fence``: it replicates after ours, in the primary's one
         replication stream) and ``WAIT min_replicas``: a replica that has the fence has the write.
         That node no longer being the primary (a failover in between) or too few replicas answering
         within ``REPLICA_WAIT_MS`` raises ``ShardUnavailableError``: the write may be lost."""
         fence = StoreKeys(self.prefix, self._layout.ids[k]).fence
-        node = self._client.get_node_from_key(fence)
         out = fn(*args)
+        # the node that took the write: the slot map is read after it, not before. A map that was stale
+        # (a failover or resharding that finished earlier) sent the write to the old node, whose redirect
+        # RedisCluster followed and learnt; the node the map names now took the write. Only a redirect
+        # from that node means that the primary changed after the write.
+        node = self._client.get_node_from_key(fence)
         pipe = node.redis_connection.pipeline(transaction=False)
         pipe.set(fence, b"", px=REPLICA_WAIT_MS)
         pipe.execute_command("WAIT", self._min_replicas, REPLICA_WAIT_MS)
