@@ -9,7 +9,10 @@ writes from concurrent processes, and a primary that goes down and comes back.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
+import signal
+import threading
 import time
 
 import pytest
@@ -209,5 +212,42 @@ def test_a_write_after_a_finished_failover_is_acknowledged_by_the_new_primary():
         s[first + 1] = TensorDict(tag=torch.tensor(101))
         assert s.shard_nodes()[k] == f"127.0.0.1:{cluster.ports[new]}"
         assert s[first]["tag"].item() == 100 and s[first + 1]["tag"].item() == 101
+        s.clear_redis()
+        s.close()
+
+
+def test_a_sharded_pop_whose_reply_is_late_loses_no_item():
+    """``pop()`` with no timeout on a sharded ring: the node of the shard it pops from stops answering for
+    1.5 s just as the shard's pop is sent, longer than the 1 s a shard pop waits. The pop must still hand
+    out the shard's first items (it sends the same request again, which the server answers with the items
+    the first one took), and every item must go to exactly one pop."""
+    with EmbeddedCluster() as cluster:
+        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix="late", spread=True, shards=3)
+        s.shards[0].extend(TensorDict(tag=torch.arange(6), batch_size=[6]))  # unread items in shard 0 only
+        assert s.shards[0].pop(2).indices.tolist() == [0, 1]  # and the node knows the pop's script
+        port = int(s.shard_nodes()[0].rsplit(":", 1)[1])
+        srv = cluster.servers[cluster.ports.index(port)]
+        assert srv.pid is not None
+        pid = srv.pid
+        real = s.shards[0].pop_items
+
+        def paused_then_pop(*args, **kwargs):
+            s.shards[0].pop_items = real
+            os.kill(pid, signal.SIGSTOP)  # the pop's script reaches the node, which runs it 1.5 s later
+            threading.Timer(1.5, os.kill, (pid, signal.SIGCONT)).start()
+            return real(*args, **kwargs)
+
+        s.shards[0].pop_items = paused_then_pop
+        try:
+            got = s.pop(2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        popped = got.indices.tolist()
+        while True:  # what is left unread
+            try:
+                popped += s.pop(2, timeout=0.5).indices.tolist()
+            except TimeoutError:
+                break
+        assert sorted(popped) == [2, 3, 4, 5], f"the late pop returned {got.indices.tolist()}; popped in all: {popped}"
         s.clear_redis()
         s.close()

@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,10 @@ from redis.retry import Retry
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore
+from tdstore._engine import deadline as _deadline
+from tdstore._engine import scripts as _scripts
 from tdstore._engine.connection import TLSHandshakeError
+from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 
 pytestmark = pytest.mark.ring
@@ -443,3 +447,63 @@ def test_rediss_against_a_plain_server_fails_within_the_connect_timeout_with_a_t
     print(f"rediss:// to a plain server: refused after {took:.3f} s (connect timeout 1 s)")
     assert took < 1 + SLACK
     assert isinstance(TLSHandshakeError("x"), redis.RedisError) and not issubclass(TLSHandshakeError, redis.ConnectionError)
+
+
+# -- a Redis Cluster ----------------------------------------------------------------------------
+@pytest.fixture
+def cluster() -> Iterator[EmbeddedCluster]:
+    """A cluster of this test's own: its nodes may be paused."""
+    with EmbeddedCluster() as c:
+        try:
+            yield c
+        finally:
+            for srv in c.servers:
+                if srv.pid is not None:
+                    with suppress(ProcessLookupError):
+                        os.kill(srv.pid, signal.SIGCONT)
+
+
+@contextmanager
+def every_node_paused(cluster: EmbeddedCluster, at_most: float) -> Iterator[None]:
+    """Every node of ``cluster`` paused (SIGSTOP) in the block (none is seen failing by another), resumed
+    at its end or after ``at_most`` seconds: a call that does not keep its deadline waits for that, and
+    then returns (or fails) far past ``timeout + SLACK`` instead of hanging the suite."""
+    pids = [srv.pid for srv in cluster.servers if srv.pid is not None]
+
+    def resume() -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(at_most, resume)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        resume()
+
+
+def test_every_timeout_holds_on_a_cluster_whose_nodes_stop_answering(cluster):
+    """On Redis Cluster a call's held connection to its node times out at the deadline: the call raises
+    its TimeoutError then, instead of sending the command again through RedisCluster, which no deadline
+    bounds (it used to wait for the node as long as it was paused). So does a call over several nodes."""
+    full, empty = waiting_stores(cluster.url)
+    ring = LazyStackedTensorDictStore(url=cluster.url, count=4, prefix="dl", **slow_to_fail())
+    ring.extend([el(i) for i in range(4)])  # a full ring: a uniform sample is a read transaction
+    rc = full._engine.cluster
+    keys = [f"dl:{{n{i}}}:x" for i in range(40)]  # keys on every node: one pipeline per node, all at once
+    assert len({rc.get_node_from_key(k).name for k in keys}) == 3
+    calls: list[tuple[str, list[str], list[Any]]] = [("read", [k], ["?"]) for k in keys]  # refused, once a node reads it
+    with every_node_paused(cluster, at_most=1 + SLACK + 15):
+        every_waiting_call(full, empty, "cluster paused")
+        late_by(lambda: ring.sample(2, timeout=1), 1, "cluster paused, full ring: sample (read transaction)")
+
+        def over_every_node() -> None:
+            with _deadline.within(1, "calls over every node"):
+                _scripts.call_many(rc, calls)
+
+        late_by(over_every_node, 1, "cluster paused: script calls on every node (call_many)")
+    assert_intact(full, empty)

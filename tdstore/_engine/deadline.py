@@ -116,6 +116,34 @@ def within(timeout: float | None, what: str, where: Callable[[], str] | None = N
         _local.deadline = outer
 
 
+def raise_if_over(err: BaseException) -> None:
+    """Raise the thread's call's ``TimeoutError`` (from ``err``, a redis-py timeout or connection error)
+    once its deadline has passed; nothing without a deadline or with time left. A cluster path that
+    would send a command again elsewhere (``RedisCluster``, which no deadline bounds) calls this first."""
+    dl = active()
+    if dl is not None and dl.left() <= _SLACK_S:
+        raise dl.error(err) from err
+
+
+def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` to run on another thread under this thread's deadline (a call's work spread over threads
+    keeps the call's deadline); ``fn`` itself without one."""
+    dl = active()
+    if dl is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        outer = active()
+        _local.deadline = dl
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.deadline = outer
+
+    return call
+
+
 def honours_timeout(what: str) -> Callable[[F], F]:
     """Decorate a ring call ``f(engine, ..., timeout=...)``: the whole call, every command of it
     included, runs under the deadline its ``timeout`` sets (see :func:`within`)."""
@@ -259,6 +287,30 @@ def execute_command(client: Any, *args: Any) -> Any:
     """``client.execute_command(*args)`` (the same reply, redis-py's callbacks applied), bounded by the
     thread's deadline if it has one (see :func:`fallback`)."""
     return fallback(client, lambda conn: _send_parse(client, conn, args), lambda: client.execute_command(*args))
+
+
+def pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The replies of ``commands`` sent as one pipeline (no transaction) on ``client``, an error reply as
+    its exception (redis-py's ``execute(raise_on_error=False)``), bounded by the thread's deadline if it
+    has one (see :func:`fallback`)."""
+
+    def send(conn: Any) -> list[Any]:
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        out: list[Any] = []
+        for _ in commands:
+            try:
+                out.append(conn.read_response())
+            except redis.exceptions.ResponseError as err:  # the reply was read whole: the next one follows
+                out.append(err)
+        return out
+
+    def otherwise() -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    return fallback(client, send, otherwise)
 
 
 def _send_parse(client: Any, conn: Any, args: tuple[Any, ...]) -> Any:

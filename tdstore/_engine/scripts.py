@@ -25,6 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
+from tdstore._engine import deadline as _deadline
 from tdstore._engine.script_text import assemble
 from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
 
@@ -156,7 +157,7 @@ def on_nodes(jobs: list[Callable[[], Any]]) -> list[Any]:
         return [jobs[0]()]
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tdstore-node")
-    futures = [_pool.submit(job) for job in jobs[1:]]
+    futures = [_pool.submit(_deadline.carried(job)) for job in jobs[1:]]  # each under the call's deadline
     try:
         first = jobs[0]()
     finally:
@@ -172,7 +173,8 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
     calls did. A script a node does not know is loaded there and only the calls that
     missed it are sent again. A node that redirects (resharding, failover) or cannot
     be reached gets its calls through ``RedisCluster``, one by one, which follows the new
-    map or raises.
+    map or raises. Under a call's deadline (``_engine.deadline``) every node's pipeline is bounded
+    by it, and a node that does not answer in time ends the call with its ``TimeoutError``.
     """
     groups: dict[str, tuple[Any, list[int]]] = {}
     for i, (_, keys, _) in enumerate(calls):
@@ -183,16 +185,38 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
     def job(node: Any, idxs: list[int]) -> None:
         try:
             _node_pipeline(node.redis_connection, calls, idxs, out)
-        except (_Redirected, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *REDIRECTS):
-            for i in idxs:
-                if out[i] is None:
-                    name, keys, args = calls[i]
-                    try:
-                        out[i] = call(cluster, name, keys, args)
-                    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError):
-                        raise
-                    except Exception as err:  # a refusal of this call: the caller decides
-                        out[i] = err
+        except (_Redirected, *REDIRECTS):
+            resend(idxs)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            if _deadline.active() is None:
+                resend(idxs)
+                return
+            # under a call's deadline RedisCluster (no deadline bounds it) is no way out: past the deadline
+            # the call's TimeoutError; before it, the calls not answered yet once more as a pipeline on the
+            # node the slot map names now, bounded by what is left
+            _deadline.raise_if_over(err)
+            todo = [i for i in idxs if out[i] is None]
+            if not todo:
+                return
+            try:
+                _node_pipeline(cluster.get_node_from_key(calls[todo[0]][1][0]).redis_connection, calls, todo, out)
+            except (_Redirected, *REDIRECTS):
+                resend(todo)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as again:
+                _deadline.raise_if_over(again)
+                raise
+
+    def resend(idxs: list[int]) -> None:
+        """The calls of ``idxs`` not answered yet, through RedisCluster, one by one."""
+        for i in idxs:
+            if out[i] is None:
+                name, keys, args = calls[i]
+                try:
+                    out[i] = call(cluster, name, keys, args)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterDownError):
+                    raise
+                except Exception as err:  # a refusal of this call: the caller decides
+                    out[i] = err
 
     on_nodes([partial(job, node, idxs) for node, idxs in groups.values()])
     return out
@@ -202,15 +226,15 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
     """``calls[i]`` for i in ``idxs`` as one pipeline on one node's client, replies into ``out``."""
     todo = idxs
     for attempt in range(3):
-        pipe = client.pipeline(transaction=False)
+        commands: list[tuple[Any, ...]] = []
         for i in todo:
             name, keys, args = calls[i]
             text, sha = script_source(name)
             if attempt < 2:
-                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+                commands.append(("EVALSHA", sha, len(keys), *keys, *args))
             else:  # flushed again between our load and the retry: the text itself
-                pipe.execute_command("EVAL", text, len(keys), *keys, *args)
-        replies = pipe.execute(raise_on_error=False)
+                commands.append(("EVAL", text, len(keys), *keys, *args))
+        replies = _deadline.pipeline(client, commands)  # under a call's deadline, bounded by it
         missing = []
         for i, reply in zip(todo, replies):
             if isinstance(reply, NoScriptError):
@@ -224,7 +248,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
         if not missing:
             return
         for name in {calls[i][0] for i in missing}:
-            client.execute_command("SCRIPT", "LOAD", script_source(name)[0])
+            _deadline.execute_command(client, "SCRIPT", "LOAD", script_source(name)[0])
         todo = missing
 
 

@@ -15,6 +15,7 @@ from typing import Any, cast
 import redis
 from redis.cluster import RedisCluster
 
+from tdstore._engine import deadline as _deadline
 from tdstore._engine import limits as _limits
 from tdstore._engine import scripts as _scripts
 from tdstore._engine.connection import ConnectionSpec, HeldConnection
@@ -122,30 +123,64 @@ class Transport:
 
     def _on_store_node(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         """``send`` to the client of the cluster primary that serves the store; ``fallback()`` after a
-        redirect or when that node cannot be reached (the next call looks the node up again)."""
+        redirect or when that node cannot be reached (the next call looks the node up again).
+
+        Under a call's deadline (``_engine.deadline``) a node that does not answer in time is not handed
+        to ``fallback()`` (``RedisCluster``, which no deadline bounds): the call's ``TimeoutError`` once
+        the deadline has passed, else one more bounded ``send`` to the node the slot map names now."""
         node = self._node
         if node is None:
             node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
         try:
             return send(node)
-        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        except _scripts.REDIRECTS:
             pass
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            self._held.release()
+            self._node = None
+            if _deadline.active() is None:
+                return fallback()
+            # under a call's deadline: RedisCluster would send it again with no bound. Past the deadline the
+            # call's TimeoutError; before it, once more on a connection of its own to the node the slot map
+            # names now, bounded by what is left (a redirect from there goes to RedisCluster, as below)
+            _deadline.raise_if_over(err)
+            node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
+            try:
+                return send(node)
+            except _scripts.REDIRECTS:
+                pass
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as again:
+                self._held.release()
+                self._node = None
+                _deadline.raise_if_over(again)
+                raise
         self._held.release()
         self._node = None
         return fallback()
 
     def segment_call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """One script call on the keys of one slot (a spread store's segment), on a connection held to the
-        node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster``."""
-        node = self.cluster.get_node_from_key(keys[0])
-        held = self._node_held.get(node.name)
-        if held is None:
-            held = self._node_held[node.name] = HeldConnection()
-        try:
-            return _scripts.call(node.redis_connection, name, keys, args, held.execute)
-        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            pass
-        held.release()
+        node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster`` (under a
+        call's deadline, a node that does not answer in time does not: see ``_on_store_node``)."""
+        for attempt in range(2):
+            node = self.cluster.get_node_from_key(keys[0])
+            held = self._node_held.get(node.name)
+            if held is None:
+                held = self._node_held[node.name] = HeldConnection()
+            try:
+                return _scripts.call(node.redis_connection, name, keys, args, held.execute)
+            except _scripts.REDIRECTS:
+                held.release()
+                break
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+                held.release()
+                if _deadline.active() is None:
+                    break
+                # under a call's deadline (see _on_store_node): past it, the call's TimeoutError; before
+                # it, once more on the node the slot map names now, bounded by what is left
+                _deadline.raise_if_over(err)
+                if attempt:
+                    raise
         return _scripts.call(self.client, name, keys, args)
 
     def check_argument_sizes(self, call: Call) -> None:

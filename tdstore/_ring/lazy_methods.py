@@ -255,7 +255,13 @@ class ReplayMethods(LazyState):
         return self.pop_items(*args, **kwargs)
 
     def pop_items(
-        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+        self,
+        batch_size: int = 1,
+        *,
+        timeout: float | None = None,
+        keys: Sequence[Any] | None = None,
+        lease: float | None = None,
+        _request: str | None = None,
     ) -> _ring.Sample | _leases.LeasedSample:
         """The next unread items in write order (up to ``batch_size``), each handed to exactly one caller.
 
@@ -272,13 +278,16 @@ class ReplayMethods(LazyState):
         delivery counts, ``redelivered``, ``receipt``). Items not acknowledged within ``S``
         seconds of the server's clock go to the next pop again (leased or not), before newer
         items, in write order. In queue mode, leased items count as unread until acknowledged.
+
+        ``_request`` (a sharded ring's, see ``_shards.queue``): the pop's id, so that sending the same
+        pop again after it raised (its reply too late) gets the items it took.
         """
         if isinstance(keys, (str, tuple)):
             keys = [keys]
         paths = None if keys is None else [as_path(k) for k in keys]
         if lease is not None:
-            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease)
-        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths)
+            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease, _request)
+        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, _request)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         """Settle the items of a leased pop (its ``receipt``, or the ``LeasedSample``), in one call.

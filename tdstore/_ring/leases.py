@@ -107,9 +107,17 @@ class Planner:
     """Plans one pop through the lease table ('L' op): leased (``ms > 0``, a :class:`LeasedSample`)
     or a plain pop on a store that has leases (``ms == 0``, a ``Sample``)."""
 
-    def __init__(self, engine: Engine, batch_size: int, device: torch.device | None, keys: list[NestedPath] | None, ms: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        batch_size: int,
+        device: torch.device | None,
+        keys: list[NestedPath] | None,
+        ms: int,
+        receipt: str | None = None,
+    ) -> None:
         self.engine, self.batch_size, self.device, self.keys, self.ms = engine, batch_size, device, keys, ms
-        self.receipt = new_receipt()
+        self.receipt = receipt or new_receipt()
         self.store: Any = None
         self.timeout: float | None = None
 
@@ -190,12 +198,15 @@ def pop(
     timeout: float | None,
     keys: list[NestedPath] | None,
     lease: Any,
+    request: str | None = None,
 ) -> LeasedSample:
-    """Up to ``batch_size`` items under a lease of ``lease`` seconds (see ``LazyStackedTensorDictStore.pop_items``)."""
+    """Up to ``batch_size`` items under a lease of ``lease`` seconds (see ``LazyStackedTensorDictStore.pop_items``;
+    ``request`` as ``sample_pop.pop``'s: its first 16 hex digits are the receipt)."""
     check_batch_size(batch_size, "pop")
     ms = lease_ms(lease)
     engine.refuse_if_readonly()
     refuse_spread(engine)
-    planner = Planner(engine, batch_size, device, keys, ms)  # one receipt for every try and resend of this pop
+    # one receipt for every try and resend of this pop
+    planner = Planner(engine, batch_size, device, keys, ms, receipt=None if request is None else request[:16])
     planner.store, planner.timeout = store, timeout
     return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")

@@ -287,17 +287,25 @@ def _tx_sample_call(
 
 @_deadline.honours_timeout("pop")
 def pop(
-    engine: Engine, batch_size: int, device: torch.device | None, timeout: float | None, keys: list[NestedPath] | None = None
+    engine: Engine,
+    batch_size: int,
+    device: torch.device | None,
+    timeout: float | None,
+    keys: list[NestedPath] | None = None,
+    request: str | None = None,
 ) -> Sample:
-    """The next unread items, in write order, each handed to exactly one caller (see ``LazyStackedTensorDictStore.pop``)."""
+    """The next unread items, in write order, each handed to exactly one caller (see ``LazyStackedTensorDictStore.pop``).
+
+    ``request``: the pop's id, given by a caller that may send the same pop again after this call raised
+    (a sharded ring, when a shard's reply came too late): the server answers it with the items it took."""
     check_batch_size(batch_size, "pop")
     engine.refuse_if_readonly()
     refuse_spread(engine)
     channel = engine.keys.events
     from tdstore._ring.leases import Planner  # it imports this module's row reads
 
-    leased = Planner(engine, batch_size, device, keys, 0)
-    request = request_id()  # one per pop, sent with every attempt: a resend never moves the cursor twice
+    request = request or request_id()  # one per pop, sent with every attempt: a resend never moves the cursor twice
+    leased = Planner(engine, batch_size, device, keys, 0, receipt=request[:16])
 
     def plan_call(h: Header) -> Call:
         if h.leased:  # items whose lease ran out go to plain pops too: through the lease table

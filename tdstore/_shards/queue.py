@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import redis
+
+from tdstore._engine.engine import request_id
 from tdstore._ring.leases import LeasedSample, Receipt
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 
@@ -152,16 +155,8 @@ class ShardQueue(ShardsBase):
                 h = heads[k]
                 if (h["rw"] or 0) <= (h["rr"] or 0) and not h.get("due"):
                     continue
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                # another reader may take these first: then wait on this shard a moment at most, and look again
-                wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
-                try:
-                    got = self._on(
-                        k,
-                        *self._acked(k, _with_kwargs(self._shards[k].pop_items, {"timeout": wait, "keys": keys, "lease": lease})),
-                        batch_size,
-                    )
-                except TimeoutError:
+                got = self._pop_shard(k, batch_size, deadline, {"keys": keys, "lease": lease})
+                if got is None:
                     break
                 self._pop_next = (k + 1) % k_total
                 return self._global(k, got)
@@ -172,6 +167,25 @@ class ShardQueue(ShardsBase):
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}, timed out")
+
+    def _pop_shard(self, k: int, batch_size: int, deadline: float | None, kwargs: dict[str, Any]) -> Any:
+        """One pop of shard ``k``, which had unread items: its items, or None when another reader took them first
+        (the pop waited there :data:`_POP_WAIT_S` at most, and nothing was taken).
+
+        A pop whose reply did not come in that time (the node slow or away: a ``TimeoutError`` caused by the
+        connection) may have taken items: it is sent again with the same request id, which the server answers
+        with the items the first one took, until it answers or the caller's deadline passes."""
+        request = request_id()
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
+            pop = _with_kwargs(self._shards[k].pop_items, {**kwargs, "timeout": wait, "_request": request})
+            try:
+                return self._on(k, *self._acked(k, pop), batch_size)
+            except TimeoutError as err:
+                lost_reply = isinstance(err.__cause__, (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError))
+                if not lost_reply or (deadline is not None and time.monotonic() >= deadline):
+                    return None
 
     def _global(self, k: int, got: Any) -> Any:
         off = self._offsets[k]
