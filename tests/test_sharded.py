@@ -891,7 +891,13 @@ def test_torchrl_in_place_writes_revision_write_count_and_empty_on_a_sharded_rin
     rb[both] = rows(torch.tensor([7, 8]), width=1)  # two shards
     revisions.append(rb.storage._mutation_revision)
     assert rb[both]["tag"].tolist() == [7, 8]
-    rb.storage[:].set_("tag", torch.arange(100, 112))
+
+    def in_place_counts() -> list[int]:  # each shard's count of torchrl's in-place writes ('tr')
+        return [int(e.command("HGET", e.keys.meta, "tr") or 0) for e in rb.storage._store.stack_ops.engine.shard_engines]
+
+    counts = in_place_counts()
+    rb.storage[:].set_("tag", torch.arange(100, 112))  # every shard written, two of them from worker threads
+    assert [b - a for a, b in zip(counts, in_place_counts())] == [1 if s.ring_state().written else 0 for s in ring.shards]
     revisions.append(rb.storage._mutation_revision)
     assert sorted(rb[:]["tag"].tolist()) == list(range(100, 112))
     rb.storage[:].update_({"tag": torch.arange(200, 212)})

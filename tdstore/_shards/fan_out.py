@@ -114,7 +114,7 @@ class ShardsBase:
         if len(jobs) == 1:
             return [self._on(k, fn, *args)]
         pool = self._executor(len(jobs) - 1)
-        futures = [pool.submit(self._on, j, f, *a) for j, f, a in jobs[:-1]]
+        futures = [pool.submit(self._on, j, self._counted(j, f) if write else f, *a) for j, f, a in jobs[:-1]]
         last: Any = None
         try:
             last = self._on(k, fn, *args)
@@ -125,6 +125,20 @@ class ShardsBase:
             if e is not None:
                 raise e
         return [f.result() for f in futures] + [last]
+
+    def _counted(self, k: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` to run on another thread, counting its writes as in-place writes on shard ``k`` when this
+        thread's do (``Engine.counting_in_place`` is per thread: torchrl's in-place writes over several
+        shards move every shard's count, not only the one written from this thread)."""
+        engine = self._shards[k]._engine
+        if not engine.counts_in_place:
+            return fn
+
+        def call(*args: Any) -> Any:
+            with engine.counting_in_place():
+                return fn(*args)
+
+        return call
 
     def _executor(self, n: int) -> ThreadPoolExecutor:
         if self._pool is None:
