@@ -128,32 +128,25 @@ class Transport:
         Under a call's deadline (``_engine.deadline``) a node that does not answer in time is not handed
         to ``fallback()`` (``RedisCluster``, which no deadline bounds): the call's ``TimeoutError`` once
         the deadline has passed, else one more bounded ``send`` to the node the slot map names now."""
-        node = self._node
-        if node is None:
-            node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
-        try:
-            return send(node)
-        except _scripts.REDIRECTS:
-            pass
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-            self._held.release()
-            self._node = None
-            if _deadline.active() is None:
-                return fallback()
-            # under a call's deadline: RedisCluster would send it again with no bound. Past the deadline the
-            # call's TimeoutError; before it, once more on a connection of its own to the node the slot map
-            # names now, bounded by what is left (a redirect from there goes to RedisCluster, as below)
-            _deadline.raise_if_over(err)
-            node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
+        for attempt in range(2):
+            node = self._node
+            if node is None:
+                node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
             try:
                 return send(node)
             except _scripts.REDIRECTS:
-                pass
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as again:
+                break
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                 self._held.release()
                 self._node = None
-                _deadline.raise_if_over(again)
-                raise
+                if _deadline.active() is None:
+                    break
+                # under a call's deadline: RedisCluster would send it again with no bound. Past the deadline the
+                # call's TimeoutError; before it, once more on a connection of its own to the node the slot map
+                # names now, bounded by what is left (a redirect from there goes to RedisCluster)
+                _deadline.raise_if_over(err)
+                if attempt:
+                    raise
         self._held.release()
         self._node = None
         return fallback()
