@@ -24,19 +24,29 @@
               a store larger than that is refused, see lua/README.md "Whole-store calls in
               batches"); the client also refuses stores of more keys than one call may name
 
-  Reply       {'OK', number of keys copied}; {'STALE', header...}; {'GONE'}.
-  Errors      'TDSTORE exists' when the new header already exists (nothing copied);
+  Reply       {'OK', number of keys copied}; {'STALE', header...}; {'GONE'}. A resend after a
+              lost reply (the new header exists with ARGV[3]'s epoch) answers OK with the keys
+              the copy holds, copying nothing again.
+  Errors      'TDSTORE exists' when the new header already exists, of another epoch (nothing copied);
               'TDSTORE refused' when the store holds more than ARGV[4] bytes (nothing copied).
 ]]
 local src, dst = KEYS[1], KEYS[2]
+local half = (#KEYS - 3) / 2
 local bad = tds_check(src, ARGV[1], '')
 if bad then
   return bad
 end
 if redis.call('EXISTS', dst) == 1 then
+  if redis.call('HGET', dst, 'epoch') == ARGV[3] then
+    -- this call's own copy (the epoch is the call's, made fresh for it): a resend after a lost reply
+    local n = 1
+    for i = 5 + half, #KEYS do
+      n = n + redis.call('EXISTS', KEYS[i])
+    end
+    return {'OK', n}
+  end
   error('TDSTORE exists: a store with the new td_id already exists')
 end
-local half = (#KEYS - 3) / 2
 local most = tonumber(ARGV[4] or '')
 if most then
   local bytes = 0

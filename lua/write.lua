@@ -101,11 +101,12 @@
           'data', its shape record in 'shapes'), spliced like 'E' per run of
           consecutive slots.
     'N', k, rid
-          the call's request id (must be the first op; a ring write or update_if): KEYS[k]
-          is the store's reply cache (see tds_request in _lib.lua). Before the version
-          check, an id recorded by an earlier attempt gets that attempt's reply back
-          ({'OK', version, rw before it} or {'OK', version, applied}) and nothing is
-          written; otherwise the reply's third item is recorded under the id.
+          the call's request id (must be the first op; a ring write, update_if, or a key
+          renamed or deleted): KEYS[k] is the store's reply cache (see tds_request in
+          _lib.lua). Before the version check, an id recorded by an earlier attempt gets
+          that attempt's reply back ({'OK', version, rw before it}, {'OK', version,
+          applied}, or {'OK', version} for a rename or delete) and nothing is written;
+          otherwise the reply's third item (or 'S') is recorded under the id.
     'B', k
           KEYS[k] is the store header (KEYS[1]): its field 'tr', the count of in-place
           writes through torchrl (tdstore/torchrl/marks.py), grows by 1 with the write, so
@@ -149,6 +150,9 @@ if ARGV[8] == 'N' then
       return {'GONE'}
     end
     local what = string.sub(seen, 1, 1)
+    if what == 'S' then  -- a schema change (a key renamed or deleted): applied once, by the first attempt
+      return {'OK', version}
+    end
     return {'OK', version, what == 'G' and tds_unruns(string.sub(seen, 2)) or string.sub(seen, 2)}
   end
 end
@@ -992,5 +996,8 @@ if extra ~= nil then
     tds_remember(request, ring_n > 0 and 'W' .. extra or 'G' .. tds_runs(extra))
   end
   return {'OK', version, extra}
+end
+if request ~= nil then  -- a schema change that carries an id: its resend must not plan it again
+  tds_remember(request, 'S')
 end
 return {'OK', version}

@@ -467,3 +467,75 @@ def test_a_counted_in_place_write_sent_twice_writes_its_rows_once(two_engines, m
         applied = twice.update_if(torch.tensor([0, 5]), torch.tensor([1, 1]), rows(70, 2))
     assert applied.tolist() == [True, True] and twice.get("tag").tolist()[::5] == [70, 71]
     assert int(raw.hget(twice._engine.keys.meta, "tr")) == 4  # the resend was answered from the reply cache
+
+
+# -- the other calls that change state: sent twice, as redis-py resends after a lost reply ----------------
+def resent(monkeypatch: pytest.MonkeyPatch, names: set[str], seen: list[str]) -> None:
+    """Every call of the scripts ``names`` runs twice with the same KEYS and ARGV, the caller getting the
+    second reply: the server ran the first and its reply was lost (a resend). A refused first attempt
+    (an error reply) is raised as it is."""
+    plain = _scripts.call
+
+    def call(client: Any, name: str, keys: list[str], args: list[Any], execute: Any = None) -> list:
+        first = plain(client, name, keys, args, execute)
+        if name not in names:
+            return first
+        seen.append(name)
+        return plain(client, name, keys, args, execute)
+
+    monkeypatch.setattr(_scripts, "call", call)
+
+
+def test_a_resent_rename_or_delete_of_a_key_is_applied_once_and_answers_ok(two_engines, monkeypatch):
+    """The first attempt renamed (deleted) the key; its resend used to meet a newer schema, plan again,
+    not find the key and raise KeyError for a call that had succeeded. Now it carries a request id."""
+    backend = two_engines
+    for make in (
+        lambda: LazyStackedTensorDictStore.from_lazy_stack(rows(0, 4), **backend.kwargs()),
+        lambda: TensorDictStore.from_tensordict(rows(0, 4), **backend.kwargs()),
+    ):
+        s = make()
+        seen: list[str] = []
+        with monkeypatch.context() as m:
+            resent(m, {"write"}, seen)
+            s.rename_key_("obs", "y")
+            del s["tag"]
+        assert seen == ["write", "write"]
+        assert sorted(s.keys()) == ["y"]
+        other = type(s).from_store(td_id=s.td_id, **backend.kwargs())
+        assert sorted(other.keys()) == ["y"] and torch.equal(other["y"], s["y"])
+        s.clear_redis()
+
+
+@pytest.mark.parametrize("lost", ["create", "commit"])
+def test_a_resent_upload_create_or_commit_keeps_the_store(two_engines, monkeypatch, lost):
+    """A lost reply to the upload's create used to fail it ("already exists", the id held for two
+    minutes); to its commit, to delete the store just published (the resend found it ready and the
+    upload's clean-up deleted every key). Now each recognises its own creation by its epoch."""
+    backend = two_engines
+    data = rows(0, 6)
+    seen: list[str] = []
+    with monkeypatch.context() as m:
+        resent(m, {lost}, seen)
+        s = TensorDictStore.from_tensordict(data, **backend.kwargs())
+    assert seen == [lost]
+    again = TensorDictStore.from_store(td_id=s.td_id, **backend.kwargs())
+    assert torch.equal(again["obs"], data["obs"]) and torch.equal(again["tag"], data["tag"])
+    s.clear_redis()
+
+
+def test_a_resent_clone_answers_with_its_own_copy(two_engines, monkeypatch):
+    """A lost reply to a server-side clone used to raise "exists" and leave the copy behind, listed but
+    with no handle; the resend now sees the copy carries its own epoch and answers OK."""
+    backend = two_engines
+    s = TensorDictStore.from_tensordict(rows(0, 5), **backend.kwargs())
+    seen: list[str] = []
+    with monkeypatch.context() as m:
+        resent(m, {"copy"}, seen)
+        c = s.clone()
+    assert seen == ["copy"] and c.td_id != s.td_id
+    assert torch.equal(c["obs"], s["obs"])
+    c[0] = rows(100, 1)[0]
+    assert s["tag"][0].item() == 0 and c["tag"][0].item() == 100
+    s.clear_redis()
+    c.clear_redis()

@@ -295,7 +295,15 @@ class Engine(Transport):
                 f"the store with {self.where()} is being deleted (or its time to live changed) by another client "
                 "while this one creates it again; try again once that is done"
             )
-        return Header.from_fields(_pairs(reply[1:]))
+        existing = _pairs(reply[1:])
+        epoch = existing.get(b"epoch", existing.get("epoch"))
+        if (epoch.decode() if isinstance(epoch, bytes) else epoch) == header.epoch:
+            # this call's own header (its epoch is fresh): redis-py resent the create after a lost reply
+            if self.spec.cluster:
+                self.client.sadd(self.keys.registry, self.keys.td_id)
+            self.set_header(header)
+            return None
+        return Header.from_fields(existing)
 
     # -- running calls ---------------------------------------------------------
     def run(self, plan: Callable[[Header], Call]) -> Any:

@@ -11,6 +11,7 @@ from typing import Any, Self
 import torch
 from tensordict import TensorDictBase
 
+from tdstore._engine.engine import request_id
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
 from tdstore._front.common import LOCK_ERROR
@@ -46,7 +47,8 @@ class LazyKeys(LazyState):
             doomed = [p for p in h.leaves if any(p[: len(q)] == q for q in paths)]
             return _writes.plan_delete(store_keys, h, doomed, kt)
 
-        self._engine.run_write(plan)
+        # with a request id: a resend after a lost reply must not plan again, find the keys gone and raise
+        self._engine.run_write_reply(plan, request=self._change_id())
         return self
 
     def __delitem__(self, key: Any) -> None:  # type: ignore[override]  # returns nothing, as ``del`` of a mapping does
@@ -65,7 +67,13 @@ class LazyKeys(LazyState):
                 raise KeyError(f"key {display(clash[0])!r} already exists; delete it first")
             return _writes.plan_rename(h, renames), [], []
 
-        self._engine.run_write(plan)
+        self._engine.run_write_reply(plan, request=self._change_id())  # as _delete_keys: a resend applies it once
+
+    def _change_id(self) -> str | None:
+        """A request id for a key renamed or deleted, whose resend after a lost reply would otherwise plan
+        again and raise ``KeyError`` for the key the first attempt renamed or deleted. None on a spread
+        store, whose schema changes go per segment (``_engine.spread_change``) without the reply cache."""
+        return None if self._engine.header.spread else request_id()
 
     def _allocate(self, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Add (or replace) homogeneous keys of zeros, ``{path: (feature_shape, dtype)}``, allocated by the server in one call."""

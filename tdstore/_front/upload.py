@@ -446,6 +446,10 @@ def _commit(engine: Engine, header: Header, token: str, ttl_ms: int, spread: boo
         commit_keys = keys.all_keys(header.next_leaf, header.segments.n)
     try:
         reply = _commit_batches(engine, header, token, ttl_ms, at, commit_keys)
+    except _scripts.ServerScriptError as err:
+        if "upload lost" in str(err) and _committed(engine, header):
+            return  # the commit ran and its reply was lost: redis-py's resend found the store ready
+        raise
     except StoreDamagedError as err:
         raise StoreDamagedError(
             f"the upload of {engine.where()} lost keys before it finished ({err}); the server evicted or someone deleted them. "
@@ -472,6 +476,13 @@ def _commit_batches(engine: Engine, header: Header, token: str, ttl_ms: int, at:
             return reply
         at = reply[1].decode()
     return reply
+
+
+def _committed(engine: Engine, header: Header) -> bool:
+    """Whether the store is ready under this upload's creation (its epoch, made fresh for the upload): only
+    this upload's commit, which knows the token, makes it so."""
+    state, epoch = engine.command("HMGET", engine.keys.meta, "state", "epoch")
+    return state == b"ready" and epoch == header.epoch.encode()
 
 
 def _release_segments(engine: Engine, header: Header, ttl_ms: int) -> str:
