@@ -228,3 +228,20 @@ def test_server_without_scripting_gives_a_clear_error(real):
     with pytest.raises(PermissionError, match="ACL"):
         LazyStackedTensorDictStore(count=2, url=real.server.url.replace("unix://", "unix://noscript:pw@"), prefix=real.prefix)
     assert real.keys() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fill_with_a_value_the_dtype_cannot_hold_raises_as_torch_and_writes_nothing(backend, dtype):
+    """``fill_`` casts as ``Tensor.fill_`` does, overflow check included: 1e40 into float16 raises (it wrote inf)."""
+    from tdstore import TensorDictStore
+
+    local = TensorDict(x=torch.ones(3, 2, dtype=dtype), y=torch.zeros(3), batch_size=[3])
+    store = TensorDictStore.from_tensordict(local, **backend.kwargs())
+    with pytest.raises(RuntimeError, match=r"key 'x'.*overflow"):
+        store.fill_("x", 1e40)
+    with pytest.raises(RuntimeError):
+        local.clone().fill_("x", 1e40)  # as a TensorDict does
+    assert torch.equal(store["x"], local["x"])
+    store.fill_("x", 2.5)
+    assert torch.equal(store["x"], torch.full((3, 2), 2.5, dtype=dtype))
+    store.clear_redis()

@@ -152,6 +152,19 @@ def from_pieces(pieces: list[bytes], dtype: torch.dtype, shape: tuple[int, ...] 
     return out.view(dtype).reshape(tuple(shape))
 
 
+#: The unsigned dtypes torch's ``index_select`` does not implement (2.13), and the signed dtype of their size.
+_SAME_SIZE_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def index_select(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``tensor.index_select(dim, index)`` for every dtype a store holds: uint16, uint32 and uint64 are
+    selected as the signed dtype of their size (the same bytes), where torch would raise ``NotImplementedError``."""
+    signed = _SAME_SIZE_SIGNED.get(tensor.dtype)
+    if signed is None:
+        return tensor.index_select(dim, index)
+    return tensor.view(signed).index_select(dim, index).view(tensor.dtype)
+
+
 def pack_i64(values: list[int] | np.ndarray) -> bytes:
     return np.asarray(values, dtype="<i8").tobytes()
 

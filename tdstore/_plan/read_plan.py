@@ -386,7 +386,7 @@ def _parse_dense(
             every = _codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // _codec.nbytes(feat, leaf.dtype), *feat))
             pos += 1
             pick = uniq if inverse is None else uniq[inverse]
-            buf = every.index_select(0, torch.from_numpy(pick.astype(np.int64, copy=False)))
+            buf = _codec.index_select(every, 0, torch.from_numpy(pick.astype(np.int64, copy=False)))
             out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             if leaf is block:
                 out.update(_rows.split(out.pop(leaf.path), grouped))
@@ -398,7 +398,7 @@ def _parse_dense(
             buf = _codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
             pos += n_runs
         if inverse is not None:
-            buf = buf.index_select(0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
+            buf = _codec.index_select(buf, 0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
         if leaf is block:
             out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
         else:

@@ -416,7 +416,11 @@ def plan_fill(
         if leaf.json:  # zero_() and fill_ of a sub-tree leave non-tensor data alone, as on a TensorDict
             continue
         touched.append(leaf)
-        pattern = bytes(_codec.to_bytes(torch.full((), value, dtype=leaf.dtype)))
+        try:  # fill_'s conversion, as a tensor's: a value the dtype cannot hold (1e40 in float16) raises, never inf
+            one = torch.empty(2, dtype=leaf.dtype).fill_(value)[0]  # (torch checks a fill of one value less: inf)
+        except RuntimeError as err:
+            raise RuntimeError(f"key {key_name(path)}: {err}") from None
+        pattern = bytes(_codec.to_bytes(one))
         if leaf.het:
             lo, hi = (0, h.count - 1) if element is None else (element, element)
             ops.append(Write.F(kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), lo, hi, pattern))

@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from tdstore._errors import ShardUnavailableError
+from tdstore._format import codec as _codec
 from tdstore._format.keys import StoreKeys
 from tdstore._plan import index as _index
 from tdstore._shards.layout import Layout
@@ -180,7 +181,8 @@ class ShardsBase:
             # index_select: torch's advanced indexing of a CPU tensor costs ~10 ms for 256 rows here (2.13)
             sp = self._stack_pos
             try:
-                return td.apply(lambda t: t.index_select(sp, rows), batch_size=[*td.batch_size[:sp], len(rows), *td.batch_size[sp + 1 :]])
+                batch = [*td.batch_size[:sp], len(rows), *td.batch_size[sp + 1 :]]
+                return td.apply(lambda t: _codec.index_select(t, sp, rows), batch_size=batch)
             except (RuntimeError, TypeError):
                 pass
         return td[(slice(None),) * self._stack_pos + (rows,)]

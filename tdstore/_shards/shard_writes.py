@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
+from tdstore._format import codec as _codec
 from tdstore._ring.extend import RingWrite
 from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
@@ -140,7 +141,7 @@ class ShardWrites(ShardQueue):
         if isinstance(value, dict):
             return {k: self._part(v, rows, scalar) for k, v in value.items()}
         if isinstance(value, torch.Tensor) and value.dim() > self._stack_pos:
-            return value.index_select(self._stack_pos, rows)
+            return _codec.index_select(value, self._stack_pos, rows)
         return value
 
     def __setitem__(self, index: Any, value: Any) -> None:
