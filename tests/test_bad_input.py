@@ -245,3 +245,28 @@ def test_fill_with_a_value_the_dtype_cannot_hold_raises_as_torch_and_writes_noth
     store.fill_("x", 2.5)
     assert torch.equal(store["x"], torch.full((3, 2), 2.5, dtype=dtype))
     store.clear_redis()
+
+
+def test_an_ellipsis_into_a_keys_own_dims_is_refused_by_get_at_and_set_at(backend):
+    """TensorDict's ``get_at``/``set_at_`` index the key's tensor, so ``...`` spans its feature dims too; a
+    store's index takes the batch dims. ``get_at('f', (..., 0))`` read other cells than TensorDict's and
+    ``set_at_`` wrote other cells: both now raise, naming the key, and nothing is written. A key with no
+    dims of its own reads and writes as TensorDict's."""
+    from tdstore import TensorDictStore
+
+    local = TensorDict(f=torch.arange(18.0).reshape(2, 3, 3), g=torch.arange(6.0).reshape(2, 3), batch_size=[2, 3])
+    dense = TensorDictStore.from_tensordict(local, **backend.kwargs())
+    lazy = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack(list(local.unbind(0))), **backend.kwargs())
+    for store in (dense, lazy):
+        with pytest.raises(IndexError, match=r"get_at\('f'.*\.\.\."):
+            store.get_at("f", (..., 0))
+        with pytest.raises(IndexError, match=r"set_at_\('f'"):
+            store.set_at_("f", torch.full((2, 3), -1.0), (..., 0))
+        assert torch.equal(store.get("f"), local["f"])
+        assert torch.equal(store.get_at("g", (..., 1)), local.get_at("g", (..., 1)))
+        assert torch.equal(store.get_at("f", (1, 2)), local.get_at("f", (1, 2)))
+    want = local.clone().set_at_("g", torch.tensor([-1.0, -2.0]), (..., 0))
+    dense.set_at_("g", torch.tensor([-1.0, -2.0]), (..., 0))
+    assert torch.equal(dense.get("g"), want["g"])
+    dense.clear_redis()
+    lazy.clear_redis()

@@ -304,3 +304,17 @@ def ttl_to_ms(ttl: Any) -> int:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
         raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl!r}")
     return max(1, round(ttl * 1000))
+
+
+def refuse_ellipsis_into_features(h: Header, path: NestedPath, idx: Any, what: str) -> None:
+    """``get_at``/``set_at_`` of a key with feature dims at an index holding ``...``: TensorDict indexes the
+    key's own tensor, so its ``...`` also spans the feature dims, where a store's index takes the batch dims
+    only. Refused (``IndexError``) rather than reading or writing other cells than TensorDict would."""
+    if not (idx is Ellipsis or (isinstance(idx, tuple) and any(i is Ellipsis for i in idx))):
+        return
+    leaf = h.leaves.get(path)
+    if leaf is not None and (leaf.het or len(leaf.shape or ()) > len(h.inner)):
+        raise IndexError(
+            f"{what}({display(path)!r}, {idx!r}): an index with ... on a key with dims of its own (TensorDict applies it "
+            f"to the key's tensor, a store to the batch dims); name every batch dim instead, or index store.get({display(path)!r})"
+        )

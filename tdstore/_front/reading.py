@@ -18,6 +18,7 @@ from tensordict.base import NO_DEFAULT
 from tdstore._engine.engine import Engine
 from tdstore._format import ragged as _ragged
 from tdstore._format.schema import NestedPath
+from tdstore._front.common import refuse_ellipsis_into_features
 from tdstore._front.progress import progress
 from tdstore._front.state import LazyState
 from tdstore._plan import index as _index
@@ -138,6 +139,7 @@ class LazyReads(LazyState):
 
     def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = as_path(key)
+        refuse_ellipsis_into_features(self._header, path, idx, "get_at")
         leaf = self._header.leaves.get(path)
         if leaf is not None and leaf.het and _ragged.wanted(kwargs):
             ids = self._ragged_ids(idx)

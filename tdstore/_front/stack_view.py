@@ -19,7 +19,7 @@ from tensordict.base import NO_DEFAULT
 
 from tdstore._format import nontensor as _nontensor
 from tdstore._format.schema import NestedPath
-from tdstore._front.common import StackStore
+from tdstore._front.common import StackStore, refuse_ellipsis_into_features
 from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, display
 
@@ -84,6 +84,7 @@ class StackView(StoreBase):
 
     def _get_at_tuple(self, key: tuple, idx: Any, default: Any = NO_DEFAULT, **kwargs: Any) -> Any:
         path = self._under + as_path(key)
+        refuse_ellipsis_into_features(self._engine.header, path, idx, "get_at")
         try:
             td = self._read(None, idx, under=path, strip=False)
         except KeyError:

@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
 from tdstore._format.schema import Header, NestedPath
-from tdstore._front.common import LOCK_ERROR, only_keys
+from tdstore._front.common import LOCK_ERROR, only_keys, refuse_ellipsis_into_features
 from tdstore._front.identity import StoreIdentity
 from tdstore._plan import element_write as _element_write
 from tdstore._plan import index as _index
@@ -123,6 +123,7 @@ class WriteSurface(StoreIdentity):
         return self._set_at_tuple((key,), value, idx, validated=validated, non_blocking=non_blocking)
 
     def _set_at_tuple(self, key: tuple, value: Any, idx: Any, *, validated: bool, non_blocking: bool) -> TensorDictBase:
+        refuse_ellipsis_into_features(self._engine.header, self._under + as_path(key), idx, "set_at_")
         self._write(self._leaves(value, as_path(key)), idx, in_place=True, must_exist="set_at_")
         return self
 
