@@ -19,7 +19,7 @@ from conftest import ClusterBackend
 from helpers import consistent, stamp_writer, stamped, torn_while_running
 from redis.client import Pipeline
 from tensordict import TensorDict, lazy_stack
-from test_lifecycle import pttls, same_deadline
+from test_lifecycle import pttls
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._engine import scripts as _scripts
@@ -56,13 +56,13 @@ def guard_versions(cluster: EmbeddedCluster, s: LazyStackedTensorDictStore) -> s
     return versions
 
 
-def one_deadline(cluster: EmbeddedCluster, s: LazyStackedTensorDictStore) -> list[int]:
-    """Each key's time to live as of one instant (``test_lifecycle.pttls``), asserted to be one deadline
-    for every key: the same number however long the reads across the nodes take."""
+def one_deadline(cluster: EmbeddedCluster, s: LazyStackedTensorDictStore, slack_ms: int = 0) -> list[int]:
+    """Each key's time to live as of one instant (``test_lifecycle.pttls``), asserted to be one deadline for
+    every key, however long the reads across the nodes take: the same number, or within ``slack_ms``."""
     backend = ClusterBackend(cluster)
     backend.prefix = PREFIX
     ttls = pttls(backend, s)
-    assert ttls and same_deadline(backend, ttls), ttls
+    assert ttls and max(ttls.values()) - min(ttls.values()) <= slack_ms, ttls
     return list(ttls.values())
 
 
@@ -409,7 +409,9 @@ def test_keys_a_schema_change_adds_take_the_stores_deadline(redis_cluster):
     s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True, shards=0, segment_bytes=128, ttl=600)
     s.set("obs", torch.zeros(30, 8))  # the first keys: the segments and their guards are made
     s.set("more", torch.ones(30, 4))
-    ttls = one_deadline(redis_cluster, s)
+    # the deadline of the keys a schema change adds is the header's time to live read, then the node's
+    # clock read (_engine.spread.deadline): a round trip apart, so up to that much later than the store's
+    ttls = one_deadline(redis_cluster, s, slack_ms=1_000)
     assert len(ttls) > 2 * s._engine.header.segments.n
     # the store's deadline: read within a tenth of the time to live, so a busy machine never runs out the window
     assert 540_000 < ttls[0] <= 600_000, ttls
