@@ -16,7 +16,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tdstore import _moved
-from tdstore._errors import DenseShapeError, LeaseLostError, QueueOverrunError, ShardUnavailableError, StoreDamagedError
+from tdstore._errors import (
+    AmbiguousTimeoutError,
+    DenseShapeError,
+    LeaseLostError,
+    QueueOverrunError,
+    ShardUnavailableError,
+    StoreDamagedError,
+)
 from tdstore._format.header_info import StoreFormatError
 
 _moved.install()  # old module paths still import: pickles made before the layout step load
@@ -33,6 +40,7 @@ __all__ = [
     "LazyStackedTensorDictStore",
     "TensorDictStore",
     "StoreDamagedError",
+    "AmbiguousTimeoutError",
     "StoreFormatError",
     "PasswordError",
     "QueueOverrunError",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 
 class StoreDamagedError(KeyError):
     """Keys of the store are lost or cut short (evicted under ``maxmemory``, deleted by hand).
@@ -81,3 +84,34 @@ class ShardUnavailableError(ConnectionError):
     def __init__(self, message: str, shard: int) -> None:
         super().__init__(message)
         self.shard = shard
+
+
+class AmbiguousTimeoutError(TimeoutError):
+    """A call's deadline passed after the call may have reached the server: it may have run.
+
+    A plain ``TimeoutError`` says the call did not run. This one says it may have: its rows may
+    be written, its items taken. It carries the id the call was sent under (:attr:`request_id`);
+    :meth:`retry` sends the same call again under that id, and the server answers with the first
+    call's reply when that one ran (the popped items, the ``RingWrite``), or runs it now when it
+    did not: either way the call takes effect exactly once.
+    """
+
+    def __init__(self, message: str, *, request_id: str, resend: Callable[[float | None], Any] | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        """The id the call was sent under; a resend under it is answered, never applied twice."""
+        self._resend = resend
+
+    def retry(self, timeout: float | None = None) -> Any:
+        """Send the same call again under :attr:`request_id` (with ``timeout``: a new deadline) and
+        return its reply: the first call's when it ran. May raise this error again (then retry again)."""
+        if self._resend is None:
+            raise RuntimeError(f"this call (request {self.request_id}) cannot be resent from its error")
+        return self._resend(timeout)
+
+    def __reduce__(self) -> Any:  # a pickled error keeps its message and id, not the resend (a closure)
+        return (_ambiguous, (str(self), self.request_id))
+
+
+def _ambiguous(message: str, request_id: str) -> AmbiguousTimeoutError:
+    return AmbiguousTimeoutError(message, request_id=request_id)
