@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -16,16 +15,15 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tools._probes import commandstats, server_cpu
+from tools._probes import commandstats
+from tools.bench.learner import learner_case
 from tools.bench.measure import Contender, OpOutcome, Target, _describe, measure
 from tools.bench.report import _ratio, _row, _size
 from tools.bench.workload import (
     CONTENDERS,
     EXTEND_ROWS,
     FILL_ROWS,
-    LEARNER_BATCH,
     TOKENS_PERIOD,
-    WRITER_ROWS,
     RawFloor,
     RawLeaf,
     RefDense,
@@ -531,7 +529,9 @@ class Runner:
                     )
                 else:
                     print(f"  mp {name:<10} {line.get('status')}: {line.get('error')}", flush=True)
-            report["learner"] = self.learner_case(pool, s, jobs)
+            report["learner"] = learner_case(pool, s.tdstore, s.reference, s.raw, jobs, self.settings, self.rng, self.client)
+            if report["learner"].get("tdstore", {}).get("status") != "ok":
+                self.problems.append(f"learner: tdstore {report['learner'].get('tdstore')}")
         td = report["tdstore"].get("writes_per_s")
         for name, label in (("reference", "ratio_ref"), ("raw", "ratio_raw")):
             other = report.get(name, {}).get("writes_per_s")
@@ -541,94 +541,6 @@ class Runner:
                 self.problems.append(f"mp: {name} {report[name].get('status')}: {report[name].get('error')}")
         self.drop(s)
         return report
-
-    def learner_case(self, pool: WriterPool, s: Stores, jobs: list[tuple[str, Any]]) -> dict[str, Any]:
-        """The learner under load: ``sample(LEARNER_BATCH)`` per second alone, then while every writer
-        process extends ``WRITER_ROWS``-row batches as fast as it can (per contender: tdstore samples
-        and extends its ring; the reference reads random rows and writes row slices; raw pipelines
-        GETRANGEs and SETRANGEs of the same bytes). ``kept`` is the loaded rate over the idle one."""
-        st, count = self.settings, self.settings.count
-        samplers: dict[str, Callable[[], Any]] = {
-            "tdstore": lambda: s.tdstore.sample(LEARNER_BATCH),
-            "reference": lambda: s.reference[torch.from_numpy(self.rng.integers(0, count, LEARNER_BATCH))],
-            "raw": lambda: s.raw.read_batch(np.sort(self.rng.integers(0, count, LEARNER_BATCH))),
-        }
-
-        def rate(sample: Callable[[], Any], seconds: float) -> tuple[float, float, float]:
-            """Samples per second, this thread's CPU seconds per sample, and the share of the wall
-            time it ran on a core (how much CPU the learner got: the writers compete for it)."""
-            n, t0, c0 = 0, time.perf_counter(), time.thread_time()
-            while time.perf_counter() - t0 < seconds:
-                sample()
-                n += 1
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            return n / wall, cpu / n, cpu / wall
-
-        def under_writers(kind: str, target: Any, sample: Callable[[], Any]) -> tuple[tuple[float, float, float], float, dict[str, Any]]:
-            """The learner's rate while the writer processes run job ``kind``, the server's busy share, the writers' result."""
-            box: dict[str, Any] = {}
-            writers = threading.Thread(target=lambda: box.update(pool.run(kind, target, st.mp_seconds, count, st.seed)))
-            writers.start()
-            time.sleep(min(1.0, st.mp_seconds / 5))  # the writers are past their barrier and warm
-            cpu0, t0 = server_cpu(self.client), time.perf_counter()
-            got = rate(sample, st.mp_seconds / 2)
-            busy = (server_cpu(self.client) - cpu0) / (time.perf_counter() - t0)  # of one core (INFO cpu)
-            writers.join()
-            return got, busy, box
-
-        out: dict[str, Any] = {"batch": LEARNER_BATCH, "writer_rows": WRITER_ROWS, "writers": st.mp_writers}
-        for name, target in jobs:
-            sample = samplers[name]
-            try:
-                sample()
-                idle, idle_cpu, idle_share = rate(sample, st.mp_seconds / 2)
-                (loaded, loaded_cpu, loaded_share), busy, box = under_writers(f"{name}+extend", target, sample)
-            except Exception as err:  # recorded; the reference may not run under load
-                out[name] = {"status": "raises", "error": _describe(err)}
-                continue
-            if box.get("status") != "ok":
-                out[name] = {"status": "raises", "error": box.get("error")}
-                continue
-            rows = box["writes_per_s"] * WRITER_ROWS
-            out[name] = {
-                "status": "ok",
-                "idle_per_s": idle,
-                "loaded_per_s": loaded,
-                "kept": loaded / idle,
-                "writer_rows_per_s": rows,
-                "server_cpu_share": busy,
-                "cpu_ms_per_sample": [idle_cpu * 1e3, loaded_cpu * 1e3],  # the learner's own CPU, alone and loaded
-                "learner_cpu_share": [idle_share, loaded_share],  # of the wall time, alone and loaded
-            }
-            print(
-                f"  learner {name:<10} sample({LEARNER_BATCH}) {idle:8,.0f}/s idle, {loaded:8,.0f}/s under {st.mp_writers} writers "
-                f"({loaded / idle:.2f}x kept; writers {rows:,.0f} rows/s; server busy {busy:.0%} of a core; learner CPU "
-                f"{idle_cpu * 1e3:.2f} and {loaded_cpu * 1e3:.2f} ms per sample, "
-                f"on a core {idle_share:.0%} and {loaded_share:.0%} of the time)",
-                flush=True,
-            )
-        mine = out.get("tdstore", {})
-        if mine.get("status") == "ok":
-            # Which limit the learner meets: the same writers at nice 19 (last, since a process may not raise
-            # its priority back) still put their rows through the one server, but yield the CPU to the learner.
-            (niced, _, niced_share), busy, box = under_writers("nice:tdstore+extend", jobs[0][1], samplers["tdstore"])
-            if box.get("status") == "ok":
-                rows = box["writes_per_s"] * WRITER_ROWS
-                mine["niced_writers"] = {
-                    "loaded_per_s": niced,
-                    "kept": niced / mine["idle_per_s"],
-                    "writer_rows_per_s": rows,
-                    "server_cpu_share": busy,
-                    "learner_cpu_share": niced_share,
-                }
-                print(
-                    f"  learner tdstore    the same writers at nice 19: {niced:8,.0f}/s ({niced / mine['idle_per_s']:.2f}x kept; "
-                    f"writers {rows:,.0f} rows/s; server busy {busy:.0%} of a core; learner on a core {niced_share:.0%} of the time)",
-                    flush=True,
-                )
-        if out.get("tdstore", {}).get("status") != "ok":
-            self.problems.append(f"learner: tdstore {out.get('tdstore')}")
-        return out
 
 
 def _drop_store(store: Any) -> None:
