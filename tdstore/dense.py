@@ -25,9 +25,11 @@ from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine, new_td_id
 from tdstore._format import nontensor as _nontensor
+from tdstore._format.codec import dtype_name
 from tdstore._format.keys import StoreKeys
-from tdstore._format.schema import NestedPath
+from tdstore._format.schema import Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
+from tdstore._front.key_changes import check_allocation
 from tdstore._front.stack_view import StackView
 from tdstore._plan import index as _index
 from tdstore._plan.values import as_path, display
@@ -225,24 +227,17 @@ class TensorDictStore(DenseRing, StackView):
         ``schema`` maps each key (a str or a tuple for a nested key) to
         ``(feature_shape, dtype)``; the entry has shape ``[*batch_size, *feature_shape]``.
         No data is built in local memory or sent: one atomic call makes the server
-        allocate every entry as zero bytes.
+        allocate every entry as zero bytes.  Everything is checked before the store is
+        created (each key, its sizes and ``torch.dtype``, and that the store fits the
+        server's limits), so a refused schema leaves nothing on the server.
         """
-        from tdstore._format.codec import dtype_name
-
+        specs = schema_specs(schema)
+        bs = _check_batch_size(batch_size)
+        if bs and bs[0] == 0:
+            raise ValueError(f"batch_size {list(bs)}: a store needs at least one row along its first dim")
+        kwargs["td_id"] = kwargs.get("td_id") or new_td_id()  # (the id a refusal names is the store's)
+        _check_schema_fits(specs, bs, kwargs)
         store = cls(batch_size=batch_size, **kwargs)
-        specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, spec in schema.items():
-            try:
-                shape, dtype = spec
-                shape = tuple(int(s) for s in shape)
-            except (TypeError, ValueError):
-                raise TypeError(f"schema entry {key!r} must be (feature_shape, dtype), got {spec!r}") from None
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"schema entry {key!r}: {dtype!r} is not a torch.dtype")
-            dtype_name(dtype)
-            if any(s < 0 for s in shape):
-                raise ValueError(f"schema entry {key!r}: negative size in {list(shape)}")
-            specs[as_path(key)] = (shape, dtype)
         store._store.stack_ops.allocate(specs)
         return store
 
@@ -432,3 +427,54 @@ def _connection_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     skip = set(known) | {"prefix", "backend", "cache_metadata", "readonly", "segment_bytes", "spread"}
     out["redis_kwargs"] = {k: v for k, v in kwargs.items() if k not in skip}
     return out
+
+
+def schema_specs(schema: Any) -> dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]:
+    """``from_schema``'s ``schema`` as ``{path: (feature_shape, dtype)}``, every entry checked: a key, a
+    feature shape of ints >= 0 and a ``torch.dtype`` tdstore stores (``TypeError`` / ``ValueError`` naming it)."""
+    if not isinstance(schema, Mapping):
+        raise TypeError(f"schema must be a mapping of key -> (feature_shape, dtype), got {type(schema).__name__}")
+    specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]] = {}
+    for key, spec in schema.items():
+        path = as_path(key)
+        try:
+            shape, dtype = spec
+            sizes = list(shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"schema entry {key!r} must be (feature_shape, dtype), got {spec!r}") from None
+        if any(isinstance(n, bool) or not hasattr(n, "__index__") for n in sizes):
+            raise TypeError(f"schema entry {key!r}: the feature shape must hold ints, got {shape!r}")
+        feat = tuple(n.__index__() for n in sizes)
+        if any(n < 0 for n in feat):
+            raise ValueError(f"schema entry {key!r}: negative size in {list(feat)}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"schema entry {key!r}: {dtype!r} is not a torch.dtype (e.g. torch.float32)")
+        dtype_name(dtype)  # one tdstore stores (TypeError listing them)
+        if path in specs:
+            raise ValueError(f"schema names key {display(path)!r} twice")
+        specs[path] = (feat, dtype)
+    return specs
+
+
+#: A constructor's keyword arguments that are neither where the server is nor redis-py's.
+_STORE_ONLY = ("td_id", "device", "ttl", "shards")
+
+
+def _check_schema_fits(specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]], bs: torch.Size, kwargs: dict[str, Any]) -> None:
+    """Refuse, before the store is created, keys ``specs`` that a new store of batch size ``bs`` on the server
+    ``kwargs`` name could not hold (``_front.key_changes.check_allocation``: its maxmemory, segment count and
+    string size). Reads the server's limits (once per server and process)."""
+    redis_client, spec, owned = open_client(**_connection_kwargs({k: v for k, v in kwargs.items() if k not in _STORE_ONLY}))
+    engine = Engine(
+        spec,
+        StoreKeys(kwargs.get("prefix", "tensordict"), kwargs["td_id"]),
+        redis_client,
+        owns_client=owned,
+        segment_bytes=kwargs.get("segment_bytes"),
+        spread=bool(kwargs.get("spread", False)),
+    )
+    try:
+        header = Header(version=1, count=bs[0] if bs else 1, stack_dim=0, inner=tuple(bs[1:]), device="", kind="dense", batchless=not bs)
+        check_allocation(engine, header, specs)
+    finally:
+        engine.close()

@@ -13,6 +13,8 @@ from tensordict import TensorDict, tensorclass
 
 import tdstore
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore.inspect_store import list_stores
+from tdstore.server import EmbeddedServer
 
 
 def local_td(bs=(6,)) -> TensorDict:
@@ -196,6 +198,39 @@ def test_from_dict_and_from_schema(backend, real):
     assert s["n", "r"].shape == (16,)
     with pytest.raises(TypeError, match="dtype"):
         TensorDictStore.from_schema({"x": ([2], "float32")}, batch_size=[2], **backend.kwargs())
+
+
+def test_a_refused_schema_leaves_nothing_on_the_server(backend):
+    """from_schema checks every entry, and that the store fits, before creating it. Before, each of these
+    (but the float size, which was truncated to 2) raised, saying nothing was written, after creating an
+    empty "ready" store that tdstore ls listed."""
+    cases = [
+        ({"x": ([2], "float32")}, [2], {}, TypeError, "not a torch.dtype"),
+        ({"x": ([2, -1], torch.float32)}, [2], {}, ValueError, "negative size"),
+        ({"x": ([2.5], torch.float32)}, [2], {}, TypeError, "must hold ints"),
+        ({"x": ([2], torch.float32), ("x", "y"): ([], torch.float32)}, [2], {}, KeyError, "parent"),
+        ({"x": ([1024], torch.float32)}, [1 << 20], {"segment_bytes": 4096}, ValueError, "1048576 segments"),
+    ]
+    for schema, batch_size, extra, error, match in cases:
+        with pytest.raises(error, match=match):
+            TensorDictStore.from_schema(schema, batch_size=batch_size, **backend.kwargs(**extra))
+        assert backend.keys() == [], match
+        if backend.name != "cluster":  # (the registry tdstore ls reads)
+            assert list_stores(backend.client(), backend.prefix).stores == [], match
+
+
+def test_a_schema_too_big_for_the_server_leaves_nothing_on_it():
+    """A store past maxmemory, or a key one element of which is larger than one string may be, is refused
+    before the store is created. Before, the first left an empty store; the second was made, and only its
+    first write would have failed."""
+    with EmbeddedServer(extra_args=["--maxmemory", "50mb", "--proto-max-bulk-len", "1mb"]) as srv:
+        with pytest.raises(MemoryError, match=r"320000000 bytes.*maxmemory \(52428800 bytes\); nothing was written"):
+            TensorDictStore.from_schema({"x": ([4], torch.float32)}, batch_size=[20_000_000], url=srv.url, prefix="p")
+        with pytest.raises(ValueError, match=r"key 'x' needs 2097152 bytes.*proto-max-bulk-len"):
+            TensorDictStore.from_schema({"x": ([1 << 19], torch.float32)}, batch_size=[4], url=srv.url, prefix="p")
+        assert srv.client().keys("p:*") == [] and list_stores(srv.client(), "p").stores == []
+        ok = TensorDictStore.from_schema({"x": ([1 << 17], torch.float32)}, batch_size=[4], url=srv.url, prefix="p")
+        assert [s.td_id for s in list_stores(srv.client(), "p").stores] == [ok.td_id]
 
 
 def test_from_schema_sends_no_data(real):

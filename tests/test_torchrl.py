@@ -341,6 +341,49 @@ def test_prioritized_sampler_keeps_the_tree_on_the_server(real):
         replay_buffer(sampler="prioritized", td_id=rb.storage.td_id, alpha=0.5, **real.kwargs())
 
 
+def heavy_draws(rb: ReplayBuffer, batches: int = 10) -> int:
+    """How many of ``batches`` samples' rows are slot 7 (see the test below)."""
+    return sum(int((rb.sample()["step"] == 7).sum()) for _ in range(batches))
+
+
+def test_a_default_attach_samples_as_the_buffer_that_made_it(one_node):
+    """The buffer's policy is the server's: ``attach(td_id)`` of a prioritized buffer samples by priority
+    with the store's alpha and max_times_sampled, and keeps its rate limiter and queue; a sampler the
+    caller names wins. Before, a default attach sampled uniformly, silently: slot 7, holding ~99.9%
+    of the priority mass, was drawn ~40 times in 640 (1/16) instead of ~639."""
+    kw = one_node.kwargs()
+    rb = replay_buffer(16, batch_size=64, sampler="prioritized", alpha=0.8, **kw)
+    rb.extend(rows(0, 16))
+    rb.update_priority(torch.arange(16), torch.where(torch.arange(16) == 7, 1e4, 1e-3))  # weight of 7: 1585 of 1585.06
+    store = rb.storage._store
+    store.set_rate_limit(min_size=16)
+    store.set_queue(True)
+    before = store.sampling_policy
+    assert heavy_draws(rb) >= 600  # the maker's buffer
+    other = attach(rb.storage.td_id, batch_size=64, **kw)
+    assert isinstance(other.sampler, StorePrioritizedSampler) and other.sampler.alpha == 0.8
+    engine = other.storage._store.stack_ops.engine
+    sn = int(engine.command("HGET", engine.keys.meta, "sn"))
+    assert heavy_draws(other) >= 600  # uniform draws ~40
+    assert int(engine.command("HGET", engine.keys.meta, "sn")) == sn + 640  # the limiter counted the attached buffer's rows
+    assert "priority_weight" in other.sample().keys() and other.storage._store.sampling_policy == before  # queue, limiter kept
+    # sampler="prioritized" without alpha takes the store's (it raised: 0.6 is not the store's 0.8)
+    assert attach(rb.storage.td_id, sampler="prioritized", **kw).sampler.alpha == 0.8
+    # a sampler named explicitly wins
+    uniform = attach(rb.storage.td_id, batch_size=64, sampler="uniform", **kw)
+    assert type(uniform.sampler) is StoreSampler and heavy_draws(uniform) < 200
+    mine = RandomSampler()
+    assert attach(rb.storage.td_id, sampler=mine, **kw).sampler is mine
+    # the store's max_times_sampled too (a uniform sample of such a store raised: only prioritized ones count)
+    retiring = replay_buffer(8, batch_size=4, sampler="prioritized", max_times_sampled=3, **kw)
+    retiring.extend(rows(0, 4))
+    assert attach(retiring.storage.td_id, batch_size=4, **kw).sample()["priority_weight"].shape == (4,)
+    # a buffer without priorities attaches with the uniform sampler, as before
+    plain = replay_buffer(8, batch_size=4, **kw)
+    plain.extend(rows(0, 4))
+    assert type(attach(plain.storage.td_id, **kw).sampler) is StoreSampler
+
+
 def test_extend_and_sample_are_one_round_trip(real):
     replay_buffer(64, batch_size=16, **real.kwargs()).extend(rows(0, 8))  # the scripts are on the server now
     rb = replay_buffer(64, batch_size=16, **real.kwargs())

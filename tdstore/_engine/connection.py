@@ -46,6 +46,36 @@ except ImportError:  # pragma: no cover - redis[hiredis] is a dependency
 #: Keyword arguments that are secrets: never kept in a :class:`ConnectionSpec`, a pickle or a state dict.
 SECRET_KWARGS = ("password", "ssl_password", "credential_provider")
 PASSWORD_ENV = "TDSTORE_PASSWORD"
+#: The URL schemes tdstore reaches a server by: redis-py's, and a Redis Cluster's.
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password, for messages (and a child's command line: the password reaches it by
+    ``$TDSTORE_PASSWORD``): the user info's masked, a ``?password=`` dropped. A URL without ``://``
+    loses everything before its last ``@``."""
+    if "://" not in url:
+        return f"***@{url.rsplit('@', 1)[1]}" if "@" in url else url
+    try:
+        parts = urlsplit(url)
+        query = "&".join(p for p in parts.query.split("&") if not p.lower().startswith("password=")) if parts.query else ""
+        netloc = parts.netloc
+        if parts.password is not None:
+            netloc = (f"{parts.username}:***@" if parts.username else ":***@") + netloc.rsplit("@", 1)[1]
+        if (netloc, query) == (parts.netloc, parts.query):
+            return url  # (urlunsplit would write unix:///path as unix:/path)
+        return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    except ValueError:
+        return "<unparsable url>"
+
+
+def check_scheme(url: str) -> None:
+    """Refuse a URL without one of :data:`URL_SCHEMES` (redis-py's own message lists only its three)."""
+    if not url.lower().startswith(URL_SCHEMES):
+        raise ValueError(
+            f"the URL {redact_url(url)!r} does not start with a scheme tdstore accepts: {', '.join(URL_SCHEMES)} "
+            "(e.g. redis://localhost:6379/0, or redis+cluster://host:port for a Redis Cluster)"
+        )
 
 
 class PasswordError(redis.AuthenticationError):
@@ -146,10 +176,32 @@ def _login_checked(where: str) -> Callable[[Any], None]:
             raise
         except redis.AuthenticationError as err:
             raise PasswordError(password_message(where, err)) from None
+        except redis.ResponseError as err:
+            if "DB index" not in str(err):  # (Redis, Valkey, KeyDB: "ERR DB index is out of range")
+                raise
+            raise ValueError(_database_message(conn, where)) from None
         finally:
             restore()
 
     return on_connect
+
+
+def _database_message(conn: Any, where: str) -> str:
+    """Why ``SELECT`` refused the URL's database: the server's ``databases`` setting, read on the same
+    connection (still on database 0, every reply of its handshake read); not named when ``CONFIG`` is refused."""
+    count = None
+    try:
+        conn.send_command("CONFIG", "GET", "databases", check_health=False)
+        reply = conn.read_response()
+        values = list(reply.values()) if isinstance(reply, dict) else list(reply or [])[1::2]
+        count = int(values[0]) if values else None
+    except (redis.RedisError, OSError, ValueError):
+        pass
+    has = f"has {count} databases (0 to {count - 1}, its 'databases' setting)" if count else "has fewer databases"
+    return (
+        f"database {conn.db} (of the URL, or db=) is out of range: the server at {where} {has}; "
+        "name one of those (redis://host:port/N, or db=N)"
+    )
 
 
 def _server_version(conn: Any) -> tuple[int, ...] | None:
@@ -259,6 +311,12 @@ class ConnectionSpec:
             except redis.RedisClusterException as err:  # redis-py wraps a refused seed node's error in this
                 if any(text in str(err) for text in _LOGIN_REFUSED):
                     raise PasswordError(password_message(self.describe(), err)) from None
+                if "Cluster mode is not enabled" in str(err):
+                    plain = self.describe().replace("+cluster://", "://", 1)
+                    raise ValueError(
+                        f"the server at {self.describe()} is not a Redis Cluster (cluster mode is not enabled on it): "
+                        f"reach it with {plain}/0, or point redis+cluster:// at a node of a cluster"
+                    ) from None
                 raise
         kwargs.setdefault("redis_connect_func", _login_checked(self.describe()))
         _skip_version_lookup(kwargs)
@@ -289,6 +347,7 @@ def _skip_version_lookup(kwargs: dict[str, Any]) -> None:
 
 def _from_url(url: str) -> dict[str, Any]:
     """Parts of a ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URL (redis-py's parser)."""
+    check_scheme(url)
     cluster = False
     for scheme in ("redis+cluster://", "rediss+cluster://"):
         if url.lower().startswith(scheme):

@@ -5,13 +5,14 @@ Each change rewrites the header and the keys' data in one atomic call; a locked 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._engine.engine import request_id
+from tdstore._engine.engine import Engine, request_id
+from tdstore._engine.write_call import first_keys
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
 from tdstore._front.common import LOCK_ERROR
@@ -79,28 +80,53 @@ class LazyKeys(LazyState):
         """Add (or replace) homogeneous keys of zeros, ``{path: (feature_shape, dtype)}``, allocated by the server in one call."""
         if self.is_locked:
             raise RuntimeError(LOCK_ERROR)
-        keys = self._engine.keys
+        self._engine.run_write(allocation_plan(self._engine, specs))
 
-        def plan(h: Header, kt: Any) -> Any:
-            leaves = dict(h.leaves)
-            next_leaf = h.next_leaf
-            ops: list[list[Any]] = []
-            for path, (feat, dtype) in specs.items():
-                old = leaves.get(path)
-                number = old.number if old is not None else next_leaf
-                next_leaf += old is None
-                shape = (*h.inner, *feat)
-                leaf = Leaf(path, number, dtype, len(shape), shape)
-                leaves[path] = leaf
-                # a store that keeps an inventory allocates each segment when it is first written (reads of
-                # the others give zeros); a spread store's segments are allocated here, one call per node
-                data = kt.ref(keys.data(number))
-                alloc = Write.D(data) if h.tracked else Write.Z(data, h.count * leaf.element_nbytes)
-                ops += [alloc, Write.D(kt.ref(keys.offsets(number))), Write.D(kt.ref(keys.shapes(number)))]
-            check_paths(list(leaves))
-            after = h.with_leaves(leaves, next_leaf)
-            if h.leaves:  # (the first keys of an empty store are checked where they fix its segment length)
-                self._engine.check_room(after, sum(leaf.element_nbytes for leaf in after.leaves.values() if not leaf.het and not leaf.json))
-            return after, ops, []
 
-        self._engine.run_write(plan)
+def allocation_plan(engine: Engine, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> Callable[[Header, Any], Any]:
+    """The write that adds (or replaces) the keys ``specs`` of zeros on a store: the header after it and its ops,
+    planned against the header the store holds (``Engine.run_write``'s plan)."""
+    keys = engine.keys
+
+    def plan(h: Header, kt: Any) -> Any:
+        leaves = dict(h.leaves)
+        next_leaf = h.next_leaf
+        ops: list[list[Any]] = []
+        for path, (feat, dtype) in specs.items():
+            old = leaves.get(path)
+            number = old.number if old is not None else next_leaf
+            next_leaf += old is None
+            shape = (*h.inner, *feat)
+            leaf = Leaf(path, number, dtype, len(shape), shape)
+            leaves[path] = leaf
+            # a store that keeps an inventory allocates each segment when it is first written (reads of
+            # the others give zeros); a spread store's segments are allocated here, one call per node
+            data = kt.ref(keys.data(number))
+            alloc = Write.D(data) if h.tracked else Write.Z(data, h.count * leaf.element_nbytes)
+            ops += [alloc, Write.D(kt.ref(keys.offsets(number))), Write.D(kt.ref(keys.shapes(number)))]
+        check_paths(list(leaves))
+        after = h.with_leaves(leaves, next_leaf)
+        if h.leaves:  # (the first keys of an empty store are checked where they fix its segment length)
+            engine.check_room(after, sum(leaf.element_nbytes for leaf in after.leaves.values() if not leaf.het and not leaf.json))
+        return after, ops, []
+
+    return plan
+
+
+def check_allocation(engine: Engine, h: Header, specs: dict[NestedPath, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Refuse keys ``specs`` that a store with header ``h`` could not hold, before anything is written (not even
+    the store, when ``h`` is the header a new one would be created with): the checks the write itself makes
+    (keys, the server's maxmemory, the segment count) and a segment of a key larger than one string may be
+    (``proto-max-bulk-len``), which a store whose segments are allocated when first written would meet later."""
+    kt = engine.key_table(h)
+    after, ops, _ = allocation_plan(engine, specs)(h, kt)
+    after = first_keys(engine, h, after, ops, kt)
+    segs, limit = after.segments, engine.max_value_bytes
+    rows = min(segs.per, segs.count)
+    for path in specs:
+        need = rows * after.leaves[path].element_nbytes
+        if need > limit:
+            raise ValueError(
+                f"key {display(path)!r} needs {need} bytes for {rows} element(s) of one segment, more than the server accepts "
+                f"for one string ({limit}, proto-max-bulk-len); nothing was written ({engine.where()})"
+            )

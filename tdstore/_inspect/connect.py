@@ -11,7 +11,7 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
-from tdstore._engine.connection import PASSWORD_ENV, PasswordError, open_client
+from tdstore._engine.connection import PASSWORD_ENV, PasswordError, check_scheme, open_client, redact_url
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -41,7 +41,7 @@ def resolve_url(url: str | None) -> str:
 
 
 class InvalidURL(ValueError):
-    """The URL is not a redis://, rediss:// or unix:// URL redis-py accepts."""
+    """The URL is not one tdstore accepts (``URL_SCHEMES``), or names what the server lacks (a database, a cluster)."""
 
 
 class ServerUnreachable(ConnectionError):
@@ -87,6 +87,7 @@ def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
     :class:`InvalidURL` or :class:`ServerUnreachable`.
     """
     try:
+        check_scheme(url)  # (redis-py's message would list its own three schemes)
         secret = parse_url(url.replace("+cluster://", "://", 1)).get("password") or os.environ.get(PASSWORD_ENV)
     except ValueError as err:
         raise InvalidURL(str(err)) from None
@@ -108,14 +109,19 @@ def connect(url: str, *, timeout: float = CONNECT_TIMEOUT) -> ServerConnection:
         )
     except PasswordError as err:  # a cluster's seed node is reached when the client is made (tdstore's text, no secret)
         raise LoginRefused(str(err)) from None
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError) as err:  # a bad URL, or a plain server named by redis+cluster://
         raise InvalidURL(_scrub(str(err), secret)) from None
+    except redis.RedisClusterException as err:  # no node of the cluster answered (not a RedisError)
+        raise ServerUnreachable(f"cannot reach the Redis Cluster at {redact_url(url)}: {_scrub(str(err), secret)}") from None
     where = spec.describe()
     try:
         client.ping()
     except PasswordError as err:  # tdstore's own sentence: no server text, no secret
         client.close()
         raise LoginRefused(str(err)) from None
+    except ValueError as err:  # the URL's database is past the server's (tdstore's sentence, no secret)
+        client.close()
+        raise InvalidURL(_scrub(str(err), secret)) from None
     except redis.RedisError as err:  # refused, timed out, NOPERM...
         client.close()
         raise ServerUnreachable(f"cannot reach the server at {where}: {_scrub(str(err), secret)}") from None

@@ -8,11 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from tdstore._engine.connection import PASSWORD_ENV
+from tdstore._engine.connection import PASSWORD_ENV, redact_url
 from tdstore.demo.actors import DemoError
 
 __all__ = ["ServerUnreachable", "check_reachable", "password_for_children", "redact_url"]
@@ -20,21 +19,6 @@ __all__ = ["ServerUnreachable", "check_reachable", "password_for_children", "red
 
 class ServerUnreachable(DemoError):
     """The ``url`` given to the demo does not answer; the CLI turns this into exit code 2."""
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password, for messages and the returned figures."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = f"{parts.username}:***@" if parts.username else ":***@"
-        netloc += parts.hostname or ""
-        if parts.port is not None:
-            netloc += f":{parts.port}"
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparsable url>"
 
 
 def check_reachable(url: str, timeout: float = 5.0) -> str:

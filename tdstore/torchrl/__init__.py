@@ -38,10 +38,12 @@ from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
 
+from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._ring.policy_calls import policy_of
 from tdstore._shards.layout import wants_shards
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
-from tdstore.torchrl.storage import StoreStorage
+from tdstore.torchrl.storage import StoreStorage, ring_engines
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
 
@@ -58,10 +60,19 @@ __all__ = [
 ]
 
 
+#: The priority exponent of ``sampler="prioritized"`` for a buffer whose store has no priorities yet.
+DEFAULT_ALPHA = 0.6
+
 _SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "uniform": StoreSampler,
     "without_replacement": StoreSamplerWithoutReplacement,
 }
+
+
+def _policy(s: LazyStackedTensorDictStore) -> SamplingPolicy:
+    """The sampling policy of the store just opened, from the header it was opened with (no round trip;
+    a sharded ring's shards share one policy: its first shard's)."""
+    return policy_of(ring_engines(s)[0])
 
 
 def _parameters(fn: Callable[..., Any]) -> set[str]:
@@ -116,12 +127,12 @@ def replay_buffer(
     *,
     td_id: str | None = None,
     batch_size: int | None = None,
-    sampler: str | Sampler = "uniform",
+    sampler: str | Sampler | None = None,
     tensordict: bool = True,
     track_generations: bool = False,
     tensorclass_cls: type | None = None,
     buffer_kwargs: dict[str, Any] | None = None,
-    alpha: float = 0.6,
+    alpha: float | None = None,
     beta: float = 0.4,
     eps: float = 1e-8,
     max_times_sampled: int | None = None,
@@ -138,11 +149,19 @@ def replay_buffer(
         max_size: the capacity; ``None`` when attaching by ``td_id``.
         td_id: the id of the buffer to attach to (``rb.storage.td_id``).
         batch_size: the default sample size.
-        sampler: ``"uniform"`` (:class:`StoreSampler`, one round trip),
+        sampler: ``None`` (default): the buffer's own policy, read from the server when
+            attaching by ``td_id`` (a buffer with priorities is sampled by them, with the
+            store's ``alpha`` and ``max_times_sampled``; any other by :class:`StoreSampler`),
+            ``"uniform"`` for a new buffer. ``"uniform"`` (:class:`StoreSampler`, one round trip),
             ``"without_replacement"`` (:class:`StoreSamplerWithoutReplacement`),
-            ``"prioritized"`` (:class:`StorePrioritizedSampler` with ``alpha``, ``beta``,
-            ``eps`` and ``max_times_sampled``: priorities on the server), or any torchrl
-            ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...). On a sharded ring
+            ``"prioritized"`` (:class:`StorePrioritizedSampler` with ``alpha`` (default: the
+            store's, else 0.6), ``beta``, ``eps`` and ``max_times_sampled`` (default: the store's):
+            priorities on the server; ``beta`` and ``eps`` are the learner's, not kept on the
+            server: an attaching learner passes its own), or any torchrl ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
+            A sampler given explicitly wins over the buffer's policy: ``"uniform"`` draws a
+            prioritized buffer uniformly, and a torchrl sampler draws on the client, outside the
+            store's rate limiter. tdstore's samplers keep a rate limiter or queue the store has
+            (the server counts and holds their calls). On a sharded ring
             (``spread=True``) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
             :class:`StoreSamplerWithoutReplacement`, which draws the written slots.
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
@@ -165,9 +184,17 @@ def replay_buffer(
     """
     buffer_kwargs, store_kwargs = _split_keywords(kwargs, buffer_kwargs, tensordict)
     storage = StoreStorage(max_size, td_id=td_id, tensorclass_cls=tensorclass_cls, ragged=ragged, **store_kwargs)
+    if sampler is None or (isinstance(sampler, str) and sampler == "prioritized"):
+        # the buffer's policy is the server's: a default attach samples as the buffer that made it does
+        policy = storage.with_store(_policy) if td_id is not None else SamplingPolicy()
+        if sampler is None:
+            sampler = "prioritized" if policy.prioritized else "uniform"
+        if policy.prioritized:
+            alpha = policy.alpha if alpha is None else alpha
+            max_times_sampled = policy.max_times if max_times_sampled is None else max_times_sampled
     if isinstance(sampler, str):
         if sampler == "prioritized":
-            sampler = StorePrioritizedSampler(alpha, beta, eps, max_times_sampled=max_times_sampled)
+            sampler = StorePrioritizedSampler(DEFAULT_ALPHA if alpha is None else alpha, beta, eps, max_times_sampled=max_times_sampled)
         elif sampler not in _SAMPLERS:
             raise ValueError(f"sampler must be one of {sorted([*_SAMPLERS, 'prioritized'])} or a torchrl Sampler, got {sampler!r}")
         else:
@@ -189,5 +216,8 @@ def replay_buffer(
 
 
 def attach(td_id: str, **kwargs: Any) -> ReplayBuffer:
-    """``replay_buffer(td_id=td_id, **kwargs)``: the buffer another process made, by its id."""
+    """``replay_buffer(td_id=td_id, **kwargs)``: the buffer another process made, by its id.
+
+    It samples as the buffer's policy on the server says (by priority, with the store's alpha, when
+    it has priorities), unless ``sampler=`` is given: the caller's sampler wins."""
     return replay_buffer(td_id=td_id, **kwargs)

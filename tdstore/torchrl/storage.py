@@ -365,7 +365,7 @@ class StoreStorage(StorageWrites):
         return f"{type(self).__name__}(td_id={self._td_id!r}, max_size={self.max_size}, {where})"
 
 
-def _ring_engines(s: Any) -> list[Any]:
+def ring_engines(s: Any) -> list[Any]:
     """The engines of the rings that hold a policy: the store's, or each shard's (a sharded ring)."""
     engine = s.stack_ops.engine
     return engine.shard_engines if hasattr(engine, "shard_engines") else [engine]
@@ -373,10 +373,10 @@ def _ring_engines(s: Any) -> list[Any]:
 
 def _policies(s: Any) -> list[SamplingPolicy]:
     """Each ring's sampling policy as the server holds it (one round trip each)."""
-    return [policy_of(e, fresh=True) for e in _ring_engines(s)]
+    return [policy_of(e, fresh=True) for e in ring_engines(s)]
 
 
 def _restore_policies(s: Any, policies: list[SamplingPolicy]) -> None:
     """Each ring of ``s`` gets its policy of ``policies`` (:func:`_policies` of the store it replaces)."""
-    for engine, policy in zip(_ring_engines(s), policies, strict=True):
+    for engine, policy in zip(ring_engines(s), policies, strict=True):
         restore_policy(engine, policy)
