@@ -120,9 +120,8 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         Sharded: the batch goes whole to one shard (the shards taken in turn by each handle, from a
         random start; under a rate limiter or queue mode, the least filled shard that admits it); a batch
         larger than a shard is cut, one piece per shard, the pieces sent at once, each atomic on its
-        shard (a reader may see some pieces before the others). Today a shard wraps when it gets more
-        than its share before the others (issue 39), so the ring may overwrite items before it holds
-        ``capacity``.
+        shard (a reader may see some pieces before the others). A shard wraps when it gets more than its
+        share before the others, so the ring may overwrite items before it holds ``capacity``.
         """
         ...
 
