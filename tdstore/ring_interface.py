@@ -286,7 +286,7 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         """Block until the ring holds ``written`` items (``len(ring.written)``) or has had ``write_count``
         ring writes (exactly one of the two), without polling on one node (writers publish on the
         store's channel; a sharded ring polls its shards). Returns the ring's state; ``TimeoutError``
-        after ``timeout`` seconds; ``ValueError`` for a ``written`` above the capacity."""
+        after ``timeout`` seconds; on one node, ``ValueError`` for a ``written`` above the capacity."""
         ...
 
     def ring_state(self) -> RingState:
