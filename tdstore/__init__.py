@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tdstore._engine.connection import PasswordError
     from tdstore._shards.ring import ShardedRing
     from tdstore.lazy import LazyStackedTensorDictStore
+    from tdstore.ring_interface import Ring
     from tdstore.store import TensorDictStore, register_tensorclass
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "DenseShapeError",
     "ShardUnavailableError",
     "ShardedRing",
+    "Ring",
     "register_tensorclass",
     "export_checkpoint",
     "import_checkpoint",
@@ -59,6 +61,7 @@ _LAZY = {
     "LazyStackedTensorDictStore": "lazy",
     "TensorDictStore": "store",
     "ShardedRing": "_shards.ring",
+    "Ring": "ring_interface",
     "register_tensorclass": "store",
     "PasswordError": "_engine.connection",
     "export_checkpoint": "_checkpoint.export_import",

@@ -1,0 +1,320 @@
+"""``tdstore.Ring``: what a ring buffer of tdstore is, stated once for every kind of store that has one.
+
+Three kinds of handle have the ring's calls, and each is a ``Ring`` (``isinstance(x, tdstore.Ring)``):
+
+- **lazy**: a ``LazyStackedTensorDictStore`` of ``count`` elements on one server (or one hash slot of a
+  cluster). Its ring is ``_ring.lazy_methods`` (the work: ``_ring.extend``, ``_ring.sample_pop``,
+  ``_ring.policy_calls``, ``_ring.leases``, ``_ring.waiting``).
+- **dense**: a ``TensorDictStore(batch_size=[count, *rest])``: the lazy ring of the stack it is kept as
+  (``_ring.dense_methods``), so every call behaves as the lazy one's, with two differences: batches come
+  back as one dense ``TensorDict`` of batch size ``[n, *rest]``, and a row of another shape than its key's
+  raises ``DenseShapeError`` before anything is written (a lazy ring makes the key heterogeneous).
+- **sharded**: a ``ShardedRing`` (``LazyStackedTensorDictStore(count=N, url="redis+cluster://...",
+  spread=True)``): ``K`` lazy rings (*shards*) on distinct primaries of a Redis Cluster, one global slot
+  numbering (``_shards``). A call on one shard is that shard's one-node call; a call over several shards
+  is sent to them at once and is atomic per shard, not as a whole. Where its contract differs, the method
+  says so under "Sharded".
+
+Every call below is, on one node, one atomic round trip (a Lua script, or MULTI/EXEC for reads), checks
+its arguments before anything is sent (a clear ``TypeError``/``ValueError`` naming what is wrong; the
+store is left as it was), and is safe to resend: a call carries a request id, and the server answers a
+resend with the first call's reply (the last 4,096 ids per store are remembered), so nothing is
+written, counted or popped twice. Every ``timeout=`` is a deadline for the whole call (``None``: wait as
+long as it takes): a call held back (rate limiter, queue mode, nothing to pop) waits without polling on
+one node (the store's event channel), polls its shards on a sharded ring, and raises ``TimeoutError``
+when the deadline passes, having done nothing. A deadline that passes after the call may have reached
+the server raises ``tdstore.AmbiguousTimeoutError`` (a ``TimeoutError``) instead: the call may have run;
+its ``retry()`` resends it under its ``request_id`` and gets its one effect.
+
+``isinstance(x, Ring)`` looks the ring's calls up on ``x``'s class, statically (as Python 3.12 does for
+every runtime-checkable protocol): it sends nothing and never runs a property. It says that ``x`` has
+the calls, not that its store can serve them: every ``LazyStackedTensorDictStore`` is a ring (``count``
+is required; an uploaded store, or one written by index and never extended, is a full ring), but a
+*spread* store (segments over a cluster's nodes: ``spread="segments"`` or ``shards=0``) raises
+``NotImplementedError`` on ring calls, and a dense store of batch size ``[]`` (no rows) or a handle on
+a sub-tree raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from tdstore._format.sampling_policy import SamplingPolicy
+    from tdstore._ring.extend import RingState, RingWrite, Sample
+    from tdstore._ring.leases import LeasedSample
+    from tdstore._ring.policy_calls import PrioritizedSample
+
+__all__ = ["Ring"]
+
+_MISSING = object()
+
+
+class _StaticProtocolMeta(_ProtocolMeta):
+    """``isinstance`` against a protocol by a static look-up of its members on the instance's class.
+
+    Python 3.11's check runs ``hasattr`` on the instance, which evaluates properties: ``written`` and
+    ``cursor`` are round trips to the server (a fan-out on a sharded ring), and a dense store of batch
+    size ``[]`` raises ``TypeError`` from them. Python 3.12 looks members up with
+    ``inspect.getattr_static``; this does the same on 3.11, so the answer is the same on both.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if not cls.__dict__.get("_is_protocol", False):
+            return super().__instancecheck__(instance)  # a class that subclasses the protocol explicitly
+        names = {
+            name
+            for base in cls.__mro__
+            if base.__dict__.get("_is_protocol", False) and base.__name__ not in ("Protocol", "Generic")
+            for name in vars(base)
+            if not name.startswith("_")
+        }
+        return all(inspect.getattr_static(instance, name, _MISSING) is not _MISSING for name in names)
+
+
+@runtime_checkable
+class Ring(Protocol, metaclass=_StaticProtocolMeta):
+    """A shared ring buffer of ``capacity`` slots whose cursor, counts, generations, priorities, rate
+    limiter and read cursor live on the server: actors and learners in any number of processes and
+    machines share one buffer (Reverb's tables, without TensorFlow).
+
+    The store's ``count`` (a dense store's first dim) is the capacity. ``extend`` writes at the cursor,
+    wrapping around: a buffer of ``count`` holds ``count`` items before the oldest is overwritten. Each
+    slot has a *generation*: how many times the ring has written it (0: never), returned by ``extend``,
+    ``sample`` and ``pop``, and checked by ``update_if`` and ``update_priority(generation=...)`` so that a
+    learner's late write never lands on data an actor wrote since. Slots are indexed as ``store[index]``
+    (ints, slices, lists, int tensors, bool/uint8 masks). See the module docstring for the three kinds
+    (lazy, dense, sharded), the round trips, request ids, deadlines and what ``isinstance`` checks.
+    """
+
+    # -- writes ----------------------------------------------------------------------------------
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+        """Write the elements of ``td`` into the next slots of the ring, at the cursor, wrapping around.
+
+        Arguments: ``td`` has the store's batch size with the element dim (1 to ``capacity`` elements)
+        at the stack dim, and every key of the store; a lazy or sharded ring also takes a list or tuple of
+        element tensordicts (stacked lazily, so shapes may differ) or a tensorclass batch. A key the
+        store lacks is created for every slot (zeros elsewhere), as ``store[i] = td`` does. ``priority``
+        (one number, or one per element): on a ring with priorities, each new slot's priority, set in
+        the same call (default: the largest given so far). ``timeout``: how long the call may wait while
+        the rate limiter or queue mode holds inserts back.
+
+        Returns ``RingWrite(indices, generations)``: the slots written and their new generations.
+
+        Errors: ``ValueError``/``TypeError`` for a batch of the wrong size, type or dtype (one element:
+        use ``append``); ``DenseShapeError`` on a dense ring for a row of another shape than its key's;
+        ``TimeoutError`` when held back past the deadline (nothing written); ``MemoryError`` when the
+        rows would take a ``noeviction`` server past its ``maxmemory`` (nothing written);
+        ``AmbiguousTimeoutError`` when the deadline passed after the call may have run.
+
+        Round trips: one on one node (the server reserves the slots, writes every key of every element
+        and moves the cursor in one script: no slot is written twice in one lap, any number of writers
+        at once). ``request_id``: each call is sent under a request id of its own, with every attempt, so a
+        resend after a lost reply writes once and gets the first reply; ``AmbiguousTimeoutError.retry()``
+        resends under the same id (a ``request_id=`` keyword, where a store takes one, names the id).
+
+        Sharded: the batch goes whole to one shard (the shards taken in turn by each handle, from a
+        random start; under a rate limiter or queue mode, the least filled shard that admits it); a batch
+        larger than a shard is cut, one piece per shard, the pieces sent at once, each atomic on its
+        shard (a reader may see some pieces before the others). A shard wraps when it gets more than its
+        share before the others, so the ring may overwrite items before it holds ``capacity``.
+        """
+        ...
+
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+        """``extend`` with one element (a tensordict, or a dict, of the inner batch size): the same
+        result, errors, round trip, ``request_id`` and resend as ``extend``."""
+        ...
+
+    def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
+        """Write ``td`` (any subset of the store's keys) at slots ``index`` only where a slot still holds
+        ``generation`` (from ``sample`` or ``pop``): rows whose slot a later ``extend`` rewrote are
+        skipped. Every row is checked (keys, dtypes, shapes) before anything is written.
+
+        Returns a bool tensor: which rows were applied. One atomic round trip on one node, safe to
+        resend. Sharded: one call per shard touched, sent at once, each atomic on its shard.
+        """
+        ...
+
+    # -- reads -----------------------------------------------------------------------------------
+    def sample(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        *,
+        keys: Sequence[Any] | None = None,
+        prioritized: bool | None = None,
+        alpha: float | None = None,
+        beta: float = 1.0,
+        min_size: int | None = None,
+        timeout: float | None = None,
+    ) -> Sample | PrioritizedSample:
+        """A random batch of ``batch_size`` written slots, drawn with replacement.
+
+        Arguments: ``generator`` (a ``torch.Generator``; the global one by default) makes the draw
+        reproducible on the same ring. ``keys`` reads only those keys (a nested key takes every leaf
+        below it). ``prioritized=False`` draws uniformly on a ring with priorities; ``alpha``, if given,
+        must be the store's; ``beta`` is the importance weights' exponent. ``min_size`` waits until the
+        ring holds that many items. The lazy and sharded rings also take ``as_padded_tensor=True``
+        (``padding_side``, ``padding_value``, ``return_mask``) or ``as_nested_tensor=True``: each
+        heterogeneous key as one tensor of the batch.
+
+        Returns ``Sample(td, indices, generations)`` (a lazy stack when keys are heterogeneous; a dense
+        ring's is one ``TensorDict`` of batch size ``[batch_size, *rest]``); on a ring with priorities
+        ``PrioritizedSample(td, indices, generations, weights, probabilities)``: row ``i`` is drawn with
+        probability ``P(i) = p_i ** alpha / sum_j p_j ** alpha`` (on the server, O(log capacity) per
+        row), with weight ``(P(i) / min_j P(j)) ** -beta``.
+
+        Errors: ``ValueError`` when nothing is written yet (or no slot has a positive priority), unless
+        given ``timeout=`` or ``min_size=``: then it waits for data, and ``TimeoutError`` after the
+        deadline. The rate limiter holds a sample that would run ahead of the inserts (``TimeoutError``
+        at the deadline). One round trip on one node.
+
+        Sharded: exactly the one-node distribution over the whole ring (the batch split over the shards
+        by one multinomial draw on their sizes or priority masses, each shard sampling its part at
+        once); two round trips at most; ``indices`` are global slots.
+        """
+        ...
+
+    def pop(
+        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+    ) -> Any:
+        """The next unread items, in write order, each handed to exactly one caller (a queue); see
+        ``pop_items``, which this is. ``pop(key[, default])`` with a key (a ``str`` or tuple) first is
+        TensorDict's ``pop`` instead (removes a key; not on a sharded ring). ``request_id``: a resent pop
+        gets the items the first one took, and ``AmbiguousTimeoutError.retry()`` resends it."""
+        ...
+
+    def pop_items(
+        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+    ) -> Sample | LeasedSample:
+        """Up to ``batch_size`` unread items, in write order, each handed to exactly one caller.
+
+        Any number of readers pop the same ring (the server moves one read cursor). With none unread,
+        waits (``timeout``: then ``TimeoutError``, nothing taken; ``timeout=0`` tries once). Returns
+        ``Sample(td, indices, generations)``: popped items are gone from the queue, so a reader that
+        dies before using them loses them (at most once). ``keys`` reads only those keys.
+
+        ``lease=S`` (seconds): the items are leased to this caller until ``ack``, returned as
+        ``LeasedSample(td, indices, generations, write_numbers, deliveries, receipt)``; items not
+        acknowledged within ``S`` seconds of the server's clock go to the next pop again, before newer
+        items, in write order, ``redelivered`` with their delivery count (at least once; exactly once
+        for a reader that acknowledges). ``with ring.pop(n, lease=S) as got:`` acks on a clean exit.
+
+        Errors: ``QueueOverrunError`` (``.lost``) when writers overwrote unread items (a ring not in
+        queue mode); the next pop goes on with the oldest item left. ``TimeoutError`` at the deadline;
+        ``AmbiguousTimeoutError`` when the deadline passed after the pop may have taken items (its
+        ``retry()`` gets them). One round trip on one node; a resend under the same request id gets
+        the same items.
+
+        Sharded: a pop takes items of one shard (the shards tried in turn), in write order within a
+        shard, not across shards (as Kafka's partitions); a waiting pop polls the shards (1 to 50 ms
+        apart). Each item still goes to exactly one reader.
+        """
+        ...
+
+    def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
+        """Settle the items of a leased pop (its ``receipt`` or the ``LeasedSample``); returns how many.
+
+        Twice is harmless (the same answer). An ack after the lease ran out settles the items no other
+        pop took and raises ``LeaseLostError`` (``.not_held``: the write numbers of those another pop
+        took). A receipt the store does not hold (never handed out, or settled more than 4,096 receipts
+        ago) raises ``ValueError``. One round trip. Sharded: the receipt (a ``ShardReceipt``) names its
+        shard; only receipts of the ring's own pops are taken.
+        """
+        ...
+
+    # -- priorities, rate limiter, queue ---------------------------------------------------------
+    def enable_priorities(self, alpha: float = 1.0, *, max_times_sampled: int | None = None) -> None:
+        """Keep a priority per slot on the server (a sum tree of ``priority ** alpha``, about
+        ``9 * capacity`` bytes) and sample by it. Slots written so far get priority 1; new slots get the
+        ``priority`` given to ``extend`` (default: the largest so far). ``max_times_sampled`` retires a
+        slot after that many draws, until it is written again. The tree is built in steps of bounded
+        server work (one call each: other clients are never held up); the call returns when priorities
+        are on. Again with the same values: nothing; with others: ``ValueError``. Sharded: on every
+        shard (each its own tree), at once."""
+        ...
+
+    def update_priority(self, index: Any, priority: Any, *, generation: Any = None) -> torch.Tensor:
+        """Set the priority of slots ``index`` (one number or one per slot; finite, >= 0; 0 is never
+        drawn), in one atomic call; with ``generation``, only where a slot still holds it. Slots never
+        written or retired keep theirs. Returns a bool tensor: which slots were updated. ``ValueError``
+        on a ring without priorities or for bad values, before anything is written. Sharded: one call
+        per shard touched, at once, each atomic on its shard."""
+        ...
+
+    def set_rate_limit(self, *, min_size: int = 1, samples_per_insert: float | None = None, error_buffer: float | None = None) -> None:
+        """Limit sampling and inserting on the server, for every process at once (Reverb's limiters).
+
+        ``min_size`` alone (``MinSize``): ``sample`` waits until the ring holds that many items. With
+        ``samples_per_insert`` and ``error_buffer`` (``SampleToInsertRatio``): sampled rows and inserted
+        rows (counted from now) keep ``samples - samples_per_insert * inserts`` within the buffer; a
+        ``sample`` that would run ahead waits for inserts and an ``extend`` that would run ahead waits
+        for samples (``timeout=``: ``TimeoutError``, nothing done). A batch goes when its first row may,
+        so it may overshoot by itself, and the two sides never block each other. ``error_buffer`` must
+        be at least ``max(1, samples_per_insert)`` (``ValueError``).
+
+        Sharded: each shard limits its own calls, with ``min_size`` and ``error_buffer`` split in
+        proportion to its count (each at least ``max(1, samples_per_insert)``): a shard's ``min_size``
+        is its share, and the whole ring's difference stays within the sum of the shards' buffers plus
+        one batch per shard.
+        """
+        ...
+
+    def clear_rate_limit(self) -> None:
+        """Remove the rate limiter; waiting calls go on at their next try. Sharded: on every shard."""
+        ...
+
+    def set_queue(self, on: bool = True) -> None:
+        """Queue mode (Reverb's ``Queue``): an ``extend`` that would overwrite items no one has popped
+        (leased ones included, until acknowledged) waits instead (``timeout=``: ``TimeoutError``), so
+        ``pop`` loses nothing. Sharded: on every shard (an extend goes to a shard with room)."""
+        ...
+
+    @property
+    def sampling_policy(self) -> SamplingPolicy:
+        """The ring's sampling policy (priorities' ``alpha`` and ``max_times``, the rate limiter,
+        queue mode), read from the server. Sharded: the first shard's (every shard has the same)."""
+        ...
+
+    # -- the ring's state ------------------------------------------------------------------------
+    def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> RingState:
+        """Block until the ring holds ``written`` items (``len(ring.written)``) or has had ``write_count``
+        ring writes (exactly one of the two), without polling on one node (writers publish on the
+        store's channel; a sharded ring polls its shards). Returns the ring's state; ``TimeoutError``
+        after ``timeout`` seconds; on one node, ``ValueError`` for a ``written`` above the capacity."""
+        ...
+
+    def ring_state(self) -> RingState:
+        """``RingState(write_count, cursor, written)``, read from the server in one round trip.
+        Sharded: summed over the shards (read at once), and ``cursor`` is -1 (``shard_states()`` has
+        each shard's)."""
+        ...
+
+    @property
+    def written(self) -> Sequence[int]:
+        """The slots written so far (``len(ring.written)`` is how many items the ring holds, at most
+        ``capacity``), read from the server: ``range(n)`` on one node; sharded, each shard's written
+        slots in global numbering (``WrittenSlots``)."""
+        ...
+
+    @property
+    def write_count(self) -> int:
+        """How many elements ``extend``/``append`` wrote in total (all laps), read from the server
+        (sharded: summed over the shards). A slot's generation is how many of them landed on it."""
+        ...
+
+    @property
+    def cursor(self) -> int:
+        """The slot the next ``extend`` writes first (``write_count % capacity``), read from the server.
+        Sharded: -1, a sharded ring has no one cursor."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """The ring's number of slots: the store's ``count`` (a dense store's first dim). No round trip."""
+        ...
