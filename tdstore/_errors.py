@@ -106,7 +106,10 @@ class AmbiguousTimeoutError(TimeoutError):
         """Send the same call again under :attr:`request_id` (with ``timeout``: a new deadline) and
         return its reply: the first call's when it ran. May raise this error again (then retry again)."""
         if self._resend is None:
-            raise RuntimeError(f"this call (request {self.request_id}) cannot be resent from its error")
+            raise RuntimeError(
+                f"this error (unpickled, or made by hand) cannot resend its call: send the same call again "
+                f"with request_id={self.request_id!r}"
+            )
         return self._resend(timeout)
 
     def then(self, after: Callable[[Any], Any]) -> AmbiguousTimeoutError:
