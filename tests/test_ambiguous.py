@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from tensordict import TensorDict
 
 from tdstore import AmbiguousTimeoutError, LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore
@@ -266,6 +268,35 @@ def test_only_a_call_that_may_have_run_says_so(server, kind):
         with pytest.raises(TimeoutError) as info:
             call()  # no connection: nothing of the call was sent
         assert type(info.value) is TimeoutError, info.value
+
+
+def test_without_a_timeout_a_socket_timeout_says_the_call_may_have_run(server):
+    """No ``timeout=``: redis-py's own ``TimeoutError`` (the client's ``socket_timeout``, retries off) keeps
+    its type, says the call may have run and carries its ``request_id``, which resends it once; the calls
+    without ``request_id=`` (``update_priority``, ``update_if``, policy changes) say it too."""
+    store = LazyStackedTensorDictStore(
+        count=8, url=server.url, prefix="amb", socket_timeout=0.3, retry=Retry(NoBackoff(), 0), retry_on_error=[]
+    )
+    store.extend(small(0, 4))
+    store.enable_priorities()
+    assert store.pop(1).td["tag"].tolist() == [0]
+    with stopped(server):
+        with pytest.raises(redis.TimeoutError, match="may have run") as info:
+            store.pop(1)
+    err = info.value
+    assert err.request_id in str(err) and "request_id=" in str(err)  # type: ignore[attr-defined]
+    wait_until(lambda: read_cursor(server, store) == 2, "the pop ran once the server went on")
+    assert store.pop(1, request_id=err.request_id).td["tag"].tolist() == [1]  # type: ignore[attr-defined]
+    assert read_cursor(server, store) == 2
+    for call in (
+        lambda: store.update_priority([0, 1], 2.0),
+        lambda: store.update_if([0], [1], small(50, 1)),
+        lambda: store.set_queue(True),
+    ):
+        store.ring_state()  # the handle's connection open again: the call is sent
+        with stopped(server):
+            with pytest.raises(redis.TimeoutError, match="may have run"):
+                call()
 
 
 # -- the request-id keyword, on both engines ------------------------------------------------------

@@ -155,16 +155,28 @@ def answered() -> None:
 
 
 @contextmanager
-def resolvable(request: str, resend: Callable[[float | None], Any]) -> Iterator[None]:
+def resolvable(request: str, resend: Callable[[float | None], Any] | None, keyword: bool = False) -> Iterator[None]:
     """Run a state-changing call sent under ``request`` (its request id): a ``TimeoutError`` of its
     deadline raised after its command may have reached the server (written, its reply not read
     whole) becomes ``AmbiguousTimeoutError`` with the id and ``resend(timeout)``, which sends the
     same call again under the same id (the server answers a recorded id with the first reply). One
     that passed before anything was written stays the plain ``TimeoutError``: the call did not run.
-    Without a deadline, the block runs as it is."""
+    ``keyword``: the call takes ``request_id=`` (the message says so).
+
+    Without a deadline, a redis-py ``TimeoutError`` (a client's ``socket_timeout``) keeps its type, says
+    in its message that the call may have run (unless redis-py timed out connecting: nothing was sent)
+    and carries ``request_id`` too."""
     dl = active()
     if dl is None:
-        yield
+        try:
+            yield
+        except redis.exceptions.TimeoutError as err:
+            if "connecting" in str(err).lower():  # "Timeout connecting to server": nothing was sent
+                raise
+            how = f"the same call with request_id={request!r} returns its first reply, applied once" if keyword else ""
+            said = type(err)(f"{err}; {_MAY_HAVE_RUN} (request id {request}){': ' + how if how else ''}")
+            said.request_id = request  # type: ignore[attr-defined]  # as AmbiguousTimeoutError's
+            raise said from err
         return
     outer = dl.armed, dl.sent  # a call made inside another's (under its deadline) has marks of its own
     dl.armed = dl.sent = False
@@ -175,26 +187,30 @@ def resolvable(request: str, resend: Callable[[float | None], Any]) -> Iterator[
     except TimeoutError as err:
         if not dl.sent:
             raise
-        raise ambiguous(err, request, resend) from err
+        raise ambiguous(err, request, resend, keyword) from err
     except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError) as err:
         if dl.left() > _SLACK_S:
             raise
         if not dl.sent:
             raise dl.error(err) from err
-        raise ambiguous(dl.error(err), request, resend) from err
+        raise ambiguous(dl.error(err), request, resend, keyword) from err
     finally:
         sent = dl.sent
         dl.armed, dl.sent = outer[0], outer[1] or sent
 
 
-def ambiguous(err: BaseException, request: str, resend: Callable[[float | None], Any] | None) -> AmbiguousTimeoutError:
+_MAY_HAVE_RUN = "its command reached the server, which may have run it (the reply was not read in time)"
+
+
+def ambiguous(
+    err: BaseException, request: str, resend: Callable[[float | None], Any] | None, keyword: bool = False
+) -> AmbiguousTimeoutError:
     """The ``AmbiguousTimeoutError`` of a call that timed out with ``err`` after its command may have run."""
-    return AmbiguousTimeoutError(
-        f"{err}; its command reached the server, which may have run it (the reply was not read in time): "
-        f"err.retry() sends it again under its request id {request}, and returns its first reply, applied once",
-        request_id=request,
-        resend=resend,
-    )
+    how = f"request id {request}"
+    if resend is not None:
+        how = f"err.retry() sends it again under its request id {request} and returns its first reply, applied once"
+        how += f" (so does the same call with request_id={request!r})" if keyword else ""
+    return AmbiguousTimeoutError(f"{err}; {_MAY_HAVE_RUN}: {how}", request_id=request, resend=resend)
 
 
 def carried(fn: Callable[..., Any]) -> Callable[..., Any]:

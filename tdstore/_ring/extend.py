@@ -431,7 +431,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         # the same rows under the same id: the server answers with where the first attempt wrote them
         return extend(engine, value, priority, again, rid)
 
-    with _deadline.resolvable(rid, resend):
+    with _deadline.resolvable(rid, resend, keyword=True):
         start = _extend_direct(engine, plan, n, rid, items) if not prios else None
         if start is not None:
             h = engine.header
@@ -503,9 +503,12 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
 
     def plan(h: Header, kt: KeyTable) -> Any:
+        _deadline.arm()  # sent once planned: from now on the rows may be written
         return _plan_rows(engine, h, kt, items, m, Write.G(m, pairs), ring=False)
 
-    _, extra = engine.run_write_reply(plan, request=request_id())
+    request = request_id()
+    with _deadline.resolvable(request, None):  # a timeout says whether the rows may be written
+        _, extra = engine.run_write_reply(plan, request=request)
     assert extra is not None
     applied = torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
     return applied[torch.tensor(back)]

@@ -219,5 +219,5 @@ def pop(
         # the same pop under the same receipt: the lease table gives back the items it leased
         return pop(engine, store, batch_size, device, again, keys, lease, planner.receipt)
 
-    with _deadline.within(timeout, "pop", engine.where), _deadline.resolvable(planner.receipt, resend):
+    with _deadline.within(timeout, "pop", engine.where), _deadline.resolvable(planner.receipt, resend, keyword=True):
         return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")

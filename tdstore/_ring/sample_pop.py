@@ -351,7 +351,7 @@ def pop(
         # the same pop under the same id: the server answers with the items it took (read.lua 'N')
         return pop(engine, batch_size, device, again, keys, request)
 
-    with _deadline.resolvable(request, resend):
+    with _deadline.resolvable(request, resend, keyword=True):
         return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
 
 
