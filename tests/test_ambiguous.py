@@ -109,6 +109,9 @@ def ambiguous(call: Callable[[], Any]) -> AmbiguousTimeoutError:
     err = info.value
     assert isinstance(err, TimeoutError) and not isinstance(err, redis.RedisError)
     assert "may have run" in str(err) and err.request_id in str(err)
+    # caused by the late reply's redis-py error, as the deadline's TimeoutError was: a sharded ring's pop
+    # tells a lost reply (sent again under its id) from a wait by that cause
+    assert isinstance(err.__cause__, (redis.TimeoutError, redis.ConnectionError)), repr(err.__cause__)
     return err
 
 

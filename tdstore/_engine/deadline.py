@@ -187,7 +187,9 @@ def resolvable(request: str, resend: Callable[[float | None], Any] | None, keywo
     except TimeoutError as err:
         if not dl.sent:
             raise
-        raise ambiguous(err, request, resend, keyword) from err
+        # caused by what the deadline's error was caused by (the redis-py error of the late reply), as a
+        # caller that tells a lost reply from a wait by the cause expects (a sharded ring's pop)
+        raise ambiguous(err, request, resend, keyword) from err.__cause__ or err
     except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError) as err:
         if dl.left() > _SLACK_S:
             raise
