@@ -106,8 +106,29 @@ class AmbiguousTimeoutError(TimeoutError):
         """Send the same call again under :attr:`request_id` (with ``timeout``: a new deadline) and
         return its reply: the first call's when it ran. May raise this error again (then retry again)."""
         if self._resend is None:
-            raise RuntimeError(f"this call (request {self.request_id}) cannot be resent from its error")
+            raise RuntimeError(
+                f"this error (unpickled, or made by hand) cannot resend its call: send the same call again "
+                f"with request_id={self.request_id!r}"
+            )
         return self._resend(timeout)
+
+    def then(self, after: Callable[[Any], Any]) -> AmbiguousTimeoutError:
+        """This error (message, id, cause) with a :meth:`retry` whose reply goes through ``after``: a
+        front that reshapes the ring call's result (a dense store's rows) gives its own result on the resend."""
+        resend = self._resend
+
+        def again(timeout: float | None) -> Any:
+            if resend is None:
+                return self.retry(timeout)  # raises: nothing to resend
+            try:
+                got = resend(timeout)
+            except AmbiguousTimeoutError as err:  # timed out again: its own retry reshapes too
+                raise err.then(after) from err.__cause__
+            return after(got)
+
+        out = AmbiguousTimeoutError(str(self), request_id=self.request_id, resend=again)
+        out.__cause__ = self.__cause__
+        return out
 
     def __reduce__(self) -> Any:  # a pickled error keeps its message and id, not the resend (a closure)
         return (_ambiguous, (str(self), self.request_id))

@@ -71,7 +71,15 @@ def test_cli_one_case_json() -> None:
 def test_url_skips_cases_that_need_their_own_server() -> None:
     """With ``--url``, cases that restart, configure or flush the server are skipped without connecting."""
     opts = faults.Options(url="redis://127.0.0.1:1")  # never contacted: skipped before connecting
-    for name in ("restart", "script-flush", "maxmemory", "proto-max-bulk-len", "client-query-buffer-limit", "eviction"):
+    for name in (
+        "restart",
+        "script-flush",
+        "maxmemory",
+        "proto-max-bulk-len",
+        "client-query-buffer-limit",
+        "eviction",
+        "ambiguous-timeout",
+    ):
         res = faults.run_case(name, opts)
         assert res.status == "SKIP" and "skipped with --url" in res.note, res
     with pytest.raises(ValueError, match="loopback"):

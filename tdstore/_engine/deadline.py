@@ -15,7 +15,14 @@ connection the call uses, once, instead of checks sprinkled over the call paths:
   the client's retry count (a server down for part of the deadline is ridden out; one down
   throughout ends the call at the deadline, with the builtin ``TimeoutError``);
 - a redis-py timeout or connection error that escapes once the deadline has passed becomes the
-  builtin ``TimeoutError`` naming the call (``within``).
+  builtin ``TimeoutError`` naming the call (``within``);
+- a call that changes state (a ring write, a pop) says when its deadline passed after its command
+  may have reached the server: it marks the moment it sends that command (:func:`arm`), the
+  connections note each command written from then on (``DeadlineRetry``), a ``WAIT`` reply clears
+  the mark (:func:`answered`: the server answered without running it), and :func:`resolvable` turns
+  the call's ``TimeoutError`` into ``AmbiguousTimeoutError`` carrying its request id and a resend.
+  A call that timed out before anything of it was written (a server that cannot be reached, a wait
+  that ran out after a ``WAIT`` reply) still raises the plain ``TimeoutError``: it did not run.
 
 Without a ``timeout`` nothing here runs: the call keeps redis-py's behaviour exactly. A
 connection that must be opened under a deadline is made outside the client's pool (the pool's
@@ -33,6 +40,8 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import redis
+
+from tdstore._errors import AmbiguousTimeoutError
 
 #: The shortest socket timeout a command gets under a deadline: a call with ``timeout=0`` (or
 #: one whose time ran out mid-call) still gets one try of each command, bounded.
@@ -56,13 +65,15 @@ def check_timeout(timeout: Any) -> None:
 class Deadline:
     """The moment a call must be over by (``time.monotonic()`` seconds), and what to say when it is."""
 
-    __slots__ = ("at", "timeout", "what", "_where")
+    __slots__ = ("at", "timeout", "what", "_where", "armed", "sent")
 
     def __init__(self, timeout: float, what: str, where: Callable[[], str] | None = None) -> None:
         self.timeout = float(timeout)
         self.at = time.monotonic() + self.timeout
         self.what = what
         self._where = where
+        self.armed = False  # the call's state-changing command goes out next (see arm)
+        self.sent = False  # a command was written since: the call may have run on the server
 
     def left(self) -> float:
         """Seconds left (0 once past)."""
@@ -123,6 +134,90 @@ def raise_if_over(err: BaseException) -> None:
     dl = active()
     if dl is not None and dl.left() <= _SLACK_S:
         raise dl.error(err) from err
+
+
+def arm() -> None:
+    """The thread's call sends its state-changing command next (a ring write, a pop): from now on any
+    command a connection writes under its deadline may run it (``DeadlineRetry`` notes it). Called by
+    the call's plan, right before the command goes out, so a header read before it does not count."""
+    dl = active()
+    if dl is not None:
+        dl.armed = True
+
+
+def answered() -> None:
+    """The server answered the call's command without running it (``WAIT``: nothing written or taken,
+    nothing recorded under its request id), so nothing sent so far runs it: a deadline that passes
+    while it waits for the next try is a plain ``TimeoutError``."""
+    dl = active()
+    if dl is not None:
+        dl.armed = dl.sent = False
+
+
+@contextmanager
+def resolvable(request: str, resend: Callable[[float | None], Any] | None, keyword: bool = False) -> Iterator[None]:
+    """Run a state-changing call sent under ``request`` (its request id): a ``TimeoutError`` of its
+    deadline raised after its command may have reached the server (written, its reply not read
+    whole) becomes ``AmbiguousTimeoutError`` with the id and ``resend(timeout)``, which sends the
+    same call again under the same id (the server answers a recorded id with the first reply). One
+    that passed before anything was written stays the plain ``TimeoutError``: the call did not run.
+    ``keyword``: the call takes ``request_id=`` (the message says so).
+
+    Without a deadline, a redis-py ``TimeoutError`` (a client's ``socket_timeout``) keeps its type, says
+    in its message that the call may have run (unless redis-py timed out connecting: nothing was sent)
+    and carries ``request_id`` too."""
+    dl = active()
+    if dl is None:
+        try:
+            yield
+        except redis.exceptions.TimeoutError as err:
+            if "connecting" in str(err).lower():  # "Timeout connecting to server": nothing was sent
+                raise
+            how = f"the same call with request_id={request!r} returns its first reply, applied once" if keyword else ""
+            said = type(err)(f"{err}; {_MAY_HAVE_RUN} (request id {request}){': ' + how if how else ''}")
+            said.request_id = request  # type: ignore[attr-defined]  # as AmbiguousTimeoutError's
+            raise said from err
+        return
+    outer = dl.armed, dl.sent  # a call made inside another's (under its deadline) has marks of its own
+    dl.armed = dl.sent = False
+    answered_whole = False
+    try:
+        yield
+        answered_whole = True
+    except AmbiguousTimeoutError:
+        raise
+    except TimeoutError as err:
+        if not dl.sent:
+            raise
+        # caused by what the deadline's error was caused by (the redis-py error of the late reply), as a
+        # caller that tells a lost reply from a wait by the cause expects (a sharded ring's pop)
+        raise ambiguous(err, request, resend, keyword) from err.__cause__ or err
+    except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError) as err:
+        if dl.left() > _SLACK_S:
+            raise
+        # a reply read past the deadline on a path no DeadlineRetry bounds (a staged write's pipeline)
+        # was sent all the same: only redis-py's own word says nothing was ("Timeout connecting")
+        late = dl.armed and isinstance(err, redis.exceptions.TimeoutError) and "connecting" not in str(err).lower()
+        if not (dl.sent or late):
+            raise dl.error(err) from err
+        raise ambiguous(dl.error(err), request, resend, keyword) from err
+    finally:  # the outer call's marks back, and this one's if it may have run unanswered
+        sent = dl.sent and not answered_whole
+        dl.armed, dl.sent = outer[0], outer[1] or sent
+
+
+_MAY_HAVE_RUN = "its command reached the server, which may have run it (the reply was not read in time)"
+
+
+def ambiguous(
+    err: BaseException, request: str, resend: Callable[[float | None], Any] | None, keyword: bool = False
+) -> AmbiguousTimeoutError:
+    """The ``AmbiguousTimeoutError`` of a call that timed out with ``err`` after its command may have run."""
+    how = f"request id {request}"
+    if resend is not None:
+        how = f"err.retry() sends it again under its request id {request} and returns its first reply, applied once"
+        how += f" (so does the same call with request_id={request!r})" if keyword else ""
+    return AmbiguousTimeoutError(f"{err}; {_MAY_HAVE_RUN}: {how}", request_id=request, resend=resend)
 
 
 def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,6 +288,7 @@ class DeadlineRetry:
         self.deadline = deadline
         self.conn = conn
         self.configured = configured
+        self._connecting = False  # inside note_send's connect (redis-py's connect retries through us)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -200,6 +296,21 @@ class DeadlineRetry:
     def clamp(self) -> None:
         read, connect = self.configured
         _set_timeouts(self.conn, self.deadline.socket_timeout(read), self.deadline.socket_timeout(connect))
+
+    def note_send(self) -> None:
+        """Before a try of a call that :func:`arm` armed: connect first (a connect that fails writes
+        nothing of the call), then mark the deadline, since the try writes its command at once (every
+        try here starts with its send). Nothing for a try of anything else."""
+        dl = self.deadline
+        if not dl.armed or self._connecting:
+            return
+        if getattr(self.conn, "_sock", True) is None:
+            self._connecting = True
+            try:
+                self.conn.connect()
+            finally:
+                self._connecting = False
+        dl.sent = True
 
     def call_with_retry(
         self,
@@ -217,6 +328,7 @@ class DeadlineRetry:
         while True:
             self.clamp()
             try:
+                self.note_send()
                 return do()
             except supported as error:
                 if is_retryable is not None and not is_retryable(error):

@@ -30,6 +30,18 @@ def check_batch_size(batch_size: Any, what: str) -> None:
         raise ValueError(f"{what} needs a positive int batch_size, got {batch_size!r}")
 
 
+def check_request_id(request_id: Any) -> str | None:
+    """A caller's ``request_id=`` (the ``request_id`` of an ``AmbiguousTimeoutError``, or one of its own):
+    None, or 16 to 64 hex digits, as the scripts take it (``lua/_lib.lua`` ``tds_request``)."""
+    if request_id is None:
+        return None
+    if not isinstance(request_id, str) or not 16 <= len(request_id) <= 64 or any(c not in "0123456789abcdefABCDEF" for c in request_id):
+        raise ValueError(
+            f"request_id must be 16 to 64 hex digits (an AmbiguousTimeoutError's request_id, or secrets.token_hex(16)), got {request_id!r}"
+        )
+    return request_id
+
+
 def _int_tensor(value: Any) -> torch.Tensor:
     """``torch.as_tensor``, except that an empty list is an empty int64 tensor (not float32)."""
     if isinstance(value, (list, tuple)) and not value:

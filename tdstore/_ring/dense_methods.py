@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import LazyStackedTensorDict
 
+from tdstore._errors import AmbiguousTimeoutError
 from tdstore._format import nontensor as _nontensor
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._front.common import LOCK_ERROR
@@ -79,7 +80,7 @@ class DenseRing:
             raise RuntimeError(LOCK_ERROR)  # a locked store refuses the first ring write only (it creates keys)
         return ring
 
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
         """Write the rows of ``td`` (batch size ``[n, *rest]``, 1 <= n <= capacity) into the next rows of the ring, in one call.
 
         As :meth:`LazyStackedTensorDictStore.extend`: the server reserves the rows at its
@@ -88,12 +89,12 @@ class DenseRing:
         every key of the store (a new key is created for every row); each key keeps its
         dtype and row shape: a row of another shape raises ``DenseShapeError`` naming the key
         and both shapes, before anything is written (ragged rows need a lazy store).
-        ``priority``, ``timeout``: as for the lazy store. Returns ``RingWrite(indices, generations)``.
+        ``priority``, ``timeout``, ``request_id``: as for the lazy store. Returns ``RingWrite(indices, generations)``.
         """
-        return self._writable_ring().extend(td, priority=priority, timeout=timeout)
+        return self._writable_ring().extend(td, priority=priority, timeout=timeout, request_id=request_id)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
-        return self._writable_ring().append(td, priority=priority, timeout=timeout)
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
+        return self._writable_ring().append(td, priority=priority, timeout=timeout, request_id=request_id)
 
     def sample(
         self,
@@ -110,9 +111,12 @@ class DenseRing:
         """A random batch of written rows in one round trip: ``Sample(td, indices, generations)`` whose ``td``
         is a dense TensorDict of batch size ``[batch_size, *rest]`` (``PrioritizedSample`` with weights and
         probabilities on a store with priorities). Arguments as :meth:`LazyStackedTensorDictStore.sample`."""
-        got = self._ring().sample(
-            batch_size, generator, keys=keys, prioritized=prioritized, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout
-        )
+        try:
+            got = self._ring().sample(
+                batch_size, generator, keys=keys, prioritized=prioritized, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout
+            )
+        except AmbiguousTimeoutError as err:  # a counted sample: its resend's rows dense too
+            raise err.then(densify) from err.__cause__
         return densify(got)
 
     def pop(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,9 +127,19 @@ class DenseRing:
         return self.pop_items(*args, **kwargs)
 
     def pop_items(
-        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+        self,
+        batch_size: int = 1,
+        *,
+        timeout: float | None = None,
+        keys: Sequence[Any] | None = None,
+        lease: float | None = None,
+        request_id: str | None = None,
     ) -> Sample | LeasedSample:
-        return densify(self._ring().pop_items(batch_size, timeout=timeout, keys=keys, lease=lease))
+        try:
+            got = self._ring().pop_items(batch_size, timeout=timeout, keys=keys, lease=lease, request_id=request_id)
+        except AmbiguousTimeoutError as err:  # its resend's rows dense too
+            raise err.then(densify) from err.__cause__
+        return densify(got)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         return self._ring().ack(receipt, timeout=timeout)

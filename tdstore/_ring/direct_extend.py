@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from tdstore._engine import deadline as _deadline
 from tdstore._engine import scripts as _scripts
 from tdstore._format import wire as _wire
 from tdstore._format.op_kinds import Write
@@ -149,6 +150,7 @@ def extend(
     nk = len(keys)
     head = ["EVALSHA", sha, nk, *keys, "open", request, rw, n, *check, *schema, engine.keys.events, *sizes]
     tail = ["EVALSHA", sha, nk, *keys, "close", request]
+    _deadline.arm()  # sent next: from now on the rows may be written
     try:
         replies = _send(engine, head, writes, tail, load=not st.loaded)
         if replies is None:  # a cluster slot that moved, a node away: write.lua follows redirects

@@ -392,8 +392,10 @@ def _extend_direct(
 
 
 @_deadline.honours_timeout("extend")
-def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None) -> RingWrite:
-    """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``)."""
+def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None, request: str | None = None) -> RingWrite:
+    """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``).
+
+    ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote)."""
     refuse_spread(engine)
     h0 = engine.header
     n = _batch_len(value, h0)
@@ -412,6 +414,7 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
     channel = engine.keys.events
 
     def plan(h: Header, kt: KeyTable) -> Any:
+        _deadline.arm()  # sent once planned: from now on the rows may be written
         # the nested sub-trees' batch dims, for keys the write creates (a store's first extend)
         new_keys = isinstance(value, TensorDictBase) and any(p not in h.leaves for p in items)
         sub = subtree_dims(value, value.batch_dims) if new_keys else None
@@ -422,19 +425,25 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
         return new_header, ops, touched
 
-    request = request_id()  # one per extend, sent with every attempt: a resend never writes twice
-    start = _extend_direct(engine, plan, n, request, items) if not prios else None
-    if start is not None:
-        h = engine.header
-    else:
+    rid = request or request_id()  # one per extend, sent with every attempt: a resend never writes twice
 
-        def attempt() -> tuple[Header, bytes | None]:
-            return engine.run_write_reply(plan, keyset=True, request=request)
+    def resend(again: float | None) -> RingWrite:
+        # the same rows under the same id: the server answers with where the first attempt wrote them
+        return extend(engine, value, priority, again, rid)
 
-        h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
-        assert extra is not None
-        start = int(extra)
-        _direct.learn(engine, start + n)
+    with _deadline.resolvable(rid, resend, keyword=True):
+        start = _extend_direct(engine, plan, n, rid, items) if not prios else None
+        if start is not None:
+            h = engine.header
+        else:
+
+            def attempt() -> tuple[Header, bytes | None]:
+                return engine.run_write_reply(plan, keyset=True, request=rid)
+
+            h, extra = _waiting.until_ready(engine, attempt, timeout, "extend")
+            assert extra is not None
+            start = int(extra)
+            _direct.learn(engine, start + n)
     return ring_write(start, n, h.count)
 
 
@@ -494,9 +503,12 @@ def update_if(engine: Engine, index: Any, generation: Any, value: Any) -> torch.
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
 
     def plan(h: Header, kt: KeyTable) -> Any:
+        _deadline.arm()  # sent once planned: from now on the rows may be written
         return _plan_rows(engine, h, kt, items, m, Write.G(m, pairs), ring=False)
 
-    _, extra = engine.run_write_reply(plan, request=request_id())
+    request = request_id()
+    with _deadline.resolvable(request, None):  # a timeout says whether the rows may be written
+        _, extra = engine.run_write_reply(plan, request=request)
     assert extra is not None
     applied = torch.tensor([c == ord("1") for c in extra], dtype=torch.bool)
     return applied[torch.tensor(back)]

@@ -25,6 +25,7 @@ from tdstore._ring import leases as _leases
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
+from tdstore._ring.args import check_request_id
 from tdstore._ring.policy_calls import PrioritizedSample
 
 
@@ -37,7 +38,7 @@ def pops_a_key(args: tuple, kwargs: dict[str, Any]) -> bool:
 class ReplayMethods(LazyState):
     """The shared ring buffer, and server-side priorities, rate limiting and queues, shared by every handle on the store."""
 
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> _ring.RingWrite:
         """Write the elements of ``td`` into the next slots of the ring, atomically, in one call.
 
         The store's ``count`` is the ring's capacity.  The server reserves the slots
@@ -59,6 +60,10 @@ class ReplayMethods(LazyState):
         default, the largest priority given so far. When the store's rate limiter or queue
         mode holds inserts back, ``extend`` waits (``timeout`` seconds at most, then
         ``TimeoutError``; ``None``: as long as it takes) and nothing is written meanwhile.
+
+        A ``timeout`` that passes after the write was sent raises ``tdstore.AmbiguousTimeoutError``
+        (the rows may be written): its ``retry()``, or ``extend`` of the same rows with
+        ``request_id=err.request_id``, writes them once and returns where they went.
         """
         if isinstance(td, (list, tuple)):
             if not td:
@@ -78,9 +83,9 @@ class ReplayMethods(LazyState):
                 f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
                 f"with the element dim at {self._engine.header.stack_pos}"
             )
-        return _ring.extend(self._writable_engine(), td, priority, timeout)
+        return _ring.extend(self._writable_engine(), td, priority, timeout, check_request_id(request_id))
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> _ring.RingWrite:
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> _ring.RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size)."""
         if isinstance(td, dict):
             td = TensorDict(td, batch_size=self._inner_batch_size)
@@ -91,7 +96,7 @@ class ReplayMethods(LazyState):
                 f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; "
                 "use extend for batches"
             )
-        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout)
+        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout, request_id=request_id)
 
     def sample(
         self,
@@ -261,6 +266,7 @@ class ReplayMethods(LazyState):
         timeout: float | None = None,
         keys: Sequence[Any] | None = None,
         lease: float | None = None,
+        request_id: str | None = None,
         _request: str | None = None,
     ) -> _ring.Sample | _leases.LeasedSample:
         """The next unread items in write order (up to ``batch_size``), each handed to exactly one caller.
@@ -279,15 +285,18 @@ class ReplayMethods(LazyState):
         seconds of the server's clock go to the next pop again (leased or not), before newer
         items, in write order. In queue mode, leased items count as unread until acknowledged.
 
-        ``_request`` (a sharded ring's, see ``_shards.queue``): the pop's id, so that sending the same
-        pop again after it raised (its reply too late) gets the items it took.
+        A ``timeout`` that passes after the pop was sent raises ``tdstore.AmbiguousTimeoutError`` (the
+        items may be taken): its ``retry()``, or ``pop`` with ``request_id=err.request_id``, returns the
+        items that pop took (or takes them now if it never ran), never other items: items overwritten
+        since raise ``QueueOverrunError``. ``_request`` (a sharded ring's, see ``_shards.queue``): the same.
         """
         if isinstance(keys, (str, tuple)):
             keys = [keys]
         paths = None if keys is None else [as_path(k) for k in keys]
+        request = check_request_id(request_id) or _request
         if lease is not None:
-            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease, _request)
-        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, _request)
+            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease, request)
+        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, request)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         """Settle the items of a leased pop (its ``receipt``, or the ``LeasedSample``), in one call.

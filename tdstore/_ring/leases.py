@@ -124,6 +124,7 @@ class Planner:
     def plan(self, h: Header) -> Call:
         engine = self.engine
         lease_keys = engine.keys.lease_keys
+        _deadline.arm()  # sent next: from now on the pop may have taken its items
 
         def head(kt: Any) -> list[Any]:
             refs = [kt.ref(key) for key in lease_keys]
@@ -166,10 +167,14 @@ def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
     engine.refuse_if_readonly()
 
     def plan_call(h: Header) -> Call:
+        _deadline.arm()  # sent next: from now on the ack may have settled the items
         return Call("ack", [engine.keys.meta, *engine.keys.lease_keys], [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
 
+    def resend(again: float | None) -> int:
+        return ack(engine, rid, again)  # an ack is safe to resend: the same answer
+
     try:
-        with _deadline.within(timeout, "ack", engine.where):  # an ack is safe to resend: retries are bounded, not refused
+        with _deadline.within(timeout, "ack", engine.where), _deadline.resolvable(rid, resend):
             reply = engine.run(plan_call)
     except ValueError as err:  # the script's refusal: name the store (fakeredis appends a Lua traceback)
         raise ValueError(f"the store with {engine.where()}: {str(err).splitlines()[0]}") from None
@@ -209,4 +214,10 @@ def pop(
     # one receipt for every try and resend of this pop
     planner = Planner(engine, batch_size, device, keys, ms, receipt=None if request is None else request[:16])
     planner.store, planner.timeout = store, timeout
-    return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")
+
+    def resend(again: float | None) -> LeasedSample:
+        # the same pop under the same receipt: the lease table gives back the items it leased
+        return pop(engine, store, batch_size, device, again, keys, lease, planner.receipt)
+
+    with _deadline.within(timeout, "pop", engine.where), _deadline.resolvable(planner.receipt, resend, keyword=True):
+        return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")

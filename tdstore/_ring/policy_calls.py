@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from tdstore._engine import deadline as _deadline
 from tdstore._engine import scripts as _scripts
 from tdstore._engine.engine import Engine, request_id
 from tdstore._errors import MustWait
@@ -66,6 +67,7 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     request = request_id()  # one per change, sent with every try: a resend (same id) is not applied again
 
     def plan_call(h: Header) -> Call:
+        _deadline.arm()  # sent next: from now on the change may have been made
         new = build(h.sampling or SamplingPolicy())
         text = new.to_json() if new != SamplingPolicy() else ""
         # the reply carries the header as the change left it: adopted at once, no second round trip
@@ -76,7 +78,8 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
             engine.adopt_stale,
         )
 
-    engine.run(plan_call)
+    with _deadline.resolvable(request, None):  # a timeout says whether the change may have been made
+        engine.run(plan_call)
 
 
 #: Bytes of tree one step of ``lua/tree_build.lua`` writes at most (3 to 30 ms of server time here, busy or idle).
@@ -310,10 +313,12 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
         raise no_priorities(engine)
     pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
-    args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events, request_id()]
+    request = request_id()
+    args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events, request]
     keys = engine.keys
 
     def plan_call(h: Header) -> Call:
+        _deadline.arm()  # sent next: from now on the priorities may be set
         return Call(
             "priority",
             [keys.meta, *keys.sampling_keys, keys.replies],
@@ -321,7 +326,8 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
             lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool),
         )
 
-    return engine.run(plan_call)
+    with _deadline.resolvable(request, None):  # a timeout says whether the priorities may be set
+        return engine.run(plan_call)
 
 
 def weights_of(probs: torch.Tensor, low: float, beta: float) -> torch.Tensor:

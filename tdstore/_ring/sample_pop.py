@@ -66,6 +66,7 @@ def sample(
     min_size: int | None = None,
     timeout: float | None = None,
     heads: list[tuple[float, float, int]] | None = None,
+    again: tuple[torch.Tensor, str] | None = None,
 ) -> Sample | _sampling.PrioritizedSample:
     """Draw ``batch_size`` written slots (with replacement) and read them, in one call.
 
@@ -75,9 +76,10 @@ def sample(
     ``padding_value``, ``layout``) makes each heterogeneous key one padded or jagged tensor of
     the batch (see ``_format.ragged``), so the sample is a TensorDict instead of a lazy stack. ``keys``
     reads only those keys (and the keys below them). ``heads``: a prioritized sample appends to it its
-    tree's sum and smallest probability and ``rw`` as the script drew (a sharded ring's next split; NaN: not sent)."""
+    tree's sum and smallest probability and ``rw`` as the script drew (a sharded ring's next split; NaN: not sent).
+    ``again``: the draws and request id of a counted sample sent before (its resend: the same rows, counted once)."""
     _check_sample_args(batch_size, min_size, beta)
-    draws = torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
+    draws = again[0] if again is not None else torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
     asked = prioritized  # as the caller gave it (None: the store's policy decides)
@@ -105,6 +107,8 @@ def sample(
             )
     planner = _SamplePlanner(engine, batch_size, draws, keys, device, ragged, asked, min_size, beta, as_tx=not by_policy)
     planner.heads = heads
+    if again is not None:
+        planner.request = again[1]
 
     def run() -> Any:
         try:
@@ -114,7 +118,27 @@ def sample(
             engine.set_header(engine.fetch_header())
             return engine.run(planner.plan)
 
-    return _sampling.wait_or_raise(engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample")
+    def resend(later: float | None) -> Sample | _sampling.PrioritizedSample:
+        # a sample that counts (rate limiter, max_times_sampled), sent again: the rows it drew, counted once
+        return sample(
+            engine,
+            batch_size,
+            None,
+            device,
+            ragged,
+            keys,
+            prioritized=asked,
+            alpha=alpha,
+            beta=beta,
+            min_size=min_size,
+            timeout=later,
+            again=(draws, planner.request),
+        )
+
+    with _deadline.resolvable(planner.request, resend):
+        return _sampling.wait_or_raise(
+            engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample"
+        )
 
 
 def _check_sample_args(batch_size: Any, min_size: Any, beta: Any) -> None:
@@ -213,6 +237,8 @@ class _SamplePlanner:
         engine, keys = self.engine, self.keys
         by_prio = self.asked if self.asked is not None else (h.sampling is not None and h.sampling.prioritized)
         use_policy = by_prio or self.min_size is not None or h.sampling is not None
+        if use_policy and h.sampling is not None and (h.sampling.limit is not None or h.sampling.max_times is not None):
+            _deadline.arm()  # a sample that counts, sent next: from now on it may have been counted
         if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0:
             tx = _tx_sample_call(engine, h, keys, self.draws, self.device, self.ragged)
             if tx is not None:
@@ -310,6 +336,7 @@ def pop(
     def plan_call(h: Header) -> Call:
         if h.leased:  # items whose lease ran out go to plain pops too: through the lease table
             return leased.plan(h)
+        _deadline.arm()  # sent next: from now on the pop may have taken its items
         return _row_read_call(
             engine,
             h,
@@ -320,7 +347,12 @@ def pop(
             request,
         )
 
-    return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
+    def resend(again: float | None) -> Sample:
+        # the same pop under the same id: the server answers with the items it took (read.lua 'N')
+        return pop(engine, batch_size, device, again, keys, request)
+
+    with _deadline.resolvable(request, resend, keyword=True):
+        return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
 
 
 class _RowRead(NamedTuple):

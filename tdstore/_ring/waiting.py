@@ -56,6 +56,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
             return attempt()
         except MustWait as err:
             held = err
+            _deadline.answered()  # not run: a deadline passing from here on is a plain TimeoutError
         if deadline is not None and deadline.left() <= 0:
             raise _timed_out(engine, what, deadline, held)
         events = _Events(engine, deadline)
@@ -66,6 +67,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                     return attempt()
                 except MustWait as err:
                     held = err
+                    _deadline.answered()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                     # the server went away (killed, restarting, failing over): a waiter with a deadline
                     # waits it out like any other wait, then times out naming it

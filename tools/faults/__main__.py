@@ -77,6 +77,13 @@ Cases (issues #4 and #15):
     creates it again under the same ``td_id`` with another dtype, while this handle
     holds it: every read and write (bulk paths included) raises a ``KeyError``
     naming the ``td_id`` ("created again" for the second), and nothing is written.
+``ambiguous-timeout``
+    A deadline that passes after the call was sent (issue 38): ``pop(1, timeout=0)`` of 64 MiB
+    items (16 MiB with ``--quick``), the same pop sent to a stopped server (SIGSTOP),
+    ``pop(2, timeout=0.2)`` under another client's 1-2 s script, ``extend(timeout=0.05)`` sent to a
+    stopped server three times, and of big rows to a running one. Reports what each raised; every
+    ``AmbiguousTimeoutError`` is retried (``err.retry()``), and every item the read cursor passed
+    must reach the caller once with its bytes, every extend write its rows once.
 
 Usage::
 
