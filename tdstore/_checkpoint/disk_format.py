@@ -48,8 +48,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tdstore._format.header_info import MAX_INT, check_new_layout
 from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy, tree_bytes
 
@@ -283,6 +281,7 @@ def _constant(name: str) -> Any:
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 def load_json(root: Path, rel: str, what: str) -> Any:
@@ -295,11 +294,11 @@ def load_json(root: Path, rel: str, what: str) -> Any:
         raw = read_at(fd, 0, size)
     try:
         text = raw.decode("utf-8")
-        brackets = np.frombuffer(_STRING.sub("", text).encode(), dtype=np.uint8)
-        steps = (brackets == ord("[")).astype(np.int32) + (brackets == ord("{")) - (brackets == ord("]")) - (brackets == ord("}"))
-        depth = int(np.cumsum(steps).max()) if steps.size else 0
-        if depth > MAX_DEPTH:
-            raise ValueError(f"it nests {depth} deep, more than {MAX_DEPTH}")
+        depth = 0
+        for ch in _NOT_BRACKET.sub("", _STRING.sub("", text)):  # (a few per key: strings and numbers gone)
+            depth += 1 if ch in "[{" else -1
+            if depth > MAX_DEPTH:
+                raise ValueError(f"it nests more than {MAX_DEPTH} deep")
         return json.loads(text, parse_constant=_constant, parse_float=_finite)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise _bad(root, f"{what} is not JSON a checkpoint holds ({str(err)[:200]})") from None
@@ -419,6 +418,7 @@ def read_meta(root: Any) -> CheckpointMeta:
         count, _ = check_new_layout(raw.get("count"), stack_dim, inner)
     except (ValueError, TypeError) as err:
         raise _bad(root, str(err)[:300]) from None
+    assert isinstance(stack_dim, int)  # (checked just above)
     keys_raw = raw.get("keys")
     if not isinstance(keys_raw, list):
         raise _bad(root, "keys must be a list")

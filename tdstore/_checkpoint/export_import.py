@@ -51,8 +51,8 @@ from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
-from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.header_info import StoreFormatError
+from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
@@ -357,7 +357,7 @@ def _check_header(root: Path, header: Header, meta: CheckpointMeta) -> None:
     ``restore.lua`` sets) read back as every reader reads it (``Header.from_fields``: leaves that start
     with the inner batch size, counters and policy in the scripts' ranges, sub-tree dims, ...):
     whatever a reader would call damaged is refused before anything is written."""
-    fields: dict[bytes | str, bytes | str] = {**replace(header, state="ready", tracked=not header.spread).fields()}
+    fields: dict[bytes | str, bytes | str] = dict(replace(header, state="ready", tracked=not header.spread).fields().items())
     for word in _ring_words(meta):
         name, _, value = word.partition("=")
         fields[name] = value
@@ -415,9 +415,7 @@ def _upload_rows(engine: Engine, plan: Prepared, pbar: bool, ttl_ms: int) -> Non
         raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     header = engine.header
     try:
-        _upload._send(
-            engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread
-        )
+        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
         _upload._commit(engine, header, plan.token, ttl_ms, spread)
     except BaseException:
         try:

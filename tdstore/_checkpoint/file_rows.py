@@ -121,9 +121,8 @@ def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner:
         found = np.flatnonzero(bad)
         if found.size:
             i = lo + int(found[0])
-            raise _bad(
-                root, f"{what}: element {i} has shape {dims[i - lo].tolist()} but {int(sizes[i])} bytes (its dims must start with {list(inner)})"
-            )
+            shape = dims[i - lo].tolist()
+            raise _bad(root, f"{what}: element {i} has shape {shape} but {int(sizes[i])} bytes (its dims must start with {list(inner)})")
         if e.layout == "json":
             chunk = rows.chunk(lo, hi).numpy().tobytes()
             ends = off[lo : hi + 1] - int(off[lo])
@@ -176,7 +175,7 @@ def check_tree(root: Path, rel: str, count: int, written: int) -> None:
                     if (sums > cap).any():
                         raise _bad(root, f"its priority tree holds a weight above {cap:.6g} (a sum of {count} of them could overflow)")
                     if hi > written and (sums[max(0, written - lo) :] != 0).any():
-                        raise _bad(root, f"its priority tree gives weight to a slot never written (slot {written} or after; {written} written)")
+                        raise _bad(root, f"its priority tree gives weight to a slot never written (slot {written} or later)")
                 if k + 1 < len(levels):
                     parents = levels[k + 1]
                     p_lo, p_hi = lo // TREE_FAN, -(-hi // TREE_FAN)

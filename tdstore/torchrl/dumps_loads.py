@@ -1,15 +1,17 @@
 """``StoreStorage.loads``: a checkpoint (``tdstore._checkpoint.export_import``) restored into a torchrl buffer's storage.
 
-Which store the buffer ends up on:
+Which store the buffer ends up on (``rb.loads`` never replaces a store it did not make):
 
-* the checkpoint's own ``td_id`` when no store of that id holding anything is on the server (the
-  buffer was emptied, the server lost it, was restarted without persistence, or is another server) or when it is this storage's
-  own id (``rb.dumps(p); rb.empty(); rb.loads(p)``): other processes ``attach`` to the same id;
-* this storage's ``td_id`` otherwise (the checkpointed buffer still lives there and belongs
-  to someone else: it is left alone).
+* the checkpoint's own ``td_id`` when it is this storage's own id (``rb.dumps(p); rb.empty();
+  rb.loads(p)``), or when no store of that id is on the server at all (the server lost it, was
+  restarted without persistence, or is another server): other processes ``attach`` to the same id;
+* this storage's ``td_id`` otherwise: a store of the checkpoint's id exists and belongs to someone
+  else (the checkpointed buffer, emptied or not, or another user's store): it is left alone. To
+  restore under that id, open the buffer with it (``replay_buffer(..., td_id=...)``) and load.
 
-Whatever store the target id holds is replaced.  An empty store this storage opened under
-another id (a new buffer's placeholder) is deleted.
+The checkpoint is checked whole (``export_import.prepare``) before anything changes: a refused one
+leaves the buffer as it was.  Only this storage's own store is replaced; an empty store it opened
+under another id (a new buffer's placeholder) is deleted once the checkpoint is restored.
 
 What is restored is what a ``LazyTensorStorage`` would hold after torchrl's ``loads``, as far as a
 ring can hold it:
@@ -26,15 +28,15 @@ ring can hold it:
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tensordict import is_tensorclass
-
-from tdstore._checkpoint.disk_format import META_FILE, CheckpointMeta
+from tdstore._checkpoint.disk_format import META_FILE, CheckpointError, CheckpointMeta, load_json
 from tdstore._checkpoint.export_import import _lazy_handle, import_narrowed, read_meta
+from tdstore._engine.connection import open_client
+from tdstore._format import tensorclass as _tensorclass
+from tdstore._format.keys import StoreKeys
+from tdstore.dense import _connection_kwargs
 from tdstore.torchrl.storage_base import METADATA_KEYS
 
 #: Where ``ReplayBuffer.dumps`` puts its writer's state, beside the storage's directory (``storage``).
@@ -44,19 +46,14 @@ if TYPE_CHECKING:
     from tdstore.torchrl.storage import StoreStorage
 
 
-def _exists(td_id: str, conn: dict[str, Any]) -> bool:
-    """Whether a store of ``td_id`` holds anything (an emptied buffer's new, empty store counts as none)."""
-    from tdstore.store import TensorDictStore
-
+def _taken(td_id: str, conn: dict[str, Any]) -> bool:
+    """Whether any store of ``td_id`` is on the server (its header exists: ready, uploading, emptied or damaged)."""
+    client, _, owned = open_client(**_connection_kwargs(conn))
     try:
-        store = TensorDictStore.from_store(td_id=td_id, **conn)
-    except KeyError:
-        return False
-    handle = _lazy_handle(store)
-    try:
-        return bool(handle._engine.header.leaves) or handle.write_count > 0
+        return bool(client.exists(StoreKeys(conn.get("prefix", "tensordict"), td_id).meta))
     finally:
-        handle.close()
+        if owned:
+            client.close()
 
 
 def _drop_if_empty(storage: StoreStorage) -> None:
@@ -79,8 +76,8 @@ def _writer_state(path: Path) -> tuple[int | None, int | None]:
     if path.name != "storage":
         return None, None
     try:
-        saved = json.loads(path.parent.joinpath(*WRITER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        saved = load_json(path.parent, "/".join(WRITER_STATE), "the writer's state")
+    except (OSError, CheckpointError):
         return None, None
     if not isinstance(saved, dict):
         return None, None
@@ -125,10 +122,11 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
     meta = meta.narrowed(drop=[(k,) for k in METADATA_KEYS], rw=rw)
     conn = storage._open_kwargs()
     own = storage._td_id
-    target = meta.td_id if meta.td_id == own or not _exists(meta.td_id, conn) else own
+    target = meta.td_id if meta.td_id == own or not _taken(meta.td_id, conn) else own
+    # (another store of the target id made meanwhile is refused, FileExistsError, not replaced)
+    store = import_narrowed(path, meta, td_id=target, replace=target == own, **conn)
     if target != own:
         _drop_if_empty(storage)
-    store = import_narrowed(path, meta, td_id=target, replace=True, **conn)
     storage._td_id = target
     storage._ring = _lazy_handle(store)
     storage._pending = None
@@ -139,17 +137,12 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
         storage.max_size = meta.count * storage._lanes(storage._inner)  # whole lanes, as torchrl's
     if write_base:
         storage._carry(0, write_base)
-    state_file = path / "store.json"
-    if state_file.is_file() and storage._tensorclass_type is None:
-        try:
-            saved = json.loads(state_file.read_text())
-        except ValueError:
-            saved = {}
-        if isinstance(saved, dict):
-            storage.adopt_treespec(saved.get("treespec"))
-        name = saved.get("tensorclass") if isinstance(saved, dict) else None
-        if isinstance(name, str):  # only a class this process imported already: nothing is imported
-            module, _, attr = name.rpartition(".")
-            cls = getattr(sys.modules.get(module), attr, None)
-            if cls is not None and is_tensorclass(cls):
-                storage._tensorclass_type = cls
+    try:
+        saved = load_json(path, "store.json", "store.json")
+    except (OSError, CheckpointError):
+        saved = None
+    if isinstance(saved, dict) and storage._tensorclass_type is None:
+        storage.adopt_treespec(saved.get("treespec"))
+        name = saved.get("tensorclass")
+        if isinstance(name, str):  # as from_store resolves one: registered, or of a module imported already (nothing is imported)
+            storage._tensorclass_type = _tensorclass.known(name)
