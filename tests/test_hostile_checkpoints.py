@@ -22,9 +22,9 @@ import pytest
 import torch
 from conftest import Backend
 from helpers import load_tool
-from tensordict import tensorclass
+from tensordict import TensorDict, tensorclass
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._checkpoint import export_import as _checkpoint
 from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint
 from tdstore._format import tensorclass as _tensorclass
@@ -163,3 +163,36 @@ def test_rb_loads_resolves_a_tensorclass_as_from_store_does(be: Backend, tmp_pat
     assert loads_with("hostile_lazy_module.f2py") is None and looked_up == []
     monkeypatch.setitem(_tensorclass._REGISTRY, f"{Step.__module__}.{Step.__qualname__}", Step)  # (register_tensorclass, undone after)
     assert loads_with(f"{Step.__module__}.{Step.__qualname__}") is Step
+
+
+# -- what rb.dumps wrote, through tdstore import; the store's time to live (issue 42 item 6) -------------
+
+
+def test_tdstore_import_of_the_folder_rb_dumps_wrote(real: Backend, tmp_path: Path) -> None:
+    """``tdstore import DIR`` of ``rb.dumps(DIR)`` (a torchrl buffer's: ``DIR/storage`` beside its writer's
+    state) restores the rows without torchrl's ``"index"`` key, its ring continuing at the writer's cursor."""
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    assert real.server is not None
+    src = TensorDictReplayBuffer(storage=LazyTensorStorage(6), batch_size=4)  # its writer stores "index" in each row
+    src.extend(TensorDict(a=torch.arange(8), batch_size=[8]))  # wrapped: the cursor is at 2
+    src.dumps(tmp_path / "rb")
+    rc, err = hostile.cli_import(real.server.url, real.prefix, tmp_path / "rb", "from-dump")
+    assert rc == 0, err
+    store = TensorDictStore.from_store(td_id="from-dump", **real.kwargs())  # dense, as LazyTensorStorage is
+    assert set(store.keys()) == {"a"} and store["a"].tolist() == [6, 7, 2, 3, 4, 5]
+    assert store.ring_state()[0] % 6 == 2  # the next write goes to the writer's cursor
+
+
+def test_export_then_import_keeps_the_stores_time_to_live(be: Backend, tmp_path: Path) -> None:
+    from tdstore import export_checkpoint
+
+    store = LazyStackedTensorDictStore(count=4, ttl=600, **be.kwargs())
+    store.extend(TensorDict(x=torch.arange(4.0), batch_size=[4]))
+    export_checkpoint(store, tmp_path / "ck")
+    back = import_checkpoint(tmp_path / "ck", td_id="with-ttl", **be.kwargs())
+    engine = _checkpoint._lazy_handle(back)._engine
+    assert 0 < int(engine.command("PTTL", engine.keys.meta)) <= 600_000
+    again = import_checkpoint(tmp_path / "ck", td_id="given-ttl", ttl=5, **be.kwargs())  # a ttl given wins
+    engine = _checkpoint._lazy_handle(again)._engine
+    assert 0 < int(engine.command("PTTL", engine.keys.meta)) <= 5_000

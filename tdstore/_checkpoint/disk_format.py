@@ -22,7 +22,8 @@ A checkpoint is a directory::
 imported), ``sub`` (``[[path, dims], ...]``), ``keys`` (``{"path", "dtype", "layout": "dense" | "ragged"
 | "json", "shape" (dense), "ndim", "file"}``: ``file`` is the memmap file, or the ``_tdstore/k<i>``
 stem), ``ring`` (``rw`` and the policy counters ``pm``, ``lb``, ``sn``, ``rr`` as the header holds them,
-``policy``: the ``sc`` JSON of ``_format.sampling_policy``), ``priorities`` and ``sampled`` (file names or null).
+``policy``: the ``sc`` JSON of ``_format.sampling_policy``), ``priorities`` and ``sampled`` (file names or null),
+``ttl_ms`` (the store's time to live left when exported, 0 for none; optional).
 
 Nothing is ever unpickled: JSON and raw bytes only.  Every field and every file size is checked
 (:func:`read_meta`) before anything is written to a server; a malformed checkpoint raises
@@ -56,6 +57,12 @@ FORMAT_VERSION = 1
 META_FILE = "tdstore.json"
 TORCHRL_FILE = "storage_metadata.json"
 EXTRA_DIR = "_tdstore"
+#: Where ``ReplayBuffer.dumps`` puts the storage's checkpoint, and its writer's state, in the folder it is given.
+STORAGE_DIR = "storage"
+WRITER_STATE = ("writer", "metadata.json")
+#: Keys torchrl's writers store in each row (``TensorDictRoundRobinWriter``: ``"index"``), which a ring never
+#: writes: a torchrl dump is restored without them (``tdstore.torchrl.METADATA_KEYS`` is this).
+TORCHRL_ROW_KEYS = ("index", "index_generation")
 LAYOUTS = ("dense", "ragged", "json")
 #: Header counters a checkpoint carries (``_format.sampling_policy``): ring writes, largest priority, limiter base, samples, queue cursor.
 RING_FIELDS = ("rw", "pm", "lb", "sn", "rr")
@@ -124,6 +131,8 @@ class CheckpointMeta:
     sub: list[Any] = field(default_factory=list)
     priorities: str | None = None
     sampled: str | None = None
+    ttl_ms: int = 0
+    """The store's time to live when it was exported (ms left; 0: none): what an import gives it unless told otherwise."""
 
     @property
     def policy(self) -> SamplingPolicy | None:
@@ -178,6 +187,7 @@ class CheckpointMeta:
             "ring": self.ring,
             "priorities": self.priorities,
             "sampled": self.sampled,
+            "ttl_ms": self.ttl_ms,
         }
 
 
@@ -450,7 +460,7 @@ def read_meta(root: Any) -> CheckpointMeta:
         raise _bad(root, f"sub must be a list of [path, dims], got {sub!r}"[:300])
     meta = CheckpointMeta(
         td_id, kind, count, stack_dim, inner, keys, ring, raw.get("batchless", False), raw.get("device", ""),
-        raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"),
+        raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"), _int(raw.get("ttl_ms", 0), "ttl_ms", root),
     )  # fmt: skip
     policy = meta.policy
     if (policy is not None and policy.prioritized) != (meta.priorities is not None):
@@ -529,3 +539,68 @@ def _torchrl_meta(root: Path) -> CheckpointMeta:
     if length > count:
         raise _bad(root, f"len {length} is beyond the storage size {count}")
     return CheckpointMeta(str(uuid.uuid4()), "dense", count, 0, (), keys if length else [], {"rw": length} if length else {})
+
+
+def is_torchrl_dump(root: Path) -> bool:
+    """Whether the checkpoint folder ``root`` is torchrl's (``storage_metadata.json``, no ``tdstore.json``)."""
+    return not _exists(root, META_FILE) and _exists(root, TORCHRL_FILE)
+
+
+def locate(path: Any) -> Path:
+    """The checkpoint folder of ``path``: ``path`` itself, or its ``storage`` folder when ``path`` is what
+    ``ReplayBuffer.dumps`` wrote (a folder of ``storage/``, ``writer/``, ``sampler/``; never through a symlink)."""
+    root = Path(path)
+    if _exists(root, META_FILE) or _exists(root, TORCHRL_FILE):
+        return root
+    try:
+        inside_dir = stat.S_ISDIR(os.lstat(root / STORAGE_DIR).st_mode)
+    except OSError:
+        return root
+    return root / STORAGE_DIR if inside_dir else root
+
+
+def writer_state(path: Path) -> tuple[int | None, int | None]:
+    """The cursor and write count a torchrl writer saved beside the storage checkpoint ``path`` (``rb.dumps``:
+    ``<dir>/storage`` and ``<dir>/writer/metadata.json``, as torchrl's ``RoundRobinWriter.dumps`` writes it);
+    ``(None, None)`` when there is none, or it holds no such numbers."""
+    if path.name != STORAGE_DIR:
+        return None, None
+    try:
+        saved = load_json(path.parent, "/".join(WRITER_STATE), "the writer's state")
+    except (OSError, CheckpointError):
+        return None, None
+    if not isinstance(saved, dict):
+        return None, None
+
+    def count(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT else None
+
+    return count(saved.get("cursor")), count(saved.get("write_count"))
+
+
+def torchrl_ring_writes(meta: CheckpointMeta, cursor: int | None, write_count: int | None) -> tuple[int | None, int]:
+    """The ring write count that continues a torchrl writer at ``cursor`` (None: the checkpoint's own) and the
+    write base (``wb``) that makes ``rb.write_count`` the writer's ``write_count``.
+
+    A ring's next slot is its write count modulo its slots, and its written slots are the first ``min(rw,
+    slots)``: a full ring gets the largest count up to ``write_count`` that leaves its cursor at ``cursor``
+    (``write_count`` itself for a writer never emptied with ``empty_write_count=False``, whose slots then have
+    torchrl's generations), and at least one lap; a ring not full keeps its length (its cursor)."""
+    n, written = meta.count, meta.written
+    rw = None
+    if written == n and cursor is not None and cursor < n:
+        rw = n + cursor
+        if write_count is not None and write_count > rw:
+            rw += (write_count - rw) // n * n
+    base = written if rw is None else rw
+    return rw, (write_count - base if write_count is not None and write_count > base else 0)
+
+
+def read_restorable(path: Any) -> tuple[Path, CheckpointMeta]:
+    """What ``import_checkpoint(path)`` restores: the checkpoint folder (:func:`locate`) and its metadata, a
+    torchrl dump's narrowed as ``rb.loads`` narrows it (without :data:`TORCHRL_ROW_KEYS`, its writer's cursor)."""
+    root = locate(path)
+    meta = read_meta(root)
+    if is_torchrl_dump(root):
+        meta = meta.narrowed(drop=[(k,) for k in TORCHRL_ROW_KEYS], rw=torchrl_ring_writes(meta, *writer_state(root))[0])
+    return root, meta

@@ -44,6 +44,7 @@ from tdstore._checkpoint.disk_format import (
     opened,
     read_at,
     read_meta,
+    read_restorable,
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
 from tdstore._engine import scripts as _scripts
@@ -306,9 +307,11 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
         ring["pm"] = float(fields["pm"])
     if policy is not None:
         ring["policy"] = policy
+    ttl = int(engine.command("PTTL", engine.keys.meta))  # (-1: none)
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
+        ttl_ms=max(ttl, 0),
     )  # fmt: skip
     if policy is not None and policy.get("alpha") is not None:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
@@ -527,12 +530,14 @@ def import_checkpoint(
 
     The store gets the checkpoint's td_id unless ``td_id`` is given; a store of that id that
     exists already is refused (``FileExistsError``) unless ``replace=True``, which deletes it
-    first.  Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the
-    checkpoint's rows, ring state, priorities and sampling policy.
+    first (once the checkpoint passed every check). It gets the time to live the exported store had
+    left unless ``ttl`` is given. ``path`` may also be the folder ``rb.dumps`` wrote (its ``storage``
+    checkpoint is read) or a torchrl dump (restored without torchrl's ``"index"`` key, at its writer's
+    cursor). Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the checkpoint's
+    rows, ring state, priorities and sampling policy.
     """
-    return import_narrowed(
-        path, read_meta(path), td_id=td_id, replace=replace, pbar=pbar, ttl=ttl, tensorclass_cls=tensorclass_cls, **store_kwargs
-    )
+    root, meta = read_restorable(path)
+    return import_narrowed(root, meta, td_id=td_id, replace=replace, pbar=pbar, ttl=ttl, tensorclass_cls=tensorclass_cls, **store_kwargs)
 
 
 def import_narrowed(
@@ -570,7 +575,7 @@ def import_narrowed(
                 pass
             else:
                 _whole_store.clear(old)
-        restore_into(path, engine=engine, pbar=pbar, ttl_ms=ttl_to_ms(ttl), plan=plan)
+        restore_into(path, engine=engine, pbar=pbar, ttl_ms=meta.ttl_ms if ttl is None else ttl_to_ms(ttl), plan=plan)
     except BaseException:
         engine.close()
         raise

@@ -60,11 +60,12 @@ def _import_failed(err: BaseException) -> int:
 def _cmd_import(args: argparse.Namespace) -> int:
     import redis
 
-    from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint, read_meta
+    from tdstore._checkpoint.disk_format import read_restorable
+    from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint
     from tdstore._errors import StoreDamagedError
 
     try:
-        meta = read_meta(args.path)  # a malformed checkpoint fails before any connection
+        _, meta = read_restorable(args.path)  # a malformed checkpoint fails before any connection
     except (CheckpointError, OSError, RecursionError, MemoryError) as err:
         return _import_failed(err)
     conn = _connect("import", args.url)

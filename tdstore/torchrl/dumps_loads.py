@@ -31,16 +31,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tdstore._checkpoint.disk_format import META_FILE, CheckpointError, CheckpointMeta, load_json
+from tdstore._checkpoint.disk_format import CheckpointError, is_torchrl_dump, load_json, torchrl_ring_writes, writer_state
 from tdstore._checkpoint.export_import import _lazy_handle, import_narrowed, read_meta
 from tdstore._engine.connection import open_client
 from tdstore._format import tensorclass as _tensorclass
 from tdstore._format.keys import StoreKeys
 from tdstore.dense import _connection_kwargs
 from tdstore.torchrl.storage_base import METADATA_KEYS
-
-#: Where ``ReplayBuffer.dumps`` puts its writer's state, beside the storage's directory (``storage``).
-WRITER_STATE = ("writer", "metadata.json")
 
 if TYPE_CHECKING:
     from tdstore.torchrl.storage import StoreStorage
@@ -69,43 +66,6 @@ def _drop_if_empty(storage: StoreStorage) -> None:
         pass
 
 
-def _writer_state(path: Path) -> tuple[int | None, int | None]:
-    """The cursor and write count a torchrl writer saved beside the storage checkpoint ``path`` (``rb.dumps``:
-    ``<dir>/storage`` and ``<dir>/writer/metadata.json``, as torchrl's ``RoundRobinWriter.dumps`` writes it);
-    ``(None, None)`` when there is none, or it holds no such numbers."""
-    if path.name != "storage":
-        return None, None
-    try:
-        saved = load_json(path.parent, "/".join(WRITER_STATE), "the writer's state")
-    except (OSError, CheckpointError):
-        return None, None
-    if not isinstance(saved, dict):
-        return None, None
-
-    def count(v: Any) -> int | None:
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-    return count(saved.get("cursor")), count(saved.get("write_count"))
-
-
-def _ring_writes(meta: CheckpointMeta, cursor: int | None, write_count: int | None) -> tuple[int | None, int]:
-    """The ring write count that continues a torchrl writer at ``cursor`` (None: the checkpoint's own) and the
-    write base (``wb``) that makes ``rb.write_count`` the writer's ``write_count``.
-
-    A ring's next slot is its write count modulo its slots, and its written slots are the first ``min(rw,
-    slots)``: a full ring gets the largest count up to ``write_count`` that leaves its cursor at ``cursor``
-    (``write_count`` itself for a writer never emptied with ``empty_write_count=False``, whose slots then have
-    torchrl's generations), and at least one lap; a ring not full keeps its length (its cursor)."""
-    n, written = meta.count, meta.written
-    rw = None
-    if written == n and cursor is not None and cursor < n:
-        rw = n + cursor
-        if write_count is not None and write_count > rw:
-            rw += (write_count - rw) // n * n
-    base = written if rw is None else rw
-    return rw, (write_count - base if write_count is not None and write_count > base else 0)
-
-
 def load_checkpoint(storage: StoreStorage, path: Path) -> None:
     """Replace the buffer's content with the checkpoint in ``path`` (rows, ring state, priorities, policy)."""
     meta = read_meta(path)  # a malformed checkpoint is refused before anything changes
@@ -117,8 +77,8 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
             + (f" (ndim {storage.ndim}: {meta.count} slots of {tuple(meta.inner)}, this storage makes {slots})" if storage.ndim > 1 else "")
         )
     rw, write_base = None, 0
-    if not (path / META_FILE).is_file():  # torchrl's checkpoint: the cursor is its writer's
-        rw, write_base = _ring_writes(meta, *_writer_state(path))
+    if is_torchrl_dump(path):  # torchrl's checkpoint: the cursor is its writer's
+        rw, write_base = torchrl_ring_writes(meta, *writer_state(path))
     meta = meta.narrowed(drop=[(k,) for k in METADATA_KEYS], rw=rw)
     conn = storage._open_kwargs()
     own = storage._td_id
