@@ -474,10 +474,13 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
 
 def _remove_made(engine: Engine, header: Header) -> None:
     """Delete the store this import made (every key of it), whatever state it was left in: by its header
-    when that reads back, else by the keys the upload's header names (``abort_upload``)."""
+    when that reads back, else (a header another client damaged reads as gone to ``clear``) by the keys the
+    upload's header names, while the header there is still this import's (its epoch)."""
     try:
         _whole_store.clear(engine)
-    except Exception:  # (a header that does not read back: delete by name)
+    except Exception:  # (deleted by name below)
+        pass
+    if engine.command("HGET", engine.keys.meta, "epoch") == header.epoch.encode():
         _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
 
 
