@@ -29,26 +29,22 @@ Nothing is ever unpickled: JSON and raw bytes only.  Every field and every file 
 (:func:`read_meta`) before anything is written to a server; a malformed checkpoint raises
 :class:`CheckpointError` naming what is wrong.  A checkpoint is input from outside: its JSON is
 parsed strictly (no ``NaN``/``Infinity``, a bounded size and nesting depth), every number is held
-to the ranges a store is made with (``_format.header_info``), and every file is opened by
-:func:`open_file`, one path component at a time without following a symlink, and must be a regular
-file: a link to something outside the folder, a FIFO or a device is refused, never read.  This
-module does not import torch.
+to the ranges a store is made with (``_format.header_info``), and every file is opened without
+following a symlink, a regular file only (``_checkpoint.folder``).  This module does not import torch.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import stat
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tdstore._checkpoint.folder import MAX_DEPTH, CheckpointError, bad, exists, file_size, inside, load_json
 from tdstore._format.header_info import MAX_INT, check_new_layout
 from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy, tree_bytes
 
@@ -64,6 +60,8 @@ WRITER_STATE = ("writer", "metadata.json")
 #: writes: a torchrl dump is restored without them (``tdstore.torchrl.METADATA_KEYS`` is this).
 TORCHRL_ROW_KEYS = ("index", "index_generation")
 LAYOUTS = ("dense", "ragged", "json")
+#: Most dims of a key's element (torch's tensors have at most 64).
+MAX_NDIM = 64
 #: Header counters a checkpoint carries (``_format.sampling_policy``): ring writes, largest priority, limiter base, samples, queue cursor.
 RING_FIELDS = ("rw", "pm", "lb", "sn", "rr")
 #: Bytes per element of each dtype name a store accepts (``_format.codec.DTYPES``; kept here so that this module needs no torch).
@@ -72,23 +70,6 @@ ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
     "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
 }  # fmt: skip
-
-
-#: Most bytes of a JSON file of a checkpoint (``tdstore.json`` of 20,000 keys is ~2 MB).
-MAX_JSON_BYTES = 64 << 20
-#: Deepest nesting of a checkpoint's JSON (``tdstore.json`` nests 4 deep), and of the folders of a
-#: ``TensorDict.memmap`` of nested keys.
-MAX_DEPTH = 32
-#: Most dims of a key's element (torch's tensors have at most 64).
-MAX_NDIM = 64
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO is refused by fstat, not waited on by open
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is not one, or is malformed: refused before anything is written to a server."""
 
 
 @dataclass(frozen=True)
@@ -191,127 +172,10 @@ class CheckpointMeta:
         }
 
 
-def _bad(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"{path} is not a valid tdstore checkpoint: {what}")
-
-
 def _int(v: Any, what: str, where: Path, low: int = 0, high: int = MAX_INT) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-        raise _bad(where, f"{what} must be an int in {low}..{high}, got {v!r}"[:300])
+        raise bad(where, f"{what} must be an int in {low}..{high}, got {v!r}"[:300])
     return v
-
-
-def _parts(root: Path, rel: Any, what: str) -> list[str]:
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\0" in rel:
-        raise _bad(root, f"{what} names the file {rel!r}, which is not a relative path inside the checkpoint"[:300])
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise _bad(root, f"{what} names the file {rel!r}, which is not a relative path inside the checkpoint"[:300])
-    return parts
-
-
-def inside(root: Path, rel: Any, what: str) -> Path:
-    """``root / rel`` for a relative path that stays inside ``root`` (no absolute path, no ``..``)."""
-    _parts(root, rel, what)
-    return root / rel
-
-
-def open_file(root: Path, rel: Any, what: str) -> int:
-    """A read-only descriptor of the regular file ``rel`` inside ``root`` (the caller closes it).
-
-    Each component below ``root`` is opened relative to the one before with ``O_NOFOLLOW``, so a
-    symlink anywhere in the path is refused rather than followed out of the folder, and the file
-    must be a regular file (a FIFO, a device or a socket is refused: ``O_NONBLOCK`` keeps a FIFO
-    from blocking the open). ``FileNotFoundError`` when it is absent."""
-    parts = _parts(root, rel, what)
-    fd = os.open(root, os.O_RDONLY | _DIRECTORY)
-    try:
-        for name in parts[:-1]:
-            nxt = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        leaf = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | _NONBLOCK, dir_fd=fd)
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-            raise _bad(root, f"{what}: {rel!r} passes through a symlink or something that is not a folder (never followed)") from None
-        raise
-    finally:
-        os.close(fd)
-    info = os.fstat(leaf)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(leaf)
-        raise _bad(root, f"{what}: {rel!r} is not a regular file (never read)")
-    return leaf
-
-
-@contextmanager
-def opened(root: Path, rel: Any, what: str) -> Iterator[int]:
-    """:func:`open_file` as a context: the descriptor is closed on leaving (one open file at a time)."""
-    fd = open_file(root, rel, what)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def read_at(fd: int, offset: int, size: int) -> bytearray:
-    """``size`` bytes at ``offset`` of ``fd`` (``CheckpointError``-free: the caller checked the file's size)."""
-    out = bytearray(size)
-    view, got = memoryview(out), 0
-    while got < size:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise OSError(errno.EIO, f"the file ended {size - got} bytes early (it changed while it was read)")
-        got += n
-    return out
-
-
-def read_range(root: Path, rel: str, offset: int, size: int, what: str) -> bytearray:
-    """``size`` bytes at ``offset`` of the file ``rel`` (opened, read and closed)."""
-    with opened(root, rel, what) as fd:
-        return read_at(fd, offset, size)
-
-
-def file_size(root: Path, rel: str, what: str) -> int:
-    with opened(root, rel, what) as fd:
-        return os.fstat(fd).st_size
-
-
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return v
-
-
-def _constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
-
-
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-
-
-def load_json(root: Path, rel: str, what: str) -> Any:
-    """The JSON document in the file ``rel``: at most :data:`MAX_JSON_BYTES`, nested at most
-    :data:`MAX_DEPTH` deep, without ``NaN``, ``Infinity`` or a number out of a double's range."""
-    with opened(root, rel, what) as fd:
-        size = os.fstat(fd).st_size
-        if size > MAX_JSON_BYTES:
-            raise _bad(root, f"{what} holds {size} bytes, more than {MAX_JSON_BYTES} (not a checkpoint's)")
-        raw = read_at(fd, 0, size)
-    try:
-        text = raw.decode("utf-8")
-        depth = 0
-        for ch in _NOT_BRACKET.sub("", _STRING.sub("", text)):  # (a few per key: strings and numbers gone)
-            depth += 1 if ch in "[{" else -1
-            if depth > MAX_DEPTH:
-                raise ValueError(f"it nests more than {MAX_DEPTH} deep")
-        return json.loads(text, parse_constant=_constant, parse_float=_finite)
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise _bad(root, f"{what} is not JSON a checkpoint holds ({str(err)[:200]})") from None
 
 
 def _size(root: Path, rel: str, want: int | None, what: str) -> int:
@@ -320,34 +184,34 @@ def _size(root: Path, rel: str, want: int | None, what: str) -> int:
     except FileNotFoundError:
         if want == 0:
             return 0
-        raise _bad(root, f"{what}: the file {rel!r} is missing") from None
+        raise bad(root, f"{what}: the file {rel!r} is missing") from None
     if want is not None and have != want:
-        raise _bad(root, f"{what}: the file {rel!r} holds {have} bytes, not {want}")
+        raise bad(root, f"{what}: the file {rel!r} holds {have} bytes, not {want}")
     return have
 
 
 def _dims(root: Path, shape: Any, ndim: int, what: str) -> tuple[int, ...]:
     """An element shape: ``ndim`` dims (at most :data:`MAX_NDIM`), each and their product at most 2**53."""
     if not isinstance(shape, list) or len(shape) != ndim:
-        raise _bad(root, f"{what}: shape {shape!r} is not a list of {ndim} dims"[:300])
+        raise bad(root, f"{what}: shape {shape!r} is not a list of {ndim} dims"[:300])
     dims = tuple(_int(s, f"{what}: a dim", root) for s in shape)
     if math.prod(dims) > MAX_INT:
-        raise _bad(root, f"{what}: shape {list(dims)} holds more than 2**53 items")
+        raise bad(root, f"{what}: shape {list(dims)} holds more than 2**53 items")
     return dims
 
 
 def _key(root: Path, raw: Any, count: int, i: int) -> KeyEntry:
     if not isinstance(raw, dict):
-        raise _bad(root, f"keys[{i}] is not an object")
+        raise bad(root, f"keys[{i}] is not an object")
     path = raw.get("path")
     if not isinstance(path, list) or not path or len(path) > MAX_DEPTH or not all(isinstance(p, str) and p for p in path):
-        raise _bad(root, f"keys[{i}] has a bad path {path!r} (a list of at most {MAX_DEPTH} non-empty strings)"[:300])
+        raise bad(root, f"keys[{i}] has a bad path {path!r} (a list of at most {MAX_DEPTH} non-empty strings)"[:300])
     what = f"key {tuple(path)!r}"
     dtype, layout = raw.get("dtype"), raw.get("layout")
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-        raise _bad(root, f"{what} has an unknown dtype {dtype!r}"[:300])
+        raise bad(root, f"{what} has an unknown dtype {dtype!r}"[:300])
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise _bad(root, f"{what} has an unknown layout {layout!r} (one of {', '.join(LAYOUTS)})"[:300])
+        raise bad(root, f"{what} has an unknown layout {layout!r} (one of {', '.join(LAYOUTS)})"[:300])
     ndim = _int(raw.get("ndim"), f"{what}: ndim", root, 0, MAX_NDIM)
     file = raw.get("file")
     if layout == "dense":
@@ -355,9 +219,9 @@ def _key(root: Path, raw: Any, count: int, i: int) -> KeyEntry:
         _size(root, entry.file, count * entry.element_nbytes, what)
         return entry
     if layout == "json" and (dtype != "uint8" or ndim != 1):
-        raise _bad(root, f"{what}: a non-tensor key is uint8 of one dim, got {dtype} of {ndim}")
+        raise bad(root, f"{what}: a non-tensor key is uint8 of one dim, got {dtype} of {ndim}")
     if ndim < 1:
-        raise _bad(root, f"{what}: a heterogeneous key has at least one dim")
+        raise bad(root, f"{what}: a heterogeneous key has at least one dim")
     entry = KeyEntry(tuple(path), dtype, layout, ndim, str(file))
     _size(root, entry.file + ".offsets", 8 * (count + 1), what)
     _size(root, entry.file + ".shapes", 8 * count * ndim, what)
@@ -367,7 +231,7 @@ def _key(root: Path, raw: Any, count: int, i: int) -> KeyEntry:
 
 def _ring(root: Path, raw: Any, count: int) -> dict[str, Any]:
     if not isinstance(raw, dict) or set(raw) - {*RING_FIELDS, "policy"}:
-        raise _bad(root, f"ring must be an object of {', '.join(RING_FIELDS)} and policy, got {raw!r}")
+        raise bad(root, f"ring must be an object of {', '.join(RING_FIELDS)} and policy, got {raw!r}")
     out: dict[str, Any] = {}
     for name in ("rw", "lb", "sn", "rr"):
         if raw.get(name) is not None:
@@ -375,28 +239,19 @@ def _ring(root: Path, raw: Any, count: int) -> dict[str, Any]:
     pm = raw.get("pm")
     if pm is not None:  # the range restore.lua reads it with (tds_float_field)
         if isinstance(pm, bool) or not isinstance(pm, (int, float)) or not math.isfinite(pm) or not 0 <= pm <= UNBOUNDED:
-            raise _bad(root, f"ring.pm must be a finite number in 0..{UNBOUNDED:g}, got {pm!r}")
+            raise bad(root, f"ring.pm must be a finite number in 0..{UNBOUNDED:g}, got {pm!r}")
         out["pm"] = float(pm)
     rw = out.get("rw", 0)
     for name in ("lb", "rr"):
         if out.get(name, 0) > rw:
-            raise _bad(root, f"ring.{name}={out[name]} is beyond the ring write count rw={rw}")
+            raise bad(root, f"ring.{name}={out[name]} is beyond the ring write count rw={rw}")
     if raw.get("policy") is not None:
         try:
             SamplingPolicy.from_json(json.dumps(raw["policy"]))
         except (ValueError, TypeError) as err:
-            raise _bad(root, f"ring.policy: {err}") from None
+            raise bad(root, f"ring.policy: {err}") from None
         out["policy"] = raw["policy"]
     return out
-
-
-def _exists(root: Path, rel: str) -> bool:
-    """Whether ``rel`` is a file inside ``root`` (a symlink or special file raises :class:`CheckpointError`)."""
-    try:
-        file_size(root, rel, rel)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def read_meta(root: Any) -> CheckpointMeta:
@@ -404,74 +259,74 @@ def read_meta(root: Any) -> CheckpointMeta:
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a tdstore checkpoint: it is not a directory")
-    if not _exists(root, META_FILE):
-        if _exists(root, TORCHRL_FILE):
+    if not exists(root, META_FILE):
+        if exists(root, TORCHRL_FILE):
             return _torchrl_meta(root)
         raise CheckpointError(f"{root} is not a tdstore checkpoint: it has no {META_FILE} (nor torchrl's {TORCHRL_FILE})")
     raw = load_json(root, META_FILE, META_FILE)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise _bad(root, f"{META_FILE} does not say format {FORMAT!r}")
+        raise bad(root, f"{META_FILE} does not say format {FORMAT!r}")
     if raw.get("version") != FORMAT_VERSION:
-        raise _bad(root, f"format version {raw.get('version')!r}; this tdstore reads version {FORMAT_VERSION}"[:300])
+        raise bad(root, f"format version {raw.get('version')!r}; this tdstore reads version {FORMAT_VERSION}"[:300])
     td_id = raw.get("td_id")
     if not isinstance(td_id, str) or not td_id:
-        raise _bad(root, f"td_id must be a non-empty string, got {td_id!r}"[:300])
+        raise bad(root, f"td_id must be a non-empty string, got {td_id!r}"[:300])
     kind = raw.get("kind")
     if kind not in ("lazy", "dense"):
-        raise _bad(root, f"kind must be 'lazy' or 'dense', got {kind!r}"[:300])
+        raise bad(root, f"kind must be 'lazy' or 'dense', got {kind!r}"[:300])
     inner_raw = raw.get("inner")
     if not isinstance(inner_raw, list) or len(inner_raw) > MAX_NDIM:
-        raise _bad(root, f"inner must be a list of at most {MAX_NDIM} dims, got {inner_raw!r}"[:300])
+        raise bad(root, f"inner must be a list of at most {MAX_NDIM} dims, got {inner_raw!r}"[:300])
     inner = tuple(_int(d, "an inner dim", root) for d in inner_raw)
     stack_dim = raw.get("stack_dim")
     try:  # what a store is made with (the constructors' check)
         count, _ = check_new_layout(raw.get("count"), stack_dim, inner)
     except (ValueError, TypeError) as err:
-        raise _bad(root, str(err)[:300]) from None
+        raise bad(root, str(err)[:300]) from None
     assert isinstance(stack_dim, int)  # (checked just above)
     keys_raw = raw.get("keys")
     if not isinstance(keys_raw, list):
-        raise _bad(root, "keys must be a list")
+        raise bad(root, "keys must be a list")
     keys = [_key(root, k, count, i) for i, k in enumerate(keys_raw)]
     paths = [k.path for k in keys]
     if len(set(paths)) != len(paths):
-        raise _bad(root, "a key is listed twice")
+        raise bad(root, "a key is listed twice")
     known = set(paths)
     for p in paths:
         for n in range(1, len(p)):
             if p[:n] in known:
-                raise _bad(root, f"key {p[:n]!r} is both a leaf and the parent of {p!r}")
+                raise bad(root, f"key {p[:n]!r} is both a leaf and the parent of {p!r}")
     ring = _ring(root, raw.get("ring", {}), count)
     for name in ("batchless",):
         if not isinstance(raw.get(name, False), bool):
-            raise _bad(root, f"{name} must be true or false")
+            raise bad(root, f"{name} must be true or false")
     for name in ("device", "tensorclass"):
         if not isinstance(raw.get(name, ""), str) or len(raw.get(name, "")) > 1000:
-            raise _bad(root, f"{name} must be a string")
+            raise bad(root, f"{name} must be a string")
     tensorclass = raw.get("tensorclass", "")
     if tensorclass and not all(part.isidentifier() for part in tensorclass.split(".")):
-        raise _bad(root, f"tensorclass {tensorclass[:100]!r} is not a dotted name 'module.ClassName'")
+        raise bad(root, f"tensorclass {tensorclass[:100]!r} is not a dotted name 'module.ClassName'")
     sub = raw.get("sub", [])
     if not isinstance(sub, list) or not all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and all(isinstance(p, str) for p in e[0])
         and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in e[1])
         for e in sub
     ):  # fmt: skip
-        raise _bad(root, f"sub must be a list of [path, dims], got {sub!r}"[:300])
+        raise bad(root, f"sub must be a list of [path, dims], got {sub!r}"[:300])
     meta = CheckpointMeta(
         td_id, kind, count, stack_dim, inner, keys, ring, raw.get("batchless", False), raw.get("device", ""),
         raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"), _int(raw.get("ttl_ms", 0), "ttl_ms", root),
     )  # fmt: skip
     policy = meta.policy
     if (policy is not None and policy.prioritized) != (meta.priorities is not None):
-        raise _bad(root, "priorities must be given exactly when the policy has alpha")
+        raise bad(root, "priorities must be given exactly when the policy has alpha")
     for name in ("priorities", "sampled"):
         if raw.get(name) is not None and not isinstance(raw.get(name), str):
-            raise _bad(root, f"{name} must be a file name or null")
+            raise bad(root, f"{name} must be a file name or null")
     if meta.priorities is not None:
         _size(root, meta.priorities, tree_bytes(count), "the priority tree")
     if (policy is not None and policy.max_times is not None) != (meta.sampled is not None):
-        raise _bad(root, "the sample counts must be given exactly when the policy has max_times_sampled")
+        raise bad(root, "the sample counts must be given exactly when the policy has max_times_sampled")
     if meta.sampled is not None:
         _size(root, meta.sampled, 4 * count, "the sample counts")
     return meta
@@ -485,24 +340,24 @@ def _memmap_keys(root: Path, folder: str, prefix: tuple[str, ...], count: int | 
     """The tensor keys of a ``TensorDict.memmap`` folder (plain TensorDicts of memmapped tensors only; ``folder``
     relative to ``root``, "" for ``root`` itself)."""
     if len(prefix) > MAX_DEPTH:
-        raise _bad(root, f"keys nest deeper than {MAX_DEPTH} ({prefix[:3]!r}...)")
+        raise bad(root, f"keys nest deeper than {MAX_DEPTH} ({prefix[:3]!r}...)")
     where = f"{folder}/meta.json" if folder else "meta.json"
     try:
         raw = load_json(root, where, where)
     except FileNotFoundError:
-        raise _bad(root, f"{where} is missing") from None
+        raise bad(root, f"{where} is missing") from None
     if not isinstance(raw, dict) or raw.get("_class", "tensordict:TensorDict") != "tensordict:TensorDict":
-        raise _bad(root, f"{where} is not a plain TensorDict's (tdstore imports TensorDicts of tensors only)")
+        raise bad(root, f"{where} is not a plain TensorDict's (tdstore imports TensorDicts of tensors only)")
     shape = raw.get("shape")
     if not isinstance(shape, list) or len(shape) != 1:
-        raise _bad(root, f"{where}: a storage of one batch dim is expected, got shape {shape!r}"[:300])
+        raise bad(root, f"{where}: a storage of one batch dim is expected, got shape {shape!r}"[:300])
     n = _int(shape[0], "the storage size", root, 1)
     if count is not None and n != count:
-        raise _bad(root, f"{where}: batch size {n}, the storage has {count}")
+        raise bad(root, f"{where}: batch size {n}, the storage has {count}")
     try:
         n, _ = check_new_layout(n, 0, ())
     except ValueError as err:
-        raise _bad(root, str(err)) from None
+        raise bad(root, str(err)) from None
     keys: list[KeyEntry] = []
     for name, entry in raw.items():
         if name in _TD_FIELDS:
@@ -514,11 +369,11 @@ def _memmap_keys(root: Path, folder: str, prefix: tuple[str, ...], count: int | 
             keys += _memmap_keys(root, sub, path, n)[1]
             continue
         if not isinstance(entry, dict) or "dtype" not in entry or entry.get("is_nested"):
-            raise _bad(root, f"key {path!r} is not a memory-mapped tensor (tdstore imports tensors only)"[:300])
+            raise bad(root, f"key {path!r} is not a memory-mapped tensor (tdstore imports tensors only)"[:300])
         dtype = str(entry["dtype"]).removeprefix("torch.")
         dims = entry.get("shape")
         if dtype not in ITEMSIZE or not isinstance(dims, list) or not dims or dims[0] != n:
-            raise _bad(root, f"key {path!r}: dtype {entry['dtype']!r} and shape {dims!r} are not a tensor of {n} rows tdstore stores"[:300])
+            raise bad(root, f"key {path!r}: dtype {entry['dtype']!r} and shape {dims!r} are not a tensor of {n} rows tdstore stores"[:300])
         e = KeyEntry(path, dtype, "dense", len(dims) - 1, f"{sub}.memmap", _dims(root, dims[1:], len(dims) - 1, f"key {path!r}"))
         _size(root, e.file, n * e.element_nbytes, f"key {path!r}")
         keys.append(e)
@@ -533,24 +388,24 @@ def _torchrl_meta(root: Path) -> CheckpointMeta:
 
     raw = load_json(root, TORCHRL_FILE, TORCHRL_FILE)
     if not isinstance(raw, dict) or raw.get("is_pytree") is not False:
-        raise _bad(root, f"{TORCHRL_FILE} is not a TensorDict storage's (pytree storages are not imported)")
+        raise bad(root, f"{TORCHRL_FILE} is not a TensorDict storage's (pytree storages are not imported)")
     length = _int(raw.get("len"), "len", root)
     count, keys = _memmap_keys(root, "", (), None)
     if length > count:
-        raise _bad(root, f"len {length} is beyond the storage size {count}")
+        raise bad(root, f"len {length} is beyond the storage size {count}")
     return CheckpointMeta(str(uuid.uuid4()), "dense", count, 0, (), keys if length else [], {"rw": length} if length else {})
 
 
 def is_torchrl_dump(root: Path) -> bool:
     """Whether the checkpoint folder ``root`` is torchrl's (``storage_metadata.json``, no ``tdstore.json``)."""
-    return not _exists(root, META_FILE) and _exists(root, TORCHRL_FILE)
+    return not exists(root, META_FILE) and exists(root, TORCHRL_FILE)
 
 
 def locate(path: Any) -> Path:
     """The checkpoint folder of ``path``: ``path`` itself, or its ``storage`` folder when ``path`` is what
     ``ReplayBuffer.dumps`` wrote (a folder of ``storage/``, ``writer/``, ``sampler/``; never through a symlink)."""
     root = Path(path)
-    if _exists(root, META_FILE) or _exists(root, TORCHRL_FILE):
+    if exists(root, META_FILE) or exists(root, TORCHRL_FILE):
         return root
     try:
         inside_dir = stat.S_ISDIR(os.lstat(root / STORAGE_DIR).st_mode)

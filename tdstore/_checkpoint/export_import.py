@@ -41,12 +41,11 @@ from tdstore._checkpoint.disk_format import (
     CheckpointError,
     CheckpointMeta,
     KeyEntry,
-    opened,
-    read_at,
     read_meta,
     read_restorable,
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
+from tdstore._checkpoint.folder import opened, read_at
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine

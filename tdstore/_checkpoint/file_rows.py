@@ -1,7 +1,7 @@
 """A checkpoint's files read back as the upload's leaf scans: a dense key's rows, a ragged key's rows with its
 offsets and shapes, each checked against the metadata before anything is sent.
 
-No file stays open: a chunk of rows is read by opening its file (``disk_format.open_file``: no symlink
+No file stays open: a chunk of rows is read by opening its file (``folder.open_file``: no symlink
 followed, a regular file only), reading the chunk's bytes and closing it, so a checkpoint of any number
 of keys imports under any limit of open files (a memory map per key held one descriptor per key: 1,500
 keys failed with "Too many open files").  A ragged key's offsets and shapes are read whole (8 bytes per
@@ -15,15 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tdstore._checkpoint.disk_format import (
-    CheckpointError,
-    CheckpointMeta,
-    KeyEntry,
-    file_size,
-    opened,
-    read_at,
-    read_range,
-)
+from tdstore._checkpoint.disk_format import CheckpointMeta, KeyEntry
+from tdstore._checkpoint.folder import CheckpointError, file_size, opened, read_at, read_range
 from tdstore._format import codec as _codec
 from tdstore._format.header_info import MAX_INT
 from tdstore._format.nontensor import decode

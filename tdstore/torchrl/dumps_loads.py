@@ -31,8 +31,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tdstore._checkpoint.disk_format import CheckpointError, is_torchrl_dump, load_json, torchrl_ring_writes, writer_state
+from tdstore._checkpoint.disk_format import is_torchrl_dump, torchrl_ring_writes, writer_state
 from tdstore._checkpoint.export_import import _lazy_handle, import_narrowed, read_meta
+from tdstore._checkpoint.folder import CheckpointError, load_json
 from tdstore._engine.connection import open_client
 from tdstore._format import tensorclass as _tensorclass
 from tdstore._format.keys import StoreKeys
