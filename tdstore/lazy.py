@@ -18,6 +18,7 @@ from tensordict.base import NO_DEFAULT
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine, new_td_id
 from tdstore._format import nontensor as _nontensor
+from tdstore._format.header_info import check_new_layout as _check_layout
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, NestedPath
 from tdstore._front.common import fetch_existing, ttl_to_ms
@@ -338,22 +339,6 @@ def _restore(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> La
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
-
-
-def _check_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be a positive int (a lazy stack has at least one element), got {count!r}")
-    if count > 2**40:
-        raise ValueError(f"count {count} is too large (at most 2**40 elements)")
-    try:
-        inner = tuple(int(i) for i in inner_batch_size)
-    except TypeError:
-        raise TypeError(f"inner_batch_size must be a sequence of ints, got {inner_batch_size!r}") from None
-    if any(i < 0 for i in inner):
-        raise ValueError(f"inner_batch_size must hold non-negative sizes, got {list(inner)}")
-    if isinstance(stack_dim, bool) or not isinstance(stack_dim, int) or not -(len(inner) + 1) <= stack_dim <= len(inner):
-        raise ValueError(f"stack_dim {stack_dim!r} is out of range for an inner batch size of {len(inner)} dims")
-    return count, inner
 
 
 def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:

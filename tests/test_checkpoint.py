@@ -343,8 +343,10 @@ def test_torchrl_buffer_dumps_empty_loads_samples_the_same_rows(be: Backend, tmp
     rb.dumps(tmp_path / "rb")
     rb.empty()
     rb2 = replay_buffer(20, batch_size=8, sampler="prioritized", **be.kwargs())
+    own = rb2.storage.td_id
     rb2.loads(tmp_path / "rb")
-    assert rb2.storage.td_id == td_id and len(rb2) == 20
+    # the emptied buffer's store is still there, and not rb2's: rb2 restores under its own id
+    assert rb2.storage.td_id == own != td_id and len(rb2) == 20 and len(rb) == 0
     assert rb2.storage._store.ring_state() == (30, 10, 20)
     assert (rb2[:] == before).all()
     assert raw(rb2.storage._store, "priorities") == tree

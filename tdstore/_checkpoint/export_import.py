@@ -9,11 +9,14 @@ non-tensor keys), then the priority tree and sample counts byte for byte, then t
 snapshot when nobody writes meanwhile: a ring write or a schema change seen between its
 first and last read makes it fail (in-place writes ``store[i] = td`` are not detected).
 
-:func:`import_checkpoint` checks the whole checkpoint first (sizes, offsets, shapes, JSON
-documents: nothing is unpickled), then uploads it through the upload path (``_front.upload``: the
-store appears only when every chunk is written), each chunk read from the files, and finally
-gives the store its ring write count, policy counters, policy, priority tree and sample
-counts in one script call (``lua/restore.lua``).
+:func:`import_checkpoint` checks the whole checkpoint first (:func:`prepare`: sizes, offsets,
+shapes, JSON documents, the priority tree, and the header the store will have read back as any
+reader reads it, its ring fields included: nothing is unpickled, nothing is written), then (only
+then) deletes the store it replaces, uploads the rows through the upload path (``_front.upload``:
+the store appears only when every chunk is written), each chunk read from the files, and finally
+gives the store its ring write count, policy counters, policy, priority tree and sample counts in
+one script call (``lua/restore.lua``).  A failure after the store was created deletes every key
+the import made, and nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +41,17 @@ from tdstore._checkpoint.disk_format import (
     CheckpointError,
     CheckpointMeta,
     KeyEntry,
-    inside,
     read_meta,
+    read_restorable,
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
+from tdstore._checkpoint.folder import opened, read_at
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
+from tdstore._format.header_info import StoreFormatError
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
@@ -63,6 +68,7 @@ __all__ = [
     "export_store",
     "import_checkpoint",
     "import_narrowed",
+    "prepare",
     "read_meta",
     "restore_into",
 ]
@@ -300,9 +306,11 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
         ring["pm"] = float(fields["pm"])
     if policy is not None:
         ring["policy"] = policy
+    ttl = int(engine.command("PTTL", engine.keys.meta))  # (-1: none)
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
+        ttl_ms=max(ttl, 0),
     )  # fmt: skip
     if policy is not None and policy.get("alpha") is not None:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
@@ -322,7 +330,10 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
 
 
 def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: str) -> Header:
-    """The header of the upload, as ``_front.upload`` builds it from a scan."""
+    """The header of the upload, as ``_front.upload`` builds it from a scan (a header without keys: what an empty store is made with)."""
+    if not scans:
+        return Header(version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device,
+                      kind=meta.kind, tensorclass=meta.tensorclass, batchless=meta.batchless)  # fmt: skip
     leaves = {}
     for n, (e, s) in enumerate(zip(meta.keys, scans, strict=True)):
         leaves[e.path] = Leaf(e.path, n, s.dtype, e.ndim, e.shape, json=s.json)
@@ -337,25 +348,77 @@ def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: 
     return replace(header, seg=segment_length(meta.count, max(largest, width), engine.segment_size), spread=engine.spread)
 
 
-def _upload_rows(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], pbar: bool, ttl_ms: int) -> None:
+def _ring_words(meta: CheckpointMeta) -> list[str]:
+    """``restore.lua``'s header fields (``name=value``), as the header will hold them."""
+    ring = meta.ring
+    return [f"{n}={ring[n]:.17g}" if n == "pm" else f"{n}={ring[n]}" for n in RING_FIELDS if ring.get(n) is not None]
+
+
+def _check_header(root: Path, header: Header, meta: CheckpointMeta) -> None:
+    """The header the store will hold once restored (the upload's, ready, with the ring fields and policy
+    ``restore.lua`` sets) read back as every reader reads it (``Header.from_fields``: leaves that start
+    with the inner batch size, counters and policy in the scripts' ranges, sub-tree dims, ...):
+    whatever a reader would call damaged is refused before anything is written."""
+    fields: dict[bytes | str, bytes | str] = dict(replace(header, state="ready", tracked=not header.spread).fields().items())
+    for word in _ring_words(meta):
+        name, _, value = word.partition("=")
+        fields[name] = value
+    policy = meta.policy
+    if policy is not None:
+        fields["sc"] = policy.to_json()
+    try:
+        Header.from_fields(fields)
+        if meta.device:
+            torch.device(meta.device)
+    except (StoreFormatError, ValueError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"{root} is not a valid tdstore checkpoint: the store it describes is not one tdstore makes: {err}") from None
+
+
+@dataclass
+class Prepared:
+    """A checkpoint checked against a server (:func:`prepare`): what :func:`restore_into` writes."""
+
+    root: Path
+    meta: CheckpointMeta
+    scans: list[LeafScan]
+    header: Header
+    token: str
+    chunk_bytes: int
+
+
+def prepare(path: Any, meta: CheckpointMeta, engine: Engine) -> Prepared:
+    """Every check of the checkpoint in ``path`` (``meta``: what :func:`read_meta` read there, maybe narrowed)
+    that can be made before anything is written: the priority tree, every ragged key's offsets, shapes and
+    documents, the header the store will have, and the room on ``engine``'s server.  Reads only."""
+    root = Path(path)
+    if meta.priorities is not None:
+        check_tree(root, meta.priorities, meta.count, meta.written)
+    scans = leaf_scans(root, meta)
+    token = uuid.uuid4().hex
+    header = _header(engine, meta, scans, token)
+    _check_header(root, header, meta)
+    chunk_bytes = CHUNK_BYTES
+    if scans:
+        sizes = {s.path: s.element_bytes() for s in scans}
+        chunk_bytes = _upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
+    return Prepared(root, meta, scans, header, token, chunk_bytes)
+
+
+def _upload_rows(engine: Engine, plan: Prepared, pbar: bool, ttl_ms: int) -> None:
     """Upload the checkpoint's elements (``_front.upload``'s steps: create uploading, chunks, commit), or create an empty store."""
+    header, scans = plan.header, plan.scans
     if not scans:
-        header = Header(version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device,
-                        kind=meta.kind, tensorclass=meta.tensorclass, batchless=meta.batchless)  # fmt: skip
         if engine.create(header, ttl_ms=ttl_ms) is not None:
             raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
         return
-    token = uuid.uuid4().hex
-    header = _header(engine, meta, scans, token)
     sizes = {s.path: s.element_bytes() for s in scans}
-    chunk_bytes = _upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
     spread = engine.spread and header.segments.n > 1
     if engine.create(header, ttl_ms=_upload.UPLOAD_TTL_MS) is not None:
         raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     header = engine.header
     try:
-        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=chunk_bytes, spread=spread)
-        _upload._commit(engine, header, token, ttl_ms, spread)
+        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
+        _upload._commit(engine, header, plan.token, ttl_ms, spread)
     except BaseException:
         try:
             _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
@@ -370,16 +433,16 @@ def _stage(engine: Engine, root: Path, rel: str | None, target: str, token: str)
     stage = engine.keys.staging(target, token)
     if rel is None:
         return stage, 0
-    file = inside(root, rel, "a policy file")
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        for lo in range(0, size, 16 * _RAW_PIECE):
+    with opened(root, rel, "a policy file") as fd:
+        size = os.fstat(fd).st_size
+        lo = 0
+        while lo < size:
             pipe = engine.client.pipeline(transaction=False)
             for _ in range(16):
-                piece = f.read(_RAW_PIECE)
-                if piece:
-                    pipe.setrange(stage, lo, piece)
-                    lo += len(piece)
+                n = min(_RAW_PIECE, size - lo)
+                if n > 0:
+                    pipe.setrange(stage, lo, bytes(read_at(fd, lo, n)))
+                    lo += n
             pipe.pexpire(stage, _STAGE_TTL_MS)
             pipe.execute()
     return stage, size
@@ -389,18 +452,17 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
     """Ring counters, policy, priority tree and sample counts: staged, then set in one script call."""
     keys = engine.keys
     token = uuid.uuid4().hex
-    tree_stage, tree_len = _stage(engine, root, meta.priorities, keys.priorities, token)
-    times_stage, times_len = _stage(engine, root, meta.sampled, keys.times_sampled, token)
-    ring = meta.ring
-    words = [f"{n}={ring[n]:.17g}" if n == "pm" else f"{n}={ring[n]}" for n in RING_FIELDS if ring.get(n) is not None]
+    tree_stage, times_stage = keys.staging(keys.priorities, token), keys.staging(keys.times_sampled, token)
     policy = meta.policy
     h = engine.header
     try:
+        tree_stage, tree_len = _stage(engine, root, meta.priorities, keys.priorities, token)
+        times_stage, times_len = _stage(engine, root, meta.sampled, keys.times_sampled, token)
         reply = _scripts.call(
             engine.client,
             "restore",
             [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage],
-            [f"{h.epoch}:V{h.version}", " ".join(words), policy.to_json() if policy else "", tree_len, times_len, keys.events],
+            [f"{h.epoch}:V{h.version}", " ".join(_ring_words(meta)), policy.to_json() if policy else "", tree_len, times_len, keys.events],
         )
     finally:
         engine.command("DEL", tree_stage, times_stage)
@@ -409,25 +471,38 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
     engine.adopt_stale(reply)
 
 
-def restore_into(path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int = 0, meta: CheckpointMeta | None = None) -> CheckpointMeta:
+def _remove_made(engine: Engine, header: Header) -> None:
+    """Delete the store this import made (every key of it), whatever state it was left in: by its header
+    when that reads back, else (a header another client damaged reads as gone to ``clear``) by the keys the
+    upload's header names, while the header there is still this import's (its epoch)."""
+    try:
+        _whole_store.clear(engine)
+    except Exception:  # (deleted by name below)
+        pass
+    if engine.command("HGET", engine.keys.meta, "epoch") == header.epoch.encode():
+        _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+
+
+def restore_into(
+    path: Any, *, engine: Engine, pbar: bool = False, ttl_ms: int = 0, meta: CheckpointMeta | None = None, plan: Prepared | None = None
+) -> CheckpointMeta:
     """Restore the checkpoint in ``path`` as the new store ``engine`` names (which must not exist).
 
-    Everything is checked before anything is written (:class:`CheckpointError`); the store
-    appears with its rows, then gets its ring and policy state in one call.  ``meta``: what
-    :func:`read_meta` read of ``path``, narrowed by the caller (``CheckpointMeta.narrowed``).
+    Everything is checked before anything is written (:func:`prepare`, or ``plan``, what it returned;
+    :class:`CheckpointError`); the store appears with its rows, then gets its ring and policy state in
+    one call; a failure after the store was created deletes it.  ``meta``: what :func:`read_meta` read
+    of ``path``, narrowed by the caller (``CheckpointMeta.narrowed``).
     """
-    root = Path(path)
-    meta = read_meta(root) if meta is None else meta
-    if meta.priorities is not None:
-        check_tree(root, meta.priorities)
-    scans = leaf_scans(root, meta)
-    _upload_rows(engine, meta, scans, pbar, ttl_ms)
+    if plan is None:
+        plan = prepare(path, read_meta(path) if meta is None else meta, engine)
+    meta = plan.meta
+    _upload_rows(engine, plan, pbar, ttl_ms)
     if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
         return meta
     try:
-        _restore_ring(engine, root, meta)
+        _restore_ring(engine, plan.root, meta)
     except BaseException:
-        _whole_store.clear(engine)  # no half-restored store is left behind
+        _remove_made(engine, plan.header)  # no half-restored store is left behind
         raise
     return meta
 
@@ -457,12 +532,14 @@ def import_checkpoint(
 
     The store gets the checkpoint's td_id unless ``td_id`` is given; a store of that id that
     exists already is refused (``FileExistsError``) unless ``replace=True``, which deletes it
-    first.  Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the
-    checkpoint's rows, ring state, priorities and sampling policy.
+    first (once the checkpoint passed every check). It gets the time to live the exported store had
+    left unless ``ttl`` is given. ``path`` may also be the folder ``rb.dumps`` wrote (its ``storage``
+    checkpoint is read) or a torchrl dump (restored without torchrl's ``"index"`` key, at its writer's
+    cursor). Returns the store (a ``TensorDictStore`` for a dense checkpoint), with the checkpoint's
+    rows, ring state, priorities and sampling policy.
     """
-    return import_narrowed(
-        path, read_meta(path), td_id=td_id, replace=replace, pbar=pbar, ttl=ttl, tensorclass_cls=tensorclass_cls, **store_kwargs
-    )
+    root, meta = read_restorable(path)
+    return import_narrowed(root, meta, td_id=td_id, replace=replace, pbar=pbar, ttl=ttl, tensorclass_cls=tensorclass_cls, **store_kwargs)
 
 
 def import_narrowed(
@@ -489,16 +566,21 @@ def import_narrowed(
     client, spec, owned = open_client(**_connection_kwargs(store_kwargs))
     keys = StoreKeys(store_kwargs.get("prefix", "tensordict"), tid)
     options = {"segment_bytes": store_kwargs.get("segment_bytes"), "spread": store_kwargs.get("spread", False)}
-    if replace:
-        old = Engine(spec, keys, client, owns_client=False, **options)  # the store there now, deleted
-        try:
-            old.set_header(old.fetch_header())
-        except KeyError:
-            pass
-        else:
-            _whole_store.clear(old)
     engine = Engine(spec, keys, client, owns_client=owned, **options)
-    restore_into(path, engine=engine, pbar=pbar, ttl_ms=ttl_to_ms(ttl), meta=meta)
+    try:
+        plan = prepare(path, meta, engine)  # every check first: a refused checkpoint leaves the store it would replace as it was
+        if replace:
+            old = Engine(spec, keys, client, owns_client=False, **options)  # the store there now, deleted
+            try:
+                old.set_header(old.fetch_header())
+            except KeyError:
+                pass
+            else:
+                _whole_store.clear(old)
+        restore_into(path, engine=engine, pbar=pbar, ttl_ms=meta.ttl_ms if ttl is None else ttl_to_ms(ttl), plan=plan)
+    except BaseException:
+        engine.close()
+        raise
     store = attach(engine, backend=store_kwargs.get("backend", "redis"), cache_metadata=store_kwargs.get("cache_metadata", True))
     if engine.header.kind == "dense":
         store = TensorDictStore._open_view(store)

@@ -28,6 +28,7 @@ __all__ = [
     "HeaderInfo",
     "LeafRecord",
     "StoreFormatError",
+    "check_new_layout",
     "float_field",
     "int_field",
     "parse_header",
@@ -80,6 +81,8 @@ class HeaderDamagedError(StoreFormatError, StoreDamagedError):
 
 #: Counters and sizes stay below 2**53, where a double (the scripts' numbers) is exact.
 MAX_INT = 2**53
+#: The most elements a store is made with (a new store's count, checked by :func:`check_new_layout`).
+MAX_COUNT = 2**40
 _INT = re.compile(r"-?[0-9]+")
 
 
@@ -114,6 +117,25 @@ def float_field(raw: bytes | str | None, name: str, lo: float, hi: float, defaul
     if not (math.isfinite(x) and lo <= x <= hi):
         raise HeaderDamagedError(f"header field {name} holds {v[:40]!r}, not a finite number in {lo:g}..{hi:g}")
     return x
+
+
+def check_new_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple[int, tuple[int, ...]]:
+    """A new store's count, stack dim and inner batch size as the constructors accept them (``ValueError``,
+    ``TypeError`` otherwise); returns the count and the inner batch size as a tuple of ints. Checkpoints
+    are held to the same (``_checkpoint.disk_format``), so a restore makes only stores a constructor could."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int (a lazy stack has at least one element), got {count!r}")
+    if count > MAX_COUNT:
+        raise ValueError(f"count {count} is too large (at most 2**40 elements)")
+    try:
+        inner = tuple(int(i) for i in inner_batch_size)
+    except TypeError:
+        raise TypeError(f"inner_batch_size must be a sequence of ints, got {inner_batch_size!r}") from None
+    if any(i < 0 for i in inner):
+        raise ValueError(f"inner_batch_size must hold non-negative sizes, got {list(inner)}")
+    if isinstance(stack_dim, bool) or not isinstance(stack_dim, int) or not -(len(inner) + 1) <= stack_dim <= len(inner):
+        raise ValueError(f"stack_dim {stack_dim!r} is out of range for an inner batch size of {len(inner)} dims")
+    return count, inner
 
 
 def _check_counters(f: Mapping[str, str], leaves: list[LeafRecord]) -> None:

@@ -92,6 +92,13 @@ def _import_path(path: str) -> type[Any]:
     raise ImportError(f"tensorclass_cls {path!r}: no such class could be imported ({err})") from err
 
 
+def known(stored_name: str) -> type[Any] | None:
+    """The tensorclass ``stored_name`` names when the program registered it or its module is imported
+    already (``sys.modules``, by ``__dict__`` lookups: no module ``__getattr__`` runs), else None;
+    nothing is imported and nothing warns. What :func:`resolve` finds without a class given."""
+    return _REGISTRY.get(stored_name) or _from_loaded(stored_name) if stored_name else None
+
+
 def resolve(stored_name: str, cls: type | str | None) -> type[Any] | None:
     """The tensorclass to wrap a store in, or None (see the module docstring); warns when the class is unavailable."""
     if isinstance(cls, str):
@@ -104,7 +111,7 @@ def resolve(stored_name: str, cls: type | str | None) -> type[Any] | None:
         return cls
     if not stored_name:
         return None
-    found = _REGISTRY.get(stored_name) or _from_loaded(stored_name)
+    found = known(stored_name)
     if found is None:
         warnings.warn(
             f"the store was uploaded from tensorclass {stored_name!r}, which was not given, not registered, and is not a "

@@ -50,16 +50,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _import_failed(err: BaseException) -> int:
+    """One line on stderr for an import refused or failed (never a traceback: a checkpoint is input from outside)."""
+    text = str(err) if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {err}"  # (a CheckpointError is a ValueError)
+    print(f"tdstore import: failed: {safe(text)}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def _cmd_import(args: argparse.Namespace) -> int:
     import redis
 
-    from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint, read_meta
+    from tdstore._checkpoint.disk_format import read_restorable
+    from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint
+    from tdstore._errors import StoreDamagedError
 
     try:
-        meta = read_meta(args.path)  # a malformed checkpoint fails before any connection
-    except CheckpointError as err:
-        print(f"tdstore import: failed: {err}", file=sys.stderr)
-        return EXIT_FAILED
+        _, meta = read_restorable(args.path)  # a malformed checkpoint fails before any connection
+    except (CheckpointError, OSError, RecursionError, MemoryError) as err:
+        return _import_failed(err)
     conn = _connect("import", args.url)
     if isinstance(conn, int):
         return conn
@@ -69,14 +77,13 @@ def _cmd_import(args: argparse.Namespace) -> int:
             import_checkpoint(
                 args.path, td_id=td_id, replace=args.replace, pbar=not args.no_progress, client=conn.client, prefix=args.prefix
             )
-        except CheckpointError as err:
-            print(f"tdstore import: failed: {err}", file=sys.stderr)
-            return EXIT_FAILED
-        except (FileExistsError, ValueError) as err:
+        except FileExistsError as err:
             print(f"tdstore import: error: {safe(str(err))} (pass --replace to overwrite it, or --td-id)", file=sys.stderr)
             return EXIT_USAGE
         except redis.RedisError as err:
             return _server_failed("import", conn, err)
+        except (ValueError, OSError, RecursionError, MemoryError, KeyError, RuntimeError, StoreDamagedError) as err:
+            return _import_failed(err)  # (CheckpointError is a ValueError)
     print(f"imported {args.path} as store {safe(td_id)} under prefix {safe(args.prefix)!r}: {meta.count} elements, {len(meta.keys)} keys")
     return EXIT_OK
 

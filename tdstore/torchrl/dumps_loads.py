@@ -1,15 +1,17 @@
 """``StoreStorage.loads``: a checkpoint (``tdstore._checkpoint.export_import``) restored into a torchrl buffer's storage.
 
-Which store the buffer ends up on:
+Which store the buffer ends up on (``rb.loads`` never replaces a store it did not make):
 
-* the checkpoint's own ``td_id`` when no store of that id holding anything is on the server (the
-  buffer was emptied, the server lost it, was restarted without persistence, or is another server) or when it is this storage's
-  own id (``rb.dumps(p); rb.empty(); rb.loads(p)``): other processes ``attach`` to the same id;
-* this storage's ``td_id`` otherwise (the checkpointed buffer still lives there and belongs
-  to someone else: it is left alone).
+* the checkpoint's own ``td_id`` when it is this storage's own id (``rb.dumps(p); rb.empty();
+  rb.loads(p)``), or when no store of that id is on the server at all (the server lost it, was
+  restarted without persistence, or is another server): other processes ``attach`` to the same id;
+* this storage's ``td_id`` otherwise: a store of the checkpoint's id exists and belongs to someone
+  else (the checkpointed buffer, emptied or not, or another user's store): it is left alone. To
+  restore under that id, open the buffer with it (``replay_buffer(..., td_id=...)``) and load.
 
-Whatever store the target id holds is replaced.  An empty store this storage opened under
-another id (a new buffer's placeholder) is deleted.
+The checkpoint is checked whole (``export_import.prepare``) before anything changes: a refused one
+leaves the buffer as it was.  Only this storage's own store is replaced; an empty store it opened
+under another id (a new buffer's placeholder) is deleted once the checkpoint is restored.
 
 What is restored is what a ``LazyTensorStorage`` would hold after torchrl's ``loads``, as far as a
 ring can hold it:
@@ -26,37 +28,30 @@ ring can hold it:
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tensordict import is_tensorclass
-
-from tdstore._checkpoint.disk_format import META_FILE, CheckpointMeta
+from tdstore._checkpoint.disk_format import is_torchrl_dump, torchrl_ring_writes, writer_state
 from tdstore._checkpoint.export_import import _lazy_handle, import_narrowed, read_meta
+from tdstore._checkpoint.folder import CheckpointError, load_json
+from tdstore._engine.connection import open_client
+from tdstore._format import tensorclass as _tensorclass
+from tdstore._format.keys import StoreKeys
+from tdstore.dense import _connection_kwargs
 from tdstore.torchrl.storage_base import METADATA_KEYS
-
-#: Where ``ReplayBuffer.dumps`` puts its writer's state, beside the storage's directory (``storage``).
-WRITER_STATE = ("writer", "metadata.json")
 
 if TYPE_CHECKING:
     from tdstore.torchrl.storage import StoreStorage
 
 
-def _exists(td_id: str, conn: dict[str, Any]) -> bool:
-    """Whether a store of ``td_id`` holds anything (an emptied buffer's new, empty store counts as none)."""
-    from tdstore.store import TensorDictStore
-
+def _taken(td_id: str, conn: dict[str, Any]) -> bool:
+    """Whether any store of ``td_id`` is on the server (its header exists: ready, uploading, emptied or damaged)."""
+    client, _, owned = open_client(**_connection_kwargs(conn))
     try:
-        store = TensorDictStore.from_store(td_id=td_id, **conn)
-    except KeyError:
-        return False
-    handle = _lazy_handle(store)
-    try:
-        return bool(handle._engine.header.leaves) or handle.write_count > 0
+        return bool(client.exists(StoreKeys(conn.get("prefix", "tensordict"), td_id).meta))
     finally:
-        handle.close()
+        if owned:
+            client.close()
 
 
 def _drop_if_empty(storage: StoreStorage) -> None:
@@ -72,43 +67,6 @@ def _drop_if_empty(storage: StoreStorage) -> None:
         pass
 
 
-def _writer_state(path: Path) -> tuple[int | None, int | None]:
-    """The cursor and write count a torchrl writer saved beside the storage checkpoint ``path`` (``rb.dumps``:
-    ``<dir>/storage`` and ``<dir>/writer/metadata.json``, as torchrl's ``RoundRobinWriter.dumps`` writes it);
-    ``(None, None)`` when there is none, or it holds no such numbers."""
-    if path.name != "storage":
-        return None, None
-    try:
-        saved = json.loads(path.parent.joinpath(*WRITER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None, None
-    if not isinstance(saved, dict):
-        return None, None
-
-    def count(v: Any) -> int | None:
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-    return count(saved.get("cursor")), count(saved.get("write_count"))
-
-
-def _ring_writes(meta: CheckpointMeta, cursor: int | None, write_count: int | None) -> tuple[int | None, int]:
-    """The ring write count that continues a torchrl writer at ``cursor`` (None: the checkpoint's own) and the
-    write base (``wb``) that makes ``rb.write_count`` the writer's ``write_count``.
-
-    A ring's next slot is its write count modulo its slots, and its written slots are the first ``min(rw,
-    slots)``: a full ring gets the largest count up to ``write_count`` that leaves its cursor at ``cursor``
-    (``write_count`` itself for a writer never emptied with ``empty_write_count=False``, whose slots then have
-    torchrl's generations), and at least one lap; a ring not full keeps its length (its cursor)."""
-    n, written = meta.count, meta.written
-    rw = None
-    if written == n and cursor is not None and cursor < n:
-        rw = n + cursor
-        if write_count is not None and write_count > rw:
-            rw += (write_count - rw) // n * n
-    base = written if rw is None else rw
-    return rw, (write_count - base if write_count is not None and write_count > base else 0)
-
-
 def load_checkpoint(storage: StoreStorage, path: Path) -> None:
     """Replace the buffer's content with the checkpoint in ``path`` (rows, ring state, priorities, policy)."""
     meta = read_meta(path)  # a malformed checkpoint is refused before anything changes
@@ -120,15 +78,16 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
             + (f" (ndim {storage.ndim}: {meta.count} slots of {tuple(meta.inner)}, this storage makes {slots})" if storage.ndim > 1 else "")
         )
     rw, write_base = None, 0
-    if not (path / META_FILE).is_file():  # torchrl's checkpoint: the cursor is its writer's
-        rw, write_base = _ring_writes(meta, *_writer_state(path))
+    if is_torchrl_dump(path):  # torchrl's checkpoint: the cursor is its writer's
+        rw, write_base = torchrl_ring_writes(meta, *writer_state(path))
     meta = meta.narrowed(drop=[(k,) for k in METADATA_KEYS], rw=rw)
     conn = storage._open_kwargs()
     own = storage._td_id
-    target = meta.td_id if meta.td_id == own or not _exists(meta.td_id, conn) else own
+    target = meta.td_id if meta.td_id == own or not _taken(meta.td_id, conn) else own
+    # (another store of the target id made meanwhile is refused, FileExistsError, not replaced)
+    store = import_narrowed(path, meta, td_id=target, replace=target == own, **conn)
     if target != own:
         _drop_if_empty(storage)
-    store = import_narrowed(path, meta, td_id=target, replace=True, **conn)
     storage._td_id = target
     storage._ring = _lazy_handle(store)
     storage._pending = None
@@ -139,17 +98,12 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
         storage.max_size = meta.count * storage._lanes(storage._inner)  # whole lanes, as torchrl's
     if write_base:
         storage._carry(0, write_base)
-    state_file = path / "store.json"
-    if state_file.is_file() and storage._tensorclass_type is None:
-        try:
-            saved = json.loads(state_file.read_text())
-        except ValueError:
-            saved = {}
-        if isinstance(saved, dict):
-            storage.adopt_treespec(saved.get("treespec"))
-        name = saved.get("tensorclass") if isinstance(saved, dict) else None
-        if isinstance(name, str):  # only a class this process imported already: nothing is imported
-            module, _, attr = name.rpartition(".")
-            cls = getattr(sys.modules.get(module), attr, None)
-            if cls is not None and is_tensorclass(cls):
-                storage._tensorclass_type = cls
+    try:
+        saved = load_json(path, "store.json", "store.json")
+    except (OSError, CheckpointError):
+        saved = None
+    if isinstance(saved, dict) and storage._tensorclass_type is None:
+        storage.adopt_treespec(saved.get("treespec"))
+        name = saved.get("tensorclass")
+        if isinstance(name, str):  # as from_store resolves one: registered, or of a module imported already (nothing is imported)
+            storage._tensorclass_type = _tensorclass.known(name)

@@ -21,6 +21,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
+from tdstore._format import tensorclass as _tensorclass
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._ring.dense_methods import dense_rows
 from tdstore._ring.policy_calls import policy_of, restore_policy
@@ -281,13 +282,8 @@ class StoreStorage(StorageWrites):
         self._is_tensor = state_dict.get("is_tensor")
         self.adopt_treespec(state_dict.get("treespec"))
         path = state_dict.get("tensorclass")
-        if path is not None and self._tensorclass_type is None:
-            import sys
-
-            module, _, name = path.rpartition(".")
-            cls = getattr(sys.modules.get(module), name, None)
-            if cls is not None and is_tensorclass(cls):
-                self._tensorclass_type = cls
+        if isinstance(path, str) and self._tensorclass_type is None:  # as from_store resolves one: nothing is imported
+            self._tensorclass_type = _tensorclass.known(path)
 
     def adopt_treespec(self, text: Any) -> None:
         """Read the buffer's rows as the pytree ``text`` (``treespec_dumps``) describes, when this process wrote none."""

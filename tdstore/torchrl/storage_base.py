@@ -17,6 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
+from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import new_td_id
 from tdstore._errors import DenseShapeError
@@ -31,7 +32,7 @@ TENSOR_KEY = "_tensor"
 #: The keys the leaves of a pytree other than a dict of tensors are stored under: ``_tree0``, ``_tree1``...
 TREE_KEY = "_tree"
 #: Keys a TensorDictReplayBuffer puts into the data it is given or returns; buffer metadata, never stored.
-METADATA_KEYS = ("index", "index_generation")
+METADATA_KEYS = TORCHRL_ROW_KEYS  # (a checkpoint restores torchrl dumps without them)
 #: Connection keywords kept in ``state_dict`` (never a secret: see ``SECRET_KWARGS``).
 _PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "backend", "username", "ssl")
 #: The message of the ``RuntimeError`` that sampling a buffer nothing was written to raises.

@@ -31,6 +31,7 @@ CASE_NAMES = (
     "store-recreated",
     "eviction",
     "ambiguous-timeout",
+    "hostile-checkpoint",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")

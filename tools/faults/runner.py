@@ -16,6 +16,7 @@ from tdstore.server import EmbeddedServer
 from tools._probes import delete_prefix
 from tools.faults.ambiguous import case_ambiguous_timeout
 from tools.faults.base import BULK_ARGS, CASE_NAMES, MAXMEMORY_ARGS, CaseResult, Check, Env, Options, describe_exc
+from tools.faults.checkpoints import case_hostile_checkpoint
 from tools.faults.connection import case_connection_drop, case_restart, case_script_flush
 from tools.faults.eviction import EVICTION_ARGS, case_eviction
 from tools.faults.limits import QUERY_BUFFER_ARGS, case_maxmemory, case_proto_max_bulk_len, case_query_buffer_limit
@@ -50,6 +51,7 @@ CASES: dict[str, CaseSpec] = {
     "store-recreated": CaseSpec(case_store_recreated),
     "eviction": CaseSpec(case_eviction, EVICTION_ARGS, "needs a server started with --maxmemory 16mb --maxmemory-policy allkeys-lru"),
     "ambiguous-timeout": CaseSpec(case_ambiguous_timeout, private_reason="stops the server (SIGSTOP) under a call"),
+    "hostile-checkpoint": CaseSpec(case_hostile_checkpoint),
 }
 assert tuple(CASES) == CASE_NAMES
 
