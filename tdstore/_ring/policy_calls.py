@@ -252,10 +252,14 @@ def priority_tensor(priority: Any, what: str = "priority") -> torch.Tensor:
     """``priority`` (a number, a sequence, an array or a tensor) as a float64 tensor on the CPU, its dtype
     checked before any cast: integers and every float dtype are numbers, but a complex value would lose its
     imaginary part and a bool is no priority (``TypeError`` naming the dtype)."""
-    t = priority.detach() if isinstance(priority, torch.Tensor) else torch.as_tensor(priority)
-    if t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{what} must be real numbers (an integer or floating dtype), got {t.dtype}")
-    return t.to("cpu", torch.float64)
+    if isinstance(priority, torch.Tensor):
+        kind, dtype = ("c" if priority.is_complex() else "b" if priority.dtype == torch.bool else "f"), priority.dtype
+    else:  # numpy keeps a Python float's 64 bits (torch would make it float32: 1e200 would turn inf)
+        priority = np.asarray(priority)
+        kind, dtype = priority.dtype.kind, priority.dtype
+    if kind in "cb":
+        raise TypeError(f"{what} must be real numbers (an integer or floating dtype), got {dtype}")
+    return torch.as_tensor(priority).detach().to("cpu", torch.float64)
 
 
 def priority_values(priority: Any, n: int, what: str = "priority", *, policy: SamplingPolicy | None = None, slots: int = 0) -> list[float]:
