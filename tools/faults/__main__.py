@@ -77,6 +77,13 @@ Cases (issues #4 and #15):
     creates it again under the same ``td_id`` with another dtype, while this handle
     holds it: every read and write (bulk paths included) raises a ``KeyError``
     naming the ``td_id`` ("created again" for the second), and nothing is written.
+``readonly-acl``
+    A learner logged in as README.md's read-only user (the line read from README.md) sends
+    ``CLIENT PAUSE``/``KILL``/``LIST``, ``CONFIG``, ``DEBUG``, ``FLUSHALL``, ``KEYS``, ``INFO``, ... (harmless
+    forms), a write script of its own and tdstore writes through a handle without ``readonly=True``,
+    while a writer extends: each must be refused (on Redis 7 by ``ACL DRYRUN`` too, ``SHUTDOWN`` and
+    ``MONITOR`` included), no key changed, the writer never held up; its ``readonly=True`` handle must
+    still read, sample (lazy and dense) and wait subscribed.
 
 Usage::
 

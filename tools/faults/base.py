@@ -30,6 +30,7 @@ CASE_NAMES = (
     "store-deleted",
     "store-recreated",
     "eviction",
+    "readonly-acl",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")

@@ -14,6 +14,7 @@ import redis
 
 from tdstore.server import EmbeddedServer
 from tools._probes import delete_prefix
+from tools.faults.acl import case_readonly_acl
 from tools.faults.base import BULK_ARGS, CASE_NAMES, MAXMEMORY_ARGS, CaseResult, Check, Env, Options, describe_exc
 from tools.faults.connection import case_connection_drop, case_restart, case_script_flush
 from tools.faults.eviction import EVICTION_ARGS, case_eviction
@@ -48,6 +49,7 @@ CASES: dict[str, CaseSpec] = {
     "store-deleted": CaseSpec(case_store_deleted),
     "store-recreated": CaseSpec(case_store_recreated),
     "eviction": CaseSpec(case_eviction, EVICTION_ARGS, "needs a server started with --maxmemory 16mb --maxmemory-policy allkeys-lru"),
+    "readonly-acl": CaseSpec(case_readonly_acl, private_reason="creates an ACL user and sends it admin commands"),
 }
 assert tuple(CASES) == CASE_NAMES
 
