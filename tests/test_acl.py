@@ -156,3 +156,33 @@ def reader_works(acl_server: EmbeddedServer) -> None:
     assert not [w for w in seen if "SUBSCRIBE" in str(w.message)]
     for handle in (ro, rd, writer, dense):
         handle.close()
+
+
+def test_the_learner_reads_and_waits_on_a_cluster(redis_cluster):
+    """On every node of a cluster: a plain store and a sharded ring, read, sampled and waited on through
+    ``RedisCluster`` (whose start needs ``+cluster|slots +command``), with nothing in any node's ``ACL LOG``."""
+    nodes = [redis_cluster.node_client(i) for i in range(len(redis_cluster.ports))]
+    for node in nodes:
+        node.execute_command(*acl.readme_acl(PREFIX, "clusterlearner", "cpw"))
+        node.acl_log_reset()
+    url = redis_cluster.url.replace("redis+cluster://", "redis+cluster://clusterlearner:cpw@")
+    try:
+        plain = LazyStackedTensorDictStore(count=8, url=redis_cluster.url, prefix=PREFIX)
+        plain.extend([TensorDict(obs=torch.full((3,), float(i))) for i in range(3)])
+        ring = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True)
+        ring.extend(TensorDict(obs=torch.arange(6.0), batch_size=[6]))
+        ro = LazyStackedTensorDictStore.from_store(td_id=plain.td_id, url=url, prefix=PREFIX, readonly=True)
+        rr = LazyStackedTensorDictStore.from_store(td_id=ring.td_id, url=url, prefix=PREFIX, readonly=True)
+        assert ro[[0, 2]]["obs"][:, 0].tolist() == [0.0, 2.0] and ro.sample(2).indices.numel() == 2
+        assert rr.sample(3).indices.numel() == 3
+        assert ro.wait_for(written=3, timeout=10).written == 3
+        refused = [e for node in nodes for e in node.acl_log() if e.get("username") == "clusterlearner"]
+        assert not refused, refused  # the reader needed nothing more
+        with pytest.raises(PermissionError, match="ACL"):
+            LazyStackedTensorDictStore.from_store(td_id=plain.td_id, url=url, prefix=PREFIX).extend([TensorDict(obs=torch.zeros(3))])
+        plain.clear_redis()
+        ring.clear_redis()
+    finally:
+        for node in nodes:
+            node.execute_command("ACL", "DELUSER", "clusterlearner")
+            node.close()
