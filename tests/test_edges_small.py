@@ -284,3 +284,15 @@ def test_a_dense_store_data_key_of_another_type_is_a_damaged_store(one_node):
             call()
     client.delete(key)
     s.clear_redis()
+
+
+def test_a_registry_of_another_type_refuses_a_new_store_before_its_header_is_written(one_node):
+    """Failed before: ``create.lua`` wrote the header, then met the registry's ``WRONGTYPE``: the constructor
+    raised a bare ``ResponseError`` and left a header no registry lists."""
+    client = one_node.client()
+    registry = f"{one_node.prefix}:stores"
+    client.set(registry, "x")
+    with pytest.raises(StoreDamagedError, match=rf"key {registry!r} holds a string, where tdstore keeps a set"):
+        LazyStackedTensorDictStore(count=2, **one_node.kwargs())
+    assert one_node.keys() == [registry.encode()]
+    client.delete(registry)

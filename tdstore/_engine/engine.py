@@ -284,7 +284,7 @@ class Engine(Transport):
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
-        try:
+        with self.naming_errors():  # a header or registry of another type (WRONGTYPE), a server away
             for _ in range(3):
                 if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
                     reply = _scripts.call(self.client, "create", [self.keys.meta], args)
@@ -298,8 +298,6 @@ class Engine(Transport):
                 from tdstore._engine.whole_store import clear_lapsed
 
                 clear_lapsed(self.client, self.keys, _pairs(reply[1:]), self.spec.cluster)
-        except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
-            raise self.unreachable(err) from err
         if reply[0] == b"OK":
             self.set_header(header)
             return None

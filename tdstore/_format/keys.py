@@ -238,13 +238,16 @@ class StoreKeys:
         return [self.priorities, self.times_sampled]
 
     def value_type(self, key: str) -> str | None:
-        """The Redis type tdstore keeps under ``key``, a key of this store (the layout above): ``hash``,
-        ``zset`` or ``string``; None for a direct write's aside key (a string or a hash, see :meth:`write_aside`).
-        A key of another type was written by another client (``_format.integrity.WrongTypeError``)."""
+        """The Redis type tdstore keeps under ``key``, a key of this store or its prefix's registry (the
+        layout above): ``hash``, ``zset``, ``set`` or ``string``; None for a direct write's aside key (a
+        string or a hash, see :meth:`write_aside`). A key of another type was written by another client
+        (``_format.integrity.WrongTypeError``)."""
         if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
             return "hash"
         if key in self.lease_keys:
             return "zset"
+        if key == self.registry:
+            return "set"
         return None if key.endswith(":w") else "string"
 
     def describe(self, key: str) -> tuple[str, int, int] | None:
