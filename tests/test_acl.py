@@ -177,6 +177,8 @@ def test_the_learner_reads_and_waits_on_a_cluster(redis_cluster):
         assert rr.sample(3).indices.numel() == 3
         assert ro.wait_for(written=3, timeout=10).written == 3
         refused = [e for node in nodes for e in node.acl_log() if e.get("username") == "clusterlearner"]
+        if acl.server_version(nodes[0]) < (7, 0):  # RedisCluster's node connections send redis-py's CLIENT SETINFO and
+            refused = [e for e in refused if e["object"] != "client"]  # MAINT_NOTIFICATIONS; redis-py ignores the refusal
         assert not refused, refused  # the reader needed nothing more
         with pytest.raises(PermissionError, match="ACL"):
             LazyStackedTensorDictStore.from_store(td_id=plain.td_id, url=url, prefix=PREFIX).extend([TensorDict(obs=torch.zeros(3))])
