@@ -24,7 +24,8 @@
               {'LAPSED', field, value, ...} when that header is what a whole-store call cut in
               batches left half-done (a tombstone or a lapsed deadline: tds_lapsed in _lib.lua):
               the client deletes what is left (clear.lua) and creates again.
-  Errors      'TDSTORE bad argument' when the field list is odd.
+  Errors      'TDSTORE bad argument' when the field list is odd; WRONGTYPE when the header or the
+              registry holds another type (set by hand), before anything is written.
 ]]
 local meta = KEYS[1]
 if redis.call('EXISTS', meta) == 1 then
@@ -36,13 +37,13 @@ if (#ARGV - 2) % 2 ~= 0 or #ARGV < 4 then
   error('TDSTORE bad argument: header fields must come in pairs')
 end
 local ttl = tds_num(ARGV[1], 'ttl')
+if KEYS[2] then  -- first: a registry of another type (WRONGTYPE, set by hand) fails the call before the header is written
+  redis.call('SADD', KEYS[2], ARGV[2])
+end
 for i = 3, #ARGV, 2 do
   redis.call('HSET', meta, ARGV[i], ARGV[i + 1])
 end
 if ttl > 0 then
   redis.call('PEXPIRE', meta, ttl)
-end
-if KEYS[2] then
-  redis.call('SADD', KEYS[2], ARGV[2])
 end
 return {'OK'}

@@ -23,7 +23,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.connection import open_client
-from tdstore._engine.engine import Engine, new_td_id
+from tdstore._engine.engine import Engine, new_td_id, td_id_or_new
 from tdstore._format import nontensor as _nontensor
 from tdstore._format.codec import dtype_name
 from tdstore._format.keys import StoreKeys
@@ -186,7 +186,7 @@ class TensorDictStore(DenseRing, StackView):
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(
             spec,
-            StoreKeys(kwargs.get("prefix", "tensordict"), td_id or new_td_id()),
+            StoreKeys(kwargs.get("prefix", "tensordict"), td_id_or_new(td_id)),
             redis_client,
             owns_client=owned,
             segment_bytes=kwargs.get("segment_bytes"),

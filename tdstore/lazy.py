@@ -16,7 +16,7 @@ from tensordict import TensorDictBase
 from tensordict.base import NO_DEFAULT
 
 from tdstore._engine.connection import open_client
-from tdstore._engine.engine import Engine, new_td_id
+from tdstore._engine.engine import Engine, td_id_or_new
 from tdstore._format import nontensor as _nontensor
 from tdstore._format.header_info import check_new_layout as _check_layout
 from tdstore._format.keys import StoreKeys
@@ -127,7 +127,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         )
         engine = Engine(
             spec,
-            StoreKeys(prefix, td_id or new_td_id()),
+            StoreKeys(prefix, td_id_or_new(td_id)),
             redis_client,
             owns_client=owned,
             readonly=readonly,
@@ -273,7 +273,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
         engine = Engine(
-            spec, StoreKeys(prefix, td_id or new_td_id()), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread
+            spec, StoreKeys(prefix, td_id_or_new(td_id)), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread
         )
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same, make_stack
+from helpers import assert_same, load_tool, make_stack
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -403,8 +403,10 @@ def test_review_edge_cases(backend):
     flat.clear_redis()
 
 
-# redis-py sends CLIENT SETINFO on connect and ignores a refusal: no "+client|setinfo" (unknown before Redis 7.2)
-READ_ONLY_ACL = ["on", ">readpw", "~*", "resetchannels", "-@all", "+@read", "+@connection", "+evalsha", "+script|load"]
+def read_only_acl(user: str, password: str, prefix: str) -> list[str]:
+    """README.md's read-only ACL (tests/test_acl.py checks it) without ``+multi +exec`` (the read transactions)."""
+    acl = load_tool("faults.acl").readme_acl(prefix, user, password)
+    return [rule for rule in acl if rule not in ("+multi", "+exec")]
 
 
 def test_readonly_handle_refuses_every_write(backend):
@@ -439,7 +441,7 @@ def test_readonly_handle_refuses_every_write(backend):
 
 def test_read_only_acl_user(real, redis_server):
     admin = real.client()
-    admin.execute_command("ACL", "SETUSER", "learner", *READ_ONLY_ACL)
+    admin.execute_command(*read_only_acl("learner", "readpw", real.prefix))
     store = LazyStackedTensorDictStore.from_lazy_stack(make_stack(4), **real.kwargs())
     admin.script_flush()  # the read-only user must be able to load the read script itself
     url = f"unix://learner:readpw@{redis_server.unix_socket_path}"
@@ -460,7 +462,7 @@ def test_read_only_acl_user_without_transactions_reads_dense_keys(real, redis_se
     One-byte rows at 256 scattered places are the case where the server's replies to the
     unqueued commands are shorter than the +OK/+QUEUED replies the reader waits for."""
     admin = real.client()
-    admin.execute_command("ACL", "SETUSER", "learner2", *READ_ONLY_ACL[:1], ">readpw2", *READ_ONLY_ACL[2:])
+    admin.execute_command(*read_only_acl("learner2", "readpw2", real.prefix))
     n = 600_000
     done = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.5
     store = TensorDictStore.from_tensordict(TensorDict(done=done, batch_size=[n]), **real.kwargs())

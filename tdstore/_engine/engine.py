@@ -60,7 +60,7 @@ from tdstore._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, S
 from tdstore._format import integrity as _integrity
 from tdstore._format import segments as _segments
 from tdstore._format.header_info import DELETING, HeaderDamagedError, int_field, ring_writes
-from tdstore._format.keys import KeyTable, StoreKeys
+from tdstore._format.keys import KeyTable, StoreKeys, check_td_id
 from tdstore._format.offsets import OffsetTables
 from tdstore._format.schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from tdstore._plan import index as _index
@@ -69,6 +69,8 @@ from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import DenseResult, ElementsResult, NotRagged
 
 MAX_RETRIES = 64
+#: The most keys ``Engine.wrong_type`` asks the type of (one pipeline, only after a ``WRONGTYPE``).
+_TYPE_PROBES = 4096
 
 
 class StaleSchemaError(RuntimeError):
@@ -91,6 +93,12 @@ def lost_race(attempt: int) -> None:
 def new_td_id() -> str:
     """A fresh store id (a UUID4 string)."""
     return str(uuid.uuid4())
+
+
+def td_id_or_new(td_id: str | None) -> str:
+    """The id a constructor's ``td_id=`` names: a fresh one for None, else the one given, checked
+    (``keys.check_td_id``: an empty id is refused, never silently replaced)."""
+    return new_td_id() if td_id is None else check_td_id(td_id)
 
 
 def request_id() -> str:
@@ -117,6 +125,7 @@ class Engine(Transport):
         # on Redis Cluster every key of a store shares the header's hash tag (one slot), so a
         # call may still touch the header and any segment, unless the store is spread over the
         # nodes (see _spread; the header says which, and set_header follows it)
+        check_td_id(keys.td_id)  # every way to a handle (from_store, attach, a pickle) comes here before any call
         self.spread = spread and spec.cluster  # a store this handle creates is spread
         super().__init__(spec, replace(keys, segment_tags=self.spread) if spec.cluster else keys, client, owns_client)
         self.readonly = readonly
@@ -190,6 +199,10 @@ class Engine(Transport):
             raw = self.command("HGETALL", self.keys.meta)
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             raise self.unreachable(err) from err
+        except redis.exceptions.ResponseError as err:
+            if "WRONGTYPE" in str(err):  # not a hash: another client wrote the header's name
+                raise self.wrong_type([self.keys.meta]) from None
+            raise
         if not raw:
             raise self.gone()
         return self._parse_header(raw if isinstance(raw, dict) else _pairs(raw))
@@ -271,7 +284,7 @@ class Engine(Transport):
         args: list[Any] = [ttl_ms, self.keys.td_id]
         for k, v in header.fields().items():
             args += [k, v]
-        try:
+        with self.naming_errors():  # a header or registry of another type (WRONGTYPE), a server away
             for _ in range(3):
                 if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
                     reply = _scripts.call(self.client, "create", [self.keys.meta], args)
@@ -285,8 +298,6 @@ class Engine(Transport):
                 from tdstore._engine.whole_store import clear_lapsed
 
                 clear_lapsed(self.client, self.keys, _pairs(reply[1:]), self.spec.cluster)
-        except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
-            raise self.unreachable(err) from err
         if reply[0] == b"OK":
             self.set_header(header)
             return None
@@ -322,6 +333,8 @@ class Engine(Transport):
         a server that cannot be reached: the same types, so callers' handling keeps working)."""
         try:
             yield
+        except _integrity.WrongTypeError as err:
+            raise self.wrong_type(err.keys) from None
         except StoreDamagedError as err:
             if err.named:
                 raise
@@ -332,6 +345,18 @@ class Engine(Transport):
             raise ReadOnlyReplicaError(f"{self.spec.describe()} (store {self.keys.td_id!r}): {err}") from None
         except (redis.exceptions.ConnectionError, redis.exceptions.ClusterDownError) as err:
             raise self.unreachable(err) from err
+
+    def wrong_type(self, keys: Sequence[str]) -> StoreDamagedError:
+        """The ``StoreDamagedError`` of a ``WRONGTYPE`` the server gave a call on ``keys`` (none known: the
+        store's keys that are not data): which key holds what, read with one ``TYPE`` pipeline."""
+        names = list(
+            dict.fromkeys(keys or [self.keys.meta, self.keys.inventory, self.keys.replies, *self.keys.sampling_keys, *self.keys.lease_keys])
+        )
+        pipe = self.client.pipeline(transaction=False)
+        for key in names[:_TYPE_PROBES]:
+            pipe.type(key)
+        found = {key: (t.decode() if isinstance(t, bytes) else str(t)) for key, t in zip(names, pipe.execute(raise_on_error=False))}
+        return _integrity.damaged(self.where(), _integrity.wrong_types(self.keys, found), self.keys.td_id)
 
     def unreachable(self, err: Exception) -> Exception:
         """``err`` (a connection error) naming the store and the server: same type, so retry policies keep working."""

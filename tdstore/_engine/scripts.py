@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache, partial
 from importlib import resources
@@ -28,6 +28,7 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from tdstore._engine import deadline as _deadline
 from tdstore._engine.script_text import assemble
 from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
+from tdstore._format.integrity import WrongTypeError
 
 LIBRARY = "_lib"
 SCRIPT_NAMES = (
@@ -118,7 +119,7 @@ def call(
             # flushed again between our load and the retry: send the text itself
             return run(client, "EVAL", text, len(keys), *keys, *args)
     except ResponseError as err:
-        raise translate(err) from None
+        raise translate(err, keys) from None
 
 
 #: A cluster node's answer that the call belongs elsewhere or later (resharding, failover): RedisCluster
@@ -242,7 +243,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
             elif isinstance(reply, ResponseError):
                 if isinstance(reply, REDIRECTS):
                     raise _Redirected(str(reply))
-                out[i] = translate(reply)
+                out[i] = translate(reply, calls[i][1])
             else:
                 out[i] = reply
         if not missing:
@@ -261,9 +262,13 @@ def _tdstore_part(msg: str) -> str:
     return msg[:cut] if cut >= 0 else msg
 
 
-def translate(err: Exception) -> Exception:
-    """Turn a server error into the exception a user should see (never showing a script hash or line)."""
+def translate(err: Exception, keys: Sequence[str] = ()) -> Exception:
+    """Turn a server error into the exception a user should see (never showing a script hash or line).
+    ``keys``: those of the call, for a ``WRONGTYPE`` (one of them holds a value of another type: the
+    engine names which, see ``_format.integrity.WrongTypeError``)."""
     msg = str(err)
+    if "WRONGTYPE" in msg and "TDSTORE" not in msg:  # Redis 6 wraps a script's error in "ERR Error running script"
+        return WrongTypeError(keys)
     if "TDSTORE" in msg:
         msg = _tdstore_part(msg)
     if "TDSTORE damaged" in msg:

@@ -233,7 +233,7 @@ class Transport:
             for r in results:
                 if isinstance(r, redis.exceptions.ResponseError):
                     self.client.delete(*(k for k, _ in call.staged))
-                    raise _scripts.translate(r)
+                    raise _scripts.translate(r, call.keys)
             return last
         raise _scripts.ServerScriptError("the write script could not be loaded")
 

@@ -28,6 +28,7 @@ allocated up front, and any absent key is a lost one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -128,6 +129,30 @@ class ChecksMemo:
         return out
 
 
+class WrongTypeError(StoreDamagedError):
+    """The server's ``WRONGTYPE``: a key of the store holds another kind of value than tdstore keeps there
+    (another client wrote it by hand). ``keys`` are those of the call that met it; the engine finds which of
+    them it was (``Engine.wrong_type``) and names it and the store."""
+
+    def __init__(self, keys: Sequence[str] = ()) -> None:
+        super().__init__("a key holds another kind of value than tdstore keeps there (WRONGTYPE)", named=False)
+        self.keys = list(keys)
+
+
+def wrong_types(keys: StoreKeys, found: dict[str, str]) -> str:
+    """The detail of a :class:`WrongTypeError`: each key of ``found`` (key -> its type on the server) whose type
+    is not the one tdstore keeps under that name (``StoreKeys.value_type``), or a general one if none is."""
+    wrong = [
+        f"key {key!r} holds a {kind}, where tdstore keeps a {want}"
+        for key, kind in found.items()
+        if kind != "none" and (want := keys.value_type(key)) is not None and kind != want
+    ]
+    if not wrong:
+        return "a key held another kind of value than tdstore keeps there (WRONGTYPE), changed again since: another client wrote it"
+    more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+    return f"{'; '.join(wrong[:3])}{more}: another client wrote it (WRONGTYPE)"
+
+
 def damaged(where: str, detail: str, td_id: str, *, header: bool = False) -> StoreDamagedError:
     """The error a damaged store gives: which store, which key, what to do. ``header``: the store's
     header itself holds a value out of range (a ``HeaderDamagedError``, which is a ``StoreFormatError`` too)."""
@@ -154,4 +179,16 @@ def edited(detail: str) -> bool:
     return detail.startswith("header field") or "another client" in detail
 
 
-__all__ = ["ChecksMemo", "StoreDamagedError", "checks", "damaged", "edited", "expected", "EXACT", "HET_DATA", "NOT_CHECKED"]
+__all__ = [
+    "ChecksMemo",
+    "StoreDamagedError",
+    "WrongTypeError",
+    "wrong_types",
+    "checks",
+    "damaged",
+    "edited",
+    "expected",
+    "EXACT",
+    "HET_DATA",
+    "NOT_CHECKED",
+]

@@ -80,6 +80,17 @@ def escape(part: str) -> str:
     return "".join(f"%{ord(ch):02X}" if ch in _UNSAFE else ch for ch in part)
 
 
+def check_td_id(td_id: str) -> str:
+    """``td_id`` as a caller gave it, if it can name a store: a non-empty ``str`` (``TypeError`` or
+    ``ValueError`` naming it otherwise). An empty id would name keys like ``P:{}:m`` and read like
+    "no id" to every ``td_id or ...`` default: it is refused, never replaced by a new one."""
+    if not isinstance(td_id, str):
+        raise TypeError(f"td_id must be a str (or None for a new store), got {type(td_id).__name__}: {td_id!r}")
+    if not td_id:
+        raise ValueError("td_id='' names no store: give a store's id, or leave td_id out (None) for a new one")
+    return td_id
+
+
 def registry_key(prefix: str) -> str:
     """The registry set of ``prefix``; it has no braces, so no store key can be named like it."""
     return f"{escape(prefix)}:stores"
@@ -225,6 +236,19 @@ class StoreKeys:
     def sampling_keys(self) -> list[str]:
         """The keys a ring's sampling policy keeps (see ``_format.sampling_policy``), in the order scripts take them."""
         return [self.priorities, self.times_sampled]
+
+    def value_type(self, key: str) -> str | None:
+        """The Redis type tdstore keeps under ``key``, a key of this store or its prefix's registry (the
+        layout above): ``hash``, ``zset``, ``set`` or ``string``; None for a direct write's aside key (a
+        string or a hash, see :meth:`write_aside`). A key of another type was written by another client
+        (``_format.integrity.WrongTypeError``)."""
+        if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
+            return "hash"
+        if key in self.lease_keys:
+            return "zset"
+        if key == self.registry:
+            return "set"
+        return None if key.endswith(":w") else "string"
 
     def describe(self, key: str) -> tuple[str, int, int] | None:
         """``(role, leaf number, segment)`` of a data (``d``), offset (``o``) or shape (``s``) key of

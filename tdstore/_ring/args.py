@@ -24,10 +24,23 @@ def refuse_spread(engine: Engine) -> None:
         )
 
 
+#: The most rows one ``sample`` or ``pop`` call takes. A sample allocates its draws on the client before
+#: anything is sent (``sample(10**8)``: 2.6 GB), and the server draws and reads every row in one script
+#: (65,536 rows: 53-294 ms, lua/README.md, Worst cases; 10^7 rows held the server past its 5 s BUSY limit):
+#: larger batches are asked for in several calls.
+MAX_BATCH = 1 << 20
+
+
 def check_batch_size(batch_size: Any, what: str) -> None:
-    """``sample``'s and ``pop``'s batch size: a positive int (``ValueError`` naming the call otherwise)."""
+    """``sample``'s and ``pop``'s batch size: an int from 1 to :data:`MAX_BATCH` (``ValueError`` naming the
+    call otherwise), checked before anything is allocated or sent."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"{what} needs a positive int batch_size, got {batch_size!r}")
+    if batch_size > MAX_BATCH:
+        raise ValueError(
+            f"{what} takes at most {MAX_BATCH:,} rows per call (one call holds the server for all of them), "
+            f"got batch_size={batch_size:,}: take them in several calls"
+        )
 
 
 def check_request_id(request_id: Any) -> str | None:

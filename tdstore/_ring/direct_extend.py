@@ -173,10 +173,10 @@ def extend(
             return None
         if "oom" in text or "execabort" in text:  # refused while queueing: nothing ran; write.lua names the error
             return None
-        raise _scripts.translate(err) from None
+        raise _scripts.translate(err, keys) from None
     opened, closed = replies[0], replies[-1]
     if isinstance(opened, Exception):
-        raise _scripts.translate(opened) if isinstance(opened, redis.exceptions.ResponseError) else opened
+        raise _scripts.translate(opened, keys) if isinstance(opened, redis.exceptions.ResponseError) else opened
     status = opened[0]
     if status == b"GO":
         if not (isinstance(closed, list) and closed and closed[0] == b"OK"):

@@ -251,19 +251,27 @@ def set_queue(engine: Engine, on: bool) -> None:
     _change(engine, lambda p: replace(p, queue=on), "queue" if on else "")
 
 
+def priority_tensor(priority: Any, what: str = "priority") -> torch.Tensor:
+    """``priority`` (a number, a sequence, an array or a tensor) as a float64 tensor on the CPU, its dtype
+    checked before any cast: integers and every float dtype are numbers, but a complex value would lose its
+    imaginary part and a bool is no priority (``TypeError`` naming the dtype)."""
+    if isinstance(priority, torch.Tensor):
+        kind, dtype = ("c" if priority.is_complex() else "b" if priority.dtype == torch.bool else "f"), priority.dtype
+    else:  # numpy keeps a Python float's 64 bits (torch would make it float32: 1e200 would turn inf)
+        priority = np.asarray(priority)
+        kind, dtype = priority.dtype.kind, priority.dtype
+    if kind in "cb":
+        raise TypeError(f"{what} must be real numbers (an integer or floating dtype), got {dtype}")
+    return torch.as_tensor(priority).detach().to("cpu", torch.float64)
+
+
 def priority_values(priority: Any, n: int, what: str = "priority", *, policy: SamplingPolicy | None = None, slots: int = 0) -> list[float]:
     """``priority`` (a number, or one per row) as n floats, each finite and >= 0 (``ValueError`` otherwise).
 
     Under ``policy`` (priorities on) a tree of ``slots`` slots is given no priority whose weight
     ``priority ** alpha`` could make the sum of every weight overflow float64: a sum of ``inf``
     would draw one slot with probability 0 and give NaN weights (see :func:`max_priority`)."""
-    t = (
-        torch.as_tensor(priority, dtype=torch.float64)
-        if not isinstance(priority, torch.Tensor)
-        else priority.detach().to("cpu", torch.float64)
-    )
-    if t.is_complex():
-        raise TypeError(f"{what} must be real numbers, got {t.dtype}")
+    t = priority_tensor(priority, what)
     if t.ndim == 0:
         t = t.expand(n)
     t = t.reshape(-1)

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from tdstore._engine.engine import request_id
+from tdstore._ring.args import check_batch_size
 from tdstore._ring.leases import LeasedSample, Receipt
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 
@@ -143,8 +144,7 @@ class ShardQueue(ShardsBase):
         order within the shard; not across shards). The shards are tried in turn; with none unread, the
         pop waits (polling the shards) up to ``timeout`` seconds (``TimeoutError``; ``None``: no limit).
         ``lease=S``: as the one-node ring, the items return ``S`` seconds after a pop that does not ``ack``."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
+        check_batch_size(batch_size, "pop")
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         k_total = len(self._shards)

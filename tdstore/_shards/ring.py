@@ -58,7 +58,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tdstore._engine.connection import open_client
-from tdstore._engine.engine import new_td_id
+from tdstore._engine.engine import td_id_or_new
 from tdstore._format.keys import StoreKeys
 from tdstore._ring.extend import RingState
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
@@ -123,7 +123,7 @@ class ShardedRing(ShardWrites, ShardSampling):
         self._client, self._owned = rc, owned
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        td_id = td_id or new_td_id()
+        td_id = td_id_or_new(td_id)
         self._keys = StoreKeys(prefix, td_id)
         self._layout = open_layout(rc, self._keys, count, shards, stack_dim, inner_batch_size, readonly)
         opts = {"client": rc, "prefix": prefix, "device": device, "backend": backend, "cache_metadata": cache_metadata}

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tdstore._ring.extend import Sample
-from tdstore._ring.policy_calls import PrioritizedSample, weights_of
+from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 from tdstore._shards.queue import _policies
 
@@ -271,7 +271,7 @@ class ShardSampling(ShardsBase):
         """``update_priority`` on each shard touched, at once: which slots were updated."""
         slots, _, groups = self._by_shard(index)
         n = int(slots.numel())
-        pr = torch.as_tensor(priority, dtype=torch.float64).reshape(-1)
+        pr = priority_tensor(priority).reshape(-1)
         pr = pr.expand(n) if pr.numel() == 1 else pr
         if pr.numel() != n:
             raise ValueError(f"got {pr.numel()} priority values for {n} rows")

@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
 from tdstore._format import codec as _codec
 from tdstore._ring.extend import RingWrite
+from tdstore._ring.policy_calls import priority_tensor
 from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
 
@@ -52,10 +53,10 @@ class ShardWrites(ShardQueue):
             raise ValueError(f"extend got {n} elements for a ring of {self._layout.count} slots (1 to {self._layout.count} per call)")
         prios = None
         if priority is not None and not isinstance(priority, (int, float)):
-            prios = torch.as_tensor(priority).reshape(-1)
+            prios = priority_tensor(priority).reshape(-1)  # a complex or bool one refused before any shard is written
             if prios.numel() == 1:
+                priority = float(prios[0])
                 prios = None
-                priority = float(torch.as_tensor(priority).reshape(-1)[0])
             elif prios.numel() != n:
                 raise ValueError(f"got {prios.numel()} priority values for {n} rows")
         k_total = len(self._shards)

@@ -14,7 +14,8 @@ from tdstore._plan import index as _index
 from tdstore._plan.read_results import DenseResult
 from tdstore._plan.values import build_td
 from tdstore._ring import extend as _ring
-from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.args import check_batch_size
+from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import EMPTY_ERROR, Drawn, has_keys
@@ -61,6 +62,7 @@ class StoreSampler(Sampler):
                 f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages"
             )
         _slots_only(storage, self)
+        check_batch_size(int(batch_size), "sample")  # before _draw_here allocates its draws
         got = storage.with_store(lambda s: self._draw(storage, s, int(batch_size)))
         storage.stash(got)
         return got.indices, {}
@@ -257,7 +259,7 @@ class StorePrioritizedSampler(PrioritizedSampler):
         for slots that still hold the rows it read (an actor may have overwritten some since)."""
         if isinstance(index, tuple):
             index = index[0]
-        p = torch.as_tensor(priority, dtype=torch.float64).detach().reshape(-1)
+        p = priority_tensor(priority).reshape(-1)  # a complex or bool td_error is refused, never cast
         if p.numel() and bool(p.isnan().all()):
             return  # torchrl seeding a new buffer's existing rows with default_priority: the server's stand
         last = self._last

@@ -19,7 +19,7 @@ from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlS
 
 from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
-from tdstore._engine.engine import new_td_id
+from tdstore._engine.engine import td_id_or_new
 from tdstore._errors import DenseShapeError
 from tdstore._ring import extend as _ring
 from tdstore._ring.policy_calls import PrioritizedSample
@@ -159,7 +159,7 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
             self._secrets["url"] = store_kwargs["url"]
             store_kwargs["url"] = _public_url(store_kwargs["url"])
         self._conn = store_kwargs
-        self._td_id = td_id or new_td_id()
+        self._td_id = td_id_or_new(td_id)
         self._ragged = bool(ragged)  # the kind of store a new buffer is made as (an existing one is opened as it is)
         self._ring: LazyStackedTensorDictStore | None = None
         self._pending: Drawn | None = None

@@ -84,6 +84,13 @@ Cases (issues #4 and #15):
     stopped server three times, and of big rows to a running one. Reports what each raised; every
     ``AmbiguousTimeoutError`` is retried (``err.retry()``), and every item the read cursor passed
     must reach the caller once with its bytes, every extend write its rows once.
+``readonly-acl``
+    A learner logged in as README.md's read-only user (the line read from README.md) sends
+    ``CLIENT PAUSE``/``KILL``/``LIST``, ``CONFIG``, ``DEBUG``, ``FLUSHALL``, ``KEYS``, ``INFO``, ... (harmless
+    forms), a write script of its own and tdstore writes through a handle without ``readonly=True``,
+    while a writer extends: each must be refused (on Redis 7 by ``ACL DRYRUN`` too, ``SHUTDOWN`` and
+    ``MONITOR`` included), no key changed, the writer never held up; its ``readonly=True`` handle must
+    still read, sample (lazy and dense) and wait subscribed.
 
 Usage::
 

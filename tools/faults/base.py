@@ -32,6 +32,7 @@ CASE_NAMES = (
     "eviction",
     "ambiguous-timeout",
     "hostile-checkpoint",
+    "readonly-acl",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")

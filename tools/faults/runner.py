@@ -14,6 +14,7 @@ import redis
 
 from tdstore.server import EmbeddedServer
 from tools._probes import delete_prefix
+from tools.faults.acl import case_readonly_acl
 from tools.faults.ambiguous import case_ambiguous_timeout
 from tools.faults.base import BULK_ARGS, CASE_NAMES, MAXMEMORY_ARGS, CaseResult, Check, Env, Options, describe_exc
 from tools.faults.checkpoints import case_hostile_checkpoint
@@ -52,6 +53,7 @@ CASES: dict[str, CaseSpec] = {
     "eviction": CaseSpec(case_eviction, EVICTION_ARGS, "needs a server started with --maxmemory 16mb --maxmemory-policy allkeys-lru"),
     "ambiguous-timeout": CaseSpec(case_ambiguous_timeout, private_reason="stops the server (SIGSTOP) under a call"),
     "hostile-checkpoint": CaseSpec(case_hostile_checkpoint),
+    "readonly-acl": CaseSpec(case_readonly_acl, private_reason="creates an ACL user and sends it admin commands"),
 }
 assert tuple(CASES) == CASE_NAMES
 
