@@ -235,7 +235,7 @@ class TensorDictStore(DenseRing, StackView):
         bs = _check_batch_size(batch_size)
         if bs and bs[0] == 0:
             raise ValueError(f"batch_size {list(bs)}: a store needs at least one row along its first dim")
-        kwargs["td_id"] = kwargs.get("td_id") or new_td_id()  # (the id a refusal names is the store's)
+        kwargs["td_id"] = td_id_or_new(kwargs.get("td_id"))  # (the id a refusal names is the store's)
         _check_schema_fits(specs, bs, kwargs)
         store = cls(batch_size=batch_size, **kwargs)
         store._store.stack_ops.allocate(specs)
