@@ -10,11 +10,11 @@ every node had 13 MB free). These tests fill a ring close to the limit with writ
 then try one that does not, on one node and on a sharded ring. Real servers only: fakeredis has
 no maxmemory.
 
-The limits are chosen from how Redis holds a call: while a write of ``A`` bytes of arguments runs,
-``used_memory`` holds the data, the arguments and a query buffer of ``A`` the server keeps for the
-next request; after it, the data and that buffer. Rows of 64 KiB in segments of 4 MiB (64 rows),
-extends of 128 rows (A = 8 MiB, allocating two segments): the last extend of a shard of 256 rows
-fits a node of ``8 + 8 (buffer) + 8 (new) + base`` MiB, which the old guard took for ``8 + 8 + 8 + 8 + base``.
+The limits are chosen from how Redis 7.0 holds a call: while a write of ``A`` bytes of arguments
+runs, ``used_memory`` holds the data, the arguments and a query buffer of ``A`` kept for the next
+request; after it, the data and that buffer. Rows of 64 KiB in segments of 4 MiB (64 rows), extends
+of 128 rows (A = 8 MiB, allocating two segments): the second extend of 256 rows leaves a node at
+``16 + 8 + base`` MiB (30 MiB fit), which the old guard took for ``8 + 8 + 8 + 8 + base``.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def data_keys(client, prefix: str) -> list[bytes]:
 
 
 def test_a_ring_filled_close_to_maxmemory_by_writes_that_fit_is_not_refused():
-    """One node of 37 MiB: 256 rows (16 MiB in four segments) in two extends of 8 MiB. The second
+    """One node of 30 MiB: 256 rows (16 MiB in four segments) in two extends of 8 MiB. The second
     extend's arguments and the segments it allocates are both 8 MiB: the old guard counted the rows
     twice (in flight and in their segments) and refused it with room to spare."""
-    with EmbeddedServer(extra_args=["--maxmemory", "37mb", "--maxmemory-policy", "noeviction"]) as srv:
+    with EmbeddedServer(extra_args=["--maxmemory", "30mb", "--maxmemory-policy", "noeviction"]) as srv:
         client = srv.client()
         s = LazyStackedTensorDictStore(count=256, url=srv.url, prefix="p")
         fill(s, 256)
@@ -114,3 +114,18 @@ def test_a_sharded_ring_filled_close_to_maxmemory_is_not_refused():
         assert s.write_count == 768 and intact(s, 768)
         for n in nodes:
             n.close()
+
+
+def test_loading_a_script_after_a_large_call_keeps_no_large_buffer():
+    """A first extend of 8 MiB meets NOSCRIPT, the script is loaded and the call sent again. Loaded on
+    the call's connection, Redis 7.0 kept write.lua's 78 KB text in the 8 MiB query buffer that
+    connection held (10 MiB of used_memory for as long as the script stays cached); on a connection
+    of its own, the text costs its own size."""
+    with EmbeddedServer() as srv:
+        client = srv.client()
+        before = int(client.info("memory")["used_memory_scripts_eval"])
+        s = LazyStackedTensorDictStore(count=256, url=srv.url, prefix="p")
+        s.extend(rows(0, PER))
+        s.extend(rows(PER, PER))
+        assert s.write_count == 2 * PER and intact(s, 2 * PER)
+        assert int(client.info("memory")["used_memory_scripts_eval"]) - before < 1 << 20
