@@ -23,7 +23,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, ShardedRing
+from tdstore import LazyStackedTensorDictStore, ShardedRing, TensorDictStore
+from tdstore._ring import direct_extend as _direct
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 
@@ -56,13 +57,18 @@ def data_keys(client, prefix: str) -> list[bytes]:
     return sorted(k for k in client.keys(f"{prefix}:*") if b":d:" in k)
 
 
-def test_a_ring_filled_close_to_maxmemory_by_writes_that_fit_is_not_refused():
+@pytest.mark.parametrize("kind", ["lazy", "dense"])
+def test_a_ring_filled_close_to_maxmemory_by_writes_that_fit_is_not_refused(kind):
     """One node of 30 MiB: 256 rows (16 MiB in four segments) in two extends of 8 MiB. The second
     extend's arguments and the segments it allocates are both 8 MiB: the old guard counted the rows
-    twice (in flight and in their segments) and refused it with room to spare."""
+    twice (in flight and in their segments) and refused it with room to spare (the dense ring's
+    first extend already, with 1 MB used)."""
     with EmbeddedServer(extra_args=["--maxmemory", "30mb", "--maxmemory-policy", "noeviction"]) as srv:
         client = srv.client()
-        s = LazyStackedTensorDictStore(count=256, url=srv.url, prefix="p")
+        if kind == "lazy":
+            s = LazyStackedTensorDictStore(count=256, url=srv.url, prefix="p")
+        else:
+            s = TensorDictStore(batch_size=[256], url=srv.url, prefix="p")
         fill(s, 256)
         now, limit = used(client)
         assert s.write_count == 256 and intact(s, 256)
@@ -75,6 +81,21 @@ def test_a_ring_filled_close_to_maxmemory_by_writes_that_fit_is_not_refused():
         assert data_keys(client, "q") == [] and big.write_count == 0
         assert s.write_count == 256 and intact(s, 256)  # the first ring is as it was
         assert used(client)[0] <= limit
+
+
+def test_a_direct_first_extend_that_fits_is_not_refused():
+    """A ring of one 20 MiB segment on a node of 32 MiB: its first extend (128 rows, 8 MiB, as plain
+    SETRANGEs queued behind direct.lua's 'open') allocates the whole key. The old guard counted the
+    queued rows as well as the key they go into and refused it."""
+    with EmbeddedServer(extra_args=["--maxmemory", "32mb", "--maxmemory-policy", "noeviction"]) as srv:
+        client = srv.client()
+        s = LazyStackedTensorDictStore(count=320, segment_bytes=64 << 20, url=srv.url, prefix="p")
+        before = _direct.outcomes["direct"]
+        s.extend(rows(0, PER))
+        assert _direct.outcomes["direct"] == before + 1  # through direct.lua
+        assert s.write_count == PER and intact(s, PER)
+        now, limit = used(client)
+        assert now <= limit
 
 
 def test_the_guard_refuses_what_would_not_fit_before_writing():
