@@ -629,18 +629,35 @@ local function tds_ttl_end(meta, deadline)
 end
 
 
--- Raise 'TDSTORE out of memory' (before any write) when 'allocated' more bytes would take a
--- server that does not evict past its maxmemory: Redis checks maxmemory only when a script
--- starts, so one call could otherwise overshoot it by all it allocates.
-local function tds_room(allocated)
+-- Raise 'TDSTORE out of memory' (before any write) when the call would leave a server that does
+-- not evict past its maxmemory: Redis checks maxmemory only when a script starts, so one call
+-- could otherwise overshoot it by all it allocates. The server after the call holds what it holds
+-- now (used_memory), less the call's own arguments, plus the 'allocated' bytes the call allocates.
+-- used_memory counts the arguments while the call runs (the client's argv, and for a call inside
+-- MULTI every command queued with it), and the server frees them when the call returns: counting
+-- them would refuse, near the limit, a write whose data fits (a ring extend's rows were counted
+-- once in flight and once in the segment they fill). 'extra': bytes of the commands queued with
+-- the call in its transaction (direct.lua's SETRANGEs), which the script cannot see.
+local function tds_room(allocated, extra)
   local info = redis.pcall('INFO', 'memory')
   if type(info) == 'string' then
     local used = tonumber(string.match(info, 'used_memory:(%d+)'))
     local max = tonumber(string.match(info, 'maxmemory:(%d+)'))
     local policy = string.match(info, 'maxmemory_policy:([%w%-]+)')
-    if used and max and max > 0 and policy == 'noeviction' and used + allocated > max then
-      error('TDSTORE out of memory: the call would allocate ' .. string.format('%.0f', allocated) .. ' bytes; the server uses ' ..
-            string.format('%.0f', used) .. ' of its maxmemory ' .. string.format('%.0f', max))
+    if used and max and max > 0 and policy == 'noeviction' then
+      local own = extra or 0
+      for i = 1, #ARGV do
+        own = own + #ARGV[i]
+      end
+      for i = 1, #KEYS do
+        own = own + #KEYS[i]
+      end
+      local after = math.max(used - own, 0) + allocated
+      if after > max then
+        error('TDSTORE out of memory: the call would allocate ' .. string.format('%.0f', allocated) .. ' bytes; the server uses ' ..
+              string.format('%.0f', used) .. ' of its maxmemory ' .. string.format('%.0f', max) .. ', ' .. string.format('%.0f', own) ..
+              ' of them the call\'s own arguments (freed when it returns): it would hold ' .. string.format('%.0f', after))
+      end
     end
   end
 end

@@ -52,7 +52,8 @@
               close: {'OK'} when the rows went in, else {'NO'}.
   Errors      'TDSTORE bad argument' for malformed arguments; a header field out of range
               raises as in write.lua; 'TDSTORE out of memory' as in write.lua when the keys
-              to allocate would take the server past its maxmemory.
+              to allocate would take the server past its maxmemory (the rows the
+              transaction's SETRANGEs carry, freed at its end, are not counted: tds_room).
 ]]
 local meta = KEYS[1]
 local mode = ARGV[1]
@@ -114,9 +115,10 @@ if rw ~= rw_want then
   return refuse({'MOVED', string.format('%.0f', rw)})
 end
 -- each data key holds what the header implies, or was never allocated (allocated here)
-local fresh, allocated = {}, 0
+local fresh, allocated, rows_bytes = {}, 0, 0
 for i = 4, #KEYS, 2 do
   local size = tds_num(ARGV[10 + (i - 4) / 2], 'key size')
+  rows_bytes = rows_bytes + math.floor(size / count) * n  -- the rows this transaction's SETRANGEs carry
   local have = redis.call('STRLEN', KEYS[i])
   if have ~= size then
     if have ~= 0 or size < 1 or not tds_unallocated(meta, KEYS[i]) then
@@ -127,7 +129,7 @@ for i = 4, #KEYS, 2 do
   end
 end
 if allocated > 0 then
-  tds_room(allocated)
+  tds_room(allocated, rows_bytes)  -- the SETRANGEs queued behind 'open' hold the rows until EXEC ends
 end
 -- every check passed: account for the write, then move (or allocate) the keys
 if schema ~= '' then

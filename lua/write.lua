@@ -136,7 +136,8 @@
               string would outgrow ARGV[5], 'TDSTORE damaged' when a key the call writes
               in place is lost or short or a header field or tree value a ring write reads is
               out of range, 'TDSTORE out of memory' when the bytes the call
-              allocates would take the server past its maxmemory (all raised before any write).
+              allocates would take the server past its maxmemory once the call's own
+              arguments are freed (tds_room in _lib.lua; all raised before any write).
 ]]
 local meta = KEYS[1]
 -- a resent ring write (its request id recorded, see tds_request): the first reply, nothing written
@@ -838,8 +839,9 @@ end
 -- A call whose first write is its first op's SETRANGE (an element write) needs no such
 -- write: that SETRANGE is refused the same way.
 -- Bytes this call allocates (keys allocated, set or grown; a staged blob is in memory already): refused before any write when they
--- would take a server that does not evict past its maxmemory. Redis checks maxmemory only
--- when a script starts, so one call could otherwise overshoot it by all it allocates.
+-- would take a server that does not evict past its maxmemory, its ARGV (freed when it returns) left out
+-- (tds_room). Redis checks maxmemory only when a script starts, so one call could otherwise overshoot it
+-- by all it allocates.
 for _, op in ipairs(ops) do
   if op.kind == 'S' then
     allocated = allocated + #op.value

@@ -5,7 +5,7 @@ Each script is sent as ``EVALSHA`` with the SHA1 computed locally, so the first
 call costs no extra round trip when the server already knows the script.  On
 ``NOSCRIPT`` (server restart, failover, ``SCRIPT FLUSH``, script-cache eviction)
 the script is loaded with ``SCRIPT LOAD`` (on Redis Cluster, on the primary that serves
-the call's slot) and the call is retried once; if the
+the call's slot; on a connection of its own, see ``load``) and the call is retried once; if the
 cache was flushed again in between, the call is sent as ``EVAL`` with the text.  redis-py
 ``Script`` objects are not used: in pipelines they add a ``SCRIPT EXISTS`` round
 trip on every execute.
@@ -93,6 +93,35 @@ def script_source(name: str) -> tuple[str, str]:
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
 
 
+def load(client: redis.Redis, text: str) -> None:
+    """``SCRIPT LOAD text`` on a connection of its own (a real server; else on ``client``), bounded by the
+    thread's deadline if it has one.
+
+    Redis 7.0 keeps a script's text in the buffer it read it into, and a connection that just sent a
+    large call (the write that met ``NOSCRIPT``) has a query buffer as large as that call's largest
+    argument waiting for the next request: loading the 78 KB ``write.lua`` there after an 8 MiB
+    extend kept 10 MiB of ``used_memory`` for as long as the script stays cached, room the memory
+    guard then counts as used. A new connection reads the text into a buffer of its size (82 KB)."""
+    if not _deadline.is_real(client):
+        _deadline.execute_command(client, "SCRIPT", "LOAD", text)
+        return
+    conn = _deadline.new_connection(client.connection_pool)
+
+    def send() -> Any:
+        conn.send_command("SCRIPT", "LOAD", text)
+        return conn.read_response()
+
+    try:
+        dl = _deadline.active()
+        if dl is None:
+            conn.retry.call_with_retry(send, lambda *_: conn.disconnect())
+        else:
+            with _deadline.bounded(conn, dl):
+                conn.retry.call_with_retry(send, lambda *_: conn.disconnect())
+    finally:
+        conn.disconnect()
+
+
 def call(
     client: redis.Redis | RedisCluster, name: str, keys: list[str], args: list[Any], execute: Callable[..., Any] | None = None
 ) -> list:
@@ -112,7 +141,7 @@ def call(
                 # a plain SCRIPT LOAD would go to every primary and fail while any one is down
                 client.execute_command("SCRIPT", "LOAD", text, target_nodes=client.get_node_from_key(keys[0]))
             else:
-                run(client, "SCRIPT", "LOAD", text)  # on the same connection as the call
+                load(client, text)  # not on the call's connection: see load
         try:
             return run(client, "EVALSHA", sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -249,7 +278,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
         if not missing:
             return
         for name in {calls[i][0] for i in missing}:
-            _deadline.execute_command(client, "SCRIPT", "LOAD", script_source(name)[0])
+            load(client, script_source(name)[0])
         todo = missing
 
 
