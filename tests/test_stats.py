@@ -172,9 +172,7 @@ def test_metrics_served_over_http(busy):
 def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
     real, ring = busy
     sock, session, done = f"tdstore-test-{uuid.uuid4().hex[:8]}", "top", tmp_path / "exit-code"
-    command = (
-        f"PYTHONPATH={REPO} {sys.executable} -m tdstore top --url {real.server.url} --prefix {real.prefix}; echo $? > {done}"
-    )
+    command = f"PYTHONPATH={REPO} {sys.executable} -m tdstore top --url {real.server.url} --prefix {real.prefix}; echo $? > {done}"
     tmux = ["tmux", "-L", sock]  # a private tmux server: nobody else's sessions
     subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", session, command], check=True, timeout=HANG)
     try:

@@ -101,7 +101,7 @@ class Read:
     T = OpKind("T", ("ko",), keys=(1,), pieces=1)
     Q = OpKind("Q", ("per",))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (before 'P'/'F'), KEYS[k] the reply cache
-    A = OpKind("A", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the stats hash (before 'U'/'P'/'F'/'L'): the call's ring work is counted there
+    A = OpKind("A", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the stats hash (before 'U'/'P'/'F'/'L'): the call's work counted there
 
 
 def _table(ns: type) -> dict[str, OpKind]:

@@ -166,7 +166,8 @@ def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
     engine.refuse_if_readonly()
 
     def plan_call(h: Header) -> Call:
-        return Call("ack", [engine.keys.meta, *engine.keys.lease_keys, engine.keys.stats], [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
+        keys = [engine.keys.meta, *engine.keys.lease_keys, engine.keys.stats]  # the stats hash: ack.lua counts the items settled
+        return Call("ack", keys, [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
 
     try:
         with _deadline.within(timeout, "ack", engine.where):  # an ack is safe to resend: retries are bounded, not refused

@@ -173,7 +173,8 @@ def _full_ring_sample(
     :data:`_UNDER_POLICY` returned). None when the ring turns out not to be full.
     """
     slots = draws % h.count
-    _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=RING_FIELDS, counts=tx_counts(engine, len(slots)))
+    paths = None if keys is None else [leaf.path for leaf in chosen]
+    _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, len(slots)))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = ring_writes_of(engine, fields, h)
     if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
@@ -281,7 +282,8 @@ def _tx_sample_call(
         piece = str(rw).encode()
         return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
-    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=tx_counts(engine, len(slots)))
+    counts = tx_counts(engine, len(slots))
+    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=counts)
     return call
 
 

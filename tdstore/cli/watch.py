@@ -215,7 +215,8 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
             try:
                 sys.stdout.write(prometheus_text(collect(conn.client, args.prefix, args.td_ids, cluster), args.prefix))
             except redis.RedisError as err:
-                print(f"tdstore metrics: failed: the server at {conn.where} answered with an error: {conn.scrub(str(err))}", file=sys.stderr)
+                failed = f"the server at {conn.where} answered with an error: {conn.scrub(str(err))}"
+                print(f"tdstore metrics: failed: {failed}", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
         return _serve(conn, args, cluster)
@@ -250,8 +251,9 @@ def _serve(conn: Any, args: argparse.Namespace, cluster: bool) -> int:
             pass
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
-    host, port = server.server_address[:2]
-    print(f"tdstore metrics: serving http://{host}:{port}/metrics (stores under prefix {args.prefix!r} on {conn.where})", file=sys.stderr, flush=True)
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    where = f"stores under prefix {args.prefix!r} on {conn.where}"
+    print(f"tdstore metrics: serving http://{host}:{port}/metrics ({where})", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
