@@ -665,7 +665,7 @@ end
 -- from an 'A' op, direct.lua and ack.lua from their last KEYS); nil: the call is not counted (a
 -- read-only handle's). Counting never fails a call (redis.pcall: a server at its maxmemory, an ACL
 -- without HINCRBY), and a field counted for the first time gives the hash the store's deadline.
-local tds_stats = {key = nil}
+local tds_stats = {key = nil, held = 0}  -- held: ms the call was held back before this try (the 'A' op's)
 local function tds_stat(field, n)
   local key = tds_stats.key
   if key == nil or n == 0 then

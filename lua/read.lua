@@ -77,12 +77,14 @@
           over the recorded slot count) and reads them as they are now, with today's rw,
           changing nothing; a resent pop whose items writers overwrote since answers
           {'LOST', k, 'resent'}, never other rows.
-    'A', k
+    'A', k, ms
           count this call's ring work in the store's stats hash KEYS[k] (see tds_stat in
           _lib.lua; before the 'U', 'P', 'F' or 'L' op): rows sampled ('smp') and their age in
           ring writes ('age_sum', 'age_max': a row written by ring write w, sampled at rw, is
           rw - 1 - w old), items popped ('pop'), redelivered ('rdl'), whose lease lapsed
-          ('exp') or that writers overwrote unread ('lost'), and WAIT replies of samples ('hr')
+          ('exp') or that writers overwrote unread ('lost'), WAIT replies of samples ('hr'),
+          and the ms the client's call was held back before this try, once it goes through
+          (a sample's 'hr_ms', a pop's 'hp_ms')
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -248,13 +250,14 @@ for _ = 1, nops do
       packed[j] = tds_p64(rows[j])
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) end
+      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
   elseif kind == 'A' then
     tds_stats.key = KEYS[tds_num(ARGV[a + 1], 'key index')]
-    a = a + 2
+    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
+    a = a + 3
   elseif kind == 'N' then
     request = tds_request(ARGV[a + 1], ARGV[a + 2])
     a = a + 3
@@ -395,7 +398,7 @@ for _ = 1, nops do
       decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) end
+      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
     end
     if lim ~= nil then
       local drawn = #rows
@@ -453,6 +456,7 @@ for _ = 1, nops do
     if not lost_reply then
       finish[#finish + 1] = function()
         tds_stat('pop', k)
+        tds_stat('hp_ms', tds_stats.held)
         redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
         if channel ~= '' then
           redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
@@ -580,6 +584,7 @@ for _ = 1, nops do
           redis.call('HSET', meta, 'rr', tds_lease.fmt(rr + fresh))
         end
         tds_stat('pop', #ws)
+        tds_stat('hp_ms', tds_stats.held)
         tds_stat('rdl', redelivered)
         if not head[4] then
           redis.call('HSET', meta, 'ls', '1')

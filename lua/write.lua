@@ -100,10 +100,11 @@
           a heterogeneous leaf addressed by rows: one element per row (its bytes in
           'data', its shape record in 'shapes'), spliced like 'E' per run of
           consecutive slots.
-    'A', k
+    'A', k, ms
           count this call's ring work in the store's stats hash KEYS[k] (see tds_stat in
-          _lib.lua; before the 'W' op): rows written by the ring ('ins') and WAIT replies
-          of ring writes held back by the rate limiter or a full queue ('hw')
+          _lib.lua; before the 'W' op): rows written by the ring ('ins'), WAIT replies
+          of ring writes held back by the rate limiter or a full queue ('hw'), and the ms
+          the client's call was held back before this try, once it goes through ('hw_ms')
     'N', k, rid
           the call's request id (must be the first op; a ring write, update_if, or a key
           renamed or deleted): KEYS[k] is the store's reply cache (see tds_request in
@@ -724,7 +725,8 @@ for _ = 1, nops do
     a = a + 3
   elseif kind == 'A' then
     tds_stats.key = key(a + 1)
-    a = a + 2
+    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
+    a = a + 3
   elseif kind == 'B' then
     if key(a + 1) ~= meta then
       error('TDSTORE bad argument: the B op names the store header')
@@ -963,6 +965,7 @@ end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
   tds_stat('ins', ring_n)
+  tds_stat('hw_ms', tds_stats.held)
   if tree ~= nil then
     -- the new weights were set in the tree's blocks before pass 2
     for j = 1, ring_n do

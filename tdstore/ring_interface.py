@@ -302,7 +302,8 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         own), since the store was made (deleted with it; not carried by checkpoints): ``inserted``,
         ``sampled``, ``popped``, ``acknowledged``, ``redelivered`` (popped again after a lease lapsed),
         ``expired`` (items whose lease lapsed), ``lost`` (unread items overwritten), ``held_writes`` and
-        ``held_samples`` (WAIT replies of the rate limiter or a full queue), the age in ring writes of the
+        ``held_samples`` (WAIT replies of the rate limiter or a full queue), ``held_writes_ms``,
+        ``held_samples_ms``, ``held_pops_ms`` (how long calls that went through had been held), the age in ring writes of the
         rows sampled (``age_rows``, ``age_sum``, ``age_mean``, ``age_max``); and the ring as it is now:
         ``capacity``, ``written``, ``write_count``, ``unread``, ``leased``, ``awaiting_redelivery``,
         ``queue``, ``limiter`` (settings, inserts and samples counted, ``room``), ``priority`` (``alpha``,

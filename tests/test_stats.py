@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -78,6 +79,34 @@ def test_a_read_only_handle_samples_without_counting(real):
     reader = LazyStackedTensorDictStore(count=8, td_id=ring.td_id, readonly=True, **real.kwargs())
     reader.sample(3)
     assert ring.stats()["sampled"] == 0 and reader.stats()["inserted"] == 4
+    ring.clear_redis()
+
+
+def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
+    ring = LazyStackedTensorDictStore(count=4, **real.kwargs())
+    other = LazyStackedTensorDictStore(count=4, td_id=ring.td_id, **real.kwargs())
+    ring.set_queue(True)
+    ring.extend(rows(0, 4))
+
+    def later(call) -> threading.Thread:
+        def run() -> None:
+            time.sleep(0.3)  # the held call waits at least this long: it goes on only after this call
+            call()
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    t = later(lambda: other.pop(2))
+    ring.extend(rows(4, 2), timeout=HANG)  # a full queue: held until the pop
+    t.join()
+    other.pop(4)
+    t = later(lambda: other.extend(rows(6, 1)))
+    ring.pop(1, timeout=HANG)  # nothing unread: held until the extend
+    t.join()
+    st = ring.stats()
+    assert st["held_writes"] >= 1 and st["held_writes_ms"] >= 300
+    assert st["held_pops_ms"] >= 300 and st["held_samples_ms"] == 0
     ring.clear_redis()
 
 

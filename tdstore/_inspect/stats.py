@@ -11,6 +11,8 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   settled by ``ack``), ``redelivered`` (items popped again after their lease lapsed), ``expired``
   (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``held_writes`` and
   ``held_samples`` (times the rate limiter or a full queue answered a write or a sample WAIT),
+  ``held_writes_ms``, ``held_samples_ms`` and ``held_pops_ms`` (milliseconds calls that went through
+  had waited before: for the limiter, a full queue, ``min_size``, an item to pop; the client's clock),
   ``age_rows``, ``age_sum`` and ``age_max`` (the age in ring writes of the rows sampled by the
   server: a row written by ring write ``w`` and sampled at ``rw`` is ``rw - 1 - w`` old; a full
   ring's uniform sample read as a transaction is counted in ``sampled`` only, so the mean age
@@ -48,6 +50,9 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "lost": ("lost",),
     "held_writes": ("hw",),
     "held_samples": ("hr",),
+    "held_writes_ms": ("hw_ms",),
+    "held_samples_ms": ("hr_ms",),
+    "held_pops_ms": ("hp_ms",),
     "age_rows": ("smp",),
     "age_sum": ("age_sum",),
 }

@@ -19,6 +19,7 @@ import torch
 from tensordict import lazy_stack
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine import held as _held
 from tdstore._engine.engine import Engine, request_id
 from tdstore._format import codec as _codec
 from tdstore._format import ragged as _ragged
@@ -353,7 +354,7 @@ def _row_read_call(
     leaves, block, grouped = _rows.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
     # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
-    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats))
+    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats), _held.held_ms())
     ops = 1 + len(leaves) + bool(named) + bool(counted)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
     for leaf in leaves:

@@ -37,6 +37,9 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("tdstore_lost_total", "lost", "counter", "Unread items writers overwrote."),
     ("tdstore_held_writes_total", "held_writes", "counter", "Writes the rate limiter or a full queue held back (WAIT replies)."),
     ("tdstore_held_samples_total", "held_samples", "counter", "Samples the rate limiter or min_size held back (WAIT replies)."),
+    ("tdstore_held_writes_seconds_total", "held_writes_ms", "counter", "Seconds writes that went through had been held back first."),
+    ("tdstore_held_samples_seconds_total", "held_samples_ms", "counter", "Seconds samples that went through had been held back first."),
+    ("tdstore_held_pops_seconds_total", "held_pops_ms", "counter", "Seconds pops that went through had waited for items first."),
     ("tdstore_sample_age_rows_total", "age_rows", "counter", "Sampled rows whose age was measured."),
     ("tdstore_sample_age_sum_total", "age_sum", "counter", "Sum of the ages (in ring writes) of the rows sampled."),
     ("tdstore_sample_age_max", "age_max", "gauge", "Oldest row sampled so far, in ring writes."),
@@ -137,6 +140,8 @@ def prometheus_text(rows: list[Row], prefix: str) -> str:
             v = None if r.stats is None else _value(r.stats, key)
             if v is None:
                 continue
+            if key.endswith("_ms"):  # Prometheus' unit is the second
+                v = v / 1000.0
             labels = f'prefix="{_label(prefix)}",store="{_label(r.store)}",shard="{"" if r.shard is None else r.shard}"'
             out.append(f"{name}{{{labels}}} {float(v):.17g}" if isinstance(v, float) else f"{name}{{{labels}}} {int(v)}")
     return "\n".join(out) + "\n"
