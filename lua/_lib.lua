@@ -676,3 +676,49 @@ local function tds_set_schema(meta, schema, guards)
   end
   redis.call('HINCRBY', meta, 'version', 1)
 end
+
+-- The store's stats hash (StoreKeys.stats; lua/README.md "Stats"): counters of the ring's work,
+-- added by the scripts that do it, in the same call. A script sets 'key' (read.lua and write.lua
+-- from an 'A' op, direct.lua and ack.lua from their last KEYS); nil: the call is not counted (a
+-- read-only handle's). Counting never fails a call (redis.pcall: a server at its maxmemory, an ACL
+-- without HINCRBY), and a field counted for the first time gives the hash the store's deadline.
+local tds_stats = {key = nil, held = 0}  -- held: ms the call was held back before this try (the 'A' op's)
+local function tds_stat(field, n)
+  local key = tds_stats.key
+  if key == nil or n == 0 then
+    return
+  end
+  if redis.pcall('HINCRBY', key, field, string.format('%.0f', n)) == n then
+    local at = tds_deadline_of(KEYS[1])
+    if at > 0 then
+      redis.pcall('PEXPIREAT', key, at)
+    end
+  end
+end
+
+-- The stats hash's 'field' raised to 'v' when lower (a maximum: the oldest row sampled).
+local function tds_stat_max(field, v)
+  local key = tds_stats.key
+  if key ~= nil and v > (tonumber(redis.pcall('HGET', key, field)) or -1) then
+    redis.pcall('HSET', key, field, string.format('%.0f', v))
+  end
+end
+
+-- Count sampled 'rows' (slots) of a ring of 'count' slots at ring write count 'rw': how many
+-- ('smp'), and their age in ring writes (the row in slot s was written by ring write w, the
+-- last below rw with w % count == s: it is (rw - 1 - s) % count writes old), summed and the largest.
+local function tds_stat_rows(rows, rw, count)
+  local sum, most = 0, -1
+  for j = 1, #rows do
+    local age = (rw - 1 - rows[j]) % count
+    sum = sum + age
+    if age > most then
+      most = age
+    end
+  end
+  tds_stat('smp', #rows)
+  tds_stat('age_sum', sum)
+  if most >= 0 then
+    tds_stat_max('age_max', most)
+  end
+end

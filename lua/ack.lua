@@ -12,6 +12,8 @@
   KEYS[1]     store header hash
   KEYS[2..6]  the lease keys, as _lease.lua's K: table (l), deadlines (d), redelivery
               queue (q), outstanding items (o), settled receipts (k)
+  KEYS[7]     optional: the store's stats hash, where the items settled are counted ('ack',
+              see tds_stat in _lib.lua)
   ARGV[1]     '<epoch>:*' (see tds_check in _lib.lua: the store must be the one leased from)
   ARGV[2]     the receipt (made by the client of the leased pop)
   ARGV[3]     the store's Pub/Sub channel: writers of a full queue may go on
@@ -58,6 +60,8 @@ for j, w in ipairs(nums) do
 end
 tds_lease.drop(K, held)
 local settled = #held
+tds_stats.key = KEYS[7]
+tds_stat('ack', settled)
 redis.call('ZREM', K.d, id)
 table.insert(missed, 1, settled)
 tds_lease.set_record(K, id, 'A', missed)

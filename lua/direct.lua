@@ -31,6 +31,8 @@
   KEYS[2]     the store's inventory hash (see _lib.lua; unused when the header has no 'na')
   KEYS[3]     the store's reply cache (see tds_request in _lib.lua)
   KEYS[4..]   pairs: a data key K the rows go to, then K:w
+  KEYS[last]  optional (an even number of KEYS): the store's stats hash, where 'open' counts the
+              rows it lets in ('ins', see tds_stat in _lib.lua)
 
   ARGV[1]     'open' or 'close'
   ARGV[2]     the request id of the write (hex, see tds_request)
@@ -57,21 +59,22 @@
 ]]
 local meta = KEYS[1]
 local mode = ARGV[1]
-if #KEYS < 5 or #KEYS % 2 ~= 1 then
+if #KEYS < 5 then
   error('TDSTORE bad argument: direct.lua takes the header, the inventory, the reply cache, then pairs of keys')
 end
+local last = #KEYS - (#KEYS % 2 == 0 and 1 or 0)  -- the last key of a pair (a stats hash may follow)
 
 if mode == 'close' then
   -- 'open' went through only if it left its mark, this request's id; else each K:w goes
   -- (refused: a hash; 'open' raised or was never run: made by the SETRANGEs, zeros and rows)
   if redis.call('HGET', meta, 'dw') ~= ARGV[2] then
-    for i = 5, #KEYS, 2 do
+    for i = 5, last, 2 do
       redis.call('DEL', KEYS[i])
     end
     return {'NO'}
   end
   redis.call('HDEL', meta, 'dw')
-  for i = 4, #KEYS, 2 do
+  for i = 4, last, 2 do
     redis.call('RENAME', KEYS[i + 1], KEYS[i])
   end
   return {'OK'}
@@ -83,7 +86,7 @@ end
 
 local rw_want, n = tds_num(ARGV[3], 'ring write counter'), tds_num(ARGV[4], 'row count')
 local function refuse(reply)
-  for i = 5, #KEYS, 2 do
+  for i = 5, last, 2 do
     redis.call('DEL', KEYS[i])
     redis.call('HSET', KEYS[i], 'refused', '1')  -- the SETRANGEs fail on a hash: nothing written
   end
@@ -116,7 +119,7 @@ if rw ~= rw_want then
 end
 -- each data key holds what the header implies, or was never allocated (allocated here)
 local fresh, allocated, rows_bytes = {}, 0, 0
-for i = 4, #KEYS, 2 do
+for i = 4, last, 2 do
   local size = tds_num(ARGV[10 + (i - 4) / 2], 'key size')
   rows_bytes = rows_bytes + math.floor(size / count) * n  -- the rows this transaction's SETRANGEs carry
   local have = redis.call('STRLEN', KEYS[i])
@@ -141,7 +144,7 @@ if ARGV[9] ~= '' then
 end
 local at = next(fresh) ~= nil and tds_deadline_of(meta) or -1
 local inv = next(fresh) ~= nil and tds_inventory(meta) or nil
-for i = 4, #KEYS, 2 do
+for i = 4, last, 2 do
   if fresh[i] then
     redis.call('DEL', KEYS[i + 1])
     redis.call('SETRANGE', KEYS[i + 1], fresh[i] - 1, '\0')
@@ -159,6 +162,10 @@ end
 -- the cursor past the rows (from the count as the ring sees it: a store filled by index starts at
 -- its count, as in write.lua), and the mark under which alone 'close' moves the keys back
 redis.call('HSET', meta, 'rw', string.format('%.0f', rw + n), 'dw', ARGV[2])
+if last < #KEYS then
+  tds_stats.key = KEYS[#KEYS]
+  tds_stat('ins', n)
+end
 if schema ~= '' then
   version = redis.call('HGET', meta, 'version')
 end

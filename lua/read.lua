@@ -77,6 +77,14 @@
           over the recorded slot count) and reads them as they are now, with today's rw,
           changing nothing; a resent pop whose items writers overwrote since answers
           {'LOST', k, 'resent'}, never other rows.
+    'A', k, ms
+          count this call's ring work in the store's stats hash KEYS[k] (see tds_stat in
+          _lib.lua; before the 'U', 'P', 'F' or 'L' op): rows sampled ('smp') and their age in
+          ring writes ('age_sum', 'age_max': a row written by ring write w, sampled at rw, is
+          rw - 1 - w old), items popped ('pop'), redelivered ('rdl'), whose lease lapsed
+          ('exp') or that writers overwrote unread ('lost'), WAIT replies of samples ('hr'),
+          and the ms the client's call was held back before this try, once it goes through
+          (a sample's 'hr_ms', a pop's 'hp_ms')
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -241,8 +249,15 @@ for _ = 1, nops do
       rows[j] = tds_u64(draws, 8 * j - 7) % written
       packed[j] = tds_p64(rows[j])
     end
+    if tds_stats.key ~= nil then
+      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+    end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'A' then
+    tds_stats.key = KEYS[tds_num(ARGV[a + 1], 'key index')]
+    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
+    a = a + 3
   elseif kind == 'N' then
     request = tds_request(ARGV[a + 1], ARGV[a + 2])
     a = a + 3
@@ -320,9 +335,11 @@ for _ = 1, nops do
       min_size = math.max(min_size, lim[2])
     end
     if written < math.max(min_size, 1) then
+      tds_stat('hr', 1)
       do return {'WAIT', written == 0 and 'empty' or 'size', 'the ring holds ' .. written .. ' written slots, fewer than the ' .. math.max(min_size, 1) .. ' a sample needs'} end
     end
     if lim ~= nil and (rw - tds_int_field(head[5], 'lb', 0, rw, 0)) * lim[1] - (tds_int_field(head[4], 'sn', 0, TDS_MAXINT, 0) + 1) < lim[3] then  -- its first row (see write.lua)
+      tds_stat('hr', 1)
       do return {'WAIT', 'sample', 'the rate limiter holds samples until the writers catch up'} end
     end
     if by_priority and policy.alpha == nil then
@@ -380,6 +397,9 @@ for _ = 1, nops do
     if lim ~= nil or policy.mt ~= nil then  -- a sample that counts: what a resend gets back
       decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
     end
+    if tds_stats.key ~= nil then
+      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+    end
     if lim ~= nil then
       local drawn = #rows
       finish[#finish + 1] = function()
@@ -414,6 +434,7 @@ for _ = 1, nops do
       decision = 'L' .. string.format('%.0f', rw - count - rr)
       rows = {(rw - count) % count}
       finish[#finish + 1] = function()
+        tds_stat('lost', rw - count - rr)
         redis.call('HSET', meta, 'rr', string.format('%.0f', rw - count))
         if channel ~= '' then
           redis.call('PUBLISH', channel, 'p')
@@ -434,6 +455,8 @@ for _ = 1, nops do
     end
     if not lost_reply then
       finish[#finish + 1] = function()
+        tds_stat('pop', k)
+        tds_stat('hp_ms', tds_stats.held)
         redis.call('HSET', meta, 'rr', string.format('%.0f', rr + k))
         if channel ~= '' then
           redis.call('PUBLISH', channel, 'p')  -- writers of a full queue may go on
@@ -492,6 +515,7 @@ for _ = 1, nops do
       end
     else
       local reclaimed = tds_lease.reclaim(K, now)
+      tds_stat('exp', reclaimed)  -- written already, as the reclaim is
       local lost = tds_lease.drop_lost(K, rw, count)
       if rw - rr > count then
         -- writers lapped unread items: skip to the oldest item still there, as 'F' does
@@ -501,6 +525,7 @@ for _ = 1, nops do
       end
       if lost > 0 then
         tds_lease.settle(meta, K, channel)
+        tds_stat('lost', lost)
         do return {'LOST', tds_lease.fmt(lost)} end
       end
       local waiting = redis.call('ZRANGE', K.q, 0, n - 1)
@@ -558,6 +583,9 @@ for _ = 1, nops do
         if fresh > 0 then
           redis.call('HSET', meta, 'rr', tds_lease.fmt(rr + fresh))
         end
+        tds_stat('pop', #ws)
+        tds_stat('hp_ms', tds_stats.held)
+        tds_stat('rdl', redelivered)
         if not head[4] then
           redis.call('HSET', meta, 'ls', '1')
           redis.call('HINCRBY', meta, 'kv', 1)

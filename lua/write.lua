@@ -100,6 +100,11 @@
           a heterogeneous leaf addressed by rows: one element per row (its bytes in
           'data', its shape record in 'shapes'), spliced like 'E' per run of
           consecutive slots.
+    'A', k, ms
+          count this call's ring work in the store's stats hash KEYS[k] (see tds_stat in
+          _lib.lua; before the 'W' op): rows written by the ring ('ins'), WAIT replies
+          of ring writes held back by the rate limiter or a full queue ('hw'), and the ms
+          the client's call was held back before this try, once it goes through ('hw_ms')
     'N', k, rid
           the call's request id (must be the first op; a ring write, update_if, or a key
           renamed or deleted): KEYS[k] is the store's reply cache (see tds_request in
@@ -568,6 +573,7 @@ for _ = 1, nops do
         -- a batch goes when its first row may (Reverb counts row by row): it may overshoot by itself,
         -- and a writer and a sampler can never hold each other back for good
         if lim ~= nil and (rw - tds_int_field(head[5], 'lb', 0, rw, 0) + 1) * lim[1] - tds_int_field(head[4], 'sn', 0, TDS_MAXINT, 0) > lim[4] then
+          tds_stat('hw', 1)
           do return {'WAIT', 'insert', 'the rate limiter holds inserts until the samplers catch up'} end
         end
         -- leased items not acknowledged yet (header field 'lo', see _lease.lua) count as unread
@@ -577,6 +583,7 @@ for _ = 1, nops do
           unread = math.min(unread, oldest)
         end
         if policy.queue and rw + n - unread > count then
+          tds_stat('hw', 1)
           do return {'WAIT', 'full', 'the queue is full: writers wait until readers pop'} end
         end
         top_priority = tds_float_field(head[7], 'pm', 0, 1e300, 1)
@@ -716,6 +723,10 @@ for _ = 1, nops do
     if a ~= 8 then
       error('TDSTORE bad argument: the N op comes first')
     end
+    a = a + 3
+  elseif kind == 'A' then
+    tds_stats.key = key(a + 1)
+    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
     a = a + 3
   elseif kind == 'B' then
     if key(a + 1) ~= meta then
@@ -955,6 +966,8 @@ if count_in_place then
 end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
+  tds_stat('ins', ring_n)
+  tds_stat('hw_ms', tds_stats.held)
   if tree ~= nil then
     -- the new weights were set in the tree's blocks before pass 2
     for j = 1, ring_n do

@@ -131,7 +131,7 @@ def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo, spec: str |
     from redis.cluster import RedisCluster
 
     cluster = isinstance(client, RedisCluster)
-    every = keys.all_keys(header.next_leaf, header.segments) + keys.lease_keys
+    every = keys.all_keys(header.next_leaf, header.segments) + keys.side_keys
     # on Redis Cluster the registry lives in another slot: the script leaves it, and it is updated after
     spec = spec or f"{header.epoch}:V{header.version}"
     reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], spec, keys.td_id)

@@ -295,6 +295,26 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         each shard's)."""
         ...
 
+    def stats(self) -> dict[str, Any]:
+        """The ring's counters and state, as a plain dict (JSON-able), read in one round trip per node.
+
+        Counted on the server by the scripts that do the work, in the same call (no round trip of their
+        own), since the store was made (deleted with it; not carried by checkpoints): ``inserted``,
+        ``sampled``, ``popped``, ``acknowledged``, ``redelivered`` (popped again after a lease lapsed),
+        ``expired`` (items whose lease lapsed), ``lost`` (unread items overwritten), ``held_writes`` and
+        ``held_samples`` (WAIT replies of the rate limiter or a full queue), ``held_writes_ms``,
+        ``held_samples_ms``, ``held_pops_ms`` (how long calls that went through had been held), the age in ring writes of the
+        rows sampled (``age_rows``, ``age_sum``, ``age_mean``, ``age_max``); and the ring as it is now:
+        ``capacity``, ``written``, ``write_count``, ``unread``, ``leased``, ``awaiting_redelivery``,
+        ``queue``, ``limiter`` (settings, inserts and samples counted, ``room``), ``priority`` (``alpha``,
+        ``total`` mass, ``min_weight``, ``max_priority``) and ``waiting`` (clients waiting on the store's
+        channel; None on a cluster). ``tdstore._inspect.stats`` says what each key counts. A read-only
+        handle's calls are not counted.
+
+        Sharded: the totals over the shards (read at once), and ``shards``: each shard's own dict.
+        """
+        ...
+
     @property
     def written(self) -> Sequence[int]:
         """The slots written so far (``len(ring.written)`` is how many items the ring holds, at most

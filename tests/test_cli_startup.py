@@ -78,7 +78,7 @@ def test_help_imports_neither_torch_nor_tensordict() -> None:
         _assert_light(proc)
 
 
-def test_ls_info_rm_import_neither_torch_nor_tensordict(stores) -> None:
+def test_ls_info_top_metrics_rm_import_neither_torch_nor_tensordict(stores) -> None:
     url, prefix = stores
     proc = _run(["ls", "--url", url, "--prefix", prefix])
     assert proc.returncode == 0 and "lazy" in proc.stdout and "dense" in proc.stdout, proc.stderr[-2000:]
@@ -86,6 +86,10 @@ def test_ls_info_rm_import_neither_torch_nor_tensordict(stores) -> None:
     for td_id in ("lazy", "dense"):
         proc = _run(["info", td_id, "--url", url, "--prefix", prefix, "--json"])
         assert proc.returncode == 0 and f'"td_id": "{td_id}"' in proc.stdout, proc.stderr[-2000:]
+        _assert_light(proc)
+    for argv in (["top", "--once", "--interval", "0.1"], ["metrics", "--once"]):  # the live view and the metrics too
+        proc = _run([*argv, "--url", url, "--prefix", prefix])
+        assert proc.returncode == 0 and "lazy" in proc.stdout and "dense" in proc.stdout, proc.stderr[-2000:]
         _assert_light(proc)
     for td_id in ("lazy", "dense"):
         proc = _run(["rm", td_id, "--url", url, "--prefix", prefix, "--yes"])

@@ -471,6 +471,7 @@ class Engine(Transport):
         under: NestedPath = (),
         per_element: bool = False,
         fields: Sequence[str] = (),
+        counts: list[list[Any]] | None = None,
     ) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
         """Read leaves at ``index`` in one round trip.
 
@@ -481,11 +482,11 @@ class Engine(Transport):
         a heterogeneous leaf is read or ``per_element`` is set, the touched elements
         one by one (to be stacked lazily by the caller). ``fields`` names header fields
         to read atomically with a dense read (``DenseResult.fields``; None when the read
-        went through a script instead).
+        went through a script instead). ``counts``: commands a read transaction ends with (a sample's counters).
         """
         wanted = None if paths is None else list(paths)
         result: dict[str, Any] = {}
-        out = self.run(lambda h: _reads.read_call(self, h, index, wanted, under, per_element, fields, result))
+        out = self.run(lambda h: _reads.read_call(self, h, index, wanted, under, per_element, fields, result, counts))
         return result["plan"], out
 
     def read_ragged(self, path: NestedPath, ids: np.ndarray) -> tuple[Leaf, np.ndarray, Any] | None:

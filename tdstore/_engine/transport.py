@@ -250,8 +250,12 @@ class Transport:
         getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
         n = sum(counts)
         extra = call.fields or []
+        tail = call.counts or []  # after the reads, their replies unused
         results = self._transact(
-            _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding) + getranges, n + 1
+            _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding)
+            + getranges
+            + b"".join(_wire.pack(*cmd, encoding=self._key_encoding) for cmd in tail),
+            n + 1 + len(tail),
         )
         if results is None:
             if self.spec.cluster:
@@ -262,6 +266,8 @@ class Transport:
                 for key, starts, lengths in pieces:
                     for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
                         pipe.getrange(key, first, last)
+            for cmd in tail:
+                pipe.execute_command(*cmd)
             results = pipe.execute()
         head = results[0]
         if head[0] is None:

@@ -54,7 +54,7 @@ def _clear_batched(engine: Engine) -> int:
 def _clear_batches(engine: Engine) -> int:
     for _ in range(STALE_TRIES):
         h = engine.header
-        every = engine.keys.all_keys(h.next_leaf, h.segments.n) + engine.keys.lease_keys
+        every = engine.keys.all_keys(h.next_leaf, h.segments.n) + engine.keys.side_keys
         registry = None if engine.spec.cluster else engine.keys.registry
         reply = _batches.clear(engine.client, every[0], registry, every[1:], f"{h.epoch}:V{h.version}", engine.keys.td_id, engine.execute)
         marker = _batches.status(reply)
@@ -71,7 +71,7 @@ def clear_lapsed(client: Any, keys: StoreKeys, fields: dict, cluster: bool, exec
     reply, ``tdstore rm``): ``fields`` is its header, a tombstone or a lapsed one."""
     info = parse_header(fields)
     keys = replace(keys, segment_tags=info.spread or not cluster)  # its layout, as its header says (_inspect_read.store_layout)
-    every = keys.all_keys(info.next_leaf, info.segments) + keys.lease_keys
+    every = keys.all_keys(info.next_leaf, info.segments) + keys.side_keys
     reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], f"{info.epoch}:X", keys.td_id, execute)
     if cluster:
         client.srem(keys.registry, keys.td_id)
@@ -96,7 +96,7 @@ def abort_upload(engine: Engine, next_leaf: int, segments: int) -> None:
         ]
         _scripts.call_many(engine.cluster, calls)
         segments = 1
-    every = engine.keys.all_keys(next_leaf, segments) + engine.keys.lease_keys
+    every = engine.keys.all_keys(next_leaf, segments) + engine.keys.side_keys
     _batches.clear(engine.client, every[0], None if engine.spec.cluster else engine.keys.registry, every[1:], "*", engine.keys.td_id)
     if engine.spec.cluster:
         engine.client.srem(engine.keys.registry, engine.keys.td_id)
@@ -114,8 +114,8 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
         # cache (its request ids are the source's calls)
         src = [k for k in _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)[1:]) if k != engine.keys.replies]
         dst = [k for k in _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:]) if k != keys.replies]
-        src += engine.keys.lease_keys
-        dst += keys.lease_keys
+        src += engine.keys.side_keys
+        dst += keys.side_keys
         if len(src) > _batches.BATCH_KEYS:
             raise ValueError(
                 f"a server-side clone() copies at most {_batches.BATCH_KEYS} keys in one call (the server holds everything "
@@ -141,7 +141,7 @@ def _without_build(keys: StoreKeys, names: list[str]) -> list[str]:
 
 def _clear_keys(engine: Engine, next_leaf: int, segments: int) -> list[str]:
     """``clear.lua``'s KEYS: every key the store may own (and the registry, but on Cluster)."""
-    keys = engine.keys.all_keys(next_leaf, segments) + engine.keys.lease_keys
+    keys = engine.keys.all_keys(next_leaf, segments) + engine.keys.side_keys
     if engine.spec.cluster:
         return keys
     return [keys[0], engine.keys.registry, *keys[1:]]
@@ -153,7 +153,7 @@ def expire(engine: Engine, ttl_ms: int) -> None:
 
     def plan_call(h: Header) -> Call:
         # a priority tree being built keeps its lease (its next step takes the store's time to live when shorter)
-        every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)) + engine.keys.lease_keys
+        every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)) + engine.keys.side_keys
         return Call("expire", every, [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
     if _spread.spreads(engine.header):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tdstore._engine import held as _held
 from tdstore._engine import spread_change as _spread_change
 from tdstore._format import segments as _segments
 from tdstore._format.keys import KeyTable
@@ -72,6 +73,8 @@ def write_call(
     after = new_header or h
     if after.segments.n > 1:
         kt, ops = _segments.localize_write(after.segments, engine.keys, leaf_shapes(after, h), kt, ops)
+    if any(op[0] == Write.W.marker for op in ops):  # a ring write: counted in the store's stats (lua/_lib.lua tds_stat)
+        ops = [Write.A(kt.ref(engine.keys.stats), _held.held_ms()), *ops]
     if request is not None:
         ops = [Write.N(kt.ref(engine.keys.replies), request), *ops]
     if engine.counts_in_place:

@@ -34,6 +34,9 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:lq       zset    items whose lease expired, waiting for redelivery, by write number
     P:{I}:lo       zset    outstanding (leased or waiting) items, by write number
     P:{I}:lk       zset    receipts settled or expired, by time (the oldest are forgotten)
+    P:{I}:c        hash    stats: counters of the ring's work (rows inserted, sampled, popped, acked,
+                           ...), added by the scripts that do it (``lua/_lib.lua`` ``tds_stat``), read
+                           by ``stats()`` (``_inspect.stats``); deleted with the store
     P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
@@ -231,6 +234,18 @@ class StoreKeys:
         not in :meth:`all_keys` (whose keys past the header and inventory are measured with
         STRLEN); calls on the whole store (delete, copy, time to live) add them."""
         return [f"{self.base}:l", f"{self.base}:ld", f"{self.base}:lq", f"{self.base}:lo", f"{self.base}:lk"]
+
+    @property
+    def stats(self) -> str:
+        """The ring's counters (a hash: rows inserted, sampled, popped, ...; see ``_inspect.stats``), added to
+        by the scripts that do the work, in the same call."""
+        return f"{self.base}:c"
+
+    @property
+    def side_keys(self) -> list[str]:
+        """The keys of the store that are no strings (:attr:`lease_keys`, then :attr:`stats`): calls on the
+        whole store (delete, copy, time to live) add them to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats]
 
     @property
     def sampling_keys(self) -> list[str]:

@@ -48,6 +48,7 @@ class Call:
     ops: list[list[Any]] | None = None  # a write's ops, as in args (a spread store cuts them per segment)
     schema: Header | None = None  # a write's new header (a schema change), else None
     verify: Callable[[list], list | None] | None = None  # a read transaction's reply as ``parse`` takes it, or None (see _format.offsets)
+    counts: list[list[Any]] | None = None  # commands a read transaction ends with (a sample's counters: _inspect.stats)
 
 
 def leaf_checks(leaves: Iterable[Leaf]) -> str:

@@ -65,6 +65,7 @@ def read_call(
     per_element: bool,
     fields: Sequence[str],
     result: dict[str, Any],
+    counts: list[list[Any]] | None = None,
 ) -> Call:
     """The call reading leaves ``wanted`` (None: every leaf below ``under``) at ``index`` (see
     ``Engine.read``); its index plan goes into ``result["plan"]``."""
@@ -97,6 +98,7 @@ def read_call(
             **{f"lv:{leaf.number}": str(leaf.version) for leaf in leaves},
         }
         call.fields = list(fields)
+        call.counts = counts
     else:
         call.args[:0] = check
     return call

@@ -150,6 +150,9 @@ class DenseRing:
     def ring_state(self) -> RingState:
         return self._ring().ring_state()
 
+    def stats(self) -> dict[str, Any]:
+        return self._ring().stats()
+
     @property
     def capacity(self) -> int:
         """The ring's capacity: the store's first dim (``len(store.written)`` is how many rows it holds)."""
@@ -195,7 +198,7 @@ class DenseRing:
 
 
 for _name in (
-    "append", "pop_items", "ack", "update_if", "ring_state", "enable_priorities",
+    "append", "pop_items", "ack", "update_if", "ring_state", "stats", "enable_priorities",
     "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "wait_for",
 ):  # fmt: skip
     getattr(DenseRing, _name).__doc__ = _doc(_name)

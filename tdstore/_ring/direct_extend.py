@@ -105,7 +105,7 @@ def _aside_writes(
     engine: Any, kt: Any, ops: list[list[Any]], count: int, s0: int, n: int
 ) -> tuple[list[str], list[int], list[tuple[str, int, memoryview]]]:
     """The keys of a direct ring write (the header, the inventory, the reply cache, then each leaf's blob
-    and its aside key), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into
+    and its aside key, then the stats hash), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into
     the aside keys (two per leaf when the rows wrap around the ring)."""
     first = min(n, count - s0)
     keys: list[str] = [engine.keys.meta, engine.keys.inventory, engine.keys.replies]
@@ -122,6 +122,7 @@ def _aside_writes(
         writes.append((aside, s0 * nb, data[: first * nb]))
         if first < n:
             writes.append((aside, 0, data[first * nb :]))
+    keys.append(engine.keys.stats)  # after the pairs: 'open' counts the rows there (lua/direct.lua)
     return keys, sizes, writes
 
 

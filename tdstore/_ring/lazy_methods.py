@@ -19,13 +19,14 @@ from tdstore._format import ragged as _ragged
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._front.common import LOCK_ERROR
 from tdstore._front.state import LazyState
+from tdstore._inspect import stats as _stats
 from tdstore._plan.values import as_path
 from tdstore._ring import extend as _ring
 from tdstore._ring import leases as _leases
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
-from tdstore._ring.args import check_request_id
+from tdstore._ring.args import check_request_id, refuse_spread
 from tdstore._ring.policy_calls import PrioritizedSample
 
 
@@ -176,6 +177,16 @@ class ReplayMethods(LazyState):
     def ring_state(self) -> _ring.RingState:
         """``(write_count, cursor, written)`` of the ring, read from the server in one round trip."""
         return _ring.state(self._engine.ring_writes(), self._count)
+
+    def stats(self) -> dict[str, Any]:
+        """The ring's counters and state, read in one round trip (see ``tdstore.Ring.stats``; the keys are
+        documented in ``tdstore._inspect.stats``)."""
+        engine = self._engine
+        refuse_spread(engine)
+        try:
+            return _stats.read(engine.client, engine.keys, cluster=engine.spec.cluster)
+        except KeyError:
+            raise engine.gone() from None
 
     @property
     def written(self) -> range:

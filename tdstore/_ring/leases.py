@@ -168,7 +168,8 @@ def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
 
     def plan_call(h: Header) -> Call:
         _deadline.arm()  # sent next: from now on the ack may have settled the items
-        return Call("ack", [engine.keys.meta, *engine.keys.lease_keys], [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
+        keys = [engine.keys.meta, *engine.keys.lease_keys, engine.keys.stats]  # the stats hash: ack.lua counts the items settled
+        return Call("ack", keys, [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
 
     def resend(again: float | None) -> int:
         return ack(engine, rid, again)  # an ack is safe to resend: the same answer

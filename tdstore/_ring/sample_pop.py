@@ -19,6 +19,7 @@ import torch
 from tensordict import lazy_stack
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine import held as _held
 from tdstore._engine.engine import Engine, request_id
 from tdstore._format import codec as _codec
 from tdstore._format import ragged as _ragged
@@ -197,7 +198,8 @@ def _full_ring_sample(
     :data:`_UNDER_POLICY` returned). None when the ring turns out not to be full.
     """
     slots = draws % h.count
-    _, res = engine.read(slots, None if keys is None else [leaf.path for leaf in chosen], fields=RING_FIELDS)
+    paths = None if keys is None else [leaf.path for leaf in chosen]
+    _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, len(slots)))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = ring_writes_of(engine, fields, h)
     if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
@@ -307,8 +309,15 @@ def _tx_sample_call(
         piece = str(rw).encode()
         return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
-    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1])
+    counts = tx_counts(engine, len(slots))
+    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=counts)
     return call
+
+
+def tx_counts(engine: Engine, n: int) -> list[list[Any]] | None:
+    """The counter a full ring's sample of ``n`` rows read as a transaction ends with (``_inspect.stats``): rows
+    sampled whose age is not measured (the client maps the draws before it knows ``rw``); none for a read-only handle."""
+    return None if engine.readonly else [["HINCRBY", engine.keys.stats, "smpx", n]]
 
 
 @_deadline.honours_timeout("pop")
@@ -376,7 +385,10 @@ def _row_read_call(
     checks = leaf_checks(selected)
     leaves, block, grouped = _rows.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
-    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, 1 + len(leaves) + bool(named), *named, *head(kt)]
+    # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
+    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats), _held.held_ms())
+    ops = 1 + len(leaves) + bool(named) + bool(counted)
+    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
     for leaf in leaves:
         if leaf.het:
             d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import redis
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine import held as _held
 from tdstore._errors import MustWait
 
 T = TypeVar("T")
@@ -60,6 +61,8 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
         if deadline is not None and deadline.left() <= 0:
             raise _timed_out(engine, what, deadline, held)
         events = _Events(engine, deadline)
+        holding = _held.holding()
+        holding.__enter__()  # the tries below carry the time held (counted by the one that goes through)
         try:
             events.start()
             while True:
@@ -79,6 +82,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                     raise _timed_out(engine, what, deadline, held)
                 events.wait(left)
         finally:
+            holding.__exit__(None, None, None)
             events.close()
 
 

@@ -60,6 +60,7 @@ from tensordict import TensorDictBase
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import td_id_or_new
 from tdstore._format.keys import StoreKeys
+from tdstore._inspect import stats as _stats
 from tdstore._ring.extend import RingState
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
@@ -215,6 +216,14 @@ class ShardedRing(ShardWrites, ShardSampling):
         """Each shard's ring write count, read at once (one round trip, in parallel; a shard's header another
         handle changed is adopted, so the count goes by the current header)."""
         return self._fan_out([(k, _with_kwargs(s._engine.ring_writes, {"fresh": True}), ()) for k, s in enumerate(self._shards)])
+
+    def stats(self) -> dict[str, Any]:
+        """The ring's counters and state (see ``tdstore.Ring.stats``): totals over the shards, read at once
+        (one round trip per shard), and ``shards``, each shard's own, with its ``td_id``."""
+        parts = self._fan_out([(k, s.stats, ()) for k, s in enumerate(self._shards)])
+        for sid, part in zip(self._layout.ids, parts):
+            part["td_id"] = sid
+        return _stats.add_up(parts)
 
     def shard_states(self) -> list[RingState]:
         """``(write_count, cursor, written)`` of every shard's ring, read at once."""

@@ -46,6 +46,7 @@ from typing import Any
 from tdstore.cli.checkpoint_commands import add_checkpoint_commands
 from tdstore.cli.output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, human_duration, human_size
 from tdstore.cli.stores import add_store_commands
+from tdstore.cli.watch import add_watch_commands
 
 __all__ = [
     "EXIT_FAILED",
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_command(sub)
     add_store_commands(sub)
     add_checkpoint_commands(sub)
+    add_watch_commands(sub)
     bench = sub.add_parser(
         "bench",
         help="run the benchmark (python -m tools.bench of a source checkout); arguments pass through ('tdstore bench --help')",

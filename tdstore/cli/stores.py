@@ -32,7 +32,7 @@ from tdstore.cli.output import (
 if TYPE_CHECKING:
     from tdstore.inspect_store import Audit, ServerConnection, StoreInfo
 
-__all__ = ["DEFAULT_PREFIX", "add_store_commands"]
+__all__ = ["DEFAULT_PREFIX", "add_server_options", "add_store_commands", "connect_or_exit"]
 
 DEFAULT_PREFIX = "tensordict"
 
@@ -412,3 +412,9 @@ def add_store_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     _add_server_options(rm, json_help=None)
     rm.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     rm.set_defaults(handler=_cmd_rm)
+
+
+#: The connection of a store command, or the exit code after saying why there is none (``top``, ``metrics``).
+connect_or_exit = _connect
+#: The options every store command takes (``--url``, ``--prefix``, ``--json``).
+add_server_options = _add_server_options

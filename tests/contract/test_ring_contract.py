@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import json
 import math
 import time
 import uuid
@@ -411,3 +412,48 @@ def test_memory_error_only_when_the_data_would_not_fit(name):
             written += n
         assert written > count // 2 and ring.write_count == written
         ring.clear_redis()
+
+
+# -- stats ----------------------------------------------------------------------------------------
+
+
+def test_stats_count_what_the_calls_did(kind):
+    ring = kind.make(16)
+    first = ring.stats()
+    assert first["capacity"] == 16 and first["written"] == first["inserted"] == first["sampled"] == first["popped"] == 0
+    ring.extend(rows(torch.arange(6)))
+    ring.extend(rows(torch.arange(6, 9)))
+    drawn = [ring.sample(5), ring.sample(4)]  # not full yet: read.lua draws, and counts the rows' ages
+    popped = drain(kind, ring, 4, 4)
+    st = ring.stats()
+    assert st["inserted"] == st["write_count"] == st["written"] == 9
+    assert st["sampled"] == 9 and st["popped"] == 4 and st["unread"] == 5
+    if not kind.sharded:  # one ring: the age of the row in slot s is rw - 1 - s ring writes (a full shard's
+        assert st["age_rows"] == 9  # uniform sample is read as a transaction, its ages not counted)
+        ages = [8 - int(i) for got in drawn for i in got.indices]
+        assert st["age_sum"] == sum(ages) and st["age_max"] == max(ages) and st["age_mean"] == sum(ages) / 9
+    assert sum(p.indices.numel() for p in popped) == 4
+    if not kind.sharded:  # (a sharded pop while a lease is out: SHARDED_LEASES)
+        kept = ring.pop(2, lease=LONG)
+        lapsing = ring.pop(2, lease=SHORT)
+        end = time.monotonic() + HANG
+        while kind.server_ms() <= lapsing.deadline_ms:  # the server's clock past the lease: no timer raced
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        again = ring.pop(2, lease=LONG)
+        assert ring.ack(kept) + ring.ack(again) == 4
+        st = ring.stats()
+        assert (st["popped"], st["acknowledged"], st["expired"], st["redelivered"], st["leased"]) == (10, 4, 2, 2, 0)
+    ring.set_rate_limit(min_size=1, samples_per_insert=1.0, error_buffer=3.0)
+    admitted = calls_before_refusal(lambda i: ring.append(rows(torch.tensor([100 + i]))[0], timeout=0), 30)
+    held = ring.stats()
+    assert held["inserted"] == 9 + admitted and held["limiter"]["samples_per_insert"] == 1.0
+    sampled = calls_before_refusal(lambda i: ring.sample(1, timeout=0), 200)
+    after = ring.stats()
+    assert after["sampled"] == 9 + sampled
+    # a WAIT reply is counted; a sharded ring picks a shard with room from the shards' counters, and may refuse
+    # with no shard asked
+    assert kind.sharded or (held["held_writes"] >= 1 and after["held_samples"] >= 1)
+    json.dumps(after)  # a plain dict
+    if kind.sharded:
+        assert len(after["shards"]) == len(ring.shard_offsets) and sum(s["sampled"] for s in after["shards"]) == after["sampled"]

@@ -1,0 +1,159 @@
+"""A ring's counters as ``stats()``, ``tdstore top`` and ``tdstore metrics`` show them (torch-free).
+
+The scripts that do the ring's work count it, in the same call, in the store's stats hash
+(``StoreKeys.stats``; ``lua/_lib.lua`` ``tds_stat``): no round trip of its own on the hot path.
+:func:`read` gets them with the ring's state in one round trip (a pipeline of reads on the store's
+node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :data:`GAUGES`:
+
+- counters, since the store was made (deleted with it; a checkpoint does not carry them):
+  ``inserted`` (rows written by ``extend``/``append``), ``sampled`` (rows drawn by ``sample``),
+  ``popped`` (items handed out by ``pop``, redeliveries included), ``acknowledged`` (leased items
+  settled by ``ack``), ``redelivered`` (items popped again after their lease lapsed), ``expired``
+  (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``held_writes`` and
+  ``held_samples`` (times the rate limiter or a full queue answered a write or a sample WAIT),
+  ``held_writes_ms``, ``held_samples_ms`` and ``held_pops_ms`` (milliseconds calls that went through
+  had waited before: for the limiter, a full queue, ``min_size``, an item to pop; the client's clock),
+  ``age_rows``, ``age_sum`` and ``age_max`` (the age in ring writes of the rows sampled by the
+  server: a row written by ring write ``w`` and sampled at ``rw`` is ``rw - 1 - w`` old; a full
+  ring's uniform sample read as a transaction is counted in ``sampled`` only, so the mean age
+  is ``age_sum / age_rows``, given as ``age_mean``).
+- gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
+  ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
+  ``limiter`` (the rate limiter's settings and ``limiter_room``: samples the limiter allows before
+  it holds them, ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
+  (``alpha``, ``total`` mass of the tree, ``min_weight``, ``max_priority``: the largest priority
+  given so far) and ``waiting`` (clients subscribed to the store's channel: calls waiting for the
+  limiter, data or room; None on a cluster, where a node sees only its own subscribers).
+
+Calls of a read-only handle are not counted (it writes nothing); nor is a sample read through
+``read.lua`` only because the server refuses ``MULTI`` to the user.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from tdstore._format.header_info import ring_writes
+from tdstore._format.keys import StoreKeys
+from tdstore._format.sampling_policy import SamplingPolicy
+
+#: Counters (only grow), by ``stats()`` key: the stats hash's fields that make each.
+COUNTERS: dict[str, tuple[str, ...]] = {
+    "inserted": ("ins",),
+    "sampled": ("smp", "smpx"),
+    "popped": ("pop",),
+    "acknowledged": ("ack",),
+    "redelivered": ("rdl",),
+    "expired": ("exp",),
+    "lost": ("lost",),
+    "held_writes": ("hw",),
+    "held_samples": ("hr",),
+    "held_writes_ms": ("hw_ms",),
+    "held_samples_ms": ("hr_ms",),
+    "held_pops_ms": ("hp_ms",),
+    "age_rows": ("smp",),
+    "age_sum": ("age_sum",),
+}
+
+#: Gauges (the ring as it is now) that are plain numbers.
+GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting")
+
+_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na")
+
+
+def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, Any]:
+    """The counters and state of the ring ``keys`` names, in one round trip (see the module docstring);
+    ``KeyError`` when the store does not exist."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.stats)
+    pipe.hmget(keys.meta, list(_HEAD))
+    pipe.getrange(keys.priorities, -16, -1)
+    pipe.zcard(keys.lease_keys[1])  # live leases, by deadline
+    pipe.zcard(keys.lease_keys[3])  # outstanding items (leased or awaiting redelivery)
+    pipe.zcard(keys.lease_keys[2])  # items awaiting redelivery
+    if not cluster:
+        pipe.execute_command("PUBSUB", "NUMSUB", keys.events)
+    got = pipe.execute()
+    return summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[6]))
+
+
+def _numsub(reply: Any) -> int | None:
+    if isinstance(reply, dict):
+        return int(next(iter(reply.values()), 0))
+    if isinstance(reply, (list, tuple)) and len(reply) >= 2:
+        return int(reply[1])
+    return None
+
+
+def _text(v: Any) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, waiting: int | None) -> dict[str, Any]:
+    """The dict :func:`read` returns, from its replies: the stats hash, the header fields :data:`_HEAD`, the
+    last 16 bytes of the priority tree (its root), items leased and awaiting redelivery, subscribers."""
+    if head[0] is None:
+        raise KeyError("the store does not exist")
+    fields = {_text(k): int(v) for k, v in raw.items()}
+    out: dict[str, Any] = {name: sum(fields.get(f, 0) for f in parts) for name, parts in COUNTERS.items()}
+    out["age_max"] = fields.get("age_max")
+    out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
+    count = int(head[0])
+    rw_raw = int(head[1] or 0)
+    # a store written by index holds a full ring (as the scripts count it); without an inventory, say it holds none
+    rw = ring_writes(rw_raw, int(head[7]) if head[7] is not None else 0, False, count)
+    rr = int(head[2] or 0)
+    out.update(capacity=count, written=min(rw, count), write_count=rw, unread=max(0, min(rw - rr, count)))
+    out.update(leased=leased, awaiting_redelivery=awaiting, waiting=waiting)
+    policy = SamplingPolicy.from_json(_text(head[5])) if head[5] else None
+    out["queue"] = bool(policy and policy.queue)
+    out["limiter"] = None
+    if policy is not None and policy.limit is not None:
+        lim = policy.limit
+        sn, lb = int(head[3] or 0), int(head[4] or 0)
+        out["limiter"] = {
+            "min_size": lim.min_size,
+            "samples_per_insert": lim.samples_per_insert,
+            "min_diff": lim.min_diff,
+            "max_diff": lim.max_diff,
+            "inserts": rw - lb,
+            "samples": sn,
+            "room": (rw - lb) * lim.samples_per_insert - sn - lim.min_diff,
+        }
+    out["priority"] = None
+    if policy is not None and policy.alpha is not None:
+        total = low = None
+        if len(root) == 16:
+            total, low = struct.unpack("<2d", root)
+        out["priority"] = {"alpha": policy.alpha, "total": total, "min_weight": low, "max_priority": float(head[6]) if head[6] else None}
+    return out
+
+
+def add_up(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded ring's ``stats()``: each shard's (``shards``, in order) and their totals (counters and plain
+    gauges summed, ``age_max`` the largest, ``limiter``/``priority``/``queue`` the first shard's policy with
+    ``room``, ``total`` summed, ``waiting`` summed where every shard tells it)."""
+    out: dict[str, Any] = {name: sum(p[name] for p in parts) for name in COUNTERS}
+    for name in GAUGES:
+        values = [p[name] for p in parts]
+        out[name] = None if any(v is None for v in values) else (max(values) if name == "age_max" else sum(values))
+    if out["age_max"] is None:
+        out["age_max"] = max((p["age_max"] for p in parts if p["age_max"] is not None), default=None)
+    out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
+    out["queue"] = any(p["queue"] for p in parts)
+    out["limiter"] = json.loads(json.dumps(parts[0]["limiter"])) if parts and parts[0]["limiter"] else None
+    if out["limiter"] is not None:
+        for name in ("inserts", "samples", "room"):
+            out["limiter"][name] = sum(p["limiter"][name] for p in parts if p["limiter"])
+    out["priority"] = dict(parts[0]["priority"]) if parts and parts[0]["priority"] else None
+    if out["priority"] is not None:
+        prios = [p["priority"] for p in parts if p["priority"]]
+        out["priority"]["total"] = sum(p["total"] or 0.0 for p in prios)
+        lows = [p["min_weight"] for p in prios if p["min_weight"]]
+        out["priority"]["min_weight"] = min(lows) if lows else None
+        highs = [p["max_priority"] for p in prios if p["max_priority"] is not None]
+        out["priority"]["max_priority"] = max(highs) if highs else None
+    out["shards"] = parts
+    return out

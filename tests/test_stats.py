@@ -1,0 +1,230 @@
+"""A ring's counters (``stats()``, ``lua/_lib.lua`` ``tds_stat``) cost no round trip, go with the store, and are
+what ``tdstore top`` and ``tdstore metrics`` show. (The counts per kind of ring: tests/contract, test_stats_*.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import round_trips, top_level_commands
+from tensordict import TensorDict
+
+from tdstore import LazyStackedTensorDictStore, ShardedRing
+
+REPO = Path(__file__).resolve().parents[1]
+HANG = 60.0  # seconds: only bounds a hang
+
+
+def rows(lo: int, n: int) -> TensorDict:
+    return TensorDict(obs=torch.arange(lo, lo + n, dtype=torch.float32).unsqueeze(-1).expand(n, 3).clone(), batch_size=[n])
+
+
+def test_counting_costs_no_round_trip(real):
+    ring = LazyStackedTensorDictStore(count=64, **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.extend(rows(8, 8))  # scripts loaded, header cached
+    ring.sample(4)
+    calls = {
+        "extend": lambda: ring.extend(rows(16, 8)),
+        "sample": lambda: ring.sample(16),
+        "pop": lambda: ring.pop(4),
+        "leased pop": lambda: ring.pop(4, lease=600),
+    }
+    for name, fn in calls.items():
+        before = ring.stats()
+        top = top_level_commands(real.client, fn)
+        assert len(round_trips(top)) == 1, (name, top)
+        lua = top_level_commands(real.client, fn, lua=True)  # the same call again: what its script ran
+        assert "hincrby" in lua, (name, lua)  # counted by the call's own script
+        assert ring.stats() != before, name
+    ring.extend(rows(100, 64))  # full: a uniform sample is one transaction of GETRANGEs, its counter inside it
+    ring.sample(8)
+    top = top_level_commands(real.client, lambda: ring.sample(8))
+    assert round_trips(top) == ["transaction"] and "hincrby" in top, top
+    ring.clear_redis()
+
+
+def test_counters_go_with_the_store_and_its_time_to_live(backend):
+    td_id = f"stats-{uuid.uuid4().hex[:8]}"
+    ring = LazyStackedTensorDictStore(count=8, td_id=td_id, **backend.kwargs())
+    if isinstance(ring, ShardedRing):
+        pytest.skip("a sharded ring has no time to live")
+    ring.expire(600)
+    ring.extend(rows(0, 5))
+    ring.sample(3)
+    stats_key = ring._engine.keys.stats
+    client = backend.client()
+    assert client.exists(stats_key) and 0 < client.pttl(stats_key) <= 600_000  # expires with the store
+    assert ring.stats()["inserted"] == 5
+    ring.clear_redis()
+    assert not client.exists(stats_key)  # deleted with it
+    again = LazyStackedTensorDictStore(count=8, td_id=td_id, **backend.kwargs())
+    assert again.stats()["inserted"] == 0 and again.stats()["sampled"] == 0  # a new store starts at zero
+    again.clear_redis()
+
+
+def test_a_read_only_handle_samples_without_counting(real):
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    ring.extend(rows(0, 4))
+    reader = LazyStackedTensorDictStore(count=8, td_id=ring.td_id, readonly=True, **real.kwargs())
+    reader.sample(3)
+    assert ring.stats()["sampled"] == 0 and reader.stats()["inserted"] == 4
+    ring.clear_redis()
+
+
+def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
+    ring = LazyStackedTensorDictStore(count=4, **real.kwargs())
+    other = LazyStackedTensorDictStore(count=4, td_id=ring.td_id, **real.kwargs())
+    ring.set_queue(True)
+    ring.extend(rows(0, 4))
+
+    def later(call) -> threading.Thread:
+        def run() -> None:
+            time.sleep(0.3)  # the held call waits at least this long: it goes on only after this call
+            call()
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    t = later(lambda: other.pop(2))
+    ring.extend(rows(4, 2), timeout=HANG)  # a full queue: held until the pop
+    t.join()
+    other.pop(4)
+    t = later(lambda: other.extend(rows(6, 1)))
+    ring.pop(1, timeout=HANG)  # nothing unread: held until the extend
+    t.join()
+    st = ring.stats()
+    assert st["held_writes"] >= 1 and st["held_writes_ms"] >= 300
+    assert st["held_pops_ms"] >= 300 and st["held_samples_ms"] == 0
+    ring.clear_redis()
+
+
+# -- tdstore top and tdstore metrics ------------------------------------------------------------------
+
+
+def _cli(*argv: str, **kw) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "tdstore", *argv], capture_output=True, text=True, env=env, timeout=HANG, **kw)
+
+
+@pytest.fixture
+def busy(real):
+    """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled, 5 popped."""
+    ring = LazyStackedTensorDictStore(count=48, td_id="busy-ring", **real.kwargs())
+    ring.extend(rows(0, 20))
+    ring.extend(rows(20, 20))
+    ring.sample(16)
+    ring.sample(8)
+    ring.pop(5)
+    ring.set_rate_limit(min_size=4)
+    yield real, ring
+    ring.clear_redis()
+
+
+def test_top_once_prints_one_frame_with_rates(busy):
+    real, ring = busy
+    got = _cli("top", "--once", "--interval", "0.3", "--url", real.server.url, "--prefix", real.prefix)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    assert "1 stores under prefix" in lines[0] and "FILL" in lines[1] and "INS/S" in lines[1]
+    row = lines[2].split()
+    assert row[0] == "busy-ring" and row[2] == "40/48" and row[3] == "0.0"  # nothing inserted during the interval
+    assert "ok" in lines[2]  # the limiter (min_size 4) lets samples through
+
+
+def test_metrics_once_is_prometheus_text(busy):
+    real, ring = busy
+    got = _cli("metrics", "--once", "--url", real.server.url, "--prefix", real.prefix)
+    assert got.returncode == 0, got.stderr
+    samples, types = _parse_exposition(got.stdout)
+    labels = f'prefix="{real.prefix}",store="busy-ring",shard=""'
+    assert samples[f"tdstore_inserted_total{{{labels}}}"] == 40.0
+    assert samples[f"tdstore_sampled_total{{{labels}}}"] == 24.0
+    assert samples[f"tdstore_popped_total{{{labels}}}"] == 5.0
+    assert samples[f"tdstore_capacity{{{labels}}}"] == 48.0
+    assert types["tdstore_inserted_total"] == "counter" and types["tdstore_written"] == "gauge"
+
+
+def _parse_exposition(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Prometheus' text format, line by line: every metric HELP'd and TYPE'd before its samples."""
+    samples: dict[str, float] = {}
+    types: dict[str, str] = {}
+    helped: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split()[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            assert kind in ("counter", "gauge") and name in helped
+            types[name] = kind
+        else:
+            m = re.fullmatch(r'(tdstore_[a-z_]+)\{prefix="[^"]*",store="[^"]*",shard="\d*"\} (\S+)', line)
+            assert m is not None, line
+            assert m.group(1) in types, line
+            samples[line.rsplit(" ", 1)[0]] = float(m.group(2))
+    return samples, types
+
+
+def test_metrics_served_over_http(busy):
+    real, ring = busy
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tdstore", "metrics", "--port", "0", "--url", real.server.url, "--prefix", real.prefix]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # "serving http://127.0.0.1:PORT/metrics ..."
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line)
+        assert m is not None, line
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=HANG) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+            samples, _ = _parse_exposition(resp.read().decode())
+        assert samples[f'tdstore_inserted_total{{prefix="{real.prefix}",store="busy-ring",shard=""}}'] == 40.0
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/other", timeout=HANG)
+    finally:
+        proc.terminate()
+        proc.wait(HANG)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux): top's live view is tested in it")
+def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
+    real, ring = busy
+    sock, session, done = f"tdstore-test-{uuid.uuid4().hex[:8]}", "top", tmp_path / "exit-code"
+    command = f"PYTHONPATH={REPO} {sys.executable} -m tdstore top --url {real.server.url} --prefix {real.prefix}; echo $? > {done}"
+    tmux = ["tmux", "-L", sock]  # a private tmux server: nobody else's sessions
+    subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", session, command], check=True, timeout=HANG)
+    try:
+        _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+0\.0", s) is not None)  # rates: none yet
+        ring.extend(rows(0, 10))  # the next frame shows inserts per second (the frame stays a second)
+        _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+([1-9]\d*\.\d|0\.[1-9])", s) is not None)
+        subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True, timeout=HANG)
+        end = time.monotonic() + HANG
+        while not done.exists() or not done.read_text().strip():
+            assert time.monotonic() < end, "top did not quit on q"
+            time.sleep(0.05)
+        assert done.read_text().strip() == "0"
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=HANG)
+
+
+def _screen_once(tmux: list[str], session: str, ok) -> str:
+    """The pane's text, once ``ok(text)`` holds (read every 0.1 s; a long limit only bounds a hang)."""
+    end = time.monotonic() + HANG
+    screen = ""
+    while time.monotonic() < end:
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True, timeout=HANG).stdout
+        if ok(screen):
+            return screen
+        time.sleep(0.1)
+    pytest.fail(f"the screen never showed what was expected:\n{screen}")
