@@ -444,7 +444,8 @@ def open_client(
         return spec.connect(password, secrets), spec, True
     # the password the client will log in with (given, else the rule's): the shared client is keyed on it
     login = password if password is not None else default_password(spec.password_provider)
-    return shared_client(spec, login, secrets), spec, False
+    settings = (spec.describe(), spec.ssl, tuple(sorted(spec.kwargs.items())), login, tuple(sorted(secrets.items())))
+    return shared_client(settings, lambda: spec.connect(login, secrets)), spec, False
 
 
 #: The settings of a caller's client that a store's own clients copy (the rest are redis-py's defaults).
