@@ -193,7 +193,6 @@ def test_imports_go_down_the_layers_and_never_round_in_a_cycle() -> None:
 
 #: The import circles among tdstore's modules still to break (issue 39): this list only shrinks.
 CIRCLES_LEFT = [
-    {"tdstore._engine.engine", "tdstore._engine.spread_call", "tdstore._engine.whole_store", "tdstore._engine.write_call"},
     {
         "tdstore.lazy",
         *(f"tdstore._shards.{name}" for name in ("fan_out", "layout", "queue", "ring", "sample", "shard_writes", "view")),
@@ -202,8 +201,13 @@ CIRCLES_LEFT = [
 ]
 #: Files that import no tdstore module inside a function (such an import hides a circle).
 NO_FUNCTION_IMPORTS = [
+    "_engine/batches.py",
     "_engine/connection.py",
+    "_engine/engine.py",
     "_engine/shared_clients.py",
+    "_engine/spread_call.py",
+    "_engine/whole_store.py",
+    "_engine/write_call.py",
     "_ring/leases.py",
     "_ring/row_reads.py",
     "_ring/sample_pop.py",
