@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._engine.connection import _server_version, redact_url
+from tdstore._engine.connection import _server_version
+from tdstore._engine.urls import redact_url
 from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 

@@ -191,6 +191,112 @@ def test_imports_go_down_the_layers_and_never_round_in_a_cycle() -> None:
                 todo.extend(edges.get(node, ()))
 
 
+#: The import circles among tdstore's modules still to break (issue 39): this list only shrinks.
+CIRCLES_LEFT = [
+    {
+        "tdstore.lazy",
+        *(f"tdstore._shards.{name}" for name in ("fan_out", "layout", "queue", "ring", "sample", "shard_writes", "view")),
+    },
+    {"tdstore.torchrl.dumps_loads", "tdstore.torchrl.storage"},
+]
+#: Files that import no tdstore module inside a function (such an import hides a circle).
+NO_FUNCTION_IMPORTS = [
+    "_engine/batches.py",
+    "_engine/connection.py",
+    "_engine/engine.py",
+    "_engine/shared_clients.py",
+    "_engine/spread_call.py",
+    "_engine/whole_store.py",
+    "_engine/write_call.py",
+    "_ring/leases.py",
+    "_ring/row_reads.py",
+    "_ring/sample_pop.py",
+]
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own name)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _every_import(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The tdstore modules ``path`` imports anywhere: at module level, in functions, for typing only."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:  # ``from package import module`` imports the module
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in modules}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected parts of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        work = [(root, iter(sorted(edges[root])))]
+        while work:
+            node, rest = work[-1]
+            step = next(rest, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    work.append((step, iter(sorted(edges[step]))))
+                elif step in stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = set()
+                while True:
+                    member = stack.pop()
+                    part.add(member)
+                    if member == node:
+                        break
+                if len(part) > 1:
+                    out.append(part)
+    return out
+
+
+def test_no_import_circle_but_those_left_to_break() -> None:
+    """Module by module, function-level and typing-only imports included: no circle but the known ones."""
+    modules = _modules()
+    edges = {name: _every_import(path, modules) - {name} for name, path in modules.items()}
+    circles = _circles(edges)
+    assert [c for c in circles if c not in CIRCLES_LEFT] == [], "a new import circle"
+    assert [c for c in CIRCLES_LEFT if c not in circles] == [], "a circle broken: take it off CIRCLES_LEFT"
+
+
+@pytest.mark.parametrize("name", NO_FUNCTION_IMPORTS)
+def test_these_modules_import_no_tdstore_module_in_a_function(name: str) -> None:
+    tree = ast.parse((PACKAGE / name).read_text())
+    inner = [
+        node.lineno
+        for func in ast.walk(tree)
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(func)
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tdstore"))
+        or (isinstance(node, ast.Import) and any(a.name.startswith("tdstore") for a in node.names))
+    ]
+    assert inner == [], f"{name}: tdstore imported in a function at lines {inner}"
+
+
 def test_the_format_and_engine_packages_import_nothing_when_imported() -> None:
     for package in ("_format", "_engine", "_plan"):
         assert _module_imports(PACKAGE / package / "__init__.py") == [], package

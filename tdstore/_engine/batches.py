@@ -12,9 +12,12 @@ uses this too.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tdstore._engine import scripts as _scripts
+from tdstore._format.header_info import parse_header
+from tdstore._format.keys import StoreKeys
 
 #: Keys one call of a whole-store script may name. A key costs the server ~2-15 us in these
 #: scripts (DEL, PEXPIREAT, STRLEN and an inventory entry), so a call stays near 10 ms, well
@@ -88,3 +91,15 @@ def expire(client: Any, meta: str, keys: list[str], spec: str, ttl_ms: int, exec
             return reply
         at = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
     return reply
+
+
+def clear_lapsed(client: Any, keys: StoreKeys, fields: dict, cluster: bool, execute: Any = None) -> int:
+    """Delete what a whole-store call cut in batches left of a store (``create.lua``'s ``LAPSED``
+    reply, ``tdstore rm``): ``fields`` is its header, a tombstone or a lapsed one."""
+    info = parse_header(fields)
+    keys = replace(keys, segment_tags=info.spread or not cluster)  # its layout, as its header says (_inspect_read.store_layout)
+    every = keys.all_keys(info.next_leaf, info.segments) + keys.side_keys
+    reply = clear(client, every[0], None if cluster else keys.registry, every[1:], f"{info.epoch}:X", keys.td_id, execute)
+    if cluster:
+        client.srem(keys.registry, keys.td_id)
+    return int(reply[1]) if status(reply) == "OK" else 0

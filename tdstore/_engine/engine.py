@@ -52,9 +52,10 @@ import redis
 from tdstore._engine import limits as _limits
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import spread as _spread
+from tdstore._engine.batches import clear_lapsed
 from tdstore._engine.connection import ConnectionSpec
-from tdstore._engine.spread_call import cut_per_segment, spread_call
-from tdstore._engine.transport import NO_TRANSACTION, Transport
+from tdstore._engine.spread_call import SCRIPT_READS, cut_per_segment, spread_call
+from tdstore._engine.transport import NO_TRANSACTION, Transport, refused_for_good
 from tdstore._engine.write_call import leaf_shapes, write_call
 from tdstore._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
 from tdstore._format import integrity as _integrity
@@ -64,7 +65,7 @@ from tdstore._format.keys import KeyTable, StoreKeys, check_td_id
 from tdstore._format.offsets import OffsetTables
 from tdstore._format.schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
 from tdstore._plan import index as _index
-from tdstore._plan import read_plan as _reads
+from tdstore._plan import read_plan as _read_plan
 from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import DenseResult, ElementsResult, NotRagged
 
@@ -295,8 +296,6 @@ class Engine(Transport):
                 if reply[0] != b"LAPSED":
                     break
                 # what a delete or a deadline change cut in batches left half-done: delete it, create again
-                from tdstore._engine.whole_store import clear_lapsed
-
                 clear_lapsed(self.client, self.keys, _pairs(reply[1:]), self.spec.cluster)
         if reply[0] == b"OK":
             self.set_header(header)
@@ -379,6 +378,8 @@ class Engine(Transport):
                 if reply is None:  # refreshed: plan again
                     lost_race(attempt)
                     continue
+                if reply is SCRIPT_READS:
+                    return self.run_with_script_reads(plan)
                 if reply is not _spread.LOCAL:
                     return reply[0]
             if call.script == "tx":
@@ -445,8 +446,7 @@ class Engine(Transport):
     def transaction_refused(self, err: redis.exceptions.ResponseError, plan: Callable[[Header], Call]) -> Any:
         """A server or ACL user without MULTI/EXEC (for good), or one that refuses the transaction now
         (at maxmemory a server refuses to queue commands): this call reads through the script."""
-        text = str(err).lower()
-        if "noperm" in text or "unknown command" in text or "no permissions" in text:
+        if refused_for_good(err):
             self.transactions = False
         return self.run_with_script_reads(plan)
 
@@ -486,7 +486,7 @@ class Engine(Transport):
         """
         wanted = None if paths is None else list(paths)
         result: dict[str, Any] = {}
-        out = self.run(lambda h: _reads.read_call(self, h, index, wanted, under, per_element, fields, result, counts))
+        out = self.run(lambda h: _read_plan.read_call(self, h, index, wanted, under, per_element, fields, result, counts))
         return result["plan"], out
 
     def read_ragged(self, path: NestedPath, ids: np.ndarray) -> tuple[Leaf, np.ndarray, Any] | None:
@@ -499,7 +499,7 @@ class Engine(Transport):
         if not ids.size:
             return None
         try:
-            return self.run(lambda h: _reads.ragged_call(self, h, path, ids))
+            return self.run(lambda h: _read_plan.ragged_call(self, h, path, ids))
         except NotRagged:
             return None
 

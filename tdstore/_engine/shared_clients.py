@@ -14,27 +14,25 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import redis
-
-if TYPE_CHECKING:
-    from tdstore._engine.connection import ConnectionSpec
 
 _SHARED: weakref.WeakValueDictionary[tuple[Any, ...], redis.Redis] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
 
-def shared_client(spec: ConnectionSpec, password: str | None, secrets: dict[str, Any]) -> redis.Redis:
-    """The client of this process for ``spec`` logging in with ``password`` (None: none) and these
-    secrets; made when there is none."""
-    key = (spec.describe(), spec.ssl, tuple(sorted(spec.kwargs.items())), password, tuple(sorted(secrets.items())))
+def shared_client(settings: tuple[Any, ...], connect: Callable[[], redis.Redis]) -> redis.Redis:
+    """The client of this process opened with ``settings`` (everything that tells one client from another:
+    where, how, the password and the other secrets), made by ``connect()`` when there is none.
+    ``_engine.connection`` says what the settings are; this table only keeps the clients."""
     try:
-        hash(key)
+        hash(settings)
     except TypeError:  # a setting that cannot be compared (a list...): a client of its own
-        return spec.connect(password, secrets)
+        return connect()
     with _LOCK:
-        client = _SHARED.get(key)
+        client = _SHARED.get(settings)
         if client is None:
-            client = _SHARED[key] = spec.connect(password, secrets)
+            client = _SHARED[settings] = connect()
         return client

@@ -1,23 +1,26 @@
 """A call of a store spread over a cluster's nodes (see ``_engine.spread``): cut per segment and node, and
-waiting, while another client's schema change holds the store's lock, for it to finish."""
+waiting, while another client's schema change holds the store's lock, for it to finish. A read that must go
+through the scripts instead is the engine's to run again (:data:`SCRIPT_READS`)."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from tdstore._engine import spread as _spread
 from tdstore._engine import spread_change as _spread_change
+from tdstore._engine.transport import refused_for_good
 from tdstore._format.schema import Header
-from tdstore._plan.call import Call
+from tdstore._plan.call import Call, CallHost
 from tdstore._plan.read_results import DenseResult
 
-if TYPE_CHECKING:
-    from tdstore._engine.engine import Engine
+#: :func:`spread_call`'s answer when the call is to be read through the scripts instead (the engine runs it so):
+#: a read transaction a node refused or could not answer, or one whose reply came short.
+SCRIPT_READS = object()
 
 
 def cut_per_segment(header: Header, call: Call) -> bool:
@@ -29,10 +32,11 @@ def cut_per_segment(header: Header, call: Call) -> bool:
     )
 
 
-def spread_call(engine: Engine, plan: Callable[[Header], Call], header: Header, call: Call) -> Any:
+def spread_call(engine: CallHost, plan: Callable[[Header], Call], header: Header, call: Call) -> Any:
     """A spread store's call: ``(result,)``, ``_engine.spread.LOCAL`` when it stays in
-    segment 0, or None to plan again. While another client's schema change is under way the call
-    waits for it and plans again here, without counting a lost race, for at most the lock's lease."""
+    segment 0, :data:`SCRIPT_READS` to read through the scripts, or None to plan again. While another
+    client's schema change is under way the call waits for it and plans again here, without counting a
+    lost race, for at most the lock's lease."""
     deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
     while True:
         engine.check_argument_sizes(call)
@@ -41,12 +45,14 @@ def spread_call(engine: Engine, plan: Callable[[Header], Call], header: Header, 
         elif call.script == "tx":
             try:
                 reply = _spread.run_transaction(engine, header, call)
-            except redis.exceptions.ResponseError as err:
-                return (engine.transaction_refused(err, plan),)
+            except redis.exceptions.ResponseError as err:  # as Engine.transaction_refused
+                if refused_for_good(err):
+                    engine.transactions = False
+                return SCRIPT_READS
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 # a node away (a failover, say): read through the scripts, which RedisCluster
                 # routes with a fresh slot map, or which raise naming the store
-                return (engine.run_with_script_reads(plan),)
+                return SCRIPT_READS
         else:
             reply = _spread.run_data(engine, header, call)
         if reply is _spread.WAIT:
@@ -63,7 +69,7 @@ def spread_call(engine: Engine, plan: Callable[[Header], Call], header: Header, 
         if reply is None or reply is _spread.LOCAL:
             return reply
         if call.script == "tx" and engine.short(call, reply):
-            return (engine.run_with_script_reads(plan),)
+            return SCRIPT_READS
         out = call.parse(reply)
         if call.fields and isinstance(out, DenseResult):
             out.fields = call.field_values

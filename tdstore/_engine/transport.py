@@ -29,6 +29,13 @@ STAGING_TTL_MS = 60_000
 _BINARY = frozenset({bytes, bytearray, memoryview})
 
 
+def refused_for_good(err: redis.exceptions.ResponseError) -> bool:
+    """Whether a refused read transaction means this server or ACL user has no MULTI/EXEC at all (then reads
+    go through the scripts for good), not a refusal of this one (at maxmemory a server refuses to queue commands)."""
+    text = str(err).lower()
+    return "noperm" in text or "unknown command" in text or "no permissions" in text
+
+
 def _release_all(held: dict[str, HeldConnection]) -> None:
     for h in held.values():
         h.release()

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import Any
 
 from tdstore._engine import batches as _batches
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import spread as _spread
 from tdstore._engine.engine import Engine, StaleSchemaError
-from tdstore._format.header_info import parse_header
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header
 from tdstore._plan.call import Call
@@ -64,18 +62,6 @@ def _clear_batches(engine: Engine) -> int:
             return int(reply[1])
         engine.adopt_stale(reply)
     raise _stale(engine)
-
-
-def clear_lapsed(client: Any, keys: StoreKeys, fields: dict, cluster: bool, execute: Any = None) -> int:
-    """Delete what a whole-store call cut in batches left of a store (``create.lua``'s ``LAPSED``
-    reply, ``tdstore rm``): ``fields`` is its header, a tombstone or a lapsed one."""
-    info = parse_header(fields)
-    keys = replace(keys, segment_tags=info.spread or not cluster)  # its layout, as its header says (_inspect_read.store_layout)
-    every = keys.all_keys(info.next_leaf, info.segments) + keys.side_keys
-    reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], f"{info.epoch}:X", keys.td_id, execute)
-    if cluster:
-        client.srem(keys.registry, keys.td_id)
-    return int(reply[1]) if _batches.status(reply) == "OK" else 0
 
 
 def _stale(engine: Engine) -> Exception:

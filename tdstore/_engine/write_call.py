@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tdstore._engine import held as _held
 from tdstore._engine import spread_change as _spread_change
@@ -19,11 +19,8 @@ from tdstore._format import segments as _segments
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf
-from tdstore._plan import write_plan as _writes
-from tdstore._plan.call import Call, leaf_checks
-
-if TYPE_CHECKING:
-    from tdstore._engine.engine import Engine
+from tdstore._plan import write_plan as _write_plan
+from tdstore._plan.call import Call, CallHost, leaf_checks
 
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
 #: (measured, store.set of a key of 1 MiB: 0.94 ms staged against 2.12 ms through the script on Redis 7.0;
@@ -40,19 +37,19 @@ def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
     return table.__getitem__
 
 
-def first_keys(engine: Engine, h: Header, new_header: Header, ops: list[list[Any]], kt: KeyTable) -> Header:
+def first_keys(engine: CallHost, h: Header, new_header: Header, ops: list[list[Any]], kt: KeyTable) -> Header:
     """``new_header`` with its segment length fixed when it gives a store created empty its first keys
     (which say how large it may grow), after refusing a store that cannot fit the server; else as it is."""
     if h.seg or h.leaves or not new_header.leaves:
         return new_header
-    sizes = _writes.first_element_sizes(engine.keys, new_header, ops, kt)
+    sizes = _write_plan.first_element_sizes(engine.keys, new_header, ops, kt)
     new_header = replace(new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), engine.segment_size))
     engine.check_room(new_header, sum(mean for mean, _ in sizes))
     return new_header
 
 
 def write_call(
-    engine: Engine,
+    engine: CallHost,
     plan: Callable[[Header, KeyTable], tuple[Header | None, list[list[Any]], list[Leaf]]],
     h: Header,
     *,

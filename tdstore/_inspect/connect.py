@@ -11,7 +11,8 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
-from tdstore._engine.connection import PASSWORD_ENV, PasswordError, check_scheme, open_client, redact_url
+from tdstore._engine.connection import PASSWORD_ENV, PasswordError, open_client
+from tdstore._engine.urls import check_scheme, redact_url
 
 __all__ = [
     "CONNECT_TIMEOUT",

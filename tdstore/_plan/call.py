@@ -2,9 +2,10 @@
 
 ``Call`` is what every planner returns and ``Engine._run`` sends (a script call, or a read
 transaction of plain ``GETRANGE``s); ``SegmentHost`` is the part of the engine that
-``_engine.spread`` (a spread store's calls cut per segment and sent per node) uses. Both live here,
-below the engine and ``_engine.spread``, so that the engine imports ``_engine.spread`` and ``_engine.spread``
-imports nothing of the engine's.
+``_engine.spread`` (a spread store's calls cut per segment and sent per node) uses, and ``CallHost`` the
+part that ``_engine.write_call`` and ``_engine.spread_call`` (the calls the engine sends) use. They live
+here, below the engine and those modules, so that the engine imports them and they import nothing of
+the engine's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from tdstore._format import wire as _wire
-from tdstore._format.keys import StoreKeys
+from tdstore._format.integrity import ChecksMemo
+from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.schema import Header, Leaf
 
 #: Read transactions ask for at most this many bytes per ``GETRANGE``.
@@ -89,3 +91,30 @@ class SegmentHost(Protocol):
     def queue_staged(self, pipe: Any, staged: list[tuple[str, Any]]) -> None: ...
 
     def ttl_ms(self) -> int | None: ...
+
+
+class CallHost(SegmentHost, Protocol):
+    """What ``_engine.write_call`` (a write's ARGV) and ``_engine.spread_call`` (a spread store's call) use of
+    the engine: its cached header, key table, room and size checks; never its run loop, which calls them."""
+
+    checks_memo: ChecksMemo
+    transactions: bool
+
+    @property
+    def header(self) -> Header: ...
+
+    @property
+    def segment_size(self) -> int: ...
+
+    @property
+    def counts_in_place(self) -> bool: ...
+
+    def key_table(self, h: Header) -> KeyTable: ...
+
+    def check_room(self, h: Header, element_bytes: int, declared: int | None = None) -> None: ...
+
+    def check_argument_sizes(self, call: Call) -> None: ...
+
+    def localize_read(self, h: Header, call: Call) -> None: ...
+
+    def short(self, call: Call, reply: list) -> bool: ...

@@ -37,7 +37,7 @@ from tdstore._plan.call import Call
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
 from tdstore._ring.extend import Sample
-from tdstore._ring.sample_pop import _decode_sample, _row_read_call
+from tdstore._ring.row_reads import decode_sample, row_read_call
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Planner:
             return Read.L(self.batch_size, engine.keys.events, self.ms, self.receipt, *refs)
 
         def parse(reply: list, rows: Any) -> Sample | LeasedSample:
-            got = _decode_sample(
+            got = decode_sample(
                 h, rows.leaves, reply, 2 + Read.L.reply_pieces([]), self.device, rows.block, rows.grouped, None, rows.wanted
             )
             deadline, kv = (int(x) for x in _text(reply[6]).split())
@@ -146,7 +146,7 @@ class Planner:
             receipt = Receipt(self.receipt, tuple(int(w) for w in ws.tolist()))
             return LeasedSample(got.td, got.indices, gens, ws, deliveries, receipt, deadline, self.store, self.timeout)
 
-        return _row_read_call(engine, h, self.keys, self.batch_size, head, parse)
+        return row_read_call(engine, h, self.keys, self.batch_size, head, parse)
 
 
 def _with_leases(h: Header, kv: int) -> Header:

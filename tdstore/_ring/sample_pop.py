@@ -12,44 +12,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from tensordict import lazy_stack
 
 from tdstore._engine import deadline as _deadline
-from tdstore._engine import held as _held
 from tdstore._engine.engine import Engine, request_id
 from tdstore._format import codec as _codec
-from tdstore._format import ragged as _ragged
-from tdstore._format import row_block as _rows
+from tdstore._format import row_block as _row_block
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Read
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._format.segments import het_row_read_op, row_read_op
-from tdstore._plan.call import Call, leaf_checks
+from tdstore._plan.call import Call
 from tdstore._plan.read_plan import plan_rows_tx, with_tables
-from tdstore._plan.read_results import DenseResult, het_rows
-from tdstore._plan.values import build_td, columns_maker, display, stack_members
-from tdstore._ring import policy_calls as _sampling
+from tdstore._plan.read_results import DenseResult
+from tdstore._plan.values import build_td
+from tdstore._ring import policy_calls as _policy_calls
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
 from tdstore._ring.extend import DRAW_HIGH, RING_FIELDS, Sample, generations, ring_writes_of
-
-
-def _selected(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
-    """The leaves a sample reads: every one, or those at or below ``keys`` (``KeyError`` naming a key that matches none)."""
-    if keys is None:
-        return list(h.leaves.values())
-    out = []
-    for key in keys:
-        found = [leaf for path, leaf in h.leaves.items() if path[: len(key)] == key]
-        if not found:
-            raise KeyError(f"key {display(key)!r} is not in the store")
-        out += [leaf for leaf in found if leaf not in out]
-    return out
+from tdstore._ring.leases import Planner
+from tdstore._ring.row_reads import RowRead, decode_sample, row_read_call, selected_leaves, with_masks
 
 
 @_deadline.honours_timeout("sample")
@@ -68,7 +53,7 @@ def sample(
     timeout: float | None = None,
     heads: list[tuple[float, float, int]] | None = None,
     again: tuple[torch.Tensor, str] | None = None,
-) -> Sample | _sampling.PrioritizedSample:
+) -> Sample | _policy_calls.PrioritizedSample:
     """Draw ``batch_size`` written slots (with replacement) and read them, in one call.
 
     Uniformly, or by priority on a store with priorities (see ``_ring.policy_calls``); waiting
@@ -87,7 +72,7 @@ def sample(
     policy = _sample_policy(engine, h, prioritized, alpha, min_size)
     by_policy = policy.prioritized if prioritized is None else prioritized
     by_policy = by_policy or min_size is not None or h.sampling is not None
-    chosen = _selected(h, keys)
+    chosen = selected_leaves(h, keys)
     if not by_policy and engine.ring_full and engine.tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
         got = _full_ring_sample(engine, h, draws, keys, chosen, device, ragged)
         if isinstance(got, Sample):
@@ -119,7 +104,7 @@ def sample(
             engine.set_header(engine.fetch_header())
             return engine.run(planner.plan)
 
-    def resend(later: float | None) -> Sample | _sampling.PrioritizedSample:
+    def resend(later: float | None) -> Sample | _policy_calls.PrioritizedSample:
         # a sample that counts (rate limiter, max_times_sampled), sent again: the rows it drew, counted once
         return sample(
             engine,
@@ -137,7 +122,7 @@ def sample(
         )
 
     with _deadline.resolvable(planner.request, resend):
-        return _sampling.wait_or_raise(
+        return _policy_calls.wait_or_raise(
             engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample"
         )
 
@@ -152,13 +137,13 @@ def _check_sample_args(batch_size: Any, min_size: Any, beta: Any) -> None:
 
 def _sample_policy(engine: Engine, h: Header, prioritized: bool | None, alpha: float | None, min_size: int | None) -> SamplingPolicy:
     """The store's sampling policy, once the sample's arguments are checked against it."""
-    policy = _sampling.policy_of(engine)
+    policy = _policy_calls.policy_of(engine)
     if prioritized is None:
         prioritized = policy.prioritized
     elif prioritized and not policy.prioritized:
-        policy = _sampling.policy_of(engine, fresh=True)
+        policy = _policy_calls.policy_of(engine, fresh=True)
         if not policy.prioritized:
-            raise _sampling.no_priorities(engine)
+            raise _policy_calls.no_priorities(engine)
     if prioritized and alpha is not None and float(alpha) != policy.alpha:
         raise ValueError(
             f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"
@@ -253,24 +238,26 @@ class _SamplePlanner:
                 return Read.P(self.batch_size, packed, tree, counts, engine.keys.events, self.min_size or 0, "1" if by_prio else "0")
             return Read.U(self.batch_size, packed)
 
-        def parse(reply: list, rows: _RowRead) -> Sample | _sampling.PrioritizedSample:
+        def parse(reply: list, rows: RowRead) -> Sample | _policy_calls.PrioritizedSample:
             pieces = 6 if use_policy else 4
-            got = _decode_sample(h, rows.leaves, reply, pieces, self.device, rows.block, rows.grouped, self.ragged, rows.wanted)
+            got = decode_sample(h, rows.leaves, reply, pieces, self.device, rows.block, rows.grouped, self.ragged, rows.wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             if not by_prio:
                 return got
-            probs, low = _sampling.probabilities(reply)
+            probs, low = _policy_calls.probabilities(reply)
             if self.heads is not None:
                 mass = np.frombuffer(reply[5], dtype="<f8")[1:2]
                 self.heads.append((float(mass[0]) if len(mass) else math.nan, low, int(reply[3])))
-            return _sampling.PrioritizedSample(got.td, got.indices, got.generations, _sampling.weights_of(probs, low, self.beta), probs)
+            return _policy_calls.PrioritizedSample(
+                got.td, got.indices, got.generations, _policy_calls.weights_of(probs, low, self.beta), probs
+            )
 
-        call = _row_read_call(engine, h, keys, self.batch_size, head, parse, self.request if use_policy else None)
+        call = row_read_call(engine, h, keys, self.batch_size, head, parse, self.request if use_policy else None)
         if use_policy:
             return call
         # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
         # draws fall in once the ring is full), so that the next samples of a full ring go as transactions
-        units = _rows.units(h, _selected(h, keys))[0]
+        units = _row_block.units(h, selected_leaves(h, keys))[0]
         return with_tables(engine, h, call, KeyTable(*call.keys), units, (self.draws % h.count).numpy(), count_at=2)
 
 
@@ -290,10 +277,10 @@ def _tx_sample_call(
     the draws to slots as ``read.lua``'s ``U`` op would (``draw % count``) and reads the rows from the
     offset tables it keeps (``_plan.read_plan.plan_rows_tx``), ``rw`` and the policy field with them. None when
     a table is not kept, or every key read is homogeneous (``engine.read`` samples those)."""
-    selected = _selected(h, keys)
+    selected = selected_leaves(h, keys)
     if not selected or not any(leaf.het for leaf in selected):
         return None
-    leaves, block, grouped = _rows.units(h, selected)
+    leaves, block, grouped = _row_block.units(h, selected)
     slots = (draws % h.count).numpy()
     tx = plan_rows_tx(engine, h, slots, leaves)
     if tx is None:
@@ -307,7 +294,7 @@ def _tx_sample_call(
         if rw < h.count or fields.get("sc") is not None:
             raise _RingMoved
         piece = str(rw).encode()
-        return _decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
+        return decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
     counts = tx_counts(engine, len(slots))
     call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=counts)
@@ -337,8 +324,6 @@ def pop(
     engine.refuse_if_readonly()
     refuse_spread(engine)
     channel = engine.keys.events
-    from tdstore._ring.leases import Planner  # it imports this module's row reads
-
     request = request or request_id()  # one per pop, sent with every attempt: a resend never moves the cursor twice
     leased = Planner(engine, batch_size, device, keys, 0, receipt=request[:16])
 
@@ -346,13 +331,13 @@ def pop(
         if h.leased:  # items whose lease ran out go to plain pops too: through the lease table
             return leased.plan(h)
         _deadline.arm()  # sent next: from now on the pop may have taken its items
-        return _row_read_call(
+        return row_read_call(
             engine,
             h,
             keys,
             batch_size,
             lambda kt: Read.F(batch_size, channel),
-            lambda reply, rows: _decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted),
+            lambda reply, rows: decode_sample(h, rows.leaves, reply, 4, device, rows.block, rows.grouped, None, rows.wanted),
             request,
         )
 
@@ -362,113 +347,3 @@ def pop(
 
     with _deadline.resolvable(request, resend, keyword=True):
         return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
-
-
-class _RowRead(NamedTuple):
-    """What a row read reads: its units (leaves, with the row block standing for its columns) and which keys were asked for."""
-
-    leaves: list[Leaf]
-    block: Leaf | None
-    grouped: list[Leaf]
-    wanted: set[NestedPath] | None
-
-
-def _row_read_call(
-    engine: Engine, h: Header, keys: list[NestedPath] | None, rows: int, head: Any, parse: Any, request: str | None = None
-) -> Call:
-    """A ``read.lua`` call whose rows one op picks (``head(kt)``: 'U', 'P' or 'F') and whose other ops read
-    every selected leaf at those rows; ``parse(reply, _RowRead)`` makes the result. ``request`` (a 'P' or 'F'
-    op: a request id) goes before it as an 'N' op, so that a resend reads the rows the first attempt took."""
-    selected = _selected(h, keys)
-    wanted = None if keys is None else {leaf.path for leaf in selected}
-    kt = engine.key_table(h)
-    checks = leaf_checks(selected)
-    leaves, block, grouped = _rows.units(h, selected)
-    named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
-    # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
-    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats), _held.held_ms())
-    ops = 1 + len(leaves) + bool(named) + bool(counted)
-    args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
-    for leaf in leaves:
-        if leaf.het:
-            d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))
-            args += het_row_read_op(h.segments, leaf.ndim, rows)(d, o, s, 8 * leaf.ndim)
-        else:
-            args += row_read_op(h.segments, leaf.element_nbytes, rows)(kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes)
-    unit = _RowRead(leaves, block, grouped, wanted)
-    return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
-
-
-def with_masks(h: Header, dense: dict[NestedPath, torch.Tensor], masks: dict[NestedPath, torch.Tensor], ragged: dict[str, Any]) -> None:
-    """Add to a sample's ``dense`` leaves the masks ``return_mask`` asks for, where ``tensordict.pad_sequence``
-    puts them (under ``"masks"`` or the key it names): a padded key's own, every other key's all True
-    along its first dim (a key whose elements all have one length so far is masked like the others)."""
-    where = _ragged.mask_root(ragged, h.leaves)
-    for path, t in list(dense.items()):
-        m = masks.get(path)
-        dense[(*where, *path)] = m if m is not None else torch.ones(t.shape[: min(2, t.ndim)], dtype=torch.bool, device=t.device)
-
-
-def _decode_sample(
-    h: Header,
-    leaves: list[Leaf],
-    reply: list,
-    first: int,
-    device: torch.device | None,
-    block: Leaf | None,
-    grouped: list[Leaf],
-    ragged: dict[str, Any] | None = None,
-    wanted: set[NestedPath] | None = None,
-) -> Sample:
-    """The batch a 'U', 'P' or 'F' op read: slots in ``reply[2]``, rw in ``reply[3]``, the leaves' pieces from ``reply[first]``."""
-    slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
-    n = int(slots.numel())
-    rw = int(reply[3])
-    pieces = reply[first:]
-    pos = 0
-    dense: dict[NestedPath, torch.Tensor] = {}
-    masks: dict[NestedPath, torch.Tensor] = {}
-    per_el: dict[NestedPath, list[torch.Tensor]] = {}
-    for leaf in leaves:
-        if not leaf.het:
-            assert leaf.shape is not None
-            rows = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
-            if leaf is block:
-                dense.update(_rows.split(rows, grouped))
-            else:
-                dense[leaf.path] = rows
-            pos += 1
-            continue
-        one = None
-        if ragged and not leaf.json and not h.inner and h.stack_pos == 0:
-            # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
-            one = _ragged.build(leaf, _codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], ragged)
-        elif ragged:
-            _ragged.check_mask(ragged, display(leaf.path))
-        if isinstance(one, tuple):
-            dense[leaf.path], masks[leaf.path] = one
-        elif one is not None:
-            dense[leaf.path] = one
-        else:
-            per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
-        pos += 3
-    if block is not None or ragged or wanted is not None:  # the store's key order (and only the keys asked for)
-        dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
-    if ragged and ragged.get("return_mask"):
-        if per_el:
-            _ragged.check_mask(ragged, display(next(iter(per_el))))
-        with_masks(h, dense, masks, ragged)
-    sp = h.stack_pos
-    if not per_el:
-        bs = (*h.inner[:sp], n, *h.inner[sp:])
-        td = build_td({p: t.movedim(0, sp) if sp else t for p, t in dense.items()}, bs, device, sub=h.sub_dims)
-    else:
-        rows_of: dict[NestedPath, Any] = {p: t.unbind(0) for p, t in dense.items()}  # one view per row, made in one call
-        rows_of.update(per_el)
-        if device is None or device.type == "cpu":
-            td = stack_members(columns_maker(list(rows_of), 0, torch.Size(h.inner), device, h.sub_dims)(rows_of, n), sp)
-        else:  # build_td moves each element to the device
-            td = lazy_stack(
-                [build_td({p: rows[k] for p, rows in rows_of.items()}, h.inner, device, sub=h.sub_dims) for k in range(n)], dim=sp
-            )
-    return Sample(td, slots, generations(slots, rw, h.count))

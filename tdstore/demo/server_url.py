@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import redis
 
-from tdstore._engine.connection import PASSWORD_ENV, redact_url
+from tdstore._engine.connection import PASSWORD_ENV
+from tdstore._engine.urls import redact_url
 from tdstore.demo.actors import DemoError
 
 __all__ = ["ServerUnreachable", "check_reachable", "password_for_children", "redact_url"]
