@@ -25,11 +25,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tdstore"
 
 #: The subpackages from the lowest layer up: a module-level import goes only to an earlier one
 #: (or within its own package, or to ``tdstore._errors``, which imports nothing of tdstore).
-LAYERS = ["_format", "_plan", "_engine", "_front", "_ring", "_shards"]
+#: ``_inspect`` (torch-free reads of headers and counters, for the CLI) sits on ``_engine``: the rings read
+#: their counters through its ``stats`` reader, so ``stats()`` and ``tdstore top`` share one parse.
+LAYERS = ["_format", "_plan", "_engine", "_inspect", "_front", "_ring", "_shards"]
 #: Other private subpackages and what they may import at module level.
 SIDE = {
     "_servers": set(),
-    "_inspect": {"_format", "_engine"},
     "_checkpoint": {"_format", "_plan", "_engine", "_front", "_ring"},
 }
 
