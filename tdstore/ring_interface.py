@@ -41,15 +41,36 @@ import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkable
 
+# What the ring's calls answer and take, public here so that adapters (``tdstore.torchrl``) name them
+# without importing private modules; and the two rules an adapter must apply as the ring does: which
+# slots an index names (``index_positions``: a bool/uint8 mask means what it means to ``store[mask]``)
+# and which generation a slot holds after ``write_count`` ring writes (``slot_generations``).
+from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._plan.index import MASK_DTYPES
+from tdstore._plan.index import positions as index_positions
+from tdstore._ring.args import check_batch_size
+from tdstore._ring.extend import RingState, RingWrite, Sample
+from tdstore._ring.extend import generations as slot_generations
+from tdstore._ring.leases import LeasedSample
+from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
+
 if TYPE_CHECKING:
     import torch
 
-    from tdstore._format.sampling_policy import SamplingPolicy
-    from tdstore._ring.extend import RingState, RingWrite, Sample
-    from tdstore._ring.leases import LeasedSample
-    from tdstore._ring.policy_calls import PrioritizedSample
-
-__all__ = ["Ring"]
+__all__ = [
+    "Ring",
+    "RingState",
+    "RingWrite",
+    "Sample",
+    "PrioritizedSample",
+    "LeasedSample",
+    "SamplingPolicy",
+    "MASK_DTYPES",
+    "index_positions",
+    "slot_generations",
+    "check_batch_size",
+    "priority_tensor",
+]
 
 _MISSING = object()
 

@@ -38,10 +38,10 @@ from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
 
-from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._ring.policy_calls import policy_of
 from tdstore._shards.layout import wants_shards
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage, ring_engines
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY

@@ -10,13 +10,11 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler, Sa
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH  # see the registration at the end
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._plan import index as _index
 from tdstore._plan.read_results import DenseResult
 from tdstore._plan.values import build_td
 from tdstore._ring import extend as _ring
-from tdstore._ring.args import check_batch_size
-from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import PrioritizedSample, check_batch_size, index_positions, priority_tensor
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import EMPTY_ERROR, Drawn, has_keys
 
@@ -266,7 +264,7 @@ class StorePrioritizedSampler(PrioritizedSampler):
         target = storage if isinstance(storage, StoreStorage) else (last[0] if last is not None else None)
         if target is None:
             raise RuntimeError("update_priority needs the storage: sample first, or pass storage=")
-        idx, _ = _index.positions(index, target.max_size)  # a mask means what it means to indexing
+        idx, _ = index_positions(index, target.max_size)  # a mask means what it means to indexing
         p = p.abs() + self._eps
         if p.numel() == 1 and idx.numel() > 1:
             p = p.expand(idx.numel())

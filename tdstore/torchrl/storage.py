@@ -22,10 +22,10 @@ from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
 from tdstore._format import tensorclass as _tensorclass
-from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._ring.dense_methods import dense_rows
 from tdstore._ring.policy_calls import policy_of, restore_policy
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.row_copy import write_through
 from tdstore.torchrl.storage_base import _PUBLIC_CONN, TENSOR_KEY, TREE_KEY, Drawn, _eager, _spec_text
 from tdstore.torchrl.storage_writes import StorageWrites

@@ -17,14 +17,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
+from tdstore import DenseShapeError
 from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import td_id_or_new
-from tdstore._errors import DenseShapeError
-from tdstore._ring import extend as _ring
-from tdstore._ring.policy_calls import PrioritizedSample
 from tdstore._shards import layout as _sharded
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import PrioritizedSample, Sample
 from tdstore.torchrl import marks as _torchrl_marks
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
@@ -38,7 +37,7 @@ _PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "back
 #: The message of the ``RuntimeError`` that sampling a buffer nothing was written to raises.
 EMPTY_ERROR = "Cannot sample from an empty storage: nothing has been written to the replay buffer yet."
 #: A batch a sampler read: ``StoreStorage.get`` of its very indices returns it without reading again.
-Drawn = _ring.Sample | PrioritizedSample
+Drawn = Sample | PrioritizedSample
 
 
 def _public_url(url: str) -> str:

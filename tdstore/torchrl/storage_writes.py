@@ -14,9 +14,8 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tens
 from tensordict.utils import unravel_key_list
 from torch.utils._pytree import tree_flatten
 
-from tdstore._plan import index as _index
-from tdstore._ring import extend as _ring
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import RingState, index_positions
 from tdstore.torchrl.storage_base import (
     METADATA_KEYS,
     TENSOR_KEY,
@@ -140,7 +139,7 @@ class StorageWrites(StorageBase):
             return
         single = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
         bound = self.max_size if self.ndim == 1 else self._max_size_along_dim0(**{"single_data" if single else "batched_data": data})
-        slots, one = _index.positions(cursor, bound)  # a mask means what it means to indexing
+        slots, one = index_positions(cursor, bound)  # a mask means what it means to indexing
         rows = self._to_rows((data.unsqueeze(0) if hasattr(data, "unsqueeze") else [data]) if one else data)
         if set_cursor:
             self._set_at_cursor(slots, rows)
@@ -152,10 +151,10 @@ class StorageWrites(StorageBase):
         """``rb[(i, j)] = data`` of an ndim>1 storage: the dim-0 rows read, changed here and written back
         (two atomic calls: a write another process makes to those rows in between is lost)."""
         first, rest = index[0], index[1:]
-        slots, _ = _index.positions(first, self._dim0)
+        slots, _ = index_positions(first, self._dim0)
         slots = slots.unique()
         local = self.with_store(lambda s: self._read(s, slots))
-        where = torch.searchsorted(slots, _index.positions(first, self._dim0)[0])
+        where = torch.searchsorted(slots, index_positions(first, self._dim0)[0])
         pos = where if isinstance(first, torch.Tensor) and first.ndim and any(isinstance(r, torch.Tensor) for r in rest) else None
         if pos is not None:
             local[(pos, *rest)] = data
@@ -205,7 +204,7 @@ class StorageWrites(StorageBase):
     #: How long a write of new slots ahead of the server's cursor waits for the writes before them (seconds).
     wait_for_writers: float = 10.0
 
-    def _wait_for_writers(self, first: int, state: _ring.RingState) -> _ring.RingState:
+    def _wait_for_writers(self, first: int, state: RingState) -> RingState:
         """New slots ahead of the cursor of a ring not full yet: processes sharing this writer's cursor (torchrl's
         writers keep it in shared memory across a fork) are writing the slots before them.  Wait, on the store's
         events, until the ring has written up to ``first`` (at most ``wait_for_writers`` seconds); then the slots
@@ -213,7 +212,7 @@ class StorageWrites(StorageBase):
         from tdstore._errors import MustWait
         from tdstore._ring import waiting as _waiting
 
-        def attempt(s: LazyStackedTensorDictStore) -> _ring.RingState:
+        def attempt(s: LazyStackedTensorDictStore) -> RingState:
             now = s.ring_state()
             if now.written < first and now.written == now.cursor:
                 raise MustWait("writers", f"the ring has written {now.written} slots, this write starts at {first}")
@@ -295,9 +294,9 @@ class StorageWrites(StorageBase):
         slots; slots it has not written raise ``IndexError`` (never rows of zeros), naming the samplers that
         draw written slots."""
         if _from_the_end(index):
-            at, one = _index.positions(index, int(written.numel()))
+            at, one = index_positions(index, int(written.numel()))
             return written[at], one
-        slots, one = _index.positions(index, s.capacity)
+        slots, one = index_positions(index, s.capacity)
         unwritten = slots[~torch.isin(slots, written)]
         if unwritten.numel():
             raise IndexError(
@@ -330,10 +329,10 @@ class StorageWrites(StorageBase):
         elif written_only:
             # a sharded ring here is full (written is None): every slot is written, nothing to ask
             sharded_full = self.ndim == 1 and hasattr(s.stack_ops.engine, "shard_engines")
-            slots, one = _index.positions(index, s.capacity if sharded_full else self._written_slots(s))
+            slots, one = index_positions(index, s.capacity if sharded_full else self._written_slots(s))
         else:
             bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
-            slots, one = _index.positions(index, bound)
+            slots, one = index_positions(index, bound)
         got = s.stack_ops.read(slots)
         if one:
             return got[0]

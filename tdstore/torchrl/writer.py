@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.writers import Writer
 
-from tdstore._plan import index as _index
-from tdstore._ring import extend as _ring
+from tdstore.ring_interface import MASK_DTYPES, index_positions, slot_generations
 from tdstore.torchrl.storage import StoreStorage
 
 
@@ -69,12 +68,12 @@ class StoreWriter(Writer):
             index = index[0]
         if isinstance(index, torch.Tensor) and storage.ndim > 1 and index.ndim > 1 and index.shape[-1] == storage.ndim:
             index = index[..., 0]  # coordinates: the slot is the first
-        slots, one = _index.positions(index, storage._dim0)  # a mask means what it means to indexing
+        slots, one = index_positions(index, storage._dim0)  # a mask means what it means to indexing
         m = storage.marks()
-        gen = _torchrl_generations(_ring.generations(slots, m.rw, storage._dim0), m.gb)
+        gen = _torchrl_generations(slot_generations(slots, m.rw, storage._dim0), m.gb)
         if one:
             return gen[0]
-        if isinstance(index, torch.Tensor) and index.dtype not in _index.MASK_DTYPES:
+        if isinstance(index, torch.Tensor) and index.dtype not in MASK_DTYPES:
             return gen.reshape(index.shape)  # positions keep their shape
         return gen
 
