@@ -303,6 +303,20 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ...
 
     # -- the ring's state ------------------------------------------------------------------------
+    def sampling_policies(self) -> list[SamplingPolicy]:
+        """The sampling policy of each ring that holds one, read again from the server: one for a one-node
+        ring (``[sampling_policy]``), one per shard for a sharded ring (a limiter's sizes are split over
+        the shards, so the shards' policies differ). With :meth:`restore_sampling_policies`, what a store
+        made again in another's place (torchrl's ``empty()``) needs to keep priorities, limiter and queue."""
+        ...
+
+    def restore_sampling_policies(self, policies: Sequence[SamplingPolicy]) -> None:
+        """Give the ring exactly the policies ``sampling_policies()`` of another ring of its kind and shape
+        returned: priorities as ``enable_priorities`` builds them (written slots get priority 1), then the
+        limiter (its counts start now) and the queue in one call per ring. ``ValueError`` (nothing done)
+        when the number of policies is not the ring's. Sharded: each shard its own, at once."""
+        ...
+
     def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> RingState:
         """Block until the ring holds ``written`` items (``len(ring.written)``) or has had ``write_count``
         ring writes (exactly one of the two), without polling on one node (writers publish on the

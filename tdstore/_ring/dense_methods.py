@@ -178,6 +178,12 @@ class DenseRing:
         """The ring's sampling policy as the server holds it (read again from the server)."""
         return self._ring().sampling_policy
 
+    def sampling_policies(self) -> list[SamplingPolicy]:
+        return self._ring().sampling_policies()
+
+    def restore_sampling_policies(self, policies: Sequence[SamplingPolicy]) -> None:
+        self._ring().restore_sampling_policies(policies)
+
     def enable_priorities(self, alpha: float = 1.0, *, max_times_sampled: int | None = None) -> None:
         self._ring().enable_priorities(alpha, max_times_sampled=max_times_sampled)
 
@@ -199,6 +205,7 @@ class DenseRing:
 
 for _name in (
     "append", "pop_items", "ack", "update_if", "ring_state", "stats", "enable_priorities",
-    "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "wait_for",
+    "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "wait_for", "sampling_policies",
+    "restore_sampling_policies",
 ):  # fmt: skip
     getattr(DenseRing, _name).__doc__ = _doc(_name)

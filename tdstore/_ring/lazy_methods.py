@@ -214,6 +214,16 @@ class ReplayMethods(LazyState):
         """The ring's sampling policy as the server holds it (read again from the server)."""
         return _sampling.policy_of(self._engine, fresh=True)
 
+    def sampling_policies(self) -> list[SamplingPolicy]:
+        """The policy of each ring that holds one (here one), read again from the server (see ``tdstore.Ring``)."""
+        return [self.sampling_policy]
+
+    def restore_sampling_policies(self, policies: Sequence[SamplingPolicy]) -> None:
+        """Give the ring the policies ``sampling_policies()`` of another store of its kind and size returned."""
+        if len(policies) != 1:
+            raise ValueError(f"a one-node ring holds one sampling policy, got {len(policies)}")
+        _sampling.restore_policy(self._engine, policies[0])
+
     def enable_priorities(self, alpha: float = 1.0, *, max_times_sampled: int | None = None) -> None:
         """Keep a priority per slot on the server and sample by it (``sample(prioritized=True)``).
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._ring.extend import Sample
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
@@ -262,6 +263,16 @@ class ShardSampling(ShardsBase):
     @property
     def sampling_policy(self) -> Any:
         return self._shards[0].sampling_policy
+
+    def sampling_policies(self) -> list[SamplingPolicy]:
+        """Each shard's policy (a limiter's sizes are split over the shards), read at once."""
+        return [p for each in self._all("sampling_policies") for p in each]
+
+    def restore_sampling_policies(self, policies: Sequence[SamplingPolicy]) -> None:
+        """Each shard gets its policy of ``policies`` (``sampling_policies()`` of a ring of as many shards)."""
+        if len(policies) != len(self._shards):
+            raise ValueError(f"this sharded ring has {len(self._shards)} shards, got {len(policies)} sampling policies")
+        self._fan_out([(k, s.restore_sampling_policies, ([p],)) for k, (s, p) in enumerate(zip(self._shards, policies))])
 
     def enable_priorities(self, alpha: float = 1.0, *, max_times_sampled: int | None = None) -> None:
         """Priorities on every shard (each its own sum tree), at once; see the one-node ring."""

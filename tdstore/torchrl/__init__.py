@@ -38,12 +38,11 @@ from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
 
-from tdstore._ring.policy_calls import policy_of
 from tdstore._shards.layout import wants_shards
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
-from tdstore.torchrl.storage import StoreStorage, ring_engines
+from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
 
@@ -70,9 +69,9 @@ _SAMPLERS: dict[str, Callable[[], Sampler]] = {
 
 
 def _policy(s: LazyStackedTensorDictStore) -> SamplingPolicy:
-    """The sampling policy of the store just opened, from the header it was opened with (no round trip;
-    a sharded ring's shards share one policy: its first shard's)."""
-    return policy_of(ring_engines(s)[0])
+    """The sampling policy of the store just opened (a sharded ring's shards share priorities and queue:
+    its first shard's)."""
+    return s.sampling_policy
 
 
 def _parameters(fn: Callable[..., Any]) -> set[str]:

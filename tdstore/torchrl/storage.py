@@ -23,7 +23,6 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from tdstore._format import tensorclass as _tensorclass
 from tdstore._ring.dense_methods import dense_rows
-from tdstore._ring.policy_calls import policy_of, restore_policy
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.row_copy import write_through
@@ -361,18 +360,11 @@ class StoreStorage(StorageWrites):
         return f"{type(self).__name__}(td_id={self._td_id!r}, max_size={self.max_size}, {where})"
 
 
-def ring_engines(s: Any) -> list[Any]:
-    """The engines of the rings that hold a policy: the store's, or each shard's (a sharded ring)."""
-    engine = s.stack_ops.engine
-    return engine.shard_engines if hasattr(engine, "shard_engines") else [engine]
-
-
 def _policies(s: Any) -> list[SamplingPolicy]:
     """Each ring's sampling policy as the server holds it (one round trip each)."""
-    return [policy_of(e, fresh=True) for e in ring_engines(s)]
+    return list(s.sampling_policies())
 
 
 def _restore_policies(s: Any, policies: list[SamplingPolicy]) -> None:
     """Each ring of ``s`` gets its policy of ``policies`` (:func:`_policies` of the store it replaces)."""
-    for engine, policy in zip(ring_engines(s), policies, strict=True):
-        restore_policy(engine, policy)
+    s.restore_sampling_policies(policies)
