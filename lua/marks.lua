@@ -1,5 +1,5 @@
 --[[
-  marks.lua: the bases a torchrl StoreStorage (tdstore/torchrl/marks.py) keeps in a ring's
+  marks.lua: the bases a torchrl StoreStorage (tdstore/_ring/marks.py) keeps in a ring's
   header beside 'rw', so that every process reads the same values.
 
   'gb' and 'wb' carry the generations and the write count across an emptying (the store is

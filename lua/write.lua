@@ -114,7 +114,7 @@
           otherwise the reply's third item (or 'S') is recorded under the id.
     'B', k
           KEYS[k] is the store header (KEYS[1]): its field 'tr', the count of in-place
-          writes through torchrl (tdstore/torchrl/marks.py), grows by 1 with the write, so
+          writes through torchrl (tdstore/_ring/marks.py), grows by 1 with the write, so
           the rows and the revision that other processes' cached samplers read move together.
           A plain element write carries no request id: a resend of it writes the same bytes
           again and moves 'tr' twice, which is harmless (a revision only has to change).

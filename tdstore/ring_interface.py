@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkable
 
 # What the ring's calls answer and take, public here so that adapters (``tdstore.torchrl``) name them
@@ -52,6 +53,7 @@ from tdstore._ring.args import check_batch_size
 from tdstore._ring.extend import RingState, RingWrite, Sample
 from tdstore._ring.extend import generations as slot_generations
 from tdstore._ring.leases import LeasedSample
+from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ __all__ = [
     "Sample",
     "PrioritizedSample",
     "LeasedSample",
+    "Marks",
     "SamplingPolicy",
     "MASK_DTYPES",
     "index_positions",
@@ -303,6 +306,27 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ...
 
     # -- the ring's state ------------------------------------------------------------------------
+    def marks(self) -> Marks:
+        """``Marks(rw, tr, gb, wb)`` in one round trip: the ring write count (``write_count``) and three
+        counters an adapter keeps in the ring's header (torchrl's ``StoreStorage`` does): ``tr``, the
+        store's writes made within :meth:`counting_in_place` (by any process), and ``gb``/``wb``, the bases
+        :meth:`set_marks_base` set (0 until then). ``KeyError`` when the store was deleted or made again
+        since this handle opened it. Sharded: every shard's at once, ``rw``/``tr`` summed, ``gb``/``wb``
+        the largest (set alike on every shard)."""
+        ...
+
+    def set_marks_base(self, generation_base: int, write_base: int) -> None:
+        """Set ``marks().gb`` and ``marks().wb`` in one atomic call (what an adapter carries over into a
+        store made again, e.g. torchrl's generations and ``write_count`` across ``empty()``). Sharded: on
+        every shard, at once."""
+        ...
+
+    def counting_in_place(self) -> AbstractContextManager[None]:
+        """A context manager: within it, every write of the store this thread makes also adds 1 to
+        ``marks().tr`` in the same atomic call (no extra round trip), so every process sees that the
+        rows changed (torchrl's ``_mutation_revision``). Sharded: on whichever shard a write lands."""
+        ...
+
     def sampling_policies(self) -> list[SamplingPolicy]:
         """The sampling policy of each ring that holds one, read again from the server: one for a one-node
         ring (``[sampling_policy]``), one per shard for a sharded ring (a limiter's sizes are split over

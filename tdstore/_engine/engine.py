@@ -521,7 +521,7 @@ class Engine(Transport):
     def counting_in_place(self) -> Iterator[None]:
         """Within: every ``write.lua`` call this thread makes also adds 1 to the header's ``tr`` (a 'B'
         op), in the same script, so the write and the count move together in one round trip (torchrl's
-        in-place writes: ``torchrl.marks``)."""
+        in-place writes: ``Ring.counting_in_place``, ``_ring.marks``)."""
         self._counting.on = True
         try:
             yield

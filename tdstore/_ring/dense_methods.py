@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from tdstore._front.common import LOCK_ERROR
 from tdstore._ring.extend import RingState, RingWrite, Sample
 from tdstore._ring.lazy_methods import ReplayMethods, pops_a_key
 from tdstore._ring.leases import LeasedSample
+from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
 
 if TYPE_CHECKING:
@@ -178,6 +180,15 @@ class DenseRing:
         """The ring's sampling policy as the server holds it (read again from the server)."""
         return self._ring().sampling_policy
 
+    def marks(self) -> Marks:
+        return self._ring().marks()
+
+    def set_marks_base(self, generation_base: int, write_base: int) -> None:
+        self._ring().set_marks_base(generation_base, write_base)
+
+    def counting_in_place(self) -> AbstractContextManager[None]:
+        return self._ring().counting_in_place()
+
     def sampling_policies(self) -> list[SamplingPolicy]:
         return self._ring().sampling_policies()
 
@@ -206,6 +217,6 @@ class DenseRing:
 for _name in (
     "append", "pop_items", "ack", "update_if", "ring_state", "stats", "enable_priorities",
     "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "wait_for", "sampling_policies",
-    "restore_sampling_policies",
+    "restore_sampling_policies", "marks", "set_marks_base", "counting_in_place",
 ):  # fmt: skip
     getattr(DenseRing, _name).__doc__ = _doc(_name)

@@ -7,7 +7,8 @@ whose work is done in ``_ring.extend`` (writes), ``_ring.sample_pop`` (samples, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from tdstore._inspect import stats as _stats
 from tdstore._plan.values import as_path
 from tdstore._ring import extend as _ring
 from tdstore._ring import leases as _leases
+from tdstore._ring import marks as _marks
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
@@ -213,6 +215,20 @@ class ReplayMethods(LazyState):
     def sampling_policy(self) -> SamplingPolicy:
         """The ring's sampling policy as the server holds it (read again from the server)."""
         return _sampling.policy_of(self._engine, fresh=True)
+
+    def marks(self) -> _marks.Marks:
+        """The ring write count and an adapter's counters, in one round trip (see ``tdstore.Ring.marks``)."""
+        return _marks.read(self._engine)
+
+    def set_marks_base(self, generation_base: int, write_base: int) -> None:
+        """Set the ``gb``/``wb`` bases of :meth:`marks`, in one atomic call (see ``tdstore.Ring``)."""
+        _marks.set_base(self._engine, generation_base, write_base)
+
+    @contextmanager
+    def counting_in_place(self) -> Iterator[None]:
+        """Within: this thread's writes of the store also add 1 to ``marks().tr``, in the same atomic call."""
+        with self._engine.counting_in_place():
+            yield
 
     def sampling_policies(self) -> list[SamplingPolicy]:
         """The policy of each ring that holds one (here one), read again from the server (see ``tdstore.Ring``)."""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._ring import marks as _marks
 from tdstore._ring.extend import Sample
+from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 from tdstore._shards.queue import _policies
@@ -263,6 +266,22 @@ class ShardSampling(ShardsBase):
     @property
     def sampling_policy(self) -> Any:
         return self._shards[0].sampling_policy
+
+    def marks(self) -> Marks:
+        """Every shard's marks, read at once: counts summed, bases the largest (``_ring.marks.add_up``)."""
+        return _marks.add_up(self._all("marks"))
+
+    def set_marks_base(self, generation_base: int, write_base: int) -> None:
+        """The same bases on every shard, at once."""
+        self._all("set_marks_base", generation_base, write_base)
+
+    @contextmanager
+    def counting_in_place(self) -> Iterator[None]:
+        """Within: this thread's writes count as in-place writes on whichever shard they land."""
+        with ExitStack() as stack:
+            for s in self._shards:
+                stack.enter_context(s.counting_in_place())
+            yield
 
     def sampling_policies(self) -> list[SamplingPolicy]:
         """Each shard's policy (a limiter's sizes are split over the shards), read at once."""

@@ -40,7 +40,7 @@ class _ShardedEngine:
 
     @property
     def shard_engines(self) -> list[Any]:
-        """Each shard's engine, in shard order: the header fields torchrl keeps (``tdstore.torchrl.marks``) and
+        """Each shard's engine, in shard order: the header fields torchrl keeps (``Ring.marks``) and
         the sampling policy live in every shard's header."""
         return [s._engine for s in self._ring._shards]
 

@@ -23,8 +23,7 @@ from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import td_id_or_new
 from tdstore._shards import layout as _sharded
 from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.ring_interface import PrioritizedSample, Sample
-from tdstore.torchrl import marks as _torchrl_marks
+from tdstore.ring_interface import Marks, PrioritizedSample, Sample
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
@@ -250,7 +249,7 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
                 self.max_size = s.capacity * self._lanes(inner)
             return
         if not has_keys(s) and s.write_count == 0:  # an empty placeholder: made again (with what empty() carried)
-            m = _torchrl_marks.read(s.stack_ops.engine)
+            m = s.marks()
             s.clear_redis()
             self._inner, self._ring = inner, None
             self._reopens += 1
@@ -449,9 +448,9 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
     def _mutation_revision(self) -> int:
         """Changes whenever any process extends the ring (the server's write count ``rw``), writes rows
         in place through torchrl (``rb[i] = td``, ``set_at_``, ``set_``, ``update_``, torchrl writers'
-        written slots: the header's ``tr``, see :mod:`tdstore.torchrl.marks`) or the buffer is emptied
+        written slots: the header's ``tr``, see ``tdstore.Ring.marks``) or the buffer is emptied
         or reloaded.  One round trip (``HMGET``)."""
-        m = self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+        m = self.with_store(lambda s: s.marks())
         return (self._reopens << 96) + (m.tr << 48) + m.rw
 
     def _bump_mutation_revision(self) -> None:
@@ -459,9 +458,9 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         this after ``set_at_``, ``set_``, ``update_``, whose writes through ``storage[:]`` did)."""
 
     @_eager
-    def marks(self) -> _torchrl_marks.Marks:
+    def marks(self) -> Marks:
         """The ring write count and torchrl's counters (``tr``, ``gb``, ``wb``): one round trip."""
-        return self.with_store(lambda s: _torchrl_marks.read(s.stack_ops.engine))
+        return self.with_store(lambda s: s.marks())
 
     @_eager
     def generation_base(self) -> int:
@@ -480,4 +479,4 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
     def _carry(self, generation_base: int, write_base: int) -> None:
         """Give the (new) store the bases an emptied one leaves (nothing to do when both are 0)."""
         if generation_base or write_base:
-            self.with_store(lambda s: _torchrl_marks.set_base(s.stack_ops.engine, generation_base, write_base))
+            self.with_store(lambda s: s.set_marks_base(generation_base, write_base))

@@ -283,7 +283,7 @@ class StorageWrites(StorageBase):
         ``_mutation_revision`` reads, in the same atomic call (one round trip)."""
 
         def counted(s: LazyStackedTensorDictStore) -> Any:
-            with s.stack_ops.engine.counting_in_place():
+            with s.counting_in_place():
                 return fn(s)
 
         self.with_store(counted)

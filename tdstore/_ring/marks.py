@@ -1,4 +1,4 @@
-"""The counters a torchrl ``StoreStorage`` keeps in its ring's header beside ``rw``.
+"""The counters an adapter (torchrl's ``StoreStorage``) keeps in a ring's header beside ``rw``: ``Ring.marks``.
 
 * ``tr``: in-place writes of rows through torchrl, by any process, counted by the write itself
   (``write.lua``'s 'B' op, see ``Engine.counting_in_place``): with the ring write count and the
@@ -8,13 +8,16 @@
   generation is ``gb`` + its ring generation - 1, and ``rb.write_count`` is ``wb`` + ``rw``,
   so a handle taken before ``empty()`` stays stale and ``empty(empty_write_count=False)``
   keeps the count (``lua/marks.lua`` sets them).
+
+One node's here; a sharded ring sums its shards' (``_shards``).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from tdstore._engine import scripts as _scripts
+from tdstore._engine.engine import Engine
 from tdstore._format.header_info import int_field
 
 
@@ -27,15 +30,9 @@ class Marks(NamedTuple):
     wb: int
 
 
-def read(engine: Any) -> Marks:
-    """The ring's and torchrl's counters in one round trip; ``KeyError`` when the store was deleted
-    or made again since ``engine`` opened it (``StoreStorage.with_store`` then reopens it).
-
-    A sharded ring's (``engine`` has ``shard_engines``): every shard's at once, summed (``gb`` and
-    ``wb``, which :func:`set_base` gives every shard alike, the largest)."""
-    if hasattr(engine, "shard_engines"):
-        got = engine.each_shard(read)
-        return Marks(sum(m.rw for m in got), sum(m.tr for m in got), max(m.gb for m in got), max(m.wb for m in got))
+def read(engine: Engine) -> Marks:
+    """The ring's and the adapter's counters in one round trip; ``KeyError`` when the store was deleted
+    or made again since ``engine`` opened it."""
     rw, epoch, na, tr, gb, wb = engine.command("HMGET", engine.keys.meta, "rw", "epoch", "na", "tr", "gb", "wb")
     if epoch is None:
         raise engine.gone()
@@ -44,11 +41,13 @@ def read(engine: Any) -> Marks:
     return Marks(engine.ring_writes_from(rw, na), *(int_field(v, n, default=0) for v, n in ((tr, "tr"), (gb, "gb"), (wb, "wb"))))
 
 
-def set_base(engine: Any, generation_base: int, write_base: int) -> None:
-    """The generation and write-count bases of a store just made again by ``empty()`` (each shard's alike)."""
-    if hasattr(engine, "shard_engines"):
-        engine.each_shard(lambda e: set_base(e, generation_base, write_base))
-        return
+def add_up(parts: list[Marks]) -> Marks:
+    """A sharded ring's marks from its shards': counts summed, bases (set alike on every shard) the largest."""
+    return Marks(sum(m.rw for m in parts), sum(m.tr for m in parts), max(m.gb for m in parts), max(m.wb for m in parts))
+
+
+def set_base(engine: Engine, generation_base: int, write_base: int) -> None:
+    """The generation and write-count bases of a store just made again (torchrl's ``empty()``)."""
     args = [engine.header.epoch, str(int(generation_base)), str(int(write_base))]
     reply = _scripts.call(engine.client, "marks", [engine.keys.meta], args, engine.execute)
     if reply[0] in (b"GONE", "GONE"):
