@@ -197,6 +197,12 @@ class ShardedRing(ShardWrites, ShardSampling):
                 return got
         return self._shards[0].keys(*args, **kwargs)
 
+    @staticmethod
+    def wanted(store_kwargs: dict[str, Any]) -> bool:
+        """Whether a store opened with these constructor keywords is a sharded ring (``spread=True`` on a
+        cluster, ``shards`` not 0), decided without a round trip: what an adapter asks before opening one."""
+        return wants_shards(store_kwargs)
+
     def __repr__(self) -> str:
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"
 

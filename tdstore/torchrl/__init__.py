@@ -38,7 +38,7 @@ from redis.cluster import RedisCluster
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacement
 
-from tdstore._shards.layout import wants_shards
+from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
@@ -198,7 +198,7 @@ def replay_buffer(
             raise ValueError(f"sampler must be one of {sorted([*_SAMPLERS, 'prioritized'])} or a torchrl Sampler, got {sampler!r}")
         else:
             sampler = _SAMPLERS[sampler]()
-    if type(sampler) is SamplerWithoutReplacement and wants_shards(store_kwargs):
+    if type(sampler) is SamplerWithoutReplacement and ShardedRing.wanted(store_kwargs):
         # torchrl's draws range(len), which a sharded ring not full has not all written: its subclass draws the
         # written slots (the same object, so the caller's reference and its state_dict stay the buffer's)
         sampler.__class__ = StoreSamplerWithoutReplacement

@@ -17,11 +17,10 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from tdstore import DenseShapeError
+from tdstore import DenseShapeError, ShardedRing
 from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import td_id_or_new
-from tdstore._shards import layout as _sharded
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import Marks, PrioritizedSample, Sample
 
@@ -187,10 +186,9 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
     def _attach_existing(self) -> LazyStackedTensorDictStore:
         """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
         from tdstore._checkpoint.export_import import _lazy_handle
-        from tdstore._shards.layout import wants_shards
         from tdstore.store import TensorDictStore
 
-        if wants_shards(self._open_kwargs()):  # a sharded ring (spread=True on a cluster): see _sharded
+        if ShardedRing.wanted(self._open_kwargs()):  # a sharded ring (spread=True on a cluster)
             return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
         return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
 
@@ -200,7 +198,7 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
-                if self._ragged or _sharded.wants_shards(self._open_kwargs()):  # a sharded ring is lazy rings
+                if self._ragged or ShardedRing.wanted(self._open_kwargs()):  # a sharded ring is lazy rings
                     self._ring = LazyStackedTensorDictStore(
                         count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )
@@ -317,8 +315,6 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
     def _sharded_written(s: Any) -> torch.Tensor | None:
         """The written slots of ``s`` if it is a sharded ring not full yet (one round trip until every shard
         is full, then none), else None."""
-        from tdstore._shards.ring import ShardedRing
-
         if not isinstance(s, ShardedRing):
             return None
         got = s.written

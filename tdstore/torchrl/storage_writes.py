@@ -14,6 +14,7 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tens
 from tensordict.utils import unravel_key_list
 from torch.utils._pytree import tree_flatten
 
+from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import RingState, index_positions
 from tdstore.torchrl.storage_base import (
@@ -328,7 +329,7 @@ class StorageWrites(StorageBase):
             slots, one = self._written_only(s, index, written)
         elif written_only:
             # a sharded ring here is full (written is None): every slot is written, nothing to ask
-            sharded_full = self.ndim == 1 and hasattr(s.stack_ops.engine, "shard_engines")
+            sharded_full = self.ndim == 1 and isinstance(s, ShardedRing)
             slots, one = index_positions(index, s.capacity if sharded_full else self._written_slots(s))
         else:
             bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
