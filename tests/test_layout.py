@@ -313,3 +313,57 @@ def test_the_lua_scripts_are_found_one_way_only_as_package_data() -> None:
     source = inspect.getsource(scripts._lua_dir)
     assert "__file__" not in source and "Path(" not in source
     assert (PACKAGE / "_lua").is_symlink() and (PACKAGE / "_lua").resolve() == (PACKAGE.parent / "lua").resolve()
+
+
+# -- the adapters on the ring's public interface (issue 39, item 4) --------------------------------------------
+
+
+def _private_reaches(path: Path) -> set[str]:
+    """What ``path`` reaches of tdstore's insides: every import (function-level and typing-only included) of a
+    ``tdstore._*`` module, and every name ``stack_ops`` or attribute ``.engine`` / ``.stack_ops``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("tdstore._"):
+                found.add(f"import {node.module}")
+            elif node.module == "tdstore":
+                found.update(f"import tdstore.{a.name}" for a in node.names if a.name.startswith("_"))
+        elif isinstance(node, ast.Import):
+            found.update(f"import {a.name}" for a in node.names if a.name.startswith("tdstore._"))
+        elif isinstance(node, ast.Attribute) and node.attr in ("engine", "stack_ops"):
+            found.add(f".{node.attr}")
+        elif isinstance(node, ast.Name) and node.id == "stack_ops":
+            found.add("stack_ops")
+    return found
+
+
+#: What ``tdstore.torchrl`` still reaches of the store's insides, file by file: this list only shrinks (a new
+#: reach fails the test; one removed must come off the list). ``dumps_loads.py`` is the live-checkpoint work's.
+TORCHRL_REACHES_LEFT: dict[str, set[str]] = {
+    "samplers.py": {"import tdstore._plan.read_results", "import tdstore._plan.values", "import tdstore._ring", ".engine", ".stack_ops"},
+    "storage.py": {
+        "import tdstore._format",
+        "import tdstore._ring.dense_methods",
+        "import tdstore._checkpoint.export_import",
+        ".engine",
+        ".stack_ops",
+    },
+    "storage_base.py": {
+        "import tdstore._checkpoint.disk_format",
+        "import tdstore._engine.connection",
+        "import tdstore._engine.engine",
+        "import tdstore._checkpoint.export_import",
+        ".engine",
+        ".stack_ops",
+    },
+    "storage_writes.py": {"import tdstore._errors", "import tdstore._ring", ".engine", ".stack_ops"},
+}
+
+
+def test_torchrl_reaches_the_store_only_through_its_public_interface() -> None:
+    """``tdstore.torchrl`` uses ``tdstore.Ring`` and the public store API: no private module, no engine."""
+    got = {p.name: r for p in sorted((PACKAGE / "torchrl").glob("*.py")) if p.name != "dumps_loads.py" and (r := _private_reaches(p))}
+    new = {name: sorted(r - TORCHRL_REACHES_LEFT.get(name, set())) for name, r in got.items()}
+    assert {k: v for k, v in new.items() if v} == {}, "a new reach into tdstore's insides: use the Ring or the public store API"
+    gone = {name: sorted(r - got.get(name, set())) for name, r in TORCHRL_REACHES_LEFT.items()}
+    assert {k: v for k, v in gone.items() if v} == {}, "a reach removed: take it off TORCHRL_REACHES_LEFT"
