@@ -342,7 +342,6 @@ def _private_reaches(path: Path) -> set[str]:
 TORCHRL_REACHES_LEFT: dict[str, set[str]] = {
     "samplers.py": {"import tdstore._plan.read_results", "import tdstore._plan.values", "import tdstore._ring", ".engine", ".stack_ops"},
     "storage.py": {
-        "import tdstore._format",
         "import tdstore._ring.dense_methods",
         "import tdstore._checkpoint.export_import",
         ".engine",

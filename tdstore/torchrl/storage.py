@@ -21,10 +21,10 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._format import tensorclass as _tensorclass
 from tdstore._ring.dense_methods import dense_rows
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
+from tdstore.store import known_tensorclass
 from tdstore.torchrl.row_copy import write_through
 from tdstore.torchrl.storage_base import _PUBLIC_CONN, TENSOR_KEY, TREE_KEY, Drawn, _eager, _spec_text
 from tdstore.torchrl.storage_writes import StorageWrites
@@ -282,7 +282,7 @@ class StoreStorage(StorageWrites):
         self.adopt_treespec(state_dict.get("treespec"))
         path = state_dict.get("tensorclass")
         if isinstance(path, str) and self._tensorclass_type is None:  # as from_store resolves one: nothing is imported
-            self._tensorclass_type = _tensorclass.known(path)
+            self._tensorclass_type = known_tensorclass(path)
 
     def adopt_treespec(self, text: Any) -> None:
         """Read the buffer's rows as the pytree ``text`` (``treespec_dumps``) describes, when this process wrote none."""
