@@ -457,3 +457,29 @@ def test_stats_count_what_the_calls_did(kind):
     json.dumps(after)  # a plain dict
     if kind.sharded:
         assert len(after["shards"]) == len(ring.shard_offsets) and sum(s["sampled"] for s in after["shards"]) == after["sampled"]
+
+
+def test_marks_and_sampling_policies_as_documented(kind):
+    """``marks``, ``set_marks_base``, ``counting_in_place``, ``sampling_policies`` and ``restore_sampling_policies``:
+    what an adapter (``tdstore.torchrl``) keeps of a ring, read and given back through the ring itself."""
+    ring = kind.make(12)
+    ring.extend(rows(torch.arange(5)))
+    assert ring.marks() == (5, 0, 0, 0)
+    with ring.counting_in_place():
+        ring[torch.tensor([0, 1])] = rows(torch.tensor([50, 51]))
+    ring[torch.tensor([2])] = rows(torch.tensor([52]))  # not counted: outside counting_in_place
+    ring.set_marks_base(3, 40)
+    m = ring.marks()
+    assert (m.rw, m.gb, m.wb) == (ring.write_count, 3, 40)  # (5, but on a sharded ring a shard written by index only
+    # counts as full: the ring's own rule, ``write_count`` says the same)
+    assert m.tr == 1 if not kind.sharded else m.tr >= 1  # (sharded: one per shard the counted write touched)
+    ring.enable_priorities(0.5, max_times_sampled=4)
+    ring.set_queue(True)
+    policies = ring.sampling_policies()
+    assert len(policies) == (len(ring.shard_offsets) if kind.sharded else 1)
+    other = kind.make(12)
+    other.restore_sampling_policies(policies)
+    assert other.sampling_policies() == policies
+    with pytest.raises(ValueError, match="polic"):
+        other.restore_sampling_policies([*policies, *policies])
+    assert other.sampling_policies() == policies  # refused before anything was changed
