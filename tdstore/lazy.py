@@ -20,7 +20,7 @@ from tdstore._engine.engine import Engine, td_id_or_new
 from tdstore._format import nontensor as _nontensor
 from tdstore._format.header_info import check_new_layout as _check_layout
 from tdstore._format.keys import StoreKeys
-from tdstore._format.schema import Header, NestedPath
+from tdstore._format.schema import Header, KeySpec, NestedPath, key_specs_of
 from tdstore._front.common import fetch_existing, ttl_to_ms
 from tdstore._front.element import ElementView
 from tdstore._front.key_changes import LazyKeys
@@ -325,6 +325,14 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         if dim % nd == self._engine.header.stack_pos:
             return tuple(ElementView(self, e) for e in range(self._count))
         return self.to_tensordict().unbind(dim)
+
+    def key_specs(self, *, fresh: bool = False) -> dict[NestedPath, KeySpec]:
+        """Each leaf key's dtype, element shape (None when it varies per element) and JSON-ness, by path, from
+        the schema this handle holds (no round trip); ``fresh`` reads the server's first (one round trip: keys
+        another process wrote first). What an adapter checks a patch against before sending it."""
+        if fresh:
+            self._engine.set_header(self._engine.fetch_header())
+        return key_specs_of(self._engine.header)
 
     @property
     def stack_ops(self) -> LazyStackAccess:

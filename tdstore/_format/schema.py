@@ -24,6 +24,7 @@ import json
 import math
 import secrets
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -46,6 +47,20 @@ FORMATS = (FORMAT, FORMAT_ROWS, FORMAT_SPREAD)
 """The formats this tdstore reads; a header of another format is refused."""
 
 NestedPath = tuple[str, ...]
+
+
+class KeySpec(NamedTuple):
+    """What a store's ``key_specs()`` says of one leaf key: its dtype, one element's shape (None when it
+    varies per element) and whether it is held as JSON (non-tensor data)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...] | None
+    json: bool
+
+
+def key_specs_of(h: Header) -> dict[NestedPath, KeySpec]:
+    """Every leaf of header ``h`` as a :class:`KeySpec`, by path."""
+    return {path: KeySpec(leaf.dtype, leaf.shape, leaf.json) for path, leaf in h.leaves.items()}
 
 
 @dataclass(frozen=True)

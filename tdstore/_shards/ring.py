@@ -60,6 +60,7 @@ from tensordict import TensorDictBase
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import td_id_or_new
 from tdstore._format.keys import StoreKeys
+from tdstore._format.schema import KeySpec, NestedPath, key_specs_of
 from tdstore._inspect import stats as _stats
 from tdstore._ring.extend import RingState
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
@@ -205,6 +206,12 @@ class ShardedRing(ShardWrites, ShardSampling):
 
     def __repr__(self) -> str:
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"
+
+    def key_specs(self, *, fresh: bool = False) -> dict[NestedPath, KeySpec]:
+        """The keys of a shard holding some (see ``LazyStackedTensorDictStore.key_specs``); ``fresh``: shards
+        that saw none read their headers again first."""
+        access = self.stack_ops.engine
+        return key_specs_of(access.fetch_header() if fresh else access.header)
 
     @property
     def stack_ops(self) -> _ShardedAccess:

@@ -122,10 +122,7 @@ def _from_the_end(index: Any) -> bool:
 
 def has_keys(s: LazyStackedTensorDictStore) -> bool:
     """Whether the store has keys; a handle that saw none asks the server again (another process may have written the first ones)."""
-    engine = s.stack_ops.engine
-    if not engine.header.leaves:
-        engine.set_header(engine.fetch_header())
-    return bool(engine.header.leaves)
+    return bool(s.key_specs()) or bool(s.key_specs(fresh=True))
 
 
 class StorageBase(_TorchrlStoreStorage, TensorStorage):
@@ -470,7 +467,7 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
     def _data_kind(self) -> None:
         """Learn from the store's keys whether it holds plain tensors (a process that never wrote)."""
         if self._is_tensor is None and has_keys(self._store):
-            self._is_tensor = list(self._store.stack_ops.engine.header.leaves) == [(TENSOR_KEY,)]
+            self._is_tensor = list(self._store.key_specs()) == [(TENSOR_KEY,)]
 
     def _carry(self, generation_base: int, write_base: int) -> None:
         """Give the (new) store the bases an emptied one leaves (nothing to do when both are 0)."""

@@ -244,18 +244,18 @@ class StorageWrites(StorageBase):
         if not has_keys(s):
             raise RuntimeError("Conditional updates require data: write some to the buffer before calling update_if_present.")
         path = tuple(unravel_key_list([key])[0]) if not isinstance(key, str) else (key,)
-        if path not in s.stack_ops.engine.header.leaves:
+        if path not in s.key_specs():
             raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
         return self.with_store(lambda st: st.get(key))
 
     def _validate_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
         """torchrl's checks (dtype, feature shape) from the cached schema: no round trip."""
-        h = self._store.stack_ops.engine.header
+        specs = self._store.key_specs()
         n_rows = index.shape[0] if index.ndim > 1 else index.numel()
         out = {}
         for key, value in patch.items():
             path = (key,) if isinstance(key, str) else tuple(key)
-            leaf = h.leaves.get(path)
+            leaf = specs.get(path)
             if leaf is None or leaf.json:
                 raise KeyError(f"Key {key} does not exist in the storage. Conditional patches can only target existing tensor fields.")
             if leaf.shape is None:
