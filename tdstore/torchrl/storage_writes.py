@@ -210,19 +210,8 @@ class StorageWrites(StorageBase):
         writers keep it in shared memory across a fork) are writing the slots before them.  Wait, on the store's
         events, until the ring has written up to ``first`` (at most ``wait_for_writers`` seconds); then the slots
         continue the cursor.  Returns the ring state then (the same when the wait ran out: the caller refuses)."""
-        from tdstore._errors import MustWait
-        from tdstore._ring import waiting as _waiting
-
-        def attempt(s: LazyStackedTensorDictStore) -> RingState:
-            now = s.ring_state()
-            if now.written < first and now.written == now.cursor:
-                raise MustWait("writers", f"the ring has written {now.written} slots, this write starts at {first}")
-            return now
-
         try:
-            return self.with_store(
-                lambda s: _waiting.until_ready(s.stack_ops.engine, lambda: attempt(s), self.wait_for_writers, "a write ahead of the cursor")
-            )
+            return self.with_store(lambda s: s.wait_for(written=min(int(first), s.capacity), timeout=self.wait_for_writers))
         except TimeoutError:
             return state
 
