@@ -326,6 +326,12 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             return tuple(ElementView(self, e) for e in range(self._count))
         return self.to_tensordict().unbind(dim)
 
+    @property
+    def kept_as_dense(self) -> bool:
+        """Whether this is the stack a dense ``TensorDictStore`` is kept as (``TensorDictStore.dense_rows``
+        gives its rows as the dense store does), from the header this handle holds: no round trip."""
+        return self._engine.header.kind == "dense"
+
     def key_specs(self, *, fresh: bool = False) -> dict[NestedPath, KeySpec]:
         """Each leaf key's dtype, element shape (None when it varies per element) and JSON-ness, by path, from
         the schema this handle holds (no round trip); ``fresh`` reads the server's first (one round trip: keys

@@ -340,17 +340,11 @@ def _private_reaches(path: Path) -> set[str]:
 #: What ``tdstore.torchrl`` still reaches of the store's insides, file by file: this list only shrinks (a new
 #: reach fails the test; one removed must come off the list). ``dumps_loads.py`` is the live-checkpoint work's.
 #: Left: the client-side uniform draw (``StoreSampler._draw_here``: a transaction read with the ring's header
-#: fields), the handle's "seen full" cache (``ring_full``), a dense store's kind and rows (``dense_rows``), the
-#: ``stack_ops.read``, the checkpoint export, and three
+#: fields), the handle's "seen full" cache (``ring_full``), ``stack_ops.read``, the checkpoint export, and three
 #: constants/helpers (``SECRET_KWARGS``, ``td_id_or_new``, ``TORCHRL_ROW_KEYS``) that want a public home.
 TORCHRL_REACHES_LEFT: dict[str, set[str]] = {
     "samplers.py": {"import tdstore._plan.read_results", "import tdstore._plan.values", "import tdstore._ring", ".engine", ".stack_ops"},
-    "storage.py": {
-        "import tdstore._ring.dense_methods",
-        "import tdstore._checkpoint.export_import",
-        ".engine",
-        ".stack_ops",
-    },
+    "storage.py": {"import tdstore._checkpoint.export_import", ".stack_ops"},
     "storage_base.py": {
         "import tdstore._checkpoint.disk_format",
         "import tdstore._engine.connection",

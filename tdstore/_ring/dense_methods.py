@@ -64,6 +64,10 @@ class DenseRing:
     _batchless: bool
     is_locked: bool
 
+    #: ``TensorDictStore.dense_rows(td)``: rows read through the stack a dense store is kept as
+    #: (``LazyStackedTensorDictStore.kept_as_dense``), as the dense store gives them: one dense TensorDict.
+    dense_rows = staticmethod(dense_rows)
+
     def _ring(self) -> LazyStackedTensorDictStore:
         """The stack the ring is kept in, once this handle is known to be a whole store with rows."""
         if self._batchless:

@@ -207,6 +207,9 @@ class ShardedRing(ShardWrites, ShardSampling):
     def __repr__(self) -> str:
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"
 
+    #: A sharded ring is lazy rings, never the stack of a dense store (``LazyStackedTensorDictStore.kept_as_dense``).
+    kept_as_dense = False
+
     def key_specs(self, *, fresh: bool = False) -> dict[NestedPath, KeySpec]:
         """The keys of a shard holding some (see ``LazyStackedTensorDictStore.key_specs``); ``fresh``: shards
         that saw none read their headers again first."""

@@ -21,10 +21,9 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._ring.dense_methods import dense_rows
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
-from tdstore.store import known_tensorclass
+from tdstore.store import TensorDictStore, known_tensorclass
 from tdstore.torchrl.row_copy import write_through
 from tdstore.torchrl.storage_base import _PUBLIC_CONN, TENSOR_KEY, TREE_KEY, Drawn, _eager, _spec_text
 from tdstore.torchrl.storage_writes import StorageWrites
@@ -108,8 +107,8 @@ class StoreStorage(StorageWrites):
                 td = self.with_store(read_written)
             else:
                 td = self.with_store(lambda s: self._read(s, index, written_only=True))
-        if isinstance(td, LazyStackedTensorDict) and self._store.stack_ops.engine.header.kind == "dense":
-            td = dense_rows(td)  # non-tensor rows of a dense buffer: one TensorDict, as LazyTensorStorage gives
+        if isinstance(td, LazyStackedTensorDict) and self._store.kept_as_dense:
+            td = TensorDictStore.dense_rows(td)  # non-tensor rows of a dense buffer: one TensorDict, as LazyTensorStorage gives
         self._data_kind()
         if self._is_tensor:
             if not isinstance(td, LazyStackedTensorDict):
