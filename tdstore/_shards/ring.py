@@ -135,6 +135,7 @@ class ShardedRing(ShardWrites, ShardSampling):
         self._shards = shards
         self._offsets = self._layout.offsets
         self._full = [False] * len(shards)
+        self._short = set()  # shards whose last wait for replicas fell short (fan_out._replicated)
         self._cached = None  # a prioritized sample's shard masses, for the next one's split (see sample.py)
         self._ratio = 1.0
         self._next = random.randrange(len(shards))  # this handle's next shard to extend
@@ -229,6 +230,10 @@ class ShardedRing(ShardWrites, ShardSampling):
         """Block until the ring holds ``written`` items or had ``write_count`` ring writes (polling the shards)."""
         if (written is None) == (write_count is None):
             raise TypeError("wait_for takes exactly one of written= or write_count=")
+        with self._within(timeout, "wait_for"):
+            return self._wait_for(written, write_count, timeout)
+
+    def _wait_for(self, written: int | None, write_count: int | None, timeout: float | None) -> RingState:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         while True:
