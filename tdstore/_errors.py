@@ -106,7 +106,7 @@ class ShardUnavailableError(ConnectionError):
         return self._resend(timeout)
 
     def __reduce__(self) -> Any:  # a pickled error keeps its message, shard and id, not the resend (a closure)
-        return (_unavailable, (str(self), self.shard, self.request_id))
+        return (_unavailable, (type(self), str(self), self.shard, self.request_id))
 
 
 class AmbiguousTimeoutError(TimeoutError):
@@ -140,5 +140,5 @@ def _ambiguous(message: str, request_id: str) -> AmbiguousTimeoutError:
     return AmbiguousTimeoutError(message, request_id=request_id)
 
 
-def _unavailable(message: str, shard: int, request_id: str | None) -> ShardUnavailableError:
-    return ShardUnavailableError(message, shard, request_id=request_id)
+def _unavailable(cls: type[ShardUnavailableError], message: str, shard: int, request_id: str | None) -> ShardUnavailableError:
+    return cls(message, shard, request_id=request_id)

@@ -36,8 +36,14 @@ QUICK = faults.Options(quick=True, seed=1)
 PENDING: dict[str, pytest.MarkDecorator] = {}  # cases expected to fail until a change lands (none now)
 
 
+#: Cases that take more than 20 s (a cluster with replicas, a failover after cluster-node-timeout).
+SLOW = {"sharded-failover": pytest.mark.slow}
+
+
 @pytest.mark.layout
-@pytest.mark.parametrize("name", [pytest.param(n, marks=PENDING[n]) if n in PENDING else n for n in faults.CASE_NAMES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=PENDING.get(n, SLOW.get(n))) if n in PENDING or n in SLOW else n for n in faults.CASE_NAMES]
+)
 def test_fault_case(name: str) -> None:
     """Each case passes on its own private server, every check of it."""
     res = faults.run_case(name, QUICK)
@@ -71,7 +77,7 @@ def test_cli_one_case_json() -> None:
 def test_url_skips_cases_that_need_their_own_server() -> None:
     """With ``--url``, cases that restart, configure or flush the server are skipped without connecting."""
     opts = faults.Options(url="redis://127.0.0.1:1")  # never contacted: skipped before connecting
-    for name in ("restart", "script-flush", "maxmemory", "proto-max-bulk-len", "client-query-buffer-limit", "eviction"):
+    for name in ("restart", "script-flush", "maxmemory", "proto-max-bulk-len", "client-query-buffer-limit", "eviction", "sharded-failover"):
         res = faults.run_case(name, opts)
         assert res.status == "SKIP" and "skipped with --url" in res.note, res
     with pytest.raises(ValueError, match="loopback"):

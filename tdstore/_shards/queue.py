@@ -78,7 +78,7 @@ class ShardQueue(ShardsBase):
         for redelivery: ``ZCOUNT`` of the deadlines up to now and ``ZCARD`` of the redelivery queue, one
         transaction. Integer replies: the same on RESP2 and RESP3 (``ZRANGE ... WITHSCORES``, read here
         before, is a flat list on one and pairs on the other)."""
-        table, deadlines, waiting = e.keys.lease_keys[:3]
+        _, deadlines, waiting = e.keys.lease_keys[:3]
         now = int(time.time() * 1000)
         replies = e.commands([("ZCOUNT", deadlines, "-inf", now), ("ZCARD", waiting)])
         return int(replies[0]) > 0 or int(replies[1]) > 0

@@ -35,14 +35,16 @@ slots and fans calls out.
   order within a shard, not across shards (as partitions in Kafka). A pop waiting for items polls
   the shards (from 1 ms to 50 ms apart): each shard's events are on its own node.
 - **Faults.** A call on a shard whose node cannot be reached raises ``ShardUnavailableError``
-  naming the shard, its store and node; the other shards serve meanwhile, and this one once the
-  cluster has promoted a replica. A write is acknowledged by the shard's primary; with
-  ``min_replicas=n`` a call writing rows or priorities, a pop and an ack return only once ``n``
-  replicas have it (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so
-  a failover loses nothing acknowledged; else it raises ``ShardUnavailableError`` (a pop that raised
-  so may have taken its items: with ``lease=`` they return when the lease runs out). The rate
-  limiter's sample counts are not waited for: a failover may lose the last few, which lets the
-  limiter admit that many more inserts.
+  naming the shard, its store and node; the other shards serve meanwhile (a pop skips the shard),
+  and this one once the cluster has promoted a replica. A call given ``timeout=`` keeps it whatever
+  the nodes do, and follows its shard to a promoted replica within it (``fan_out._within``,
+  ``_engine.slot_map``). A write is acknowledged by the shard's primary; with ``min_replicas=n``
+  a call writing rows or priorities, a pop and an ack return only once ``n`` replicas have it
+  (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so a failover
+  loses nothing acknowledged; else it raises ``ShardUnavailableError`` "may be lost"; a pop's
+  carries the items it took (``taken``) and ``retry()``, the same pop under its request id. The
+  rate limiter's sample counts are not waited for: a failover may lose the last few, which lets
+  the limiter admit that many more inserts.
 """
 
 from __future__ import annotations

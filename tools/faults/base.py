@@ -16,6 +16,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_s
 
 from tdstore import LazyStackedTensorDictStore
 from tdstore._engine.write_call import BULK_WRITE_BYTES
+from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 
 #: Every case, in the order they run.
@@ -30,6 +31,7 @@ CASE_NAMES = (
     "store-deleted",
     "store-recreated",
     "eviction",
+    "sharded-failover",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")
@@ -118,6 +120,8 @@ class Env:
     prefix: str
     opts: Options
     rng: random.Random
+    cluster: EmbeddedCluster | None = None
+    """The private cluster of a case that needs one (``CaseSpec.cluster``): ``url`` is its ``redis+cluster://``."""
 
     @property
     def private(self) -> bool:
