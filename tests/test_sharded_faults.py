@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+from tdstore import AmbiguousTimeoutError, LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
 from tdstore.cluster_server import EmbeddedCluster
 
 PREFIX = "shfaults"
@@ -127,6 +127,29 @@ def test_a_min_replicas_pop_that_fails_hands_back_its_items_and_the_next_takes_n
     assert sorted(taken + rest) == list(range(6))
     strict.close()
     plain.clear_redis()
+
+
+# -- a pop whose reply does not come by its deadline ------------------------------------------------
+def test_a_pop_whose_reply_misses_its_deadline_is_resolvable(redis_cluster):
+    """The shard's node holds writes (``CLIENT PAUSE ... WRITE``: the pop's script waits, its counters' read
+    does not): ``pop(2, timeout=0.5)`` sent the script, which runs once the pause ends. It raises
+    ``AmbiguousTimeoutError`` carrying its request id; ``retry()`` gets the items it took, and the next pop
+    the others: each item once. Before: a plain ``TimeoutError`` "no unread item", and the items were gone."""
+    s = ring(redis_cluster.url, count=30, shards=1)
+    s.extend(rows(torch.arange(5)))
+    node = redis_cluster.node_client(node_index(redis_cluster, s.shard_nodes()[0]))
+    node.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    try:
+        with pytest.raises(AmbiguousTimeoutError) as err:
+            s.pop(2, timeout=0.5)
+    finally:
+        node.execute_command("CLIENT", "UNPAUSE")
+        node.close()
+    assert err.value.request_id
+    taken = err.value.retry(timeout=5).td["tag"].tolist()
+    assert taken == [0, 1]
+    assert s.pop(5, timeout=1).td["tag"].tolist() == [2, 3, 4]
+    s.clear_redis()
 
 
 # -- a node down: deadlines kept, the other shards serve -----------------------------------------

@@ -21,6 +21,8 @@ _POP_WAIT_S = 1.0
 #: A shard whose counters a pop (or a held extend) reads is skipped for this round when its node does not answer
 #: within this many seconds (a node that is down: the other shards serve meanwhile).
 _HEAD_WAIT_S = 0.5
+#: ... and at least this long when the pop's deadline is nearer (what it may overrun its deadline by, a node down).
+_HEAD_FLOOR_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -45,21 +47,25 @@ class ShardQueue(ShardsBase):
         next ones wait on the counters of every shard; a policy cleared elsewhere is seen by the counters' read."""
         return any(pol is not None and (pol.limit is not None or pol.queue) for pol in _policies(self._shards))
 
-    def _heads(self, leases: bool = False) -> list[dict[str, int | None] | None]:
+    def _heads(self, leases: bool = False, deadline: float | None = None) -> list[dict[str, int | None] | None]:
         """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
         ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock) or items wait
         for redelivery. ``rw`` is the count the scripts work with (``Engine.ring_writes_from``): a shard filled
         by index is a full ring. None for a shard whose node did not answer within :data:`_HEAD_WAIT_S` (or
-        the call's deadline): the caller goes on with the others and asks it again next time.
+        what is left until ``deadline``, ``time.monotonic()``, but at least :data:`_HEAD_FLOOR_S`: a
+        ``pop(timeout=0)`` reads every shard's counters, a busy machine's slow reply included): the caller
+        goes on with the others and asks it again next time.
 
         The same read carries the shard's header version: when another handle changed the policy (cleared
         the rate limiter, say), this handle adopts the new header before judging the counters, so a
         waiting ``extend`` or ``pop`` never waits on a limiter that is gone."""
 
+        wait = _HEAD_WAIT_S if deadline is None else max(min(_HEAD_WAIT_S, deadline - time.monotonic()), _HEAD_FLOOR_S)
+
         def one(k: int) -> dict[str, int | None] | None:
             e = self._shards[k]._engine
             try:
-                with _deadline.within(_HEAD_WAIT_S, f"reading shard {k}'s counters"):
+                with _deadline.within(wait, f"reading shard {k}'s counters"):
                     raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "na", "version")
                     e.adopt_version(raw[6])  # raises, naming the store, if it was deleted or damaged
                     got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("sn", "lb", "rr", "lo"), raw[1:5])}
@@ -165,21 +171,22 @@ class ShardQueue(ShardsBase):
         pop waits (polling the shards) up to ``timeout`` seconds (``TimeoutError``; ``None``: no limit).
         ``lease=S``: as the one-node ring, the items return ``S`` seconds after a pop that does not ``ack``.
 
-        A shard whose node is down is skipped (the others serve); the whole call keeps its deadline. A pop
+        A shard whose node is down is skipped (the others serve); the call keeps its deadline (each shard's
+        pop is given what is left; the shards' counters are read within :data:`_HEAD_FLOOR_S` at least). A pop
         that may have taken items without their reply reaching this handle raises an error carrying its
         request id and ``retry()``, which gets those items (``AmbiguousTimeoutError`` when the deadline
         passed, ``ShardUnavailableError`` when the node or its replicas failed)."""
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"pop needs a positive int batch_size, got {batch_size!r}")
-        with self._within(timeout, "pop"):
-            return self._pop(batch_size, timeout, {"keys": keys, "lease": lease})
+        _deadline.check_timeout(timeout)
+        return self._pop(batch_size, timeout, {"keys": keys, "lease": lease})
 
     def _pop(self, batch_size: int, timeout: float | None, kwargs: dict[str, Any]) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
-            heads = self._heads(leases=True)
+            heads = self._heads(leases=True, deadline=deadline)
             away = [k for k, h in enumerate(heads) if h is None]
             for i in range(k_total):
                 k = (self._pop_next + i) % k_total
