@@ -101,6 +101,23 @@ def test_leased_and_plain_pops_with_leases_outstanding_hand_each_item_out_once(r
     s.clear_redis()
 
 
+def test_a_pop_reads_each_shards_counters_and_leases_in_two_round_trips(redis_cluster):
+    """With a lease outstanding on every shard, a pop's read of the shards' state is, per shard, one
+    ``HMGET`` and one transaction (``ZCOUNT`` of the lease deadlines, ``ZCARD`` of the redelivery queue):
+    replies that are integers whatever the protocol."""
+    from test_sharded import _round_trips_per_node
+
+    s = ring(redis_cluster.url, count=30)
+    for k in range(3):
+        s.shards[k].extend(rows(torch.arange(10 * k, 10 * k + 3)))
+        s.shards[k].pop(1, lease=60.0)
+    nodes = _round_trips_per_node(redis_cluster, lambda: s._heads(leases=True))
+    assert sorted(nodes) == [["hmget", "transaction"]] * 3, nodes
+    heads = s._heads(leases=True)
+    assert [h["due"] for h in heads] == [0, 0, 0] and [h["rr"] for h in heads] == [1, 1, 1]
+    s.clear_redis()
+
+
 # -- min_replicas: a pop that fails hands back what it took ------------------------------------
 def test_a_min_replicas_pop_that_fails_hands_back_its_items_and_the_next_takes_none(redis_cluster):
     """The session's cluster has no replicas: a ``min_replicas=1`` pop runs on the primary, no replica
