@@ -158,7 +158,8 @@ def _failover(env: Env, s: ShardedRing, a: int) -> Check:
 def _min_replicas(env: Env, s: ShardedRing, a: int, killed: int) -> Check:
     cluster = env.cluster
     assert cluster is not None
-    strict = LazyStackedTensorDictStore.from_store(url=env.url, prefix=env.prefix, td_id=s.td_id, min_replicas=1)
+    up = next(p for i, p in enumerate(cluster.ports) if i != killed)  # env.url names node 0, which may be the one killed
+    strict = LazyStackedTensorDictStore.from_store(url=f"redis+cluster://127.0.0.1:{up}", prefix=env.prefix, td_id=s.td_id, min_replicas=1)
     s.shards[a].extend(_rows(torch.arange(20_000, 20_006)))
     strict._pop_next = a
     try:
