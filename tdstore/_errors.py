@@ -79,11 +79,34 @@ class ShardUnavailableError(ConnectionError):
     """A call on one shard of a sharded ring (Redis Cluster, ``spread=True``) could not reach the
     node holding it (a primary failing over, a node down). The message names the shard, its
     store id and its node; calls on the other shards go on, and this shard's once the cluster
-    has a new primary for it. Nothing of the failed call was acknowledged."""
+    has a new primary for it. Nothing of the failed call was acknowledged.
 
-    def __init__(self, message: str, shard: int) -> None:
+    A pop or ack that ran on the shard's primary but that too few replicas acknowledged
+    (``min_replicas``) says so ("may be lost") and carries :attr:`request_id` and :meth:`retry`:
+    the same call sent again under that id, answered with what the first one took (the popped
+    items) once the replicas have it; :attr:`taken` is what the primary answered meanwhile."""
+
+    def __init__(
+        self, message: str, shard: int, *, request_id: str | None = None, resend: Callable[[float | None], Any] | None = None,
+        taken: Any = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.shard = shard
+        self.request_id = request_id
+        """The id of a call that ran on the primary unacknowledged (None: the call did not run)."""
+        self.taken = taken
+        """What that call's primary answered (a pop's items), not yet on ``min_replicas`` replicas."""
+        self._resend = resend
+
+    def retry(self, timeout: float | None = None) -> Any:
+        """Send the call again under :attr:`request_id` and return its reply (the first call's items)
+        once the replicas acknowledge it; may raise this error again."""
+        if self._resend is None:
+            raise RuntimeError("this call did not run on the shard: send it again as a new call")
+        return self._resend(timeout)
+
+    def __reduce__(self) -> Any:  # a pickled error keeps its message, shard and id, not the resend (a closure)
+        return (_unavailable, (type(self), str(self), self.shard, self.request_id))
 
 
 class AmbiguousTimeoutError(TimeoutError):
@@ -136,3 +159,7 @@ class AmbiguousTimeoutError(TimeoutError):
 
 def _ambiguous(message: str, request_id: str) -> AmbiguousTimeoutError:
     return AmbiguousTimeoutError(message, request_id=request_id)
+
+
+def _unavailable(cls: type[ShardUnavailableError], message: str, shard: int, request_id: str | None) -> ShardUnavailableError:
+    return cls(message, shard, request_id=request_id)

@@ -36,8 +36,14 @@ QUICK = faults.Options(quick=True, seed=1)
 PENDING: dict[str, pytest.MarkDecorator] = {}  # cases expected to fail until a change lands (none now)
 
 
+#: Cases that take more than 20 s (a cluster with replicas, a failover after cluster-node-timeout).
+SLOW = {"sharded-failover": pytest.mark.slow}
+
+
 @pytest.mark.layout
-@pytest.mark.parametrize("name", [pytest.param(n, marks=PENDING[n]) if n in PENDING else n for n in faults.CASE_NAMES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=PENDING.get(n, SLOW.get(n))) if n in PENDING or n in SLOW else n for n in faults.CASE_NAMES]
+)
 def test_fault_case(name: str) -> None:
     """Each case passes on its own private server, every check of it."""
     res = faults.run_case(name, QUICK)
@@ -79,6 +85,7 @@ def test_url_skips_cases_that_need_their_own_server() -> None:
         "client-query-buffer-limit",
         "eviction",
         "ambiguous-timeout",
+        "sharded-failover",
     ):
         res = faults.run_case(name, opts)
         assert res.status == "SKIP" and "skipped with --url" in res.note, res

@@ -811,7 +811,7 @@ def test_min_replicas_refuses_a_write_no_replica_acknowledges(redis_cluster):
     with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
         strict.pop(1, timeout=5)
     got = leased.pop(1, lease=60.0, timeout=5)
-    with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
+    with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas"):  # acknowledged, or (a shard found short) connected
         strict.ack(got)
     plain = LazyStackedTensorDictStore(count=4, url=redis_cluster.url, prefix=PREFIX)
     with pytest.raises(ValueError, match="not a sharded ring"):

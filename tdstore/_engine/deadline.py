@@ -220,6 +220,20 @@ def ambiguous(
     return AmbiguousTimeoutError(f"{err}; {_MAY_HAVE_RUN}: {how}", request_id=request, resend=resend)
 
 
+@contextmanager
+def rerouting() -> Iterator[None]:
+    """Within: a connection error past the client's own retry count is raised at once, not tried again
+    on the same node until the deadline. A call on a cluster node uses it: a node that is down may have
+    handed its slots to a replica, so the caller asks the cluster's slot map again and tries the node
+    it names (``_engine.slot_map``), within the same deadline."""
+    outer = getattr(_local, "rerouting", False)
+    _local.rerouting = True
+    try:
+        yield
+    finally:
+        _local.rerouting = outer
+
+
 def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` to run on another thread under this thread's deadline (a call's work spread over threads
     keeps the call's deadline); ``fn`` itself without one."""
@@ -340,6 +354,8 @@ class DeadlineRetry:
                     fail(error)
                 if 0 <= retries < failures and self.deadline.left() <= _SLACK_S:
                     raise self.deadline.error(error) from error
+                if 0 <= retries < failures and getattr(_local, "rerouting", False):
+                    raise  # a cluster node's call: the caller asks where the slot is now (see rerouting)
                 # under a deadline the deadline bounds the tries, not the count: a server that is down
                 # (killed, restarting, failing over) gets tried until then, so the call ends the same way
                 # every time (TimeoutError naming the last error), not by how redis-py's jitter fell

@@ -26,6 +26,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine import slot_map as _slot_map
 from tdstore._engine.script_text import assemble
 from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
 from tdstore._format.integrity import WrongTypeError
@@ -204,7 +205,8 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
     missed it are sent again. A node that redirects (resharding, failover) or cannot
     be reached gets its calls through ``RedisCluster``, one by one, which follows the new
     map or raises. Under a call's deadline (``_engine.deadline``) every node's pipeline is bounded
-    by it, and a node that does not answer in time ends the call with its ``TimeoutError``.
+    by it: a node that cannot be reached makes the calls it did not answer go to the node the slot map
+    names once read again (``_engine.slot_map``), until the deadline (then its ``TimeoutError``).
     """
     groups: dict[str, tuple[Any, list[int]]] = {}
     for i, (_, keys, _) in enumerate(calls):
@@ -212,9 +214,18 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
         groups.setdefault(node.name, (node, []))[1].append(i)
     out: list[Any] = [None] * len(calls)
 
+    def rest(idxs: list[int], node: Any) -> None:
+        todo = [i for i in idxs if out[i] is None]
+        if todo:
+            _node_pipeline(node.redis_connection, calls, todo, out)
+
     def job(node: Any, idxs: list[int]) -> None:
         try:
-            _node_pipeline(node.redis_connection, calls, idxs, out)
+            if _deadline.active() is None:
+                rest(idxs, node)
+            else:  # a node that cannot be reached: the error at once, not tries there until the deadline
+                with _deadline.rerouting():
+                    rest(idxs, node)
         except (_Redirected, *REDIRECTS):
             resend(idxs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
@@ -222,19 +233,14 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
                 resend(idxs)
                 return
             # under a call's deadline RedisCluster (no deadline bounds it) is no way out: past the deadline
-            # the call's TimeoutError; before it, the calls not answered yet once more as a pipeline on the
-            # node the slot map names now, bounded by what is left
+            # the call's TimeoutError; before it, the calls not answered yet as a pipeline on the node the
+            # slot map names once read again (a failover's promoted replica), until the deadline
             _deadline.raise_if_over(err)
-            todo = [i for i in idxs if out[i] is None]
-            if not todo:
-                return
             try:
-                _node_pipeline(cluster.get_node_from_key(calls[todo[0]][1][0]).redis_connection, calls, todo, out)
+                _slot_map.refresh(cluster, node.name)
+                _slot_map.on_slot_node(cluster, calls[idxs[0]][1][0], partial(rest, idxs), lambda: None)
             except (_Redirected, *REDIRECTS):
-                resend(todo)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as again:
-                _deadline.raise_if_over(again)
-                raise
+                resend(idxs)
 
     def resend(idxs: list[int]) -> None:
         """The calls of ``idxs`` not answered yet, through RedisCluster, one by one."""

@@ -18,6 +18,7 @@ from redis.cluster import RedisCluster
 from tdstore._engine import deadline as _deadline
 from tdstore._engine import limits as _limits
 from tdstore._engine import scripts as _scripts
+from tdstore._engine import slot_map as _slot_map
 from tdstore._engine.connection import ConnectionSpec, HeldConnection
 from tdstore._format import wire as _wire
 from tdstore._format.keys import StoreKeys
@@ -133,54 +134,55 @@ class Transport:
         redirect or when that node cannot be reached (the next call looks the node up again).
 
         Under a call's deadline (``_engine.deadline``) a node that does not answer in time is not handed
-        to ``fallback()`` (``RedisCluster``, which no deadline bounds): the call's ``TimeoutError`` once
-        the deadline has passed, else one more bounded ``send`` to the node the slot map names now."""
-        for attempt in range(2):
-            node = self._node
-            if node is None:
-                node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
-            try:
-                return send(node)
-            except _scripts.REDIRECTS:
-                break
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+        to ``fallback()`` (``RedisCluster``, which no deadline bounds): the slot map is read again and the
+        call goes to the node it names, until the deadline (``_engine.slot_map``: a handle adopts the
+        primary a failover promoted within the call that meets the failover)."""
+        if _deadline.active() is not None:
+
+            def forget() -> None:
                 self._held.release()
                 self._node = None
-                if _deadline.active() is None:
-                    break
-                # under a call's deadline: RedisCluster would send it again with no bound. Past the deadline the
-                # call's TimeoutError; before it, once more on a connection of its own to the node the slot map
-                # names now, bounded by what is left (a redirect from there goes to RedisCluster)
-                _deadline.raise_if_over(err)
-                if attempt:
-                    raise
-        self._held.release()
-        self._node = None
+
+            try:
+                return _slot_map.on_slot_node(client, self.keys.meta, lambda node: send(node.redis_connection), forget)
+            except _scripts.REDIRECTS:
+                forget()
+                return fallback()
+        node = self._node
+        try:
+            if node is None:
+                node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
+            return send(node)
+        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            self._held.release()
+            self._node = None
         return fallback()
 
     def segment_call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """One script call on the keys of one slot (a spread store's segment), on a connection held to the
         node that serves it; a redirect or a node that cannot be reached hands it to ``RedisCluster`` (under a
         call's deadline, a node that does not answer in time does not: see ``_on_store_node``)."""
-        for attempt in range(2):
-            node = self.cluster.get_node_from_key(keys[0])
+        held_for: dict[str, HeldConnection] = {}
+
+        def on(node: Any) -> Any:
             held = self._node_held.get(node.name)
             if held is None:
                 held = self._node_held[node.name] = HeldConnection()
-            try:
-                return _scripts.call(node.redis_connection, name, keys, args, held.execute)
-            except _scripts.REDIRECTS:
-                held.release()
-                break
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-                held.release()
-                if _deadline.active() is None:
-                    break
-                # under a call's deadline (see _on_store_node): past it, the call's TimeoutError; before
-                # it, once more on the node the slot map names now, bounded by what is left
-                _deadline.raise_if_over(err)
-                if attempt:
-                    raise
+            held_for["last"] = held
+            return _scripts.call(node.redis_connection, name, keys, args, held.execute)
+
+        def forget() -> None:
+            if "last" in held_for:
+                held_for["last"].release()
+
+        try:
+            if _deadline.active() is not None:
+                return _slot_map.on_slot_node(self.cluster, keys[0], on, forget)
+            return on(self.cluster.get_node_from_key(keys[0]))
+        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            if _deadline.active() is not None and not isinstance(err, _scripts.REDIRECTS):
+                raise
+            forget()
         return _scripts.call(self.client, name, keys, args)
 
     def check_argument_sizes(self, call: Call) -> None:
@@ -289,6 +291,14 @@ class Transport:
             reply.append(bytearray().join(results[pos : pos + k]))
             pos += k
         return reply
+
+    def commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Plain commands on the store's keys in one round trip (a transaction on the held connection; on a
+        cluster, to the store's primary, see ``execute``): their raw replies. One by one where no
+        transaction can be sent (fakeredis, another thread holding the connection, a redirect)."""
+        body = b"".join(_wire.pack(*c, encoding=self._key_encoding) for c in commands)
+        got = self._transact(body, len(commands))
+        return [self.command(*c) for c in commands] if got is None else list(got)
 
     def _transact(self, body: bytes, n_commands: int) -> list | None:
         """A transaction of packed commands on the held connection (see ``execute``); None to go through redis-py instead."""

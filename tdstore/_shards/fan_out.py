@@ -12,6 +12,7 @@ import redis
 import torch
 from tensordict import TensorDict
 
+from tdstore._engine import deadline as _deadline
 from tdstore._errors import ShardUnavailableError
 from tdstore._format import codec as _codec
 from tdstore._format.keys import StoreKeys
@@ -33,6 +34,10 @@ _POLL_S = (0.001, 0.05)
 REPLICA_WAIT_MS = 2000
 
 
+class NotSentError(ShardUnavailableError):
+    """A call on a shard refused before it was sent: its primary has fewer replicas than ``min_replicas``."""
+
+
 class ShardsBase:
     """The state of a sharded ring and its calls on shards (``ShardedRing`` is made of this and the mixins on it)."""
 
@@ -44,6 +49,7 @@ class ShardsBase:
     _pool: ThreadPoolExecutor | None
     _pool_lock: threading.Lock
     _min_replicas: int
+    _short: set[int]  # shards whose last wait for replicas fell short: asked their replicas before the next call
 
     def _node_of(self, k: int) -> str:
         try:
@@ -64,12 +70,19 @@ class ShardsBase:
         except _UNREACHABLE as err:
             raise self._unavailable(k, f"is unavailable: {type(err).__name__}: {err}") from err
 
-    def _unavailable(self, k: int, what: str) -> ShardUnavailableError:
+    def _unavailable(self, k: int, what: str, taken: Any = None) -> ShardUnavailableError:
         return ShardUnavailableError(
             f"shard {k} of the sharded ring td_id={self.td_id!r} (store {self._layout.ids[k]!r}, node {self._node_of(k)}) "
             f"{what} (the other shards serve meanwhile; this one once the cluster has a primary for it)",
             k,
+            taken=taken,
         )
+
+    def _within(self, timeout: float | None, what: str) -> Any:
+        """The deadline of a call given ``timeout=`` (``_engine.deadline.within``): every command of it, on
+        this thread and on the threads its calls on shards run on (``_fan_out``), ends by then, a node that
+        is down included (``_engine.slot_map``: the call follows the slot to a promoted replica meanwhile)."""
+        return _deadline.within(timeout, f"{what} on the sharded ring td_id={self.td_id!r}")
 
     def _replicated(self, k: int, fn: Callable[..., Any], *args: Any) -> Any:
         """A write on shard ``k`` acknowledged once ``min_replicas`` replicas of its primary have it.
@@ -78,27 +91,59 @@ class ShardsBase:
         write this sends, on the node that took the write, a pipeline of a
         throw-away write (``StoreKeys.fence``: it replicates after ours, in the primary's one
         replication stream) and ``WAIT min_replicas``: a replica that has the fence has the write.
-        That node no longer being the primary (a failover in between) or too few replicas answering
-        within ``REPLICA_WAIT_MS`` raises ``ShardUnavailableError``: the write may be lost."""
-        fence = StoreKeys(self.prefix, self._layout.ids[k]).fence
+        That node no longer being the primary (a failover in between), too few replicas answering
+        within ``REPLICA_WAIT_MS`` (or the call's deadline), or the node lost meanwhile raises
+        ``ShardUnavailableError`` "may be lost", its ``taken`` the write's reply. A shard whose last
+        wait fell short is asked first how many replicas it has (``ROLE``): with too few, the call is
+        not sent (it raises saying nothing was done)."""
+        if k in self._short:
+            self._check_replicas(k)
         out = fn(*args)
+        try:
+            acks, moved = self._wait_replicas(k)
+        except (*_UNREACHABLE, TimeoutError) as err:
+            self._short.add(k)
+            raise self._unavailable(k, f"wrote on its primary but could not wait for its replicas ({err}): it may be lost", out) from err
+        if moved is not None:
+            raise self._unavailable(k, f"changed primary before a replica acknowledged a write ({moved}): it may be lost", out)
+        if acks < self._min_replicas:
+            self._short.add(k)
+            raise self._unavailable(
+                k, f"wrote on its primary but {acks} of min_replicas={self._min_replicas} replicas acknowledged it: it may be lost", out
+            )
+        self._short.discard(k)
+        return out
+
+    def _wait_replicas(self, k: int) -> tuple[int, Exception | None]:
+        """How many replicas of shard ``k``'s primary acknowledged the writes made so far (a fence, then
+        ``WAIT``, one pipeline on the node; bounded by the call's deadline, if any), and the node's refusal
+        (MOVED, READONLY...: the primary changed since the write) or None."""
+        fence = StoreKeys(self.prefix, self._layout.ids[k]).fence
         # the node that took the write: the slot map is read after it, not before. A map that was stale
         # (a failover or resharding that finished earlier) sent the write to the old node, whose redirect
         # RedisCluster followed and learnt; the node the map names now took the write. Only a redirect
         # from that node means that the primary changed after the write.
         node = self._client.get_node_from_key(fence)
-        pipe = node.redis_connection.pipeline(transaction=False)
-        pipe.set(fence, b"", px=REPLICA_WAIT_MS)
-        pipe.execute_command("WAIT", self._min_replicas, REPLICA_WAIT_MS)
-        try:
-            acks = int(pipe.execute()[1])
-        except redis.exceptions.ResponseError as err:  # MOVED, READONLY...: the primary changed since the write
-            raise self._unavailable(k, f"changed primary before a replica acknowledged a write ({err}): it may be lost") from err
-        if acks < self._min_replicas:
-            raise self._unavailable(
-                k, f"wrote on its primary but {acks} of min_replicas={self._min_replicas} replicas acknowledged it: it may be lost"
-            )
-        return out
+        dl = _deadline.active()
+        wait_ms = REPLICA_WAIT_MS if dl is None else max(1, min(REPLICA_WAIT_MS, int(dl.left() * 1000)))
+        replies = _deadline.pipeline(
+            node.redis_connection, [("SET", fence, b"", "PX", REPLICA_WAIT_MS), ("WAIT", self._min_replicas, wait_ms)]
+        )
+        for r in replies:
+            if isinstance(r, redis.exceptions.ResponseError):
+                return 0, r
+        return int(replies[1]), None
+
+    def _check_replicas(self, k: int) -> None:
+        """``ShardUnavailableError`` (nothing done) when shard ``k``'s primary has fewer than ``min_replicas``
+        replicas connected (``ROLE``): a call sent now could not be acknowledged."""
+        node = self._client.get_node_from_key(StoreKeys(self.prefix, self._layout.ids[k]).meta)
+        role = _deadline.execute_command(node.redis_connection, "ROLE")
+        kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+        have = len(role[2]) if kind == "master" and len(role) > 2 else 0
+        if have < self._min_replicas:
+            what = f"has {have} of min_replicas={self._min_replicas} replicas connected: this call was not sent"
+            raise NotSentError(str(self._unavailable(k, what)), k)
 
     def _acked(self, k: int, fn: Callable[..., Any]) -> tuple[Any, ...]:
         """What ``_on(k, *this, *args)`` runs for a call that changes shard ``k``'s state: ``fn``, through
@@ -115,7 +160,8 @@ class ShardsBase:
         if len(jobs) == 1:
             return [self._on(k, fn, *args)]
         pool = self._executor(len(jobs) - 1)
-        futures = [pool.submit(self._on, j, self._counted(j, f) if write else f, *a) for j, f, a in jobs[:-1]]
+        on = _deadline.carried(self._on)  # each under the call's deadline, if it has one
+        futures = [pool.submit(on, j, self._counted(j, f) if write else f, *a) for j, f, a in jobs[:-1]]
         last: Any = None
         try:
             last = self._on(k, fn, *args)

@@ -10,13 +10,20 @@ from typing import Any
 
 import redis
 
+from tdstore._engine import deadline as _deadline
 from tdstore._engine.engine import request_id
+from tdstore._errors import AmbiguousTimeoutError, ShardUnavailableError
 from tdstore._ring.args import check_batch_size
 from tdstore._ring.leases import LeasedSample, Receipt
-from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
+from tdstore._shards.fan_out import _POLL_S, _UNREACHABLE, NotSentError, ShardsBase, _with_kwargs
 
 #: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.
 _POP_WAIT_S = 1.0
+#: A shard whose counters a pop (or a held extend) reads is skipped for this round when its node does not answer
+#: within this many seconds (a node that is down: the other shards serve meanwhile).
+_HEAD_WAIT_S = 0.5
+#: ... and at least this long when the pop's deadline is nearer (what it may overrun its deadline by, a node down).
+_HEAD_FLOOR_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -41,27 +48,47 @@ class ShardQueue(ShardsBase):
         next ones wait on the counters of every shard; a policy cleared elsewhere is seen by the counters' read."""
         return any(pol is not None and (pol.limit is not None or pol.queue) for pol in _policies(self._shards))
 
-    def _heads(self, leases: bool = False) -> list[dict[str, int | None]]:
+    def _heads(self, leases: bool = False, deadline: float | None = None) -> list[dict[str, int | None] | None]:
         """Each shard's ring and limiter counters (``rw``, ``sn``, ``lb``, ``rr``, ``lo``), read at once; with
-        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock). ``rw`` is the
-        count the scripts work with (``Engine.ring_writes_from``): a shard filled by index is a full ring.
+        ``leases``, ``due``: whether a lease of the shard has run out (by this machine's clock) or items wait
+        for redelivery. ``rw`` is the count the scripts work with (``Engine.ring_writes_from``): a shard filled
+        by index is a full ring. None for a shard whose node did not answer within :data:`_HEAD_WAIT_S` (or
+        what is left until ``deadline``, ``time.monotonic()``, but at least :data:`_HEAD_FLOOR_S`: a
+        ``pop(timeout=0)`` reads every shard's counters, a busy machine's slow reply included): the caller
+        goes on with the others and asks it again next time.
 
         The same read carries the shard's header version: when another handle changed the policy (cleared
         the rate limiter, say), this handle adopts the new header before judging the counters, so a
         waiting ``extend`` or ``pop`` never waits on a limiter that is gone."""
 
-        def one(k: int) -> dict[str, int | None]:
+        wait = _HEAD_WAIT_S if deadline is None else max(min(_HEAD_WAIT_S, deadline - time.monotonic()), _HEAD_FLOOR_S)
+
+        def one(k: int) -> dict[str, int | None] | None:
             e = self._shards[k]._engine
-            raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "na", "version")
-            e.adopt_version(raw[6])  # raises, naming the store, if it was deleted or damaged
-            got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("sn", "lb", "rr", "lo"), raw[1:5])}
-            got["rw"] = e.ring_writes_from(raw[0], raw[5])
-            if leases and got["lo"] is not None:
-                first = e.command("ZRANGE", e.keys.lease_keys[1], 0, 0, "WITHSCORES")
-                got["due"] = int(bool(first) and float(first[1]) <= time.time() * 1000)
+            try:
+                with _deadline.within(wait, f"reading shard {k}'s counters"):
+                    raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "na", "version")
+                    e.adopt_version(raw[6])  # raises, naming the store, if it was deleted or damaged
+                    got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("sn", "lb", "rr", "lo"), raw[1:5])}
+                    got["rw"] = e.ring_writes_from(raw[0], raw[5])
+                    if leases and got["lo"] is not None:
+                        got["due"] = int(self._lease_due(e))
+            except (*_UNREACHABLE, TimeoutError):
+                return None
             return got
 
         return self._fan_out([(k, one, (k,)) for k in range(len(self._shards))])
+
+    @staticmethod
+    def _lease_due(e: Any) -> bool:
+        """Whether shard engine ``e`` has a lease past its deadline (by this machine's clock) or items waiting
+        for redelivery: ``ZCOUNT`` of the deadlines up to now and ``ZCARD`` of the redelivery queue, one
+        transaction. Integer replies: the same on RESP2 and RESP3 (``ZRANGE ... WITHSCORES``, read here
+        before, is a flat list on one and pairs on the other)."""
+        _, deadlines, waiting = e.keys.lease_keys[:3]
+        now = int(time.time() * 1000)
+        replies = e.commands([("ZCOUNT", deadlines, "-inf", now), ("ZCARD", waiting)])
+        return int(replies[0]) > 0 or int(replies[1]) > 0
 
     def _admitting(self, n: int, deadline: float | None) -> int:
         """Of the shards whose rate limiter and queue admit an extend of ``n`` rows now (as their counters
@@ -75,9 +102,9 @@ class ShardQueue(ShardsBase):
         while True:
             heads = self._heads()
             order = [(self._next + i) % k_total for i in range(k_total)]
-            admitting = [k for k in order if self._admits(k, heads[k], n)]
+            admitting = [k for k in order if (h := heads[k]) is not None and self._admits(k, h, n)]
             if admitting:
-                return min(admitting, key=lambda k: (heads[k]["rw"] or 0) / self._layout.counts[k])
+                return min(admitting, key=lambda k: ((heads[k] or {}).get("rw") or 0) / self._layout.counts[k])
             pause = self._pause(
                 deadline, pause, f"extend: the rate limiter or queue of every shard of the sharded ring td_id={self.td_id!r} holds inserts"
             )
@@ -143,30 +170,45 @@ class ShardQueue(ShardsBase):
         """Up to ``batch_size`` unread items of one shard, each handed to exactly one caller (in write
         order within the shard; not across shards). The shards are tried in turn; with none unread, the
         pop waits (polling the shards) up to ``timeout`` seconds (``TimeoutError``; ``None``: no limit).
-        ``lease=S``: as the one-node ring, the items return ``S`` seconds after a pop that does not ``ack``."""
+        ``lease=S``: as the one-node ring, the items return ``S`` seconds after a pop that does not ``ack``.
+
+        A shard whose node is down is skipped (the others serve); the call keeps its deadline (each shard's
+        pop is given what is left; the shards' counters are read within :data:`_HEAD_FLOOR_S` at least). A pop
+        that may have taken items without their reply reaching this handle raises an error carrying its
+        request id and ``retry()``, which gets those items (``AmbiguousTimeoutError`` when the deadline
+        passed, ``ShardUnavailableError`` when the node or its replicas failed)."""
         check_batch_size(batch_size, "pop")
+        _deadline.check_timeout(timeout)
+        return self._pop(batch_size, timeout, {"keys": keys, "lease": lease})
+
+    def _pop(self, batch_size: int, timeout: float | None, kwargs: dict[str, Any]) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
-            heads = self._heads(leases=True)
+            heads = self._heads(leases=True, deadline=deadline)
+            away = [k for k, h in enumerate(heads) if h is None]
             for i in range(k_total):
                 k = (self._pop_next + i) % k_total
                 h = heads[k]
-                if (h["rw"] or 0) <= (h["rr"] or 0) and not h.get("due"):
+                if h is None or ((h["rw"] or 0) <= (h["rr"] or 0) and not h.get("due")):
                     continue
-                got = self._pop_shard(k, batch_size, deadline, {"keys": keys, "lease": lease})
+                got = self._pop_shard(k, batch_size, deadline, kwargs)
                 if got is None:
                     break
                 self._pop_next = (k + 1) % k_total
                 return self._global(k, got)
             else:
-                pause = self._pause(
-                    deadline, pause, f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}"
-                )
+                pause = self._pause(deadline, pause, self._nothing_to_pop(away))
                 continue
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"pop: no unread item in the {k_total} shards of the sharded ring td_id={self.td_id!r}, timed out")
+                raise TimeoutError(f"{self._nothing_to_pop(away)}, timed out")
+
+    def _nothing_to_pop(self, away: list[int]) -> str:
+        what = f"pop: no unread item in the {len(self._shards)} shards of the sharded ring td_id={self.td_id!r}"
+        if away:
+            what += f" (shards {away} on nodes {[self._node_of(k) for k in away]} did not answer: down, or failing over)"
+        return what
 
     def _pop_shard(self, k: int, batch_size: int, deadline: float | None, kwargs: dict[str, Any]) -> Any:
         """One pop of shard ``k``, which had unread items: its items, or None when another reader took them first
@@ -174,18 +216,52 @@ class ShardQueue(ShardsBase):
 
         A pop whose reply did not come in that time (the node slow or away: a ``TimeoutError`` caused by the
         connection) may have taken items: it is sent again with the same request id, which the server answers
-        with the items the first one took, until it answers or the caller's deadline passes."""
+        with the items the first one took, until it answers or the caller's deadline passes; then it raises
+        ``AmbiguousTimeoutError`` (its ``retry()`` sends it again under that id)."""
         request = request_id()
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait = _POP_WAIT_S if left is None else min(left, _POP_WAIT_S)
-            pop = _with_kwargs(self._shards[k].pop_items, {**kwargs, "timeout": wait, "_request": request})
             try:
-                return self._on(k, *self._acked(k, pop), batch_size)
+                return self._pop_once(k, batch_size, kwargs, request, wait)
             except TimeoutError as err:
-                lost_reply = isinstance(err.__cause__, (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError))
-                if not lost_reply or (deadline is not None and time.monotonic() >= deadline):
+                if not _lost_reply(err):
                     return None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise AmbiguousTimeoutError(
+                        f"pop on shard {k} of the sharded ring td_id={self.td_id!r} (node {self._node_of(k)}): no reply "
+                        f"within the timeout, and it may have taken items (err.retry() gets them, exactly once): {err}",
+                        request_id=request,
+                        resend=self._resend_pop(k, batch_size, kwargs, request),
+                    ) from err
+
+    def _pop_once(self, k: int, batch_size: int, kwargs: dict[str, Any], request: str, wait: float | None, again: bool = False) -> Any:
+        """Shard ``k``'s pop under id ``request`` (its items in the shard's numbering; ``again``: a resend). A node
+        or replicas that failed raise ``ShardUnavailableError`` with the id and a ``retry()`` that sends it
+        again; a first pop refused before it was sent (too few replicas) raises without them."""
+        pop = _with_kwargs(self._shards[k].pop_items, {**kwargs, "timeout": wait, "_request": request})
+        try:
+            return self._on(k, *self._acked(k, pop), batch_size)
+        except ShardUnavailableError as err:
+            if err.request_id is not None or (isinstance(err, NotSentError) and not again):
+                raise
+            taken = None if err.taken is None else self._global(k, err.taken)
+            raise ShardUnavailableError(
+                f"{err} [pop request {request}: err.retry() sends it again and gets the items it took]",
+                k,
+                request_id=request,
+                resend=self._resend_pop(k, batch_size, kwargs, request),
+                taken=taken,
+            ) from err
+
+    def _resend_pop(self, k: int, batch_size: int, kwargs: dict[str, Any], request: str) -> Any:
+        """What ``retry(timeout)`` of a pop's error runs: the same pop on shard ``k`` under ``request``."""
+
+        def resend(timeout: float | None) -> Any:
+            with self._within(timeout, "pop (sent again)"):
+                return self._global(k, self._pop_once(k, batch_size, kwargs, request, timeout, again=True))
+
+        return resend
 
     def _global(self, k: int, got: Any) -> Any:
         off = self._offsets[k]
@@ -201,9 +277,17 @@ class ShardQueue(ShardsBase):
         if not isinstance(receipt, ShardReceipt):
             raise ValueError(f"a sharded ring acks the receipts its own pops give (ShardReceipt), got {type(receipt).__name__}")
         k = receipt.shard
-        return int(self._on(k, *self._acked(k, _with_kwargs(self._shards[k].ack, {"timeout": timeout})), receipt.receipt))
+        with self._within(timeout, "ack"):
+            return int(self._on(k, *self._acked(k, _with_kwargs(self._shards[k].ack, {"timeout": timeout})), receipt.receipt))
 
 
 def _policies(shards: Sequence[Any]) -> list[Any]:
     """Each shard's sampling policy as this handle last saw it (its cached header)."""
     return [s._engine.header.sampling for s in shards]
+
+
+def _lost_reply(err: BaseException) -> bool:
+    """Whether a shard call's ``TimeoutError`` came from its connection (the reply lost or late: the call may
+    have run), not from waiting for items (nothing taken)."""
+    connection = (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError)
+    return isinstance(err, AmbiguousTimeoutError) or isinstance(err.__cause__, connection)

@@ -35,14 +35,16 @@ slots and fans calls out.
   order within a shard, not across shards (as partitions in Kafka). A pop waiting for items polls
   the shards (from 1 ms to 50 ms apart): each shard's events are on its own node.
 - **Faults.** A call on a shard whose node cannot be reached raises ``ShardUnavailableError``
-  naming the shard, its store and node; the other shards serve meanwhile, and this one once the
-  cluster has promoted a replica. A write is acknowledged by the shard's primary; with
-  ``min_replicas=n`` a call writing rows or priorities, a pop and an ack return only once ``n``
-  replicas have it (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so
-  a failover loses nothing acknowledged; else it raises ``ShardUnavailableError`` (a pop that raised
-  so may have taken its items: with ``lease=`` they return when the lease runs out). The rate
-  limiter's sample counts are not waited for: a failover may lose the last few, which lets the
-  limiter admit that many more inserts.
+  naming the shard, its store and node; the other shards serve meanwhile (a pop skips the shard),
+  and this one once the cluster has promoted a replica. A call given ``timeout=`` keeps it whatever
+  the nodes do, and follows its shard to a promoted replica within it (``fan_out._within``,
+  ``_engine.slot_map``). A write is acknowledged by the shard's primary; with ``min_replicas=n``
+  a call writing rows or priorities, a pop and an ack return only once ``n`` replicas have it
+  (``WAIT`` after a fence write, ``fan_out._replicated``: one more round trip), so a failover
+  loses nothing acknowledged; else it raises ``ShardUnavailableError`` "may be lost"; a pop's
+  carries the items it took (``taken``) and ``retry()``, the same pop under its request id. The
+  rate limiter's sample counts are not waited for: a failover may lose the last few, which lets
+  the limiter admit that many more inserts.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class ShardedRing(ShardWrites, ShardSampling):
         self._shards = shards
         self._offsets = self._layout.offsets
         self._full = [False] * len(shards)
+        self._short = set()  # shards whose last wait for replicas fell short (fan_out._replicated)
         self._cached = None  # a prioritized sample's shard masses, for the next one's split (see sample.py)
         self._ratio = 1.0
         self._next = random.randrange(len(shards))  # this handle's next shard to extend
@@ -254,6 +257,10 @@ class ShardedRing(ShardWrites, ShardSampling):
         """Block until the ring holds ``written`` items or had ``write_count`` ring writes (polling the shards)."""
         if (written is None) == (write_count is None):
             raise TypeError("wait_for takes exactly one of written= or write_count=")
+        with self._within(timeout, "wait_for"):
+            return self._wait_for(written, write_count, timeout)
+
+    def _wait_for(self, written: int | None, write_count: int | None, timeout: float | None) -> RingState:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = _POLL_S[0]
         while True:

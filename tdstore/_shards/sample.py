@@ -50,10 +50,10 @@ class ShardSampling(ShardsBase):
         also reads the header version (a header another handle changed is adopted)."""
         engine = self._shards[k]._engine
         c = self._layout.counts[k]
-        pipe = engine.client.pipeline(transaction=False)  # one round trip: both keys are in the shard's slot
-        pipe.hmget(engine.keys.meta, "rw", "na", "version")
-        pipe.getrange(engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))
-        head, root = pipe.execute()
+        # one round trip (both keys are in the shard's slot), on the shard's node, within the call's deadline
+        head, root = engine.commands(
+            [("HMGET", engine.keys.meta, "rw", "na", "version"), ("GETRANGE", engine.keys.priorities, *((0, 7) if c == 1 else (-16, -1)))]
+        )
         engine.adopt_version(head[2])
         rw = engine.ring_writes_from(head[0], head[1])
         if not root:
@@ -89,6 +89,21 @@ class ShardSampling(ShardsBase):
         from tdstore._ring.sample_pop import _check_sample_args
 
         _check_sample_args(batch_size, min_size, beta)
+        with self._within(timeout, "sample"):
+            return self._sample(batch_size, generator, keys, prioritized, alpha, beta, min_size, timeout, ragged)
+
+    def _sample(
+        self,
+        batch_size: int,
+        generator: torch.Generator | None,
+        keys: Sequence[Any] | None,
+        prioritized: bool | None,
+        alpha: float | None,
+        beta: float,
+        min_size: int | None,
+        timeout: float | None,
+        ragged: dict[str, Any],
+    ) -> Sample | PrioritizedSample:
         if min_size is not None and min_size > self._layout.count:
             raise ValueError(f"min_size={min_size} can never be reached by a ring of {self._layout.count} slots")
         by_prio = self._prioritized() if prioritized is None else bool(prioritized)
@@ -113,8 +128,8 @@ class ShardSampling(ShardsBase):
         if prioritized is None and not by_prio and any(isinstance(g, PrioritizedSample) for g in got):
             # the shards' samples adopted priorities that no read saw (full shards are not asked their size):
             # these rows were split by size, so draw again, by the masses (this handle now knows the policy)
-            kw = {**kw, "min_size": min_size, "timeout": None if deadline is None else max(0.0, deadline - time.monotonic())}
-            return self.sample(batch_size, generator, **kw)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return self._sample(batch_size, generator, keys, prioritized, alpha, beta, min_size, left, ragged)
         return self._assemble(chosen, got, _back(which, len(chosen)), weights, lows, beta, by_prio)
 
     def _weights(

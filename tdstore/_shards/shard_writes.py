@@ -59,6 +59,10 @@ class ShardWrites(ShardQueue):
                 prios = None
             elif prios.numel() != n:
                 raise ValueError(f"got {prios.numel()} priority values for {n} rows")
+        with self._within(timeout, "extend"):
+            return self._extend(td, n, priority, prios, timeout)
+
+    def _extend(self, td: TensorDictBase, n: int, priority: Any, prios: torch.Tensor | None, timeout: float | None) -> RingWrite:
         k_total = len(self._shards)
         if n <= min(self._layout.counts) and self._guarded():
             deadline = None if timeout is None else time.monotonic() + timeout  # one for the whole call

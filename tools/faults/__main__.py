@@ -72,6 +72,16 @@ Cases (issues #4 and #15):
     "lost"/"damaged" until it exists; a KeyError naming the store when its header
     was evicted); zeros, other bytes never written, or other errors fail the case.
     Counts stores and calls intact / gone / damaged / other error / silently wrong.
+``sharded-failover``
+    A sharded ring on a private cluster of three primaries with one replica each
+    (``tools.faults.sharded``): two readers' leased and plain pops with leases
+    outstanding settle every item once; a primary killed (kill -9) while an
+    ``extend(timeout=60)`` is in flight: it lands on the promoted replica, and the old
+    handle's ``sample``, ``extend``, ``pop`` and ``ack`` (``timeout=2``) succeed at the first
+    try; a ``min_replicas=1`` pop with no replica left raises "may be lost" carrying
+    the items it took, the next takes nothing, and ``retry()`` once the replica is
+    back returns the same items; a shard whose node and replica are down: the other
+    shards' items are popped, and ``timeout=2`` calls raise ``TimeoutError`` by ~2 s.
 ``store-deleted`` / ``store-recreated``
     Another process deletes the store (``clear_redis()``), or deletes it and
     creates it again under the same ``td_id`` with another dtype, while this handle

@@ -16,6 +16,7 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, lazy_s
 
 from tdstore import LazyStackedTensorDictStore
 from tdstore._engine.write_call import BULK_WRITE_BYTES
+from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 
 #: Every case, in the order they run.
@@ -33,6 +34,7 @@ CASE_NAMES = (
     "ambiguous-timeout",
     "hostile-checkpoint",
     "readonly-acl",
+    "sharded-failover",
 )
 MAXMEMORY = 20 << 20
 MAXMEMORY_ARGS = ("--maxmemory", "20mb", "--maxmemory-policy", "noeviction")
@@ -121,6 +123,8 @@ class Env:
     prefix: str
     opts: Options
     rng: random.Random
+    cluster: EmbeddedCluster | None = None
+    """The private cluster of a case that needs one (``CaseSpec.cluster``): ``url`` is its ``redis+cluster://``."""
 
     @property
     def private(self) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
+from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 from tools._probes import delete_prefix
 from tools.faults.acl import case_readonly_acl
@@ -22,6 +23,7 @@ from tools.faults.connection import case_connection_drop, case_restart, case_scr
 from tools.faults.eviction import EVICTION_ARGS, case_eviction
 from tools.faults.limits import QUERY_BUFFER_ARGS, case_maxmemory, case_proto_max_bulk_len, case_query_buffer_limit
 from tools.faults.processes import case_sigkill_writer, case_store_deleted, case_store_recreated
+from tools.faults.sharded import case_sharded_failover
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,6 +36,8 @@ class CaseSpec:
     run: Callable[[Env], list[Check]]
     server_args: tuple[str, ...] = ()
     private_reason: str = ""
+    cluster: bool = False
+    """Runs on a private cluster of three primaries with one replica each (``EmbeddedCluster(replicas=1)``)."""
 
 
 CASES: dict[str, CaseSpec] = {
@@ -54,6 +58,9 @@ CASES: dict[str, CaseSpec] = {
     "ambiguous-timeout": CaseSpec(case_ambiguous_timeout, private_reason="stops the server (SIGSTOP) under a call"),
     "hostile-checkpoint": CaseSpec(case_hostile_checkpoint),
     "readonly-acl": CaseSpec(case_readonly_acl, private_reason="creates an ACL user and sends it admin commands"),
+    "sharded-failover": CaseSpec(
+        case_sharded_failover, private_reason="kills cluster nodes (a private cluster with replicas)", cluster=True
+    ),
 }
 assert tuple(CASES) == CASE_NAMES
 
@@ -73,6 +80,14 @@ def open_env(name: str, opts: Options) -> Iterator[Env]:
                 delete_prefix(client, prefix)
             client.close()
         return
+    if spec.cluster:
+        with EmbeddedCluster(replicas=1, binary=opts.binary) as cluster:
+            client = cluster.node_client(0)  # an inspection client (server_label); the case's calls go through cluster.url
+            try:
+                yield Env(cluster.url, client, None, prefix, opts, rng, cluster=cluster)
+            finally:
+                client.close()
+        return
     with EmbeddedServer(extra_args=spec.server_args, binary=opts.binary) as srv:
         client = srv.client()
         try:
@@ -87,6 +102,8 @@ def server_label(env: Env, name: str) -> str:
         version = env.client.info("server")["redis_version"]
     except redis.RedisError:
         version = "?"
+    if env.cluster is not None:
+        return f"redis {version} (a cluster of {len(env.cluster.ports)} nodes: 3 primaries, 1 replica each)"
     if env.server is None:
         return f"redis {version} at {env.opts.url}"
     extra = "".join(f" {a}" for a in CASES[name].server_args)
