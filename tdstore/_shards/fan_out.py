@@ -136,11 +136,14 @@ class ShardsBase:
 
     def _check_replicas(self, k: int) -> None:
         """``ShardUnavailableError`` (nothing done) when shard ``k``'s primary has fewer than ``min_replicas``
-        replicas connected (``ROLE``): a call sent now could not be acknowledged."""
+        replicas connected (``ROLE``): a call sent now could not be acknowledged. A node the slot map names
+        that is no primary any more (a stale map) is no answer: the call goes and follows the redirect."""
         node = self._client.get_node_from_key(StoreKeys(self.prefix, self._layout.ids[k]).meta)
         role = _deadline.execute_command(node.redis_connection, "ROLE")
         kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
-        have = len(role[2]) if kind == "master" and len(role) > 2 else 0
+        if kind != "master":  # the slot map is stale (a failed primary back as a replica): the call follows the redirect
+            return
+        have = len(role[2]) if len(role) > 2 else 0
         if have < self._min_replicas:
             what = f"has {have} of min_replicas={self._min_replicas} replicas connected: this call was not sent"
             raise NotSentError(str(self._unavailable(k, what)), k)
