@@ -169,6 +169,45 @@ def test_a_pop_whose_reply_misses_its_deadline_is_resolvable(redis_cluster):
     s.clear_redis()
 
 
+def test_an_extend_whose_reply_misses_its_deadline_retries_at_the_rings_slots(redis_cluster):
+    """An extend to the second shard, whose node holds writes (``CLIENT PAUSE ... WRITE``), raises
+    ``AmbiguousTimeoutError``; its ``retry()`` answers with the ring's global slots (the shard's offset
+    added: before, the shard's own slots 0..2 came back) and writes the rows once, however often it is
+    retried. An extend cut over both shards, one of them held, retries only the held part and answers
+    for the whole call (before: a plain ``TimeoutError``, the part on the other shard's thread having
+    cleared the call's mark that its command was sent)."""
+    s = ring(redis_cluster.url, count=30, shards=2)
+    nodes = [node_index(redis_cluster, n) for n in s.shard_nodes()]
+    offset = s._offsets[1]
+
+    def held(call, shard):
+        node = redis_cluster.node_client(nodes[shard])
+        node.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        try:
+            with pytest.raises(AmbiguousTimeoutError) as err:
+                call()
+        finally:
+            node.execute_command("CLIENT", "UNPAUSE")
+            node.close()
+        return err.value
+
+    s._next = 1
+    err = held(lambda: s.extend(rows(torch.arange(3)), timeout=0.5), 1)
+    assert err.request_id
+    first = err.retry(timeout=5)
+    assert first.indices.tolist() == [offset, offset + 1, offset + 2]
+    assert err.retry(timeout=5).indices.tolist() == first.indices.tolist()  # applied once
+    assert s.write_count == 3 and s[offset + 2]["tag"].item() == 2
+    if nodes[0] != nodes[1]:  # the cut extend: shard 0's part runs, shard 1's is held
+        s._next = 0
+        err = held(lambda: s.extend(rows(torch.arange(100, 120)), timeout=0.5), 1)
+        whole = err.retry(timeout=5)
+        assert whole.indices.tolist() == list(range(15)) + list(range(offset + 3, offset + 8))
+        assert err.retry(timeout=5).indices.tolist() == whole.indices.tolist()
+        assert s.write_count == 23
+    s.clear_redis()
+
+
 # -- a node down: deadlines kept, the other shards serve -----------------------------------------
 def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
     """One primary killed (no replica: it stays down). ``pop(timeout=2)`` pops the items of the shards that

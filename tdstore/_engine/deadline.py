@@ -75,6 +75,15 @@ class Deadline:
         self.armed = False  # the call's state-changing command goes out next (see arm)
         self.sent = False  # a command was written since: the call may have run on the server
 
+    def branch(self) -> Deadline:
+        """The same moment for work on another thread, with marks of its own: whether *its* command was
+        sent (:func:`arm`, ``sent``) is its own; shared, one thread's call ending would clear the marks
+        of another's still waiting for its reply, which then looked as if it had not run."""
+        other = Deadline.__new__(Deadline)
+        other.timeout, other.at, other.what, other._where = self.timeout, self.at, self.what, self._where
+        other.armed = other.sent = False
+        return other
+
     def left(self) -> float:
         """Seconds left (0 once past)."""
         return max(0.0, self.at - time.monotonic())
@@ -244,7 +253,7 @@ def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         outer = active()
-        _local.deadline = dl
+        _local.deadline = dl.branch()
         try:
             return fn(*args, **kwargs)
         finally:

@@ -166,11 +166,12 @@ class ShardsBase:
         on = _deadline.carried(self._on)  # each under the call's deadline, if it has one
         futures = [pool.submit(on, j, self._counted(j, f) if write else f, *a) for j, f, a in jobs[:-1]]
         last: Any = None
+        raised: BaseException | None = None
         try:
             last = self._on(k, fn, *args)
-        except BaseException as err:  # raised once the others are done
-            last = err
-        errors = [f.exception() for f in futures] + [last if isinstance(last, BaseException) else None]
+        except BaseException as err:  # raised once the others are done (an error returned is a result)
+            raised = err
+        errors = [f.exception() for f in futures] + [raised]
         for e in errors:
             if e is not None:
                 raise e

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
+from tdstore._errors import AmbiguousTimeoutError
 from tdstore._format import codec as _codec
 from tdstore._ring.extend import RingWrite
 from tdstore._ring.policy_calls import priority_tensor
@@ -69,7 +70,7 @@ class ShardWrites(ShardQueue):
             k = self._admitting(n, deadline)
             self._next = (k + 1) % k_total
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            return self._fan_out([(k, self._extend_one, (k, td, priority, left))], write=True)[0]
+            return _whole(self._fan_out([(k, self._extend_one, (k, td, priority, left))], write=True))
         jobs = []
         k, start = self._next, 0
         while start < n:
@@ -80,12 +81,17 @@ class ShardWrites(ShardQueue):
             start += take
             k = (k + 1) % k_total
         self._next = k
-        got = self._fan_out(jobs, write=True)
-        return RingWrite(torch.cat([w.indices for w in got]), torch.cat([w.generations for w in got]))
+        return _whole(self._fan_out(jobs, write=True))
 
-    def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite:
-        w = self._shards[k].extend(piece, priority=priority, timeout=timeout)
-        return RingWrite(w.indices + self._offsets[k], w.generations)
+    def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite | AmbiguousTimeoutError:
+        """Shard ``k``'s part of an extend, at global slots. A part that may have run is returned as its
+        ``AmbiguousTimeoutError`` (retrying at global slots), not raised: the parts that ran are kept for
+        the whole call's retry (:func:`_whole`)."""
+        offset = self._offsets[k]
+        try:
+            return _shifted(self._shards[k].extend(piece, priority=priority, timeout=timeout), offset)
+        except AmbiguousTimeoutError as err:
+            return _shifted_error(err, offset)
 
     def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size)."""
@@ -157,3 +163,45 @@ class ShardWrites(ShardQueue):
             return
         slots, _, groups = self._by_shard(index)
         self._fan_out([(k, self._shards[k].__setitem__, (local, self._rows(value, rows))) for k, rows, local in groups], write=True)
+
+
+def _shifted(w: RingWrite, offset: int) -> RingWrite:
+    """A shard's ``RingWrite`` at the ring's global slots."""
+    return RingWrite(w.indices + offset, w.generations)
+
+
+def _shifted_error(err: AmbiguousTimeoutError, offset: int) -> AmbiguousTimeoutError:
+    """A shard's ambiguous extend whose ``retry()`` answers at the ring's global slots (the shard's own
+    retry resends under the shard call's request id: its rows are written once)."""
+
+    def resend(timeout: float | None) -> RingWrite:
+        try:
+            return _shifted(err.retry(timeout), offset)
+        except AmbiguousTimeoutError as again:
+            raise _shifted_error(again, offset) from again
+
+    return AmbiguousTimeoutError(str(err), request_id=err.request_id, resend=resend)
+
+
+def _whole(parts: list[RingWrite | AmbiguousTimeoutError]) -> RingWrite:
+    """The ``RingWrite`` of an extend from its shards' parts, in order; ``AmbiguousTimeoutError`` if a part may
+    have run without its reply: its ``retry()`` resends only those parts (each under its own request id)
+    and answers for the whole call, the parts that ran included."""
+    pending = [p for p in parts if isinstance(p, AmbiguousTimeoutError)]
+    if not pending:
+        done = [p for p in parts if isinstance(p, RingWrite)]
+        return RingWrite(torch.cat([w.indices for w in done]), torch.cat([w.generations for w in done]))
+
+    def resend(timeout: float | None) -> RingWrite:
+        again: list[RingWrite | AmbiguousTimeoutError] = []
+        for p in parts:
+            if isinstance(p, AmbiguousTimeoutError):
+                try:
+                    p = p.retry(timeout)
+                except AmbiguousTimeoutError as still:
+                    p = still
+            again.append(p)
+        return _whole(again)
+
+    first = pending[0]
+    raise AmbiguousTimeoutError(str(first), request_id=first.request_id, resend=resend)

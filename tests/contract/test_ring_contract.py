@@ -42,10 +42,6 @@ KINDS = ["lazy-redis", "lazy-fakeredis", "dense-redis", "dense-fakeredis", "shar
 LONG = 600.0  # seconds: a lease that never runs out during a test
 SHORT = 0.2  # seconds: a lease the test waits out, on the server's clock
 HANG = 30.0  # seconds: a call slower than this hangs (the only wall-clock bound here)
-SHARDED_LEASES = (
-    "a sharded pop while a lease of the shard is out: _shards/queue.py _heads reads ZRANGE WITHSCORES as a flat list, "
-    "redis-py answers [[member, score]] (IndexError)"
-)
 SHARDED_EXTEND = "issue 39: a sharded ring's extend goes whole to one shard, which wraps before the ring is full"
 
 
@@ -186,9 +182,7 @@ def test_fifo_pops_hand_out_each_item_once_when_full(kind):
         nothing_left(ring)
 
 
-def test_leased_pops_hand_out_each_item_once_and_a_lapsed_lease_once_more(kind, request):
-    if kind.sharded:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=IndexError, reason=SHARDED_LEASES))
+def test_leased_pops_hand_out_each_item_once_and_a_lapsed_lease_once_more(kind):
     ring = kind.make(24)
     ring.extend(rows(torch.arange(100, 124)))  # filled to capacity by one call
     kept = ring.pop(6, lease=LONG)
@@ -433,7 +427,7 @@ def test_stats_count_what_the_calls_did(kind):
         ages = [8 - int(i) for got in drawn for i in got.indices]
         assert st["age_sum"] == sum(ages) and st["age_max"] == max(ages) and st["age_mean"] == sum(ages) / 9
     assert sum(p.indices.numel() for p in popped) == 4
-    if not kind.sharded:  # (a sharded pop while a lease is out: SHARDED_LEASES)
+    if not kind.sharded:  # one ring's lease table and clock (the sharded lease counts: test_sharded_faults)
         kept = ring.pop(2, lease=LONG)
         lapsing = ring.pop(2, lease=SHORT)
         end = time.monotonic() + HANG
