@@ -67,12 +67,12 @@ def assert_same_rows(a: Any, b: Any) -> None:
 
 
 def header_fields(store: Any, *names: str) -> list[Any]:
-    engine = _checkpoint._lazy_handle(store)._engine
+    engine = LazyStackedTensorDictStore.stack_of(store)._engine
     return engine.command("HMGET", engine.keys.meta, *names)
 
 
 def raw(store: Any, key: str) -> bytes:
-    engine = _checkpoint._lazy_handle(store)._engine
+    engine = LazyStackedTensorDictStore.stack_of(store)._engine
     return engine.command("GET", getattr(engine.keys, key))
 
 
@@ -434,13 +434,13 @@ def test_round_trip_on_every_backend_sets_the_ring_state_in_one_call(
         store.extend(lazy_stack([element(i) for i in range(8, 11)]), priority=2.0)
     export_checkpoint(store, tmp_path / "ck")
     calls: list[str] = []
-    call = _checkpoint._scripts.call
+    call = _checkpoint.scripts.call
 
     def counting(client: Any, name: str, *args: Any, **kwargs: Any) -> Any:
         calls.append(name)
         return call(client, name, *args, **kwargs)
 
-    monkeypatch.setattr(_checkpoint._scripts, "call", counting)
+    monkeypatch.setattr(_checkpoint.scripts, "call", counting)
     back = import_checkpoint(tmp_path / "ck", td_id="every-backend", **backend.kwargs())
     assert calls.count("restore") == (0 if spread else 1)
     assert_same_rows(store, back)

@@ -196,8 +196,8 @@ def test_export_then_import_keeps_the_stores_time_to_live(be: Backend, tmp_path:
     store.extend(TensorDict(x=torch.arange(4.0), batch_size=[4]))
     export_checkpoint(store, tmp_path / "ck")
     back = import_checkpoint(tmp_path / "ck", td_id="with-ttl", **be.kwargs())
-    engine = _checkpoint._lazy_handle(back)._engine
+    engine = LazyStackedTensorDictStore.stack_of(back)._engine
     assert 0 < int(engine.command("PTTL", engine.keys.meta)) <= 600_000
     again = import_checkpoint(tmp_path / "ck", td_id="given-ttl", ttl=5, **be.kwargs())  # a ttl given wins
-    engine = _checkpoint._lazy_handle(again)._engine
+    engine = LazyStackedTensorDictStore.stack_of(again)._engine
     assert 0 < int(engine.command("PTTL", engine.keys.meta)) <= 5_000

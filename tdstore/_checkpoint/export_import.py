@@ -46,19 +46,24 @@ from tdstore._checkpoint.disk_format import (
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
 from tdstore._checkpoint.folder import opened, read_at
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import scripts, whole_store
+from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine
-from tdstore._format import codec as _codec
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, row_block, tensorclass
 from tdstore._format.header_info import StoreFormatError
+from tdstore._format.integrity import damaged
+from tdstore._format.keys import StoreKeys
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
-from tdstore._front import upload as _upload
+from tdstore._front import upload
+from tdstore._front.common import ttl_to_ms
 from tdstore._front.progress import progress
 from tdstore._front.upload_scan import LeafScan
+from tdstore._inspect.audit import audit
+from tdstore.dense import TensorDictStore, _connection_kwargs
+from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 __all__ = [
     "CHUNK_BYTES",
@@ -85,19 +90,6 @@ _STAGE_TTL_MS = 120_000
 # -- export ---------------------------------------------------------------------------------------
 
 
-def _lazy_handle(store: Any) -> Any:
-    """The ``LazyStackedTensorDictStore`` under ``store`` (a dense store or a tensorclass wraps one)."""
-    from tdstore.lazy import LazyStackedTensorDictStore
-
-    seen = store
-    for attr in ("_tensordict", "_store"):
-        if not isinstance(seen, LazyStackedTensorDictStore):
-            seen = getattr(seen, attr, seen)
-    if not isinstance(seen, LazyStackedTensorDictStore):
-        raise TypeError(f"export_store takes a tdstore store, got {type(store).__name__}")
-    return seen
-
-
 def _ring_fields(engine: Engine) -> dict[str, Any]:
     """The header's epoch, version and ring counters, in one round trip."""
     names = ["epoch", "version", "sc", *RING_FIELDS]
@@ -111,9 +103,6 @@ def _intact(engine: Engine) -> None:
     """Raise ``StoreDamagedError`` unless every data and table key holds what the header implies (``tdstore
     check``'s audit, two pipelines): the reads of an export would take a lost segment, or a count another
     client edited, for rows never written, and a checkpoint must hold only rows that were."""
-    from tdstore._format.integrity import damaged
-    from tdstore._inspect.audit import audit
-
     found = audit(engine.client, engine.keys.prefix, engine.keys.td_id)
     if found.problems:
         detail = "; ".join(found.problems[:3]) + (f" (and {len(found.problems) - 3} more)" if len(found.problems) > 3 else "")
@@ -133,7 +122,7 @@ def _raw_key(engine: Engine, key: str, size: int, dest: Path) -> None:
 def _key_entries(h: Header) -> list[KeyEntry]:
     out = []
     for i, (path, leaf) in enumerate(sorted(h.leaves.items(), key=lambda kv: kv[1].number)):
-        name = _codec.dtype_name(leaf.dtype)
+        name = codec.dtype_name(leaf.dtype)
         if leaf.shape is not None:
             out.append(KeyEntry(path, name, "dense", leaf.ndim, "", tuple(leaf.shape)))
         else:
@@ -150,7 +139,7 @@ def _memmaps(root: Path, entries: list[KeyEntry], count: int) -> tuple[list[KeyE
     template = TensorDict(batch_size=[count])
     for e in dense:
         assert e.shape is not None
-        template.set(e.path, torch.zeros((), dtype=_codec.DTYPES[e.dtype]).expand(count, *e.shape))
+        template.set(e.path, torch.zeros((), dtype=codec.DTYPES[e.dtype]).expand(count, *e.shape))
     mm = template.memmap_like(prefix=root)
     tensors = {e.path: mm.get(e.path) for e in dense}
     files = {e.path: os.path.relpath(str(tensors[e.path].filename), root) for e in dense}
@@ -196,7 +185,7 @@ def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: di
         data, offsets, shapes = files[e.path][:3]
         flat = torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in pieces]) if pieces else torch.zeros(0)
         ends = files[e.path][3] + np.cumsum([t.numel() for t in pieces], dtype=np.int64) * flat.element_size()
-        data.write(_codec.to_bytes(flat))
+        data.write(codec.to_bytes(flat))
         offsets.write(ends.astype("<i8").tobytes())
         shapes.write(np.array([d for t in pieces for d in t.shape], dtype="<i8").tobytes())
         total += int(ends[-1]) - files[e.path][3]
@@ -235,7 +224,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     new one is whole).  ``extra`` maps file names to JSON documents written beside the metadata.
     Raises ``RuntimeError`` when the ring was written or the schema changed during the export.
     """
-    lazy = _lazy_handle(store)
+    lazy = LazyStackedTensorDictStore.stack_of(store)
     engine: Engine = lazy._engine
     engine.set_header(engine.fetch_header())
     h = engine.header
@@ -342,7 +331,7 @@ def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: 
         next_leaf=len(leaves), state=f"uploading:{token}", kind=meta.kind, tensorclass=meta.tensorclass,
         batchless=meta.batchless, sub={tuple(p): tuple(d) for p, d in meta.sub},
     )  # fmt: skip
-    header = _rows.grouped_header(header, len(leaves))
+    header = row_block.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0
     largest = max((int(s.element_bytes().max()) for s in scans), default=1)
     return replace(header, seg=segment_length(meta.count, max(largest, width), engine.segment_size), spread=engine.spread)
@@ -400,7 +389,7 @@ def prepare(path: Any, meta: CheckpointMeta, engine: Engine) -> Prepared:
     chunk_bytes = CHUNK_BYTES
     if scans:
         sizes = {s.path: s.element_bytes() for s in scans}
-        chunk_bytes = _upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
+        chunk_bytes = upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
     return Prepared(root, meta, scans, header, token, chunk_bytes)
 
 
@@ -413,15 +402,15 @@ def _upload_rows(engine: Engine, plan: Prepared, pbar: bool, ttl_ms: int) -> Non
         return
     sizes = {s.path: s.element_bytes() for s in scans}
     spread = engine.spread and header.segments.n > 1
-    if engine.create(header, ttl_ms=_upload.UPLOAD_TTL_MS) is not None:
+    if engine.create(header, ttl_ms=upload.UPLOAD_TTL_MS) is not None:
         raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     header = engine.header
     try:
-        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
-        _upload._commit(engine, header, plan.token, ttl_ms, spread)
+        upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
+        upload._commit(engine, header, plan.token, ttl_ms, spread)
     except BaseException:
         try:
-            _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+            whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
         finally:
             engine.set_header(None)
         raise
@@ -458,7 +447,7 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
     try:
         tree_stage, tree_len = _stage(engine, root, meta.priorities, keys.priorities, token)
         times_stage, times_len = _stage(engine, root, meta.sampled, keys.times_sampled, token)
-        reply = _scripts.call(
+        reply = scripts.call(
             engine.client,
             "restore",
             [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage],
@@ -476,11 +465,11 @@ def _remove_made(engine: Engine, header: Header) -> None:
     when that reads back, else (a header another client damaged reads as gone to ``clear``) by the keys the
     upload's header names, while the header there is still this import's (its epoch)."""
     try:
-        _whole_store.clear(engine)
+        whole_store.clear(engine)
     except Exception:  # (deleted by name below)
         pass
     if engine.command("HGET", engine.keys.meta, "epoch") == header.epoch.encode():
-        _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+        whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
 
 
 def restore_into(
@@ -510,12 +499,14 @@ def restore_into(
 # -- the public calls -----------------------------------------------------------------------------
 
 
-def export_checkpoint(store: Any, path: Any, *, pbar: bool = False) -> None:
-    """Write ``store`` (any tdstore store: rows, ring, priorities, policy) into the directory ``path``.
+def export_checkpoint(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
+    """Write ``store`` (any tdstore store: rows, ring, priorities, policy) into the directory ``path``; returns
+    what was written (``count``, ``keys``, ``ring``). ``extra`` maps file names to JSON documents written
+    beside the metadata (an adapter's own state: torchrl's ``store.json``).
 
     See :func:`export_store` and :mod:`tdstore._checkpoint.disk_format` for the format.
     """
-    export_store(store, path, pbar=pbar)
+    return export_store(store, path, pbar=pbar, extra=extra)
 
 
 def import_checkpoint(
@@ -555,13 +546,6 @@ def import_narrowed(
 ) -> Any:
     """:func:`import_checkpoint` of ``path`` as ``meta`` describes it: what :func:`read_meta` read there, narrowed by
     the caller (``CheckpointMeta.narrowed``: keys left out, another ring write count), restored in the same calls."""
-    from tdstore._engine.connection import open_client
-    from tdstore._format import tensorclass as _tensorclass
-    from tdstore._format.keys import StoreKeys
-    from tdstore._front.common import ttl_to_ms
-    from tdstore.dense import TensorDictStore, _connection_kwargs
-    from tdstore.lazy import attach
-
     tid = meta.td_id if td_id is None else td_id
     client, spec, owned = open_client(**_connection_kwargs(store_kwargs))
     keys = StoreKeys(store_kwargs.get("prefix", "tensordict"), tid)
@@ -576,7 +560,7 @@ def import_narrowed(
             except KeyError:
                 pass
             else:
-                _whole_store.clear(old)
+                whole_store.clear(old)
         restore_into(path, engine=engine, pbar=pbar, ttl_ms=meta.ttl_ms if ttl is None else ttl_to_ms(ttl), plan=plan)
     except BaseException:
         engine.close()
@@ -584,4 +568,4 @@ def import_narrowed(
     store = attach(engine, backend=store_kwargs.get("backend", "redis"), cache_metadata=store_kwargs.get("cache_metadata", True))
     if engine.header.kind == "dense":
         store = TensorDictStore._open_view(store)
-    return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
+    return tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)

@@ -156,6 +156,13 @@ class DenseRing:
     def ring_state(self) -> RingState:
         return self._ring().ring_state()
 
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None = None) -> Sample:
+        """As the lazy store's, the rows as one dense TensorDict."""
+        return densify(self._ring().sample_seen(batch_size, generator))
+
+    def filled(self, *, fresh: bool = False) -> int:
+        return self._ring().filled(fresh=fresh)
+
     def stats(self) -> dict[str, Any]:
         return self._ring().stats()
 

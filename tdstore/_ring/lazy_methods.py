@@ -28,7 +28,7 @@ from tdstore._ring import marks as _marks
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
-from tdstore._ring.args import check_request_id, refuse_spread
+from tdstore._ring.args import check_batch_size, check_request_id, refuse_spread
 from tdstore._ring.policy_calls import PrioritizedSample
 
 
@@ -158,6 +158,23 @@ class ReplayMethods(LazyState):
             min_size=min_size,
             timeout=timeout,
         )
+
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None = None) -> _ring.Sample:
+        """A uniform batch over the slots this handle has seen written (see ``tdstore.Ring.sample_seen``)."""
+        check_batch_size(batch_size, "sample")
+        got = _ring_reads.sample_seen(self._engine, batch_size, generator, self._device)
+        if got is not None:
+            return got
+        return self.sample(batch_size, generator, prioritized=False)  # type: ignore[return-value]  # (uniform: a Sample)
+
+    def filled(self, *, fresh: bool = False) -> int:
+        """How many items the ring holds, with no round trip once this handle has seen it full (see ``tdstore.Ring.filled``)."""
+        engine = self._engine
+        if engine.ring_full and not fresh:
+            return self._count
+        n = self.ring_state().written
+        engine.ring_full = engine.ring_full or n >= self._count
+        return n
 
     @property
     def capacity(self) -> int:

@@ -122,7 +122,7 @@ def _check_args(
         raise ValueError("--torchrl with --spread is not offered by the demo: --replay --spread runs it on a sharded ring")
     if torchrl:
         try:
-            import tdstore.torchrl as _  # noqa: F401  (torchrl, and everything torchrl imports)
+            import tdstore.torchrl  # noqa: F401  (torchrl, and everything torchrl imports)
         except ImportError as err:
             raise ValueError(torchrl_missing(err)) from None
 
