@@ -115,6 +115,11 @@ def load_tool(name: str):
     return importlib.import_module(f"tools.{name}")
 
 
+def learner_url(srv: Any, user: str = "learner") -> str:
+    """The URL of ``srv`` (an ``EmbeddedServer`` on TCP) logged in as ``user`` with the README's password ``pw``."""
+    return f"redis://{user}:pw@127.0.0.1:{srv.port}/0"
+
+
 # -- stamped elements: every leaf carries one number, so a torn element is visible ----------------
 
 

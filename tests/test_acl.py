@@ -12,14 +12,13 @@ from __future__ import annotations
 import re
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 import torch
-from helpers import load_tool
+from helpers import learner_url, load_tool
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
@@ -31,22 +30,14 @@ PREFIX = "acl"
 
 
 @pytest.fixture
-def acl_server() -> Iterator[EmbeddedServer]:
-    """A private server with README.md's learner (password ``pw``) for the prefix ``acl``."""
-    srv = EmbeddedServer(unix_socket=False).start()
-    try:
-        srv.client().execute_command(*acl.readme_acl(PREFIX))
-        yield srv
-    finally:
-        srv.stop()
+def acl_server(server: EmbeddedServer) -> EmbeddedServer:
+    """A private server (conftest's ``server``) with README.md's learner (password ``pw``) for the prefix ``acl``."""
+    server.client().execute_command(*acl.readme_acl(PREFIX))
+    return server
 
 
 def as_learner(srv: EmbeddedServer) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=srv.port, username="learner", password="pw")
-
-
-def learner_url(srv: EmbeddedServer) -> str:
-    return f"redis://learner:pw@127.0.0.1:{srv.port}/0"
 
 
 def test_readme_and_lua_readme_document_the_same_line():

@@ -45,21 +45,6 @@ BIG = 4 << 20
 BUSY_S = 3.0
 
 
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    """A TCP redis-server of this test's own: it may be stopped, paused or killed."""
-    srv = EmbeddedServer(unix_socket=False).start()
-    try:
-        yield srv
-    finally:
-        if srv.pid is not None:
-            try:
-                os.kill(srv.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        srv.stop()
-
-
 def make(kind: str, count: int, **kwargs: Any) -> Any:
     if kind == "lazy":
         return LazyStackedTensorDictStore(count=count, **kwargs)

@@ -16,7 +16,6 @@ socket read or a pause between tries that a deadline does not cut takes a minute
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from helpers import load_tool
+from helpers import learner_url, load_tool
 from redis.backoff import AbstractBackoff, ConstantBackoff
 from redis.retry import Retry
 from tensordict import TensorDict
@@ -44,6 +43,7 @@ from tdstore.server import EmbeddedServer
 pytestmark = pytest.mark.ring
 
 ROOT = Path(__file__).resolve().parent.parent
+acl = load_tool("faults.acl")  # README.md's read-only ACL line, as the fault tool and test_acl read it
 # How late a TimeoutError may come. The calls are a few ms late (each prints its lateness; the README's
 # figure), but a 2-core CI machine running the suite on both cores has stalled this process for about a
 # second (a timeout-0 call took 1.04 s once, and 0.10 s in 180 tries alone), and can be 5x slower than
@@ -88,21 +88,6 @@ def wait_until(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None
     while not cond():
         assert time.monotonic() < end, f"never happened: {what}"
         time.sleep(0.01)
-
-
-@pytest.fixture
-def server() -> Iterator[EmbeddedServer]:
-    """A TCP redis-server of this test's own: it may be paused or killed."""
-    srv = EmbeddedServer(unix_socket=False).start()
-    try:
-        yield srv
-    finally:
-        if srv.pid is not None:
-            try:
-                os.kill(srv.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        srv.stop()
 
 
 def waiting_stores(url: str, prefix: str = "dl") -> tuple[LazyStackedTensorDictStore, LazyStackedTensorDictStore]:
@@ -339,33 +324,16 @@ def test_sample_of_an_empty_ring_waits_for_its_first_item(backend):
 
 
 # -- a read-only ACL user can wait --------------------------------------------------------------
-def _documented_acl(prefix: str) -> list[str]:
-    """The read-only ACL of lua/README.md (Read transactions), for ``prefix``."""
-    text = (ROOT / "lua" / "README.md").read_text()
-    line = re.search(r"`ACL SETUSER learner ([^`]+)`", text.replace("\n", " "))
-    assert line is not None, "lua/README.md names the read-only ACL"
-    return ["ACL", "SETUSER", "learner", *line.group(1).replace("<prefix>", prefix).split()]
-
-
-@pytest.fixture
-def acl_server() -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer(unix_socket=False).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 def _learner(srv: EmbeddedServer, user: str, td_id: str) -> LazyStackedTensorDictStore:
-    return LazyStackedTensorDictStore.from_store(td_id=td_id, url=f"redis://{user}:pw@127.0.0.1:{srv.port}/0", prefix="acl", readonly=True)
+    return LazyStackedTensorDictStore.from_store(td_id=td_id, url=learner_url(srv, user), prefix="acl", readonly=True)
 
 
-def test_the_documented_read_only_acl_can_wait(acl_server):
-    admin = acl_server.client()
-    admin.execute_command(*_documented_acl("acl"))
-    writer = LazyStackedTensorDictStore(url=acl_server.url, count=8, prefix="acl")
+def test_the_documented_read_only_acl_can_wait(server):
+    admin = server.client()
+    admin.execute_command(*acl.readme_acl("acl"))
+    writer = LazyStackedTensorDictStore(url=server.url, count=8, prefix="acl")
     writer.extend([el(0)])
-    learner = _learner(acl_server, "learner", writer.td_id)
+    learner = _learner(server, "learner", writer.td_id)
     channel = writer._engine.keys.events
     out: dict[str, Any] = {}
 
@@ -391,19 +359,17 @@ def test_the_documented_read_only_acl_can_wait(acl_server):
     assert not [w for w in seen if "SUBSCRIBE" in str(w.message)]
     # the ACL lets the learner subscribe to its store's channel only
     with pytest.raises(redis.exceptions.NoPermissionError):
-        p = redis.Redis(host="127.0.0.1", port=acl_server.port, username="learner", password="pw").pubsub()
+        p = redis.Redis(host="127.0.0.1", port=server.port, username="learner", password="pw").pubsub()
         p.subscribe("other:channel")
         p.get_message(timeout=5)
 
 
-def test_where_subscribe_is_refused_waiting_polls_with_one_warning(acl_server):
-    admin = acl_server.client()
-    acl = [a for a in _documented_acl("acl") if a != "+subscribe" and not a.startswith("&")]
-    acl[2] = "poller"
-    admin.execute_command(*acl)
-    writer = LazyStackedTensorDictStore(url=acl_server.url, count=8, prefix="acl")
+def test_where_subscribe_is_refused_waiting_polls_with_one_warning(server):
+    admin = server.client()
+    admin.execute_command(*[a for a in acl.readme_acl("acl", user="poller") if a != "+subscribe" and not a.startswith("&")])
+    writer = LazyStackedTensorDictStore(url=server.url, count=8, prefix="acl")
     writer.extend([el(0)])
-    learner = _learner(acl_server, "poller", writer.td_id)
+    learner = _learner(server, "poller", writer.td_id)
     out: dict[str, Any] = {}
 
     def learn() -> None:

@@ -346,7 +346,9 @@ def test_torchrl_reaches_the_store_only_through_its_public_interface() -> None:
     """``tdstore.torchrl`` uses ``tdstore.Ring`` and the public store API (``tdstore.lazy``, ``tdstore.store``,
     ``tdstore.checkpoint``): no private module, no engine. ``dumps_loads.py`` (which store ``rb.loads`` lands on)
     still opens a client to ask whether a store id is taken."""
-    got = {p.name: sorted(r) for p in sorted((PACKAGE / "torchrl").glob("*.py")) if p.name != "dumps_loads.py" and (r := _private_reaches(p))}
+    got = {
+        p.name: sorted(r) for p in sorted((PACKAGE / "torchrl").glob("*.py")) if p.name != "dumps_loads.py" and (r := _private_reaches(p))
+    }
     assert got == {}, "a reach into tdstore's insides: use the Ring or the public store API"
 
 
@@ -365,6 +367,10 @@ CHECKPOINT_BELOW_THE_FRONT = {"import tdstore._engine", "import tdstore._engine.
 
 def test_the_checkpoint_code_sits_above_the_engine() -> None:
     reaches = set().union(*(_private_reaches(p) for p in (PACKAGE / "_checkpoint").glob("*.py")))
-    below = {r for r in reaches if r.startswith(("import tdstore._engine", "import tdstore._plan", "import tdstore._ring", "import tdstore._shards"))}
+    below = {
+        r
+        for r in reaches
+        if r.startswith(("import tdstore._engine", "import tdstore._plan", "import tdstore._ring", "import tdstore._shards"))
+    }
     assert below <= CHECKPOINT_BELOW_THE_FRONT, sorted(below - CHECKPOINT_BELOW_THE_FRONT)
     assert not {".engine", ".stack_ops", "stack_ops"} & reaches

@@ -29,6 +29,7 @@ from tdstore.server import EmbeddedServer
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+HOW_IT_WORKS = REPO / "docs" / "how-it-works.md"
 NEEDS = re.compile(r"<!--\s*needs:\s*(\w+)\s*-->")
 KNOWN_NEEDS = {"server", "cluster"}
 BLOCK_TIMEOUT_S = 600  # a bound on a hung block, not a speed requirement
@@ -120,7 +121,7 @@ def test_the_test_command_is_where_ci_reads_it() -> None:
 def test_the_docs_link_only_inside_the_repository() -> None:
     """README.md, lua/README.md and tools/README.md: relative links to files that exist, no web links."""
     link = re.compile(r"\]\(([^)]+)\)")
-    for doc in (README, REPO / "lua" / "README.md", REPO / "tools" / "README.md"):
+    for doc in (README, REPO / "lua" / "README.md", REPO / "tools" / "README.md", HOW_IT_WORKS):
         text = doc.read_text()
         for target in link.findall(text):
             assert "://" not in target, f"{doc.relative_to(REPO)}: a link out of the repository: {target}"
@@ -133,6 +134,19 @@ def test_the_docs_link_only_inside_the_repository() -> None:
 def test_the_docs_tell_no_history() -> None:
     """The docs say what is, not how it came to be: no sessions, no issue numbers (figures of older runs go)."""
     history = re.compile(r"\b(this|earlier|previous|last) sessions?\b|\bissue #?\d+|\(#\d+\)", re.IGNORECASE)
-    for doc in (README, REPO / "lua" / "README.md", REPO / "tools" / "README.md"):
+    for doc in (README, REPO / "lua" / "README.md", REPO / "tools" / "README.md", HOW_IT_WORKS):
         for number, line in enumerate(doc.read_text().splitlines(), 1):
             assert not history.search(line), f"{doc.relative_to(REPO)}:{number}: history in the docs: {line.strip()}"
+
+
+def test_the_map_is_on_the_first_screen_and_the_readme_stays_short() -> None:
+    """A new engineer finds the map (docs/how-it-works.md) in the README's first 30 lines; the README, a user's
+    guide, stays within 400 lines; the map names where each of the four calls is decided, and the protocol."""
+    lines = README.read_text().splitlines()
+    assert any("(docs/how-it-works.md)" in line for line in lines[:30])
+    assert len(lines) <= 400, len(lines)
+    text = HOW_IT_WORKS.read_text()
+    for needle in ("store[i] = td", "`extend`", "prioritized `sample`", "fan-out", "lua/README.md"):
+        assert needle in text, needle
+    for path in re.findall(r"`((?:_\w+|torchrl|cli)/\w+\.py)`", text):
+        assert (REPO / "tdstore" / path).is_file(), path

@@ -14,19 +14,16 @@ import time
 
 import pytest
 import torch
-from tensordict import TensorDict
+from helpers import load_tool
 
 from tdstore import AmbiguousTimeoutError, LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
 from tdstore.cluster_server import EmbeddedCluster
 
+faults = load_tool("faults.sharded")  # the fault tool's helpers, written once
+
 PREFIX = "shfaults"
 #: What a call given ``timeout=T`` may take beyond T on this busy machine (it bounds a hang, not a speed).
 SLACK_S = 1.0
-
-
-def rows(tags: torch.Tensor) -> TensorDict:
-    n = tags.numel()
-    return TensorDict(tag=tags, obs=tags.double().unsqueeze(-1).expand(n, 3).clone(), batch_size=[n])
 
 
 def ring(url: str, count: int = 30, **kw) -> ShardedRing:
@@ -37,12 +34,7 @@ def ring(url: str, count: int = 30, **kw) -> ShardedRing:
 
 def off_layout_shard(s: ShardedRing) -> int:
     """A shard whose node does not hold the ring's layout key (so the ring can still be attached with it down)."""
-    layout_node = s._client.get_node_from_key(s._keys.shards).name
-    return next(k for k, node in enumerate(s.shard_nodes()) if node != layout_node)
-
-
-def node_index(cluster: EmbeddedCluster, node: str) -> int:
-    return cluster.ports.index(int(node.rsplit(":", 1)[1]))
+    return faults.off_layout_shards(s)[0]
 
 
 # -- pops with leases outstanding ---------------------------------------------------------------
@@ -53,7 +45,7 @@ def test_leased_and_plain_pops_with_leases_outstanding_hand_each_item_out_once(r
     s = ring(redis_cluster.url, count=300)
     total = 120
     for i in range(0, total, 4):
-        s.extend(rows(torch.arange(i, i + 4)))
+        s.extend(faults.tagged_rows(torch.arange(i, i + 4)))
     first = s.pop(1, lease=0.3)  # a lease outstanding from the start: it runs out and goes to another pop
     settled: list[int] = []  # tags acked or popped plainly
     errors: list[BaseException] = []
@@ -109,7 +101,7 @@ def test_a_pop_reads_each_shards_counters_and_leases_in_two_round_trips(redis_cl
 
     s = ring(redis_cluster.url, count=30)
     for k in range(3):
-        s.shards[k].extend(rows(torch.arange(10 * k, 10 * k + 3)))
+        s.shards[k].extend(faults.tagged_rows(torch.arange(10 * k, 10 * k + 3)))
         s.shards[k].pop(1, lease=60.0)
     nodes = _round_trips_per_node(redis_cluster, lambda: s._heads(leases=True))
     assert sorted(nodes) == [["hmget", "transaction"]] * 3, nodes
@@ -127,7 +119,7 @@ def test_a_min_replicas_pop_that_fails_hands_back_its_items_and_the_next_takes_n
     takes nothing. A plain handle then pops every other item: each item once. Before: the error carried
     nothing, and the items were gone."""
     plain = ring(redis_cluster.url, count=30, shards=1)
-    plain.extend(rows(torch.arange(6)))
+    plain.extend(faults.tagged_rows(torch.arange(6)))
     strict = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=plain.td_id, min_replicas=1)
     with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged it: it may be lost") as err:
         strict.pop(5, timeout=5)
@@ -153,8 +145,8 @@ def test_a_pop_whose_reply_misses_its_deadline_is_resolvable(redis_cluster):
     ``AmbiguousTimeoutError`` carrying its request id; ``retry()`` gets the items it took, and the next pop
     the others: each item once. Before: a plain ``TimeoutError`` "no unread item", and the items were gone."""
     s = ring(redis_cluster.url, count=30, shards=1)
-    s.extend(rows(torch.arange(5)))
-    node = redis_cluster.node_client(node_index(redis_cluster, s.shard_nodes()[0]))
+    s.extend(faults.tagged_rows(torch.arange(5)))
+    node = redis_cluster.node_client(faults.node_index(redis_cluster, s.shard_nodes()[0]))
     node.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
     try:
         with pytest.raises(AmbiguousTimeoutError) as err:
@@ -177,7 +169,7 @@ def test_an_extend_whose_reply_misses_its_deadline_retries_at_the_rings_slots(re
     for the whole call (before: a plain ``TimeoutError``, the part on the other shard's thread having
     cleared the call's mark that its command was sent)."""
     s = ring(redis_cluster.url, count=30, shards=2)
-    nodes = [node_index(redis_cluster, n) for n in s.shard_nodes()]
+    nodes = [faults.node_index(redis_cluster, n) for n in s.shard_nodes()]
     offset = s._offsets[1]
 
     def held(call, shard):
@@ -192,7 +184,7 @@ def test_an_extend_whose_reply_misses_its_deadline_retries_at_the_rings_slots(re
         return err.value
 
     s._next = 1
-    err = held(lambda: s.extend(rows(torch.arange(3)), timeout=0.5), 1)
+    err = held(lambda: s.extend(faults.tagged_rows(torch.arange(3)), timeout=0.5), 1)
     assert err.request_id
     first = err.retry(timeout=5)
     assert first.indices.tolist() == [offset, offset + 1, offset + 2]
@@ -200,7 +192,7 @@ def test_an_extend_whose_reply_misses_its_deadline_retries_at_the_rings_slots(re
     assert s.write_count == 3 and s[offset + 2]["tag"].item() == 2
     if nodes[0] != nodes[1]:  # the cut extend: shard 0's part runs, shard 1's is held
         s._next = 0
-        err = held(lambda: s.extend(rows(torch.arange(100, 120)), timeout=0.5), 1)
+        err = held(lambda: s.extend(faults.tagged_rows(torch.arange(100, 120)), timeout=0.5), 1)
         whole = err.retry(timeout=5)
         assert whole.indices.tolist() == list(range(15)) + list(range(offset + 3, offset + 8))
         assert err.retry(timeout=5).indices.tolist() == whole.indices.tolist()
@@ -218,15 +210,15 @@ def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
         s = ring(cluster.url, count=30)
         down = off_layout_shard(s)
         for k in range(3):
-            s.shards[k].extend(rows(torch.arange(10 * k, 10 * k + 2)))  # two items per shard
-        cluster.stop_node(node_index(cluster, s.shard_nodes()[down]))
+            s.shards[k].extend(faults.tagged_rows(torch.arange(10 * k, 10 * k + 2)))  # two items per shard
+        cluster.stop_node(faults.node_index(cluster, s.shard_nodes()[down]))
         got = []
         for _ in range(4):
             got += s.pop(1, timeout=2).td["tag"].tolist()
         assert sorted(got) == sorted(t for k in range(3) if k != down for t in (10 * k, 10 * k + 1))
         for name, call in (
             ("pop", lambda: s.pop(1, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", down), s.extend(rows(torch.arange(2)), timeout=2))),
+            ("extend", lambda: (setattr(s, "_next", down), s.extend(faults.tagged_rows(torch.arange(2)), timeout=2))),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
             t0 = time.monotonic()
@@ -249,21 +241,21 @@ def test_a_handle_adopts_the_promoted_replica_within_the_calls_deadline():
     the dead node (``sample(8, timeout=2)`` raised ``TimeoutError`` call after call)."""
     with EmbeddedCluster(replicas=1) as cluster:
         s = ring(cluster.url, count=300)
-        s.extend(rows(torch.arange(30)))
+        s.extend(faults.tagged_rows(torch.arange(30)))
         down = off_layout_shard(s)
         old = s.shard_nodes()[down]
-        i = node_index(cluster, old)
+        i = faults.node_index(cluster, old)
         j = cluster.replica_of(i)
         cluster.stop_node(i)  # kill -9
         s._next = down
-        w = s.extend(rows(torch.arange(100, 103)), timeout=60)  # in flight until the replica is promoted
+        w = s.extend(faults.tagged_rows(torch.arange(100, 103)), timeout=60)  # in flight until the replica is promoted
         assert set(s._locate(w.indices).tolist()) == {down} and s.shard_nodes()[down] == f"127.0.0.1:{cluster.ports[j]}"
         assert torch.equal(s[w.indices]["tag"], torch.arange(100, 103))
         fresh = LazyStackedTensorDictStore.from_store(url=f"redis+cluster://127.0.0.1:{cluster.ports[j]}", prefix=PREFIX, td_id=s.td_id)
         assert fresh.shard_nodes() == s.shard_nodes()
         assert len(s.sample(8, timeout=2).indices) == 8
         s._next = down
-        s.extend(rows(torch.arange(200, 202)), timeout=2)
+        s.extend(faults.tagged_rows(torch.arange(200, 202)), timeout=2)
         s._pop_next = down
         got = s.pop(2, lease=30.0, timeout=2)
         assert s.ack(got, timeout=2) == 2
