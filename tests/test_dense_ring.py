@@ -17,9 +17,8 @@ import threading
 
 import pytest
 import torch
-from helpers import round_trips, top_level_commands
+from helpers import chi2_critical, chi_square, round_trips, top_level_commands
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, lazy_stack
-from test_replay import chi2_critical, chi_square
 
 import tdstore._ring.leases
 from tdstore import DenseShapeError, LazyStackedTensorDictStore, QueueOverrunError, TensorDictStore

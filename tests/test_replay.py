@@ -11,14 +11,13 @@ lazy store and on a dense ``TensorDictStore`` (whose ring is the lazy store's).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import top_level_commands
+from helpers import chi2_critical, chi_square, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, QueueOverrunError, StoreDamagedError, TensorDictStore
@@ -49,20 +48,6 @@ def ring(request: pytest.FixtureRequest, backend) -> Callable[[int], Any]:
         return LazyStackedTensorDictStore(count=count, **backend.kwargs())
 
     return make
-
-
-def chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
-    n = counts.sum().item()
-    exp = expected_p * n
-    keep = exp > 0
-    assert counts[~keep].sum() == 0, "a slot of probability 0 was drawn"
-    return float((((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum())
-
-
-def chi2_critical(df: int) -> float:
-    """The 0.1 % critical value of chi-square with ``df`` degrees of freedom (Wilson-Hilferty)."""
-    z = 3.090232  # the 0.999 quantile of the standard normal
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def draw_counts(store: Any, cap: int, total: int, seed: int = 0) -> torch.Tensor:

@@ -89,7 +89,7 @@ def test_four_actors_two_learners_share_a_prioritized_rate_limited_buffer(real):
     counts = torch.zeros(CAP, dtype=torch.float64)
     for _ in range(20):
         counts += torch.bincount(store.sample(1000, gen).indices, minlength=CAP).double()
-    from test_replay import chi2_critical, chi_square
+    from helpers import chi2_critical, chi_square
 
     live = int((w > 0).sum())
     assert chi_square(counts, w / w.sum()) < chi2_critical(live - 1)

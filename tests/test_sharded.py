@@ -15,9 +15,8 @@ import time
 
 import pytest
 import torch
-from helpers import mp_context, round_trips, top_level_commands
+from helpers import chi2_critical, chi_square, mp_context, round_trips_per_node
 from tensordict import TensorDict
-from test_replay import chi2_critical, chi_square
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
 from tdstore._ring.policy_calls import PrioritizedSample
@@ -644,20 +643,6 @@ def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cl
         replay_buffer(10, url=redis_cluster.url, prefix=PREFIX, min_replicas=1).extend(rows(torch.arange(2), width=1))
 
 
-def _round_trips_per_node(cluster: EmbeddedCluster, fn) -> list[list[str]]:
-    """Each primary's round trips (MONITOR, the commands scripts issue left out) while ``fn`` runs."""
-    seen: dict[int, list[str]] = {}
-
-    def watch(i: int) -> None:
-        if i == 3:
-            fn()
-            return
-        seen[i] = round_trips(top_level_commands(lambda: cluster.node_client(i), lambda: watch(i + 1)))
-
-    watch(0)
-    return [seen[i] for i in range(3)]
-
-
 def test_torchrl_reads_of_a_sharded_ring_ask_each_shard_its_size_until_it_is_full(redis_cluster):
     """Until every shard is full, a read through torchrl's storage first asks each shard not full how many rows
     it holds (one HMGET per shard, all at once), then reads the rows (one transaction per shard read); a shard
@@ -668,13 +653,13 @@ def test_torchrl_reads_of_a_sharded_ring_ask_each_shard_its_size_until_it_is_ful
     for lo, hi in ((0, 7), (7, 12), (12, 15)):  # every shard holds rows, none is full
         rb.extend(rows(torch.arange(lo, hi), width=1))
     rb.storage[torch.tensor([0])]  # the read scripts are on every node
-    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
+    nodes = round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
     assert sorted(nodes) == [["hmget"], ["hmget"], ["hmget", "transaction"]], nodes
-    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[:])
+    nodes = round_trips_per_node(redis_cluster, lambda: rb.storage[:])
     assert nodes == [["hmget", "transaction"]] * 3, nodes
     rb.extend(rows(torch.arange(15, 75), width=1))  # every shard full (one may wrap first: shards fill in turn)
     rb.storage[torch.tensor([0])]  # this handle sees them full
-    nodes = _round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
+    nodes = round_trips_per_node(redis_cluster, lambda: rb.storage[torch.tensor([0, 1])])
     assert sorted(nodes) == [[], [], ["transaction"]], nodes
     assert len(rb) == 60
     rb.storage._store.clear_redis()

@@ -97,13 +97,13 @@ def test_a_pop_reads_each_shards_counters_and_leases_in_two_round_trips(redis_cl
     """With a lease outstanding on every shard, a pop's read of the shards' state is, per shard, one
     ``HMGET`` and one transaction (``ZCOUNT`` of the lease deadlines, ``ZCARD`` of the redelivery queue):
     replies that are integers whatever the protocol."""
-    from test_sharded import _round_trips_per_node
+    from helpers import round_trips_per_node
 
     s = ring(redis_cluster.url, count=30)
     for k in range(3):
         s.shards[k].extend(faults.tagged_rows(torch.arange(10 * k, 10 * k + 3)))
         s.shards[k].pop(1, lease=60.0)
-    nodes = _round_trips_per_node(redis_cluster, lambda: s._heads(leases=True))
+    nodes = round_trips_per_node(redis_cluster, lambda: s._heads(leases=True))
     assert sorted(nodes) == [["hmget", "transaction"]] * 3, nodes
     heads = s._heads(leases=True)
     assert [h["due"] for h in heads] == [0, 0, 0] and [h["rr"] for h in heads] == [1, 1, 1]

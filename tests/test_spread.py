@@ -16,10 +16,9 @@ import pytest
 import redis
 import torch
 from conftest import ClusterBackend
-from helpers import consistent, stamp_writer, stamped, torn_while_running
+from helpers import consistent, pttls, stamp_writer, stamped, torn_while_running
 from redis.client import Pipeline
 from tensordict import TensorDict, lazy_stack
-from test_lifecycle import pttls
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._engine import scripts as _scripts

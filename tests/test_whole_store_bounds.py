@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 import redis
 import torch
-from helpers import assert_same, make_stack
+from helpers import assert_same, make_stack, pttls, same_deadline
 from tensordict import TensorDict, lazy_stack
-from test_lifecycle import pttls, same_deadline
 
 from tdstore import LazyStackedTensorDictStore, StoreDamagedError, TensorDictStore, inspect_store
 from tdstore._engine import batches as _batches

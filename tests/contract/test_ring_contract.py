@@ -25,8 +25,8 @@ from typing import Any
 import fakeredis
 import pytest
 import torch
+from helpers import chi_square
 from tensordict import TensorDict
-from test_replay import chi_square
 
 import tdstore
 import tdstore._ring.extend
