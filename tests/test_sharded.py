@@ -878,7 +878,7 @@ def test_torchrl_in_place_writes_revision_write_count_and_empty_on_a_sharded_rin
     assert rb[both]["tag"].tolist() == [7, 8]
 
     def in_place_counts() -> list[int]:  # each shard's count of torchrl's in-place writes ('tr')
-        return [int(e.command("HGET", e.keys.meta, "tr") or 0) for e in rb.storage._store.stack_ops.engine.shard_engines]
+        return [int(e.command("HGET", e.keys.meta, "tr") or 0) for e in (shard._engine for shard in rb.storage._store.shards)]
 
     counts = in_place_counts()
     rb.storage[:].set_("tag", torch.arange(100, 112))  # every shard written, two of them from worker threads

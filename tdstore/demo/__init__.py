@@ -268,9 +268,9 @@ def _upload(
         uploaded = LazyStackedTensorDictStore.from_lazy_stack(
             initial_stack(count), url=url, prefix=prefix, spread=spread, segment_bytes=segment_bytes
         )
-    header = uploaded.stack_ops.engine.header
-    if header.spread:
-        where += f", the store spread in {header.segments.n} segments over its nodes"
+        header = uploaded.stack_ops.engine.header
+        if header.spread:
+            where += f", the store spread in {header.segments.n} segments over its nodes"
     return uploaded, rb, where
 
 
