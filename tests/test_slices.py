@@ -1,0 +1,232 @@
+"""Trajectories on the server: the episode index every ring write keeps (``lua/_episodes.lua``) and
+``sample_slices`` (``read.lua`` 'J'), checked against a model of the ring and torchrl's SliceSampler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import round_trips, top_level_commands
+from tensordict import TensorDict
+
+from tdstore import LazyStackedTensorDictStore, TensorDictStore
+
+
+def rows(start: int, ids: list[int], done: list[bool] | None = None) -> TensorDict:
+    """Rows whose ``step`` is their write number (so a slice's rows are consecutive writes)."""
+    n = len(ids)
+    td = TensorDict(
+        step=torch.arange(start, start + n),
+        obs=torch.randn(n, 3),
+        episode=torch.tensor(ids, dtype=torch.int64),
+        batch_size=[n],
+    )
+    if done is not None:
+        td["done"] = torch.tensor(done).unsqueeze(-1)
+    return td
+
+
+def model_runs(history: list, count: int, by: str) -> list[tuple[int, int]]:
+    """The trajectories the ring holds, as (first write number, length): runs of the window of write
+    numbers max(0, rw - count) .. rw - 1, cut where the id changes (by id) or after an end flag."""
+    rw = len(history)
+    low = max(0, rw - count)
+    out: list[tuple[int, int]] = []
+    for w in range(low, rw):
+        new = w == low or (history[w] != history[w - 1] if by == "id" else bool(history[w - 1]))
+        if new:
+            out.append((w, 1))
+        else:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+    return out
+
+
+def server_runs(store) -> list[tuple[int, int]]:
+    engine = store._engine
+    got = engine.client.zrange(engine.keys.episodes, 0, -1, withscores=True)
+    return sorted((int(m), int(s)) for m, s in got)
+
+
+def random_episodes(rng: random.Random, n: int, first_id: int, max_len: int = 9) -> tuple[list[int], list[bool], int]:
+    ids, dones, ep = [], [], first_id
+    left = rng.randint(1, max_len)
+    for _ in range(n):
+        ids.append(ep)
+        left -= 1
+        dones.append(left == 0)
+        if left == 0:
+            ep += 1
+            left = rng.randint(1, max_len)
+    return ids, dones, ep
+
+
+@pytest.mark.parametrize("by", ["id", "end"])
+def test_index_follows_overwrites_and_wrap(one_node, by):
+    count = 37
+    s = LazyStackedTensorDictStore(count=count, **one_node.kwargs())
+    if by == "id":
+        s.set_trajectories(traj_key="episode")
+    else:
+        s.set_trajectories(end_key="done")
+    rng = random.Random(3)
+    history: list = []
+    ep = 0
+    for _ in range(60):
+        n = rng.choice([1, 2, 5, 11, count])
+        ids, dones, _ = random_episodes(rng, n, ep)
+        if rng.random() < 0.5:  # the last episode goes on in the next batch
+            ids = [ep + i - ids[0] for i in ids]
+        ep = ids[-1] + (1 if dones[-1] else 0)
+        s.extend(rows(len(history), ids, dones))
+        history += ids if by == "id" else dones
+        assert server_runs(s) == model_runs(history, count, by), len(history)
+    s.clear_redis()
+
+
+def test_index_matches_torchrl_boundaries(one_node):
+    """The trajectories the server keeps are those torchrl's SliceSampler finds in the same ring."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data.replay_buffers.samplers import SliceSampler
+
+    count = 50
+    s = LazyStackedTensorDictStore(count=count, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    sampler = SliceSampler(num_slices=2, traj_key="episode", strict_length=False)
+    rb = ReplayBuffer(storage=LazyTensorStorage(count), sampler=sampler, batch_size=4)
+    rng = random.Random(5)
+    ep, w = 0, 0
+    for _ in range(25):
+        ids, _, ep = random_episodes(rng, rng.randint(1, 12), ep)
+        td = rows(w, ids)
+        w += len(ids)
+        s.extend(td)
+        rb.extend(td)
+        start, _, lengths = sampler._get_stop_and_length(rb._storage)
+        theirs = sorted((int(a), int(b)) for a, b in zip(start[:, 0], lengths))
+        ours = sorted((m % count, n) for m, n in server_runs(s))
+        assert ours == theirs
+    s.clear_redis()
+
+
+@pytest.mark.parametrize("by", ["id", "end"])
+def test_slices_stay_inside_one_episode(one_node, by):
+    count = 200
+    s = LazyStackedTensorDictStore(count=count, **one_node.kwargs())
+    s.set_trajectories(**({"traj_key": "episode"} if by == "id" else {"end_key": "done"}))
+    rng = random.Random(7)
+    ep, w = 0, 0
+    for _ in range(30):  # the ring wraps: slices may cross its end
+        ids, dones, ep = random_episodes(rng, 23, ep, max_len=15)
+        s.extend(rows(w, ids, dones))
+        w += 23
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        got = s.sample_slices(24, num_slices=6, generator=g)
+        assert got.indices.numel() == 24
+        step = got.td["step"].view(6, 4)
+        episode = got.td["episode"].view(6, 4)
+        assert (step.diff(dim=1) == 1).all()  # consecutive writes
+        assert (episode == episode[:, :1]).all()  # one episode each
+        assert (step % count == got.indices.view(6, 4)).all()
+        assert got.info["truncated"].view(6, 4)[:, -1].all() and not got.info["truncated"].view(6, 4)[:, :-1].any()
+        assert (got.info["traj_lengths"] >= 4).all()
+        assert (got.generations > 0).all()
+    by_len = s.sample_slices(20, slice_len=5)
+    assert by_len.indices.numel() == 20 and (by_len.info["slice_lengths"] == 5).all()
+    s.clear_redis()
+
+
+def test_strict_length_and_short_episodes(one_node):
+    s = LazyStackedTensorDictStore(count=40, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    ids = [0] * 3 + [1] * 5 + [2] * 2
+    s.extend(rows(0, ids))
+    with pytest.raises(ValueError, match="no trajectory of at least 6 rows"):
+        s.sample_slices(12, num_slices=2)  # slices of 6: longer than every episode
+    got = s.sample_slices(12, num_slices=2, strict_length=False)  # shorter slices of the episodes there are
+    lens = got.info["slice_lengths"]
+    assert got.indices.numel() == int(lens.sum()) and (lens <= 6).all()
+    got = s.sample_slices(40, num_slices=10)  # slices of 4: only episode 1 is long enough
+    assert (got.td["episode"] == 1).all()
+    span = s.sample_slices(40, num_slices=10, span=True, generator=torch.Generator().manual_seed(1))
+    assert (span.info["slice_lengths"] <= 4).all() and span.indices.numel() == int(span.info["slice_lengths"].sum())
+    for k, n in enumerate(span.info["slice_lengths"].tolist()):
+        part = span.td["episode"][int(span.info["slice_lengths"][:k].sum()) :][:n]
+        assert (part == part[:1]).all()
+    with pytest.raises(ValueError, match="divisible"):
+        s.sample_slices(10, num_slices=3)
+    with pytest.raises(TypeError, match="num_slices or slice_len"):
+        s.sample_slices(12)
+    s.clear_redis()
+
+
+def test_missing_trajectory_key_is_refused_before_anything_is_written(one_node):
+    s = LazyStackedTensorDictStore(count=20, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    s.extend(rows(0, [0, 0, 1]))
+    rw = s.write_count
+    with pytest.raises(KeyError, match="episode"):
+        s.extend(TensorDict(step=torch.arange(2), obs=torch.zeros(2, 3), batch_size=[2]))
+    with pytest.raises(TypeError, match="int64|integers"):
+        s.extend(TensorDict(step=torch.arange(2), obs=torch.zeros(2, 3), episode=torch.zeros(2), batch_size=[2]))
+    assert s.write_count == rw and server_runs(s) == [(0, 2), (2, 1)]
+    with pytest.raises(KeyError, match="no key 'nope'"):
+        s.set_trajectories(traj_key="nope")
+    with pytest.raises(ValueError, match="not both"):
+        s.set_trajectories(traj_key="episode", end_key="done")
+    plain = LazyStackedTensorDictStore(count=20, **one_node.kwargs())
+    plain.extend(rows(0, [0, 0, 1]))
+    with pytest.raises(ValueError, match="set_trajectories"):
+        plain.sample_slices(4, num_slices=2)
+    s.clear_redis()
+    plain.clear_redis()
+
+
+def test_set_on_a_ring_with_rows_builds_the_index_and_other_handles_follow(one_node):
+    count = 30
+    s = LazyStackedTensorDictStore(count=count, **one_node.kwargs())
+    rng = random.Random(11)
+    history: list[int] = []
+    ep = 0
+    for _ in range(5):  # wraps once before the setting
+        ids, _, ep = random_episodes(rng, 9, ep)
+        s.extend(rows(len(history), ids))
+        history += ids
+    other = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    assert server_runs(s) == model_runs(history, count, "id")
+    ids = [ep] * 4  # a handle that never heard of the setting: answered STALE, it writes the ids
+    other.extend(rows(len(history), ids))
+    history += ids
+    assert server_runs(s) == model_runs(history, count, "id")
+    assert other.trajectories is not None and other.trajectories.key == ("episode",)
+    s.set_trajectories()  # forgotten
+    assert server_runs(s) == [] and s.trajectories is None
+    other.extend(rows(len(history), [1, 2]))  # writes go on without ids
+    s.clear_redis()
+
+
+def test_dense_store_samples_slices(one_node):
+    s = TensorDictStore(batch_size=[64], **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    ids, _, _ = random_episodes(random.Random(2), 60, 0, max_len=12)
+    s.extend(rows(0, ids))
+    got = s.sample_slices(8, num_slices=4)
+    assert isinstance(got.td, TensorDict) and got.td.batch_size == torch.Size([8])
+    ep = got.td["episode"].view(4, 2)
+    assert (ep == ep[:, :1]).all()
+    s.clear_redis()
+
+
+def test_one_round_trip_each(real):
+    s = LazyStackedTensorDictStore(count=1000, **real.kwargs())
+    s.set_trajectories(traj_key="episode")
+    ids, _, _ = random_episodes(random.Random(4), 500, 0, max_len=40)
+    s.extend(rows(0, ids))
+    s.sample_slices(32, num_slices=4)  # the script loaded
+    sample = round_trips(top_level_commands(real.client, lambda: s.sample_slices(64, num_slices=8)))
+    assert sample == ["evalsha"]
+    write = round_trips(top_level_commands(real.client, lambda: s.extend(rows(500, [7] * 50))))
+    assert write == ["evalsha"]
+    s.clear_redis()
