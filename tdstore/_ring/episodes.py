@@ -36,9 +36,7 @@ def row_values(t: Trajectories, items: dict[NestedPath, Any], n: int, stack_pos:
     elif isinstance(value, torch.Tensor):
         flat = value.movedim(stack_pos, 0).reshape(n, -1) if value.ndim else value.reshape(1, 1)
         if flat.shape[0] != n or (t.by == "id" and flat.shape[1] != 1):
-            raise ValueError(
-                f"the trajectory key {_name(t.key)!r} must hold one id per row, got shape {list(value.shape)} for {n} rows"
-            )
+            raise ValueError(f"the trajectory key {_name(t.key)!r} must hold one id per row, got shape {list(value.shape)} for {n} rows")
         flat = flat.any(-1) if t.by == "end" else flat[:, 0]
     else:
         raise TypeError(f"the trajectory key {_name(t.key)!r} must be a tensor, got {type(value).__name__}")

@@ -311,3 +311,27 @@ class DenseTrajectoryMethods:
             batch_size, num_slices=num_slices, slice_len=slice_len, strict_length=strict_length, span=span, generator=generator, keys=keys
         )
         return got._replace(td=dense_rows(got.td))
+
+
+#: Why a sharded ring has no slices yet (``ShardedTrajectoryMethods``).
+SHARDED_SLICES = (
+    "a sharded ring keeps no episode index yet: a trajectory's rows would have to stay on one shard, and an extend "
+    "goes to one shard per batch whatever its trajectories are. Use a ring on one node (or one hash slot) for slices"
+)
+
+
+class ShardedTrajectoryMethods:
+    """The trajectory calls of a ``ShardedRing``: not served yet (``NotImplementedError`` saying why)."""
+
+    def set_trajectories(self, *, traj_key: Any = None, end_key: Any = None) -> None:
+        """Not on a sharded ring (see :data:`SHARDED_SLICES`)."""
+        raise NotImplementedError(SHARDED_SLICES)
+
+    @property
+    def trajectories(self) -> Trajectories | None:
+        """None: a sharded ring keeps no trajectories."""
+        return None
+
+    def sample_slices(self, batch_size: int, **kwargs: Any) -> SliceSample:
+        """Not on a sharded ring (see :data:`SHARDED_SLICES`)."""
+        raise NotImplementedError(SHARDED_SLICES)
