@@ -230,3 +230,47 @@ def test_one_round_trip_each(real):
     write = round_trips(top_level_commands(real.client, lambda: s.extend(rows(500, [7] * 50))))
     assert write == ["evalsha"]
     s.clear_redis()
+
+
+def test_torchrl_slice_sampler_samples_on_the_server(real):
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+    from torchrl.data.replay_buffers.samplers import SliceSampler
+
+    from tdstore.torchrl import StoreSliceSampler, replay_buffer
+
+    sampler = SliceSampler(num_slices=8, traj_key="episode")
+    rb = replay_buffer(300, **real.kwargs(), sampler=sampler, batch_size=64)
+    assert rb.sampler is sampler and isinstance(sampler, StoreSliceSampler)
+    mem = TensorDictReplayBuffer(storage=LazyTensorStorage(300), sampler=SliceSampler(num_slices=8, traj_key="episode"), batch_size=64)
+    rng = random.Random(9)
+    ep, w = 0, 0
+    for _ in range(40):  # wraps
+        ids, dones, ep = random_episodes(rng, 17, ep, max_len=30)
+        td = rows(w, ids, dones)
+        td["next", "done"] = td["done"]
+        td["next", "terminated"] = td["done"]
+        del td["done"]
+        rb.extend(td)
+        mem.extend(td)
+        w += 17
+    rb.sample()  # the script loaded
+    ours = []
+    trips = round_trips(top_level_commands(real.client, lambda: ours.append(rb.sample())))
+    assert trips == ["evalsha"]
+    theirs = mem.sample()
+    for got in (ours[0], theirs):
+        assert got.batch_size == torch.Size([64])
+        ep_ = got["episode"].view(8, 8)
+        assert (ep_ == ep_[:, :1]).all() and (got["step"].view(8, 8).diff(dim=1) == 1).all()
+        trunc = got["next", "truncated"].view(8, 8)
+        assert trunc[:, -1].all() and not trunc[:, :-1].any()
+        done = got["next", "done"].view(8, 8)
+        assert done[:, -1].all()
+        assert set(got.keys(True, True)) >= {("next", "truncated"), ("next", "done"), ("next", "terminated"), "index"}
+    assert set(ours[0].keys(True, True)) == set(theirs.keys(True, True))
+    strict = replay_buffer(300, **real.kwargs(), sampler=SliceSampler(slice_len=40, traj_key="episode"), batch_size=80)
+    strict.extend(rows(0, [0] * 10 + [1] * 10))
+    with pytest.raises(RuntimeError, match="no trajectory"):
+        strict.sample()
+    strict.storage.delete()
+    rb.storage.delete()
