@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -211,7 +211,7 @@ def replay_buffer(
         sampler.prepare(storage)
     if type(sampler) is SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's SliceSampler: the server draws slices
         sampler.__class__ = StoreSliceSampler  # the same object: the caller's reference and its state stay the buffer's
-        sampler.prepare(storage)
+        cast(StoreSliceSampler, sampler).prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,
