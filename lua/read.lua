@@ -666,12 +666,19 @@ for _ = 1, nops do
     local pieces = {}
     if nb > 0 then
       local cache = kind == 'B' and {} or nil
-      for j = 1, #rows do
+      local j, m = 1, 0
+      while j <= #rows do
         local seg, row = tds_locate(rows[j], seg_per)
         if ring_count ~= nil then
           tds_count_agrees(counted_keys, tds_segkey(ki, seg), ring_count, seg_per, seg, nb, 0)
         end
-        pieces[j] = seg_range(cache, ki, seg, row * nb, nb)
+        local k = j  -- consecutive rows of one segment (a slice's, 'J'): one GETRANGE
+        while cache == nil and k < #rows and rows[k + 1] == rows[k] + 1 and tds_locate(rows[k + 1], seg_per) == seg do
+          k = k + 1
+        end
+        m = m + 1
+        pieces[m] = seg_range(cache, ki, seg, row * nb, nb * (k - j + 1))
+        j = k + 1
       end
     end
     out[#out + 1] = table.concat(pieces)
