@@ -102,7 +102,6 @@ local function tds_ep_write(meta, zkey, by, rw0, n, count, ids)
       while k < n and sub(ids, 8 * k + 1, 8 * k + 8) == id do
         k = k + 1
       end
-      jv = tds_ep_hex(id)
     else
       cont = j == 1 and jl ~= nil and jv == '0'
       while k < n and byte(ids, k) == 0 do
@@ -121,6 +120,9 @@ local function tds_ep_write(meta, zkey, by, rw0, n, count, ids)
       end
     end
     j = k + 1
+  end
+  if by == 'id' then
+    jv = tds_ep_hex(sub(ids, 8 * n - 7, 8 * n))  -- the newest row's id
   end
   redis.call('HSET', meta, 'jf', tds_ep_fmt(jf), 'jl', tds_ep_fmt(jl), 'jv', jv)
   if h[1] == nil then  -- the index may be new: it expires with the store

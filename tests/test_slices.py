@@ -274,3 +274,15 @@ def test_torchrl_slice_sampler_samples_on_the_server(real):
         strict.sample()
     strict.storage.delete()
     rb.storage.delete()
+
+
+def test_a_build_too_large_for_one_call_is_refused(one_node, monkeypatch):
+    from tdstore._ring import slices
+
+    monkeypatch.setattr(slices, "MAX_BUILD_RUNS", 3)
+    s = LazyStackedTensorDictStore(count=20, **one_node.kwargs())
+    s.extend(rows(0, [0, 1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="5 trajectories"):
+        s.set_trajectories(traj_key="episode")
+    assert s.trajectories is None
+    s.clear_redis()
