@@ -34,7 +34,7 @@ from tdstore._front.stack_view import StackView
 from tdstore._plan import index as _index
 from tdstore._plan.values import as_path, display
 from tdstore._ring.dense_methods import DenseRing
-from tdstore._ring.slices import DenseTrajectoryMethods
+from tdstore._ring.dense_slices import DenseTrajectoryMethods
 from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 

@@ -20,10 +20,9 @@ from torchrl._utils import _replace_last
 from torchrl.data.replay_buffers.samplers import SliceSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._ring.extend import Sample
-from tdstore._ring.slices import SliceSample
-from tdstore._shards.ring import ShardedRing
+from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import Sample, SliceSample
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import EMPTY_ERROR, has_keys
 
@@ -35,7 +34,7 @@ SERVED = SliceSampler
 def _auto_key(s: LazyStackedTensorDictStore) -> tuple[str, Any] | None:
     """torchrl's choice when neither ``traj_key`` nor ``end_key`` was given: ``("collector", "traj_ids")``,
     then ``"episode"``, among the store's keys (None: no keys yet)."""
-    paths = set(s.stack_ops.engine.header.leaves)
+    paths = {(k,) if isinstance(k, str) else tuple(k) for k in s.keys(include_nested=True, leaves_only=True)}
     if not paths:
         return None
     if ("collector", "traj_ids") in paths:
