@@ -286,3 +286,25 @@ def test_a_build_too_large_for_one_call_is_refused(one_node, monkeypatch):
         s.set_trajectories(traj_key="episode")
     assert s.trajectories is None
     s.clear_redis()
+
+
+@pytest.mark.parametrize("data_key", ["episode", "done-only"])
+def test_torchrl_slice_sampler_picks_its_key_as_torchrl_does(real, data_key):
+    from torchrl.data.replay_buffers.samplers import SliceSampler
+
+    from tdstore.torchrl import replay_buffer
+
+    rb = replay_buffer(100, **real.kwargs(), sampler=SliceSampler(num_slices=4), batch_size=16)
+    ids = [0] * 7 + [1] * 9 + [2] * 6 + [3] * 8
+    td = rows(0, ids)
+    td["next", "done"] = torch.tensor([ids[i] != ids[i + 1] if i + 1 < len(ids) else True for i in range(len(ids))]).unsqueeze(-1)
+    if data_key == "done-only":
+        del td["episode"]
+    rb.extend(td)
+    got = rb.sample()
+    step = got["step"].view(4, 4)
+    episode = torch.tensor(ids)[step]
+    assert (episode == episode[:, :1]).all() and (step.diff(dim=1) == 1).all()
+    want = ("episode",) if data_key == "episode" else ("next", "done")
+    assert rb.storage.with_store(lambda s: s.trajectories.key) == want
+    rb.storage.delete()
