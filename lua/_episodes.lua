@@ -139,7 +139,10 @@ end
 -- the right (0: none, -1: True, k > 0: up to k rows past the trajectory's edge, cut off).
 -- Returns the slots of every row (in order), and per slice its trajectory's first write number, its
 -- length, the slice's offset in it and its length (four int64 each, packed).
-local function tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, draws)
+-- ranked > 0 (a sampler without replacement): each slice's first int64 is the rank of its trajectory among
+-- the eligible ones (longest first), which the client drew from a permutation of 'ranked' of them; when the
+-- ring holds another number of eligible trajectories, returns nil and that number (nothing drawn).
+local function tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, draws, ranked)
   if redis.call('HEXISTS', meta, 'jx') == 1 then
     error('TDSTORE damaged: the episode index of this ring is inconsistent (a key edited or lost): set_trajectories builds it again')
   end
@@ -155,10 +158,21 @@ local function tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, 
       error('TDSTORE refused: no trajectory of at least ' .. L .. ' rows (the longest has ' .. top[2] .. ')')
     end
   end
+  if ranked > 0 and ranked ~= eligible then
+    return nil, eligible
+  end
   local slots, info = {}, {}
   local low = math.max(0, rw - count)
   for i = 1, m do
-    local r = math.floor(tds_u64(draws, 16 * i - 15) / TDS_TWO53 * eligible)
+    local r
+    if ranked > 0 then
+      r = tds_u64(draws, 16 * i - 15)
+      if r >= eligible then
+        error('TDSTORE bad argument: trajectory rank ' .. r .. ' of ' .. eligible)
+      end
+    else
+      r = math.floor(tds_u64(draws, 16 * i - 15) / TDS_TWO53 * eligible)
+    end
     local got = redis.call('ZREVRANGE', zkey, r, r, 'WITHSCORES')
     local start, len = tonumber(got[1]), tonumber(got[2])
     if start == nil or len == nil or len < 1 or start < low or start + len > rw then

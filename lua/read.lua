@@ -36,11 +36,13 @@
           written by index, is a full ring: rw = count; see tds_ring_rw in _lib.lua).
           Must come before its 'X'/'Y' ops.
           A store with a sampling policy answers STALE: its samples take a 'P' op.
-    'J', m, L, strict, span0, span1, draws, kj
+    'J', m, L, strict, span0, span1, draws, kj, ranked
           slices of trajectories (a ring with trajectories, see _episodes.lua and its index KEYS[kj]):
           m slices of up to L consecutive rows, each inside one trajectory, drawn as torchrl's
           SliceSampler draws them ('draws' packs 2 * m int64 in [0, 2^53); strict '1': only
-          trajectories of at least L rows; span0/span1: 0, -1 for True, or k). Adds three pieces:
+          trajectories of at least L rows; span0/span1: 0, -1 for True, or k). ranked > 0: each
+          slice's first draw is its trajectory's rank among the 'ranked' eligible ones (a sampler
+          without replacement); another count answers {'WAIT', 'moved', count}. Adds three pieces:
           the slots of every row, rw, and per slice four int64 (its trajectory's first write
           number and length, the slice's offset in it and its length). Must come before its
           'X'/'Y' ops. Errors: 'TDSTORE empty' (no trajectory yet), 'TDSTORE refused' (strict and
@@ -269,8 +271,8 @@ for _ = 1, nops do
     end
     local m, L = tds_num(ARGV[a + 1], 'slice count'), tds_num(ARGV[a + 2], 'slice length')
     local strict, span0, span1 = ARGV[a + 3] == '1', tds_num(ARGV[a + 4], 'span'), tds_num(ARGV[a + 5], 'span')
-    local draws, zkey = ARGV[a + 6], KEYS[tds_num(ARGV[a + 7], 'key index')]
-    a = a + 8
+    local draws, zkey, ranked = ARGV[a + 6], KEYS[tds_num(ARGV[a + 7], 'key index')], tds_num(ARGV[a + 8], 'ranked')
+    a = a + 9
     if #draws ~= 16 * m or m < 1 or L < 1 then
       error('TDSTORE bad argument: slice draws')
     end
@@ -281,7 +283,10 @@ for _ = 1, nops do
     local count, rw = tds_ring_fields(head[1], head[2])
     rw = tds_ring_rw(meta, count, rw)
     ring_count = count
-    local packed, info = tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, draws)
+    local packed, info = tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, draws, ranked)
+    if packed == nil then
+      do return {'WAIT', 'moved', string.format('%.0f', info)} end  -- the client's permutation is of another count
+    end
     rows = {}
     for j = 1, #packed do
       rows[j] = tds_u64(packed[j], 1)

@@ -56,7 +56,7 @@ from tdstore._ring.extend import generations as slot_generations
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
-from tdstore._ring.slices import SliceSample
+from tdstore._ring.slices import RanksMoved, SliceSample
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,7 @@ __all__ = [
     "Marks",
     "SamplingPolicy",
     "SliceSample",
+    "RanksMoved",
     "Trajectories",
     "MASK_DTYPES",
     "index_positions",
@@ -336,6 +337,7 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         span: Any = False,
         generator: torch.Generator | None = None,
         keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
     ) -> SliceSample:
         """``batch_size`` rows as slices of trajectories, drawn and read on the server in one round trip,
         as torchrl's ``SliceSampler`` draws them: ``num_slices`` slices (or slices of ``slice_len`` rows),
@@ -344,6 +346,8 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ``span`` lets slices hang over a trajectory's ends and be cut there. The server's work grows with
         the rows returned, not with the ring. Returns ``SliceSample(td, indices, generations, info)`` with
         ``info["truncated"]`` (the last row of each slice) and the slices' bounds. Needs ``set_trajectories``.
+        ``ranks=(eligible, ranks)``: a sampler without replacement names each slice's trajectory by its rank
+        among the ``eligible`` long enough (longest first); another count raises ``RanksMoved`` (nothing drawn).
         Sharded: ``NotImplementedError``."""
         ...
 

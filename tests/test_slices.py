@@ -308,3 +308,27 @@ def test_torchrl_slice_sampler_picks_its_key_as_torchrl_does(real, data_key):
     want = ("episode",) if data_key == "episode" else ("next", "done")
     assert rb.storage.with_store(lambda s: s.trajectories.key) == want
     rb.storage.delete()
+
+
+def test_torchrl_slice_sampler_without_replacement_gives_each_trajectory_once_per_pass(one_node):
+    from torchrl.data.replay_buffers.samplers import SliceSamplerWithoutReplacement
+
+    from tdstore.torchrl import StoreSliceSamplerWithoutReplacement, replay_buffer
+
+    sampler = SliceSamplerWithoutReplacement(num_slices=4, traj_key="episode")
+    rb = replay_buffer(200, **one_node.kwargs(), sampler=sampler, batch_size=16)
+    assert isinstance(sampler, StoreSliceSamplerWithoutReplacement)
+    rb.extend(rows(0, [e for e in range(10) for _ in range(10)]))
+    seen: list[int] = []
+    for _ in range(3):  # 4 + 4 + 2 slices: every episode once, the last batch short
+        got = rb.sample()
+        ep = got["episode"].view(-1, 4)
+        assert (ep == ep[:, :1]).all()
+        seen += ep[:, 0].tolist()
+    assert sorted(seen) == list(range(10))
+    rb.extend(rows(100, [10] * 10))  # a new episode: the next pass is of 11
+    seen = []
+    for _ in range(3):
+        seen += rb.sample()["episode"].view(-1, 4)[:, 0].tolist()
+    assert sorted(seen) == list(range(11))
+    rb.storage.delete()

@@ -93,7 +93,7 @@ class Read:
     U = OpKind("U", ("n", "draws"), picks_rows=True, pieces=2)
     P = OpKind("P", ("n", "draws", "kt", "kc", "channel", "min_size", "prioritized"), keys=(3, 4), picks_rows=True, pieces=4)
     F = OpKind("F", ("n", "channel"), picks_rows=True, pieces=2)
-    J = OpKind("J", ("m", "L", "strict", "span0", "span1", "draws", "kj"), keys=(7,), picks_rows=True, pieces=3)
+    J = OpKind("J", ("m", "L", "strict", "span0", "span1", "draws", "kj", "ranked"), keys=(7,), picks_rows=True, pieces=3)
     L = OpKind("L", ("n", "channel", "ms", "receipt", "kl", "kd", "kq", "ko", "kk"), keys=(5, 6, 7, 8, 9), picks_rows=True, pieces=5)
     I = OpKind("I", ("n", "rows"), picks_rows=True)  # noqa: E741 (the script's marker)
     X = OpKind("X", ("k", "nb"), keys=(1,), by_row=True, pieces=1)

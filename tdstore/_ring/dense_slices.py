@@ -41,9 +41,17 @@ class DenseTrajectoryMethods:
         span: Any = False,
         generator: torch.Generator | None = None,
         keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
     ) -> SliceSample:
         """As :meth:`LazyStackedTensorDictStore.sample_slices`, the rows one dense TensorDict of batch size ``[rows, *rest]``."""
         got = self._ring().sample_slices(
-            batch_size, num_slices=num_slices, slice_len=slice_len, strict_length=strict_length, span=span, generator=generator, keys=keys
+            batch_size,
+            num_slices=num_slices,
+            slice_len=slice_len,
+            strict_length=strict_length,
+            span=span,
+            generator=generator,
+            keys=keys,
+            ranks=ranks,
         )
         return got._replace(td=dense_rows(got.td))

@@ -182,8 +182,13 @@ def sample_slices(
     generator: torch.Generator | None = None,
     keys: list[NestedPath] | None = None,
     device: torch.device | None = None,
+    ranks: tuple[int, torch.Tensor] | None = None,
 ) -> SliceSample:
-    """Slices of trajectories and their rows, in one call (see ``LazyStackedTensorDictStore.sample_slices``)."""
+    """Slices of trajectories and their rows, in one call (see ``LazyStackedTensorDictStore.sample_slices``).
+
+    ``ranks``: ``(eligible, ranks)``, a sampler without replacement's picks: each slice's trajectory by its
+    rank among the ``eligible`` trajectories long enough (longest first); when the ring holds another number,
+    ``RanksMoved`` carries it (nothing drawn) and the caller draws its ranks again."""
     refuse_spread(engine)
     seq, m = slice_shape(batch_size, num_slices, slice_len)
     s0, s1 = _span(span, seq)
@@ -194,14 +199,20 @@ def sample_slices(
                 f"the ring of the store with {engine.where()} keeps no trajectories: call "
                 "set_trajectories(traj_key=...) or set_trajectories(end_key=...) first"
             )
-    draws = _codec.pack_i64(torch.randint(0, DRAW_HIGH, (2 * m,), generator=generator, dtype=torch.int64).numpy())
+    drawn = torch.randint(0, DRAW_HIGH, (2 * m,), generator=generator, dtype=torch.int64)
+    if ranks is not None:
+        if ranks[1].numel() != m:
+            raise ValueError(f"{ranks[1].numel()} trajectory ranks for {m} slices")
+        drawn[0::2] = ranks[1].to(torch.int64)
+    draws = _codec.pack_i64(drawn.numpy())
+    ranked = 0 if ranks is None else int(ranks[0])
 
     def plan(h: Header) -> Call:
         if h.trajectories is None:
             raise ValueError(f"the ring of the store with {engine.where()} keeps no trajectories any more (set_trajectories)")
 
         def head(kt: Any) -> list[Any]:
-            return Read.J(m, seq, "1" if strict_length else "0", s0, s1, draws, kt.ref(engine.keys.episodes))
+            return Read.J(m, seq, "1" if strict_length else "0", s0, s1, draws, kt.ref(engine.keys.episodes), ranked)
 
         def parse(reply: list, rows: Any) -> SliceSample:
             got = decode_sample(h, rows.leaves, reply, 5, device, rows.block, rows.grouped, None, rows.wanted)
@@ -225,7 +236,20 @@ def sample_slices(
 
         return row_read_call(engine, h, keys, m * seq, head, parse)
 
-    return engine.run(plan)
+    try:
+        return engine.run(plan)
+    except MustWait as err:  # read.lua 'J': the eligible trajectories are not the count the ranks were drawn for
+        if ranks is None or err.reason != "moved":
+            raise
+        raise RanksMoved(int(err.message)) from None
+
+
+class RanksMoved(Exception):
+    """A sample without replacement drew ranks among another number of trajectories than the ring holds (``eligible``)."""
+
+    def __init__(self, eligible: int) -> None:
+        super().__init__(f"the ring holds {eligible} trajectories long enough")
+        self.eligible = eligible
 
 
 class TrajectoryMethods:
@@ -262,6 +286,7 @@ class TrajectoryMethods:
         span: Any = False,
         generator: torch.Generator | None = None,
         keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
     ) -> SliceSample:
         """``batch_size`` rows as slices of trajectories, drawn and read on the server in one round trip.
 
@@ -273,6 +298,10 @@ class TrajectoryMethods:
         inside one trajectory. Needs :meth:`set_trajectories`. The server's work grows with the rows
         returned, not with the ring. Returns a :class:`SliceSample` (rows, slots, generations, and the
         ``truncated`` flags and slice bounds torchrl's samplers return).
+
+        ``ranks=(eligible, ranks)`` (a sampler without replacement): slice ``i``'s trajectory is the one of rank
+        ``ranks[i]`` among the ``eligible`` trajectories long enough (longest first); a ring holding another
+        number raises :class:`RanksMoved` with it, having drawn nothing.
         """
         paths = None if keys is None else [as_path(k) for k in keys]
         return sample_slices(
@@ -285,6 +314,7 @@ class TrajectoryMethods:
             generator=generator,
             keys=paths,
             device=getattr(self, "device", None),
+            ranks=ranks,
         )
 
 

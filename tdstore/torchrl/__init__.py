@@ -44,7 +44,7 @@ from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
-from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler
+from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
@@ -56,6 +56,7 @@ __all__ = [
     "StoreSamplerWithoutReplacement",
     "StorePrioritizedSampler",
     "StoreSliceSampler",
+    "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
     "attach",
     "TENSOR_KEY",
@@ -209,8 +210,8 @@ def replay_buffer(
         sampler.__class__ = StoreSamplerWithoutReplacement
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
-    if type(sampler) is SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's SliceSampler: the server draws slices
-        sampler.__class__ = StoreSliceSampler  # the same object: the caller's reference and its state stay the buffer's
+    if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
+        sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
         cast(StoreSliceSampler, sampler).prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(

@@ -17,18 +17,14 @@ from typing import Any
 
 import torch
 from torchrl._utils import _replace_last
-from torchrl.data.replay_buffers.samplers import SliceSampler
+from torchrl.data.replay_buffers.samplers import SliceSampler, SliceSamplerWithoutReplacement
 from torchrl.data.replay_buffers.storages import Storage
 
 from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.ring_interface import Sample, SliceSample
+from tdstore.ring_interface import RanksMoved, Sample, SliceSample
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import EMPTY_ERROR, has_keys
-
-#: The torchrl class a :class:`StoreSliceSampler` takes the place of (exactly this class: subclasses such as
-#: ``SliceSamplerWithoutReplacement`` and ``PrioritizedSliceSampler`` keep their own sampling).
-SERVED = SliceSampler
 
 
 def _auto_key(s: LazyStackedTensorDictStore) -> tuple[str, Any] | None:
@@ -44,8 +40,27 @@ def _auto_key(s: LazyStackedTensorDictStore) -> tuple[str, Any] | None:
     return "end_key", ("next", "done")
 
 
-class StoreSliceSampler(SliceSampler):
-    """torchrl's ``SliceSampler``, sampled on the server (see the module docstring)."""
+class _ServerSlices:
+    """What both served slice samplers share: the store's trajectory key, the draw, torchrl's flags."""
+
+    __slots__ = ()  # no layout of its own: torchrl's sampler objects become the subclasses (``__class__`` assignment)
+
+    fragmented: bool
+    output_layout: str
+    pad_output: bool
+    end_keys: Any
+    _cache: dict
+    _fetch_traj: bool
+    traj_key: Any
+    end_key: Any
+    num_slices: int | None
+    slice_len: int | None
+    strict_length: bool
+    span: Any
+    _rng: torch.Generator | None
+    _batch_size_multiplier: int | None
+    truncated_key: Any
+    init_key: Any
 
     def served(self, storage: Storage) -> bool:
         """Whether the server samples for this configuration and storage (else torchrl's ``sample`` does)."""
@@ -81,12 +96,8 @@ class StoreSliceSampler(SliceSampler):
 
         storage.with_store(setup)
 
-    def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
-        if not self.served(storage):
-            return super().sample(storage, batch_size)
-        assert isinstance(storage, StoreStorage)
-        if self._batch_size_multiplier is not None:
-            batch_size = batch_size * self._batch_size_multiplier
+    def _draw(self, storage: StoreStorage, batch_size: int, ranks: tuple[int, torch.Tensor] | None = None) -> SliceSample | None:
+        """The store's slices (None: a sharded ring, which torchrl's own sampling serves)."""
 
         def draw(s: LazyStackedTensorDictStore) -> SliceSample | None:
             if isinstance(s, ShardedRing):
@@ -98,11 +109,12 @@ class StoreSliceSampler(SliceSampler):
             try:
                 return s.sample_slices(
                     int(batch_size),
-                    num_slices=self.num_slices,
-                    slice_len=self.slice_len,
+                    num_slices=self.num_slices if ranks is None else ranks[1].numel(),  # (a pass's last slices may be fewer)
+                    slice_len=self.slice_len if ranks is None else None,
                     strict_length=self.strict_length,
                     span=self.span,
                     generator=self._rng,
+                    ranks=ranks,
                 )
             except ValueError as err:  # torchrl raises RuntimeError for these
                 if "no trajectory" in str(err) or "divisible" in str(err):
@@ -110,10 +122,9 @@ class StoreSliceSampler(SliceSampler):
                 raise
 
         got = storage.with_store(draw)
-        if got is None:
-            return super().sample(storage, batch_size)
-        storage.stash(Sample(got.td, got.indices, got.generations))
-        return got.indices, self._info(got)
+        if got is not None:
+            storage.stash(Sample(got.td, got.indices, got.generations))
+        return got
 
     def _info(self, got: SliceSample) -> dict[Any, torch.Tensor]:
         """The flags torchrl's ``SliceSampler`` returns with its index, from the rows already read."""
@@ -137,3 +148,76 @@ class StoreSliceSampler(SliceSampler):
                 marker[starts] = True
                 info[self.init_key] = marker | existing
         return info
+
+
+class StoreSliceSampler(SliceSampler, _ServerSlices):
+    """torchrl's ``SliceSampler``, sampled on the server (see the module docstring)."""
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
+        if not self.served(storage):
+            return super().sample(storage, batch_size)
+        assert isinstance(storage, StoreStorage)
+        if self._batch_size_multiplier is not None:
+            batch_size = batch_size * self._batch_size_multiplier
+        got = self._draw(storage, batch_size)
+        if got is None:
+            return super().sample(storage, batch_size)
+        return got.indices, self._info(got)
+
+
+class StoreSliceSamplerWithoutReplacement(SliceSamplerWithoutReplacement, _ServerSlices):
+    """torchrl's ``SliceSamplerWithoutReplacement``, sampled on the server: within a pass every trajectory long
+    enough gives one slice. The pass is a permutation of the ranks of those trajectories (longest first) kept in
+    this process; the server draws each slice's start and reads the rows in one round trip, and answers with
+    the count it holds when it differs from the pass's (a trajectory finished or overwritten): a new pass starts
+    (torchrl's sampler starts one when the storage's trajectory count changes), and the call is sent again.
+    The last slices of a pass: fewer than ``num_slices`` give a short batch (``drop_last=False``) or start the next pass."""
+
+    _tds_pass: torch.Tensor | None = None
+    _tds_at = 0
+    _tds_eligible = 1  # until the server says (a pass of one trajectory: it answers with its count)
+
+    def _new_pass(self, eligible: int) -> None:
+        self._tds_eligible = max(1, eligible)
+        if self.shuffle:
+            self._tds_pass = torch.randperm(self._tds_eligible, generator=self._rng)
+        else:
+            self._tds_pass = torch.arange(self._tds_eligible)
+        self._tds_at = 0
+
+    def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
+        if not self.served(storage):
+            return super().sample(storage, batch_size)
+        assert isinstance(storage, StoreStorage)
+        if self._batch_size_multiplier is not None:
+            batch_size = batch_size * self._batch_size_multiplier
+        seq, m = self._adjusted_batch_size(batch_size)
+        for _ in range(16):
+            if self._tds_pass is None:
+                self._new_pass(self._tds_eligible)
+            assert self._tds_pass is not None
+            left = self._tds_pass.numel() - self._tds_at
+            if left == 0 or (left < m and self.drop_last):
+                self._new_pass(self._tds_eligible)
+                left = self._tds_pass.numel()
+            k = min(m, left)
+            ranks = self._tds_pass[self._tds_at : self._tds_at + k]
+            try:
+                got = self._draw(storage, k * seq, (self._tds_eligible, ranks))
+            except RanksMoved as moved:
+                self._new_pass(moved.eligible)
+                continue
+            if got is None:
+                return super().sample(storage, batch_size)
+            self._tds_at += k
+            return got.indices, self._info(got)
+        raise RuntimeError("SliceSamplerWithoutReplacement: the trajectory count changed at each of 16 tries")
+
+    def _empty(self) -> None:
+        super()._empty()
+        self._tds_pass = None
+
+
+#: The torchrl classes the server samples for, and what each becomes (exactly these classes: a subclass,
+#: such as ``PrioritizedSliceSampler``, keeps its own sampling).
+SERVED: dict[type, type] = {SliceSampler: StoreSliceSampler, SliceSamplerWithoutReplacement: StoreSliceSamplerWithoutReplacement}
