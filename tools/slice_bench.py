@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Slice sampling (torchrl's ``SliceSampler``) on the server against torchrl in memory, by buffer size.
 
-The workload of issue 41: rows ``obs`` f32[16], ``action`` f32[4], ``episode`` (int64 id) and
+The workload: rows ``obs`` f32[16], ``action`` f32[4], ``episode`` (int64 id) and
 ``("next", "done")``; episodes of 20 to 200 steps; samples of 512 rows as ``num_slices=32`` slices
 of 16. For each size (10^4, 10^5, 10^6 rows by default) three buffers get the same rows, then,
 interleaved (every repetition runs each contender, so machine load hits all alike), each samples:
@@ -11,7 +11,7 @@ interleaved (every repetition runs each contender, so machine load hits all alik
 * ``memory``: torchrl's ``TensorDictReplayBuffer(LazyTensorStorage(N), SliceSampler(...))`` in this process;
 * ``before`` (unless ``--no-before``): the same tdstore buffer sampled by torchrl's own sampling (a
   ``SliceSampler`` subclass the buffer does not recognise), which reads the whole trajectory key from
-  the server every time: what the issue measured. Slow at 10^6 (about half a second a sample): fewer reps.
+  the server every time (torchrl's sampler without the index). Slow at 10^6 (about half a second a sample): fewer reps.
 
 Prints per size the median (and min) ms per sample, the ratios tdstore / memory and tdstore(N) /
 tdstore(smallest), and the server's time per ``sample_slices`` call (``INFO commandstats``). Starts its
