@@ -332,3 +332,43 @@ def test_torchrl_slice_sampler_without_replacement_gives_each_trajectory_once_pe
         seen += rb.sample()["episode"].view(-1, 4)[:, 0].tolist()
     assert sorted(seen) == list(range(11))
     rb.storage.delete()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_slice_starts_follow_torchrls_distribution(one_node, strict):
+    """torchrl's draw: a trajectory uniformly among those long enough (all of them when not strict), then a
+    start uniformly where the slice fits (a short trajectory whole). Chi-square over every (trajectory, start)."""
+    from test_replay import chi2_critical, chi_square
+
+    s = LazyStackedTensorDictStore(count=64, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    lengths = [3, 5, 10, 20]
+    ids = [e for e, n in enumerate(lengths) for _ in range(n)]
+    s.extend(rows(0, ids))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    seq = 4
+    eligible = [e for e, n in enumerate(lengths) if n >= seq or not strict]
+    cells = [(e, o) for e in eligible for o in range(max(1, lengths[e] - seq + 1))]
+    expected = torch.tensor([1 / len(eligible) / max(1, lengths[e] - seq + 1) for e, _ in cells])
+    counts = torch.zeros(len(cells))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        got = s.sample_slices(100 * seq, num_slices=100, strict_length=strict, generator=g)
+        for t, o, n in zip(got.info["traj_starts"].tolist(), got.info["offsets"].tolist(), got.info["slice_lengths"].tolist()):
+            e = int((starts == t).nonzero())
+            assert n == min(seq, lengths[e])
+            counts[cells.index((e, o))] += 1
+    assert chi_square(counts, expected) < chi2_critical(len(cells) - 1)
+    s.clear_redis()
+
+
+def test_a_resent_extend_moves_the_index_once(one_node):
+    s = LazyStackedTensorDictStore(count=30, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    s.extend(rows(0, [0, 0, 1]))
+    rid = "ab" * 16
+    first = s.extend(rows(3, [1, 1, 2]), request_id=rid)
+    again = s.extend(rows(3, [1, 1, 2]), request_id=rid)  # a resend: answered from the record, nothing written
+    assert torch.equal(first.indices, again.indices) and s.write_count == 6
+    assert server_runs(s) == [(0, 2), (2, 3), (5, 1)]
+    s.clear_redis()
