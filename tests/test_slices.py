@@ -372,3 +372,14 @@ def test_a_resent_extend_moves_the_index_once(one_node):
     assert torch.equal(first.indices, again.indices) and s.write_count == 6
     assert server_runs(s) == [(0, 2), (2, 3), (5, 1)]
     s.clear_redis()
+
+
+@pytest.mark.parametrize("by", ["id", "end"])
+def test_a_write_after_a_build_continues_the_newest_trajectory(one_node, by):
+    s = LazyStackedTensorDictStore(count=20, **one_node.kwargs())
+    s.extend(rows(0, [-5, -5, 7, 7, 7], [False, True, False, False, False]))
+    s.set_trajectories(**({"traj_key": "episode"} if by == "id" else {"end_key": "done"}))
+    assert server_runs(s) == [(0, 2), (2, 3)]
+    s.extend(rows(5, [7, 7, 8], [False, True, False]))  # episode 7 goes on (id 7 again; no end flag yet)
+    assert server_runs(s) == [(0, 2), (2, 5), (7, 1)]
+    s.clear_redis()
