@@ -66,7 +66,8 @@ local function tds_ep_write(meta, zkey, by, rw0, n, count, ids)
   end
   local low = math.max(0, rw0 + n - count)
   local jf, jl, jv = tonumber(h[1]), tonumber(h[2]), h[3]
-  if (jf == nil) ~= (jl == nil) or (jf ~= nil and (jf > jl or jl >= rw0 or jf < rw0 - count)) then
+  if (jf == nil) ~= (jl == nil) or (jf ~= nil and (jf > jl or jl >= rw0 or jf < rw0 - count))
+    or (jl ~= nil and redis.call('ZSCORE', zkey, tds_ep_fmt(jl)) == false) then  -- the index lost or edited
     tds_ep_broken(meta, zkey)
     return
   end

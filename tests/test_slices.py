@@ -383,3 +383,19 @@ def test_a_write_after_a_build_continues_the_newest_trajectory(one_node, by):
     s.extend(rows(5, [7, 7, 8], [False, True, False]))  # episode 7 goes on (id 7 again; no end flag yet)
     assert server_runs(s) == [(0, 2), (2, 5), (7, 1)]
     s.clear_redis()
+
+
+def test_a_lost_index_is_noticed_refused_and_built_again(one_node):
+    from tdstore import StoreDamagedError
+
+    s = LazyStackedTensorDictStore(count=20, **one_node.kwargs())
+    s.set_trajectories(traj_key="episode")
+    s.extend(rows(0, [0] * 6 + [1] * 6))
+    s._engine.client.delete(s._engine.keys.episodes)  # evicted, or deleted by hand
+    s.extend(rows(12, [1, 1]))  # the write goes through; the index is marked broken
+    with pytest.raises(StoreDamagedError, match="set_trajectories builds it again"):
+        s.sample_slices(4, num_slices=2)
+    s.set_trajectories(traj_key="episode")
+    assert server_runs(s) == [(0, 6), (6, 8)]
+    assert s.sample_slices(4, num_slices=2).indices.numel() == 4
+    s.clear_redis()
