@@ -399,3 +399,27 @@ def test_a_lost_index_is_noticed_refused_and_built_again(one_node):
     assert server_runs(s) == [(0, 6), (6, 8)]
     assert s.sample_slices(4, num_slices=2).indices.numel() == 4
     s.clear_redis()
+
+
+def test_index_by_end_flags_matches_torchrl_boundaries(one_node):
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+    from torchrl.data.replay_buffers.samplers import SliceSampler
+
+    count = 50
+    s = LazyStackedTensorDictStore(count=count, **one_node.kwargs())
+    s.set_trajectories(end_key="done")
+    sampler = SliceSampler(num_slices=2, end_key="done", strict_length=False)
+    rb = ReplayBuffer(storage=LazyTensorStorage(count), sampler=sampler, batch_size=4)
+    rng = random.Random(6)
+    ep, w = 0, 0
+    for _ in range(25):
+        ids, dones, ep = random_episodes(rng, rng.randint(1, 12), ep)
+        td = rows(w, ids, dones)
+        w += len(ids)
+        s.extend(td)
+        rb.extend(td)
+        start, _, lengths = sampler._get_stop_and_length(rb._storage)
+        theirs = sorted((int(a), int(b)) for a, b in zip(start[:, 0], lengths))
+        ours = sorted((m % count, n) for m, n in server_runs(s))
+        assert ours == theirs, w
+    s.clear_redis()
