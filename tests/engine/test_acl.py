@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore.server import EmbeddedServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 acl = load_tool("faults.acl")
 PREFIX = "acl"
 

@@ -42,7 +42,7 @@ from tdstore.server import EmbeddedServer
 
 pytestmark = pytest.mark.ring
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 acl = load_tool("faults.acl")  # README.md's read-only ACL line, as the fault tool and test_acl read it
 # How late a TimeoutError may come. The calls are a few ms late (each prints its lateness; the README's
 # figure), but a 2-core CI machine running the suite on both cores has stalled this process for about a

@@ -21,7 +21,7 @@ from tensordict import TensorDict, lazy_stack
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._moved import MOVED, SHADOWED
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tdstore"
+PACKAGE = Path(__file__).resolve().parents[2] / "tdstore"
 
 #: The subpackages from the lowest layer up: a module-level import goes only to an earlier one
 #: (or within its own package, or to ``tdstore._errors``, which imports nothing of tdstore).

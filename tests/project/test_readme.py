@@ -27,7 +27,7 @@ import pytest
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.server import EmbeddedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 HOW_IT_WORKS = REPO / "docs" / "how-it-works.md"
 NEEDS = re.compile(r"<!--\s*needs:\s*(\w+)\s*-->")
@@ -99,7 +99,7 @@ def test_readme_python_block_runs(line: int, need: str | None, code: str, reques
     if need is not None:
         target = request.getfixturevalue(need)
         assert _keys_left(need, request) == 0, "the server must be empty before the block"
-        prelude = f"url = {target.url!r}  # set by tests/test_readme.py (needs: {need})\n"
+        prelude = f"url = {target.url!r}  # set by tests/project/test_readme.py (needs: {need})\n"
     script = tmp_path / f"readme_line{line}.py"
     script.write_text(prelude + code)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)

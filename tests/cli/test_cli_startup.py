@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore.server import EmbeddedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "tensordict")
 
 

@@ -49,7 +49,7 @@ def test_planted_bytes_and_names_run_nothing(backend, tmp_path):
 def test_no_pickle_or_eval_in_the_package():
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "tdstore"
+    root = pathlib.Path(__file__).resolve().parents[2] / "tdstore"
     paths = sorted(root.rglob("*.py"))
     assert len(paths) > 50, "the walk found too few modules: the check would pass vacuously"
     for path in paths:
@@ -60,7 +60,7 @@ def test_no_pickle_or_eval_in_the_package():
             text = text.replace("importlib.import_module", "")
         if path.name == "tensorclass.py":
             # one import, of a dotted path the caller passes (tensorclass_cls="pkg.mod.Cls"); a path
-            # the server names is never imported (tests/test_dropin.py checks it)
+            # the server names is never imported (tests/store/test_dropin.py checks it)
             body = text[text.index("def _import_path") : text.index("def resolve")]
             assert text.count("importlib.import_module") == body.count("importlib.import_module") == 1
             text = text.replace("importlib.import_module", "")

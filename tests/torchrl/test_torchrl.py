@@ -539,7 +539,7 @@ def test_torchrls_store_storage_over_tdstore_tensorclass_and_samplers(torchrl_st
 # -- the benchmark ---------------------------------------------------------------------------------------
 def test_benchmark_smoke():
     """A tiny run of ``python -m tools.torchrl_bench`` (its actors are spawned processes); no speed is asserted."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     args = [
         "--max-size",
         "200",

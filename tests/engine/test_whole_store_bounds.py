@@ -30,7 +30,7 @@ SMALL = 6  # keys per call in the logic tests: a store of a few segments takes s
 
 def one_slot(backend) -> None:
     """Skip for a store spread over cluster nodes: its whole-store calls go per segment under the
-    schema lock instead (tdstore/_engine/spread.py; tests/test_spread.py)."""
+    schema lock instead (tdstore/_engine/spread.py; tests/sharded/test_spread.py)."""
     if getattr(backend, "spread", False):
         pytest.skip("a spread store deletes and expires per segment under its schema lock")
 

@@ -28,7 +28,7 @@ from tdstore.cli import main
 from tdstore.demo import check_batch, initial_stack, lost_writes, make_element, redact_url, run_demo, slot_of
 from tdstore.server import EmbeddedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _assert_clean(figures: dict, *, actors: int, count: int, batch: int) -> None:

@@ -404,7 +404,7 @@ def test_review_edge_cases(backend):
 
 
 def read_only_acl(user: str, password: str, prefix: str) -> list[str]:
-    """README.md's read-only ACL (tests/test_acl.py checks it) without ``+multi +exec`` (the read transactions)."""
+    """README.md's read-only ACL (tests/engine/test_acl.py checks it) without ``+multi +exec`` (the read transactions)."""
     acl = load_tool("faults.acl").readme_acl(prefix, user, password)
     return [rule for rule in acl if rule not in ("+multi", "+exec")]
 

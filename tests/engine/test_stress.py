@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 stress = load_tool("stress")

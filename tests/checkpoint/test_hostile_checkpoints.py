@@ -35,7 +35,7 @@ from tdstore.torchrl import replay_buffer  # noqa: E402
 
 hostile = load_tool("faults.checkpoints")
 probes = load_tool("_probes")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from tdstore._format.keys import StoreKeys, registry_key
 from tdstore.cli import main
 from tdstore.server import EmbeddedServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

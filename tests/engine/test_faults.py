@@ -23,7 +23,7 @@ from redis.retry import Retry
 
 from tdstore.server import EmbeddedServer, check_loopback
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 faults = load_tool("faults")

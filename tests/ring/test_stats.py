@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HANG = 60.0  # seconds: only bounds a hang
 
 

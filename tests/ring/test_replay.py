@@ -381,7 +381,7 @@ def test_plain_lua_float64_codec_matches_ieee_754():
 
     import fakeredis
 
-    lua = Path(__file__).resolve().parent.parent / "lua"
+    lua = Path(__file__).resolve().parents[2] / "lua"
     lib = (lua / "_lib.lua").read_text() + "\n" + (lua / "_tree.lua").read_text() + "\n"
     values = [0.0, 5e-324, 1e-310, 2.2250738585072014e-308, 0.1, 1 / 3, 1.0, 2.0**52 + 1, 1e300, 1.7976931348623157e308]
     script = (

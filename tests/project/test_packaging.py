@@ -10,7 +10,7 @@ import pytest
 
 from tdstore._engine import scripts as _scripts
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_scripts_load_from_a_namespace_package_path(monkeypatch):
