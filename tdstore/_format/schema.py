@@ -263,11 +263,17 @@ class Header:
         batch dims is refused (``ValueError``), as a TensorDict refuses it.
         """
         new_version = self.version + 1
+        if classes is None:
+            classes = getattr(sub, "classes", None)  # a write's SubTrees carries its sub-trees' classes
+        # a sub-tree whose dims change (become RAGGED): its leaves move to the new version, so that a
+        # reader planning with the old dims is refused and refreshes
+        moved = [p for p, d in (sub or {}).items() if p in self.sub and self.sub[p] != d]
         old_by_number = {leaf.number: leaf for leaf in self.leaves.values()}
         stamped = {}
         for path, leaf in leaves.items():
             old = old_by_number.get(leaf.number)
-            version = old.version if old is not None and old.same_layout(leaf) else new_version
+            same = old is not None and old.same_layout(leaf) and not any(path[: len(p)] == p for p in moved)
+            version = old.version if same else new_version
             stamped[path] = replace(leaf, version=version)
         names = {(p, leaf.number) for p, leaf in self.leaves.items()}
         new_names = {(p, leaf.number) for p, leaf in stamped.items()}

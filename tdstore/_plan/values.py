@@ -33,7 +33,7 @@ from tensordict.base import _is_leaf_nontensor
 
 from tdstore._format.nontensor import NonTensor
 from tdstore._format import tensorclass as _tensorclass
-from tdstore._format.schema import RAGGED, NestedPath, merge_sub
+from tdstore._format.schema import RAGGED, NestedPath, SubTrees, merge_sub
 from tdstore._format.tensorclass import qualified_name
 from tdstore._plan.index import Plan
 from tdstore._plan.read_results import DenseResult, ElementsResult
@@ -249,6 +249,47 @@ def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedP
         if len(value.batch_size) > n_batch:
             out[path] = tuple(value.batch_size[n_batch:])
         out.update(subtree_dims(value, n_batch, path))
+    return out
+
+
+def subtree_layout(td: Any, n_batch: int, prefix: NestedPath = (), *, vary: bool = False) -> SubTrees:
+    """What a write of ``td`` tells of its nested sub-trees (:class:`SubTrees`): their extra batch dims
+    (:func:`subtree_dims`) and tensorclasses (:func:`subtree_classes`). With ``vary`` (a lazy ring's
+    first write: later rows may hold chats of other lengths), the dims of every sub-tree that holds a
+    leaf showing them (a tensor or a non-tensor stack) are recorded as ``RAGGED``."""
+    dims = subtree_dims(td, n_batch, prefix)
+    if vary and dims:
+        carriers = _dim_carriers(td, prefix)
+        dims = {p: (RAGGED,) * len(d) if p in carriers else d for p, d in dims.items()}
+    return SubTrees(dims, subtree_classes(td, prefix))
+
+
+def _dim_carriers(td: Any, prefix: NestedPath) -> set[NestedPath]:
+    """The sub-trees of ``td`` (of its first member, for a lazy stack) holding a tensor or a non-tensor stack."""
+    if is_tensorclass(td):
+        td = td._tensordict
+    if isinstance(td, LazyStackedTensorDict) and not is_non_tensor(td) and td.tensordicts:
+        td = td.tensordicts[0]
+    out: set[NestedPath] = set()
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
+        if isinstance(value, NonTensorData):
+            continue
+        path = (*prefix, *as_path(key))
+        out.update(path[:k] for k in range(len(prefix) + 1, len(path)))
+    return out
+
+
+def subtree_conflicts(h_sub: Mapping[NestedPath, tuple[int, ...]], sub: Mapping[NestedPath, tuple[int, ...]]) -> dict[NestedPath, tuple[int, ...]]:
+    """The sub-trees a write's dims ``sub`` disagree on with the store's (``Header.sub``), merged
+    (the dims that differ become ``RAGGED``): what the write turns into sub-trees of varying dims.
+    A number of dims that differs raises ``ValueError`` (before anything is written)."""
+    out = {}
+    for path, dims in sub.items():
+        have = h_sub.get(path)
+        if have is not None and have != dims:
+            merged = merge_sub({path: have}, {path: dims})[path]
+            if merged != have:
+                out[path] = merged
     return out
 
 
