@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from tdstore._format import codec as _codec
-from tdstore._format.header_info import StoreFormatError, parse_header
+from tdstore._format.header_info import RAGGED, StoreFormatError, parse_classes, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
 
 __all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
@@ -273,7 +273,7 @@ class Header:
         for path, leaf in leaves.items():
             old = old_by_number.get(leaf.number)
             same = old is not None and old.same_layout(leaf) and not any(path[: len(p)] == p for p in moved)
-            version = old.version if same else new_version
+            version = old.version if old is not None and same else new_version
             stamped[path] = replace(leaf, version=version)
         names = {(p, leaf.number) for p, leaf in self.leaves.items()}
         new_names = {(p, leaf.number) for p, leaf in stamped.items()}
@@ -383,6 +383,10 @@ def check_paths(paths: list[NestedPath]) -> None:
                 raise KeyError(f"key {path[:k]} is both a leaf and the parent of {path}")
 
 
+def _dim_ok(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= RAGGED
+
+
 def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
     """The ``"sub"`` entry of the schema JSON: ``[[path, dims], ...]`` (``ValueError`` when malformed)."""
     if not isinstance(raw, list):
@@ -393,7 +397,9 @@ def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
             isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])
         ):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
-        if not (isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= RAGGED for d in rec[1])):
+        if not (
+            isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= RAGGED for d in rec[1])
+        ):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
         out[tuple(rec[0])] = tuple(rec[1])
     return out
@@ -411,10 +417,6 @@ class SubTrees(dict[NestedPath, tuple[int, ...]]):
 
     def __bool__(self) -> bool:
         return bool(len(self) or self.classes)
-
-
-RAGGED = -1
-"""A sub-tree batch dim that varies between elements (:attr:`Header.sub`)."""
 
 
 def ragged(dims: tuple[int, ...]) -> bool:
@@ -439,24 +441,6 @@ def merge_sub(a: dict[NestedPath, tuple[int, ...]], b: dict[NestedPath, tuple[in
             )
         elif have != dims:
             out[path] = tuple(x if x == y else RAGGED for x, y in zip(have, dims, strict=True))
-    return out
-
-
-_MAX_NAME = 1000
-
-
-def parse_classes(raw: object) -> dict[NestedPath, str]:
-    """The ``"tc"`` entry of the schema JSON: ``[[path, "module.QualName"], ...]`` (``ValueError`` when malformed)."""
-    if not isinstance(raw, list):
-        raise ValueError(f"bad sub-tree tensorclasses {raw!r}"[:300])
-    out: dict[NestedPath, str] = {}
-    for rec in raw:
-        if not (isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])):
-            raise ValueError(f"bad sub-tree tensorclass record {rec!r}"[:300])
-        name = rec[1]
-        if not (isinstance(name, str) and len(name) <= _MAX_NAME and len(name.split(".")) > 1 and all(x.isidentifier() for x in name.split("."))):
-            raise ValueError(f"bad sub-tree tensorclass name {name!r}"[:300])
-        out[tuple(rec[0])] = name
     return out
 
 

@@ -96,7 +96,9 @@ def _pad_level(rows: list[Any], prefix: NestedPath, kwargs: dict[str, Any], mask
     return cls._from_tensordict(td) if cls is not None else td
 
 
-def _pad_tensors(values: list[torch.Tensor], path: NestedPath, kwargs: dict[str, Any], masks: dict[NestedPath, torch.Tensor]) -> torch.Tensor:
+def _pad_tensors(
+    values: list[torch.Tensor], path: NestedPath, kwargs: dict[str, Any], masks: dict[NestedPath, torch.Tensor]
+) -> torch.Tensor:
     """One padded (or jagged) tensor of the rows' tensors for ``path`` (stacked when they all have one shape)."""
     shapes = {tuple(v.shape) for v in values}
     if kwargs.get("as_nested_tensor"):

@@ -31,8 +31,8 @@ from tensordict import (
 )
 from tensordict.base import _is_leaf_nontensor
 
-from tdstore._format.nontensor import NonTensor
 from tdstore._format import tensorclass as _tensorclass
+from tdstore._format.nontensor import NonTensor
 from tdstore._format.schema import RAGGED, NestedPath, SubTrees, merge_sub
 from tdstore._format.tensorclass import qualified_name
 from tdstore._plan.index import Plan
@@ -279,7 +279,9 @@ def _dim_carriers(td: Any, prefix: NestedPath) -> set[NestedPath]:
     return out
 
 
-def subtree_conflicts(h_sub: Mapping[NestedPath, tuple[int, ...]], sub: Mapping[NestedPath, tuple[int, ...]]) -> dict[NestedPath, tuple[int, ...]]:
+def subtree_conflicts(
+    h_sub: Mapping[NestedPath, tuple[int, ...]], sub: Mapping[NestedPath, tuple[int, ...]]
+) -> dict[NestedPath, tuple[int, ...]]:
     """The sub-trees a write's dims ``sub`` disagree on with the store's (``Header.sub``), merged
     (the dims that differ become ``RAGGED``): what the write turns into sub-trees of varying dims.
     A number of dims that differs raises ``ValueError`` (before anything is written)."""

@@ -26,7 +26,6 @@ from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
 from tdstore._plan import index as _index
-from tdstore._plan.values import subtree_conflicts
 from tdstore._plan.leaf_writes import (
     Value,
     as_rows,
@@ -42,6 +41,7 @@ from tdstore._plan.leaf_writes import (
     splice_ops,
     to_heterogeneous,
 )
+from tdstore._plan.values import subtree_conflicts
 
 
 def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[int]:

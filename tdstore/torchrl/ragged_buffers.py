@@ -37,7 +37,9 @@ def _padding(kwargs: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"sample() got unexpected keywords {sorted(unknown)}; it takes torchrl's and {sorted(_ragged.KEYWORDS)}")
     if kwargs and not _ragged.wanted(kwargs):
-        raise TypeError(f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(kwargs)}")
+        raise TypeError(
+            f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(kwargs)}"
+        )
     if kwargs.get("return_mask") and kwargs.get("as_nested_tensor"):
         raise ValueError("return_mask goes with as_padded_tensor=True, not as_nested_tensor (a nested tensor knows its lengths)")
     return kwargs
