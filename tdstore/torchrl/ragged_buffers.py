@@ -20,8 +20,8 @@ from typing import Any
 from tensordict import TensorDictBase, lazy_stack
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 
-from tdstore._format import ragged as _ragged
-from tdstore._plan.padded_batch import pad_rows
+from tdstore import padding as _ragged
+from tdstore.padding import pad_rows
 
 
 def _stacked(data: Any) -> Any:
