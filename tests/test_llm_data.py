@@ -325,3 +325,42 @@ def test_another_process_attaches_and_reads_the_chats(real):
     assert cls_name == "History"
     assert got_rows == rows(reference(items, 8)[:])
     assert set(prompts) <= {f"prompt {i}" for i in range(5)}
+
+
+# -- hostile server content ---------------------------------------------------------------------
+
+
+def test_a_tensorclass_the_server_names_is_never_imported(one_node):
+    import json
+    import sys
+
+    from tdstore import StoreFormatError
+
+    store = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([rollout(i) for i in range(3)]), **one_node.kwargs())
+    client, meta = one_node.client(), store.stack_ops.engine.keys.meta
+    raw = client.hget(meta, "schema")
+    schema = json.loads(raw)
+    assert schema["tc"] == [[["history"], "torchrl.data.llm.history.History"]]
+    schema["tc"] = [[["history"], "tdstore_evil_module_xyz.Chat"]]
+    client.hset(meta, "schema", json.dumps(schema))
+    got = LazyStackedTensorDictStore.from_store(td_id=store.td_id, **one_node.kwargs())[:]
+    assert "tdstore_evil_module_xyz" not in sys.modules
+    assert not isinstance(got["history"], History)  # the plain sub-tree: nothing imported, the data all there
+    assert [list(got[i]["history", "content"]) for i in range(3)] == [list(rollout(i)["history"].content) for i in range(3)]
+    schema["tc"] = [[["history"], "os.system('x')"]]
+    client.hset(meta, "schema", json.dumps(schema))
+    with pytest.raises(StoreFormatError):
+        LazyStackedTensorDictStore.from_store(td_id=store.td_id, **one_node.kwargs())
+    client.hset(meta, "schema", raw)
+
+
+def test_a_padded_sample_beside_strings_and_chats_is_one_round_trip(real):
+    from helpers import round_trips, top_level_commands
+
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    ring.extend(lazy_stack([rollout(i) for i in range(6)]))
+    ring.sample(2, as_padded_tensor=True)  # the header cached, the scripts loaded
+    got: list[Any] = []
+    sent = round_trips(top_level_commands(real.client, lambda: got.append(ring.sample(4, as_padded_tensor=True, return_mask=True))))
+    assert len(sent) == 1, sent
+    assert isinstance(got[0].td["history"], History) and got[0].td["tokens"].shape[0] == 4

@@ -56,12 +56,29 @@ def rest(h: Header, per_el: dict[NestedPath, list[Any]], n: int, device: torch.d
     return out
 
 
+def check_padding(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` when they are padding keywords :func:`pad_rows` takes (``as_padded_tensor=True`` or
+    ``as_nested_tensor=True``, with ``padding_side``, ``padding_value``, ``layout``, ``return_mask``), else
+    ``TypeError``/``ValueError`` naming them: a caller checks before it reads anything."""
+    unknown = set(kwargs) - _ragged.KEYWORDS
+    if unknown:
+        raise TypeError(f"unexpected keywords {sorted(unknown)}; the padding keywords are {sorted(_ragged.KEYWORDS)}")
+    if kwargs and not _ragged.wanted(kwargs):
+        raise TypeError(
+            f"padding takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(kwargs)}"
+        )
+    if kwargs.get("return_mask") and kwargs.get("as_nested_tensor"):
+        raise ValueError("return_mask goes with as_padded_tensor=True, not as_nested_tensor (a nested tensor knows its lengths)")
+    return kwargs
+
+
 def pad_rows(td: Any, kwargs: dict[str, Any]) -> Any:
     """A lazy stack of rows (along dim 0, what a ragged buffer's ``rb.sample()`` gives) as one TensorDict of
     batch ``[n]`` laid out as :func:`rest` and ``sample(..., as_padded_tensor=True)`` of a store lay it out:
     tensor keys padded (``padding_side``, ``padding_value``; ``return_mask`` adds their masks) or jagged
     (``as_nested_tensor``), non-tensor keys stacked, sub-trees whose batch dims differ between rows kept
     as the lazy stack of the rows' sub-trees (their tensorclass kept). Anything else comes back as it is."""
+    check_padding(kwargs)
     if not isinstance(td, LazyStackedTensorDict) or td.stack_dim != 0 or isinstance(td, NonTensorStack):
         return td
     masks: dict[NestedPath, torch.Tensor] = {}

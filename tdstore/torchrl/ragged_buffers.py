@@ -20,8 +20,7 @@ from typing import Any
 from tensordict import TensorDictBase, lazy_stack
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer, TensorDictReplayBuffer
 
-from tdstore import padding as _ragged
-from tdstore.padding import pad_rows
+from tdstore import check_padding, pad_rows
 
 
 def _stacked(data: Any) -> Any:
@@ -29,20 +28,6 @@ def _stacked(data: Any) -> Any:
     if isinstance(data, (list, tuple)) and data and all(isinstance(x, TensorDictBase) for x in data):
         return lazy_stack(list(data))
     return data
-
-
-def _padding(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The padding keywords of a ``sample`` call, checked (``TypeError`` names any other)."""
-    unknown = set(kwargs) - _ragged.KEYWORDS
-    if unknown:
-        raise TypeError(f"sample() got unexpected keywords {sorted(unknown)}; it takes torchrl's and {sorted(_ragged.KEYWORDS)}")
-    if kwargs and not _ragged.wanted(kwargs):
-        raise TypeError(
-            f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(kwargs)}"
-        )
-    if kwargs.get("return_mask") and kwargs.get("as_nested_tensor"):
-        raise ValueError("return_mask goes with as_padded_tensor=True, not as_nested_tensor (a nested tensor knows its lengths)")
-    return kwargs
 
 
 def _padded(out: Any, padding: dict[str, Any]) -> Any:
@@ -60,7 +45,7 @@ class RaggedTensorDictReplayBuffer(TensorDictReplayBuffer):
         return super().extend(_stacked(tensordicts), *args, **kwargs)
 
     def sample(self, batch_size: int | None = None, return_info: bool = False, *args: Any, **kwargs: Any) -> Any:
-        padding = _padding({k: kwargs.pop(k) for k in list(kwargs) if k in _ragged.KEYWORDS or k not in _TORCHRL_SAMPLE})
+        padding = check_padding({k: kwargs.pop(k) for k in list(kwargs) if k not in _TORCHRL_SAMPLE})
         return _padded(super().sample(batch_size, return_info, *args, **kwargs), padding)
 
 
@@ -71,7 +56,7 @@ class RaggedReplayBuffer(ReplayBuffer):
         return super().extend(_stacked(data), *args, **kwargs)
 
     def sample(self, batch_size: int | None = None, return_info: bool = False, *args: Any, **kwargs: Any) -> Any:
-        padding = _padding({k: kwargs.pop(k) for k in list(kwargs) if k in _ragged.KEYWORDS or k not in _TORCHRL_SAMPLE})
+        padding = check_padding({k: kwargs.pop(k) for k in list(kwargs) if k not in _TORCHRL_SAMPLE})
         return _padded(super().sample(batch_size, return_info, *args, **kwargs), padding)
 
 
