@@ -364,3 +364,15 @@ def test_a_padded_sample_beside_strings_and_chats_is_one_round_trip(real):
     sent = round_trips(top_level_commands(real.client, lambda: got.append(ring.sample(4, as_padded_tensor=True, return_mask=True))))
     assert len(sent) == 1, sent
     assert isinstance(got[0].td["history"], History) and got[0].td["tokens"].shape[0] == 4
+
+
+def test_a_varying_sub_tree_that_cannot_show_its_dims_is_refused_before_anything_is_written(one_node):
+    def el(n: int) -> TensorDict:  # a sub-tree holding one value covering it whole: its dims show nowhere
+        return TensorDict(x=TensorDict(note=NonTensorData("same", batch_size=[n]), batch_size=[n]), batch_size=[])
+
+    with pytest.raises(ValueError, match="'x' has batch dims that differ between elements but holds no tensor"):
+        LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([el(2), el(3)]), **one_node.kwargs())
+    store = LazyStackedTensorDictStore.from_lazy_stack(lazy_stack([el(2), el(2)]), **one_node.kwargs())
+    with pytest.raises(ValueError, match="holds no tensor or non-tensor stack"):
+        store[1] = el(3)
+    assert store[1].to_tensordict()["x"].batch_size == (2,)

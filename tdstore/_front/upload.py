@@ -38,11 +38,11 @@ from tdstore._errors import StoreDamagedError
 from tdstore._format import codec as _codec
 from tdstore._format import integrity as _integrity
 from tdstore._format import row_block as _rows
-from tdstore._format.schema import Header, Leaf, NestedPath, merge_sub
+from tdstore._format.schema import RAGGED, Header, Leaf, NestedPath, merge_sub
 from tdstore._format.segments import Segments, segment_length
 from tdstore._front.progress import progress
 from tdstore._front.upload_scan import LeafScan, scan, scan_dense, scan_lazy, scan_plain, stack_elements
-from tdstore._plan.values import display, gc_paused, subtree_classes, subtree_dims
+from tdstore._plan.values import display, gc_paused, refuse_unshown, subtree_classes, subtree_dims
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -104,6 +104,12 @@ def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, 
                     sub = merge_sub(sub, other)
                 except ValueError as err:
                     raise ValueError(f"{err} (element {i})") from None
+        varying = [p for p, d in sub.items() if RAGGED in d]
+        for i, el in enumerate(elements if varying else []):
+            try:
+                refuse_unshown(el, varying)
+            except ValueError as err:
+                raise ValueError(f"{err} (element {i})") from None
     return sub
 
 

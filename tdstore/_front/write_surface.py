@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
-from tdstore._format.schema import Header, NestedPath
+from tdstore._format.schema import RAGGED, Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, only_keys, refuse_ellipsis_into_features
 from tdstore._front.identity import StoreIdentity
 from tdstore._plan import element_write as _element_write
 from tdstore._plan import index as _index
 from tdstore._plan import write_plan as _writes
-from tdstore._plan.values import as_path, display, leaves_of, subtree_conflicts, subtree_layout
+from tdstore._plan.values import as_path, display, leaves_of, refuse_unshown, subtree_conflicts, subtree_layout
 
 
 class WriteSurface(StoreIdentity):
@@ -91,7 +91,10 @@ class WriteSurface(StoreIdentity):
         if isinstance(sub_from, TensorDictBase) and (new or h.sub):
             # the value's sub-trees: their batch dims (a chat's number of messages) and tensorclasses
             sub = subtree_layout(sub_from, sub_from.batch_dims, self._under)
-            conflict = bool(subtree_conflicts(h.sub, sub))  # other dims than the store's: a schema change
+            conflicts = subtree_conflicts(h.sub, sub)  # other dims than the store's: a schema change
+            varying = [p for p in sub if p in conflicts or RAGGED in h.sub.get(p, ())]
+            refuse_unshown(sub_from, varying, self._under)  # each element's dims must show in its leaves
+            conflict = bool(conflicts)
         replace = whole and not in_place and not locked  # a set() of whole keys may change their dtype or shape
         one = not new and not replace and not conflict
         self._run_write(stack_index, self._stack_values(items, whole), replace=replace, sub=sub, one_element=one)

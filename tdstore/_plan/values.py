@@ -279,6 +279,19 @@ def _dim_carriers(td: Any, prefix: NestedPath) -> set[NestedPath]:
     return out
 
 
+def refuse_unshown(td: Any, paths: Any, prefix: NestedPath = ()) -> None:
+    """Refuse (``ValueError``, before anything is written) sub-trees ``paths`` whose batch dims vary
+    between elements when ``td`` holds no leaf under one of them that shows its dims (only
+    ``NonTensorData``, which covers the whole sub-tree): a read could not tell their dims."""
+    carriers = _dim_carriers(td, prefix)
+    for path in paths:
+        if path not in carriers:
+            raise ValueError(
+                f"sub-tree {display(path)!r} has batch dims that differ between elements but holds no tensor or non-tensor "
+                "stack to show them (only values covering it whole); add one, or keep its batch dims the same in every element"
+            )
+
+
 def subtree_conflicts(
     h_sub: Mapping[NestedPath, tuple[int, ...]], sub: Mapping[NestedPath, tuple[int, ...]]
 ) -> dict[NestedPath, tuple[int, ...]]:
