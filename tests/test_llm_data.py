@@ -223,8 +223,8 @@ def test_padded_nested_and_masked_samples_beside_strings_and_chats(one_node):
 def test_a_ragged_lazy_ring_pops_rollouts_in_write_order(one_node):
     items = [rollout(i) for i in range(6)]
     ring = LazyStackedTensorDictStore(count=8, **one_node.kwargs())
-    for i in range(6):
-        ring.extend(lazy_stack([items[i]]))
+    for i in range(6):  # one rollout a call, as a lazy stack or a list (LazyStackStorage takes both)
+        ring.extend(lazy_stack([items[i]]) if i % 2 else [items[i]])
     first = ring.pop(4)
     assert rows(first.td) == rows(lazy_stack(items[:4]))
     assert first.indices.tolist() == [0, 1, 2, 3]
