@@ -98,7 +98,16 @@ def _build(values: Any, inner: tuple[int, ...]) -> Any:
         raise ValueError(f"a stored non-tensor stack does not match the inner batch size {list(inner)}")
     if not values:  # a chat of no messages: nothing below to stack
         return NonTensorData(None, batch_size=[0, *(max(d, 0) for d in inner[1:])])
+    if len(inner) == 1 and _FLAT_STACK is not None and all(type(x) in _FLAT for x in values):
+        # a list of plain values (a chat's roles, contents): tensordict's builder of such a stack, a tenth of
+        # the time of one NonTensorData per value stacked (the same NonTensorStack)
+        return _FLAT_STACK(values, device=None, ndim=1)
     return torch.stack([_build(x, inner[1:]) for x in values])
+
+
+_FLAT = (str, int, float, bool)
+#: tensordict's fast builder of a one-dim stack of plain values (0.15; absent: the general path)
+_FLAT_STACK = getattr(NonTensorStack, "_from_list", None)
 
 
 def decode(raw: bytes | bytearray | memoryview | torch.Tensor, inner: tuple[int, ...]) -> Any:
