@@ -376,3 +376,20 @@ def test_a_varying_sub_tree_that_cannot_show_its_dims_is_refused_before_anything
     with pytest.raises(ValueError, match="holds no tensor or non-tensor stack"):
         store[1] = el(3)
     assert store[1].to_tensordict()["x"].batch_size == (2,)
+
+
+def test_a_sharded_ragged_buffer_keeps_chats_and_pads_across_shards(redis_cluster):
+    items = [rollout(i) for i in range(9)]
+    rb = replay_buffer(12, ragged=True, batch_size=4, url=redis_cluster.url, spread=True, prefix="llm-sharded")
+    rb.extend(items[:1])
+    rb.extend(items[1:4])
+    rb.extend(items[4:])
+    assert sorted(map(str, rows(rb[:]))) == sorted(map(str, rows(lazy_stack(items))))
+    by_prompt = {it["prompt"]: row_view(it) for it in items}
+    for _ in range(3):  # rows of several shards, each padded to its own longest: joined, then padded once
+        got = rb.storage._store.sample(6, as_padded_tensor=True, return_mask=True).td
+        assert isinstance(got["history"], History) and got["tokens"].shape[0] == 6
+        want = [by_prompt[p] for p in got["prompt"]]
+        assert got["masks", "tokens"].sum(1).tolist() == [len(w["tokens"]) for w in want]
+        assert [list(got["history"][k].content) for k in range(6)] == [w["history"][2] for w in want]
+    rb.storage.delete()
