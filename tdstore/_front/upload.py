@@ -87,8 +87,10 @@ def _scan(td: Any, budget: int) -> Scanned:
         return Scanned(len(elements), stack_dim, inner, leaves, subtree_dims(elements[0], len(inner)), device)
     inner, leaves = scan_lazy(source, elements) if isinstance(source, LazyStackedTensorDict) else scan(elements)
     sub = _subtrees(elements, len(inner))
-    found = [subtree_classes(el) for el in elements]
-    classes = {p: name for p, name in found[0].items() if all(f.get(p) == name for f in found)} if found else {}
+    classes = subtree_classes(elements[0]) if elements else {}
+    for el in elements[1:] if classes else ():  # (the classes all elements agree on: none when the first has none)
+        other = subtree_classes(el)
+        classes = {p: name for p, name in classes.items() if other.get(p) == name}
     return Scanned(len(elements), stack_dim, inner, leaves, sub, getattr(td, "device", None), classes)
 
 
