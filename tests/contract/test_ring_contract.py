@@ -66,7 +66,7 @@ class Kind:
         if self.name.startswith("dense"):
             ring: Any = TensorDictStore(batch_size=[count], **kw)
         else:
-            ring = LazyStackedTensorDictStore(count=count, **kw, **({"spread": True} if self.sharded else {}))
+            ring = (ShardedRing if self.sharded else LazyStackedTensorDictStore)(count=count, **kw)
         assert isinstance(ring, ShardedRing) == self.sharded
         self._made.append(ring)
         return ring
@@ -390,7 +390,7 @@ def test_memory_error_only_when_the_data_would_not_fit(name):
         if name == "dense":
             ring: Any = TensorDictStore(batch_size=[count], url=srv.url)
         else:
-            ring = LazyStackedTensorDictStore(count=count, url=srv.url, **({"spread": True} if name == "sharded" else {}))
+            ring = (ShardedRing if name == "sharded" else LazyStackedTensorDictStore)(count=count, url=srv.url)
         written = 0
         while written < count:
             info = client.info("memory")
