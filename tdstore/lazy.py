@@ -121,7 +121,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         redis_client, spec, owned = open_client(
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
-        if spread is True and shards is None and spec.cluster:
+        if spread is True and shards is None and spec.cluster and _kind == "lazy":  # (a dense store's spread=True: segments)
             if owned:
                 redis_client.close()
             raise TypeError(

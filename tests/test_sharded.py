@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import random
 import time
 
 import pytest
@@ -23,6 +24,7 @@ import tdstore
 from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardedRingIdError, ShardUnavailableError, TensorDictStore
 from tdstore._ring.policy_calls import PrioritizedSample
 from tdstore._shards.layout import WrittenSlots
+from tdstore._shards.shard_writes import place
 from tdstore.cluster_server import EmbeddedCluster
 
 PREFIX = "sharded"
@@ -117,6 +119,81 @@ def test_a_class_call_returns_its_class_and_each_opener_its_kind(redis_cluster):
         ShardedRing.from_store(url=url, prefix=PREFIX, td_id=plain.td_id)
     plain.clear_redis()
     s.clear_redis()
+
+
+def test_a_ring_holds_count_rows_before_one_is_overwritten_whatever_the_extend_sizes(redis_cluster):
+    """Issue 39: ``count=300`` over 3 shards, ten extends of 30 then ``pop(16)`` until empty gave ``QueueOverrunError``
+    (extends went whole to one shard in turn: shard 0 took 120 rows and wrapped while the ring held 270). Now an
+    extend goes whole to a shard whose lap has room, else is cut over the shards (one part each, each atomic on its
+    shard): 300 rows of any extend sizes fill the 300 slots, no generation 2 before then; the pops hand every row
+    out once, in write order within each shard. Then a second lap overwrites each shard's oldest rows evenly."""
+    s = ring(redis_cluster, count=300, shards=3)
+    sizes = [30] * 10 if s.shard_counts == (100, 100, 100) else []
+    assert sizes
+    written: list[torch.Tensor] = []
+    tag = 0
+    for n in sizes:
+        w = s.extend(rows(torch.arange(tag, tag + n)))
+        assert (w.generations == 1).all() and torch.equal(s[w.indices]["tag"], torch.arange(tag, tag + n))
+        written.append(w.indices)
+        tag += n
+    assert sorted(torch.cat(written).tolist()) == list(range(300))  # every slot once: nothing overwritten
+    assert [st.written for st in s.shard_states()] == [100, 100, 100]
+    got, order = [], {k: [] for k in range(3)}
+    while True:
+        try:
+            p = s.pop(16, timeout=0)
+        except TimeoutError:
+            break
+        assert p.indices.numel() <= 16 and whole(p.td)
+        got += p.td["tag"].tolist()
+        for i, t in zip(p.indices.tolist(), p.td["tag"].tolist()):
+            order[int(s._locate(torch.tensor([i]))[0])].append(t)
+    assert sorted(got) == list(range(300))  # each exactly once
+    assert all(tags == sorted(tags) for tags in order.values())  # write order within a shard
+    # odd sizes, the next laps: the shards stay within one lap of each other
+    for i, n in enumerate([7, 150, 1, 99, 43, 300, 2]):
+        s.extend(rows(torch.arange(1000 + 1000 * i, 1000 + 1000 * i + n)))
+        assert lap_spread(s) <= 1, s.shard_states()
+    assert not s._shared
+    # a second handle: each, once it has seen the other's rows, reads the counts before its extends
+    other = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    for i in range(40):
+        (s if i % 2 else other).extend(rows(torch.arange(20_000 + 40 * i, 20_000 + 40 * i + 40)))
+        assert lap_spread(s) <= 1, s.shard_states()
+    assert s._shared and other._shared
+    s.clear_redis()
+
+
+def lap_spread(s: ShardedRing) -> int:
+    """How many laps apart the most and the least written shards are (by their last ring write)."""
+    laps = [(x.write_count - 1) // c for x, c in zip(s.shard_states(), s.shard_counts)]
+    return max(laps) - min(laps)
+
+
+def test_a_cut_extend_places_each_part_by_the_laps():
+    """``place``: whole to the first shard in turn whose lap has room; else each shard takes what its lap holds,
+    then the next lap (a shard at most its count of one call); a shard whose node did not answer gets none."""
+    assert place(30, [0, 0, 0], [100, 100, 100], 1) == [(1, [(0, 30)])]
+    assert place(30, [90, 90, 90], [100, 100, 100], 1) == [(1, [(0, 10)]), (2, [(10, 20)]), (0, [(20, 30)])]
+    assert place(30, [90, 100, 100], [100, 100, 100], 0) == [(0, [(0, 10)]), (1, [(10, 30)])]
+    assert place(250, [90, 95, 100], [100, 100, 100], 0) == [(0, [(0, 10), (15, 105)]), (1, [(10, 15), (105, 200)]), (2, [(200, 250)])]
+    assert place(5, [None, 3, None], [100, 100, 100], 0) == [(1, [(0, 5)])]
+    rng = random.Random(39)
+    for _ in range(300):  # random shard counts and extend sizes: nothing overwritten before count, laps a lap apart
+        counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
+        rw, start, total = [0] * len(counts), rng.randrange(len(counts)), 0
+        for _ in range(20):
+            n = rng.randint(1, sum(counts))
+            plan = place(n, rw, counts, start)
+            assert sorted(i for _, spans in plan for lo, hi in spans for i in range(lo, hi)) == list(range(n))
+            for k, spans in plan:
+                rw[k] += sum(hi - lo for lo, hi in spans)
+            total += n
+            assert total > sum(counts) or all(r <= c for r, c in zip(rw, counts))
+            laps = [(r - 1) // c for r, c in zip(rw, counts) if r]
+            assert not laps or max(laps) - min(laps) <= 1
+            start = (plan[-1][0] + 1) % len(counts)
 
 
 def test_extends_fill_the_shards_evenly(redis_cluster):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A sharded ring (one ring per primary, ``spread=True``) against one ring on one node (issue #29).
+"""A sharded ring (one ring per primary, ``tdstore.ShardedRing``) against one ring on one node (issue #29).
 
 Starts a private three-primary Redis Cluster on loopback and runs two rows, one function each:
 

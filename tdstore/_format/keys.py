@@ -37,7 +37,7 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:c        hash    stats: counters of the ring's work (rows inserted, sampled, popped, acked,
                            ...), added by the scripts that do it (``lua/_lib.lua`` ``tds_stat``), read
                            by ``stats()`` (``_inspect.stats``); deleted with the store
-    P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
+    P:{I}:sh       string  layout of a *sharded* ring (``tdstore.ShardedRing``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
                            after a write, then ``WAIT``; it expires in 2 s

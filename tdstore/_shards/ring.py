@@ -11,9 +11,11 @@ slots and fans calls out.
 
 - **Slots.** One global numbering: shard ``k`` holds slots ``offset[k] .. offset[k] + count[k] - 1``
   (counts differ by at most one). Generations are the shard's.
-- **extend.** A batch goes whole to one shard (a batch larger than a shard is cut, one piece per
-  shard, the pieces sent at once), the shards taken in turn by each handle from a random start,
-  so that writers fill them evenly (each shard gets one batch in ``K`` of every writer).
+- **extend.** The shards fill in laps (none overwrites its oldest row before every shard has ended its
+  lap), so the ring holds ``count`` rows before one is overwritten, whatever the extend sizes. A batch
+  goes whole to a shard whose lap has room for it, the shards taken in turn by each handle from a
+  random start; else it is cut over the shards, one part per shard, each atomic on its shard, sent at
+  once (``shard_writes.place``; what a reader sees between the parts: ``tdstore.Ring.extend``).
 - **sample.** Exactly the one-node distribution: the shards' sizes (uniform) or priority masses
   (the roots of their sum trees, ``sum priority ** alpha``) are read in one parallel round trip
   (skipped for a uniform sample once every shard is full: a full ring stays full), ``B`` is
@@ -149,6 +151,8 @@ class ShardedRing(ShardWrites, ShardSampling):
         self._cached = None  # a prioritized sample's shard masses, for the next one's split (see sample.py)
         self._ratio = 1.0
         self._next = random.randrange(len(shards))  # this handle's next shard to extend
+        self._rw = None  # each shard's ring writes as this handle last saw them (shard_writes.place)
+        self._shared = False  # whether other handles' writes were seen (then the counts are read before each extend)
         self._pop_next = random.randrange(len(shards))
 
     @classmethod
