@@ -176,7 +176,8 @@ def test_a_cut_extend_places_each_part_by_the_laps():
     then the next lap (a shard at most its count of one call); a shard whose node did not answer gets none."""
     assert place(30, [0, 0, 0], [100, 100, 100], 1) == [(1, [(0, 30)])]
     assert place(30, [90, 90, 90], [100, 100, 100], 1) == [(1, [(0, 10)]), (2, [(10, 20)]), (0, [(20, 30)])]
-    assert place(30, [90, 100, 100], [100, 100, 100], 0) == [(0, [(0, 10)]), (1, [(10, 30)])]
+    assert place(30, [90, 100, 100], [100, 100, 100], 0) == [(0, [(0, 30)])]  # its lap's 10, then the next lap's 20
+    assert place(30, [90, 100, 100], [100, 100, 100], 1) == [(0, [(0, 10)]), (1, [(10, 30)])]
     assert place(250, [90, 95, 100], [100, 100, 100], 0) == [(0, [(0, 10), (15, 105)]), (1, [(10, 15), (105, 200)]), (2, [(200, 250)])]
     assert place(5, [None, 3, None], [100, 100, 100], 0) == [(1, [(0, 5)])]
     rng = random.Random(39)

@@ -226,7 +226,8 @@ def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
         assert sorted(got) == sorted(t for k in range(3) if k != down for t in (10 * k, 10 * k + 1))
         for name, call in (
             ("pop", lambda: s.pop(1, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", down), s.extend(rows(torch.arange(2)), timeout=2))),
+            # (pinned to the down shard: placing by the counts it read, the handle would take a shard that is up)
+            ("extend", lambda: (setattr(s, "_next", down), setattr(s, "_rw", [2, 2, 2]), s.extend(rows(torch.arange(2)), timeout=2))),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
             t0 = time.monotonic()
@@ -236,6 +237,8 @@ def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
             assert took < 2 + SLACK_S, f"{name}(timeout=2) took {took:.2f} s"
             if name == "pop":
                 assert f"shards [{down}]" in str(err.value), err.value
+        w = s.extend(rows(torch.arange(50, 52)), timeout=2)  # not pinned: placed on a shard that answered
+        assert down not in s._locate(w.indices).tolist()
         s.close()
 
 

@@ -350,8 +350,8 @@ def test_a_resent_call_takes_effect_once(kind, monkeypatch):
         if kind.sharded:
             ring._next = 0  # a resend goes where its call went: the same shard
         first = ring.extend(rows(torch.arange(3)))
-        if kind.sharded:
-            ring._next = 0
+        if kind.sharded:  # as before the first call: its shard and the counts it was placed by
+            ring._next, ring._rw = 0, [0] * len(ring.shards)
         again = ring.extend(rows(torch.arange(3)))
         monkeypatch.undo()
     assert torch.equal(first.indices, again.indices) and torch.equal(first.generations, again.generations)
