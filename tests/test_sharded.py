@@ -180,6 +180,9 @@ def test_a_cut_extend_places_each_part_by_the_laps():
     assert place(30, [90, 100, 100], [100, 100, 100], 1) == [(0, [(0, 10)]), (1, [(10, 30)])]
     assert place(250, [90, 95, 100], [100, 100, 100], 0) == [(0, [(0, 10), (15, 105)]), (1, [(10, 15), (105, 200)]), (2, [(200, 250)])]
     assert place(5, [None, 3, None], [100, 100, 100], 0) == [(1, [(0, 5)])]
+    assert place(100, [0, 0, 0], [800] * 3, 2, part_rows=40) == [(2, [(0, 40)]), (0, [(40, 80)]), (1, [(80, 100)])]
+    # a lap with too little room for parts of 40: larger parts, still no shard into its next lap before the others
+    assert place(100, [0, 0, 790], [800] * 3, 2, part_rows=40) == [(2, [(0, 10)]), (0, [(10, 50), (90, 100)]), (1, [(50, 90)])]
     rng = random.Random(39)
     for _ in range(300):  # random shard counts and extend sizes: nothing overwritten before count, laps a lap apart
         counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
@@ -195,6 +198,31 @@ def test_a_cut_extend_places_each_part_by_the_laps():
             laps = [(r - 1) // c for r, c in zip(rw, counts) if r]
             assert not laps or max(laps) - min(laps) <= 1
             start = (plan[-1][0] + 1) % len(counts)
+
+
+def test_150_mib_fit_on_three_64_mb_nodes_with_default_segments():
+    """Issue 39's second case: 2,400 rows of 64 KiB (150 MiB) on three 64 MB ``noeviction`` primaries, default
+    segments, extends of 100 rows: every extend fits (it raised MemoryError at 2,100 rows). Two causes, in
+    numbers: a 4 MiB segment blob (64 rows) took 5 MiB of the server (its allocator's size class), so 800 rows
+    a node needed 13 x 5 MiB = 68.2 MB > 67.1 MB; segments are now a few bytes short of 4 MiB (63 rows: 13 x
+    4 MiB = 54.5 MB). And the server holds a call's arguments twice while it runs (the argument, and a query
+    buffer of its size made ready for the next one): a 6.5 MB extend needed 14.7 MB free on a node holding
+    52.6 MB; an extend is now cut over the shards in parts of at most a segment when their laps have room.
+    A write whose data would not fit (39 MB more on nodes with about 10 MB free each) is still refused, nothing written."""
+    args = ("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")
+    with EmbeddedCluster(extra_args=args) as cluster:
+        s = ShardedRing(count=2400, url=cluster.url, prefix="mem")
+        assert s.shard_counts == (800, 800, 800)
+        for lo in range(0, 2400, 100):
+            w = s.extend(TensorDict(tag=torch.arange(lo, lo + 100), obs=torch.zeros(100, 1 << 14), batch_size=[100]))
+            assert (w.generations == 1).all()
+        assert [st.written for st in s.shard_states()] == [800, 800, 800]
+        assert sorted(s["tag"].tolist()) == list(range(2400))
+        other = ShardedRing(count=600, url=cluster.url, prefix="mem")  # 39 MB more, 13 MB a node: no node has that free
+        with pytest.raises(MemoryError):
+            other.extend(TensorDict(tag=torch.arange(600), obs=torch.zeros(600, 1 << 14), batch_size=[600]))
+        assert other.write_count == 0 and s.write_count == 2400
+        s.close()
 
 
 def test_extends_fill_the_shards_evenly(redis_cluster):

@@ -82,7 +82,8 @@ class ShardWrites(ShardQueue):
                 start, self._rw = self._admitting(n, deadline)  # the least written shard that admits it: fresh counts
             else:
                 self._rw = [None if h is None else h.get("rw") for h in self._heads()]
-        plan = place(n, self._rw if self._rw is not None else [None] * len(self._shards), self._layout.counts, start)
+        counts_seen: list[int | None] = self._rw if self._rw is not None else [None] * len(self._shards)
+        plan = place(n, counts_seen, self._layout.counts, start, self._part_rows(td, n))
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         jobs, order = [], []
         for k, spans in plan:
@@ -110,6 +111,20 @@ class ShardWrites(ShardQueue):
         if known is not None and any(v is None for v in known):
             self._rw = None  # a shard did not answer (or may not have run its part): read the counts again next time
         return _whole(parts, order, n)
+
+    def _part_rows(self, td: TensorDictBase, n: int) -> int:
+        """The most rows of ``td`` one shard's part should carry: a segment's worth of bytes (``segment_bytes``,
+        4 MiB by default), at least ``n / K`` (so ``K`` parts hold the batch). The server holds a call's
+        arguments twice while it runs (a large argument, and a query buffer of its size made ready for the
+        next one, kept until the connection idles), so a node near ``maxmemory`` refuses a call of more than
+        half its free bytes: a batch cut over the shards in parts of at most a segment fits where it would not
+        whole (issue 39: extends of 100 rows of 64 KiB on 64 MB nodes)."""
+        try:
+            row_bytes = max(1, int(td.bytes()) // n)
+        except Exception:  # noqa: BLE001 - a batch whose size tensordict cannot tell (non-tensor data): no cap
+            return n
+        segment = self._shards[0]._engine.segment_size
+        return max(1, segment // row_bytes, -(-n // len(self._shards)))
 
     def _extend_one(self, k: int, piece: TensorDictBase, priority: Any, timeout: float | None) -> RingWrite | AmbiguousTimeoutError:
         """Shard ``k``'s part of an extend, at global slots. A part that may have run is returned as its
@@ -248,7 +263,9 @@ def _writes_after(w: RingWrite, offset: int, count: int) -> int:
     return (int(w.generations[-1]) - 1) * count + last + 1
 
 
-def place(n: int, writes: Sequence[int | None], counts: Sequence[int], start: int) -> list[tuple[int, list[tuple[int, int]]]]:
+def place(
+    n: int, writes: Sequence[int | None], counts: Sequence[int], start: int, part_rows: int | None = None
+) -> list[tuple[int, list[tuple[int, int]]]]:
     """Which shard takes which rows of an extend of ``n`` rows: ``[(shard, [(lo, hi), ...]), ...]``, each
     shard once, its rows in order, by the shards' ring write counts ``writes`` (None: unknown, its node did
     not answer: given rows only if no other shard can take them) and slot ``counts``.
@@ -259,7 +276,9 @@ def place(n: int, writes: Sequence[int | None], counts: Sequence[int], start: in
     its oldest rows (each shard's oldest, the shards a lap apart at most). The rows go whole to the first
     shard, in turn from ``start``, whose lap has room for them; else they are cut: each shard in turn takes
     what its lap has room for, and once every lap is full the next lap is started the same way (a shard
-    takes at most ``counts[k]`` rows of one call)."""
+    takes at most ``counts[k]`` rows of one call). ``part_rows``: a shard's part holds at most that many rows
+    while the shards' laps have room for the batch in such parts (a call's bytes in flight per node; see
+    ``ShardWrites._part_rows``); None: no such bound."""
     k_total = len(counts)
     order = [(start + i) % k_total for i in range(k_total)]
     known = [k for k in range(k_total) if writes[k] is not None]
@@ -268,8 +287,9 @@ def place(n: int, writes: Sequence[int | None], counts: Sequence[int], start: in
     rw = {k: int(writes[k] or 0) for k in known}
     lap = min(rw[k] // counts[k] for k in known) + 1
     room = {k: max(0, lap * counts[k] - rw[k]) for k in known}
+    cap = n if part_rows is None else max(1, part_rows)
     for k in order:
-        if k in room and room[k] >= n:
+        if k in room and room[k] >= n and n <= cap:
             return [(k, [(0, n)])]
     parts: dict[int, list[tuple[int, int]]] = {}
     taken = dict.fromkeys(range(k_total), 0)
@@ -279,7 +299,7 @@ def place(n: int, writes: Sequence[int | None], counts: Sequence[int], start: in
         for k in order:
             if k not in room:
                 continue
-            take = min(room[k], n - at, counts[k] - taken[k])
+            take = min(room[k], n - at, counts[k] - taken[k], cap - taken[k])
             if take > 0:
                 spans = parts.setdefault(k, [])
                 if spans and spans[-1][1] == at:
@@ -289,6 +309,9 @@ def place(n: int, writes: Sequence[int | None], counts: Sequence[int], start: in
                 at, rw[k], room[k], taken[k], moved = at + take, rw[k] + take, room[k] - take, taken[k] + take, True
                 if at == n:
                     break
+        if not moved and cap < n and all(taken[k] >= min(cap, counts[k]) or room[k] == 0 for k in known) and any(room.values()):
+            cap = n  # the parts are as large as they may be and rows are left: larger parts
+            continue
         if not moved:  # every lap full (or its shards took all they may in one call): the next lap
             lap += 1
             room = {k: max(0, lap * counts[k] - rw[k]) for k in known}
