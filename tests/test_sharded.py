@@ -836,6 +836,17 @@ def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
     s.clear_redis()
 
 
+def test_the_demo_refuses_sharded_without_a_cluster_or_replay(capsys):
+    from tdstore.cli import main
+
+    for argv, message in (
+        (["demo", "--sharded", "--replay"], "--sharded makes a sharded ring over a Redis Cluster"),
+        (["demo", "--sharded", "--cluster"], "--sharded runs the replay demo on a sharded ring"),
+    ):
+        assert main([*argv, "--no-progress"]) == 2, argv
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_replay_on_a_sharded_ring(redis_cluster):
     """``tdstore demo --cluster --sharded --replay``: actors and a learner on a sharded, prioritized, rate-limited buffer."""
