@@ -209,7 +209,11 @@ def _node_down(env: Env, s: ShardedRing, c: int) -> Check:
         ok = sorted(got) == sorted(30_000 + 10 * k + d for k in range(len(s.shards)) if k != c for d in (0, 1))
         for name, call in (
             ("pop", lambda: s.pop(1, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", c), s.extend(_rows(torch.arange(2)), timeout=2))),
+            # pinned to the down shard (placing by the counts it reads, the handle would take one that is up)
+            (
+                "extend",
+                lambda: (setattr(s, "_next", c), setattr(s, "_rw", [2] * len(s.shards)), s.extend(_rows(torch.arange(2)), timeout=2)),
+            ),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
             t0 = time.monotonic()
