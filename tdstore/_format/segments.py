@@ -124,9 +124,12 @@ ALLOC_SLACK_FROM = 1 << 16
 
 def segment_length(count: int, element_bytes: int, segment_bytes: int) -> int:
     """Elements per segment for elements of at most ``element_bytes`` in their largest leaf (the blob at
-    most ``segment_bytes`` less :data:`ALLOC_SLACK`); 0 when one segment holds them all."""
-    room = segment_bytes - ALLOC_SLACK if segment_bytes >= ALLOC_SLACK_FROM else segment_bytes
-    per = max(1, room // max(1, element_bytes))
+    most ``segment_bytes`` less :data:`ALLOC_SLACK` when a segment holds 16 elements or more); 0 when one
+    segment holds them all."""
+    whole = max(1, segment_bytes // max(1, element_bytes))
+    short = max(1, (segment_bytes - ALLOC_SLACK) // max(1, element_bytes))
+    # a row less costs at most 1/16 of the segment here, against the quarter an allocator's size class may add
+    per = short if segment_bytes >= ALLOC_SLACK_FROM and whole >= 16 else whole
     return 0 if per >= count else per
 
 
