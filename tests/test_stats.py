@@ -50,7 +50,9 @@ def test_counting_costs_no_round_trip(real):
     ring.extend(rows(100, 64))  # full: a uniform sample is one transaction of GETRANGEs, its counter inside it
     ring.sample(8)
     top = top_level_commands(real.client, lambda: ring.sample(8))
-    assert round_trips(top) == ["transaction"] and "hincrby" in top, top
+    assert round_trips(top) == ["transaction"] and "bitfield" in top and "eval" in top, top  # lua/sampled.lua (its text, once)
+    assert "hincrby" in top_level_commands(real.client, lambda: ring.sample(8), lua=True)
+    assert "evalsha" in top_level_commands(real.client, lambda: ring.sample(8))  # then by its sha
     ring.clear_redis()
 
 
@@ -107,6 +109,144 @@ def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
     st = ring.stats()
     assert st["held_writes"] >= 1 and st["held_writes_ms"] >= 300
     assert st["held_pops_ms"] >= 300 and st["held_samples_ms"] == 0
+    ring.clear_redis()
+
+
+# -- distinct rows sampled, and the stats keys' time to live ---------------------------------------------
+
+
+class _Model:
+    """What ``distinct_sampled`` and ``overwritten_unsampled`` must say: each slot's row, sampled since written or not."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.rw, self.sampled = count, 0, [False] * count
+        self.over_sampled = self.over_unsampled = 0
+
+    def extend(self, n: int) -> None:
+        for w in range(self.rw, self.rw + n):
+            if w >= self.count:  # overwrites the row of ring write w - count
+                if self.sampled[w % self.count]:
+                    self.over_sampled += 1
+                else:
+                    self.over_unsampled += 1
+            self.sampled[w % self.count] = False
+        self.rw += n
+
+    def sample(self, slots: list[int]) -> None:
+        for s in slots:
+            self.sampled[s] = True
+
+    def check(self, st: dict) -> None:
+        resident = sum(self.sampled)
+        assert (st["sampled_resident"], st["overwritten_unsampled"]) == (resident, self.over_unsampled), st
+        assert st["distinct_sampled"] == self.over_sampled + resident
+
+
+@pytest.mark.parametrize("policy", ["none", "limiter"])  # direct writes and uniform draws, or write.lua and the 'P' op
+def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
+    """Ring writes of every length (wrapping, cutting bytes of the bitmap anywhere) between samples of a half-full
+    and a full ring (read.lua, then a transaction), against a model of each slot."""
+    count = 37  # not a multiple of 8: every bit position of a byte starts and ends some write
+    ring = LazyStackedTensorDictStore(count=count, **backend.kwargs())
+    if policy == "limiter":
+        ring.set_rate_limit(min_size=1)
+    model = _Model(count)
+    gen = torch.Generator().manual_seed(7)
+    for step, n in enumerate([5, 3, 9, 1, 8, 16, 37, 2, 30, 7, 11, 36, 4]):
+        ring.extend(rows(100 * step, n))
+        model.extend(n)
+        got = ring.sample(int(torch.randint(1, 40, (1,), generator=gen)), generator=gen)
+        model.sample(got.indices.tolist())
+        model.check(ring.stats())
+    st = ring.stats()
+    assert st["inserted"] == model.rw and st["sampled"] > 0
+    assert st["age_policy_versions"] is None  # rows carry no policy version yet (issue 40)
+    ring.clear_redis()
+    client = backend.client()
+    assert not client.exists(ring._engine.keys.sampled_rows) and not client.exists(ring._engine.keys.stats)
+
+
+def _deadlines(client, ring) -> tuple[int, int]:
+    keys = ring._engine.keys
+    return client.pttl(keys.stats), client.pttl(keys.sampled_rows)
+
+
+@pytest.mark.parametrize("first", ["upload", "extend", "limiter"])
+def test_the_stats_keys_get_the_store_time_to_live_whatever_call_makes_them(backend, first):
+    """A store made with ``ttl=``: the stats hash and the bitmap expire with it, made by a full ring's sample read
+    as a transaction (the first counted call of an uploaded ring), a direct extend and read.lua's uniform draws,
+    or write.lua and the sampling policy's draws."""
+    if backend.name == "cluster" and first == "upload":
+        pytest.skip("a sharded ring is made otherwise (test_sharded)")
+    client = backend.client()
+    if first == "upload":
+        ring = LazyStackedTensorDictStore.from_lazy_stack(torch.stack([rows(i, 1)[0] for i in range(12)]), ttl=600, **backend.kwargs())
+    else:
+        ring = LazyStackedTensorDictStore(count=12, ttl=600, **backend.kwargs())
+        if first == "limiter":
+            ring.set_rate_limit(min_size=1)
+        ring.extend(rows(0, 12))
+    if isinstance(ring, ShardedRing):
+        pytest.skip("a sharded ring has no time to live")
+    ring.sample(6)
+    ring.extend(rows(20, 5))  # overwrites: clears bits
+    ring.sample(6)
+    hash_ms, bits_ms = _deadlines(client, ring)
+    assert 0 < hash_ms <= 600_000 and 0 < bits_ms <= 600_000, (hash_ms, bits_ms)
+    assert ring.stats()["distinct_sampled"] >= 1
+    ring.clear_redis()
+
+
+def test_a_transaction_sample_is_counted_once_after_the_scripts_were_flushed(real):
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.sample(4)
+    ring.sample(4)  # a full ring: a transaction of GETRANGEs, its counting script at the end
+    before = ring.stats()["sampled"]
+    real.client().script_flush()
+    top = top_level_commands(real.client, lambda: ring.sample(5))
+    assert "exec" in top and ring.stats()["sampled"] == before + 5  # run again through the script path, once
+    ring.clear_redis()
+
+
+def test_the_counting_script_of_a_transaction_leaves_nothing_for_a_store_that_is_gone(real):
+    from tdstore._engine import scripts
+
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    keys = ring._engine.keys
+    ring.clear_redis()
+    client = real.client()
+    client.setbit(keys.sampled_rows, 3, 1)  # what the transaction's BITFIELD made just before
+    reply = scripts.call(client, "sampled", [keys.meta, keys.stats, keys.sampled_rows], [4])
+    assert reply == [b"GONE"] and not client.exists(keys.sampled_rows) and not client.exists(keys.stats)
+
+
+def test_readers_held_time_and_the_priority_summary(real):
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    other = LazyStackedTensorDictStore(count=8, td_id=ring.td_id, **real.kwargs())
+    ring.set_rate_limit(min_size=4)
+    ring.extend(rows(0, 2))
+    done = threading.Event()
+
+    def later() -> None:
+        end = time.monotonic() + HANG
+        while other.stats()["held_samples"] < 1:  # the sample was answered WAIT: it is held from before now
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        time.sleep(0.3)  # so it is held at least this long
+        other.extend(rows(2, 2))
+        done.set()
+
+    t = threading.Thread(target=later)
+    t.start()
+    ring.sample(2, timeout=HANG)  # held by min_size until the extend
+    t.join()
+    st = ring.stats()
+    assert done.is_set() and st["held_samples_ms"] >= 299 and st["held_samples"] >= 1  # (whole ms)
+    ring.enable_priorities(1.0)
+    ring.update_priority(torch.tensor([0, 1]), torch.tensor([5.0, 3.0]))
+    pr = ring.stats()["priority"]
+    assert pr["alpha"] == 1.0 and pr["max_priority"] == 5.0 and pr["total"] == pytest.approx(5.0 + 3.0 + 2 * 1.0)
     ring.clear_redis()
 
 
