@@ -260,31 +260,32 @@ def _cli(*argv: str, **kw) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def busy(real):
-    """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled, 5 popped."""
+    """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled (the distinct rows among
+    them: the third item), 5 popped."""
     ring = LazyStackedTensorDictStore(count=48, td_id="busy-ring", **real.kwargs())
     ring.extend(rows(0, 20))
     ring.extend(rows(20, 20))
-    ring.sample(16)
-    ring.sample(8)
+    drawn = {int(i) for n in (16, 8) for i in ring.sample(n).indices}
     ring.pop(5)
     ring.set_rate_limit(min_size=4)
-    yield real, ring
+    yield real, ring, len(drawn)
     ring.clear_redis()
 
 
 def test_top_once_prints_one_frame_with_rates(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     got = _cli("top", "--once", "--interval", "0.3", "--url", real.server.url, "--prefix", real.prefix)
     assert got.returncode == 0, got.stderr
     lines = got.stdout.splitlines()
     assert "1 stores under prefix" in lines[0] and "FILL" in lines[1] and "INS/S" in lines[1]
     row = lines[2].split()
     assert row[0] == "busy-ring" and row[2] == "40/48" and row[3] == "0.0"  # nothing inserted during the interval
+    assert _column(got.stdout, "busy-ring", "DISTINCT") == str(distinct) and _column(got.stdout, "busy-ring", "UNSAMPLED") == "0"
     assert "ok" in lines[2]  # the limiter (min_size 4) lets samples through
 
 
 def test_metrics_once_is_prometheus_text(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     got = _cli("metrics", "--once", "--url", real.server.url, "--prefix", real.prefix)
     assert got.returncode == 0, got.stderr
     samples, types = _parse_exposition(got.stdout)
@@ -293,6 +294,8 @@ def test_metrics_once_is_prometheus_text(busy):
     assert samples[f"tdstore_sampled_total{{{labels}}}"] == 24.0
     assert samples[f"tdstore_popped_total{{{labels}}}"] == 5.0
     assert samples[f"tdstore_capacity{{{labels}}}"] == 48.0
+    assert samples[f"tdstore_distinct_sampled_total{{{labels}}}"] == distinct == samples[f"tdstore_sampled_resident{{{labels}}}"]
+    assert samples[f"tdstore_overwritten_unsampled_total{{{labels}}}"] == 0.0 and types["tdstore_distinct_sampled_total"] == "counter"
     assert types["tdstore_inserted_total"] == "counter" and types["tdstore_written"] == "gauge"
 
 
@@ -317,7 +320,7 @@ def _parse_exposition(text: str) -> tuple[dict[str, float], dict[str, str]]:
 
 
 def test_metrics_served_over_http(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "tdstore", "metrics", "--port", "0", "--url", real.server.url, "--prefix", real.prefix]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -339,13 +342,17 @@ def test_metrics_served_over_http(busy):
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux): top's live view is tested in it")
 def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
-    real, ring = busy
+    real, ring, distinct = busy
     sock, session, done = f"tdstore-test-{uuid.uuid4().hex[:8]}", "top", tmp_path / "exit-code"
     command = f"PYTHONPATH={REPO} {sys.executable} -m tdstore top --url {real.server.url} --prefix {real.prefix}; echo $? > {done}"
     tmux = ["tmux", "-L", sock]  # a private tmux server: nobody else's sessions
     subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", session, command], check=True, timeout=HANG)
     try:
-        _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+0\.0", s) is not None)  # rates: none yet
+        screen = _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+0\.0", s) is not None)  # rates: none yet
+        assert _column(screen, "busy-ring", "DISTINCT") == str(distinct) and _column(screen, "busy-ring", "UNSAMPLED") == "0"
+        ring.extend(rows(100, 48))  # every row overwritten: those never sampled are counted
+        unsampled = str(40 - distinct)  # rows 0..39 overwritten (slots 40..47 held none), those sampled are not counted
+        _screen_once(tmux, session, lambda s: _column(s, "busy-ring", "UNSAMPLED") == unsampled)
         ring.extend(rows(0, 10))  # the next frame shows inserts per second (the frame stays a second)
         _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+([1-9]\d*\.\d|0\.[1-9])", s) is not None)
         subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True, timeout=HANG)
@@ -356,6 +363,20 @@ def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
         assert done.read_text().strip() == "0"
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=HANG)
+
+
+def _column(screen: str, store: str, name: str) -> str | None:
+    """The cell under the header ``name`` in the row of ``store`` on a screen of ``top`` (cells: runs without two spaces)."""
+    lines = screen.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("STORE")), None)
+    if head is None:
+        return None
+    names = re.split(r"\s{2,}", lines[head].strip())
+    for line in lines[head + 1 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] == store and len(cells) == len(names):
+            return cells[names.index(name)]
+    return None
 
 
 def _screen_once(tmux: list[str], session: str, ok) -> str:

@@ -107,9 +107,7 @@ def _text(v: Any) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def summarize(
-    raw: dict, head: list, root: bytes, leased: int, awaiting: int, waiting: int | None, resident: int = 0
-) -> dict[str, Any]:
+def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, waiting: int | None, resident: int = 0) -> dict[str, Any]:
     """The dict :func:`read` returns, from its replies: the stats hash, the header fields :data:`_HEAD`, the
     last 16 bytes of the priority tree (its root), items leased and awaiting redelivery, subscribers, the
     bits set in the sampled-rows bitmap."""

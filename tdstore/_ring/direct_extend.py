@@ -105,8 +105,8 @@ def _aside_writes(
     engine: Any, kt: Any, ops: list[list[Any]], count: int, s0: int, n: int
 ) -> tuple[list[str], list[int], list[tuple[str, int, memoryview]]]:
     """The keys of a direct ring write (the header, the inventory, the reply cache, then each leaf's blob
-    and its aside key, then the stats hash and the sampled-rows bitmap), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into
-    the aside keys (two per leaf when the rows wrap around the ring)."""
+    and its aside key, then the stats hash and the sampled-rows bitmap), each blob's full size, and the
+    SETRANGEs of the ``n`` rows from slot ``s0`` into the aside keys (two per leaf when the rows wrap around the ring)."""
     first = min(n, count - s0)
     keys: list[str] = [engine.keys.meta, engine.keys.inventory, engine.keys.replies]
     sizes: list[int] = []
