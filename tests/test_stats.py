@@ -92,7 +92,11 @@ def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
 
     def later(call) -> threading.Thread:
         def run() -> None:
-            time.sleep(0.3)  # the held call waits at least this long: it goes on only after this call
+            end = time.monotonic() + HANG
+            while not ring.stats()["waiting"]:  # the held call was answered WAIT and waits on the store's channel
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            time.sleep(0.3)  # so it waits at least this long: it goes on only after this call
             call()
 
         t = threading.Thread(target=run)
