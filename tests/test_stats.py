@@ -164,7 +164,7 @@ def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
         model.check(ring.stats())
     st = ring.stats()
     assert st["inserted"] == model.rw and st["sampled"] > 0
-    assert st["age_policy_versions"] is None  # rows carry no policy version yet (issue 40)
+    assert st["age_policy_versions"] is None  # rows carry no policy version yet
     ring.clear_redis()
     client = backend.client()
     assert not client.exists(ring._engine.keys.sampled_rows) and not client.exists(ring._engine.keys.stats)

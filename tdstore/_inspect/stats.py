@@ -68,7 +68,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
 #: Counters made from a counter and a gauge: rows sampled at least once, those overwritten and those the ring holds.
 DERIVED = ("distinct_sampled",)
 
-#: Where the age of sampled rows in policy versions goes (issue 40: rows do not carry a policy version yet): the
+#: Where the age of sampled rows in policy versions goes (rows do not carry a policy version yet): the
 #: stats key, always None until read.lua counts it, as it counts the age in ring writes.
 POLICY_AGE = "age_policy_versions"
 
