@@ -49,6 +49,7 @@ SCRIPT_NAMES = (
     "ack",
     "restore",
     "marks",
+    "trajectories",
     "sampled",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
@@ -57,6 +58,9 @@ USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
 #: Scripts that also get the lease table's helpers (``lua/_lease.lua``), after the others.
 LEASE_LIBRARY = "_lease"
 USES_LEASE = frozenset({"read", "ack"})
+#: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
+EPISODES_LIBRARY = "_episodes"
+USES_EPISODES = frozenset({"read", "write", "trajectories"})
 #: Scripts that also get the sampled-rows bitmap's helpers (``lua/_seen.lua``: distinct rows sampled), after the others.
 SEEN_LIBRARY = "_seen"
 USES_SEEN = frozenset({"read", "write", "direct"})
@@ -93,6 +97,8 @@ def script_source(name: str) -> tuple[str, str]:
     libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
     if name in USES_LEASE:
         libraries.append(LEASE_LIBRARY)
+    if name in USES_EPISODES:
+        libraries.append(EPISODES_LIBRARY)
     if name in USES_SEEN:
         libraries.append(SEEN_LIBRARY)
     # only the helpers the script uses: every call makes each top-level helper again (see _engine.script_text)

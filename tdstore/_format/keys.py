@@ -37,6 +37,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:c        hash    stats: counters of the ring's work (rows inserted, sampled, popped, acked,
                            ...), added by the scripts that do it (``lua/_lib.lua`` ``tds_stat``), read
                            by ``stats()`` (``_inspect.stats``); deleted with the store
+    P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
+                           length of each trajectory the ring holds (see ``lua/_episodes.lua``)
     P:{I}:cs       string  stats: one bit per slot, set when the row in the slot is sampled, cleared when a
                            ring write overwrites it (``lua/_seen.lua``): distinct rows sampled
     P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
@@ -244,6 +246,12 @@ class StoreKeys:
         return f"{self.base}:c"
 
     @property
+    def episodes(self) -> str:
+        """A ring with trajectories: its episode index (a zset: member a trajectory's first write number,
+        score its length in rows; ``lua/_episodes.lua``), kept by every ring write."""
+        return f"{self.base}:j"
+
+    @property
     def sampled_rows(self) -> str:
         """One bit per slot: whether the row in the slot was sampled since it was written (``lua/_seen.lua``),
         set by the sampling call, cleared by the ring write that overwrites the slot; ``stats()`` counts them."""
@@ -251,10 +259,10 @@ class StoreKeys:
 
     @property
     def side_keys(self) -> list[str]:
-        """The keys of the store beside its data (:attr:`lease_keys`, then :attr:`stats` and :attr:`sampled_rows`),
-        not measured as the data's strings: calls on the whole store (delete, copy, time to live) add them to
-        :meth:`all_keys`."""
-        return [*self.lease_keys, self.stats, self.sampled_rows]
+        """The keys of the store beside its data (:attr:`lease_keys`, then :attr:`stats`, :attr:`episodes` and
+        :attr:`sampled_rows`), not measured as the data's strings: calls on the whole store (delete, copy, time to
+        live) add them to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats, self.episodes, self.sampled_rows]
 
     @property
     def sampling_keys(self) -> list[str]:
@@ -268,7 +276,7 @@ class StoreKeys:
         (``_format.integrity.WrongTypeError``)."""
         if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
             return "hash"
-        if key in self.lease_keys:
+        if key in self.lease_keys or key == self.episodes:
             return "zset"
         if key == self.registry:
             return "set"
