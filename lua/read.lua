@@ -293,7 +293,7 @@ for _ = 1, nops do
       rows[j] = tds_u64(packed[j], 1)
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)

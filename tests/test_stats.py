@@ -170,6 +170,18 @@ def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
     assert not client.exists(ring._engine.keys.sampled_rows) and not client.exists(ring._engine.keys.stats)
 
 
+def test_slices_sampled_are_distinct_rows_too(one_node):
+    """``sample_slices`` (read.lua's 'J' op) marks its rows like ``sample``."""
+    ring = LazyStackedTensorDictStore(count=24, **one_node.kwargs())
+    ring.set_trajectories(traj_key="episode")
+    n = 20
+    ring.extend(TensorDict(obs=torch.randn(n, 3), episode=torch.arange(n) // 5, batch_size=[n]))
+    got = ring.sample_slices(8, num_slices=2)
+    st = ring.stats()
+    assert st["sampled"] == 8 and st["distinct_sampled"] == len(set(got.indices.tolist()))
+    ring.clear_redis()
+
+
 def _deadlines(client, ring) -> tuple[int, int]:
     keys = ring._engine.keys
     return client.pttl(keys.stats), client.pttl(keys.sampled_rows)
