@@ -21,6 +21,7 @@ from tdstore._errors import (
     DenseShapeError,
     LeaseLostError,
     QueueOverrunError,
+    ShardedRingIdError,
     ShardUnavailableError,
     StoreDamagedError,
 )
@@ -30,6 +31,7 @@ _moved.install()  # old module paths still import: pickles made before the layou
 
 if TYPE_CHECKING:
     from tdstore._engine.connection import PasswordError
+    from tdstore._plan.padded_batch import check_padding, pad_rows
     from tdstore._shards.ring import ShardedRing
     from tdstore.checkpoint import export_checkpoint, import_checkpoint, import_reference
     from tdstore.lazy import LazyStackedTensorDictStore
@@ -47,12 +49,15 @@ __all__ = [
     "LeaseLostError",
     "DenseShapeError",
     "ShardUnavailableError",
+    "ShardedRingIdError",
     "ShardedRing",
     "Ring",
     "register_tensorclass",
     "export_checkpoint",
     "import_checkpoint",
     "import_reference",
+    "pad_rows",
+    "check_padding",
 ]
 __version__ = "0.1.0"
 
@@ -66,6 +71,8 @@ _LAZY = {
     "export_checkpoint": "checkpoint",
     "import_checkpoint": "checkpoint",
     "import_reference": "checkpoint",
+    "pad_rows": "_plan.padded_batch",
+    "check_padding": "_plan.padded_batch",
 }
 
 

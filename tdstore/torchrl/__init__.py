@@ -43,6 +43,7 @@ from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacem
 from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
+from tdstore.torchrl.ragged_buffers import RaggedReplayBuffer, RaggedTensorDictReplayBuffer
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage
@@ -59,6 +60,8 @@ __all__ = [
     "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
     "attach",
+    "RaggedTensorDictReplayBuffer",
+    "RaggedReplayBuffer",
     "TENSOR_KEY",
     "METADATA_KEYS",
 ]
@@ -94,7 +97,7 @@ def _buffer_keywords(tensordict: bool) -> frozenset[str]:
 def _store_keywords() -> frozenset[str]:
     """What a store constructor takes: its own keywords, and any ``redis.Redis`` / ``RedisCluster`` keyword."""
     own = _parameters(LazyStackedTensorDictStore.__init__) - {"count", "td_id", "_kind", "_batchless"}
-    extra = {"password_provider", "cluster", "min_replicas"}
+    extra = {"password_provider", "cluster", "min_replicas", "sharded"}
     return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | extra)
 
 
@@ -167,13 +170,16 @@ def replay_buffer(
             prioritized buffer uniformly, and a torchrl sampler draws on the client, outside the
             store's rate limiter. tdstore's samplers keep a rate limiter or queue the store has
             (the server counts and holds their calls). On a sharded ring
-            (``spread=True``) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
+            (``sharded=True``, or ``spread=True`` on a cluster) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
             :class:`StoreSamplerWithoutReplacement`, which draws the written slots.
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
             (for tensorclass or plain-tensor data).
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
         tensorclass_cls: the tensorclass the data is read back as, in a process that did
             not write it.
+        sharded: (on a Redis Cluster) the buffer is a ``tdstore.ShardedRing``: one ring per primary
+            (``shards=K``: K of them); ``spread=True`` on a cluster says the same. Attaching by ``td_id``
+            opens a sharded ring as one whatever this says.
         ragged: keep rows whose keys vary in shape (a lazy store; samples are lazy stacks).
             By default the buffer is a dense store whose first write fixes each key's shape,
             as torchrl's ``LazyTensorStorage``; a later row of another shape raises
@@ -213,7 +219,11 @@ def replay_buffer(
     if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
         sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
         cast(StoreSliceSampler, sampler).prepare(storage)
-    cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
+    if ragged or (td_id is not None and not storage.with_store(_kept_as_dense)):
+        # rows of varying shapes: lists in extend, padding keywords in sample (tdstore.torchrl.ragged_buffers)
+        cls: type[ReplayBuffer] = RaggedTensorDictReplayBuffer if tensordict else RaggedReplayBuffer
+    else:
+        cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,
         writer=StoreWriter(track_generations=track_generations),
@@ -221,6 +231,10 @@ def replay_buffer(
         batch_size=batch_size,
         **buffer_kwargs,
     )
+
+
+def _kept_as_dense(store: Any) -> bool:
+    return bool(store.kept_as_dense)
 
 
 def attach(td_id: str, **kwargs: Any) -> ReplayBuffer:

@@ -17,7 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from tdstore import DenseShapeError, ShardedRing
+from tdstore import DenseShapeError, ShardedRing, ShardedRingIdError
 from tdstore.checkpoint import TORCHRL_ROW_KEYS
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import Marks, PrioritizedSample, Sample
@@ -181,9 +181,13 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
 
     def _attach_existing(self) -> LazyStackedTensorDictStore:
         """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
-        if ShardedRing.wanted(self._open_kwargs()):  # a sharded ring (spread=True on a cluster)
-            return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
-        return LazyStackedTensorDictStore.stack_of(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
+        kw = self._open_kwargs()
+        if ShardedRing.wanted(kw):  # a sharded ring (sharded=True, or spread=True on a cluster)
+            return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
+        try:
+            return LazyStackedTensorDictStore.stack_of(TensorDictStore.from_store(td_id=self._td_id, **kw))
+        except ShardedRingIdError:  # the id names a sharded ring: opened as one
+            return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
 
     @property
     @_eager
@@ -191,7 +195,15 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
-                if self._ragged or ShardedRing.wanted(self._open_kwargs()):  # a sharded ring is lazy rings
+                if ShardedRing.wanted(self._open_kwargs()):  # a sharded ring (its shards are lazy rings)
+                    sharded: Any = ShardedRing(  # a tdstore.Ring as the lazy store is (torchrl's storage uses only that)
+                        count=self._count_for(self._inner),
+                        inner_batch_size=self._inner,
+                        td_id=self._td_id,
+                        **ShardedRing.own_kwargs(self._open_kwargs()),
+                    )
+                    self._ring = sharded
+                elif self._ragged:
                     self._ring = LazyStackedTensorDictStore(
                         count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )
