@@ -219,7 +219,32 @@ def test_export_and_import_go_in_chunks(be: Backend, tmp_path: Path, monkeypatch
     assert_same_rows(store, back)
 
 
-def test_export_fails_when_the_ring_is_written_meanwhile(be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_while_the_ring_is_written_keeps_the_fence_and_leaves_overwritten_rows_absent(
+    be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (was: the export failed, "changed while it was exported (rw moved): stop its writers")
+    monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 2)
+    store = LazyStackedTensorDictStore(count=6, **be.kwargs())
+    store.extend(TensorDict(x=torch.arange(6.0), batch_size=[6]))
+    read_chunk = _checkpoint._read_chunk
+
+    def racing(s: Any, h: Any, lo: int, hi: int) -> Any:
+        if lo == 2:  # after the fence (rw 6): overwrites slot 0, the fence's oldest row
+            store.extend(TensorDict(x=torch.full((1,), 60.0), batch_size=[1]))
+        return read_chunk(s, h, lo, hi)
+
+    monkeypatch.setattr(_checkpoint, "_read_chunk", racing)
+    meta = _checkpoint.export_store(store, tmp_path / "ck")
+    assert meta.overwritten_during_export == 1 and meta.ring["rw"] == 6 and meta.ring["ho"] == 1
+    back = import_checkpoint(tmp_path / "ck", td_id="live", **be.kwargs())
+    assert back.write_count == 6 and back.cursor == 0
+    assert back["x"][1:].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert set(back.sample(200).indices.tolist()) == {1, 2, 3, 4, 5}  # the absent row is never drawn
+    back.extend(TensorDict(x=torch.full((1,), 7.0), batch_size=[1]))  # the next write fills it: every slot holds a row again
+    assert set(back.sample(400).indices.tolist()) == {0, 1, 2, 3, 4, 5}
+
+
+def test_export_fails_when_the_schema_changes_meanwhile(be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 2)
     store = LazyStackedTensorDictStore(count=6, **be.kwargs())
     store.extend(TensorDict(x=torch.arange(6.0), batch_size=[6]))
@@ -227,11 +252,11 @@ def test_export_fails_when_the_ring_is_written_meanwhile(be: Backend, tmp_path: 
 
     def racing(s: Any, h: Any, lo: int, hi: int) -> Any:
         if lo == 2:
-            store.extend(TensorDict(x=torch.ones(1), batch_size=[1]))
+            store.extend(TensorDict(x=torch.ones(1), y=torch.ones(1), batch_size=[1]))  # a new key
         return read_chunk(s, h, lo, hi)
 
     monkeypatch.setattr(_checkpoint, "_read_chunk", racing)
-    with pytest.raises(RuntimeError, match="changed while it was exported"):
+    with pytest.raises(RuntimeError, match="schema or policy changed while it was exported"):
         export_checkpoint(store, tmp_path / "ck")
     assert not (tmp_path / "ck").exists() and list(tmp_path.iterdir()) == []
 

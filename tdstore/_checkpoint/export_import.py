@@ -5,9 +5,21 @@ per call: each chunk atomic, no element torn) and writes them into preallocated 
 homogeneous keys, in ``TensorDict.memmap``'s layout) and append-only files (heterogeneous and
 non-tensor keys), then the priority tree and sample counts byte for byte, then the metadata
 (format: :mod:`tdstore._checkpoint.disk_format`).  Memory is bounded by a chunk
-(:data:`CHUNK_ELEMENTS` elements, about :data:`CHUNK_BYTES`), not by the store.  The export is a
-snapshot when nobody writes meanwhile: a ring write or a schema change seen between its
-first and last read makes it fail (in-place writes ``store[i] = td`` are not detected).
+(:data:`CHUNK_ELEMENTS` elements, about :data:`CHUNK_BYTES`), not by the store.
+
+Writers may run meanwhile, and are never held by it (no lock; each read is one short call).  The
+export holds the ring as of one fence (``lua/fence.lua``: the header, the stats counters and the
+time to live in one atomic step): its cursor, write count (hence generations), policy counters and
+policy.  It then reads the rows, the priority tree and the sample counts, and the ring write count
+once more.  A ring write goes to the slot of the oldest row and moves the write count in the same
+call, so the rows writers overwrote meanwhile are exactly the fence's oldest ones, one per write
+past the fence: they are kept absent (``ring.ho``, weight 0, no sample count; counted in
+``overwritten_during_export``), and every other row read is the fence's, whole (each chunk is one
+atomic read).  A kept row's priority and sample count are the ones read after the fence (a
+sampler's ``update_priority`` meanwhile is kept: they are the row's own).  A schema or policy change
+during the export makes it fail (export again); so does a store deleted or made again.  In-place
+writes ``store[i] = td`` (not ring writes) are not detected: a store written by index is exported
+as it is read, chunk by chunk.
 
 :func:`import_checkpoint` checks the whole checkpoint first (:func:`prepare`: sizes, offsets,
 shapes, JSON documents, the priority tree, and the header the store will have read back as any
@@ -51,9 +63,9 @@ from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
-from tdstore._format.header_info import StoreFormatError
+from tdstore._format.header_info import MAX_INT, StoreFormatError
 from tdstore._format.nontensor import NonTensor, element_docs
-from tdstore._format.sampling_policy import tree_bytes
+from tdstore._format.sampling_policy import TREE_FAN, tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
 from tdstore._front import upload as _upload
@@ -98,13 +110,42 @@ def _lazy_handle(store: Any) -> Any:
     return seen
 
 
-def _ring_fields(engine: Engine) -> dict[str, Any]:
-    """The header's epoch, version and ring counters, in one round trip."""
-    names = ["epoch", "version", "sc", *RING_FIELDS]
-    values = engine.command("HMGET", engine.keys.meta, *names)
-    if values[0] is None:
+@dataclass
+class Fence:
+    """What one atomic read of a store (``lua/fence.lua``) found: the header fields, the stats counters, the time to live."""
+
+    fields: dict[str, str]
+    stats: dict[str, int]
+    pttl: int
+
+    def ring_writes(self, engine: Engine) -> int:
+        """The ring write count as ring calls see it (a store filled by index is a full ring)."""
+        return engine.ring_writes_from(self.fields.get("rw"), self.fields.get("na"))
+
+
+def _fence(engine: Engine) -> Fence:
+    """The store's header, stats and time to live, read in one atomic step (``lua/fence.lua``)."""
+    reply = _scripts.call(engine.client, "fence", [engine.keys.meta, engine.keys.stats], [], engine.execute)
+    if reply[0] in (b"GONE", "GONE"):
         raise engine.gone()
-    return {n: (v.decode() if isinstance(v, bytes) else v) for n, v in zip(names, values, strict=True)}
+
+    def text(v: Any) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    head = [text(v) for v in reply[1]]
+    fields = dict(zip(head[0::2], head[1::2], strict=True))
+    raw = [text(v) for v in reply[2]]
+    stats = {k: int(v) for k, v in zip(raw[0::2], raw[1::2], strict=True) if v.isdigit() and int(v) <= MAX_INT}
+    return Fence(fields, stats, int(reply[3]))
+
+
+def _ring_now(engine: Engine) -> tuple[int, str | None, str | None]:
+    """The ring write count, epoch and version now, in one round trip (after the export's reads)."""
+    rw, na, epoch, version = engine.command("HMGET", engine.keys.meta, "rw", "na", "epoch", "version")
+    if epoch is None:
+        raise engine.gone()
+    dec = [v.decode() if isinstance(v, bytes) else v for v in (epoch, version)]
+    return engine.ring_writes_from(rw, na), dec[0], dec[1]
 
 
 def _intact(engine: Engine) -> None:
@@ -229,29 +270,29 @@ def _publish_dir(tmp: Path, path: Path) -> None:
 
 
 def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
-    """Write ``store`` (its rows, ring state, priorities and policy) into the directory ``path``.
+    """Write ``store`` (its rows, ring state, priorities, policy and stats) into the directory ``path``.
 
     ``path`` may be absent, an empty directory or an earlier checkpoint (replaced only once the
     new one is whole).  ``extra`` maps file names to JSON documents written beside the metadata.
-    Raises ``RuntimeError`` when the ring was written or the schema changed during the export.
+    Writers may run meanwhile (see the module docstring): the result's ``overwritten_during_export``
+    counts the rows they overwrote, which the checkpoint holds absent.  Raises ``RuntimeError``
+    when the schema or the policy changed during the export.
     """
     lazy = _lazy_handle(store)
     engine: Engine = lazy._engine
-    engine.set_header(engine.fetch_header())
+    for _ in range(3):  # a header read, then the fence: they must be one version of the store
+        engine.set_header(engine.fetch_header())
+        fence = _fence(engine)
+        if fence.fields.get("epoch") == engine.header.epoch and fence.fields.get("version") == str(engine.header.version):
+            break
+    else:
+        raise RuntimeError(f"the schema or policy of the store with {engine.where()} keeps changing: export it again later")
     h = engine.header
-    before = _ring_fields(engine)
     _intact(engine)
     path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
     tmp = _prepare_dir(path)
     try:
-        meta = _export(lazy, engine, h, before, tmp, pbar)
-        after = _ring_fields(engine)
-        moved = [n for n in ("epoch", "version", "rw", "sn") if after[n] != before[n]]
-        if moved:
-            raise RuntimeError(
-                f"the store with {engine.where()} changed while it was exported ({', '.join(moved)} moved): "
-                "stop its writers and samplers, and export again"
-            )
+        meta = _export(lazy, engine, h, fence, tmp, pbar)
         for name, doc in (extra or {}).items():
             (tmp / name).write_text(json.dumps(doc))
         (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
@@ -262,8 +303,55 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     return meta
 
 
-def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: Path, pbar: bool) -> CheckpointMeta:
-    count = h.count
+def _held_slots(count: int, first: int, rw: int) -> np.ndarray:
+    """Which of ``count`` slots hold the rows of ring writes ``first .. rw - 1`` (a bool per slot)."""
+    held = np.zeros(count, dtype=bool)
+    if rw - first >= count:
+        held[:] = True
+    elif rw > first:
+        held[np.arange(first, rw, dtype=np.int64) % count] = True
+    return held
+
+
+def _rebuild_tree(file: Path, count: int, held: np.ndarray) -> None:
+    """The priority tree in ``file`` with the weights of the slots not ``held`` set to 0 and every node
+    above the leaves computed again from its children (``lua/_tree.lua``'s layout: a node is the sum of
+    its children's weights, summed in order as the server does, and the smallest positive one)."""
+    tree = np.memmap(file, dtype="<f8", mode="r+", shape=(tree_bytes(count) // 8,))
+    try:
+        leaves = tree[:count]
+        leaves[~held] = 0.0
+        sums, mins, at, n = np.asarray(leaves, dtype=np.float64), np.asarray(leaves, dtype=np.float64), count, count
+        while n > 1:
+            up = -(-n // TREE_FAN)
+            pad = up * TREE_FAN - n
+            s2 = np.concatenate([sums, np.zeros(pad)]).reshape(up, TREE_FAN)
+            m2 = np.concatenate([np.where(mins > 0, mins, np.inf), np.full(pad, np.inf)]).reshape(up, TREE_FAN)
+            total = np.zeros(up)
+            for k in range(TREE_FAN):  # in order, as the server adds them
+                total = total + s2[:, k]
+            low = m2.min(axis=1)
+            low = np.where(np.isinf(low), 0.0, low)
+            node = tree[at : at + 2 * up].reshape(up, 2)
+            node[:, 0], node[:, 1] = total, low
+            sums, mins, at, n = total, low, at + 2 * up, up
+        tree.flush()
+    finally:
+        del tree
+
+
+def _clear_counts(file: Path, count: int, held: np.ndarray) -> None:
+    """The sample counts in ``file`` with those of the slots not ``held`` set to 0."""
+    times = np.memmap(file, dtype="<u4", mode="r+", shape=(count,))
+    try:
+        times[~held] = 0
+        times.flush()
+    finally:
+        del times
+
+
+def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar: bool) -> CheckpointMeta:
+    count, fields = h.count, fence.fields
     entries = _key_entries(h)
     # a nested key named like a file of the checkpoint puts the memmap in a folder of its own (no longer torchrl's layout)
     clash = any(len(e.path) > 1 and e.path[0] in (EXTRA_DIR, META_FILE, TORCHRL_FILE) for e in entries if e.layout == "dense")
@@ -306,11 +394,10 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
         ring["pm"] = float(fields["pm"])
     if policy is not None:
         ring["policy"] = policy
-    ttl = int(engine.command("PTTL", engine.keys.meta))  # (-1: none)
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
-        ttl_ms=max(ttl, 0),
+        ttl_ms=max(fence.pttl, 0), stats=fence.stats,
     )  # fmt: skip
     if policy is not None and policy.get("alpha") is not None:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
@@ -320,6 +407,26 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
         (root / EXTRA_DIR).mkdir(exist_ok=True)
         meta.sampled = f"{EXTRA_DIR}/sampled.u32"
         _raw_key(engine, engine.keys.times_sampled, 4 * count, root / meta.sampled)
+    # every read done: the writes since the fence overwrote its oldest rows, one each (absent), and nothing else
+    rw, epoch, version = _ring_now(engine)
+    if (epoch, version) != (h.epoch, str(h.version)):
+        raise RuntimeError(
+            f"the store with {engine.where()} " + ("was deleted and made again" if epoch != h.epoch else "had its schema or policy changed")
+            + " while it was exported: export it again"
+        )  # fmt: skip
+    fence_rw = fence.ring_writes(engine)
+    oldest = max(0, fence_rw - count)  # the oldest ring write whose row the fence holds
+    first = max(oldest, min(fence_rw, rw - count))  # ... and the oldest no writer overwrote since
+    meta.overwritten_during_export = first - oldest
+    held = _held_slots(count, first, fence_rw)
+    if first > oldest:
+        ring["rw"], ring["ho"] = fence_rw, first
+        if ring.get("rr") is not None:  # a queue's next item is the oldest one held
+            ring["rr"] = max(ring["rr"], first)
+    if meta.priorities is not None:
+        _rebuild_tree(root / meta.priorities, count, held)
+    if meta.sampled is not None:
+        _clear_counts(root / meta.sampled, count, held)
     if all(e.layout == "dense" for e in entries) and entries and not clash and h.stack_pos == 0 and not h.inner and not h.sub:
         # torchrl's TensorStorageCheckpointer reads this beside the memmap: LazyTensorStorage(count).loads(root)
         (root / TORCHRL_FILE).write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": meta.written}))
@@ -449,7 +556,7 @@ def _stage(engine: Engine, root: Path, rel: str | None, target: str, token: str)
 
 
 def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
-    """Ring counters, policy, priority tree and sample counts: staged, then set in one script call."""
+    """Ring counters, policy, priority tree, sample counts and stats counters: staged, then set in one script call."""
     keys = engine.keys
     token = uuid.uuid4().hex
     tree_stage, times_stage = keys.staging(keys.priorities, token), keys.staging(keys.times_sampled, token)
@@ -461,8 +568,16 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
         reply = _scripts.call(
             engine.client,
             "restore",
-            [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage],
-            [f"{h.epoch}:V{h.version}", " ".join(_ring_words(meta)), policy.to_json() if policy else "", tree_len, times_len, keys.events],
+            [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage, keys.stats],
+            [
+                f"{h.epoch}:V{h.version}",
+                " ".join(_ring_words(meta)),
+                policy.to_json() if policy else "",
+                tree_len,
+                times_len,
+                keys.events,
+                " ".join(f"{k}={v}" for k, v in sorted(meta.stats.items())),
+            ],  # fmt: skip
         )
     finally:
         engine.command("DEL", tree_stage, times_stage)
@@ -497,7 +612,8 @@ def restore_into(
         plan = prepare(path, read_meta(path) if meta is None else meta, engine)
     meta = plan.meta
     _upload_rows(engine, plan, pbar, ttl_ms)
-    if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
+    # nothing to give (a spread store has no ring: its guards would not follow a version bump)
+    if not meta.ring and (not meta.stats or engine.spread):
         return meta
     try:
         _restore_ring(engine, plan.root, meta)

@@ -168,6 +168,10 @@ class Header:
     """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
     ``_format.sampling_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
+    absent_rows: bool = False
+    """The ring was restored from a checkpoint taken while writers ran with rows absent (header field ``ho``,
+    set by ``lua/restore.lua`` only): its samples are drawn by the server (``lua/_absent.lua``), never by the client."""
+
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
     pops then take the lease table's items waiting for redelivery too (see ``_ring.leases``)."""
@@ -346,6 +350,7 @@ class Header:
             tracked=info.tracked,
             sampling=info.sampling,
             leased=info.leased,
+            absent_rows=info.absent_rows,
             row=info.row,
             sub=sub,
         )

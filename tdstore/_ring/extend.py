@@ -84,7 +84,7 @@ def generations(slots: torch.Tensor, rw: int, count: int) -> torch.Tensor:
 
 #: Header fields a read transaction takes with a full ring's sample: the ring write count (and the
 #: inventory's size, for a store filled by index) and the sampling policy field.
-RING_FIELDS = ("rw", "na", "sc")
+RING_FIELDS = ("rw", "na", "sc", "ho")
 
 
 def ring_writes_of(engine: Engine, fields: Mapping[str, Any], h: Header) -> int:

@@ -73,7 +73,9 @@ def sample(
     by_policy = policy.prioritized if prioritized is None else prioritized
     by_policy = by_policy or min_size is not None or h.sampling is not None
     chosen = selected_leaves(h, keys)
-    if not by_policy and engine.ring_full and engine.tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
+    # (a ring restored with rows absent is drawn by the server, which skips them: lua/_absent.lua)
+    client_draws = engine.ring_full and engine.tx_reads and h.stack_pos == 0 and not h.absent_rows
+    if not by_policy and client_draws and chosen and not any(leaf.het for leaf in chosen):
         got = _full_ring_sample(engine, h, draws, keys, chosen, device, ragged)
         if isinstance(got, Sample):
             return got
@@ -187,13 +189,15 @@ def _full_ring_sample(
     _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, len(slots)))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = ring_writes_of(engine, fields, h)
-    if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
+    if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None and fields.get("ho") is None:
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
         return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))
     if fields.get("sc") is not None:
         engine.set_header(engine.fetch_header())
         return _UNDER_POLICY
+    if fields.get("ho") is not None:  # restored with rows absent since this header was read: the server draws
+        engine.set_header(engine.fetch_header())
     return None
 
 
@@ -226,7 +230,7 @@ class _SamplePlanner:
         use_policy = by_prio or self.min_size is not None or h.sampling is not None
         if use_policy and h.sampling is not None and (h.sampling.limit is not None or h.sampling.max_times is not None):
             _deadline.arm()  # a sample that counts, sent next: from now on it may have been counted
-        if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0:
+        if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0 and not h.absent_rows:
             tx = _tx_sample_call(engine, h, keys, self.draws, self.device, self.ragged)
             if tx is not None:
                 return tx
@@ -291,7 +295,7 @@ def _tx_sample_call(
     def parse(reply: list) -> Sample:
         fields = call.field_values or {}
         rw = ring_writes_of(engine, fields, h)
-        if rw < h.count or fields.get("sc") is not None:
+        if rw < h.count or fields.get("sc") is not None or fields.get("ho") is not None:
             raise _RingMoved
         piece = str(rw).encode()
         return decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
