@@ -115,20 +115,19 @@ def filled_ring(be: Backend) -> LazyStackedTensorDictStore:
 
 
 def held_while_exporting(writers: Writers, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Make the export wait, after its fence and first chunk read, until both writers wrote
+    """Make the export wait, after its fence and before its first chunk read, until both writers wrote
     :data:`HELD_BATCHES` more batches; returns their counts when the export was held and released."""
     seen: dict[str, list[int]] = {}
     read_chunk = _checkpoint._read_chunk
 
     def held(s: Any, h: Any, lo: int, hi: int) -> Any:
-        got = read_chunk(s, h, lo, hi)
-        if "held" not in seen:
+        if "held" not in seen:  # the fence is taken, nothing read: the writes overwrite the first rows to read
             seen["held"] = writers.written()
             writers.hold_until_both_write(HELD_BATCHES)
             seen["released"] = writers.written()
-        return got
+        return read_chunk(s, h, lo, hi)
 
-    monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 5_000)  # (4 chunks: the rows of the other chunks are read after the writes)
+    monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 5_000)  # (the writes held for fall in the first chunk)
     monkeypatch.setattr(_checkpoint, "_read_chunk", held)
     return seen
 

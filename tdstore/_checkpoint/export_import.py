@@ -139,15 +139,6 @@ def _fence(engine: Engine) -> Fence:
     return Fence(fields, stats, int(reply[3]))
 
 
-def _ring_now(engine: Engine) -> tuple[int, str | None, str | None]:
-    """The ring write count, epoch and version now, in one round trip (after the export's reads)."""
-    rw, na, epoch, version = engine.command("HMGET", engine.keys.meta, "rw", "na", "epoch", "version")
-    if epoch is None:
-        raise engine.gone()
-    dec = [v.decode() if isinstance(v, bytes) else v for v in (epoch, version)]
-    return engine.ring_writes_from(rw, na), dec[0], dec[1]
-
-
 def _intact(engine: Engine) -> None:
     """Raise ``StoreDamagedError`` unless every data and table key holds what the header implies (``tdstore
     check``'s audit, two pipelines): the reads of an export would take a lost segment, or a count another
@@ -161,16 +152,6 @@ def _intact(engine: Engine) -> None:
             return
     detail = "; ".join(found.problems[:3]) + (f" (and {len(found.problems) - 3} more)" if len(found.problems) > 3 else "")
     raise damaged(engine.where(), f"its keys disagree with its header (count {engine.header.count}): {detail}", engine.keys.td_id)
-
-
-def _raw_key(engine: Engine, key: str, size: int, dest: Path) -> None:
-    """Copy the first ``size`` bytes of a server string into ``dest``, a piece per round trip."""
-    have = int(engine.command("STRLEN", key))
-    if have != size:
-        raise RuntimeError(f"{key!r} holds {have} bytes, not the {size} its policy needs ({engine.where()}); run 'tdstore check'")
-    with open(dest, "wb") as f:
-        for lo in range(0, size, _RAW_PIECE):
-            f.write(engine.command("GETRANGE", key, lo, min(size, lo + _RAW_PIECE) - 1))
 
 
 def _key_entries(h: Header) -> list[KeyEntry]:
@@ -352,8 +333,81 @@ def _clear_counts(file: Path, count: int, held: np.ndarray) -> None:
         del times
 
 
+class _Stamps:
+    """What the export learns of the writers as it reads (see the module docstring): the fence's ring write
+    count, and the oldest fence row no writer had overwritten when it was read (``first``)."""
+
+    def __init__(self, engine: Engine, h: Header, fence: Fence) -> None:
+        self.engine, self.h, self.count = engine, h, h.count
+        self.fence_rw = fence.ring_writes(engine)
+        self.oldest = max(0, self.fence_rw - self.count)  # the oldest ring write whose row the fence holds
+        self.first = self.oldest
+
+    def order(self) -> list[tuple[int, int]]:
+        """Slot ranges in the order they are read: the fence's oldest row first, as writers overwrite them."""
+        c = self.fence_rw % self.count if self.fence_rw >= self.count else 0
+        return [(c, self.count), (0, c)] if c else [(0, self.count)]
+
+    def writes(self, lo: int, hi: int) -> np.ndarray:
+        """The ring write whose row the fence holds in each slot ``lo .. hi - 1`` (-1: none, a slot not written then)."""
+        s = np.arange(lo, hi, dtype=np.int64)
+        if self.fence_rw >= self.count:
+            return self.fence_rw - self.count + (s - self.fence_rw) % self.count
+        return np.where(s < self.fence_rw, s, -1)
+
+    def read(self, lo: int, hi: int, tree: np.memmap | None, times: np.memmap | None) -> None:
+        """After slots ``lo .. hi - 1`` were read: their weights and sample counts, then the ring write count,
+        in one round trip; the fence rows of the chunk writers overwrote before (the count says which) move
+        ``first`` past them."""
+        keys = self.engine.keys
+        pipe = self.engine.client.pipeline(transaction=False)
+        if tree is not None:
+            pipe.getrange(keys.priorities, 8 * lo, 8 * hi - 1)
+        if times is not None:
+            pipe.getrange(keys.times_sampled, 4 * lo, 4 * hi - 1)
+        pipe.hmget(keys.meta, ["rw", "na", "epoch", "version"])
+        got = pipe.execute()
+        if tree is not None:
+            tree[lo:hi] = np.frombuffer(got.pop(0), dtype="<f8")
+        if times is not None:
+            times[lo:hi] = np.frombuffer(got.pop(0), dtype="<u4")
+        rw, na, epoch, version = (v.decode() if isinstance(v, bytes) else v for v in got[0])
+        if epoch is None:
+            raise self.engine.gone()
+        if (epoch, version) != (self.h.epoch, str(self.h.version)):
+            what = "was deleted and made again" if epoch != self.h.epoch else "had its schema or policy changed"
+            raise RuntimeError(f"the store with {self.engine.where()} {what} while it was exported: export it again")
+        over = self.writes(lo, hi)
+        over = over[(over >= 0) & (over < self.engine.ring_writes_from(rw, na) - self.count)]
+        if over.size:
+            self.first = max(self.first, min(self.fence_rw, int(over.max()) + 1))
+
+
+def _append_part(main: list[Any], part: list[Any], parts: dict[str, Path]) -> None:
+    """A ragged key's files of the slots read first (``part``: written as if from slot 0) appended to its main
+    files (the slots before them), the offsets moved by the main data's length."""
+    shift = main[3]
+    for k, name in enumerate(("data", "offsets", "shapes")):
+        part[k].flush()
+        with open(parts[name], "rb") as src:
+            while piece := src.read(CHUNK_BYTES):
+                if name == "offsets":
+                    piece = (np.frombuffer(piece, dtype="<i8") + shift).astype("<i8").tobytes()
+                main[k].write(piece)
+    main[3] = shift + part[3]
+
+
+def _open_ragged(stem: Path, header: bool) -> list[Any]:
+    handles: list[Any] = [open(f"{stem}.{ext}", "wb") for ext in ("data", "offsets", "shapes")]
+    if header:
+        handles[1].write(b"\0" * 8)
+    return [*handles, 0]
+
+
 def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar: bool) -> CheckpointMeta:
     count, fields = h.count, fence.fields
+    policy_raw = fields.get("sc")
+    policy = json.loads(policy_raw) if policy_raw else None
     entries = _key_entries(h)
     # a nested key named like a file of the checkpoint puts the memmap in a folder of its own (no longer torchrl's layout)
     clash = any(len(e.path) > 1 and e.path[0] in (EXTRA_DIR, META_FILE, TORCHRL_FILE) for e in entries if e.layout == "dense")
@@ -361,36 +415,55 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
     if clash:
         entries = [replace(e, file=f"rows/{e.file}") if e.layout == "dense" else e for e in entries]
     ragged = [e for e in entries if e.layout != "dense"]
-    if ragged:
+    priorities = f"{EXTRA_DIR}/priorities.f64" if policy is not None and policy.get("alpha") is not None else None
+    sampled = f"{EXTRA_DIR}/sampled.u32" if policy is not None and policy.get("mt") is not None else None
+    if ragged or priorities or sampled:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
+    for rel, size in ((priorities, tree_bytes(count)), (sampled, 4 * count)):
+        if rel is not None:
+            with open(root / rel, "wb") as blank:
+                blank.truncate(size)
+    tree = np.memmap(root / priorities, dtype="<f8", mode="r+", shape=(count,)) if priorities else None
+    times = np.memmap(root / sampled, dtype="<u4", mode="r+", shape=(count,)) if sampled else None
+    stamps = _Stamps(engine, h, fence)
     files: dict[tuple[str, ...], list[Any]] = {}
+    first_part: dict[tuple[str, ...], list[Any]] = {}  # the slots read first ([c, count)), appended at the end
+    order = stamps.order()
     try:
-        for e in ragged:
-            files[e.path] = [
-                open(root / f"{e.file}.data", "wb"),
-                open(root / f"{e.file}.offsets", "wb"),
-                open(root / f"{e.file}.shapes", "wb"),
-                0,
-            ]
-            files[e.path][1].write(b"\0" * 8)
+        for i, e in enumerate(ragged):
+            files[e.path] = _open_ragged(root / e.file, True)
+            if len(order) > 1:
+                first_part[e.path] = _open_ragged(root / EXTRA_DIR / f"part{i}", False)
         rows = _chunk_rows(h)
-        lo = 0
         with progress(pbar, count, "export") as bar:
-            while entries and lo < count:
-                hi = min(count, lo + rows)
-                got = _write_chunk(_read_chunk(lazy, h, lo, hi), h, entries, mms, files, lo, hi)
-                if bar is not None:
-                    bar.update(hi - lo)
-                if ragged:  # heterogeneous elements: the next chunk is sized on this one's bytes per element
-                    rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
-                lo = hi
+            for n, (lo, end) in enumerate(order):
+                target = first_part if n == 0 and len(order) > 1 else files
+                while lo < end:
+                    hi = min(end, lo + rows)
+                    got = _write_chunk(_read_chunk(lazy, h, lo, hi), h, entries, mms, target, lo, hi) if entries else 0
+                    stamps.read(lo, hi, tree, times)
+                    if bar is not None:
+                        bar.update(hi - lo)
+                    if ragged:  # heterogeneous elements: the next chunk is sized on this one's bytes per element
+                        rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
+                    lo = hi
+        for i, e in enumerate(ragged):
+            if e.path in first_part:
+                _append_part(
+                    files[e.path], first_part[e.path], {x: root / EXTRA_DIR / f"part{i}.{x}" for x in ("data", "offsets", "shapes")}
+                )
     finally:
-        for f in files.values():
+        for f in [*files.values(), *first_part.values()]:
             for handle in f[:3]:
                 handle.close()
+        for i in range(len(ragged)):
+            for x in ("data", "offsets", "shapes"):
+                (root / EXTRA_DIR / f"part{i}.{x}").unlink(missing_ok=True)
         mms.clear()  # unmapped: the files hold every row
-    policy_raw = fields.get("sc")
-    policy = json.loads(policy_raw) if policy_raw else None
+        for m in (tree, times):
+            if m is not None:
+                m.flush()
+        del tree, times
     ring: dict[str, Any] = {n: int(fields[n]) for n in ("rw", "lb", "sn", "rr") if fields.get(n) is not None}
     if fields.get("pm") is not None:
         ring["pm"] = float(fields["pm"])
@@ -399,29 +472,13 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
-        ttl_ms=max(fence.pttl, 0), stats=fence.stats,
+        ttl_ms=max(fence.pttl, 0), stats=fence.stats, priorities=priorities, sampled=sampled,
     )  # fmt: skip
-    if policy is not None and policy.get("alpha") is not None:
-        (root / EXTRA_DIR).mkdir(exist_ok=True)
-        meta.priorities = f"{EXTRA_DIR}/priorities.f64"
-        _raw_key(engine, engine.keys.priorities, tree_bytes(count), root / meta.priorities)
-    if policy is not None and policy.get("mt") is not None:
-        (root / EXTRA_DIR).mkdir(exist_ok=True)
-        meta.sampled = f"{EXTRA_DIR}/sampled.u32"
-        _raw_key(engine, engine.keys.times_sampled, 4 * count, root / meta.sampled)
-    # every read done: the writes since the fence overwrote its oldest rows, one each (absent), and nothing else
-    rw, epoch, version = _ring_now(engine)
-    if (epoch, version) != (h.epoch, str(h.version)):
-        raise RuntimeError(
-            f"the store with {engine.where()} " + ("was deleted and made again" if epoch != h.epoch else "had its schema or policy changed")
-            + " while it was exported: export it again"
-        )  # fmt: skip
-    fence_rw = fence.ring_writes(engine)
-    oldest = max(0, fence_rw - count)  # the oldest ring write whose row the fence holds
-    first = max(oldest, min(fence_rw, rw - count))  # ... and the oldest no writer overwrote since
-    meta.overwritten_during_export = first - oldest
+    # the fence's rows writers overwrote before the export read them are its oldest: absent, with every older one
+    first, fence_rw = stamps.first, stamps.fence_rw
+    meta.overwritten_during_export = first - stamps.oldest
     held = _held_slots(count, first, fence_rw)
-    if first > oldest:
+    if first > stamps.oldest:
         ring["rw"], ring["ho"] = fence_rw, first
         if ring.get("rr") is not None:  # a queue's next item is the oldest one held
             ring["rr"] = max(ring["rr"], first)
