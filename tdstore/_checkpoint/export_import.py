@@ -263,27 +263,29 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     """
     lazy = _lazy_handle(store)
     engine: Engine = lazy._engine
-    for _ in range(3):  # a header read, then the fence: they must be one version of the store
-        engine.set_header(engine.fetch_header())
-        fence = _fence(engine)
-        if fence.fields.get("epoch") == engine.header.epoch and fence.fields.get("version") == str(engine.header.version):
-            break
-    else:
-        raise RuntimeError(f"the schema or policy of the store with {engine.where()} keeps changing: export it again later")
-    h = engine.header
-    _intact(engine)
     path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
-    tmp = _prepare_dir(path)
-    try:
-        meta = _export(lazy, engine, h, fence, tmp, pbar)
-        for name, doc in (extra or {}).items():
-            (tmp / name).write_text(json.dumps(doc))
-        (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
-        _publish_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
+    for _ in range(3):  # the header the export plans from, then (its files ready) the fence: one version of the store
+        engine.set_header(engine.fetch_header())
+        h = engine.header
+        _intact(engine)
+        tmp = _prepare_dir(path)
+        try:
+            meta = _export(lazy, engine, h, tmp, pbar)
+            for name, doc in (extra or {}).items():
+                (tmp / name).write_text(json.dumps(doc))
+            (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
+            _publish_dir(tmp, path)
+            return meta
+        except _Moved:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    raise RuntimeError(f"the schema or policy of the store with {engine.where()} keeps changing: export it again later")
+
+
+class _Moved(Exception):
+    """The fence found another version of the store than the header the export planned from."""
 
 
 def _held_slots(count: int, first: int, rw: int) -> np.ndarray:
@@ -404,10 +406,10 @@ def _open_ragged(stem: Path, header: bool) -> list[Any]:
     return [*handles, 0]
 
 
-def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar: bool) -> CheckpointMeta:
-    count, fields = h.count, fence.fields
-    policy_raw = fields.get("sc")
-    policy = json.loads(policy_raw) if policy_raw else None
+def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> CheckpointMeta:
+    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``_Moved`` when
+    the store is another version than ``h`` by then), the rows read, oldest first, and the ring state set."""
+    count, plan = h.count, h.sampling
     entries = _key_entries(h)
     # a nested key named like a file of the checkpoint puts the memmap in a folder of its own (no longer torchrl's layout)
     clash = any(len(e.path) > 1 and e.path[0] in (EXTRA_DIR, META_FILE, TORCHRL_FILE) for e in entries if e.layout == "dense")
@@ -415,8 +417,8 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
     if clash:
         entries = [replace(e, file=f"rows/{e.file}") if e.layout == "dense" else e for e in entries]
     ragged = [e for e in entries if e.layout != "dense"]
-    priorities = f"{EXTRA_DIR}/priorities.f64" if policy is not None and policy.get("alpha") is not None else None
-    sampled = f"{EXTRA_DIR}/sampled.u32" if policy is not None and policy.get("mt") is not None else None
+    priorities = f"{EXTRA_DIR}/priorities.f64" if plan is not None and plan.prioritized else None
+    sampled = f"{EXTRA_DIR}/sampled.u32" if plan is not None and plan.max_times is not None else None
     if ragged or priorities or sampled:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
     for rel, size in ((priorities, tree_bytes(count)), (sampled, 4 * count)):
@@ -425,15 +427,17 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
                 blank.truncate(size)
     tree = np.memmap(root / priorities, dtype="<f8", mode="r+", shape=(count,)) if priorities else None
     times = np.memmap(root / sampled, dtype="<u4", mode="r+", shape=(count,)) if sampled else None
-    stamps = _Stamps(engine, h, fence)
     files: dict[tuple[str, ...], list[Any]] = {}
     first_part: dict[tuple[str, ...], list[Any]] = {}  # the slots read first ([c, count)), appended at the end
-    order = stamps.order()
     try:
         for i, e in enumerate(ragged):
             files[e.path] = _open_ragged(root / e.file, True)
-            if len(order) > 1:
-                first_part[e.path] = _open_ragged(root / EXTRA_DIR / f"part{i}", False)
+            first_part[e.path] = _open_ragged(root / EXTRA_DIR / f"part{i}", False)
+        fence = _fence(engine)  # as late as can be: the writes from here on race the reads
+        if (fence.fields.get("epoch"), fence.fields.get("version")) != (h.epoch, str(h.version)):
+            raise _Moved
+        stamps = _Stamps(engine, h, fence)
+        order = stamps.order()
         rows = _chunk_rows(h)
         with progress(pbar, count, "export") as bar:
             for n, (lo, end) in enumerate(order):
@@ -448,7 +452,7 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
                         rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
                     lo = hi
         for i, e in enumerate(ragged):
-            if e.path in first_part:
+            if len(order) > 1:
                 _append_part(
                     files[e.path], first_part[e.path], {x: root / EXTRA_DIR / f"part{i}.{x}" for x in ("data", "offsets", "shapes")}
                 )
@@ -464,6 +468,9 @@ def _export(lazy: Any, engine: Engine, h: Header, fence: Fence, root: Path, pbar
             if m is not None:
                 m.flush()
         del tree, times
+    fields = fence.fields
+    policy_raw = fields.get("sc")
+    policy = json.loads(policy_raw) if policy_raw else None
     ring: dict[str, Any] = {n: int(fields[n]) for n in ("rw", "lb", "sn", "rr") if fields.get(n) is not None}
     if fields.get("pm") is not None:
         ring["pm"] = float(fields["pm"])
