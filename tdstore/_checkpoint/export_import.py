@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from tdstore._checkpoint import fence as _fence
 from tdstore._checkpoint.disk_format import (
     EXTRA_DIR,
     META_FILE,
@@ -57,15 +58,15 @@ from tdstore._checkpoint.disk_format import (
     read_restorable,
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
-from tdstore._checkpoint.folder import opened, read_at
+from tdstore._checkpoint.folder import opened, prepare_dir, publish_dir, read_at
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _rows
-from tdstore._format.header_info import MAX_INT, StoreFormatError
+from tdstore._format.header_info import StoreFormatError
 from tdstore._format.nontensor import NonTensor, element_docs
-from tdstore._format.sampling_policy import TREE_FAN, tree_bytes
+from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
 from tdstore._front import upload as _upload
@@ -108,35 +109,6 @@ def _lazy_handle(store: Any) -> Any:
     if not isinstance(seen, LazyStackedTensorDictStore):
         raise TypeError(f"export_store takes a tdstore store, got {type(store).__name__}")
     return seen
-
-
-@dataclass
-class Fence:
-    """What one atomic read of a store (``lua/fence.lua``) found: the header fields, the stats counters, the time to live."""
-
-    fields: dict[str, str]
-    stats: dict[str, int]
-    pttl: int
-
-    def ring_writes(self, engine: Engine) -> int:
-        """The ring write count as ring calls see it (a store filled by index is a full ring)."""
-        return engine.ring_writes_from(self.fields.get("rw"), self.fields.get("na"))
-
-
-def _fence(engine: Engine) -> Fence:
-    """The store's header, stats and time to live, read in one atomic step (``lua/fence.lua``)."""
-    reply = _scripts.call(engine.client, "fence", [engine.keys.meta, engine.keys.stats], [], engine.execute)
-    if reply[0] in (b"GONE", "GONE"):
-        raise engine.gone()
-
-    def text(v: Any) -> str:
-        return v.decode() if isinstance(v, bytes) else str(v)
-
-    head = [text(v) for v in reply[1]]
-    fields = dict(zip(head[0::2], head[1::2], strict=True))
-    raw = [text(v) for v in reply[2]]
-    stats = {k: int(v) for k, v in zip(raw[0::2], raw[1::2], strict=True) if v.isdigit() and int(v) <= MAX_INT}
-    return Fence(fields, stats, int(reply[3]))
 
 
 def _intact(engine: Engine) -> None:
@@ -228,30 +200,6 @@ def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: di
     return total
 
 
-def _prepare_dir(path: Path) -> Path:
-    """A fresh temporary sibling of ``path``, renamed onto it once the checkpoint is whole; ``path`` itself
-    may be absent, an empty directory or an earlier checkpoint (replaced), nothing else."""
-    if path.exists():
-        if not path.is_dir():
-            raise FileExistsError(f"{path} exists and is not a directory")
-        if any(path.iterdir()) and not (path / META_FILE).is_file():
-            raise FileExistsError(f"{path} is a directory that holds something else than a tdstore checkpoint; pick another path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
-
-
-def _publish_dir(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(path)
-
-
 def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
     """Write ``store`` (its rows, ring state, priorities, policy and stats) into the directory ``path``.
 
@@ -268,13 +216,13 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
         engine.set_header(engine.fetch_header())
         h = engine.header
         _intact(engine)
-        tmp = _prepare_dir(path)
+        tmp = prepare_dir(path, META_FILE)
         try:
             meta = _export(lazy, engine, h, tmp, pbar)
             for name, doc in (extra or {}).items():
                 (tmp / name).write_text(json.dumps(doc))
             (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
-            _publish_dir(tmp, path)
+            publish_dir(tmp, path)
             return meta
         except _Moved:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -286,124 +234,6 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
 
 class _Moved(Exception):
     """The fence found another version of the store than the header the export planned from."""
-
-
-def _held_slots(count: int, first: int, rw: int) -> np.ndarray:
-    """Which of ``count`` slots hold the rows of ring writes ``first .. rw - 1`` (a bool per slot)."""
-    held = np.zeros(count, dtype=bool)
-    if rw - first >= count:
-        held[:] = True
-    elif rw > first:
-        held[np.arange(first, rw, dtype=np.int64) % count] = True
-    return held
-
-
-def _rebuild_tree(file: Path, count: int, held: np.ndarray) -> None:
-    """The priority tree in ``file`` with the weights of the slots not ``held`` set to 0 and every node
-    above the leaves computed again from its children (``lua/_tree.lua``'s layout: a node is the sum of
-    its children's weights, summed in order as the server does, and the smallest positive one)."""
-    tree = np.memmap(file, dtype="<f8", mode="r+", shape=(tree_bytes(count) // 8,))
-    try:
-        leaves = tree[:count]
-        leaves[~held] = 0.0
-        sums, mins, at, n = np.asarray(leaves, dtype=np.float64), np.asarray(leaves, dtype=np.float64), count, count
-        while n > 1:
-            up = -(-n // TREE_FAN)
-            pad = up * TREE_FAN - n
-            s2 = np.concatenate([sums, np.zeros(pad)]).reshape(up, TREE_FAN)
-            m2 = np.concatenate([np.where(mins > 0, mins, np.inf), np.full(pad, np.inf)]).reshape(up, TREE_FAN)
-            total = np.zeros(up)
-            for k in range(TREE_FAN):  # in order, as the server adds them
-                total = total + s2[:, k]
-            low = m2.min(axis=1)
-            low = np.where(np.isinf(low), 0.0, low)
-            node = tree[at : at + 2 * up].reshape(up, 2)
-            node[:, 0], node[:, 1] = total, low
-            sums, mins, at, n = total, low, at + 2 * up, up
-        tree.flush()
-    finally:
-        del tree
-
-
-def _clear_counts(file: Path, count: int, held: np.ndarray) -> None:
-    """The sample counts in ``file`` with those of the slots not ``held`` set to 0."""
-    times = np.memmap(file, dtype="<u4", mode="r+", shape=(count,))
-    try:
-        times[~held] = 0
-        times.flush()
-    finally:
-        del times
-
-
-class _Stamps:
-    """What the export learns of the writers as it reads (see the module docstring): the fence's ring write
-    count, and the oldest fence row no writer had overwritten when it was read (``first``)."""
-
-    def __init__(self, engine: Engine, h: Header, fence: Fence) -> None:
-        self.engine, self.h, self.count = engine, h, h.count
-        self.fence_rw = fence.ring_writes(engine)
-        self.oldest = max(0, self.fence_rw - self.count)  # the oldest ring write whose row the fence holds
-        self.first = self.oldest
-
-    def order(self) -> list[tuple[int, int]]:
-        """Slot ranges in the order they are read: the fence's oldest row first, as writers overwrite them."""
-        c = self.fence_rw % self.count if self.fence_rw >= self.count else 0
-        return [(c, self.count), (0, c)] if c else [(0, self.count)]
-
-    def writes(self, lo: int, hi: int) -> np.ndarray:
-        """The ring write whose row the fence holds in each slot ``lo .. hi - 1`` (-1: none, a slot not written then)."""
-        s = np.arange(lo, hi, dtype=np.int64)
-        if self.fence_rw >= self.count:
-            return self.fence_rw - self.count + (s - self.fence_rw) % self.count
-        return np.where(s < self.fence_rw, s, -1)
-
-    def read(self, lo: int, hi: int, tree: np.memmap | None, times: np.memmap | None) -> None:
-        """After slots ``lo .. hi - 1`` were read: their weights and sample counts, then the ring write count,
-        in one round trip; the fence rows of the chunk writers overwrote before (the count says which) move
-        ``first`` past them."""
-        keys = self.engine.keys
-        pipe = self.engine.client.pipeline(transaction=False)
-        if tree is not None:
-            pipe.getrange(keys.priorities, 8 * lo, 8 * hi - 1)
-        if times is not None:
-            pipe.getrange(keys.times_sampled, 4 * lo, 4 * hi - 1)
-        pipe.hmget(keys.meta, ["rw", "na", "epoch", "version"])
-        got = pipe.execute()
-        if tree is not None:
-            tree[lo:hi] = np.frombuffer(got.pop(0), dtype="<f8")
-        if times is not None:
-            times[lo:hi] = np.frombuffer(got.pop(0), dtype="<u4")
-        rw, na, epoch, version = (v.decode() if isinstance(v, bytes) else v for v in got[0])
-        if epoch is None:
-            raise self.engine.gone()
-        if (epoch, version) != (self.h.epoch, str(self.h.version)):
-            what = "was deleted and made again" if epoch != self.h.epoch else "had its schema or policy changed"
-            raise RuntimeError(f"the store with {self.engine.where()} {what} while it was exported: export it again")
-        over = self.writes(lo, hi)
-        over = over[(over >= 0) & (over < self.engine.ring_writes_from(rw, na) - self.count)]
-        if over.size:
-            self.first = max(self.first, min(self.fence_rw, int(over.max()) + 1))
-
-
-def _append_part(main: list[Any], part: list[Any], parts: dict[str, Path]) -> None:
-    """A ragged key's files of the slots read first (``part``: written as if from slot 0) appended to its main
-    files (the slots before them), the offsets moved by the main data's length."""
-    shift = main[3]
-    for k, name in enumerate(("data", "offsets", "shapes")):
-        part[k].flush()
-        with open(parts[name], "rb") as src:
-            while piece := src.read(CHUNK_BYTES):
-                if name == "offsets":
-                    piece = (np.frombuffer(piece, dtype="<i8") + shift).astype("<i8").tobytes()
-                main[k].write(piece)
-    main[3] = shift + part[3]
-
-
-def _open_ragged(stem: Path, header: bool) -> list[Any]:
-    handles: list[Any] = [open(f"{stem}.{ext}", "wb") for ext in ("data", "offsets", "shapes")]
-    if header:
-        handles[1].write(b"\0" * 8)
-    return [*handles, 0]
 
 
 def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> CheckpointMeta:
@@ -431,12 +261,12 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
     first_part: dict[tuple[str, ...], list[Any]] = {}  # the slots read first ([c, count)), appended at the end
     try:
         for i, e in enumerate(ragged):
-            files[e.path] = _open_ragged(root / e.file, True)
-            first_part[e.path] = _open_ragged(root / EXTRA_DIR / f"part{i}", False)
-        fence = _fence(engine)  # as late as can be: the writes from here on race the reads
+            files[e.path] = _fence.open_ragged(root / e.file, True)
+            first_part[e.path] = _fence.open_ragged(root / EXTRA_DIR / f"part{i}", False)
+        fence = _fence.read_fence(engine)  # as late as can be: the writes from here on race the reads
         if (fence.fields.get("epoch"), fence.fields.get("version")) != (h.epoch, str(h.version)):
             raise _Moved
-        stamps = _Stamps(engine, h, fence)
+        stamps = _fence.Stamps(engine, h, fence)
         order = stamps.order()
         rows = _chunk_rows(h)
         with progress(pbar, count, "export") as bar:
@@ -453,7 +283,7 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
                     lo = hi
         for i, e in enumerate(ragged):
             if len(order) > 1:
-                _append_part(
+                _fence.append_part(
                     files[e.path], first_part[e.path], {x: root / EXTRA_DIR / f"part{i}.{x}" for x in ("data", "offsets", "shapes")}
                 )
     finally:
@@ -484,15 +314,15 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
     # the fence's rows writers overwrote before the export read them are its oldest: absent, with every older one
     first, fence_rw = stamps.first, stamps.fence_rw
     meta.overwritten_during_export = first - stamps.oldest
-    held = _held_slots(count, first, fence_rw)
+    held = _fence.held_slots(count, first, fence_rw)
     if first > stamps.oldest:
         ring["rw"], ring["ho"] = fence_rw, first
         if ring.get("rr") is not None:  # a queue's next item is the oldest one held
             ring["rr"] = max(ring["rr"], first)
     if meta.priorities is not None:
-        _rebuild_tree(root / meta.priorities, count, held)
+        _fence.rebuild_tree(root / meta.priorities, count, held)
     if meta.sampled is not None:
-        _clear_counts(root / meta.sampled, count, held)
+        _fence.clear_counts(root / meta.sampled, count, held)
     if all(e.layout == "dense" for e in entries) and entries and not clash and h.stack_pos == 0 and not h.inner and not h.sub:
         # torchrl's TensorStorageCheckpointer reads this beside the memmap: LazyTensorStorage(count).loads(root)
         (root / TORCHRL_FILE).write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": meta.written}))
