@@ -31,6 +31,7 @@ import torch
 from tdstore._format import codec as _codec
 from tdstore._format.header_info import StoreFormatError, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.trajectories import Trajectories
 
 __all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
 from tdstore._format.segments import Segments
@@ -171,6 +172,9 @@ class Header:
     absent_rows: bool = False
     """The ring was restored from a checkpoint taken while writers ran with rows absent (header field ``ho``,
     set by ``lua/restore.lua`` only): its samples are drawn by the server (``lua/_absent.lua``), never by the client."""
+    trajectories: Trajectories | None = None
+    """The key that tells the ring's trajectories apart (header field ``tj``, set by ``lua/trajectories.lua``
+    only; see ``_format.trajectories``): every ring write then passes each row's id or end flag."""
 
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
@@ -349,6 +353,7 @@ class Header:
             spread=info.spread,
             tracked=info.tracked,
             sampling=info.sampling,
+            trajectories=info.trajectories,
             leased=info.leased,
             absent_rows=info.absent_rows,
             row=info.row,

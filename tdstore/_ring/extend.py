@@ -46,6 +46,7 @@ from tdstore._plan import index as _index
 from tdstore._plan.leaf_writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from tdstore._plan.values import display, leaves_of, subtree_dims
 from tdstore._ring import direct_extend as _direct
+from tdstore._ring import episodes as _episodes
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import generations_arg, refuse_spread
@@ -423,6 +424,8 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
+        if h.trajectories is not None:  # the rows' trajectory ids or end flags: the server keeps its episode index
+            ops.append(_episodes.episode_op(kt, engine.keys.episodes, h, items, n))
         return new_header, ops, touched
 
     rid = request or request_id()  # one per extend, sent with every attempt: a resend never writes twice
