@@ -1,7 +1,9 @@
 --[[
   _absent.lua: the rows a checkpoint taken while writers ran could not keep, skipped by the
-  samples and pops of the ring restored from it. Prepended by tdstore/_engine/scripts.py to
-  read.lua, after _lib.lua. Not a script on its own.
+  samples, pops and priority updates of the ring restored from it. Prepended by
+  tdstore/_engine/scripts.py to read.lua, priority.lua and tree_build.lua (which refuses to
+  turn priorities on while rows are absent), after the other libraries. Not a
+  script on its own.
 
   An export (tdstore/_checkpoint/export_import.py) holds the ring as of one fence (fence.lua): the
   rows of the writes it reads there, [rw - count, rw). Rows that writers overwrote while the export
@@ -36,4 +38,13 @@ local function tds_held_slot(d, held, from, count)
     return d % held
   end
   return (from + d % held) % count
+end
+
+-- Whether slot 's' holds a row at ring write count 'rw' ('from': tds_held_from): false for a slot
+-- whose row a restore left absent (update_priority leaves it alone: it is never drawn).
+local function tds_holds_row(s, rw, count, from)
+  if from == nil then
+    return true
+  end
+  return rw - 1 - (rw - 1 - s) % count >= from
 end

@@ -250,6 +250,8 @@ def test_export_while_the_ring_is_written_keeps_the_fence_and_leaves_overwritten
     assert meta.overwritten_during_export == 3 and meta.ring["ho"] == 5
     assert back["x"][[5, 0, 1]].tolist() == [5.0, 6.0, 7.0]
     assert set(back.sample(200).indices.tolist()) == {5, 0, 1}  # the absent rows are never drawn
+    with pytest.raises(ValueError, match="3 rows a checkpoint restore left absent"):
+        back.enable_priorities(alpha=1.0)  # (they would weigh 1)
     back.extend(TensorDict(x=torch.full((3,), 9.0), batch_size=[3]))  # the next writes fill them: every slot holds a row again
     assert set(back.sample(400).indices.tolist()) == {0, 1, 2, 3, 4, 5}
 

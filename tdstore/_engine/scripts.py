@@ -60,7 +60,7 @@ LEASE_LIBRARY = "_lease"
 USES_LEASE = frozenset({"read", "ack"})
 #: Scripts that also get the helpers that skip the rows a restore left absent (``lua/_absent.lua``), last.
 ABSENT_LIBRARY = "_absent"
-USES_ABSENT = frozenset({"read"})
+USES_ABSENT = frozenset({"read", "priority", "tree_build"})
 #: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
 EPISODES_LIBRARY = "_episodes"
 USES_EPISODES = frozenset({"read", "write", "trajectories"})
