@@ -2,7 +2,7 @@
   _absent.lua: the rows a checkpoint taken while writers ran could not keep, skipped by the
   samples, pops and priority updates of the ring restored from it. Prepended by
   tdstore/_engine/scripts.py to read.lua, priority.lua and tree_build.lua (which refuses to
-  turn priorities on while rows are absent), after the other libraries. Not a
+  turn priorities on while rows are absent), after _lib.lua and _tree.lua. Not a
   script on its own.
 
   An export (tdstore/_checkpoint/export_import.py) holds the ring as of one fence (fence.lua): the
