@@ -39,7 +39,7 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
                            by ``stats()`` (``_inspect.stats``); deleted with the store
     P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
                            length of each trajectory the ring holds (see ``lua/_episodes.lua``)
-    P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
+    P:{I}:sh       string  layout of a *sharded* ring (``tdstore.ShardedRing``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
                            after a write, then ``WAIT``; it expires in 2 s
