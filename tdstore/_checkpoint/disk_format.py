@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from tdstore._checkpoint.folder import MAX_DEPTH, CheckpointError, bad, exists, file_size, inside, load_json
-from tdstore._format.header_info import MAX_INT, check_new_layout
+from tdstore._format.header_info import MAX_INT, RAGGED, check_new_layout, parse_classes
 from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy, tree_bytes
 
 FORMAT = "tdstore-checkpoint"
@@ -130,6 +130,8 @@ class CheckpointMeta:
     """The store's stats counters at the fence (``StoreKeys.stats``), restored with the ring."""
     overwritten_during_export: int = 0
     """Rows of the fence that writers overwrote while the export read the data: absent (see the module docstring)."""
+    classes: list[Any] = field(default_factory=list)
+    """The tensorclass names of nested sub-trees, ``[[path, "module.QualName"], ...]`` (``Header.classes``): names only."""
 
     @property
     def policy(self) -> SamplingPolicy | None:
@@ -187,6 +189,7 @@ class CheckpointMeta:
             "ttl_ms": self.ttl_ms,
             "stats": self.stats,
             "overwritten_during_export": self.overwritten_during_export,
+            **({"classes": self.classes} if self.classes else {}),
         }
 
 
@@ -340,14 +343,19 @@ def read_meta(root: Any) -> CheckpointMeta:
     sub = raw.get("sub", [])
     if not isinstance(sub, list) or not all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and all(isinstance(p, str) for p in e[0])
-        and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in e[1])
+        and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and RAGGED <= d <= MAX_INT for d in e[1])
         for e in sub
     ):  # fmt: skip
         raise bad(root, f"sub must be a list of [path, dims], got {sub!r}"[:300])
+    try:
+        classes = parse_classes(raw.get("classes", []))
+    except ValueError as err:
+        raise bad(root, str(err)) from None
     meta = CheckpointMeta(
         td_id, kind, count, stack_dim, inner, keys, ring, raw.get("batchless", False), raw.get("device", ""),
         raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"), _int(raw.get("ttl_ms", 0), "ttl_ms", root),
         _stats(root, raw.get("stats", {})), _int(raw.get("overwritten_during_export", 0), "overwritten_during_export", root, 0, count),
+        [[list(p), name] for p, name in classes.items()],
     )  # fmt: skip
     policy = meta.policy
     if (policy is not None and policy.prioritized) != (meta.priorities is not None):

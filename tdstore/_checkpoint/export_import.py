@@ -310,6 +310,7 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
         ttl_ms=max(fence.pttl, 0), stats=fence.stats, priorities=priorities, sampled=sampled,
+        classes=[[list(p), name] for p, name in h.classes.items()],
     )  # fmt: skip
     # the fence's rows writers overwrote before the export read them are its oldest: absent, with every older one
     first, fence_rw = stamps.first, stamps.fence_rw
@@ -344,6 +345,7 @@ def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: 
         version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device, leaves=leaves,
         next_leaf=len(leaves), state=f"uploading:{token}", kind=meta.kind, tensorclass=meta.tensorclass,
         batchless=meta.batchless, sub={tuple(p): tuple(d) for p, d in meta.sub},
+        classes={tuple(p): name for p, name in meta.classes},
     )  # fmt: skip
     header = _rows.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0
