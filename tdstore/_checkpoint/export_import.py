@@ -224,7 +224,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
             (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
             publish_dir(tmp, path)
             return meta
-        except _Moved:
+        except _fence.Moved:
             shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -232,12 +232,8 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     raise RuntimeError(f"the schema or policy of the store with {engine.where()} keeps changing: export it again later")
 
 
-class _Moved(Exception):
-    """The fence found another version of the store than the header the export planned from."""
-
-
 def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> CheckpointMeta:
-    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``_Moved`` when
+    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``_fence.Moved`` when
     the store is another version than ``h`` by then), the rows read, oldest first, and the ring state set."""
     count, plan = h.count, h.sampling
     entries = _key_entries(h)
@@ -265,7 +261,7 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
             first_part[e.path] = _fence.open_ragged(root / EXTRA_DIR / f"part{i}", False)
         fence = _fence.read_fence(engine)  # as late as can be: the writes from here on race the reads
         if (fence.fields.get("epoch"), fence.fields.get("version")) != (h.epoch, str(h.version)):
-            raise _Moved
+            raise _fence.Moved
         stamps = _fence.Stamps(engine, h, fence)
         order = stamps.order()
         rows = _chunk_rows(h)

@@ -25,6 +25,10 @@ from tdstore._format.schema import Header
 COPY_BYTES = 64 << 20
 
 
+class Moved(Exception):
+    """The fence found another version of the store than the header the export planned from."""
+
+
 @dataclass
 class Fence:
     """What one atomic read of a store (``lua/fence.lua``) found: the header fields, the stats counters, the time to live."""
