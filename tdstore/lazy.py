@@ -29,10 +29,11 @@ from tdstore._front.reading import LazyReads
 from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
 from tdstore._ring import direct_extend as _direct
-from tdstore._ring.lazy_methods import ReplayMethods
+from tdstore._ring.lazy_methods import LazyRing
+from tdstore.ring_interface import Ring  # noqa: F401  (states the ring calls: gives them their docstrings)
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, StoreBase):
+class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, StoreBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a

@@ -3,10 +3,12 @@
 Three kinds of handle have the ring's calls, and each is a ``Ring`` (``isinstance(x, tdstore.Ring)``):
 
 - **lazy**: a ``LazyStackedTensorDictStore`` of ``count`` elements on one server (or one hash slot of a
-  cluster). Its ring is ``_ring.lazy_methods`` (the work: ``_ring.extend``, ``_ring.sample_pop``,
-  ``_ring.policy_calls``, ``_ring.leases``, ``_ring.waiting``).
+  cluster). Its ring is ``_ring.lazy_methods``: the calls of ``_ring.ring_calls`` (each written once for
+  the lazy and dense kinds, with this protocol's docstring) on ``_ring.one_node`` (the work: ``_ring.extend``,
+  ``_ring.sample_pop``, ``_ring.policy_calls``, ``_ring.leases``, ``_ring.waiting``).
 - **dense**: a ``TensorDictStore(batch_size=[count, *rest])``: the lazy ring of the stack it is kept as
-  (``_ring.dense_methods``), so every call behaves as the lazy one's, with two differences: batches come
+  (``_ring.dense_methods``: the same calls and work), so every call behaves as the lazy one's, with three
+  differences: ``sample`` takes no ``as_padded_tensor``/``as_nested_tensor`` (nothing is ragged), batches come
   back as one dense ``TensorDict`` of batch size ``[n, *rest]``, and a row of another shape than its key's
   raises ``DenseShapeError`` before anything is written (a lazy ring makes the key heterogeneous).
 - **sharded**: a ``ShardedRing`` (``LazyStackedTensorDictStore(count=N, url="redis+cluster://...",
@@ -55,6 +57,7 @@ from tdstore._ring.extend import generations as slot_generations
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
+from tdstore._ring.ring_calls import CALLS, RingCalls
 
 if TYPE_CHECKING:
     import torch
@@ -220,7 +223,8 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
 
         Any number of readers pop the same ring (the server moves one read cursor). With none unread,
         waits (``timeout``: then ``TimeoutError``, nothing taken; ``timeout=0`` tries once). Returns
-        ``Sample(td, indices, generations)``: popped items are gone from the queue, so a reader that
+        ``Sample(td, indices, generations)`` (a dense ring's ``td``: one ``TensorDict`` of batch size
+        ``[n, *rest]``, as for ``sample``): popped items are gone from the queue, so a reader that
         dies before using them loses them (at most once). ``keys`` reads only those keys.
 
         ``lease=S`` (seconds): the items are leased to this caller until ``ack``, returned as
@@ -397,3 +401,15 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
     def capacity(self) -> int:
         """The ring's number of slots: the store's ``count`` (a dense store's first dim). No round trip."""
         ...
+
+
+def _docstrings_from_the_protocol(front: type) -> None:
+    """Give each call of ``front`` (``_ring.ring_calls.RingCalls``, the calls of the lazy and dense kinds,
+    written once) the docstring stated here, so that every call's text exists once: this protocol's."""
+    for name in CALLS:
+        stated = inspect.getattr_static(Ring, name)
+        doc = (stated.fget if isinstance(stated, property) else stated).__doc__
+        vars(front)[name].__doc__ = doc
+
+
+_docstrings_from_the_protocol(RingCalls)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pickle
 import pickletools
 from pathlib import Path
@@ -20,6 +21,8 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
 from tdstore._moved import MOVED, SHADOWED
+from tdstore._ring.ring_calls import CALLS, RingCalls
+from tdstore.ring_interface import Ring
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tdstore"
 
@@ -305,7 +308,6 @@ def test_the_format_and_engine_packages_import_nothing_when_imported() -> None:
 
 def test_the_lua_scripts_are_found_one_way_only_as_package_data() -> None:
     """``tdstore._lua`` in the wheel (``pyproject.toml`` maps it to ``lua/``) and in a checkout (a link to ``lua/``)."""
-    import inspect
 
     from tdstore._engine import scripts
 
@@ -364,3 +366,26 @@ def test_torchrl_reaches_the_store_only_through_its_public_interface() -> None:
     assert {k: v for k, v in new.items() if v} == {}, "a new reach into tdstore's insides: use the Ring or the public store API"
     gone = {name: sorted(r - got.get(name, set())) for name, r in TORCHRL_REACHES_LEFT.items()}
     assert {k: v for k, v in gone.items() if v} == {}, "a reach removed: take it off TORCHRL_REACHES_LEFT"
+
+
+# -- the ring's calls, written once (issue 39, item 1) ---------------------------------------------------------
+
+
+def test_every_ring_call_is_written_once_for_the_lazy_and_dense_kinds() -> None:
+    """Each call of ``tdstore.Ring`` is one function of ``_ring.ring_calls.RingCalls`` that both store classes
+    inherit untouched, with the protocol's parameters (names, kinds, defaults) and its docstring."""
+    stated = {name for name in vars(Ring) if not name.startswith("_")}
+    assert set(CALLS) == stated
+    for name in CALLS:
+        mine, theirs = inspect.getattr_static(RingCalls, name), inspect.getattr_static(Ring, name)
+        for cls in (LazyStackedTensorDictStore, TensorDictStore):
+            assert inspect.getattr_static(cls, name) is mine, (cls.__name__, name)
+        if isinstance(mine, property):
+            assert mine.__doc__ == theirs.fget.__doc__, name
+            continue
+        assert mine.__doc__ == theirs.__doc__ and mine.__doc__, name
+        if name == "pop":  # pop(*args, **kwargs): the queue's pop, or TensorDict's pop(key)
+            continue
+        params = {p.name: p for p in inspect.signature(mine).parameters.values()}
+        for p in inspect.signature(theirs).parameters.values():
+            assert p.name in params and (params[p.name].kind, params[p.name].default) == (p.kind, p.default), (name, p.name)
