@@ -83,6 +83,8 @@ class TensorDictStore(DenseRing, StackView):
         attached to when its batch size agrees (``ValueError`` when it does not).
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
     def __init__(
         self,
         *,

@@ -83,6 +83,8 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, S
             returns the password in processes this store is pickled into.
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
             from tdstore._shards.layout import wants_shards

@@ -45,16 +45,16 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkable
 
 # What the ring's calls answer and take, public here so that adapters (``tdstore.torchrl``) name them
-# without importing private modules; and the two rules an adapter must apply as the ring does: which
+# without importing private modules (and the classes' ``__module__`` is this module's: pickles name them
+# here, so moving the code that defines them breaks no pickle); and the two rules an adapter must apply as the ring does: which
 # slots an index names (``index_positions``: a bool/uint8 mask means what it means to ``store[mask]``)
 # and which generation a slot holds after ``write_count`` ring writes (``slot_generations``).
-from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.sampling_policy import RateLimit, SamplingPolicy
 from tdstore._plan.index import MASK_DTYPES
 from tdstore._plan.index import positions as index_positions
-from tdstore._ring.args import check_batch_size
-from tdstore._ring.extend import RingState, RingWrite, Sample
-from tdstore._ring.extend import generations as slot_generations
-from tdstore._ring.leases import LeasedSample
+from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_batch_size
+from tdstore._plan.ring_plan import generations as slot_generations
+from tdstore._ring.leases import LeasedSample, Receipt
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore._ring.ring_calls import CALLS, RingCalls
@@ -69,8 +69,10 @@ __all__ = [
     "Sample",
     "PrioritizedSample",
     "LeasedSample",
+    "Receipt",
     "Marks",
     "SamplingPolicy",
+    "RateLimit",
     "MASK_DTYPES",
     "index_positions",
     "slot_generations",

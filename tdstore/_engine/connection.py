@@ -51,6 +51,8 @@ PASSWORD_ENV = "TDSTORE_PASSWORD"
 class PasswordError(redis.AuthenticationError):
     """The server wants a password and got none, or refused the one given (never holds the password)."""
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
 
 class TLSHandshakeError(redis.exceptions.RedisError):
     """A ``rediss://`` connection got no TLS handshake: most often a plain (non-TLS) server.

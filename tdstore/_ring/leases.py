@@ -34,9 +34,9 @@ from tdstore._format import codec as _codec
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, NestedPath
 from tdstore._plan.call import Call
+from tdstore._plan.ring_plan import Sample
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
-from tdstore._ring.extend import Sample
 from tdstore._ring.row_reads import decode_sample, row_read_call
 
 
@@ -46,6 +46,10 @@ class Receipt:
 
     id: str
     write_numbers: tuple[int, ...]
+
+
+#: its public home: pickles name it there (set once made: a dataclass resolves its annotations in its own module)
+Receipt.__module__ = "tdstore.ring_interface"
 
 
 @dataclass
@@ -86,6 +90,9 @@ class LeasedSample:
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         if kind is None:
             self.ack()
+
+
+LeasedSample.__module__ = "tdstore.ring_interface"  # see Receipt.__module__
 
 
 def lease_ms(lease: Any) -> int:

@@ -30,6 +30,9 @@ class Marks(NamedTuple):
     wb: int
 
 
+Marks.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
+
+
 def read(engine: Engine) -> Marks:
     """The ring's and the adapter's counters in one round trip; ``KeyError`` when the store was deleted
     or made again since ``engine`` opened it."""

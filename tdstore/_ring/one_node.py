@@ -22,9 +22,9 @@ from tdstore._errors import AmbiguousTimeoutError, MustWait
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import NestedPath
 from tdstore._inspect import stats
+from tdstore._plan.ring_plan import RingState, RingWrite, Sample
 from tdstore._ring import extend, leases, marks, policy_calls, sample_pop, waiting
 from tdstore._ring.args import refuse_spread
-from tdstore._ring.extend import RingState, RingWrite, Sample
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample

@@ -52,6 +52,9 @@ class PrioritizedSample(NamedTuple):
     probabilities: torch.Tensor
 
 
+PrioritizedSample.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
+
+
 def policy_of(engine: Engine, fresh: bool = False) -> SamplingPolicy:
     """The store's policy (empty when it has none); ``fresh`` reads the header again first."""
     if fresh:

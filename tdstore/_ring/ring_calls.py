@@ -26,9 +26,8 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tdstore._format import ragged
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import NestedPath
+from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_request_id
 from tdstore._plan.values import as_path
-from tdstore._ring.args import check_request_id
-from tdstore._ring.extend import RingState, RingWrite, Sample
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample

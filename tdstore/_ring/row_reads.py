@@ -24,8 +24,8 @@ from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
 from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import het_rows
+from tdstore._plan.ring_plan import Sample, generations
 from tdstore._plan.values import build_td, columns_maker, display, stack_members
-from tdstore._ring.extend import Sample, generations
 
 
 def selected_leaves(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
