@@ -17,7 +17,7 @@ from tensordict.base import NO_DEFAULT
 
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine, td_id_or_new
-from tdstore._format import nontensor as _nontensor
+from tdstore._format import nontensor
 from tdstore._format.header_info import check_new_layout as _check_layout
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, KeySpec, NestedPath, key_specs_of
@@ -28,7 +28,7 @@ from tdstore._front.lifecycle import LazyLifecycle
 from tdstore._front.reading import LazyReads
 from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
-from tdstore._ring import direct_extend as _direct
+from tdstore._ring import direct_extend
 from tdstore._ring.lazy_methods import LazyRing
 from tdstore.ring_interface import Ring  # noqa: F401  (states the ring calls: gives them their docstrings)
 
@@ -150,7 +150,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, S
         )
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is None:  # made here: no ring write yet, so its first extend may go direct (_ring.direct_extend)
-            _direct.learn(engine, 0)
+            direct_extend.learn(engine, 0)
         else:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
@@ -310,7 +310,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, S
     # -- views -------------------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
+            return nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
         if index is Ellipsis or (isinstance(index, tuple) and not index):
             return self
         element = self._element_of(index)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import whole_store
 from tdstore._engine.engine import Engine
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header
@@ -35,11 +35,11 @@ class LazyLifecycle(LazyState):
         ms = ttl_to_ms(seconds)
         if ms == 0:
             raise ValueError(f"expire needs a positive number of seconds, got {seconds!r}; use persist() to remove the time to live")
-        _whole_store.expire(self._engine, ms)
+        whole_store.expire(self._engine, ms)
 
     def persist(self) -> None:
         """Remove the store's time to live (every key), in one call (in batches, as :meth:`expire`)."""
-        _whole_store.expire(self._engine, 0)
+        whole_store.expire(self._engine, 0)
 
     def ttl(self) -> float | None:
         """Seconds left before the store expires, or ``None`` when it has no time to live."""
@@ -54,7 +54,7 @@ class LazyLifecycle(LazyState):
         ``clear_redis``, ``tdstore rm`` or creation of the same id deletes). The handle gives its connection
         back to the process's shared pool, where the next store opened takes it (using the handle again
         takes one)."""
-        deleted = _whole_store.clear(self._engine)
+        deleted = whole_store.clear(self._engine)
         self._engine.idle()
         return deleted
 

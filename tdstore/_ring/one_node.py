@@ -70,17 +70,17 @@ class OneNodeRing:
         batch_size: int,
         generator: torch.Generator | None,
         paths: list[NestedPath] | None,
-        ragged: dict[str, Any] | None,
+        as_tensor: dict[str, Any] | None,
         prioritized: bool | None,
         alpha: float | None,
         beta: float,
         min_size: int | None,
         timeout: float | None,
     ) -> Sample | PrioritizedSample:
-        if ragged and self.rows is not None:
+        if as_tensor and self.rows is not None:
             raise TypeError(
                 "a dense store's rows have one shape per key, so its sample is one TensorDict already: "
-                f"{sorted(ragged)} are a LazyStackedTensorDictStore's (heterogeneous keys)"
+                f"{sorted(as_tensor)} are a LazyStackedTensorDictStore's (heterogeneous keys)"
             )
         engine = self.engine
         return self._read(
@@ -89,7 +89,7 @@ class OneNodeRing:
                 batch_size,
                 generator,
                 self.device,
-                ragged,
+                as_tensor,
                 paths,
                 prioritized=prioritized,
                 alpha=alpha,

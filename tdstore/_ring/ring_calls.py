@@ -67,7 +67,7 @@ class RingWork(Protocol):
         batch_size: int,
         generator: torch.Generator | None,
         paths: list[NestedPath] | None,
-        ragged: dict[str, Any] | None,
+        as_tensor: dict[str, Any] | None,
         prioritized: bool | None,
         alpha: float | None,
         beta: float,
