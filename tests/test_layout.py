@@ -264,7 +264,12 @@ NO_FUNCTION_IMPORTS = [
     "_engine/spread_call.py",
     "_engine/whole_store.py",
     "_engine/write_call.py",
+    "_plan/ring_plan.py",
+    "_ring/dense_methods.py",
+    "_ring/lazy_methods.py",
     "_ring/leases.py",
+    "_ring/one_node.py",
+    "_ring/ring_calls.py",
     "_ring/row_reads.py",
     "_ring/sample_pop.py",
 ]
@@ -351,6 +356,17 @@ def test_these_modules_import_no_tdstore_module_in_a_function(name: str) -> None
         or (isinstance(node, ast.Import) and any(a.name.startswith("tdstore") for a in node.names))
     ]
     assert inner == [], f"{name}: tdstore imported in a function at lines {inner}"
+
+
+def test_the_ring_plans_do_no_io() -> None:
+    """``_plan.ring_plan`` (slots, generations, a ring write's ops, argument checks) computes calls: it imports
+    no client and nothing of the layers that send; ``_ring`` sends what it plans."""
+    tree = ast.parse((PACKAGE / "_plan" / "ring_plan.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    ours = {m for m in names if m.startswith("tdstore")}
+    assert all(m.split(".")[1] in ("_format", "_plan", "_errors") for m in ours), ours
+    assert {m.split(".")[0] for m in names - ours} <= {"__future__", "math", "typing", "numpy", "torch", "tensordict"}, names
 
 
 def test_the_format_and_engine_packages_import_nothing_when_imported() -> None:

@@ -1,6 +1,6 @@
 """The ``write.lua`` call of one planned write: from the planner's ops to the script's ARGV.
 
-The planner (``_plan.write_plan``, ``_plan.element_write``, ``_ring.extend``) gives (new header or None,
+The planner (``_plan.write_plan``, ``_plan.element_write``, ``_plan.ring_plan``) gives (new header or None,
 ops, leaves touched); :func:`write_call` adds what the script checks first (the header's epoch and versions,
 what each key must hold), fixes the segment length of a store's first keys, cuts the ops per segment,
 and stages large new blobs by plain SETRANGE in the same round trip.

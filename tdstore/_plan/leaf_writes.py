@@ -1,7 +1,7 @@
 """The ops that write one leaf: its whole blob and tables, rows and elements of it, a new leaf,
 and a homogeneous leaf turning heterogeneous.
 
-The planners (``_plan.write_plan`` for indexed writes, ``_ring.extend`` for ring writes) decide which leaves a
+The planners (``_plan.write_plan`` for indexed writes, ``_plan.ring_plan`` for ring writes) decide which leaves a
 write touches and how; the ops for each leaf, and the checks of each value against the leaf
 (dtype, number of dims, inner batch size), are built here, once for both.
 """

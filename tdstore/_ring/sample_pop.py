@@ -1,4 +1,4 @@
-"""Reading the ring buffer (see ``_ring.extend``): ``sample`` and ``pop``, one call each.
+"""Reading the ring buffer (see ``_plan.ring_plan``): ``sample`` and ``pop``, one call each.
 
 ``sample`` draws its random numbers on the client (a seeded ``torch.Generator`` gives the same
 batch again); ``read.lua`` maps them onto the written slots it sees ('U'), or walks the priority
