@@ -349,13 +349,25 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, S
         return LazyStackAccess(self)
 
     def __reduce__(self) -> Any:
-        return (_restore, (type(self), self.__getstate__()))
+        # a method of the class (pickled as ``getattr(tdstore.LazyStackedTensorDictStore, "_restore")``): a pickle
+        # names only the public class, so moving this module breaks none
+        return (type(self)._restore, (self.__getstate__(),))
+
+    @classmethod
+    def _restore(cls, state: dict[str, Any]) -> LazyStackedTensorDictStore:
+        obj = cls.__new__(cls)
+        obj.__setstate__(state)
+        return obj
+
+    @classmethod
+    def _element_view(cls, store: LazyStackedTensorDictStore, element: int, under: NestedPath) -> ElementView:
+        """An element view as a pickle names it (``ElementView.__reduce__``): through the public class."""
+        return ElementView(store, element, under)
 
 
 def _restore(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> LazyStackedTensorDictStore:
-    obj = cls.__new__(cls)
-    obj.__setstate__(state)
-    return obj
+    """What pickles made before ``LazyStackedTensorDictStore._restore`` name (``tdstore.lazy._restore``)."""
+    return cls._restore(state)
 
 
 def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict, lazy_stack
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 import tdstore
+import tdstore.lazy
 from tdstore import LazyStackedTensorDictStore, TensorDictStore, ring_interface
 from tdstore._moved import MOVED, SHADOWED
 from tdstore._ring.ring_calls import CALLS, RingCalls
@@ -61,19 +62,40 @@ def test_an_old_module_that_is_a_package_now_answers_for_its_names(old: str) -> 
 
 
 def _as_before(blob: bytes) -> bytes:
-    """``blob`` (protocol 2) with every module of the new layout named by its old path."""
+    """``blob`` (protocol 2) with every module of the new layout named by its old path, and every public class by
+    the private module that defined it."""
     new_to_old = {new: old for old, new in MOVED.items()}
     out = blob
     for op, arg, _ in pickletools.genops(blob):
         if op.name == "GLOBAL":
             module, name = arg.split(" ", 1)
-            if module in new_to_old:
-                out = out.replace(f"c{module}\n{name}\n".encode(), f"c{new_to_old[module]}\n{name}\n".encode())
+            old = new_to_old.get(module) or (PUBLIC_CLASSES[name][0] if module.startswith("tdstore") and name in PUBLIC_CLASSES else None)
+            if old is not None:
+                out = out.replace(f"c{module}\n{name}\n".encode(), f"c{old}\n{name}\n".encode())
     return out
 
 
+class _PickledAsBefore:
+    """A handle pickled as releases before issue 39 pickled it: a lazy store through ``tdstore.lazy._restore`` with its
+    ``ConnectionSpec`` object, an element view as ``ElementView(store, element, under)``, a dense store through
+    ``TensorDictStore._open_view`` of its stack pickled so."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __reduce__(self) -> Any:
+        h = self.handle
+        if isinstance(h, LazyStackedTensorDictStore):
+            state = h.__getstate__()
+            state["spec"] = h._engine.spec
+            return (tdstore.lazy._restore, (type(h), state))
+        if isinstance(h, TensorDictStore):
+            return (TensorDictStore._open_view, (_PickledAsBefore(h._store), h._under, h.is_locked))
+        return (type(h), (_PickledAsBefore(h._store), h._element, h._under))
+
+
 def _old_pickle(obj: Any, *old_paths: str) -> bytes:
-    blob = _as_before(pickle.dumps(obj, protocol=2))
+    blob = _as_before(pickle.dumps(_PickledAsBefore(obj) if isinstance(obj, (TensorDictBase, TensorDictStore)) else obj, protocol=2))
     for old in old_paths:
         assert f"c{old}\n".encode() in blob, old
     return blob
@@ -88,7 +110,7 @@ def test_an_old_pickle_of_a_lazy_store_and_of_an_element_view_loads(real: Any) -
     again = pickle.loads(_old_pickle(store, "tdstore._connection"))
     assert type(again) is LazyStackedTensorDictStore and again.td_id == store.td_id
     assert torch.equal(again[2]["obs"], torch.full((3, 2), 2.0))
-    view = pickle.loads(_old_pickle(store[1], "tdstore._lazy_element", "tdstore._connection"))
+    view = pickle.loads(_old_pickle(store[1], "tdstore._lazy_element", "tdstore._connection", "tdstore.lazy"))
     assert type(view) is type(store[1])
     view["obs"] = torch.full((2, 2), 9.0)  # written through the view loaded from the old pickle
     assert torch.equal(store[1]["obs"], torch.full((2, 2), 9.0))
@@ -122,6 +144,24 @@ def test_an_old_pickle_of_a_ring_sample_loads(real: Any) -> None:
     for old in (b"tdstore._ring", b"tdstore._ring.extend"):
         again = pickle.loads(blob.replace(b"ctdstore.ring_interface\nRingWrite\n", b"c" + old + b"\nRingWrite\n"))
         assert type(again) is type(written) and repr(again) == repr(written)
+
+
+def _tdstore_globals(blob: bytes) -> set[str]:
+    return {arg for op, arg, _ in pickletools.genops(blob) if op.name == "GLOBAL" and arg.startswith("tdstore")}
+
+
+def test_a_pickled_store_names_only_public_modules(real: Any) -> None:
+    """A handle's pickle (lazy, dense, one element) names public classes only: the connection spec goes as its
+    fields, the handle is made again through its public class; the pickles made before still load."""
+    lazy = LazyStackedTensorDictStore.from_lazy_stack(_stack(), **real.kwargs())
+    dense = TensorDictStore.from_tensordict(TensorDict(x=torch.arange(6.0), batch_size=[6]), **real.kwargs())
+    for handle in (lazy, dense, lazy[2]):
+        blob = pickle.dumps(handle, protocol=2)
+        assert _tdstore_globals(blob) <= {"tdstore LazyStackedTensorDictStore", "tdstore TensorDictStore"}, type(handle)
+        again = pickle.loads(blob)
+        assert type(again) is type(handle) and torch.equal(
+            again.to_tensordict()["x" if handle is dense else "step"], handle.to_tensordict()["x" if handle is dense else "step"]
+        )
 
 
 #: Every public class, by the private modules earlier releases recorded in pickles for it.

@@ -84,4 +84,5 @@ class ElementView(StackView):
         raise NotImplementedError("store elements are made by indexing a store: store[i]")
 
     def __reduce__(self) -> Any:
-        return (ElementView, (self._store, self._element, self._under))
+        # through the store's public class (``LazyStackedTensorDictStore._element_view``): a pickle names no private class
+        return (getattr(type(self._store), "_element_view", ElementView), (self._store, self._element, self._under))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from tdstore._engine import whole_store
+from tdstore._engine.connection import ConnectionSpec
 from tdstore._engine.engine import Engine
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header
@@ -66,8 +68,10 @@ class LazyLifecycle(LazyState):
         return result
 
     def __getstate__(self) -> dict[str, Any]:
+        spec = self._engine.spec
         return {
-            "spec": self._engine.spec,
+            # the connection spec's fields, not the object: a pickle names no private class (issue 39)
+            "spec": {f.name: getattr(spec, f.name) for f in fields(spec)},
             "prefix": self._engine.keys.prefix,
             "td_id": self._engine.keys.td_id,
             "header": self._engine.header.fields(),
@@ -79,7 +83,12 @@ class LazyLifecycle(LazyState):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        engine = Engine(state["spec"], StoreKeys(state["prefix"], state["td_id"]), readonly=state.get("readonly", False))
+        spec = state["spec"]  # a ConnectionSpec in pickles made before its fields were pickled
+        engine = Engine(
+            ConnectionSpec(**spec) if isinstance(spec, dict) else spec,
+            StoreKeys(state["prefix"], state["td_id"]),
+            readonly=state.get("readonly", False),
+        )
         engine.set_header(Header.from_fields(state["header"]))
         self._init_handle(engine, backend=state["backend"], device=state["device"], cache_metadata=state["cache_metadata"])
         if state.get("is_locked"):
