@@ -85,6 +85,11 @@
           KEYS[kc] (see _tree.lua); 'priorities' holds one priority per row as decimal
           text ('' gives every row the largest priority so far, header field 'pm'). Each
           slot written weighs priority ^ alpha, and its sample count restarts at 0.
+    'J', kj, ids
+          after 'W', on a ring with trajectories (header field 'tj', see trajectories.lua): each
+          row's trajectory id (8 bytes, little-endian int64) or end flag (1 byte), by what 'tj'
+          says; the episode index KEYS[kj] is kept in the same call (_episodes.lua). A ring
+          write without it on such a ring answers STALE (planned before the setting).
     'G', n, pairs
           conditional rows: 'pairs' packs n (slot, generation) int64 pairs; value
           row j goes to its slot only when the slot's generation (see below) still
@@ -394,6 +399,7 @@ end
 -- one SETRANGE ('X') or one splice ('Y')
 local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
 local ring_from = 0  -- what a W op adds to 'rw' before its rows (see tds_ring_rw in _lib.lua)
+local ring_rw0, trajectories, episodes = 0, nil, nil  -- a W op's first write number; 'tj'; a 'J' op's index and ids
 -- a ring write's sampling policy (header field 'sc'), the priorities its 'P' op gives,
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
@@ -556,7 +562,7 @@ for _ = 1, nops do
       error('TDSTORE bad argument: one W or G op per call')
     end
     local n = tds_num(ARGV[a + 1], 'row count')
-    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo')
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo', 'tj')
     local count, rw_raw = tds_ring_fields(head[1], head[2])
     local rw = tds_ring_rw(meta, count, rw_raw)
     ring_from = rw - rw_raw  -- a store filled by index: its first extend starts at rw = count
@@ -593,6 +599,8 @@ for _ = 1, nops do
         applied[j] = true
       end
       ring_n = n
+      ring_rw0 = rw
+      trajectories = head[9] or nil  -- (a missing field reads as false)
       extra = string.format('%.0f', rw)
       a = a + 3
     else
@@ -716,6 +724,12 @@ for _ = 1, nops do
       error('TDSTORE bad argument: ' .. #prio.values .. ' priorities for ' .. ring_n .. ' rows')
     end
     a = a + 4
+  elseif kind == 'J' then
+    if ring_n == 0 then
+      error('TDSTORE bad argument: J op before its W op')
+    end
+    episodes = {key = key(a + 1), ids = ARGV[a + 2]}
+    a = a + 3
   elseif kind == 'Q' then
     seg_per = tds_segment_length(a, rows)
     a = a + 2
@@ -813,6 +827,13 @@ local function splice(op)
 end
 
 -- a ring write of a store with priorities: its tree (and sample counts) checked before any write
+if trajectories ~= nil or episodes ~= nil then  -- the episode index (_episodes.lua): checked before any write
+  if trajectories == nil or episodes == nil then
+    return tds_stale(meta)  -- planned by a client that does not know the ring's trajectory setting: nothing written
+  end
+  episodes.by = (cjson.decode(trajectories) or {}).by
+  tds_ep_check(episodes.by, episodes.ids, ring_n)
+end
 local tree, times_key = nil, nil
 if policy ~= nil and policy.alpha ~= nil then
   if prio == nil then
@@ -966,6 +987,9 @@ if count_in_place then
 end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
+  if episodes ~= nil then
+    tds_ep_write(meta, episodes.key, episodes.by, ring_rw0, ring_n, ring_count, episodes.ids)
+  end
   tds_stat('ins', ring_n)
   tds_stat('hw_ms', tds_stats.held)
   if tree ~= nil then

@@ -186,6 +186,9 @@ PUBLIC_CLASSES: dict[str, tuple[str, ...]] = {
     "Marks": ("tdstore._ring.marks", "tdstore._torchrl_marks", "tdstore.torchrl.marks"),
     "SamplingPolicy": ("tdstore._format.sampling_policy", "tdstore._policy"),
     "RateLimit": ("tdstore._format.sampling_policy", "tdstore._policy"),
+    "SliceSample": ("tdstore._ring.slices",),
+    "RanksMoved": ("tdstore._ring.slices",),
+    "Trajectories": ("tdstore._format.trajectories",),
 }
 
 

@@ -37,6 +37,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:c        hash    stats: counters of the ring's work (rows inserted, sampled, popped, acked,
                            ...), added by the scripts that do it (``lua/_lib.lua`` ``tds_stat``), read
                            by ``stats()`` (``_inspect.stats``); deleted with the store
+    P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
+                           length of each trajectory the ring holds (see ``lua/_episodes.lua``)
     P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
@@ -242,10 +244,16 @@ class StoreKeys:
         return f"{self.base}:c"
 
     @property
+    def episodes(self) -> str:
+        """A ring with trajectories: its episode index (a zset: member a trajectory's first write number,
+        score its length in rows; ``lua/_episodes.lua``), kept by every ring write."""
+        return f"{self.base}:j"
+
+    @property
     def side_keys(self) -> list[str]:
-        """The keys of the store that are no strings (:attr:`lease_keys`, then :attr:`stats`): calls on the
-        whole store (delete, copy, time to live) add them to :meth:`all_keys`."""
-        return [*self.lease_keys, self.stats]
+        """The keys of the store that are no strings (:attr:`lease_keys`, then :attr:`stats`, then
+        :attr:`episodes`): calls on the whole store (delete, copy, time to live) add them to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats, self.episodes]
 
     @property
     def sampling_keys(self) -> list[str]:
@@ -259,7 +267,7 @@ class StoreKeys:
         (``_format.integrity.WrongTypeError``)."""
         if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
             return "hash"
-        if key in self.lease_keys:
+        if key in self.lease_keys or key == self.episodes:
             return "zset"
         if key == self.registry:
             return "set"

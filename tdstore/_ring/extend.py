@@ -43,7 +43,7 @@ from tdstore._plan.ring_plan import (
     state,
 )
 from tdstore._plan.values import leaves_of, subtree_dims
-from tdstore._ring import direct_extend, policy_calls, waiting
+from tdstore._ring import direct_extend, episodes, policy_calls, waiting
 from tdstore._ring.args import refuse_spread
 
 #: Named here too for the modules that import them from here (``_shards``, ``tdstore.torchrl``; pickles name
@@ -161,6 +161,8 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
+        if h.trajectories is not None:  # the rows' trajectory ids or end flags: the server keeps its episode index
+            ops.append(episodes.episode_op(kt, engine.keys.episodes, h, items, n))
         return new_header, ops, touched
 
     rid = request or request_id()  # one per extend, sent with every attempt: a resend never writes twice

@@ -21,13 +21,15 @@ from tdstore._engine.engine import Engine
 from tdstore._errors import AmbiguousTimeoutError, MustWait
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import NestedPath
+from tdstore._format.trajectories import Trajectories
 from tdstore._inspect import stats
 from tdstore._plan.ring_plan import RingState, RingWrite, Sample
-from tdstore._ring import extend, leases, marks, policy_calls, sample_pop, waiting
+from tdstore._ring import extend, leases, marks, policy_calls, sample_pop, slices, waiting
 from tdstore._ring.args import refuse_spread
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.slices import SliceSample
 
 T = TypeVar("T")
 
@@ -150,6 +152,40 @@ class OneNodeRing:
             return st
 
         return waiting.until_ready(engine, attempt, timeout, "wait_for")
+
+    # -- trajectories ----------------------------------------------------------------------------
+    def set_trajectories(self, traj_key: Any, end_key: Any) -> None:
+        slices.set_trajectories(self.engine, traj_key, end_key)
+
+    def trajectories(self) -> Trajectories | None:
+        return self.engine.header.trajectories
+
+    def sample_slices(
+        self,
+        batch_size: int,
+        num_slices: int | None,
+        slice_len: int | None,
+        strict_length: bool,
+        span: Any,
+        generator: torch.Generator | None,
+        paths: list[NestedPath] | None,
+        ranks: tuple[int, torch.Tensor] | None,
+    ) -> SliceSample:
+        engine, device = self.engine, self.device
+        return self._read(
+            lambda: slices.sample_slices(
+                engine,
+                batch_size,
+                num_slices=num_slices,
+                slice_len=slice_len,
+                strict_length=strict_length,
+                span=span,
+                generator=generator,
+                keys=paths,
+                device=device,
+                ranks=ranks,
+            )
+        )
 
     # -- priorities, rate limiter, queue ---------------------------------------------------------
     def policy(self) -> SamplingPolicy:

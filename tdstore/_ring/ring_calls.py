@@ -26,11 +26,13 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 from tdstore._format import ragged
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import NestedPath
+from tdstore._format.trajectories import Trajectories
 from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_request_id
 from tdstore._plan.values import as_path
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.slices import SliceSample
 
 
 def pops_a_key(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -94,6 +96,19 @@ class RingWork(Protocol):
     def set_marks_base(self, generation_base: int, write_base: int) -> None: ...
     def counting_in_place(self) -> AbstractContextManager[None]: ...
     def wait_for(self, written: int | None, write_count: int | None, timeout: float | None) -> RingState: ...
+    def set_trajectories(self, traj_key: Any, end_key: Any) -> None: ...
+    def trajectories(self) -> Trajectories | None: ...
+    def sample_slices(
+        self,
+        batch_size: int,
+        num_slices: int | None,
+        slice_len: int | None,
+        strict_length: bool,
+        span: Any,
+        generator: torch.Generator | None,
+        paths: list[NestedPath] | None,
+        ranks: tuple[int, torch.Tensor] | None,
+    ) -> SliceSample: ...
 
 
 class RingCalls:
@@ -209,6 +224,29 @@ class RingCalls:
 
     def restore_sampling_policies(self, policies: Sequence[SamplingPolicy]) -> None:
         self._ring_work().restore_policies(policies)
+
+    # -- trajectories ----------------------------------------------------------------------------
+    def set_trajectories(self, *, traj_key: Any = None, end_key: Any = None) -> None:
+        self._ring_work().set_trajectories(traj_key, end_key)
+
+    @property
+    def trajectories(self) -> Trajectories | None:
+        return self._ring_work().trajectories()
+
+    def sample_slices(
+        self,
+        batch_size: int,
+        *,
+        num_slices: int | None = None,
+        slice_len: int | None = None,
+        strict_length: bool = True,
+        span: Any = False,
+        generator: torch.Generator | None = None,
+        keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
+    ) -> SliceSample:
+        work = self._ring_work()
+        return work.sample_slices(batch_size, num_slices, slice_len, strict_length, span, generator, key_paths(keys), ranks)
 
     # -- the ring's state ------------------------------------------------------------------------
     def marks(self) -> Marks:
