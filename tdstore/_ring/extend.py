@@ -42,7 +42,7 @@ from tdstore._plan.ring_plan import (
     rows_of,
     state,
 )
-from tdstore._plan.values import leaves_of, subtree_dims
+from tdstore._plan.values import leaves_of, subtree_layout
 from tdstore._ring import direct_extend, episodes, policy_calls, waiting
 from tdstore._ring.args import refuse_spread
 
@@ -155,7 +155,8 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         deadline.arm()  # sent once planned: from now on the rows may be written
         # the nested sub-trees' batch dims, for keys the write creates (a store's first extend)
         new_keys = isinstance(value, TensorDictBase) and any(p not in h.leaves for p in items)
-        sub = subtree_dims(value, value.batch_dims) if new_keys else None
+        # (and their tensorclasses; of a lazy ring, RAGGED: later rows may hold chats of other lengths)
+        sub = subtree_layout(value, value.batch_dims, vary=h.kind == "lazy") if new_keys else None
         new_header, ops, touched = plan_rows(engine.keys, h, kt, items, n, Write.W(n, channel), ring=True, sub=sub)
         if h.sampling is not None and h.sampling.prioritized:
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))

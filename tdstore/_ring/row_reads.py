@@ -20,6 +20,7 @@ from tdstore._format import codec, ragged, row_block
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
+from tdstore._plan import padded_batch
 from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import het_rows
 from tdstore._plan.ring_plan import Sample, generations
@@ -115,10 +116,11 @@ def decode_sample(
             pos += 1
             continue
         one = None
-        if as_tensor and not leaf.json and not h.inner and h.stack_pos == 0:
+        kept = leaf.json or padded_batch.varying_root(h, leaf.path) is not None  # never padded (_plan.padded_batch)
+        if as_tensor and not kept and not h.inner and h.stack_pos == 0:
             # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
             one = ragged.build(leaf, codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], as_tensor)
-        elif as_tensor:
+        elif as_tensor and not kept:
             ragged.check_mask(as_tensor, display(leaf.path))
         if isinstance(one, tuple):
             dense[leaf.path], masks[leaf.path] = one
@@ -129,7 +131,13 @@ def decode_sample(
         pos += 3
     if block is not None or as_tensor or wanted is not None:  # the store's key order (and only the keys asked for)
         dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
-    if as_tensor and as_tensor.get("return_mask"):
+    others = padded_batch.rest(h, per_el, n, device) if as_tensor and per_el and not h.inner and h.stack_pos == 0 else None
+    if others is not None:  # non-tensor keys and sub-trees of varying dims beside the padded keys
+        per_el = {}
+        if as_tensor and as_tensor.get("return_mask"):
+            with_masks(h, dense, masks, as_tensor)
+        dense.update(others)
+    elif as_tensor and as_tensor.get("return_mask"):
         if per_el:
             ragged.check_mask(as_tensor, display(next(iter(per_el))))
         with_masks(h, dense, masks, as_tensor)
