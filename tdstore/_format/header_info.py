@@ -68,6 +68,8 @@ ITEMSIZE: dict[str, int] = {
 class StoreFormatError(RuntimeError):
     """The server holds metadata that this version of tdstore cannot read safely."""
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
 
 class HeaderDamagedError(StoreFormatError, StoreDamagedError):
     """A header field holds a value tdstore never writes (edited by hand): a :class:`StoreDamagedError`

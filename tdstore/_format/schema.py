@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.header_info import RAGGED, StoreFormatError, parse_classes, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.trajectories import Trajectories
@@ -92,13 +92,13 @@ class Leaf:
     @property
     def element_nbytes(self) -> int:
         assert self.shape is not None
-        return _codec.nbytes(self.shape, self.dtype)
+        return codec.nbytes(self.shape, self.dtype)
 
     def to_json(self) -> dict:
         rec: dict = {
             "path": list(self.path),
             "n": self.number,
-            "dtype": _codec.dtype_name(self.dtype),
+            "dtype": codec.dtype_name(self.dtype),
             "ndim": self.ndim,
             "v": self.version,
         }
@@ -354,7 +354,7 @@ class Header:
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         leaves = {
-            rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col)
+            rec.path: Leaf(rec.path, rec.number, codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col)
             for rec in info.leaves
         }
         return cls(
