@@ -49,6 +49,7 @@ SCRIPT_NAMES = (
     "ack",
     "restore",
     "marks",
+    "rollouts",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
@@ -56,6 +57,9 @@ USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
 #: Scripts that also get the lease table's helpers (``lua/_lease.lua``), after the others.
 LEASE_LIBRARY = "_lease"
 USES_LEASE = frozenset({"read", "ack"})
+#: Scripts that also get the rollout index's helpers (``lua/_rollouts.lua``), last.
+ROLLOUT_LIBRARY = "_rollouts"
+USES_ROLLOUT = frozenset({"read", "write", "rollouts"})
 
 
 class ServerScriptError(RuntimeError):
@@ -89,6 +93,8 @@ def script_source(name: str) -> tuple[str, str]:
     libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
     if name in USES_LEASE:
         libraries.append(LEASE_LIBRARY)
+    if name in USES_ROLLOUT:
+        libraries.append(ROLLOUT_LIBRARY)
     # only the helpers the script uses: every call makes each top-level helper again (see _engine.script_text)
     text = assemble([folder.joinpath(f"{lib}.lua").read_text() for lib in libraries], folder.joinpath(f"{name}.lua").read_text())
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs

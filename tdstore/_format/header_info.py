@@ -200,6 +200,8 @@ class HeaderInfo:
     """The ring's sampling policy (header field ``sc``, see ``_format.sampling_policy``), if it has one."""
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
+    rollouts: bool = False
+    """The ring keeps a rollout index (header field ``ro``, ``lua/_rollouts.lua``): its writes stamp rows, its samples and pops take 'J'."""
 
     @property
     def segments(self) -> int:
@@ -313,6 +315,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         tracked="na" in f,
         sampling=sampling,
         leased="ls" in f,
+        rollouts="ro" in f,
     )
 
 

@@ -9,7 +9,8 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   ``inserted`` (rows written by ``extend``/``append``), ``sampled`` (rows drawn by ``sample``),
   ``popped`` (items handed out by ``pop``, redeliveries included), ``acknowledged`` (leased items
   settled by ``ack``), ``redelivered`` (items popped again after their lease lapsed), ``expired``
-  (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``held_writes`` and
+  (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``stale`` (rows a pop with
+  ``max_staleness`` dropped as too old, ``_ring.rollouts``), ``held_writes`` and
   ``held_samples`` (times the rate limiter or a full queue answered a write or a sample WAIT),
   ``held_writes_ms``, ``held_samples_ms`` and ``held_pops_ms`` (milliseconds calls that went through
   had waited before: for the limiter, a full queue, ``min_size``, an item to pop; the client's clock),
@@ -48,6 +49,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "redelivered": ("rdl",),
     "expired": ("exp",),
     "lost": ("lost",),
+    "stale": ("stale",),
     "held_writes": ("hw",),
     "held_samples": ("hr",),
     "held_writes_ms": ("hw_ms",),

@@ -392,10 +392,19 @@ def _extend_direct(
 
 
 @_deadline.honours_timeout("extend")
-def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None, request: str | None = None) -> RingWrite:
+def extend(
+    engine: Engine,
+    value: Any,
+    priority: Any = None,
+    timeout: float | None = None,
+    request: str | None = None,
+    rollout: tuple[str, str, str, str] | None = None,
+) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``).
 
-    ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote)."""
+    ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote).
+    ``rollout``: the 'J' op's version, max_ahead, group and size (``_ring.rollouts.write_args``); a store
+    whose rollout index is on gets one anyway (the published version, no group)."""
     refuse_spread(engine)
     h0 = engine.header
     n = _batch_len(value, h0)
@@ -423,16 +432,19 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
+        if rollout is not None or h.rollouts:  # after 'W': the rows' version and group (lua/_rollouts.lua)
+            ops.append(Write.J(*(kt.ref(k) for k in engine.keys.rollout_keys), *(rollout or ("", "", "", ""))))
         return new_header, ops, touched
 
     rid = request or request_id()  # one per extend, sent with every attempt: a resend never writes twice
 
     def resend(again: float | None) -> RingWrite:
         # the same rows under the same id: the server answers with where the first attempt wrote them
-        return extend(engine, value, priority, again, rid)
+        return extend(engine, value, priority, again, rid, rollout)
 
     with _deadline.resolvable(rid, resend, keyword=True):
-        start = _extend_direct(engine, plan, n, rid, items) if not prios else None
+        direct = not prios and rollout is None and not engine.header.rollouts
+        start = _extend_direct(engine, plan, n, rid, items) if direct else None
         if start is not None:
             h = engine.header
         else:

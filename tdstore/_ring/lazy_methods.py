@@ -26,10 +26,12 @@ from tdstore._ring import extend as _ring
 from tdstore._ring import leases as _leases
 from tdstore._ring import marks as _marks
 from tdstore._ring import policy_calls as _sampling
+from tdstore._ring import rollouts as _rollouts
 from tdstore._ring import sample_pop as _ring_reads
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import check_request_id, refuse_spread
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.row_reads import RolloutsOn
 
 
 def pops_a_key(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -41,7 +43,18 @@ def pops_a_key(args: tuple, kwargs: dict[str, Any]) -> bool:
 class ReplayMethods(LazyState):
     """The shared ring buffer, and server-side priorities, rate limiting and queues, shared by every handle on the store."""
 
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> _ring.RingWrite:
+    def extend(
+        self,
+        td: Any,
+        *,
+        priority: Any = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        version: int | None = None,
+        max_ahead: int | None = None,
+        group: Any = None,
+        group_size: int | None = None,
+    ) -> _ring.RingWrite:
         """Write the elements of ``td`` into the next slots of the ring, atomically, in one call.
 
         The store's ``count`` is the ring's capacity.  The server reserves the slots
@@ -67,6 +80,11 @@ class ReplayMethods(LazyState):
         A ``timeout`` that passes after the write was sent raises ``tdstore.AmbiguousTimeoutError``
         (the rows may be written): its ``retry()``, or ``extend`` of the same rows with
         ``request_id=err.request_id``, writes them once and returns where they went.
+
+        Rollouts (see ``tdstore.Ring.extend``): ``version`` stamps the rows with the policy version that
+        made them (``max_ahead=k``: wait while it runs more than ``k`` ahead of :meth:`set_version`'s);
+        ``group``/``group_size`` keep the rows invisible to ``sample`` and ``pop`` until the group holds
+        ``group_size`` rows, written by any processes and calls, then they appear at once.
         """
         if isinstance(td, (list, tuple)):
             if not td:
@@ -86,10 +104,14 @@ class ReplayMethods(LazyState):
                 f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
                 f"with the element dim at {self._engine.header.stack_pos}"
             )
-        return _ring.extend(self._writable_engine(), td, priority, timeout, check_request_id(request_id))
+        engine = self._writable_engine()
+        n = int(td.batch_size[engine.header.stack_pos]) if isinstance(td, TensorDictBase) and td.batch_dims > engine.header.stack_pos else 0
+        rollout = _rollouts.write_args(engine.header, n, version, max_ahead, group, group_size)
+        return _ring.extend(engine, td, priority, timeout, check_request_id(request_id), rollout)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> _ring.RingWrite:
-        """``extend`` with one element (a tensordict of the inner batch size)."""
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None, **rollout: Any) -> _ring.RingWrite:
+        """``extend`` with one element (a tensordict of the inner batch size); ``version``, ``max_ahead``, ``group``,
+        ``group_size`` as for ``extend``."""
         if isinstance(td, dict):
             td = TensorDict(td, batch_size=self._inner_batch_size)
         if not isinstance(td, TensorDictBase):
@@ -99,7 +121,7 @@ class ReplayMethods(LazyState):
                 f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; "
                 "use extend for batches"
             )
-        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout, request_id=request_id)
+        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout, request_id=request_id, **rollout)
 
     def sample(
         self,
@@ -112,8 +134,10 @@ class ReplayMethods(LazyState):
         beta: float = 1.0,
         min_size: int | None = None,
         timeout: float | None = None,
+        max_staleness: int | None = None,
+        groups: int | None = None,
         **ragged: Any,
-    ) -> _ring.Sample | PrioritizedSample:
+    ) -> _ring.Sample | PrioritizedSample | _rollouts.RolloutSample:
         """A uniform random batch of written slots (with replacement), in one round trip.
 
         Only slots the ring has written are drawn (``store.written``).  The random
@@ -138,6 +162,9 @@ class ReplayMethods(LazyState):
         many items, as the store's rate limiter (:meth:`set_rate_limit`) does; a waiting
         sample blocks without polling, ``timeout`` seconds at most (``TimeoutError``;
         ``None``: as long as it takes).
+
+        Rollouts (see ``tdstore.Ring.sample``): ``max_staleness=k`` draws only rows of version >= the
+        published one minus ``k``; ``groups=g`` draws ``g`` whole groups (``batch_size`` is then ignored).
         """
         if ragged and not _ragged.wanted(ragged):
             raise TypeError(
@@ -145,18 +172,37 @@ class ReplayMethods(LazyState):
             )
         if isinstance(keys, (str, tuple)):
             keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
-        return _ring_reads.sample(
+        paths = None if keys is None else [as_path(k) for k in keys]
+        rollout = max_staleness is not None or groups is not None
+        if rollout and (prioritized or min_size is not None):
+            raise NotImplementedError("sample with max_staleness=/groups= draws uniformly: prioritized= and min_size= are not supported with it yet")
+        if not rollout and not self._engine.header.rollouts:
+            try:
+                return _ring_reads.sample(
+                    self._engine,
+                    batch_size,
+                    generator,
+                    self._device,
+                    ragged or None,
+                    paths,
+                    prioritized=prioritized,
+                    alpha=alpha,
+                    beta=beta,
+                    min_size=min_size,
+                    timeout=timeout,
+                )
+            except RolloutsOn:
+                pass  # the store's rollout index is on: its sample hides incomplete groups
+        return _rollouts.sample(
             self._engine,
             batch_size,
             generator,
             self._device,
-            ragged or None,
-            None if keys is None else [as_path(k) for k in keys],
-            prioritized=prioritized,
-            alpha=alpha,
-            beta=beta,
-            min_size=min_size,
-            timeout=timeout,
+            paths,
+            max_staleness=max_staleness,
+            groups=groups,
+            timeout=timeout if timeout is not None or min_size is None else None,
+            ragged=ragged or None,
         )
 
     @property
@@ -305,7 +351,11 @@ class ReplayMethods(LazyState):
         lease: float | None = None,
         request_id: str | None = None,
         _request: str | None = None,
-    ) -> _ring.Sample | _leases.LeasedSample:
+        max_staleness: int | None = None,
+        groups: int | None = None,
+        token_budget: int | None = None,
+        length_key: Any = None,
+    ) -> _ring.Sample | _leases.LeasedSample | _rollouts.RolloutSample:
         """The next unread items in write order (up to ``batch_size``), each handed to exactly one caller.
 
         Any number of readers may ``pop`` the same ring: the server moves one read cursor.
@@ -326,14 +376,45 @@ class ReplayMethods(LazyState):
         items may be taken): its ``retry()``, or ``pop`` with ``request_id=err.request_id``, returns the
         items that pop took (or takes them now if it never ran), never other items: items overwritten
         since raise ``QueueOverrunError``. ``_request`` (a sharded ring's, see ``_shards.queue``): the same.
+
+        Rollouts (see ``tdstore.Ring.pop_items``): ``max_staleness``, ``groups``, ``token_budget`` with ``length_key``.
         """
         if isinstance(keys, (str, tuple)):
             keys = [keys]
         paths = None if keys is None else [as_path(k) for k in keys]
         request = check_request_id(request_id) or _request
-        if lease is not None:
-            return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease, request)
-        return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, request)
+        rollout = max_staleness is not None or groups is not None or token_budget is not None or length_key is not None
+        if lease is not None and (rollout or self._engine.header.rollouts):
+            raise NotImplementedError("pop(lease=) on a ring with rollouts (versions, groups, budgets) is not supported yet")
+        if not rollout and not self._engine.header.rollouts:
+            try:
+                if lease is not None:
+                    return _leases.pop(self._engine, self, batch_size, self._device, timeout, paths, lease, request)
+                return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, request)
+            except RolloutsOn:
+                if lease is not None:
+                    raise NotImplementedError("pop(lease=) on a ring with rollouts (versions, groups, budgets) is not supported yet") from None
+        return _rollouts.pop(
+            self._engine,
+            batch_size,
+            self._device,
+            paths,
+            max_staleness=max_staleness,
+            groups=groups,
+            token_budget=token_budget,
+            length_key=None if length_key is None else as_path(length_key),
+            timeout=timeout,
+            request=request,
+        )
+
+    def set_version(self, version: int, *, allow_backwards: bool = False) -> int:
+        """Publish the learner's policy version (see ``tdstore.Ring.set_version``); returns the one before."""
+        return _rollouts.set_version(self._engine, version, allow_backwards)
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version published last by :meth:`set_version` (0 before any), read from the server."""
+        return _rollouts.published_version(self._engine)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         """Settle the items of a leased pop (its ``receipt``, or the ``LeasedSample``), in one call.
