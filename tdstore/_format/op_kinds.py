@@ -80,9 +80,7 @@ class Write:
     Y = OpKind("Y", ("kd", "ko", "ks", "rec", "shapes", "data"), keys=(1, 2, 3), writes=(1, 2, 3), rest="sizes", by_row=True)
     Q = OpKind("Q", ("per",))
     # rollouts (lua/_rollouts.lua), after 'W': the rows' version and group, KEYS[kz..kq] the rollout index
-    J = OpKind(
-        "J", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5)
-    )
+    J = OpKind("J", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
     A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))  # KEYS[k] the stats hash: the call's ring work (and ms held) counted there
     B = OpKind("B", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the header: its in-place write count 'tr' + 1, with the write

@@ -30,6 +30,7 @@ from tdstore._ring.lazy_methods import ReplayMethods, pops_a_key
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.rollouts import RolloutSample
 
 if TYPE_CHECKING:
     from tdstore.lazy import LazyStackedTensorDictStore
@@ -86,7 +87,9 @@ class DenseRing:
             raise RuntimeError(LOCK_ERROR)  # a locked store refuses the first ring write only (it creates keys)
         return ring
 
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
+    def extend(
+        self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None, **rollout: Any
+    ) -> RingWrite:
         """Write the rows of ``td`` (batch size ``[n, *rest]``, 1 <= n <= capacity) into the next rows of the ring, in one call.
 
         As :meth:`LazyStackedTensorDictStore.extend`: the server reserves the rows at its
@@ -95,12 +98,15 @@ class DenseRing:
         every key of the store (a new key is created for every row); each key keeps its
         dtype and row shape: a row of another shape raises ``DenseShapeError`` naming the key
         and both shapes, before anything is written (ragged rows need a lazy store).
-        ``priority``, ``timeout``, ``request_id``: as for the lazy store. Returns ``RingWrite(indices, generations)``.
+        ``priority``, ``timeout``, ``request_id`` and the rollout arguments (``version``, ``max_ahead``, ``group``,
+        ``group_size``): as for the lazy store. Returns ``RingWrite(indices, generations)``.
         """
-        return self._writable_ring().extend(td, priority=priority, timeout=timeout, request_id=request_id)
+        return self._writable_ring().extend(td, priority=priority, timeout=timeout, request_id=request_id, **rollout)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
-        return self._writable_ring().append(td, priority=priority, timeout=timeout, request_id=request_id)
+    def append(
+        self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None, **rollout: Any
+    ) -> RingWrite:
+        return self._writable_ring().append(td, priority=priority, timeout=timeout, request_id=request_id, **rollout)
 
     def sample(
         self,
@@ -113,13 +119,24 @@ class DenseRing:
         beta: float = 1.0,
         min_size: int | None = None,
         timeout: float | None = None,
-    ) -> Sample | PrioritizedSample:
+        max_staleness: int | None = None,
+        groups: int | None = None,
+    ) -> Sample | PrioritizedSample | RolloutSample:
         """A random batch of written rows in one round trip: ``Sample(td, indices, generations)`` whose ``td``
         is a dense TensorDict of batch size ``[batch_size, *rest]`` (``PrioritizedSample`` with weights and
         probabilities on a store with priorities). Arguments as :meth:`LazyStackedTensorDictStore.sample`."""
         try:
             got = self._ring().sample(
-                batch_size, generator, keys=keys, prioritized=prioritized, alpha=alpha, beta=beta, min_size=min_size, timeout=timeout
+                batch_size,
+                generator,
+                keys=keys,
+                prioritized=prioritized,
+                alpha=alpha,
+                beta=beta,
+                min_size=min_size,
+                timeout=timeout,
+                max_staleness=max_staleness,
+                groups=groups,
             )
         except AmbiguousTimeoutError as err:  # a counted sample: its resend's rows dense too
             raise err.then(densify) from err.__cause__
@@ -140,15 +157,24 @@ class DenseRing:
         keys: Sequence[Any] | None = None,
         lease: float | None = None,
         request_id: str | None = None,
-    ) -> Sample | LeasedSample:
+        **rollout: Any,
+    ) -> Sample | LeasedSample | RolloutSample:
         try:
-            got = self._ring().pop_items(batch_size, timeout=timeout, keys=keys, lease=lease, request_id=request_id)
+            got = self._ring().pop_items(batch_size, timeout=timeout, keys=keys, lease=lease, request_id=request_id, **rollout)
         except AmbiguousTimeoutError as err:  # its resend's rows dense too
             raise err.then(densify) from err.__cause__
         return densify(got)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         return self._ring().ack(receipt, timeout=timeout)
+
+    def set_version(self, version: int, *, allow_backwards: bool = False) -> int:
+        return self._ring().set_version(version, allow_backwards=allow_backwards)
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version published last (see ``tdstore.Ring.set_version``), read from the server."""
+        return self._ring().policy_version
 
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
         return self._ring().update_if(index, generation, td)

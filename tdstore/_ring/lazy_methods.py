@@ -109,7 +109,9 @@ class ReplayMethods(LazyState):
         rollout = _rollouts.write_args(engine.header, n, version, max_ahead, group, group_size)
         return _ring.extend(engine, td, priority, timeout, check_request_id(request_id), rollout)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None, **rollout: Any) -> _ring.RingWrite:
+    def append(
+        self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None, **rollout: Any
+    ) -> _ring.RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size); ``version``, ``max_ahead``, ``group``,
         ``group_size`` as for ``extend``."""
         if isinstance(td, dict):
@@ -121,7 +123,9 @@ class ReplayMethods(LazyState):
                 f"append expects one element of batch size {list(self._inner_batch_size)}, got {list(td.batch_size)}; "
                 "use extend for batches"
             )
-        return self.extend(td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout, request_id=request_id, **rollout)
+        return self.extend(
+            td.unsqueeze(self._engine.header.stack_pos), priority=priority, timeout=timeout, request_id=request_id, **rollout
+        )
 
     def sample(
         self,
@@ -175,7 +179,9 @@ class ReplayMethods(LazyState):
         paths = None if keys is None else [as_path(k) for k in keys]
         rollout = max_staleness is not None or groups is not None
         if rollout and (prioritized or min_size is not None):
-            raise NotImplementedError("sample with max_staleness=/groups= draws uniformly: prioritized= and min_size= are not supported with it yet")
+            raise NotImplementedError(
+                "sample with max_staleness=/groups= draws uniformly: prioritized= and min_size= are not supported with it yet"
+            )
         if not rollout and not self._engine.header.rollouts:
             try:
                 return _ring_reads.sample(
@@ -393,7 +399,9 @@ class ReplayMethods(LazyState):
                 return _ring_reads.pop(self._engine, batch_size, self._device, timeout, paths, request)
             except RolloutsOn:
                 if lease is not None:
-                    raise NotImplementedError("pop(lease=) on a ring with rollouts (versions, groups, budgets) is not supported yet") from None
+                    raise NotImplementedError(
+                        "pop(lease=) on a ring with rollouts (versions, groups, budgets) is not supported yet"
+                    ) from None
         return _rollouts.pop(
             self._engine,
             batch_size,

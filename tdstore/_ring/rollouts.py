@@ -182,8 +182,8 @@ def _call(
     fixed = str(length) if isinstance(length, int) else ""
     pre: list[Any] = []
     if isinstance(length, Leaf):
-        _, o, s = engine.keys.leaf_keys(length.number)
-        pre = Read.H(kt.ref(o), kt.ref(s), 8 * length.ndim, length.dtype.itemsize)
+        _, lo, ls = engine.keys.leaf_keys(length.number)
+        pre = Read.H(kt.ref(lo), kt.ref(ls), 8 * length.ndim, length.dtype.itemsize)
     j_args = [*j_args[:5], fixed, *j_args[5:]]
     head = Read.J(*j_args, *(kt.ref(k) for k in engine.keys.rollout_keys))
     ops = 1 + len(leaves) + bool(named) + bool(counted) + bool(pre)
