@@ -20,7 +20,7 @@
                  written outside a group, one per group once whole: '<lowest version> <w>,<v> ...'
                  (at most 'count' entries: older ones were overwritten anyway)
   Header fields: 'ro' ('1' once the store keeps this index: every ring write then stamps its
-  rows, and samples and pops take the 'J' op; setting it bumps 'kv', so a client planning
+  rows, and samples and pops take the 'J' op; setting it bumps 'kv' and 'version', so a client planning
   without it is answered STALE), 'cv' (the published version, 0 before any).
   A row overwritten by a ring write leaves K.z; its group, if any, is broken (its record and
   K.r entry go; its other rows stay visible one by one, and a queue entry naming it is lost).
@@ -30,6 +30,7 @@
 local tds_ro = {
   SCAN = 4096,  -- queue entries one pop looks at, at most
   CHUNK = 64,  -- queue entries read per LRANGE
+  BACKFILL = 32768,  -- rows written before the index was on that turning it on indexes, at most
 }
 
 function tds_ro.fmt(n)
@@ -96,7 +97,10 @@ function tds_ro.parse_write(meta, a, rw, count, n)
     return {wait = {'WAIT', 'ahead', 'rows of version ' .. tds_ro.fmt(v) .. ' run more than ' .. ARGV[a + 7]
       .. ' versions ahead of the published version ' .. tds_ro.fmt(cv) .. ' (set_version)'}}
   end
-  local W = {K = K, v = v, rw = rw, count = count, n = n, gid = ARGV[a + 8], fresh = not head[2]}
+  local W = {K = K, v = v, rw = rw, count = count, n = n, gid = ARGV[a + 8], fresh = not head[2], cv = cv}
+  if W.fresh then
+    tds_ro.backfill_check(rw, count)
+  end
   if W.gid ~= '' then
     local size = tds_ro.int(ARGV[a + 9], 'group size')
     if #W.gid > 512 then
@@ -145,6 +149,9 @@ end
 function tds_ro.stamp(meta, W)
   local K, count, fmt = W.K, W.count, tds_ro.fmt
   local entries = {}
+  if W.fresh then
+    tds_ro.turn_on(meta, K, W.cv, W.rw, count, tds_int_field(redis.call('HGET', meta, 'rr'), 'rr', 0, W.rw, 0))
+  end
   for j = 1, W.n do
     tds_ro.unlink(K, fmt((W.rw + j - 1) % count))
   end
@@ -174,26 +181,59 @@ function tds_ro.stamp(meta, W)
       entries[1] = fmt(low) .. ' ' .. text
     end
   end
-  for j = 1, #entries, 256 do
-    local part = {}
-    for m = j, math.min(j + 255, #entries) do
-      part[#part + 1] = entries[m]
+  tds_ro.push(K.q, entries)
+  local over = #entries > 0 and redis.call('LLEN', K.q) - count or 0
+  if over > 0 then  -- the oldest entries: their rows were overwritten (lost, counted as a pop would)
+    local lost = 0
+    for _, e in ipairs(redis.call('LRANGE', K.q, 0, over - 1)) do
+      lost = lost + #tds_ro.members(e, 1)
     end
-    redis.call('RPUSH', K.q, unpack(part))
-  end
-  if #entries > 0 then
-    redis.call('LTRIM', K.q, -count, -1)
-  end
-  if W.fresh then
-    tds_ro.turn_on(meta)
+    redis.call('LTRIM', K.q, over, -1)
+    tds_stat('lost', lost)
   end
 end
 
--- The header's 'ro' set (once): clients planning without it get STALE (kv moves).
-function tds_ro.turn_on(meta)
-  if redis.call('HSETNX', meta, 'ro', '1') == 1 then
-    redis.call('HINCRBY', meta, 'kv', 1)
+function tds_ro.backfill_check(rw, count)
+  if math.min(rw, count) > tds_ro.BACKFILL then
+    error('TDSTORE refused: the ring holds ' .. tds_ro.fmt(math.min(rw, count)) .. ' rows written before rollouts were turned on (at most '
+      .. tds_ro.BACKFILL .. ' are indexed then): call set_version before the first extend, or use a new ring')
   end
+end
+
+function tds_ro.push(key, items)
+  for j = 1, #items, 256 do
+    local part = {}
+    for m = j, math.min(j + 255, #items) do
+      part[#part + 1] = items[m]
+    end
+    redis.call('RPUSH', key, unpack(part))
+  end
+end
+
+-- The header's 'ro' set (once), kv and version moved so that clients planning without it get STALE; the rows the
+-- ring holds already (rw of them written, the plain pops' cursor at rr) become visible rows of version cv,
+-- the ones no plain pop took queued for pops. backfill_check first (before any write).
+function tds_ro.turn_on(meta, K, cv, rw, count, rr)
+  if redis.call('HSETNX', meta, 'ro', '1') == 0 then
+    return
+  end
+  -- both, as sampling.lua does: a schema change sets kv to its new version, so kv alone moved by one
+  -- could meet the value the next key change gives it, and a handle planned between would pass
+  redis.call('HINCRBY', meta, 'kv', 1)
+  redis.call('HINCRBY', meta, 'version', 1)
+  local vs, written, queued = tds_ro.fmt(cv), math.min(rw, count), {}
+  for j = 1, written, 256 do
+    local part = {}
+    for w = rw - written + j - 1, math.min(rw - written + j + 254, rw - 1) do
+      part[#part + 1] = vs
+      part[#part + 1] = tds_ro.fmt(w % count)
+    end
+    redis.call('ZADD', K.z, unpack(part))
+  end
+  for w = math.max(rr, rw - count), rw - 1 do
+    queued[#queued + 1] = vs .. ' ' .. tds_ro.fmt(w) .. ',' .. vs
+  end
+  tds_ro.push(K.q, queued)
 end
 
 -- The length of row 'slot' of the leaf an 'H' op named (L: its offset and shape key blocks, record

@@ -95,7 +95,7 @@
           max_ahead, a version more than that ahead of 'cv' waits (reply WAIT, nothing
           written); with 'group' (an id) the rows join that group of 'size' rows, invisible
           until it is whole (a group of another size, or one that would overflow, is refused
-          before any write). Turns the index on (header 'ro', 'kv' + 1) on first use.
+          before any write). Turns the index on (header 'ro'; 'kv' and 'version' + 1) on first use.
     'X', k, nb, data
           a homogeneous leaf, addressed by the rows of 'W' or 'G': 'data' holds one
           nb-byte element per row; consecutive slots become one SETRANGE.

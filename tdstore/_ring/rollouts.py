@@ -119,9 +119,9 @@ def set_version(engine: Engine, version: Any, allow_backwards: bool = False) -> 
     refuse_spread(engine)
     h = engine.header
     refuse_unsupported(h, "set_version")
-    args = [h.epoch, str(v), "1" if allow_backwards else "0", engine.keys.events]
+    args = [h.epoch, str(v), "1" if allow_backwards else "0", engine.keys.events, "2", "3", "4", "5", "6"]
     with engine.naming_errors():
-        reply = _scripts.call(engine.client, "rollouts", [engine.keys.meta], args, engine.execute)
+        reply = _scripts.call(engine.client, "rollouts", [engine.keys.meta, *engine.keys.rollout_keys], args, engine.execute)
     if reply[0] in (b"GONE", "GONE"):
         raise engine.gone()
     kv = int(reply[2])
