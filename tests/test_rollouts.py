@@ -8,12 +8,11 @@ import threading
 
 import pytest
 import torch
+from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, TensorDictStore
-from tdstore._shards import rollouts as shard_rollouts
-
-from helpers import round_trips, top_level_commands
+from tdstore._shards import rollout_refusal as shard_rollouts
 
 pytestmark = pytest.mark.ring
 

@@ -15,7 +15,7 @@ from tdstore._engine.engine import request_id
 from tdstore._errors import AmbiguousTimeoutError, ShardUnavailableError
 from tdstore._ring.args import check_batch_size
 from tdstore._ring.leases import LeasedSample, Receipt
-from tdstore._shards import rollouts as _rollouts
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _POLL_S, _UNREACHABLE, NotSentError, ShardsBase, _with_kwargs
 
 #: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.

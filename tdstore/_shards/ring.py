@@ -68,7 +68,7 @@ from tdstore._ring.extend import RingState
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
 from tdstore._shards.queue import ShardReceipt
-from tdstore._shards.rollouts import ShardRollouts
+from tdstore._shards.rollout_refusal import ShardRollouts
 from tdstore._shards.sample import ShardSampling
 from tdstore._shards.shard_writes import ShardWrites
 from tdstore._shards.view import _ShardedAccess

@@ -16,7 +16,7 @@ from tdstore._ring import marks as _marks
 from tdstore._ring.extend import Sample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
-from tdstore._shards import rollouts as _rollouts
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 from tdstore._shards.queue import _policies
 

@@ -12,7 +12,7 @@ from tdstore._errors import AmbiguousTimeoutError
 from tdstore._format import codec as _codec
 from tdstore._ring.extend import RingWrite
 from tdstore._ring.policy_calls import priority_tensor
-from tdstore._shards import rollouts as _rollouts
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
 
