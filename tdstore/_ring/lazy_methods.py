@@ -184,7 +184,7 @@ class ReplayMethods(LazyState):
             )
         if not rollout and not self._engine.header.rollouts:
             try:
-                return _ring_reads.sample(
+                got = _ring_reads.sample(
                     self._engine,
                     batch_size,
                     generator,
@@ -197,6 +197,8 @@ class ReplayMethods(LazyState):
                     min_size=min_size,
                     timeout=timeout,
                 )
+                if not self._engine.header.rollouts:  # (a read that met the index turned on re-read its rows: drawn again)
+                    return got
             except RolloutsOn:
                 pass  # the store's rollout index is on: its sample hides incomplete groups
         return _rollouts.sample(
