@@ -286,3 +286,73 @@ def test_groups_written_by_several_processes_pop_whole(redis_server):
     for g, tags in seen.items():
         assert tags == sorted(1000 * g + 10 * w + r for w in range(WRITERS) for r in range(SIZE // WRITERS))
     assert s.stats()["popped"] == GROUPS * SIZE
+
+
+# -- torchrl's MCAdvantage on whole groups, written by several processes (no manager) -------------
+
+PROMPTS, GRPO = 6, 4
+
+
+def _trajectory(p: int, c: int) -> TensorDict:
+    """Completion ``c`` of prompt ``p``: a one-step trajectory (batch ``[1]``), as MCAdvantage takes them."""
+    reward = float((p * 7 + c * 3) % 5)
+    return TensorDict(
+        {
+            "prompt_id": torch.tensor([p]),
+            "c": torch.tensor([c]),
+            ("next", "reward"): torch.tensor([[reward]]),
+            ("next", "done"): torch.tensor([[True]]),
+        },
+        [1],
+    )
+
+
+def _rollout_writer(url: str, prefix: str, td_id: str, w: int, start, out) -> None:
+    store = LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id=td_id)
+    start.wait(60)
+    for p in range(PROMPTS):  # writer w makes completions c = w, w + WRITERS, ... of every prompt
+        for c in range(w, GRPO, WRITERS):
+            store.extend([_trajectory(p, c)[0]], group=f"prompt-{p}", group_size=GRPO, version=1, timeout=60)
+    out.put(w)
+
+
+def _advantages(batches) -> dict[tuple[int, int], float]:
+    """MCAdvantage in this process (local queues) fed the trajectories in ``batches``: advantage by (prompt, completion)."""
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.objectives.llm import MCAdvantage
+
+    rb = ReplayBuffer(storage=LazyStackStorage(PROMPTS * GRPO), transform=MCAdvantage(grpo_size=GRPO, prompt_key="prompt_id"))
+    for traj in batches:
+        rb.extend(traj)
+    got = rb[:]
+    return {
+        (int(p), int(c)): float(a)
+        for p, c, a in zip(got["prompt_id"].flatten(), got["c"].flatten(), got["advantage"].flatten(), strict=True)
+    }
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_mcadvantage_on_whole_groups_from_several_writers_matches_in_memory(redis_server):
+    pytest.importorskip("torchrl.objectives.llm")
+    prefix = "rollouts-mc"
+    s = LazyStackedTensorDictStore(count=256, url=redis_server.url, prefix=prefix)
+    s.set_version(1)
+    ctx = mp.get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_rollout_writer, args=(redis_server.url, prefix, s.td_id, w, start, out)) for w in range(WRITERS)]
+    for p in procs:
+        p.start()
+    start.set()
+    popped = []
+    while sum(int(g.group_sizes.numel()) for g in popped) < PROMPTS:
+        popped.append(s.pop(groups=2, max_staleness=0, timeout=60))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    # each whole group, row by row, into MCAdvantage in this one process: its local queue completes every group
+    rows_in_order = [got.td[k].unsqueeze(0) for got in popped for k in range(got.td.batch_size[0])]
+    on_store = _advantages(rows_in_order)
+    in_memory = _advantages([_trajectory(p, c) for c in range(GRPO) for p in range(PROMPTS)])
+    assert sorted(on_store) == sorted(in_memory) == [(p, c) for p in range(PROMPTS) for c in range(GRPO)]
+    for key, adv in in_memory.items():
+        assert on_store[key] == pytest.approx(adv, abs=1e-6)
