@@ -28,9 +28,9 @@
   a pop looks at most SCAN queue entries (stale and lost ones are dropped as it goes).
 ]]
 local tds_ro = {
-  SCAN = 4096,  -- queue entries one pop looks at, at most
+  SCAN = 2048,  -- queue entries one pop looks at, at most (~20 ms of stale entries dropped)
   CHUNK = 64,  -- queue entries read per LRANGE
-  BACKFILL = 32768,  -- rows written before the index was on that turning it on indexes, at most
+  BACKFILL = 4096,  -- rows written before the index was on that turning it on indexes, at most (~30 ms)
 }
 
 function tds_ro.fmt(n)

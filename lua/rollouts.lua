@@ -5,7 +5,7 @@
   The first call also turns the ring's rollout index on (header field 'ro', see _rollouts.lua):
   from then on every ring write stamps its rows, and samples and pops go through read.lua's 'J'
   op; 'kv' and 'version' move so that clients planning without it are answered STALE. Rows the ring holds already
-  become visible rows of the version published before (at most 32,768: more is refused), and those no plain pop
+  become visible rows of the version published before (at most 4,096: more is refused), and those no plain pop
   took are queued for pops.
 
   KEYS[1]     store header hash

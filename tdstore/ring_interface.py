@@ -287,7 +287,7 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         counted in ``lost`` (no ``QueueOverrunError``). ``groups=g``: the next ``g`` whole groups.
         ``token_budget=t, length_key=key``: the next items whose lengths (each row's first dim of ``key``)
         add up to at most ``t``, in order (a budget smaller than the next item: ``ValueError``, nothing
-        taken). One round trip; a pop looks at 4,096 queue entries at most. Not with ``lease=``.
+        taken). One round trip; a pop looks at 2,048 queue entries at most. Not with ``lease=``.
         """
         ...
 
