@@ -356,3 +356,27 @@ def test_mcadvantage_on_whole_groups_from_several_writers_matches_in_memory(redi
     assert sorted(on_store) == sorted(in_memory) == [(p, c) for p in range(PROMPTS) for c in range(GRPO)]
     for key, adv in in_memory.items():
         assert on_store[key] == pytest.approx(adv, abs=1e-6)
+
+
+def test_a_resent_grouped_write_joins_its_group_once(one_node):
+    s = store_of(one_node)
+    rid = "cd" * 16
+    first = s.extend(rows(1, 0, group=1), group="g", group_size=2, request_id=rid)
+    again = s.extend(rows(1, 0, group=1), group="g", group_size=2, request_id=rid)  # a resend: the first reply
+    assert first.indices.tolist() == again.indices.tolist() and s.write_count == 1
+    with pytest.raises(TimeoutError):
+        s.pop(groups=1, timeout=0.2)  # one row of two: still invisible
+    s.extend(rows(1, 1, group=1), group="g", group_size=2)
+    assert s.pop(groups=1).td["tag"].tolist() == [0, 1]
+
+
+def test_handles_opened_before_the_index_turned_on_follow_it(one_node):
+    s = store_of(one_node)
+    old = LazyStackedTensorDictStore.from_store(td_id=s.td_id, **one_node.kwargs())
+    old.extend(rows(1, 0))  # before: plain
+    s.extend(rows(1, 1, group=1), group="g", group_size=2, version=0)  # turns the index on
+    old.extend(rows(1, 2))  # its cached header predates the index: STALE, then stamped like any write
+    assert set(old.sample(64).td["tag"].tolist()) == {0, 2}  # the half group stays hidden from it too
+    assert old.pop(5).td["tag"].tolist() == [0, 2]
+    s.extend(rows(1, 3, group=1), group="g", group_size=2)
+    assert old.pop(5).td["tag"].tolist() == [1, 3]
