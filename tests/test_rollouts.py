@@ -97,6 +97,7 @@ def test_a_group_stays_invisible_until_whole_then_pops_and_samples_whole(one_nod
     s.extend(rows(1, 12, group=1), group="g1", group_size=4)
     s.extend(rows(1, 20, group=2), group="g2", group_size=2)
     s.extend(rows(1, 13, group=1), group="g1", group_size=4)  # g1 whole now: after g2's first row, before g2
+    assert s.stats()["rollouts"] == {"version": 0, "queued_items": 1, "whole_groups": 1}  # g1 (g2 is half written)
     one = s.sample(1, groups=3)
     assert one.group_sizes.tolist() == [4] * 3 and sorted(one.td["tag"].tolist()) == sorted([10, 11, 12, 13] * 3)
     got = s.pop(groups=5)

@@ -20,8 +20,9 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   is ``age_sum / age_rows``, given as ``age_mean``).
 - gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
-  ``limiter`` (the rate limiter's settings and ``limiter_room``: samples the limiter allows before
-  it holds them, ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
+  ``rollouts`` (only on a ring with rollouts, ``_ring.rollouts``: the published ``version``, ``queued_items``
+  for ``pop``, ``whole_groups``; ``unread`` is then its queue's items), ``limiter`` (the rate
+  limiter's settings and ``limiter_room``: samples the limiter allows before it holds them, ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
   (``alpha``, ``total`` mass of the tree, ``min_weight``, ``max_priority``: the largest priority
   given so far) and ``waiting`` (clients subscribed to the store's channel: calls waiting for the
   limiter, data or room; None on a cluster, where a node sees only its own subscribers).
@@ -62,7 +63,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
 #: Gauges (the ring as it is now) that are plain numbers.
 GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting")
 
-_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na")
+_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "ro", "cv")
 
 
 def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, Any]:
@@ -75,10 +76,16 @@ def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, An
     pipe.zcard(keys.lease_keys[1])  # live leases, by deadline
     pipe.zcard(keys.lease_keys[3])  # outstanding items (leased or awaiting redelivery)
     pipe.zcard(keys.lease_keys[2])  # items awaiting redelivery
+    pipe.llen(keys.rollout_keys[4])  # the rollout index's pop queue (items: rows or whole groups)
+    pipe.zcard(keys.rollout_keys[1])  # its whole groups
     if not cluster:
         pipe.execute_command("PUBSUB", "NUMSUB", keys.events)
     got = pipe.execute()
-    return summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[6]))
+    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[8]))
+    if got[1][8] is not None:  # the rollout index is on: pops take its queue, not the read cursor
+        out["unread"] = int(got[6])
+        out["rollouts"] = {"version": int(got[1][9] or 0), "queued_items": int(got[6]), "whole_groups": int(got[7])}
+    return out
 
 
 def _numsub(reply: Any) -> int | None:
