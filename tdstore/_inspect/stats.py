@@ -22,7 +22,8 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
   ``rollouts`` (only on a ring with rollouts, ``_ring.rollouts``: the published ``version``, ``queued_items``
   for ``pop``, ``whole_groups``; ``unread`` is then its queue's items), ``limiter`` (the rate
-  limiter's settings and ``limiter_room``: samples the limiter allows before it holds them, ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
+  limiter's settings and ``limiter_room``: samples the limiter allows before it holds them,
+  ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
   (``alpha``, ``total`` mass of the tree, ``min_weight``, ``max_priority``: the largest priority
   given so far) and ``waiting`` (clients subscribed to the store's channel: calls waiting for the
   limiter, data or room; None on a cluster, where a node sees only its own subscribers).
