@@ -178,10 +178,6 @@ class ReplayMethods(LazyState):
             keys = [keys]  # one key (a tuple is one nested key, as in TensorDict.select)
         paths = None if keys is None else [as_path(k) for k in keys]
         rollout = max_staleness is not None or groups is not None
-        if rollout and (prioritized or min_size is not None):
-            raise NotImplementedError(
-                "sample with max_staleness=/groups= draws uniformly: prioritized= and min_size= are not supported with it yet"
-            )
         if not rollout and not self._engine.header.rollouts:
             try:
                 got = _ring_reads.sample(
@@ -201,6 +197,10 @@ class ReplayMethods(LazyState):
                     return got
             except RolloutsOn:
                 pass  # the store's rollout index is on: its sample hides incomplete groups
+        if prioritized or min_size is not None:  # (a ring with rollouts, or rollout arguments)
+            raise NotImplementedError(
+                "a sample of a ring with rollouts draws uniformly: prioritized= and min_size= are not supported with it yet"
+            )
         return _rollouts.sample(
             self._engine,
             batch_size,
@@ -209,7 +209,7 @@ class ReplayMethods(LazyState):
             paths,
             max_staleness=max_staleness,
             groups=groups,
-            timeout=timeout if timeout is not None or min_size is None else None,
+            timeout=timeout,
             ragged=ragged or None,
         )
 
