@@ -381,3 +381,16 @@ def test_handles_opened_before_the_index_turned_on_follow_it(one_node):
     assert old.pop(5).td["tag"].tolist() == [0, 2]
     s.extend(rows(1, 3, group=1), group="g", group_size=2)
     assert old.pop(5).td["tag"].tolist() == [1, 3]
+
+
+def test_the_index_goes_with_the_store(one_node):
+    s = store_of(one_node)
+    s.extend(rows(2, 0, group=1), group="g", group_size=3, version=0)
+    s.extend(rows(1, 2, group=2), group="h", group_size=1)  # whole
+    client = one_node.client()
+    assert all(client.exists(k) for k in s._engine.keys.rollout_keys)
+    s.expire(60)
+    assert all(0 < client.pttl(k) <= 60_000 for k in s._engine.keys.rollout_keys)
+    s.clear_redis()
+    assert not any(client.exists(k) for k in s._engine.keys.rollout_keys)
+    assert not list(client.scan_iter(f"{one_node.prefix}:*"))
