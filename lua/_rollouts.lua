@@ -68,7 +68,11 @@ function tds_ro.members(text, skip)
       if w == nil then
         tds_damaged('a rollout record holds ' .. string.sub(text, 1, 60))
       end
-      out[#out + 1] = {tonumber(w), tonumber(v)}
+      w, v = tonumber(w), tonumber(v)
+      if w > TDS_MAXINT or v > TDS_MAXINT then
+        tds_damaged('a rollout record holds ' .. string.sub(text, 1, 60))
+      end
+      out[#out + 1] = {w, v}
     end
   end
   return out
@@ -320,13 +324,23 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
       local r = total - m + tds_u64(draws, 8 * j - 7) % m
       local hit = redis.call('ZRANGE', zkey, r, r, 'WITHSCORES')
       if by_groups then
-        local rec = redis.call('HGET', K.g, hit[1])
+        local rec = hit[1] and redis.call('HGET', K.g, hit[1])
         if not rec then
-          tds_damaged('complete group ' .. hit[1] .. ' has no record')
+          tds_damaged('whole group ' .. tostring(hit[1]) .. ' of ' .. K.r .. ' has no record in ' .. K.g)
         end
-        take(tds_ro.members(rec, 2))
+        local members = tds_ro.members(rec, 2)
+        for _, m in ipairs(members) do
+          if m[1] >= rw or m[1] < rw - count then
+            tds_damaged(K.g .. ' names ring write ' .. tds_ro.fmt(m[1]) .. ' of a live group, outside ' .. tds_ro.fmt(rw - count) .. '..' .. tds_ro.fmt(rw - 1))
+          end
+        end
+        take(members)
       else
-        take({{tonumber(hit[1]), tonumber(hit[2])}})
+        local slot, v = tonumber(hit[1] or ''), tonumber(hit[2] or '')
+        if slot == nil or v == nil or slot ~= math.floor(slot) or slot < 0 or slot >= math.min(rw, count) or v < 0 or v ~= math.floor(v) or v > TDS_MAXINT then
+          tds_damaged(K.z .. ' holds ' .. tostring(hit[1]) .. ' -> ' .. tostring(hit[2]) .. ', not a written slot and a version')
+        end
+        take({{slot, v}})
       end
     end
     return got
@@ -340,9 +354,15 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
     end
     for _, e in ipairs(chunk) do
       local members = tds_ro.members(e, 1)
-      local low = tonumber(string.match(e, '^(%d+) '))
+      local low = tonumber(string.match(e, '^(%d+) ') or '')
+      if low == nil or #members == 0 then
+        tds_damaged(K.q .. ' holds the entry ' .. string.sub(e, 1, 60))
+      end
       local dead = false
       for _, m in ipairs(members) do
+        if m[1] >= rw then
+          tds_damaged(K.q .. ' names ring write ' .. tds_ro.fmt(m[1]) .. ', not written yet (' .. tds_ro.fmt(rw) .. ' written)')
+        end
         dead = dead or m[1] < rw - count
       end
       local len = 0
