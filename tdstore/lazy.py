@@ -30,9 +30,10 @@ from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
 from tdstore._ring import direct_extend as _direct
 from tdstore._ring.lazy_methods import ReplayMethods
+from tdstore._ring.slices import TrajectoryMethods
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, StoreBase):
+class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, TrajectoryMethods, StoreBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a

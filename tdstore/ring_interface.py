@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkabl
 # slots an index names (``index_positions``: a bool/uint8 mask means what it means to ``store[mask]``)
 # and which generation a slot holds after ``write_count`` ring writes (``slot_generations``).
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.trajectories import Trajectories
 from tdstore._plan.index import MASK_DTYPES
 from tdstore._plan.index import positions as index_positions
 from tdstore._ring.args import check_batch_size
@@ -56,6 +57,7 @@ from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore._ring.rollouts import RolloutSample
+from tdstore._ring.slices import RanksMoved, SliceSample
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +72,9 @@ __all__ = [
     "RolloutSample",
     "Marks",
     "SamplingPolicy",
+    "SliceSample",
+    "RanksMoved",
+    "Trajectories",
     "MASK_DTYPES",
     "index_positions",
     "slot_generations",
@@ -365,6 +370,47 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
     def sampling_policy(self) -> SamplingPolicy:
         """The ring's sampling policy (priorities' ``alpha`` and ``max_times``, the rate limiter,
         queue mode), read from the server. Sharded: the first shard's (every shard has the same)."""
+        ...
+
+    # -- trajectories ----------------------------------------------------------------------------
+    def set_trajectories(self, *, traj_key: Any = None, end_key: Any = None) -> None:
+        """Keep an episode index on the server, so that ``sample_slices`` draws slices of trajectories.
+
+        ``traj_key``: a key of one integer id per row, consecutive rows of one id being one trajectory;
+        ``end_key``: a key of one flag per row, a set flag ending its trajectory (torchrl's
+        ``SliceSampler`` arguments). The index is built over the rows held (one read of the key), then
+        each ``extend`` keeps it in the same atomic call (a batch without the key: ``KeyError``, nothing
+        written), overwrites and wrap-around included. Neither key: the index is dropped. Sharded:
+        ``NotImplementedError`` (an episode would have to stay on one shard)."""
+        ...
+
+    @property
+    def trajectories(self) -> Trajectories | None:
+        """The ring's trajectory setting (``set_trajectories``; None: none), as this handle knows it."""
+        ...
+
+    def sample_slices(
+        self,
+        batch_size: int,
+        *,
+        num_slices: int | None = None,
+        slice_len: int | None = None,
+        strict_length: bool = True,
+        span: Any = False,
+        generator: torch.Generator | None = None,
+        keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
+    ) -> SliceSample:
+        """``batch_size`` rows as slices of trajectories, drawn and read on the server in one round trip,
+        as torchrl's ``SliceSampler`` draws them: ``num_slices`` slices (or slices of ``slice_len`` rows),
+        each inside one trajectory drawn uniformly among those long enough (``strict_length=False``: among
+        all, a shorter one giving a shorter slice; none long enough: ``ValueError``), its start uniform;
+        ``span`` lets slices hang over a trajectory's ends and be cut there. The server's work grows with
+        the rows returned, not with the ring. Returns ``SliceSample(td, indices, generations, info)`` with
+        ``info["truncated"]`` (the last row of each slice) and the slices' bounds. Needs ``set_trajectories``.
+        ``ranks=(eligible, ranks)``: a sampler without replacement names each slice's trajectory by its rank
+        among the ``eligible`` long enough (longest first); another count raises ``RanksMoved`` (nothing drawn).
+        Sharded: ``NotImplementedError``."""
         ...
 
     # -- the ring's state ------------------------------------------------------------------------

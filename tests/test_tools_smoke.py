@@ -119,3 +119,11 @@ def test_helpers_cost_compares_both_script_texts() -> None:
             r"\s+element write / raw floor [\d.]+x",
             out,
         ), out
+
+
+@pytest.mark.slow
+def test_slice_bench_compares_server_slices_with_torchrl_in_memory() -> None:
+    out = _run("slice_bench", "--sizes", "3000", "--reps", "2", "--before-reps", "1")
+    assert re.search(
+        r"3,000\s+\d+\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+x\s+1.00x\s+[\d.]+ ms", out
+    ), out

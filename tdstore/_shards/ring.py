@@ -65,6 +65,7 @@ from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import KeySpec, NestedPath, key_specs_of
 from tdstore._inspect import stats as _stats
 from tdstore._ring.extend import RingState
+from tdstore._ring.slices import ShardedTrajectoryMethods
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
 from tdstore._shards.queue import ShardReceipt
@@ -77,7 +78,7 @@ from tdstore._shards.view import _ShardedAccess
 __all__ = ["Layout", "ShardReceipt", "ShardedRing", "WrittenSlots", "is_cluster", "plan_layout", "wants_shards"]
 
 
-class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
+class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods, ShardRollouts):
     """A ring buffer of ``count`` slots over the primaries of a Redis Cluster (see the module docstring).
 
     Made by ``LazyStackedTensorDictStore(count=N, url="redis+cluster://...", spread=True)``

@@ -18,6 +18,8 @@ server, from which the cursor, the written length and each slot's generation fol
   :class:`StoreSamplerWithoutReplacement` (``StoreSampler(replacement=False)``);
   :class:`StorePrioritizedSampler`: torchrl's ``PrioritizedSampler`` API with the sum tree
   on the server, so actors' data gets its priority as it is written and learners share it.
+* :class:`StoreSliceSampler`: torchrl's ``SliceSampler`` given to :func:`replay_buffer` becomes one
+  (the same object): the server keeps an episode index and draws slices in one round trip.
 * :func:`replay_buffer` wires the three into a ``TensorDictReplayBuffer`` (or a
   ``ReplayBuffer``) in one line; a second process or machine attaches by ``td_id``.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -42,6 +44,7 @@ from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
+from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
@@ -52,6 +55,8 @@ __all__ = [
     "StoreSampler",
     "StoreSamplerWithoutReplacement",
     "StorePrioritizedSampler",
+    "StoreSliceSampler",
+    "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
     "attach",
     "TENSOR_KEY",
@@ -157,6 +162,7 @@ def replay_buffer(
             store's, else 0.6), ``beta``, ``eps`` and ``max_times_sampled`` (default: the store's):
             priorities on the server; ``beta`` and ``eps`` are the learner's, not kept on the
             server: an attaching learner passes its own), or any torchrl ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
+            torchrl's ``SliceSampler`` becomes :class:`StoreSliceSampler` (slices drawn on the server).
             A sampler given explicitly wins over the buffer's policy: ``"uniform"`` draws a
             prioritized buffer uniformly, and a torchrl sampler draws on the client, outside the
             store's rate limiter. tdstore's samplers keep a rate limiter or queue the store has
@@ -204,6 +210,9 @@ def replay_buffer(
         sampler.__class__ = StoreSamplerWithoutReplacement
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
+    if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
+        sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
+        cast(StoreSliceSampler, sampler).prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,

@@ -477,3 +477,25 @@ def test_marks_and_sampling_policies_as_documented(kind):
     with pytest.raises(ValueError, match="polic"):
         other.restore_sampling_policies([*policies, *policies])
     assert other.sampling_policies() == policies  # refused before anything was changed
+
+
+def test_slices_stay_inside_one_trajectory_or_the_kind_says_why(kind):
+    ring = kind.make(40)
+    if kind.sharded:
+        with pytest.raises(NotImplementedError, match="sharded ring keeps no episode index"):
+            ring.set_trajectories(traj_key="episode")
+        with pytest.raises(NotImplementedError, match="sharded ring"):
+            ring.sample_slices(8, num_slices=2)
+        assert ring.trajectories is None
+        return
+    ring.set_trajectories(traj_key="episode")
+    for first in range(0, 60, 6):  # wraps: episodes of 6 rows, the oldest overwritten
+        td = rows(torch.arange(first, first + 6))
+        td["episode"] = torch.full((6,), first // 6)
+        ring.extend(td)
+    got = ring.sample_slices(12, num_slices=3, generator=torch.Generator().manual_seed(0))
+    episode, tag = got.td["episode"].view(3, 4), got.td["tag"].view(3, 4)
+    assert (episode == episode[:, :1]).all() and (tag.diff(dim=1) == 1).all()
+    assert got.info["truncated"].view(3, 4)[:, -1].all() and (got.generations > 0).all()
+    with pytest.raises(ValueError, match="no trajectory of at least 7 rows"):
+        ring.sample_slices(14, num_slices=2)
