@@ -413,3 +413,15 @@ def test_an_index_edited_by_hand_is_reported_damaged_not_misread(one_node):
     client.lpush(q, "garbage")
     with pytest.raises(StoreDamagedError):
         s.pop(1)
+
+
+def test_rollouts_and_trajectories_refuse_each_other(one_node):
+    s = store_of(one_node)
+    s.extend([TensorDict({"obs": torch.tensor(float(k)), "traj": torch.tensor(0)}, []) for k in range(4)])
+    s.set_trajectories(traj_key="traj")
+    with pytest.raises(NotImplementedError, match="trajectories"):
+        s.set_version(1)
+    t = store_of(one_node)
+    t.extend(rows(2), version=0)
+    with pytest.raises(NotImplementedError, match="rollouts"):
+        t.set_trajectories(traj_key="tag")

@@ -105,7 +105,9 @@ def write_op(engine: Engine, kt: KeyTable, args: tuple[str, str, str, str] | Non
 
 
 def refuse_unsupported(h: Header, what: str) -> None:
-    """Rollouts do not combine with a queue mode, a rate limiter or priorities yet: a clear error naming why."""
+    """Rollouts do not combine with a queue mode, a rate limiter, priorities or trajectories yet: a clear error naming why."""
+    if h.trajectories is not None:
+        raise NotImplementedError(f"{what}: the ring keeps trajectories (set_trajectories), which rollouts do not support yet")
     policy = h.sampling
     if policy is not None and (policy.queue or policy.limit is not None or policy.prioritized):
         which = "queue mode" if policy.queue else "a rate limiter" if policy.limit is not None else "priorities"
