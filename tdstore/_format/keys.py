@@ -43,7 +43,7 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:vq       list    its queue of visible items for ``pop`` (a row, or a whole group), in order
     P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
                            length of each trajectory the ring holds (see ``lua/_episodes.lua``)
-    P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
+    P:{I}:sh       string  layout of a *sharded* ring (``tdstore.ShardedRing``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
                            after a write, then ``WAIT``; it expires in 2 s

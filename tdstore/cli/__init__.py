@@ -101,6 +101,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             out=sys.stderr if args.json else sys.stdout,
             cluster=args.cluster,
             spread=args.spread,
+            sharded=args.sharded,
             torchrl=args.torchrl,
             replay=args.replay,
         )
@@ -147,7 +148,13 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--spread",
         action="store_true",
         help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url); "
-        "with --replay, a sharded ring: one ring per primary",
+        "with --replay, the same as --sharded",
+    )
+    demo.add_argument(
+        "--sharded",
+        action="store_true",
+        help="with --replay: the buffer is a sharded ring (tdstore.ShardedRing), one ring per primary of the cluster "
+        "(needs --cluster or a redis+cluster:// --url)",
     )
     demo.add_argument(
         "--torchrl",

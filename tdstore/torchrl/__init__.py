@@ -94,7 +94,7 @@ def _buffer_keywords(tensordict: bool) -> frozenset[str]:
 def _store_keywords() -> frozenset[str]:
     """What a store constructor takes: its own keywords, and any ``redis.Redis`` / ``RedisCluster`` keyword."""
     own = _parameters(LazyStackedTensorDictStore.__init__) - {"count", "td_id", "_kind", "_batchless"}
-    extra = {"password_provider", "cluster", "min_replicas"}
+    extra = {"password_provider", "cluster", "min_replicas", "sharded"}
     return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | extra)
 
 
@@ -167,13 +167,16 @@ def replay_buffer(
             prioritized buffer uniformly, and a torchrl sampler draws on the client, outside the
             store's rate limiter. tdstore's samplers keep a rate limiter or queue the store has
             (the server counts and holds their calls). On a sharded ring
-            (``spread=True``) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
+            (``sharded=True``, or ``spread=True`` on a cluster) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
             :class:`StoreSamplerWithoutReplacement`, which draws the written slots.
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
             (for tensorclass or plain-tensor data).
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
         tensorclass_cls: the tensorclass the data is read back as, in a process that did
             not write it.
+        sharded: (on a Redis Cluster) the buffer is a ``tdstore.ShardedRing``: one ring per primary
+            (``shards=K``: K of them); ``spread=True`` on a cluster says the same. Attaching by ``td_id``
+            opens a sharded ring as one whatever this says.
         ragged: keep rows whose keys vary in shape (a lazy store; samples are lazy stacks).
             By default the buffer is a dense store whose first write fixes each key's shape,
             as torchrl's ``LazyTensorStorage``; a later row of another shape raises
