@@ -70,7 +70,7 @@ def row_read_call(
     leaves, block, grouped = _row_block.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
     # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
-    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats), _held.held_ms())
+    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), _held.held_ms())
     ops = 1 + len(leaves) + bool(named) + bool(counted)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
     for leaf in leaves:
