@@ -22,7 +22,7 @@ from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import td_id_or_new
 from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.ring_interface import Marks, PrioritizedSample, Sample
+from tdstore.ring_interface import Marks, PrioritizedSample, RolloutSample, Sample
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
@@ -35,7 +35,7 @@ _PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "back
 #: The message of the ``RuntimeError`` that sampling a buffer nothing was written to raises.
 EMPTY_ERROR = "Cannot sample from an empty storage: nothing has been written to the replay buffer yet."
 #: A batch a sampler read: ``StoreStorage.get`` of its very indices returns it without reading again.
-Drawn = Sample | PrioritizedSample
+Drawn = Sample | PrioritizedSample | RolloutSample
 
 
 def _public_url(url: str) -> str:
