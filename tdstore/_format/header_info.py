@@ -208,6 +208,9 @@ class HeaderInfo:
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
     absent_rows: bool = False
     """The ring was restored with rows absent (header field ``ho``, see ``lua/_absent.lua``)."""
+    rollouts: bool = False
+    """The ring keeps a rollout index (header field ``ro``, ``lua/_rollouts.lua``): its writes stamp rows, its samples
+    and pops take read.lua's 'G'."""
 
     @property
     def segments(self) -> int:
@@ -327,6 +330,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         trajectories=trajectories,
         leased="ls" in f,
         absent_rows="ho" in f,
+        rollouts="ro" in f,
     )
 
 

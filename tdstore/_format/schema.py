@@ -180,6 +180,10 @@ class Header:
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
     pops then take the lease table's items waiting for redelivery too (see ``_ring.leases``)."""
 
+    rollouts: bool = False
+    """The ring keeps a rollout index (header field ``ro``, set by ``lua/_rollouts.lua`` only): every ring
+    write stamps its rows, and samples and pops go through ``read.lua``'s 'G' op (see ``_ring.rollouts``)."""
+
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
     ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
@@ -378,6 +382,7 @@ class Header:
             trajectories=info.trajectories,
             leased=info.leased,
             absent_rows=info.absent_rows,
+            rollouts=info.rollouts,
             row=info.row,
             sub=sub,
             classes=classes,
