@@ -38,6 +38,7 @@ from typing import Any, TextIO
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
+from tdstore._ring.rollouts import RolloutSample
 from tdstore.demo.actors import START_POLL, ActorPool, DemoError
 from tdstore.demo.report import Status, plural
 from tdstore.demo.server_url import check_reachable, password_for_children, redact_url
@@ -237,6 +238,7 @@ def _learn(
         if f.batches % 4 == 0:  # a sample of whole fresh groups, checked the same way
             with contextlib.suppress(ValueError):  # none qualifies right now
                 s = store.sample(1, groups=2, max_staleness=max_staleness)
+                assert isinstance(s, RolloutSample)  # a ring with rollouts samples as one
                 f.errors += check_items(
                     s.td, s.versions, s.group_sizes, group_size=group_size, current=version, max_staleness=max_staleness
                 )
