@@ -119,3 +119,12 @@ def test_helpers_cost_compares_both_script_texts() -> None:
             r"\s+element write / raw floor [\d.]+x",
             out,
         ), out
+
+
+@pytest.mark.slow
+def test_grpo_bench_runs_the_tdstore_side() -> None:
+    """The GRPO-shaped workload on tdstore, tiny; the Ray side is skipped here (it starts a Ray cluster, and
+    ray is an optional ``bench`` extra): the tool says so."""
+    out = _run("grpo_bench", "--writers", "2", "--groups", "3", "--group", "4", "--samples", "5", "--no-ray")
+    assert re.search(r"^tdstore\s+\|\s+[\d.]+\s+\|\s+[\d.]+\s*$", out, re.M), out
+    assert "ray side skipped" in out, out
