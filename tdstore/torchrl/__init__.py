@@ -42,6 +42,7 @@ from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
+from tdstore.torchrl.staleness import StoreStalenessSampler, on_the_server
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
@@ -52,6 +53,7 @@ __all__ = [
     "StoreSampler",
     "StoreSamplerWithoutReplacement",
     "StorePrioritizedSampler",
+    "StoreStalenessSampler",
     "replay_buffer",
     "attach",
     "TENSOR_KEY",
@@ -204,6 +206,7 @@ def replay_buffer(
         sampler.__class__ = StoreSamplerWithoutReplacement
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
+    sampler = on_the_server(sampler)  # torchrl's StalenessAwareSampler: the server holds its max_staleness
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,
