@@ -69,10 +69,13 @@ def timed_writes(write: Callable[[int, list[TensorDict]], Any], data: list[list[
     return sum(len(r) for r in data), time.perf_counter() - t0
 
 
-def tdstore_writer(url: str, td_id: str, writer: int, groups: int, group: int, max_len: int, out: Any) -> None:
-    """One tdstore writer process: attach, then write each group whole in one call."""
+def tdstore_writer(url: str, td_id: str, writer: int, groups: int, group: int, max_len: int, go: Any, out: Any) -> None:
+    """One tdstore writer process: attach and make its data, say ready, wait for ``go``, then write each
+    group whole in one call."""
     store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
     data = make_groups(writer, groups, group, max_len)
+    out.put("ready")
+    go.wait()
     out.put(timed_writes(lambda g, rows: store.extend(rows, version=0, group=f"w{writer}-g{g}", group_size=group), data))
     store.close()
 
@@ -85,12 +88,13 @@ def run_tdstore(a: argparse.Namespace) -> dict[str, float]:
         store.set_version(0)
         store.extend(make_groups(99, 1, a.group, a.max_len)[0], version=0, group="primer", group_size=a.group)  # the keys
         ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [
-            ctx.Process(target=tdstore_writer, args=(server.url, store.td_id, w, a.groups, a.group, a.max_len, q)) for w in range(a.writers)
-        ]
+        q, go = ctx.Queue(), ctx.Event()
+        args = (server.url, store.td_id)
+        procs = [ctx.Process(target=tdstore_writer, args=(*args, w, a.groups, a.group, a.max_len, go, q)) for w in range(a.writers)]
         for p in procs:
             p.start()
+        assert [q.get(timeout=600) for _ in procs] == ["ready"] * a.writers  # every writer imported, connected, made its data
+        go.set()
         results = [q.get(timeout=600) for _ in procs]
         for p in procs:
             p.join()
@@ -119,11 +123,21 @@ def run_ray(a: argparse.Namespace) -> dict[str, float]:
         client = rb.client()
 
         @ray.remote(num_cpus=0)
-        def writer(w: int) -> tuple[int, float]:
-            data = make_groups(w, a.groups, a.group, a.max_len)
-            return timed_writes(lambda g, rows: client.extend(lazy_stack(rows)), data)
+        class Writer:
+            """A Ray writer (as grpo-async's collectors are): makes its data, then writes when asked."""
 
-        results = ray.get([writer.remote(w) for w in range(a.writers)])
+            def __init__(self, w: int) -> None:
+                self.data = make_groups(w, a.groups, a.group, a.max_len)
+
+            def ready(self) -> bool:
+                return True
+
+            def write(self) -> tuple[int, float]:
+                return timed_writes(lambda g, rows: client.extend(lazy_stack(rows)), self.data)
+
+        writers = [Writer.remote(w) for w in range(a.writers)]  # type: ignore[attr-defined]
+        ray.get([w.ready.remote() for w in writers])  # every writer started and made its data
+        results = ray.get([w.write.remote() for w in writers])
         t0 = time.perf_counter()
         for _ in range(a.samples):
             rb.sample(a.batch)
