@@ -1,6 +1,6 @@
 --[[
-  _rollouts.lua: helpers prepended (after the others) to write.lua and read.lua (their 'J' ops,
-  and read.lua's 'H' op) and to rollouts.lua: LLM-RL rollouts on a ring (tdstore/_ring/rollouts.py).
+  _rollouts.lua: helpers prepended (after the others) to write.lua ('V' op) and read.lua ('G' and
+  'H' ops) and to rollouts.lua: LLM-RL rollouts on a ring (tdstore/_ring/rollouts.py).
 
   Not a script on its own. Everything hangs off one local table, tds_ro, so the scripts it is
   prepended to keep their count of locals. A ring write may stamp its rows with the policy
@@ -20,7 +20,7 @@
                  written outside a group, one per group once whole: '<lowest version> <w>,<v> ...'
                  (at most 'count' entries: older ones were overwritten anyway)
   Header fields: 'ro' ('1' once the store keeps this index: every ring write then stamps its
-  rows, and samples and pops take the 'J' op; setting it bumps 'kv' and 'version', so a client planning
+  rows, and samples and pops take read.lua's 'G' op; setting it bumps 'kv' and 'version', so a client planning
   without it is answered STALE), 'cv' (the published version, 0 before any).
   A row overwritten by a ring write leaves K.z; its group, if any, is broken (its record and
   K.r entry go; its other rows stay visible one by one, and a queue entry naming it is lost).
@@ -68,7 +68,11 @@ function tds_ro.members(text, skip)
       if w == nil then
         tds_damaged('a rollout record holds ' .. string.sub(text, 1, 60))
       end
-      out[#out + 1] = {tonumber(w), tonumber(v)}
+      w, v = tonumber(w), tonumber(v)
+      if w > TDS_MAXINT or v > TDS_MAXINT then
+        tds_damaged('a rollout record holds ' .. string.sub(text, 1, 60))
+      end
+      out[#out + 1] = {w, v}
     end
   end
   return out
@@ -85,7 +89,7 @@ function tds_ro.join(members)
   return table.concat(parts, ' '), low or 0
 end
 
--- write.lua 'J', kz, kr, kg, ks, kq, version, max_ahead, group, size (at ARGV[a]), after its 'W'
+-- write.lua 'V', kz, kr, kg, ks, kq, version, max_ahead, group, size (at ARGV[a]), after its 'W'
 -- op: checked before any write. Returns the stamp to apply once the rows are written, or
 -- {wait = reply} when the version runs more than max_ahead ahead of the published one.
 function tds_ro.parse_write(meta, a, rw, count, n)
@@ -257,7 +261,7 @@ function tds_ro.length(L, slot, per)
   return tds_u64(rec, 1)
 end
 
--- read.lua 'J', mode, n, groups, staleness, budget, fixed, draws, channel, kz, kr, kg, ks, kq (at
+-- read.lua 'G', mode, n, groups, staleness, budget, fixed, draws, channel, kz, kr, kg, ks, kq (at
 -- ARGV[a]): picks the rows. Returns a table: reply (a WAIT or LOST reply, sent as it is) or rows,
 -- the four pieces (slots, versions, sizes per group or entry, 'skipped lost'), decision (what a
 -- request id records) and finish (the pop's changes, run once every op has read).
@@ -282,7 +286,7 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
   if request ~= nil and request.seen then
     -- a resent pop: the items the first attempt took, read again as they are now, nothing moved
     local seen = request.seen
-    local sk, lo, sizes, rest = string.match(seen, '^J(%d+) (%d+) ([%d,]+) ?(.*)$')
+    local sk, lo, sizes, rest = string.match(seen, '^G(%d+) (%d+) ([%d,]+) ?(.*)$')
     if sk == nil then
       tds_damaged('reply cache record ' .. string.sub(seen, 1, 40))
     end
@@ -320,13 +324,23 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
       local r = total - m + tds_u64(draws, 8 * j - 7) % m
       local hit = redis.call('ZRANGE', zkey, r, r, 'WITHSCORES')
       if by_groups then
-        local rec = redis.call('HGET', K.g, hit[1])
+        local rec = hit[1] and redis.call('HGET', K.g, hit[1])
         if not rec then
-          tds_damaged('complete group ' .. hit[1] .. ' has no record')
+          tds_damaged('whole group ' .. tostring(hit[1]) .. ' of ' .. K.r .. ' has no record in ' .. K.g)
         end
-        take(tds_ro.members(rec, 2))
+        local members = tds_ro.members(rec, 2)
+        for _, m in ipairs(members) do
+          if m[1] >= rw or m[1] < rw - count then
+            tds_damaged(K.g .. ' names ring write ' .. tds_ro.fmt(m[1]) .. ' of a live group, outside ' .. tds_ro.fmt(rw - count) .. '..' .. tds_ro.fmt(rw - 1))
+          end
+        end
+        take(members)
       else
-        take({{tonumber(hit[1]), tonumber(hit[2])}})
+        local slot, v = tonumber(hit[1] or ''), tonumber(hit[2] or '')
+        if slot == nil or v == nil or slot ~= math.floor(slot) or slot < 0 or slot >= math.min(rw, count) or v < 0 or v ~= math.floor(v) or v > TDS_MAXINT then
+          tds_damaged(K.z .. ' holds ' .. tostring(hit[1]) .. ' -> ' .. tostring(hit[2]) .. ', not a written slot and a version')
+        end
+        take({{slot, v}})
       end
     end
     return got
@@ -340,9 +354,15 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
     end
     for _, e in ipairs(chunk) do
       local members = tds_ro.members(e, 1)
-      local low = tonumber(string.match(e, '^(%d+) '))
+      local low = tonumber(string.match(e, '^(%d+) ') or '')
+      if low == nil or #members == 0 then
+        tds_damaged(K.q .. ' holds the entry ' .. string.sub(e, 1, 60))
+      end
       local dead = false
       for _, m in ipairs(members) do
+        if m[1] >= rw then
+          tds_damaged(K.q .. ' names ring write ' .. tds_ro.fmt(m[1]) .. ', not written yet (' .. tds_ro.fmt(rw) .. ' written)')
+        end
         dead = dead or m[1] < rw - count
       end
       local len = 0
@@ -402,7 +422,7 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
     sizes[#sizes + 1] = tds_ro.fmt(#members)
     words[#words + 1] = (tds_ro.join(members))
   end
-  got.decision = 'J' .. tds_ro.fmt(got.skipped) .. ' ' .. tds_ro.fmt(got.lost) .. ' ' .. table.concat(sizes, ',') .. ' ' .. table.concat(words, ' ')
+  got.decision = 'G' .. tds_ro.fmt(got.skipped) .. ' ' .. tds_ro.fmt(got.lost) .. ' ' .. table.concat(sizes, ',') .. ' ' .. table.concat(words, ' ')
   got.finish = function()
     drop()
     tds_stat('pop', nrows)

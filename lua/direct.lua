@@ -108,9 +108,9 @@ local bad, version = tds_check(meta, ARGV[5], ARGV[6])
 if bad then
   return refuse(bad)
 end
-local head = redis.call('HMGET', meta, 'count', 'rw', 'sc')
+local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'tj')
 local count, rw = tds_ring_fields(head[1], head[2])
-if head[3] or n < 1 or n > count then
+if head[3] or head[4] or n < 1 or n > count then  -- a policy or an episode index to keep: write.lua's
   return refuse({'SCRIPT'})
 end
 rw = tds_ring_rw(meta, count, rw)  -- a store filled by index is a full ring

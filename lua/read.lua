@@ -36,6 +36,17 @@
           written by index, is a full ring: rw = count; see tds_ring_rw in _lib.lua).
           Must come before its 'X'/'Y' ops.
           A store with a sampling policy answers STALE: its samples take a 'P' op.
+    'J', m, L, strict, span0, span1, draws, kj, ranked
+          slices of trajectories (a ring with trajectories, see _episodes.lua and its index KEYS[kj]):
+          m slices of up to L consecutive rows, each inside one trajectory, drawn as torchrl's
+          SliceSampler draws them ('draws' packs 2 * m int64 in [0, 2^53); strict '1': only
+          trajectories of at least L rows; span0/span1: 0, -1 for True, or k). ranked > 0: each
+          slice's first draw is its trajectory's rank among the 'ranked' eligible ones (a sampler
+          without replacement); another count answers {'WAIT', 'moved', count}. Adds three pieces:
+          the slots of every row, rw, and per slice four int64 (its trajectory's first write
+          number and length, the slice's offset in it and its length). Must come before its
+          'X'/'Y' ops. Errors: 'TDSTORE empty' (no trajectory yet), 'TDSTORE refused' (strict and
+          no trajectory long enough). A ring without a trajectory setting answers STALE.
     'P', n, draws, kt, kc, channel, min_size, prioritized
           sample n rows under the ring's sampling policy (header field 'sc', see
           sampling.lua): wait (reply WAIT, nothing read) while fewer than min_size (or the
@@ -68,7 +79,7 @@
           it are answered STALE and take this op). Reply {'WAIT', 'empty', ...} when
           nothing is unread or waiting, {'LOST', k} when writers overwrote k unread or
           waiting items (forgotten; the cursor moves to the oldest item left).
-    'J', mode, n, groups, staleness, budget, fixed, draws, channel, kz, kr, kg, ks, kq
+    'G', mode, n, groups, staleness, budget, fixed, draws, channel, kz, kr, kg, ks, kq
           a ring with rollouts (see _rollouts.lua, keys KEYS[kz..kq]): mode 's' samples n
           visible rows (groups = '1': n whole groups) uniformly, with 'draws' as 'U', among
           those of version >= cv - staleness ('' : all), by rank in a sorted set (exact,
@@ -81,7 +92,7 @@
           qualifies; a budget smaller than the next entry, or a group larger than n rows,
           is refused ('TDSTORE refused') before anything changes.
     'H', ko, ks, rec, isz
-          before 'J': the leaf whose elements' first dim is a row's length (offset and shape
+          before 'G': the leaf whose elements' first dim is a row's length (offset and shape
           key blocks, record size, item size), read by a pop with a token budget
     'N', k, rid
           the call's request id (before a 'P' or 'F' op): KEYS[k] is the store's reply cache
@@ -179,7 +190,7 @@ end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 local lost_reply = nil  -- an 'F' op's {'LOST', k}: sent instead of the pieces, once every op has read
 local ring_count, counted_keys = nil, {}  -- the count a 'U', 'P' or 'F' op's slots are modulo, and the keys checked against it
-local length_leaf = nil  -- an 'H' op's leaf, whose lengths a 'J' pop with a token budget adds up
+local length_leaf = nil  -- an 'H' op's leaf, whose lengths a 'G' pop with a token budget adds up
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -270,6 +281,38 @@ for _ = 1, nops do
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
+  elseif kind == 'J' then
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, J, P or F op per call')
+    end
+    local m, L = tds_num(ARGV[a + 1], 'slice count'), tds_num(ARGV[a + 2], 'slice length')
+    local strict, span0, span1 = ARGV[a + 3] == '1', tds_num(ARGV[a + 4], 'span'), tds_num(ARGV[a + 5], 'span')
+    local draws, zkey, ranked = ARGV[a + 6], KEYS[tds_num(ARGV[a + 7], 'key index')], tds_num(ARGV[a + 8], 'ranked')
+    a = a + 9
+    if #draws ~= 16 * m or m < 1 or L < 1 then
+      error('TDSTORE bad argument: slice draws')
+    end
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'tj')
+    if not head[3] then
+      do return tds_stale(meta) end  -- the setting was dropped since the client planned
+    end
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
+    local packed, info = tds_ep_slices(meta, zkey, count, rw, m, L, strict, span0, span1, draws, ranked)
+    if packed == nil then
+      do return {'WAIT', 'moved', string.format('%.0f', info)} end  -- the client's permutation is of another count
+    end
+    rows = {}
+    for j = 1, #packed do
+      rows[j] = tds_u64(packed[j], 1)
+    end
+    if tds_stats.key ~= nil then
+      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+    end
+    out[#out + 1] = table.concat(packed)
+    out[#out + 1] = string.format('%.0f', rw)
+    out[#out + 1] = info
   elseif kind == 'A' then
     tds_stats.key = KEYS[tds_num(ARGV[a + 1], 'key index')]
     tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
@@ -626,10 +669,10 @@ for _ = 1, nops do
     length_leaf = {ko = tds_num(ARGV[a + 1], 'key index'), ks = tds_num(ARGV[a + 2], 'key index'),
                    rec = tds_num(ARGV[a + 3], 'record size'), isz = tds_num(ARGV[a + 4], 'item size')}
     a = a + 5
-  elseif kind == 'J' then
+  elseif kind == 'G' then
     -- rollouts (see _rollouts.lua): visible rows or whole groups, fresh enough, sampled or popped
     if rows ~= nil then
-      error('TDSTORE bad argument: one U, P, F, L or J op per call')
+      error('TDSTORE bad argument: one U, P, F, L, J or G op per call')
     end
     local head = redis.call('HMGET', meta, 'count', 'rw')
     local count, rw = tds_ring_fields(head[1], head[2])
@@ -678,12 +721,19 @@ for _ = 1, nops do
     local pieces = {}
     if nb > 0 then
       local cache = kind == 'B' and {} or nil
-      for j = 1, #rows do
+      local j, m = 1, 0
+      while j <= #rows do
         local seg, row = tds_locate(rows[j], seg_per)
         if ring_count ~= nil then
           tds_count_agrees(counted_keys, tds_segkey(ki, seg), ring_count, seg_per, seg, nb, 0)
         end
-        pieces[j] = seg_range(cache, ki, seg, row * nb, nb)
+        local k = j  -- consecutive rows of one segment (a slice's, 'J'): one GETRANGE
+        while cache == nil and k < #rows and rows[k + 1] == rows[k] + 1 and tds_locate(rows[k + 1], seg_per) == seg do
+          k = k + 1
+        end
+        m = m + 1
+        pieces[m] = seg_range(cache, ki, seg, row * nb, nb * (k - j + 1))
+        j = k + 1
       end
     end
     out[#out + 1] = table.concat(pieces)

@@ -3,7 +3,7 @@
   samples and pops with max_staleness measure rows against (see _rollouts.lua).
 
   The first call also turns the ring's rollout index on (header field 'ro', see _rollouts.lua):
-  from then on every ring write stamps its rows, and samples and pops go through read.lua's 'J'
+  from then on every ring write stamps its rows, and samples and pops go through read.lua's 'G'
   op; 'kv' and 'version' move so that clients planning without it are answered STALE. Rows the ring holds already
   become visible rows of the version published before (at most 4,096: more is refused), and those no plain pop
   took are queued for pops.

@@ -85,11 +85,16 @@
           KEYS[kc] (see _tree.lua); 'priorities' holds one priority per row as decimal
           text ('' gives every row the largest priority so far, header field 'pm'). Each
           slot written weighs priority ^ alpha, and its sample count restarts at 0.
+    'J', kj, ids
+          after 'W', on a ring with trajectories (header field 'tj', see trajectories.lua): each
+          row's trajectory id (8 bytes, little-endian int64) or end flag (1 byte), by what 'tj'
+          says; the episode index KEYS[kj] is kept in the same call (_episodes.lua). A ring
+          write without it on such a ring answers STALE (planned before the setting).
     'G', n, pairs
           conditional rows: 'pairs' packs n (slot, generation) int64 pairs; value
           row j goes to its slot only when the slot's generation (see below) still
           equals the one given, else row j is skipped.
-    'J', kz, kr, kg, ks, kq, version, max_ahead, group, size
+    'V', kz, kr, kg, ks, kq, version, max_ahead, group, size
           after 'W', on a ring with rollouts (see _rollouts.lua, keys KEYS[kz..kq]): stamps
           the rows with 'version' ('' : the published one, header field 'cv'); with
           max_ahead, a version more than that ahead of 'cv' waits (reply WAIT, nothing
@@ -401,13 +406,14 @@ end
 -- one SETRANGE ('X') or one splice ('Y')
 local rows, applied, runs, ring_n, extra = nil, nil, nil, 0, nil
 local ring_from = 0  -- what a W op adds to 'rw' before its rows (see tds_ring_rw in _lib.lua)
+local ring_rw0, trajectories, episodes = 0, nil, nil  -- a W op's first write number; 'tj'; a 'J' op's index and ids
 -- a ring write's sampling policy (header field 'sc'), the priorities its 'P' op gives,
 -- the largest priority so far ('pm'), and the channel it publishes on
 local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 local count_in_place = false  -- a 'B' op: the header's 'tr' + 1 with the write
 local ring_count, counted_keys = nil, {}  -- the count a 'W' or 'G' op's slots are modulo, and the keys checked against it
-local rollout = nil  -- a 'J' op's stamp (see _rollouts.lua), applied after the rows are written
+local rollout = nil  -- a 'V' op's stamp (see _rollouts.lua), applied after the rows are written
 local function row_runs()
   local out, j = {}, 1
   while j <= #rows do
@@ -564,7 +570,7 @@ for _ = 1, nops do
       error('TDSTORE bad argument: one W or G op per call')
     end
     local n = tds_num(ARGV[a + 1], 'row count')
-    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo')
+    local head = redis.call('HMGET', meta, 'count', 'rw', 'sc', 'sn', 'lb', 'rr', 'pm', 'lo', 'tj')
     local count, rw_raw = tds_ring_fields(head[1], head[2])
     local rw = tds_ring_rw(meta, count, rw_raw)
     ring_from = rw - rw_raw  -- a store filled by index: its first extend starts at rw = count
@@ -601,6 +607,8 @@ for _ = 1, nops do
         applied[j] = true
       end
       ring_n = n
+      ring_rw0 = rw
+      trajectories = head[9] or nil  -- (a missing field reads as false)
       extra = string.format('%.0f', rw)
       a = a + 3
     else
@@ -728,6 +736,12 @@ for _ = 1, nops do
     if ring_n == 0 then
       error('TDSTORE bad argument: J op before its W op')
     end
+    episodes = {key = key(a + 1), ids = ARGV[a + 2]}
+    a = a + 3
+  elseif kind == 'V' then
+    if ring_n == 0 then
+      error('TDSTORE bad argument: V op before its W op')
+    end
     rollout = tds_ro.parse_write(meta, a, tonumber(extra), ring_count, ring_n)
     if rollout.wait then
       tds_stat('hw', 1)
@@ -831,6 +845,13 @@ local function splice(op)
 end
 
 -- a ring write of a store with priorities: its tree (and sample counts) checked before any write
+if trajectories ~= nil or episodes ~= nil then  -- the episode index (_episodes.lua): checked before any write
+  if trajectories == nil or episodes == nil then
+    return tds_stale(meta)  -- planned by a client that does not know the ring's trajectory setting: nothing written
+  end
+  episodes.by = (cjson.decode(trajectories) or {}).by
+  tds_ep_check(episodes.by, episodes.ids, ring_n)
+end
 local tree, times_key = nil, nil
 if policy ~= nil and policy.alpha ~= nil then
   if prio == nil then
@@ -984,6 +1005,9 @@ if count_in_place then
 end
 if ring_n > 0 then
   redis.call('HINCRBY', meta, 'rw', string.format('%.0f', ring_from + ring_n))
+  if episodes ~= nil then
+    tds_ep_write(meta, episodes.key, episodes.by, ring_rw0, ring_n, ring_count, episodes.ids)
+  end
   tds_stat('ins', ring_n)
   tds_stat('hw_ms', tds_stats.held)
   if tree ~= nil then

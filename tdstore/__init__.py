@@ -21,6 +21,7 @@ from tdstore._errors import (
     DenseShapeError,
     LeaseLostError,
     QueueOverrunError,
+    ShardedRingIdError,
     ShardUnavailableError,
     StoreDamagedError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "LeaseLostError",
     "DenseShapeError",
     "ShardUnavailableError",
+    "ShardedRingIdError",
     "ShardedRing",
     "Ring",
     "register_tensorclass",

@@ -75,8 +75,14 @@ class DenseShapeError(ValueError):
     """
 
 
+class ShardedRingIdError(TypeError):
+    """An opener of one-node stores (``LazyStackedTensorDictStore.from_store``, ``TensorDictStore.from_store``)
+    was given the id of a sharded ring, which is a class of its own: ``tdstore.ShardedRing.from_store``
+    opens it (a generic opener, ``tdstore.torchrl.attach`` for one, catches this and does)."""
+
+
 class ShardUnavailableError(ConnectionError):
-    """A call on one shard of a sharded ring (Redis Cluster, ``spread=True``) could not reach the
+    """A call on one shard of a sharded ring (Redis Cluster, ``tdstore.ShardedRing``) could not reach the
     node holding it (a primary failing over, a node down). The message names the shard, its
     store id and its node; calls on the other shards go on, and this shard's once the cluster
     has a new primary for it. Nothing of the failed call was acknowledged.

@@ -34,6 +34,7 @@ from tdstore._front.stack_view import StackView
 from tdstore._plan import index as _index
 from tdstore._plan.values import as_path, display
 from tdstore._ring.dense_methods import DenseRing
+from tdstore._ring.dense_slices import DenseTrajectoryMethods
 from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 
@@ -61,7 +62,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(DenseRing, StackView):
+class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:

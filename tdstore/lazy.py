@@ -30,9 +30,10 @@ from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
 from tdstore._ring import direct_extend as _direct
 from tdstore._ring.lazy_methods import ReplayMethods
+from tdstore._ring.slices import TrajectoryMethods
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, StoreBase):
+class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, TrajectoryMethods, StoreBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -66,31 +67,20 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         segment_bytes: target size of one segment's blob of one key (default 4
             MiB). A new store fixes its segment length (elements per segment) from
             the first keys written to it; see "Segments" in the README.
-        spread: on Redis Cluster, put a new store's segments under hash tags of
-            their own, so they spread over all primaries and one store may outgrow
-            one node (default ``False``: every segment in the header's slot, where
-            each call is one atomic script). A call over several segments is then
+        spread: ``"segments"``: on Redis Cluster, put a new store's segments under hash tags
+            of their own, so they spread over all primaries and one store may outgrow
+            one node (a *spread store*; default ``False``: every segment in the header's slot,
+            where each call is one atomic script). A call over several segments is then
             atomic per segment; ring calls (``extend``, ``sample``) are refused.
-            See "Spread stores" in the README. Ignored on one server.
-            On a cluster, the constructor's ``spread=True`` makes a *sharded ring*
-            instead (a ``ShardedRing``: one ring per primary, see ``_shards.ring``), unless
-            ``shards=0`` or ``spread="segments"``, which keep the segments layout above.
-        shards: with ``spread=True`` on a cluster, the number of shards of the ring
-            (default: one per primary; ``0``: a spread store of segments, not a ring).
+            See "Spread stores" in the README. Ignored on one server. ``spread=True`` with
+            ``shards=0`` is an older spelling of the same; ``spread=True`` alone on a cluster
+            (which once made a sharded ring) raises ``TypeError``: a replay buffer over the
+            primaries is a :class:`tdstore.ShardedRing` (``tdstore.ShardedRing(count=N, url=...)``).
+        shards: ``0`` or ``None`` (the only values: ``shards=K`` is a ``tdstore.ShardedRing``'s).
         **redis_kwargs: passed to ``redis.Redis`` (``password``, ``username``,
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is LazyStackedTensorDictStore and kwargs.get("_kind", "lazy") == "lazy":
-            from tdstore._shards.layout import wants_shards
-
-            if wants_shards(kwargs):
-                from tdstore._shards.ring import ShardedRing
-
-                return ShardedRing(**kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -122,9 +112,24 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         ttl_ms = ttl_to_ms(ttl)
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
+        if "sharded" in redis_kwargs or (shards is not None and shards != 0):
+            raise TypeError(
+                f"{type(self).__name__}: shards= and sharded= make a sharded ring, a class of its own: "
+                "tdstore.ShardedRing(count=N, url='redis+cluster://...', shards=K)"
+            )
+        if spread not in (False, True, "segments"):
+            raise ValueError(f"spread must be False or 'segments' (a spread store's segments over a cluster's nodes), got {spread!r}")
         redis_client, spec, owned = open_client(
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
+        if spread is True and shards is None and spec.cluster and _kind == "lazy":  # (a dense store's spread=True: segments)
+            if owned:
+                redis_client.close()
+            raise TypeError(
+                f"{type(self).__name__}(spread=True) on a Redis Cluster no longer makes a sharded ring: a replay buffer over "
+                "the primaries is tdstore.ShardedRing(count=N, url=..., shards=K); for this class's spread store (its "
+                "segments over the nodes, no ring calls) pass spread='segments'"
+            )
         engine = Engine(
             spec,
             StoreKeys(prefix, td_id_or_new(td_id)),
@@ -193,9 +198,9 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
     ) -> LazyStackedTensorDictStore:
         """Reconnect to an existing store in one round trip; never writes.
 
-        ``spread`` and ``shards`` are ignored (the store says what it is): a sharded ring's id
-        gives a ``ShardedRing``, whose writes, pops and acks return once ``min_replicas`` replicas
-        have them (a handle's own choice, as on the constructor; other stores refuse it).
+        ``spread`` and ``shards`` are ignored (the store says what it is). A sharded ring's id raises
+        ``TypeError`` naming its opener, ``tdstore.ShardedRing.from_store`` (``min_replicas`` is for it:
+        other stores refuse it).
 
         Count, stack dim, inner batch size and device are read from the server.
         An unknown ``td_id`` raises ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and the server.
@@ -207,20 +212,11 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
         engine = Engine(spec, StoreKeys(prefix, td_id), redis_client, owns_client=owned, readonly=readonly)
-        try:
-            engine.set_header(fetch_existing(engine))
-        except KeyError:
-            if spec.cluster and redis_client.exists(engine.keys.shards):  # a sharded ring (spread=True)
-                from tdstore._shards.ring import ShardedRing
-
-                kw = {"client": redis_client, "prefix": prefix, "td_id": td_id, "device": device, "readonly": readonly}
-                kw["min_replicas"] = min_replicas
-                return ShardedRing(backend=backend, cache_metadata=cache_metadata, **kw)  # type: ignore[return-value]
-            raise
+        engine.set_header(fetch_existing(engine))
         if min_replicas:
             engine.close()
             raise ValueError(
-                f"min_replicas={min_replicas!r}: the store with {engine.where()} is not a sharded ring (spread=True on a cluster), "
+                f"min_replicas={min_replicas!r}: the store with {engine.where()} is not a sharded ring (tdstore.ShardedRing), "
                 "the one kind of store whose writes wait for replicas"
             )
         if engine.header.kind != "lazy":
@@ -248,7 +244,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         chunk_bytes: int = 64 << 20,
         ttl: float | None = None,
         segment_bytes: int | None = None,
-        spread: bool = False,
+        spread: bool | str = False,
         **redis_kwargs: Any,
     ) -> LazyStackedTensorDictStore:
         """Upload a lazy stack (or any tensordict with a batch dim) as a new store.
@@ -263,7 +259,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         ``ttl`` (seconds) makes the whole store expire that long after the upload.
         ``segment_bytes`` is the target size of one segment's blob of one key
         (default 4 MiB, see "Segments" in the README): the stack is cut into
-        ranges of elements that each fit it. ``spread=True`` spreads the segments
+        ranges of elements that each fit it. ``spread="segments"`` (or ``True``) spreads the segments
         over the nodes of a Redis Cluster (see the constructor).
         """
         from tdstore._front.upload import upload
@@ -273,7 +269,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             url=url, host=host, port=port, db=db, unix_socket_path=unix_socket_path, client=client, redis_kwargs=redis_kwargs
         )
         engine = Engine(
-            spec, StoreKeys(prefix, td_id_or_new(td_id)), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=spread
+            spec, StoreKeys(prefix, td_id_or_new(td_id)), redis_client, owns_client=owned, segment_bytes=segment_bytes, spread=bool(spread)
         )
         upload(engine, lazy_td, device=device, pbar=pbar, chunk_elements=chunk_elements, chunk_bytes=chunk_bytes, ttl_ms=ttl_ms)
         return cls._from_engine(engine, backend=backend, device=device, cache_metadata=cache_metadata)

@@ -9,8 +9,9 @@ Three kinds of handle have the ring's calls, and each is a ``Ring`` (``isinstanc
   (``_ring.dense_methods``), so every call behaves as the lazy one's, with two differences: batches come
   back as one dense ``TensorDict`` of batch size ``[n, *rest]``, and a row of another shape than its key's
   raises ``DenseShapeError`` before anything is written (a lazy ring makes the key heterogeneous).
-- **sharded**: a ``ShardedRing`` (``LazyStackedTensorDictStore(count=N, url="redis+cluster://...",
-  spread=True)``): ``K`` lazy rings (*shards*) on distinct primaries of a Redis Cluster, one global slot
+- **sharded**: a ``tdstore.ShardedRing`` (``ShardedRing(count=N, url="redis+cluster://...")``, opened by id
+  with ``ShardedRing.from_store(td_id=...)``; not to be confused with a lazy store's *spread* store, below):
+  ``K`` lazy rings (*shards*) on distinct primaries of a Redis Cluster, one global slot
   numbering (``_shards``). A call on one shard is that shard's one-node call; a call over several shards
   is sent to them at once and is atomic per shard, not as a whole. Where its contract differs, the method
   says so under "Sharded".
@@ -30,7 +31,7 @@ its ``retry()`` resends it under its ``request_id`` and gets its one effect.
 every runtime-checkable protocol): it sends nothing and never runs a property. It says that ``x`` has
 the calls, not that its store can serve them: every ``LazyStackedTensorDictStore`` is a ring (``count``
 is required; an uploaded store, or one written by index and never extended, is a full ring), but a
-*spread* store (segments over a cluster's nodes: ``spread="segments"`` or ``shards=0``) raises
+*spread* store (segments over a cluster's nodes: ``spread="segments"``, or the older ``spread=True, shards=0``) raises
 ``NotImplementedError`` on ring calls, and a dense store of batch size ``[]`` (no rows) or a handle on
 a sub-tree raises ``TypeError``.
 """
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkabl
 # slots an index names (``index_positions``: a bool/uint8 mask means what it means to ``store[mask]``)
 # and which generation a slot holds after ``write_count`` ring writes (``slot_generations``).
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.trajectories import Trajectories
 from tdstore._plan.index import MASK_DTYPES
 from tdstore._plan.index import positions as index_positions
 from tdstore._ring.args import check_batch_size
@@ -56,6 +58,7 @@ from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore._ring.rollouts import RolloutSample
+from tdstore._ring.slices import RanksMoved, SliceSample
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +73,9 @@ __all__ = [
     "RolloutSample",
     "Marks",
     "SamplingPolicy",
+    "SliceSample",
+    "RanksMoved",
+    "Trajectories",
     "MASK_DTYPES",
     "index_positions",
     "slot_generations",
@@ -153,11 +159,19 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         resend after a lost reply writes once and gets the first reply; ``AmbiguousTimeoutError.retry()``
         resends under the same id (a ``request_id=`` keyword, where a store takes one, names the id).
 
-        Sharded: the batch goes whole to one shard (the shards taken in turn by each handle, from a
-        random start; under a rate limiter or queue mode, the least filled shard that admits it); a batch
-        larger than a shard is cut, one piece per shard, the pieces sent at once, each atomic on its
-        shard (a reader may see some pieces before the others). A shard wraps when it gets more than its
-        share before the others, so the ring may overwrite items before it holds ``capacity``.
+        Sharded: the ring holds ``capacity`` rows before one is overwritten, whatever the extend sizes: the
+        shards fill in laps (none starts its next lap, overwriting its oldest row, before every shard has
+        ended the current one). The batch goes whole to one shard whose lap has room for it (the shards
+        taken in turn by each handle, from a random start; under a rate limiter or queue mode, the least
+        filled shard that admits it); else it is cut, each shard taking what its lap has room for (then
+        the next lap), one part per shard, the parts sent at once, each atomic on its shard: a reader may
+        see some parts before the others (a sample or pop between them finds the first parts' rows and not
+        yet the rest), never half a row; ``indices`` come back in the batch's order. A handle places rows
+        by the shards' write counts it read (at its first extend, then from each reply; once it sees
+        another handle's rows, before each extend: one more round trip), so concurrent writers may take
+        a shard past its lap by the rows in flight. A timed-out extend cut over shards raises
+        ``AmbiguousTimeoutError`` whose ``retry()`` resends only the parts that may not have run, each under
+        its own request id, and answers for the whole call.
 
         Rollouts (LLM-RL; ``_ring.rollouts``, ``lua/_rollouts.lua``): ``version=v`` stamps the rows with the
         policy version that made them (default: the published one, see ``set_version``); ``max_ahead=k``
@@ -365,6 +379,47 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
     def sampling_policy(self) -> SamplingPolicy:
         """The ring's sampling policy (priorities' ``alpha`` and ``max_times``, the rate limiter,
         queue mode), read from the server. Sharded: the first shard's (every shard has the same)."""
+        ...
+
+    # -- trajectories ----------------------------------------------------------------------------
+    def set_trajectories(self, *, traj_key: Any = None, end_key: Any = None) -> None:
+        """Keep an episode index on the server, so that ``sample_slices`` draws slices of trajectories.
+
+        ``traj_key``: a key of one integer id per row, consecutive rows of one id being one trajectory;
+        ``end_key``: a key of one flag per row, a set flag ending its trajectory (torchrl's
+        ``SliceSampler`` arguments). The index is built over the rows held (one read of the key), then
+        each ``extend`` keeps it in the same atomic call (a batch without the key: ``KeyError``, nothing
+        written), overwrites and wrap-around included. Neither key: the index is dropped. Sharded:
+        ``NotImplementedError`` (an episode would have to stay on one shard)."""
+        ...
+
+    @property
+    def trajectories(self) -> Trajectories | None:
+        """The ring's trajectory setting (``set_trajectories``; None: none), as this handle knows it."""
+        ...
+
+    def sample_slices(
+        self,
+        batch_size: int,
+        *,
+        num_slices: int | None = None,
+        slice_len: int | None = None,
+        strict_length: bool = True,
+        span: Any = False,
+        generator: torch.Generator | None = None,
+        keys: Sequence[Any] | None = None,
+        ranks: tuple[int, torch.Tensor] | None = None,
+    ) -> SliceSample:
+        """``batch_size`` rows as slices of trajectories, drawn and read on the server in one round trip,
+        as torchrl's ``SliceSampler`` draws them: ``num_slices`` slices (or slices of ``slice_len`` rows),
+        each inside one trajectory drawn uniformly among those long enough (``strict_length=False``: among
+        all, a shorter one giving a shorter slice; none long enough: ``ValueError``), its start uniform;
+        ``span`` lets slices hang over a trajectory's ends and be cut there. The server's work grows with
+        the rows returned, not with the ring. Returns ``SliceSample(td, indices, generations, info)`` with
+        ``info["truncated"]`` (the last row of each slice) and the slices' bounds. Needs ``set_trajectories``.
+        ``ranks=(eligible, ranks)``: a sampler without replacement names each slice's trajectory by its rank
+        among the ``eligible`` long enough (longest first); another count raises ``RanksMoved`` (nothing drawn).
+        Sharded: ``NotImplementedError``."""
         ...
 
     # -- the ring's state ------------------------------------------------------------------------

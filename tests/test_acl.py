@@ -22,7 +22,7 @@ import torch
 from helpers import load_tool
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore import LazyStackedTensorDictStore, ShardedRing, TensorDictStore
 from tdstore.server import EmbeddedServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,10 +169,10 @@ def test_the_learner_reads_and_waits_on_a_cluster(redis_cluster):
     try:
         plain = LazyStackedTensorDictStore(count=8, url=redis_cluster.url, prefix=PREFIX)
         plain.extend([TensorDict(obs=torch.full((3,), float(i))) for i in range(3)])
-        ring = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix=PREFIX, spread=True)
+        ring = ShardedRing(count=30, url=redis_cluster.url, prefix=PREFIX)
         ring.extend(TensorDict(obs=torch.arange(6.0), batch_size=[6]))
         ro = LazyStackedTensorDictStore.from_store(td_id=plain.td_id, url=url, prefix=PREFIX, readonly=True)
-        rr = LazyStackedTensorDictStore.from_store(td_id=ring.td_id, url=url, prefix=PREFIX, readonly=True)
+        rr = ShardedRing.from_store(td_id=ring.td_id, url=url, prefix=PREFIX, readonly=True)
         assert ro[[0, 2]]["obs"][:, 0].tolist() == [0.0, 2.0] and ro.sample(2).indices.numel() == 2
         assert rr.sample(3).indices.numel() == 3
         assert ro.wait_for(written=3, timeout=10).written == 3

@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from tensordict import TensorDict, lazy_stack
 
-from tdstore import LazyStackedTensorDictStore, TensorDictStore
+from tdstore import LazyStackedTensorDictStore, ShardedRing, TensorDictStore
 from tdstore.cluster_server import SLOTS, EmbeddedCluster
 
 
@@ -200,7 +200,7 @@ def test_a_write_after_a_finished_failover_is_acknowledged_by_the_new_primary():
     took it, so the write is acknowledged (it used to raise ShardUnavailableError "it may be lost", a
     MOVED from the old node, though the write had landed: a caller retrying it wrote it twice)."""
     with EmbeddedCluster(replicas=1) as cluster:
-        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix="fo", spread=True, shards=3, min_replicas=1)
+        s = ShardedRing(count=30, url=cluster.url, prefix="fo", shards=3, min_replicas=1)
         s.extend(TensorDict(tag=torch.arange(30), batch_size=[30]))
         layout_node = s._client.get_node_from_key(s._keys.shards).name
         nodes = s.shard_nodes()
@@ -222,7 +222,7 @@ def test_a_sharded_pop_whose_reply_is_late_loses_no_item():
     out the shard's first items (it sends the same request again, which the server answers with the items
     the first one took), and every item must go to exactly one pop."""
     with EmbeddedCluster() as cluster:
-        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix="late", spread=True, shards=3)
+        s = ShardedRing(count=30, url=cluster.url, prefix="late", shards=3)
         s.shards[0].extend(TensorDict(tag=torch.arange(6), batch_size=[6]))  # unread items in shard 0 only
         assert s.shards[0].pop(2).indices.tolist() == [0, 1]  # and the node knows the pop's script
         port = int(s.shard_nodes()[0].rsplit(":", 1)[1])

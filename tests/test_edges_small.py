@@ -19,7 +19,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, StoreDamagedError, TensorDictStore
+from tdstore import LazyStackedTensorDictStore, ShardedRing, StoreDamagedError, TensorDictStore
 from tdstore._ring.args import MAX_BATCH
 
 
@@ -92,7 +92,7 @@ def test_a_torchrl_sample_larger_than_the_bound_is_refused_before_its_draws(one_
 
 
 def test_a_sharded_ring_refuses_a_sample_or_pop_larger_than_the_bound(redis_cluster):
-    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix="edges", spread=True)
+    s = ShardedRing(count=30, url=redis_cluster.url, prefix="edges")
     s.extend(TensorDict(obs=torch.arange(6.0), batch_size=[6]))
     with pytest.raises(ValueError, match="sample takes at most"):
         s.sample(10**12)
@@ -155,7 +155,7 @@ def test_torchrl_refuses_a_complex_td_error(one_node):
 
 
 def test_a_sharded_ring_refuses_complex_priorities_before_any_shard_is_written(redis_cluster):
-    s = LazyStackedTensorDictStore(count=30, url=redis_cluster.url, prefix="edges", spread=True)
+    s = ShardedRing(count=30, url=redis_cluster.url, prefix="edges")
     s.enable_priorities(alpha=1.0)
     w = s.extend(TensorDict(obs=torch.arange(6.0), batch_size=[6]))
     with pytest.raises(TypeError, match="complex"):

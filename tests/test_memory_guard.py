@@ -123,12 +123,12 @@ def test_a_sharded_ring_filled_close_to_maxmemory_is_not_refused():
     args = ("--maxmemory", "30mb", "--maxmemory-policy", "noeviction")
     with EmbeddedCluster(extra_args=args) as cluster:
         nodes = [cluster.node_client(i) for i in range(3)]
-        s = LazyStackedTensorDictStore(count=768, url=cluster.url, prefix="p", spread=True)
+        s = ShardedRing(count=768, url=cluster.url, prefix="p")
         assert isinstance(s, ShardedRing) and s.shard_counts == (256, 256, 256)
         fill(s, 768)
         assert len(s.written) == 768 and s.write_count == 768 and intact(s, 768)
         assert all(now <= limit for now, limit in map(used, nodes))
-        big = LazyStackedTensorDictStore(count=768, segment_bytes=64 << 20, url=cluster.url, prefix="q", spread=True)
+        big = ShardedRing(count=768, segment_bytes=64 << 20, url=cluster.url, prefix="q")
         with pytest.raises(MemoryError, match="would allocate 16777216 bytes"):
             big.extend(rows(0, 2))
         assert big.write_count == 0 and all(data_keys(n, "q") == [] for n in nodes)

@@ -229,7 +229,8 @@ def test_each_call_is_one_round_trip(one_node):
         pytest.skip("MONITOR counts commands on a real server")
     s = store_of(one_node)
     s.set_version(0)  # the index on (and the header learned)
-    s.extend(rows(2, 0), version=0)
+    s.extend(rows(3, 0), version=0)
+    s.sample(1), s.pop(1)  # every script loaded on this server (a first call loads it: NOSCRIPT, SCRIPT LOAD)
     client = one_node.client
     for call in (
         lambda: s.extend(rows(2, 2, group=1), version=0, group="g", group_size=2),
@@ -239,7 +240,8 @@ def test_each_call_is_one_round_trip(one_node):
         lambda: s.pop(2, max_staleness=1),
         lambda: s.pop(groups=1),
     ):
-        assert round_trips(top_level_commands(client, call)) == ["evalsha"]
+        got = round_trips(top_level_commands(client, call))
+        assert got == ["evalsha"], got
     s.extend(rows(2, 5, [2, 2]))
     assert round_trips(top_level_commands(client, lambda: s.pop(token_budget=4, length_key="tokens"))) == ["evalsha"]
 
@@ -394,3 +396,32 @@ def test_the_index_goes_with_the_store(one_node):
     s.clear_redis()
     assert not any(client.exists(k) for k in s._engine.keys.rollout_keys)
     assert not list(client.scan_iter(f"{one_node.prefix}:*"))
+
+
+def test_an_index_edited_by_hand_is_reported_damaged_not_misread(one_node):
+    from tdstore import StoreDamagedError
+
+    s = store_of(one_node)
+    s.extend(rows(2), version=0)
+    client = one_node.client()
+    z, _, _, _, q = s._engine.keys.rollout_keys
+    client.zadd(z, {"abc": 0})
+    with pytest.raises(StoreDamagedError, match="not a written slot"):
+        s.sample(64)
+    client.zrem(z, "abc")
+    client.rpush(q, "0 99,0")  # a ring write not made yet
+    client.lpush(q, "garbage")
+    with pytest.raises(StoreDamagedError):
+        s.pop(1)
+
+
+def test_rollouts_and_trajectories_refuse_each_other(one_node):
+    s = store_of(one_node)
+    s.extend([TensorDict({"obs": torch.tensor(float(k)), "traj": torch.tensor(0)}, []) for k in range(4)])
+    s.set_trajectories(traj_key="traj")
+    with pytest.raises(NotImplementedError, match="trajectories"):
+        s.set_version(1)
+    t = store_of(one_node)
+    t.extend(rows(2), version=0)
+    with pytest.raises(NotImplementedError, match="rollouts"):
+        t.set_trajectories(traj_key="tag")

@@ -1,4 +1,4 @@
-"""Sharded rings: one replay buffer over every primary of a Redis Cluster (``spread=True``).
+"""Sharded rings: one replay buffer over every primary of a Redis Cluster (``tdstore.ShardedRing``).
 
 A sharded ring is K one-node rings on distinct primaries plus a layout key (``tdstore._shards.ring``).
 These tests run on a real cluster (the session's three primaries, or one of their own for a
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import random
 import time
 
 import pytest
@@ -19,9 +20,11 @@ from helpers import mp_context, round_trips, top_level_commands
 from tensordict import TensorDict
 from test_replay import chi2_critical, chi_square
 
-from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+import tdstore
+from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardedRingIdError, ShardUnavailableError, TensorDictStore
 from tdstore._ring.policy_calls import PrioritizedSample
 from tdstore._shards.layout import WrittenSlots
+from tdstore._shards.shard_writes import place
 from tdstore.cluster_server import EmbeddedCluster
 
 PREFIX = "sharded"
@@ -38,7 +41,7 @@ def whole(td: TensorDict) -> bool:
 
 
 def ring(cluster: EmbeddedCluster, count: int = 30, **kw) -> ShardedRing:
-    s = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, **kw)
+    s = ShardedRing(count=count, url=cluster.url, prefix=PREFIX, **kw)
     assert isinstance(s, ShardedRing)
     return s
 
@@ -77,16 +80,149 @@ def test_shards_on_distinct_primaries_and_one_numbering(redis_cluster):
     s[torch.tensor([0, 30])] = rows(torch.tensor([-5, -6]))
     assert s[torch.tensor([30, 0])]["tag"].tolist() == [-6, -5]
     # attach: by the constructor with the id, by from_store, by pickling
-    again = LazyStackedTensorDictStore(count=31, url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
-    other = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    again = ShardedRing(count=31, url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    other = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
     copy = pickle.loads(pickle.dumps(s))
     assert again.shard_ids == other.shard_ids == copy.shard_ids == s.shard_ids
     assert copy.write_count == other.write_count == 30
     with pytest.raises(ValueError, match="another layout"):
-        LazyStackedTensorDictStore(count=32, url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
+        ShardedRing(count=32, url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
     assert s.clear_redis() > 0 and not any(keys_per_node(redis_cluster, s.td_id))
     with pytest.raises(KeyError):
-        LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+        ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+
+
+def test_a_class_call_returns_its_class_and_each_opener_its_kind(redis_cluster):
+    """``ShardedRing(...)`` is the sharded ring; ``LazyStackedTensorDictStore(spread=True)`` on a cluster (which once
+    returned one) refuses, naming it, before anything is written; ``spread="segments"`` (or the older ``spread=True,
+    shards=0``) is the lazy class's spread store. A one-node opener given a sharded ring's id names its opener."""
+    url = redis_cluster.url
+    s = ring(redis_cluster, count=12)
+    assert type(s) is ShardedRing and isinstance(s, tdstore.Ring) and not isinstance(s, LazyStackedTensorDictStore)
+    for kw in ({"spread": True}, {"shards": 3}, {"sharded": True}):
+        with pytest.raises(TypeError, match="tdstore.ShardedRing"):
+            LazyStackedTensorDictStore(count=12, url=url, prefix=PREFIX, td_id="never-made", **kw)
+    assert not any(keys_per_node(redis_cluster, "never-made"))
+    for kw in ({"spread": "segments"}, {"spread": True, "shards": 0}):
+        seg = LazyStackedTensorDictStore(count=12, url=url, prefix=PREFIX, **kw)
+        assert type(seg) is LazyStackedTensorDictStore and seg._engine.header.spread
+        seg.clear_redis()
+    with pytest.raises(TypeError, match="no spread="):
+        ShardedRing(count=12, url=url, prefix=PREFIX, spread=True)
+    for opener in (LazyStackedTensorDictStore.from_store, TensorDictStore.from_store):
+        with pytest.raises(ShardedRingIdError, match=r"ShardedRing\.from_store"):
+            opener(url=url, prefix=PREFIX, td_id=s.td_id)
+    opened = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=s.td_id)
+    assert type(opened) is ShardedRing and opened.shard_ids == s.shard_ids
+    plain = LazyStackedTensorDictStore(count=4, url=url, prefix=PREFIX)
+    with pytest.raises(KeyError, match="No sharded ring"):
+        ShardedRing.from_store(url=url, prefix=PREFIX, td_id=plain.td_id)
+    plain.clear_redis()
+    s.clear_redis()
+
+
+def test_a_ring_holds_count_rows_before_one_is_overwritten_whatever_the_extend_sizes(redis_cluster):
+    """Issue 39: ``count=300`` over 3 shards, ten extends of 30 then ``pop(16)`` until empty gave ``QueueOverrunError``
+    (extends went whole to one shard in turn: shard 0 took 120 rows and wrapped while the ring held 270). Now an
+    extend goes whole to a shard whose lap has room, else is cut over the shards (one part each, each atomic on its
+    shard): 300 rows of any extend sizes fill the 300 slots, no generation 2 before then; the pops hand every row
+    out once, in write order within each shard. Then a second lap overwrites each shard's oldest rows evenly."""
+    s = ring(redis_cluster, count=300, shards=3)
+    sizes = [30] * 10 if s.shard_counts == (100, 100, 100) else []
+    assert sizes
+    written: list[torch.Tensor] = []
+    tag = 0
+    for n in sizes:
+        w = s.extend(rows(torch.arange(tag, tag + n)))
+        assert (w.generations == 1).all() and torch.equal(s[w.indices]["tag"], torch.arange(tag, tag + n))
+        written.append(w.indices)
+        tag += n
+    assert sorted(torch.cat(written).tolist()) == list(range(300))  # every slot once: nothing overwritten
+    assert [st.written for st in s.shard_states()] == [100, 100, 100]
+    got, order = [], {k: [] for k in range(3)}
+    while True:
+        try:
+            p = s.pop(16, timeout=0)
+        except TimeoutError:
+            break
+        assert p.indices.numel() <= 16 and whole(p.td)
+        got += p.td["tag"].tolist()
+        for i, t in zip(p.indices.tolist(), p.td["tag"].tolist()):
+            order[int(s._locate(torch.tensor([i]))[0])].append(t)
+    assert sorted(got) == list(range(300))  # each exactly once
+    assert all(tags == sorted(tags) for tags in order.values())  # write order within a shard
+    # odd sizes, the next laps: the shards stay within one lap of each other
+    for i, n in enumerate([7, 150, 1, 99, 43, 300, 2]):
+        s.extend(rows(torch.arange(1000 + 1000 * i, 1000 + 1000 * i + n)))
+        assert lap_spread(s) <= 1, s.shard_states()
+    assert not s._shared
+    # a second handle: each, once it has seen the other's rows, reads the counts before its extends
+    other = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    for i in range(40):
+        (s if i % 2 else other).extend(rows(torch.arange(20_000 + 40 * i, 20_000 + 40 * i + 40)))
+        assert lap_spread(s) <= 1, s.shard_states()
+    assert s._shared and other._shared
+    s.clear_redis()
+
+
+def lap_spread(s: ShardedRing) -> int:
+    """How many laps apart the most and the least written shards are (by their last ring write)."""
+    laps = [(x.write_count - 1) // c for x, c in zip(s.shard_states(), s.shard_counts)]
+    return max(laps) - min(laps)
+
+
+def test_a_cut_extend_places_each_part_by_the_laps():
+    """``place``: whole to the first shard in turn whose lap has room; else each shard takes what its lap holds,
+    then the next lap (a shard at most its count of one call); a shard whose node did not answer gets none."""
+    assert place(30, [0, 0, 0], [100, 100, 100], 1) == [(1, [(0, 30)])]
+    assert place(30, [90, 90, 90], [100, 100, 100], 1) == [(1, [(0, 10)]), (2, [(10, 20)]), (0, [(20, 30)])]
+    assert place(30, [90, 100, 100], [100, 100, 100], 0) == [(0, [(0, 30)])]  # its lap's 10, then the next lap's 20
+    assert place(30, [90, 100, 100], [100, 100, 100], 1) == [(0, [(0, 10)]), (1, [(10, 30)])]
+    assert place(250, [90, 95, 100], [100, 100, 100], 0) == [(0, [(0, 10), (15, 105)]), (1, [(10, 15), (105, 200)]), (2, [(200, 250)])]
+    assert place(5, [None, 3, None], [100, 100, 100], 0) == [(1, [(0, 5)])]
+    assert place(100, [0, 0, 0], [800] * 3, 2, part_rows=40) == [(2, [(0, 40)]), (0, [(40, 80)]), (1, [(80, 100)])]
+    # a lap with too little room for parts of 40: larger parts, still no shard into its next lap before the others
+    assert place(100, [0, 0, 790], [800] * 3, 2, part_rows=40) == [(2, [(0, 10)]), (0, [(10, 50), (90, 100)]), (1, [(50, 90)])]
+    rng = random.Random(39)
+    for _ in range(300):  # random shard counts and extend sizes: nothing overwritten before count, laps a lap apart
+        counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
+        rw, start, total = [0] * len(counts), rng.randrange(len(counts)), 0
+        for _ in range(20):
+            n = rng.randint(1, sum(counts))
+            plan = place(n, rw, counts, start)
+            assert sorted(i for _, spans in plan for lo, hi in spans for i in range(lo, hi)) == list(range(n))
+            for k, spans in plan:
+                rw[k] += sum(hi - lo for lo, hi in spans)
+            total += n
+            assert total > sum(counts) or all(r <= c for r, c in zip(rw, counts))
+            laps = [(r - 1) // c for r, c in zip(rw, counts) if r]
+            assert not laps or max(laps) - min(laps) <= 1
+            start = (plan[-1][0] + 1) % len(counts)
+
+
+def test_150_mib_fit_on_three_64_mb_nodes_with_default_segments():
+    """Issue 39's second case: 2,400 rows of 64 KiB (150 MiB) on three 64 MB ``noeviction`` primaries, default
+    segments, extends of 100 rows: every extend fits (it raised MemoryError at 2,100 rows). Two causes, in
+    numbers: a 4 MiB segment blob (64 rows) took 5 MiB of the server (its allocator's size class), so 800 rows
+    a node needed 13 x 5 MiB = 68.2 MB > 67.1 MB; segments are now a few bytes short of 4 MiB (63 rows: 13 x
+    4 MiB = 54.5 MB). And the server holds a call's arguments twice while it runs (the argument, and a query
+    buffer of its size made ready for the next one): a 6.5 MB extend needed 14.7 MB free on a node holding
+    52.6 MB; an extend is now cut over the shards in parts of at most a segment when their laps have room.
+    A write whose data would not fit (39 MB more on nodes with about 10 MB free each) is still refused, nothing written."""
+    args = ("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")
+    with EmbeddedCluster(extra_args=args) as cluster:
+        s = ShardedRing(count=2400, url=cluster.url, prefix="mem")
+        assert s.shard_counts == (800, 800, 800)
+        for lo in range(0, 2400, 100):
+            w = s.extend(TensorDict(tag=torch.arange(lo, lo + 100), obs=torch.zeros(100, 1 << 14), batch_size=[100]))
+            assert (w.generations == 1).all()
+        assert [st.written for st in s.shard_states()] == [800, 800, 800]
+        assert sorted(s["tag"].tolist()) == list(range(2400))
+        other = ShardedRing(count=600, url=cluster.url, prefix="mem")  # 39 MB more, 13 MB a node: no node has that free
+        with pytest.raises(MemoryError):
+            other.extend(TensorDict(tag=torch.arange(600), obs=torch.zeros(600, 1 << 14), batch_size=[600]))
+        assert other.write_count == 0 and s.write_count == 2400
+        s.close()
 
 
 def test_extends_fill_the_shards_evenly(redis_cluster):
@@ -263,7 +399,7 @@ def test_an_extend_held_by_a_limiter_another_handle_cleared_goes_on(redis_cluste
     s.set_rate_limit(min_size=3, samples_per_insert=1.0, error_buffer=3.0)
     for i in range(3):
         s.extend(rows(torch.arange(3 * i, 3 * i + 3)), timeout=30)  # a shard each, never sampled: every limiter holds
-    actor = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    actor = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
     assert actor.shards[0].sampling_policy.limit is not None  # the actor caches the limiter
     with pytest.raises(TimeoutError):
         actor.extend(rows(torch.arange(3)), timeout=0.05)  # held, as it should be
@@ -303,7 +439,7 @@ def test_a_handle_samples_by_the_priorities_another_handle_enabled(redis_cluster
     version. With every shard full (no size is read), the shards' own samples tell, and the rows are drawn again
     by the masses. Such a handle used to split the rows by the shards' sizes and return a plain Sample."""
     a = ring(redis_cluster, count=30)
-    b = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
+    b = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
     b.enable_priorities(alpha=1.0)
     off = b.shard_offsets
     b.shards[1].extend(rows(torch.arange(off[1], off[1] + 10)), priority=1.0)
@@ -319,7 +455,7 @@ def test_a_handle_samples_by_the_priorities_another_handle_enabled(redis_cluster
     # every shard full: a handle that saw them full reads no size before it draws
     a = ring(redis_cluster, count=6)
     fill(a, [2, 2, 2])
-    c = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
+    c = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=a.td_id)
     assert not isinstance(c.sample(8, torch.Generator().manual_seed(0)), PrioritizedSample) and all(c._full)
     a.enable_priorities(alpha=1.0)
     prio = torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0, 100.0], dtype=torch.float64)
@@ -336,7 +472,7 @@ def test_an_extend_that_meets_a_queue_set_elsewhere_then_waits_on_every_shard(re
     its next extend chooses among the shards with room, not the next in turn. It used to judge by shard 0's cached
     header only, and sent the next extend to a full shard."""
     s = ring(redis_cluster, count=6)
-    actor = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    actor = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
     s.set_queue(True)
     fill(s, [0, 0, 2])  # shard 2's queue is full
     actor._next = 1
@@ -353,7 +489,7 @@ def test_a_waiting_extend_keeps_one_deadline_for_the_whole_call(redis_cluster, m
     is left (nothing) and refuses at once. It used to be sent T again (2T in all)."""
     big = 3.0
     s = ring(redis_cluster, count=6)
-    other = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+    other = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
     s.set_queue(True)
     fill(s, [2, 2, 2])
     other.shards[0].pop(1, timeout=0)  # room for one row on shard 0
@@ -402,7 +538,7 @@ def priority_of(tag: torch.Tensor) -> torch.Tensor:
 
 
 def _actor(url: str, td_id: str, a: int, out: mp.Queue) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=td_id)
     for r in range(ROUNDS):
         tags = torch.arange(CHUNK) + 1000 * a + CHUNK * r + 1
         store.extend(rows(tags), priority=priority_of(tags), timeout=60)
@@ -410,7 +546,7 @@ def _actor(url: str, td_id: str, a: int, out: mp.Queue) -> None:
 
 
 def _learner(url: str, td_id: str, k: int, samples: int, out: mp.Queue) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=td_id)
     gen = torch.Generator().manual_seed(k)
     bad = 0
     for _ in range(samples):
@@ -448,7 +584,7 @@ def test_four_actors_two_learners_share_a_sharded_prioritized_rate_limited_buffe
 
 
 def _popper(url: str, td_id: str, out: mp.Queue) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=td_id)
     got = []
     while True:
         p = store.pop(2, timeout=60)
@@ -460,7 +596,7 @@ def _popper(url: str, td_id: str, out: mp.Queue) -> None:
 
 
 def _queue_writer(url: str, td_id: str, w: int) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=td_id)
     for start in range(0, 30, 3):
         store.extend(rows(torch.arange(start, start + 3) + 1000 * (w + 1)), timeout=60)
 
@@ -501,7 +637,7 @@ ROW_FLOATS = 64 * 1024 - 16
 
 
 def _big_writer(url: str, td_id: str, w: int, batches: int, per: int) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix=PREFIX, td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix=PREFIX, td_id=td_id)
     for b in range(batches):
         tags = torch.arange(per) + (w * batches + b) * per
         store.extend(TensorDict(tag=tags, obs=tags.float().unsqueeze(-1) + torch.arange(ROW_FLOATS).float(), batch_size=[per]))
@@ -512,7 +648,7 @@ def test_a_buffer_larger_than_one_node(tmp_path):
     """Three primaries of 64 MB (noeviction) hold a 150 MB buffer filled by three processes: every row exact."""
     with EmbeddedCluster(extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")) as cluster:
         count, per, writers = 576, 4, 3  # 576 rows of ~256 KiB: 151 MB, 50 MB per shard, in segments of four rows
-        store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix=PREFIX, spread=True, segment_bytes=1 << 20)
+        store = ShardedRing(count=count, url=cluster.url, prefix=PREFIX, segment_bytes=1 << 20)
         batches = count // (per * writers)
         ctx = mp_context()  # forkserver: not fork (this process may run shard threads)
         procs = [ctx.Process(target=_big_writer, args=(cluster.url, store.td_id, w, batches, per)) for w in range(writers)]
@@ -536,7 +672,7 @@ def test_a_buffer_larger_than_one_node(tmp_path):
 
 def test_a_node_down_names_its_shard_and_the_others_serve():
     with EmbeddedCluster() as cluster:
-        s = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True)
+        s = ShardedRing(count=30, url=cluster.url, prefix=PREFIX)
         s.extend(rows(torch.arange(30)))
         before = s[torch.arange(30)]["tag"]
         nodes = s.shard_nodes()
@@ -552,7 +688,7 @@ def test_a_node_down_names_its_shard_and_the_others_serve():
         s.shards[up].extend(rows(torch.tensor([77])))
         cluster.start_node(cluster.ports.index(port))
         # its node is back (empty: these nodes keep nothing on disk): the shard is made again by attaching
-        again = LazyStackedTensorDictStore(count=30, url=cluster.url, prefix=PREFIX, spread=True, td_id=s.td_id)
+        again = ShardedRing(count=30, url=cluster.url, prefix=PREFIX, td_id=s.td_id)
         assert again.shard_states()[down].written == 0 and again.shard_states()[up].written == 10
         s.close()
 
@@ -563,7 +699,7 @@ def test_a_node_down_names_its_shard_and_the_others_serve():
 def _rl_attach(url: str, td_id: str, out: mp.Queue) -> None:
     from tdstore.torchrl import attach
 
-    rb = attach(td_id, url=url, prefix=PREFIX, spread=True, batch_size=16, sampler="prioritized")
+    rb = attach(td_id, url=url, prefix=PREFIX, batch_size=16, sampler="prioritized")
     rb.extend(
         TensorDict(
             tag=torch.arange(100, 110), obs=torch.arange(100, 110).double().unsqueeze(-1), neg=-torch.arange(100, 110), batch_size=[10]
@@ -577,7 +713,7 @@ def _rl_attach(url: str, td_id: str, out: mp.Queue) -> None:
 def test_torchrl_replay_buffer_over_shards_from_two_processes(redis_cluster, sampler):
     from tdstore.torchrl import replay_buffer
 
-    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=32, sampler=sampler)
+    rb = replay_buffer(60, url=redis_cluster.url, prefix=PREFIX, sharded=True, batch_size=32, sampler=sampler)
     rb.extend(rows(torch.arange(30), width=1))
     ring = rb.storage._store
     assert isinstance(ring, ShardedRing) and len(rb) == 30
@@ -630,7 +766,7 @@ def test_torchrl_samplers_draw_written_slots_of_a_sharded_ring_not_full(redis_cl
         blind.sample()
     # given to replay_buffer, it is made the subclass that draws the written slots (the same object)
     mine = SamplerWithoutReplacement()
-    again = replay_buffer(url=redis_cluster.url, prefix=PREFIX, spread=True, td_id=rb.storage.td_id, batch_size=6, sampler=mine)
+    again = replay_buffer(url=redis_cluster.url, prefix=PREFIX, sharded=True, td_id=rb.storage.td_id, batch_size=6, sampler=mine)
     assert again.sampler is mine and isinstance(mine, StoreSamplerWithoutReplacement)
     assert sorted(t for _ in range(3) for t in again.sample()["tag"].tolist()) == list(range(18))
     with pytest.raises(IndexError, match="not full"):  # torchrl's SliceSampler reads a whole key: not until full
@@ -700,9 +836,20 @@ def test_ls_and_info_show_a_sharded_ring_with_its_shards(redis_cluster):
     s.clear_redis()
 
 
+def test_the_demo_refuses_sharded_without_a_cluster_or_replay(capsys):
+    from tdstore.cli import main
+
+    for argv, message in (
+        (["demo", "--sharded", "--replay"], "--sharded makes a sharded ring over a Redis Cluster"),
+        (["demo", "--sharded", "--cluster"], "--sharded runs the replay demo on a sharded ring"),
+    ):
+        assert main([*argv, "--no-progress"]) == 2, argv
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_replay_on_a_sharded_ring(redis_cluster):
-    """``tdstore demo --cluster --spread --replay``: actors and a learner on a sharded, prioritized, rate-limited buffer."""
+    """``tdstore demo --cluster --sharded --replay``: actors and a learner on a sharded, prioritized, rate-limited buffer."""
     import io
 
     from tdstore.demo import run_demo
@@ -717,7 +864,7 @@ def test_demo_replay_on_a_sharded_ring(redis_cluster):
         prefix="demo-sharded",
         progress=False,
         out=out,
-        spread=True,
+        sharded=True,
         replay=True,
     )
     assert got["ok"] and got["torn"] == 0 and got["verified"] == 48 and got["lost_writes"] == 0
@@ -748,7 +895,7 @@ def test_a_primary_failing_over_mid_run_loses_nothing_and_the_others_serve():
     import threading
 
     with EmbeddedCluster(replicas=1) as cluster:
-        s = LazyStackedTensorDictStore(count=30000, url=cluster.url, prefix=PREFIX, spread=True)
+        s = ShardedRing(count=30000, url=cluster.url, prefix=PREFIX)
         down = 1
         port = int(s.shard_nodes()[down].rsplit(":", 1)[1])
         acked: dict[int, tuple[int, int]] = {}  # global slot -> (tag, generation) of its last acknowledged write
@@ -806,7 +953,7 @@ def test_min_replicas_refuses_a_write_no_replica_acknowledges(redis_cluster):
     # pops and acks change a shard's state too: they wait for the replicas as writes do
     leased = ring(redis_cluster, count=30)
     leased.extend(rows(torch.arange(4)))
-    strict = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=leased.td_id, min_replicas=1)
+    strict = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=leased.td_id, min_replicas=1)
     assert isinstance(strict, ShardedRing) and strict._min_replicas == 1
     with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged"):
         strict.pop(1, timeout=5)
@@ -833,7 +980,7 @@ def test_a_killed_primary_loses_nothing_acknowledged_with_min_replicas():
     import threading
 
     with EmbeddedCluster(replicas=1) as cluster:
-        s = LazyStackedTensorDictStore(count=30000, url=cluster.url, prefix=PREFIX, spread=True, min_replicas=1)
+        s = ShardedRing(count=30000, url=cluster.url, prefix=PREFIX, min_replicas=1)
         layout_node = s._client.get_node_from_key(s._keys.shards).name
         down = next(k for k, node in enumerate(s.shard_nodes()) if node != layout_node)
         old = s.shard_nodes()[down]
@@ -879,7 +1026,7 @@ def test_torchrl_in_place_writes_revision_write_count_and_empty_on_a_sharded_rin
     priorities. Each of these raised AttributeError before (the sharded engine had no ``command``)."""
     from tdstore.torchrl import replay_buffer
 
-    rb = replay_buffer(30, url=redis_cluster.url, prefix=PREFIX, spread=True, batch_size=4, sampler="prioritized", alpha=0.7)
+    rb = replay_buffer(30, url=redis_cluster.url, prefix=PREFIX, sharded=True, batch_size=4, sampler="prioritized", alpha=0.7)
     rb.extend(rows(torch.arange(12), width=1))
     ring = rb.storage._store
     written = sorted(ring.written)

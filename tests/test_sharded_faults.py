@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tdstore import AmbiguousTimeoutError, LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+from tdstore import AmbiguousTimeoutError, ShardedRing, ShardUnavailableError
 from tdstore.cluster_server import EmbeddedCluster
 
 PREFIX = "shfaults"
@@ -30,7 +30,7 @@ def rows(tags: torch.Tensor) -> TensorDict:
 
 
 def ring(url: str, count: int = 30, **kw) -> ShardedRing:
-    s = LazyStackedTensorDictStore(count=count, url=url, prefix=PREFIX, spread=True, **kw)
+    s = ShardedRing(count=count, url=url, prefix=PREFIX, **kw)
     assert isinstance(s, ShardedRing)
     return s
 
@@ -60,7 +60,7 @@ def test_leased_and_plain_pops_with_leases_outstanding_hand_each_item_out_once(r
     lock = threading.Lock()
 
     def reader(r: int) -> None:
-        h = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
+        h = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=s.td_id)
         held = []  # this reader's leases left outstanding for a while
         try:
             for step in range(400):
@@ -128,7 +128,7 @@ def test_a_min_replicas_pop_that_fails_hands_back_its_items_and_the_next_takes_n
     nothing, and the items were gone."""
     plain = ring(redis_cluster.url, count=30, shards=1)
     plain.extend(rows(torch.arange(6)))
-    strict = LazyStackedTensorDictStore.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=plain.td_id, min_replicas=1)
+    strict = ShardedRing.from_store(url=redis_cluster.url, prefix=PREFIX, td_id=plain.td_id, min_replicas=1)
     with pytest.raises(ShardUnavailableError, match="0 of min_replicas=1 replicas acknowledged it: it may be lost") as err:
         strict.pop(5, timeout=5)
     taken = err.value.taken.td["tag"].tolist()
@@ -226,7 +226,8 @@ def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
         assert sorted(got) == sorted(t for k in range(3) if k != down for t in (10 * k, 10 * k + 1))
         for name, call in (
             ("pop", lambda: s.pop(1, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", down), s.extend(rows(torch.arange(2)), timeout=2))),
+            # (pinned to the down shard: placing by the counts it read, the handle would take a shard that is up)
+            ("extend", lambda: (setattr(s, "_next", down), setattr(s, "_rw", [2, 2, 2]), s.extend(rows(torch.arange(2)), timeout=2))),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
             t0 = time.monotonic()
@@ -236,6 +237,8 @@ def test_deadlines_are_kept_with_a_node_down_and_the_other_shards_serve():
             assert took < 2 + SLACK_S, f"{name}(timeout=2) took {took:.2f} s"
             if name == "pop":
                 assert f"shards [{down}]" in str(err.value), err.value
+        w = s.extend(rows(torch.arange(50, 52)), timeout=2)  # not pinned: placed on a shard that answered
+        assert down not in s._locate(w.indices).tolist()
         s.close()
 
 
@@ -259,7 +262,7 @@ def test_a_handle_adopts_the_promoted_replica_within_the_calls_deadline():
         w = s.extend(rows(torch.arange(100, 103)), timeout=60)  # in flight until the replica is promoted
         assert set(s._locate(w.indices).tolist()) == {down} and s.shard_nodes()[down] == f"127.0.0.1:{cluster.ports[j]}"
         assert torch.equal(s[w.indices]["tag"], torch.arange(100, 103))
-        fresh = LazyStackedTensorDictStore.from_store(url=f"redis+cluster://127.0.0.1:{cluster.ports[j]}", prefix=PREFIX, td_id=s.td_id)
+        fresh = ShardedRing.from_store(url=f"redis+cluster://127.0.0.1:{cluster.ports[j]}", prefix=PREFIX, td_id=s.td_id)
         assert fresh.shard_nodes() == s.shard_nodes()
         assert len(s.sample(8, timeout=2).indices) == 8
         s._next = down

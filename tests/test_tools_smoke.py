@@ -128,3 +128,11 @@ def test_grpo_bench_runs_the_tdstore_side() -> None:
     out = _run("grpo_bench", "--writers", "2", "--groups", "3", "--group", "4", "--samples", "5", "--no-ray")
     assert re.search(r"^tdstore\s+\|\s+[\d.]+\s+\|\s+[\d.]+\s*$", out, re.M), out
     assert "ray side skipped" in out, out
+
+
+@pytest.mark.slow
+def test_slice_bench_compares_server_slices_with_torchrl_in_memory() -> None:
+    out = _run("slice_bench", "--sizes", "3000", "--reps", "2", "--before-reps", "1")
+    assert re.search(
+        r"3,000\s+\d+\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+ \(\s*[\d.]+\)\s+[\d.]+x\s+1.00x\s+[\d.]+ ms", out
+    ), out

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A sharded ring (one ring per primary, ``spread=True``) against one ring on one node (issue #29).
+"""A sharded ring (one ring per primary, ``tdstore.ShardedRing``) against one ring on one node (issue #29).
 
 Starts a private three-primary Redis Cluster on loopback and runs two rows, one function each:
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore
+from tdstore import LazyStackedTensorDictStore, ShardedRing
 from tdstore.cluster_server import EmbeddedCluster
 from tools._probes import raw_commandstats
 
@@ -51,7 +51,7 @@ def fill(store: Any, count: int) -> None:
 def sample_row(cluster: EmbeddedCluster, count: int, reps: int) -> dict[str, Any]:
     """sample(256), uniform and prioritized, one-node ring vs sharded ring: medians (ms) and ratios."""
     one = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix="bench-sharded")
-    sharded = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix="bench-sharded", spread=True)
+    sharded = ShardedRing(count=count, url=cluster.url, prefix="bench-sharded")
     out: dict[str, Any] = {}
     try:
         for s in (one, sharded):
@@ -76,7 +76,7 @@ def sample_row(cluster: EmbeddedCluster, count: int, reps: int) -> dict[str, Any
 
 
 def _writer(url: str, td_id: str, seconds: float, batch: int) -> None:
-    store = LazyStackedTensorDictStore.from_store(url=url, prefix="bench-sharded", td_id=td_id)
+    store = ShardedRing.from_store(url=url, prefix="bench-sharded", td_id=td_id)
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
@@ -86,7 +86,7 @@ def _writer(url: str, td_id: str, seconds: float, batch: int) -> None:
 
 def writers_row(cluster: EmbeddedCluster, count: int, writers: int, seconds: float, batch: int = 32) -> dict[str, Any]:
     """``writers`` processes extend one sharded ring: each primary's share of the script time over the run."""
-    store = LazyStackedTensorDictStore(count=count, url=cluster.url, prefix="bench-sharded", spread=True)
+    store = ShardedRing(count=count, url=cluster.url, prefix="bench-sharded")
     store.extend(rows(batch))  # the keys exist before the writers start
     try:
         clients = [cluster.node_client(i) for i in range(len(cluster.ports))]

@@ -334,7 +334,7 @@ def open_client(
     min_replicas = kwargs.pop("min_replicas", 0)
     if min_replicas:  # a sharded ring takes it before opening its client; any other store lands here
         raise ValueError(
-            f"min_replicas={min_replicas!r} is for a sharded ring (spread=True on a Redis Cluster), whose writes "
+            f"min_replicas={min_replicas!r} is for a sharded ring (tdstore.ShardedRing, on a Redis Cluster), whose writes "
             "wait for replicas; this store is not one"
         )
     provider = kwargs.pop("password_provider", None)

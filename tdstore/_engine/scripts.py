@@ -50,6 +50,7 @@ SCRIPT_NAMES = (
     "restore",
     "marks",
     "rollouts",
+    "trajectories",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
@@ -60,6 +61,9 @@ USES_LEASE = frozenset({"read", "ack"})
 #: Scripts that also get the rollout index's helpers (``lua/_rollouts.lua``), last.
 ROLLOUT_LIBRARY = "_rollouts"
 USES_ROLLOUT = frozenset({"read", "write", "rollouts"})
+#: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
+EPISODES_LIBRARY = "_episodes"
+USES_EPISODES = frozenset({"read", "write", "trajectories"})
 
 
 class ServerScriptError(RuntimeError):
@@ -95,6 +99,8 @@ def script_source(name: str) -> tuple[str, str]:
         libraries.append(LEASE_LIBRARY)
     if name in USES_ROLLOUT:
         libraries.append(ROLLOUT_LIBRARY)
+    if name in USES_EPISODES:
+        libraries.append(EPISODES_LIBRARY)
     # only the helpers the script uses: every call makes each top-level helper again (see _engine.script_text)
     text = assemble([folder.joinpath(f"{lib}.lua").read_text() for lib in libraries], folder.joinpath(f"{name}.lua").read_text())
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs

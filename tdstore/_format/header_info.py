@@ -19,6 +19,7 @@ from typing import Any
 
 from tdstore._errors import StoreDamagedError
 from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy
+from tdstore._format.trajectories import Trajectories
 
 __all__ = [
     "FORMATS",
@@ -198,10 +199,13 @@ class HeaderInfo:
     """The store keeps an inventory of its keys (header field ``na``, see ``_format.integrity``)."""
     sampling: SamplingPolicy | None = None
     """The ring's sampling policy (header field ``sc``, see ``_format.sampling_policy``), if it has one."""
+    trajectories: Trajectories | None = None
+    """The key that tells the ring's trajectories apart (header field ``tj``, see ``_format.trajectories``)."""
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
     rollouts: bool = False
-    """The ring keeps a rollout index (header field ``ro``, ``lua/_rollouts.lua``): its writes stamp rows, its samples and pops take 'J'."""
+    """The ring keeps a rollout index (header field ``ro``, ``lua/_rollouts.lua``): its writes stamp rows, its samples
+    and pops take read.lua's 'G'."""
 
     @property
     def segments(self) -> int:
@@ -295,6 +299,10 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         sampling = SamplingPolicy.from_json(f.get("sc"))
     except (ValueError, TypeError) as err:
         raise HeaderDamagedError(f"header field sc holds a bad sampling policy: {err}") from None
+    try:
+        trajectories = Trajectories.from_json(f.get("tj"))
+    except (ValueError, TypeError) as err:
+        raise HeaderDamagedError(f"header field tj holds a bad trajectory setting: {err}") from None
     return HeaderInfo(
         version=version,
         count=count,
@@ -314,6 +322,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         keyset_version=keyset_version,
         tracked="na" in f,
         sampling=sampling,
+        trajectories=trajectories,
         leased="ls" in f,
         rollouts="ro" in f,
     )

@@ -41,7 +41,9 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:vr       zset    its whole groups, group id -> lowest version of its rows
     P:{I}:vg, :vs  hash    its groups' rows (id -> size, lowest version, rows) and each grouped slot's group
     P:{I}:vq       list    its queue of visible items for ``pop`` (a row, or a whole group), in order
-    P:{I}:sh       string  layout of a *sharded* ring (Redis Cluster, ``spread=True``): JSON of its
+    P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
+                           length of each trajectory the ring holds (see ``lua/_episodes.lua``)
+    P:{I}:sh       string  layout of a *sharded* ring (``tdstore.ShardedRing``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
                            after a write, then ``WAIT``; it expires in 2 s
@@ -252,10 +254,17 @@ class StoreKeys:
         return [f"{self.base}:vz", f"{self.base}:vr", f"{self.base}:vg", f"{self.base}:vs", f"{self.base}:vq"]
 
     @property
+    def episodes(self) -> str:
+        """A ring with trajectories: its episode index (a zset: member a trajectory's first write number,
+        score its length in rows; ``lua/_episodes.lua``), kept by every ring write."""
+        return f"{self.base}:j"
+
+    @property
     def side_keys(self) -> list[str]:
         """The keys of the store that are no strings (:attr:`lease_keys`, then :attr:`stats`, then
-        :attr:`rollout_keys`): calls on the whole store (delete, copy, time to live) add them to :meth:`all_keys`."""
-        return [*self.lease_keys, self.stats, *self.rollout_keys]
+        :attr:`episodes`, then :attr:`rollout_keys`): calls on the whole store (delete, copy, time to live) add them
+        to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats, self.episodes, *self.rollout_keys]
 
     @property
     def sampling_keys(self) -> list[str]:
@@ -269,7 +278,7 @@ class StoreKeys:
         (``_format.integrity.WrongTypeError``)."""
         if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
             return "hash"
-        if key in self.lease_keys or key in self.rollout_keys[:2]:
+        if key in self.lease_keys or key == self.episodes or key in self.rollout_keys[:2]:
             return "zset"
         if key in self.rollout_keys[2:4]:
             return "hash"

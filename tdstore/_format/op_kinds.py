@@ -75,12 +75,13 @@ class Write:
     W = OpKind("W", ("n", "channel"), picks_rows=True)
     G = OpKind("G", ("n", "pairs"), picks_rows=True)
     P = OpKind("P", ("kt", "kc", "priorities"), keys=(1, 2), writes=(1, 2))
+    J = OpKind("J", ("kj", "ids"), keys=(1,))  # the episode index (a zset, kept by the script: no data key)
     X = OpKind("X", ("k", "nb", "data"), keys=(1,), writes=(1,), by_row=True)
     K = OpKind("K", ("k", "nb", "stride", "col", "data"), keys=(1,), writes=(1,), by_row=True)
     Y = OpKind("Y", ("kd", "ko", "ks", "rec", "shapes", "data"), keys=(1, 2, 3), writes=(1, 2, 3), rest="sizes", by_row=True)
     Q = OpKind("Q", ("per",))
     # rollouts (lua/_rollouts.lua), after 'W': the rows' version and group, KEYS[kz..kq] the rollout index
-    J = OpKind("J", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5))
+    V = OpKind("V", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
     A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))  # KEYS[k] the stats hash: the call's ring work (and ms held) counted there
     B = OpKind("B", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the header: its in-place write count 'tr' + 1, with the write
@@ -94,18 +95,19 @@ class Read:
     U = OpKind("U", ("n", "draws"), picks_rows=True, pieces=2)
     P = OpKind("P", ("n", "draws", "kt", "kc", "channel", "min_size", "prioritized"), keys=(3, 4), picks_rows=True, pieces=4)
     F = OpKind("F", ("n", "channel"), picks_rows=True, pieces=2)
+    J = OpKind("J", ("m", "L", "strict", "span0", "span1", "draws", "kj", "ranked"), keys=(7,), picks_rows=True, pieces=3)
     L = OpKind("L", ("n", "channel", "ms", "receipt", "kl", "kd", "kq", "ko", "kk"), keys=(5, 6, 7, 8, 9), picks_rows=True, pieces=5)
     I = OpKind("I", ("n", "rows"), picks_rows=True)  # noqa: E741 (the script's marker)
     # rollouts (lua/_rollouts.lua): visible rows or whole groups sampled or popped, KEYS[kz..kq] the rollout index
-    J = OpKind(
-        "J",
+    G = OpKind(
+        "G",
         ("mode", "n", "groups", "staleness", "budget", "fixed", "draws", "channel", "kz", "kr", "kg", "ks", "kq"),
         keys=(9, 10, 11, 12, 13),
         writes=(9, 10, 11, 12, 13),
         picks_rows=True,
         pieces=5,
     )
-    H = OpKind("H", ("ko", "ks", "rec", "isz"), keys=(1, 2), by_row=True)  # before 'J': the leaf whose lengths a token budget adds
+    H = OpKind("H", ("ko", "ks", "rec", "isz"), keys=(1, 2), by_row=True)  # before 'G': the leaf whose lengths a token budget adds
     X = OpKind("X", ("k", "nb"), keys=(1,), by_row=True, pieces=1)
     B = OpKind("B", ("k", "nb"), keys=(1,), by_row=True, pieces=1)
     Y = OpKind("Y", ("kd", "ko", "ks", "rec"), keys=(1, 2, 3), by_row=True, pieces=3)

@@ -31,6 +31,7 @@ import torch
 from tdstore._format import codec as _codec
 from tdstore._format.header_info import StoreFormatError, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.trajectories import Trajectories
 
 __all__ = ["FORMAT", "FORMAT_ROWS", "FORMAT_SPREAD", "FORMATS", "Header", "Leaf", "NestedPath", "StoreFormatError", "check_paths"]
 from tdstore._format.segments import Segments
@@ -168,13 +169,17 @@ class Header:
     """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
     ``_format.sampling_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
+    trajectories: Trajectories | None = None
+    """The key that tells the ring's trajectories apart (header field ``tj``, set by ``lua/trajectories.lua``
+    only; see ``_format.trajectories``): every ring write then passes each row's id or end flag."""
+
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
     pops then take the lease table's items waiting for redelivery too (see ``_ring.leases``)."""
 
     rollouts: bool = False
     """The ring keeps a rollout index (header field ``ro``, set by ``lua/_rollouts.lua`` only): every ring
-    write stamps its rows, and samples and pops go through ``read.lua``'s 'J' op (see ``_ring.rollouts``)."""
+    write stamps its rows, and samples and pops go through ``read.lua``'s 'G' op (see ``_ring.rollouts``)."""
 
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
@@ -349,6 +354,7 @@ class Header:
             spread=info.spread,
             tracked=info.tracked,
             sampling=info.sampling,
+            trajectories=info.trajectories,
             leased=info.leased,
             rollouts=info.rollouts,
             row=info.row,

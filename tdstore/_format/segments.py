@@ -113,9 +113,23 @@ def het_row_read_op(segs: Segments, ndim: int, rows: int) -> OpKind:
 MAX_SEGMENTS = 1 << 16
 
 
+#: Bytes a segment's blob leaves free below ``segment_bytes`` (when that is at least :data:`ALLOC_SLACK_FROM`):
+#: the server allocates a string's bytes plus its header and a terminating zero, rounded up to the allocator's
+#: size class, and a blob of exactly 4 MiB (64 elements of 64 KiB) lands in the 5 MiB class: 25% more memory
+#: than the data (issue 39: 2,400 such rows, 800 per node, needed 13 x 5 MiB = 65 MiB on 64 MB nodes). A blob
+#: a few bytes short of the class (63 elements: 4,128,768 bytes) takes 4 MiB.
+ALLOC_SLACK = 64
+ALLOC_SLACK_FROM = 1 << 16
+
+
 def segment_length(count: int, element_bytes: int, segment_bytes: int) -> int:
-    """Elements per segment for elements of at most ``element_bytes`` in their largest leaf; 0 when one segment holds them all."""
-    per = max(1, segment_bytes // max(1, element_bytes))
+    """Elements per segment for elements of at most ``element_bytes`` in their largest leaf (the blob at
+    most ``segment_bytes`` less :data:`ALLOC_SLACK` when a segment holds 16 elements or more); 0 when one
+    segment holds them all."""
+    whole = max(1, segment_bytes // max(1, element_bytes))
+    short = max(1, (segment_bytes - ALLOC_SLACK) // max(1, element_bytes))
+    # a row less costs at most 1/16 of the segment here, against the quarter an allocator's size class may add
+    per = short if segment_bytes >= ALLOC_SLACK_FROM and whole >= 16 else whole
     return 0 if per >= count else per
 
 

@@ -18,6 +18,7 @@ from tensordict import NonTensorData, TensorDictBase
 from tensordict.base import BEST_ATTEMPT_INPLACE
 
 from tdstore._engine.engine import Engine
+from tdstore._errors import ShardedRingIdError
 from tdstore._format.schema import Header, NestedPath
 from tdstore._plan.values import as_path, display
 
@@ -274,6 +275,11 @@ def fetch_existing(engine: Engine) -> Header:
         if err.args != engine.gone().args:
             raise
     keys = engine.keys
+    if engine.spec.cluster and _is_sharded_ring(engine):
+        raise ShardedRingIdError(
+            f"td_id={keys.td_id!r} (prefix {keys.prefix!r}) on {engine.spec.describe()} is a sharded ring, not a one-node store: "
+            f"open it with tdstore.ShardedRing.from_store(td_id={keys.td_id!r}, url=...)"
+        )
     if _written_by_reference(engine):
         raise KeyError(
             f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()}: "
@@ -284,6 +290,11 @@ def fetch_existing(engine: Engine) -> Header:
         f"No TensorDictStore with td_id={keys.td_id!r} found under prefix {keys.prefix!r} on {engine.spec.describe()} "
         "(it was deleted, expired, or never created)"
     )
+
+
+def _is_sharded_ring(engine: Engine) -> bool:
+    """Whether the missing store's id names a sharded ring: its layout key exists (one round trip)."""
+    return bool(engine.client.exists(engine.keys.shards))
 
 
 def _written_by_reference(engine: Engine) -> bool:

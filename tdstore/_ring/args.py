@@ -18,9 +18,9 @@ def refuse_spread(engine: Engine) -> None:
     """Ring calls reserve slots and pick rows on the server, over every segment at once: one slot only."""
     if engine.header.spread:
         raise NotImplementedError(
-            f"the store with {engine.where()} is spread over several cluster nodes (spread=True); the ring buffer "
-            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=True, or as a "
-            "sharded ring (LazyStackedTensorDictStore(count=N, url=..., spread=True) without shards=0)"
+            f"the store with {engine.where()} is spread over several cluster nodes (spread='segments'); the ring buffer "
+            "(extend, sample, update_if) needs every segment in one slot: create the store without spread=, or as a "
+            "sharded ring (tdstore.ShardedRing(count=N, url=...))"
         )
 
 

@@ -98,7 +98,7 @@ def usable(engine: Any, h: Header) -> bool:
         outcomes["skipped"] += 1
         return False
     # a store without keys yet: its first write creates them (direct when the store keeps an inventory)
-    return not h.spread and h.segments.n == 1 and h.sampling is None and (bool(h.leaves) or h.tracked)
+    return not h.spread and h.segments.n == 1 and h.sampling is None and h.trajectories is None and (bool(h.leaves) or h.tracked)
 
 
 def _aside_writes(

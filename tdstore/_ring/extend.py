@@ -46,6 +46,7 @@ from tdstore._plan import index as _index
 from tdstore._plan.leaf_writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
 from tdstore._plan.values import display, leaves_of, subtree_dims
 from tdstore._ring import direct_extend as _direct
+from tdstore._ring import episodes as _episodes
 from tdstore._ring import policy_calls as _sampling
 from tdstore._ring import waiting as _waiting
 from tdstore._ring.args import generations_arg, refuse_spread
@@ -403,7 +404,7 @@ def extend(
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``).
 
     ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote).
-    ``rollout``: the 'J' op's version, max_ahead, group and size (``_ring.rollouts.write_args``); a store
+    ``rollout``: the 'V' op's version, max_ahead, group and size (``_ring.rollouts.write_args``); a store
     whose rollout index is on gets one anyway (the published version, no group)."""
     refuse_spread(engine)
     h0 = engine.header
@@ -433,7 +434,9 @@ def extend(
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
         if rollout is not None or h.rollouts:  # after 'W': the rows' version and group (lua/_rollouts.lua)
-            ops.append(Write.J(*(kt.ref(k) for k in engine.keys.rollout_keys), *(rollout or ("", "", "", ""))))
+            ops.append(Write.V(*(kt.ref(k) for k in engine.keys.rollout_keys), *(rollout or ("", "", "", ""))))
+        if h.trajectories is not None:  # the rows' trajectory ids or end flags: the server keeps its episode index
+            ops.append(_episodes.episode_op(kt, engine.keys.episodes, h, items, n))
         return new_header, ops, touched
 
     rid = request or request_id()  # one per extend, sent with every attempt: a resend never writes twice

@@ -3,7 +3,7 @@
 The server keeps a rollout index beside the ring (``lua/_rollouts.lua``; keys ``StoreKeys.rollout_keys``),
 turned on by the first ``set_version`` or the first ``extend`` given ``version=`` or ``group=``:
 
-* ``extend(td, version=v)`` stamps the rows with the policy version that made them (``write.lua`` 'J',
+* ``extend(td, version=v)`` stamps the rows with the policy version that made them (``write.lua`` 'V',
   after 'W': the same call). ``max_ahead=k`` makes a writer more than ``k`` versions ahead of the
   published one wait (the ring's usual ``WAIT``: ``timeout=`` bounds it, ``set_version`` wakes it).
 * ``extend(td, group=g, group_size=n)``: the rows join group ``g``, invisible to samples and pops until
@@ -16,7 +16,7 @@ turned on by the first ``set_version`` or the first ``extend`` given ``version=`
   (``groups=g``: ``g`` whole groups); ``pop(n, max_staleness=k)`` takes the next visible items in the
   order they became visible, dropping (and counting) older ones; ``pop(groups=g)`` takes whole groups;
   ``pop(token_budget=t, length_key=key)`` the next items whose lengths (``key``'s first dim) fit ``t``.
-  One ``read.lua`` call each ('J', with 'H' naming the length key).
+  One ``read.lua`` call each ('G', with 'H' naming the length key).
 
 Once the index is on, every ring call on the store goes this way (plain ``extend`` stamps the published
 version, plain ``sample``/``pop`` skip incomplete groups). Not supported together with it, each with a
@@ -73,7 +73,7 @@ def _int_arg(value: Any, name: str, low: int = 0) -> int:
 
 
 def write_args(h: Header, n: int, version: Any, max_ahead: Any, group: Any, group_size: Any) -> tuple[str, str, str, str] | None:
-    """The 'J' op's arguments of a ring write of ``n`` rows (checked: a clear error before anything is
+    """The 'V' op's arguments of a ring write of ``n`` rows (checked: a clear error before anything is
     written), or None when the write gives none of them."""
     if version is None and max_ahead is None and group is None and group_size is None:
         return None
@@ -100,12 +100,14 @@ def write_args(h: Header, n: int, version: Any, max_ahead: Any, group: Any, grou
 
 
 def write_op(engine: Engine, kt: KeyTable, args: tuple[str, str, str, str] | None) -> list[Any]:
-    """The 'J' op after a ring write's 'W' (``args``: :func:`write_args`; None: the published version, no group)."""
-    return Write.J(*(kt.ref(k) for k in engine.keys.rollout_keys), *(args or ("", "", "", "")))
+    """The 'V' op after a ring write's 'W' (``args``: :func:`write_args`; None: the published version, no group)."""
+    return Write.V(*(kt.ref(k) for k in engine.keys.rollout_keys), *(args or ("", "", "", "")))
 
 
 def refuse_unsupported(h: Header, what: str) -> None:
-    """Rollouts do not combine with a queue mode, a rate limiter or priorities yet: a clear error naming why."""
+    """Rollouts do not combine with a queue mode, a rate limiter, priorities or trajectories yet: a clear error naming why."""
+    if h.trajectories is not None:
+        raise NotImplementedError(f"{what}: the ring keeps trajectories (set_trajectories), which rollouts do not support yet")
     policy = h.sampling
     if policy is not None and (policy.queue or policy.limit is not None or policy.prioritized):
         which = "queue mode" if policy.queue else "a rate limiter" if policy.limit is not None else "priorities"
@@ -171,7 +173,7 @@ def _call(
     request: str | None,
     length: Leaf | int | None,
 ) -> Call:
-    """The ``read.lua`` call of a rollout sample or pop: ['N'], ['A'], ['H'], 'J', then every selected leaf at its rows."""
+    """The ``read.lua`` call of a rollout sample or pop: ['N'], ['A'], ['H'], 'G', then every selected leaf at its rows."""
     selected = selected_leaves(h, keys)
     wanted = None if keys is None else {leaf.path for leaf in selected}
     kt = engine.key_table(h)
@@ -185,7 +187,7 @@ def _call(
         _, lo, ls = engine.keys.leaf_keys(length.number)
         pre = Read.H(kt.ref(lo), kt.ref(ls), 8 * length.ndim, length.dtype.itemsize)
     j_args = [*j_args[:5], fixed, *j_args[5:]]
-    head = Read.J(*j_args, *(kt.ref(k) for k in engine.keys.rollout_keys))
+    head = Read.G(*j_args, *(kt.ref(k) for k in engine.keys.rollout_keys))
     ops = 1 + len(leaves) + bool(named) + bool(counted) + bool(pre)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(checked), ops, *named, *counted, *pre, *head]
     for leaf in leaves:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from tdstore._format.header_info import check_new_layout
 from tdstore._format.keys import StoreKeys, shard_id
 
 
@@ -67,8 +68,16 @@ def is_cluster(url: str | None, client: Any) -> bool:
 
 
 def wants_shards(kwargs: dict[str, Any]) -> bool:
-    """Whether a store opened with these constructor keywords is a sharded ring (``spread=True`` on a cluster)."""
+    """Whether a replay buffer opened with these keywords is a sharded ring: ``sharded=True``, or the older
+    spelling ``spread=True`` on a cluster without ``shards=0`` (``spread="segments"`` is a spread store)."""
+    if kwargs.get("sharded") is True:
+        return True
     return kwargs.get("spread") is True and kwargs.get("shards") != 0 and is_cluster(kwargs.get("url"), kwargs.get("client"))
+
+
+def ring_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the words that chose a sharded ring (``sharded``, ``spread``): what its constructor takes."""
+    return {k: v for k, v in kwargs.items() if k not in ("sharded", "spread")}
 
 
 def plan_layout(client: Any, prefix: str, td_id: str, count: int, shards: int | None, stack_dim: int, inner: tuple[int, ...]) -> Layout:
@@ -129,12 +138,10 @@ def open_layout(
 ) -> Layout:
     """The layout of the sharded ring ``keys`` names: with ``count``, written first if there is none yet (``SET NX``:
     concurrent creators agree), and checked against the arguments."""
-    from tdstore.lazy import _check_layout
-
     where = f"td_id={keys.td_id!r} (prefix {keys.prefix!r})"
     inner: tuple[int, ...] = ()
     if count is not None:
-        count, inner = _check_layout(count, stack_dim, inner_batch_size)
+        count, inner = check_new_layout(count, stack_dim, inner_batch_size)
         stack_dim = stack_dim if stack_dim >= 0 else stack_dim + len(inner) + 1
         if readonly:
             raise ValueError("readonly=True opens an existing store: leave count out")
@@ -161,12 +168,13 @@ def open_layout(
     return layout
 
 
-def open_shard(layout: Layout, k: int, opts: dict[str, Any], readonly: bool) -> Any:
-    """Shard ``k``'s one-node ring store (created with the layout's count, stack dim and inner batch size if new)."""
-    from tdstore.lazy import LazyStackedTensorDictStore
+def open_shard(layout: Layout, k: int, opts: dict[str, Any], readonly: bool, create: bool = True) -> Any:
+    """Shard ``k``'s one-node ring store (created with the layout's count, stack dim and inner batch size if new;
+    with ``create=False`` or ``readonly``, only opened: a missing shard raises ``KeyError``)."""
+    from tdstore.lazy import LazyStackedTensorDictStore  # (tdstore.lazy sits above the layers; it imports no _shards)
 
-    if readonly:
-        return LazyStackedTensorDictStore.from_store(readonly=True, td_id=layout.ids[k], **opts)
+    if readonly or not create:
+        return LazyStackedTensorDictStore.from_store(readonly=readonly, td_id=layout.ids[k], **opts)
     return LazyStackedTensorDictStore(
         count=layout.counts[k], stack_dim=layout.stack_dim, inner_batch_size=layout.inner, td_id=layout.ids[k], **opts
     )

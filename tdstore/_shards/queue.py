@@ -91,13 +91,14 @@ class ShardQueue(ShardsBase):
         replies = e.commands([("ZCOUNT", deadlines, "-inf", now), ("ZCARD", waiting)])
         return int(replies[0]) > 0 or int(replies[1]) > 0
 
-    def _admitting(self, n: int, deadline: float | None) -> int:
+    def _admitting(self, n: int, deadline: float | None) -> tuple[int, list[int | None]]:
         """Of the shards whose rate limiter and queue admit an extend of ``n`` rows now (as their counters
-        say; waiting, polling them, while none does), the least written for its size, ties taken in turn.
+        say; waiting, polling them, while none does), the least written for its size, ties taken in turn,
+        and every shard's ring write count as the same read found it (None: its node did not answer).
         Choosing by the fresh counts keeps the shards' fill even whatever the limiters hold back, so no
-        shard wraps while another has room (with W writers of batches of n, a shard is at most about
-        W * n rows past the others). The extend is then sent to it with what is left of the caller's
-        ``deadline`` (``time.monotonic()``; None: none): a shard that filled up meanwhile holds it back as on one node."""
+        shard wraps while another has room (``shard_writes.place`` cuts the extend if that shard's lap has
+        too little room). The extend is then sent with what is left of the caller's ``deadline``
+        (``time.monotonic()``; None: none): a shard that filled up meanwhile holds it back as on one node."""
         pause = _POLL_S[0]
         k_total = len(self._shards)
         while True:
@@ -105,7 +106,8 @@ class ShardQueue(ShardsBase):
             order = [(self._next + i) % k_total for i in range(k_total)]
             admitting = [k for k in order if (h := heads[k]) is not None and self._admits(k, h, n)]
             if admitting:
-                return min(admitting, key=lambda k: ((heads[k] or {}).get("rw") or 0) / self._layout.counts[k])
+                k = min(admitting, key=lambda k: ((heads[k] or {}).get("rw") or 0) / self._layout.counts[k])
+                return k, [None if h is None else h.get("rw") for h in heads]
             pause = self._pause(
                 deadline, pause, f"extend: the rate limiter or queue of every shard of the sharded ring td_id={self.td_id!r} holds inserts"
             )

@@ -1,4 +1,4 @@
-"""Sharded rings: one replay buffer over the primaries of a Redis Cluster (``spread=True``).
+"""Sharded rings: one replay buffer over the primaries of a Redis Cluster (``tdstore.ShardedRing``).
 
 A sharded ring of ``N`` slots is ``K`` ordinary one-node rings, the *shards* (``K``: one per
 primary by default, ``shards=K`` to choose), each a store of its own in one hash slot, placed
@@ -11,9 +11,11 @@ slots and fans calls out.
 
 - **Slots.** One global numbering: shard ``k`` holds slots ``offset[k] .. offset[k] + count[k] - 1``
   (counts differ by at most one). Generations are the shard's.
-- **extend.** A batch goes whole to one shard (a batch larger than a shard is cut, one piece per
-  shard, the pieces sent at once), the shards taken in turn by each handle from a random start,
-  so that writers fill them evenly (each shard gets one batch in ``K`` of every writer).
+- **extend.** The shards fill in laps (none overwrites its oldest row before every shard has ended its
+  lap), so the ring holds ``count`` rows before one is overwritten, whatever the extend sizes. A batch
+  goes whole to a shard whose lap has room for it, the shards taken in turn by each handle from a
+  random start; else it is cut over the shards, one part per shard, each atomic on its shard, sent at
+  once (``shard_writes.place``; what a reader sees between the parts: ``tdstore.Ring.extend``).
 - **sample.** Exactly the one-node distribution: the shards' sizes (uniform) or priority masses
   (the roots of their sum trees, ``sum priority ** alpha``) are read in one parallel round trip
   (skipped for a uniform sample once every shard is full: a full ring stays full), ``B`` is
@@ -65,8 +67,9 @@ from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import KeySpec, NestedPath, key_specs_of
 from tdstore._inspect import stats as _stats
 from tdstore._ring.extend import RingState
+from tdstore._ring.slices import ShardedTrajectoryMethods
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
-from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, wants_shards
+from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, ring_kwargs, wants_shards
 from tdstore._shards.queue import ShardReceipt
 from tdstore._shards.rollout_refusal import ShardRollouts
 from tdstore._shards.sample import ShardSampling
@@ -77,14 +80,16 @@ from tdstore._shards.view import _ShardedAccess
 __all__ = ["Layout", "ShardReceipt", "ShardedRing", "WrittenSlots", "is_cluster", "plan_layout", "wants_shards"]
 
 
-class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
+class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods, ShardRollouts):
     """A ring buffer of ``count`` slots over the primaries of a Redis Cluster (see the module docstring).
 
-    Made by ``LazyStackedTensorDictStore(count=N, url="redis+cluster://...", spread=True)``
-    (``shards=K``: K shards instead of one per primary); the same call with its ``td_id``, or
-    ``LazyStackedTensorDictStore.from_store(td_id=...)``, attaches to it. It has the ring's calls
-    (``extend``, ``append``, ``sample``, ``update_if``, priorities, the rate limiter, the queue,
-    ``pop``/``ack``) and reads and writes by global slot (``store[i]``, ``store[idx]``).
+    ``tdstore.ShardedRing(count=N, url="redis+cluster://...")`` makes one (``shards=K``: K shards
+    instead of one per primary) or attaches to the one its ``td_id`` names (the layout must agree);
+    :meth:`from_store` opens an existing one by ``td_id`` and never writes. (It is not a
+    ``LazyStackedTensorDictStore``: that class's spread store, ``spread="segments"``, cuts one store's
+    segments over the nodes and has no ring calls.) It has the ring's calls (``tdstore.Ring``: ``extend``,
+    ``append``, ``sample``, ``update_if``, priorities, the rate limiter, the queue, ``pop``/``ack``) and
+    reads and writes by global slot (``store[i]``, ``store[idx]``).
     ``min_replicas=n``: a call writing rows or priorities, a pop or an ack returns once ``n`` replicas have it.
     """
 
@@ -107,14 +112,17 @@ class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
         port: int = 6379,
         backend: str = "redis",
         cache_metadata: bool = True,
-        spread: bool = True,
         min_replicas: int = 0,
         db: int = 0,
         unix_socket_path: str | None = None,
+        _create: bool = True,
         **redis_kwargs: Any,
     ) -> None:
         if ttl is not None:
-            raise NotImplementedError("a sharded ring (spread=True on a cluster) has no time to live yet: create it without ttl=")
+            raise NotImplementedError("a sharded ring has no time to live yet: create it without ttl=")
+        if "spread" in redis_kwargs or "sharded" in redis_kwargs:
+            word = "spread" if "spread" in redis_kwargs else "sharded"
+            raise TypeError(f"ShardedRing takes no {word}= (it is the sharded ring); shards=K chooses its number of shards")
         if readonly and td_id is None:
             raise ValueError("readonly=True opens an existing store: pass its td_id")
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
@@ -132,9 +140,10 @@ class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
         self._keys = StoreKeys(prefix, td_id)
         self._layout = open_layout(rc, self._keys, count, shards, stack_dim, inner_batch_size, readonly)
         opts = {"client": rc, "prefix": prefix, "device": device, "backend": backend, "cache_metadata": cache_metadata}
-        if not readonly:
+        if not readonly and _create:
             opts["segment_bytes"] = segment_bytes
-        self._init(self._fan_out([(k, open_shard, (self._layout, k, opts, readonly)) for k in range(len(self._layout.ids))]))
+        jobs = [(k, open_shard, (self._layout, k, opts, readonly, _create)) for k in range(len(self._layout.ids))]
+        self._init(self._fan_out(jobs))
 
     def _init(self, shards: list[Any]) -> None:
         self._shards = shards
@@ -144,13 +153,26 @@ class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
         self._cached = None  # a prioritized sample's shard masses, for the next one's split (see sample.py)
         self._ratio = 1.0
         self._next = random.randrange(len(shards))  # this handle's next shard to extend
+        self._rw = None  # each shard's ring writes as this handle last saw them (shard_writes.place)
+        self._shared = False  # whether other handles' writes were seen (then the counts are read before each extend)
         self._pop_next = random.randrange(len(shards))
 
     @classmethod
+    def from_store(cls, *, td_id: str, readonly: bool = False, min_replicas: int = 0, **kwargs: Any) -> ShardedRing:
+        """Open the existing sharded ring ``td_id`` names (the connection's arguments as the constructor's:
+        ``url``/``client``, ``prefix``, ``device``...); never writes. Its layout key is read (one round trip),
+        then every shard's header (one round trip each, at once). An unknown ``td_id`` raises ``KeyError``
+        naming it; the id of a one-node store raises ``KeyError`` too (``LazyStackedTensorDictStore.from_store``
+        opens those, and raises ``TypeError`` for a sharded ring's id). ``count``, ``shards``,
+        ``stack_dim`` and ``inner_batch_size`` are read from the server (given ones are ignored)."""
+        for name in ("count", "shards", "stack_dim", "inner_batch_size", "segment_bytes", "ttl"):
+            kwargs.pop(name, None)
+        return cls(td_id=td_id, readonly=readonly, min_replicas=min_replicas, _create=False, **kwargs)
+
+    @classmethod
     def attach(cls, **kwargs: Any) -> ShardedRing:
-        """A handle on an existing sharded ring (``td_id=`` and the connection's arguments)."""
-        kwargs.pop("count", None)
-        return cls(**kwargs)
+        """:meth:`from_store` (an older name)."""
+        return cls.from_store(**kwargs)
 
     @property
     def shards(self) -> list[Any]:
@@ -204,9 +226,16 @@ class ShardedRing(ShardWrites, ShardSampling, ShardRollouts):
 
     @staticmethod
     def wanted(store_kwargs: dict[str, Any]) -> bool:
-        """Whether a store opened with these constructor keywords is a sharded ring (``spread=True`` on a
-        cluster, ``shards`` not 0), decided without a round trip: what an adapter asks before opening one."""
+        """Whether a buffer opened with these keywords is a sharded ring (``sharded=True``, or ``spread=True``
+        on a cluster without ``shards=0``), decided without a round trip: what an adapter asks before opening one
+        (``tdstore.torchrl.replay_buffer(..., sharded=True)``)."""
         return wants_shards(store_kwargs)
+
+    @staticmethod
+    def own_kwargs(store_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``store_kwargs`` without the words that chose a sharded ring (``sharded``, ``spread``): what
+        :class:`ShardedRing` and :meth:`from_store` take."""
+        return ring_kwargs(store_kwargs)
 
     def __repr__(self) -> str:
         return f"ShardedRing(td_id={self.td_id!r}, count={self._layout.count}, shards={list(zip(self._layout.ids, self._layout.counts))})"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensordict import TensorDictBase
 
-if TYPE_CHECKING:
-    from tdstore._shards.ring import ShardedRing
+#: The ``ShardedRing`` this view is of (typed loosely: ``ring`` imports this module, so this one names it not).
+ShardedRing = Any
 
 
 class _ShardedEngine:

@@ -95,8 +95,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from tdstore.demo import DemoError, ServerUnreachable, run_demo, run_llm_demo
 
     try:
-        if args.llm and (args.torchrl or args.replay or args.cluster or args.spread):
-            raise ValueError("--llm runs its own GRPO-shaped loop on one server: not with --torchrl, --replay, --cluster or --spread")
+        if args.llm and (args.torchrl or args.replay or args.cluster or args.spread or args.sharded):
+            raise ValueError(
+                "--llm runs its own GRPO-shaped loop on one server: not with --torchrl, --replay, --cluster, --spread or --sharded"
+            )
         figures = (
             run_llm_demo(
                 url=args.url,
@@ -120,6 +122,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 out=sys.stderr if args.json else sys.stdout,
                 cluster=args.cluster,
                 spread=args.spread,
+                sharded=args.sharded,
                 torchrl=args.torchrl,
                 replay=args.replay,
             )
@@ -167,7 +170,13 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--spread",
         action="store_true",
         help="spread the store's segments over every node of the cluster (needs --cluster or a redis+cluster:// --url); "
-        "with --replay, a sharded ring: one ring per primary",
+        "with --replay, the same as --sharded",
+    )
+    demo.add_argument(
+        "--sharded",
+        action="store_true",
+        help="with --replay: the buffer is a sharded ring (tdstore.ShardedRing), one ring per primary of the cluster "
+        "(needs --cluster or a redis+cluster:// --url)",
     )
     demo.add_argument(
         "--torchrl",

@@ -57,6 +57,7 @@ from typing import Any, TextIO
 
 import torch
 
+from tdstore import ShardedRing
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.demo.actors import ActorPool, DemoError, hash_actor_main, replay_actor_main, torchrl_actor_main
 from tdstore.demo.learner import RingLearner, figures, sample_until, verify_final
@@ -85,7 +86,7 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "tdstore-demo"
-#: Segment size of the demo's store with ``spread=True``: a few elements per segment, so that a
+#: Segment size of the demo's spread store (``spread="segments"``): a few elements per segment, so that a
 #: store of a few hundred elements has its segments on every node of the cluster.
 SPREAD_SEGMENT_BYTES = 2048
 #: The replay demos' rate limiter: the learner's samples per row the actors insert (Reverb's ratio).
@@ -103,6 +104,7 @@ def _check_args(
     spread: bool = False,
     torchrl: bool = False,
     replay: bool = False,
+    sharded: bool = False,
 ) -> None:
     """Refuse nonsense and contradictions early, before a server is started or a process spawned."""
     for name, value in (("actors", actors), ("count", count), ("batch", batch)):
@@ -118,6 +120,12 @@ def _check_args(
         raise ValueError(
             "--spread spreads the store over a Redis Cluster's nodes: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT"
         )
+    if sharded and not cluster and not (url or "").lower().startswith(("redis+cluster://", "rediss+cluster://")):
+        raise ValueError(
+            "--sharded makes a sharded ring over a Redis Cluster's primaries: add --cluster (an embedded cluster), or give --url redis+cluster://HOST:PORT"
+        )
+    if sharded and not replay:
+        raise ValueError("--sharded runs the replay demo on a sharded ring (tdstore.ShardedRing): add --replay")
     if torchrl and replay:
         raise ValueError("--torchrl and --replay are two ways to run the replay demo: pick one")
     if torchrl and spread:
@@ -155,6 +163,7 @@ def run_demo(
     spread: bool = False,
     torchrl: bool = False,
     replay: bool = False,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """Run the concurrent write/sample demo and return its figures.
 
@@ -163,8 +172,10 @@ def run_demo(
             ``None`` starts a private embedded redis-server for the run (and stops it
             afterwards).
         cluster: with no ``url``, start a private three-primary Redis Cluster instead.
-        spread: on a cluster, spread the store's segments over every node (``spread=True``,
-            with segments of ``SPREAD_SEGMENT_BYTES`` so that a small demo store has many).
+        spread: on a cluster, spread the store's segments over every node (``spread="segments"``,
+            with segments of ``SPREAD_SEGMENT_BYTES`` so that a small demo store has many); with
+            ``replay``, the same as ``sharded`` (what it always meant there).
+        sharded: with ``replay``, on a cluster: the buffer is a ``tdstore.ShardedRing`` (one ring per primary).
         actors: writer processes (spawned, each gets the pickled store).
         count: elements in the store.
         seconds: how long actors write and the learner samples.
@@ -189,18 +200,22 @@ def run_demo(
         ServerUnreachable: ``url`` does not answer.
         DemoError: an actor failed or did not start.
     """
-    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread, torchrl=torchrl, replay=replay)
+    _check_args(actors, count, seconds, batch, url=url, cluster=cluster, spread=spread, torchrl=torchrl, replay=replay, sharded=sharded)
+    sharded = sharded or (spread and replay)
+    spread = spread and not sharded
     out = sys.stdout if out is None else out
     say = Status(progress, sys.stderr)
     with contextlib.ExitStack() as stack:
         url, where = _open_server(stack, url, cluster=cluster, say=say)
         say(f"server: {where}; uploading {plural(count, 'element')}...")
-        uploaded, rb, where = _upload(url, where, count=count, batch=batch, prefix=prefix, spread=spread, torchrl=torchrl, replay=replay)
+        uploaded, rb, where = _upload(
+            url, where, count=count, batch=batch, prefix=prefix, spread=spread, torchrl=torchrl, replay=replay, sharded=sharded
+        )
         stack.callback(_quietly_clear, uploaded)
         # Attach a second handle through the constructor, as an application would: it
         # checks the layout and never overwrites the uploaded content.
-        store = LazyStackedTensorDictStore(
-            url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id, spread=spread and replay
+        store: Any = (ShardedRing if sharded else LazyStackedTensorDictStore)(
+            url=url, prefix=prefix, count=count, inner_batch_size=(), td_id=uploaded.td_id
         )
         stack.callback(store.close)
         if rb is None:
@@ -235,11 +250,12 @@ def _open_server(stack: contextlib.ExitStack, url: str | None, *, cluster: bool,
 
 
 def _upload(
-    url: str, where: str, *, count: int, batch: int, prefix: str, spread: bool, torchrl: bool, replay: bool
-) -> tuple[LazyStackedTensorDictStore, Any, str]:
+    url: str, where: str, *, count: int, batch: int, prefix: str, spread: bool, torchrl: bool, replay: bool, sharded: bool
+) -> tuple[Any, Any, str]:
     """Upload the initial content; return the store, the replay buffer the learner samples (``None``
     when it samples the store directly), and ``where`` completed with how the store is used."""
     rb: Any = None
+    uploaded: Any
     if torchrl:
         from tdstore.torchrl import replay_buffer
 
@@ -253,9 +269,9 @@ def _upload(
         uploaded.set_rate_limit(min_size=count, samples_per_insert=SAMPLES_PER_INSERT, error_buffer=SAMPLES_PER_INSERT * count)
         where += ", through a prioritized, rate-limited torchrl replay buffer (tdstore.torchrl)"
     elif replay:
-        uploaded = LazyStackedTensorDictStore(count=count, url=url, prefix=prefix, spread=spread)
+        uploaded = (ShardedRing if sharded else LazyStackedTensorDictStore)(count=count, url=url, prefix=prefix)
         initial = initial_stack(count)
-        if spread:  # a sharded ring (one ring per primary): each shard gets its slots' initial elements
+        if isinstance(uploaded, ShardedRing):  # a sharded ring (one ring per primary): each shard gets its slots' initial elements
             for shard, off, n in zip(uploaded.shards, uploaded.shard_offsets, uploaded.shard_counts):
                 shard.extend(initial[off : off + n])
             where += f", sharded over {len(uploaded.shards)} primaries"
@@ -268,7 +284,7 @@ def _upload(
     else:
         segment_bytes = SPREAD_SEGMENT_BYTES if spread else None
         uploaded = LazyStackedTensorDictStore.from_lazy_stack(
-            initial_stack(count), url=url, prefix=prefix, spread=spread, segment_bytes=segment_bytes
+            initial_stack(count), url=url, prefix=prefix, spread="segments" if spread else False, segment_bytes=segment_bytes
         )
     header = uploaded.stack_ops.engine.header
     if header.spread:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tensordict import lazy_stack
 
+from tdstore import ShardedRing, ShardedRingIdError
 from tdstore.demo.torn_check import make_element, slot_of
 from tdstore.lazy import LazyStackedTensorDictStore
 
@@ -122,7 +123,10 @@ def replay_actor_main(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        store = LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id=td_id)
+        try:
+            store: Any = LazyStackedTensorDictStore.from_store(url=url, prefix=prefix, td_id=td_id)
+        except ShardedRingIdError:  # the demo's buffer is a sharded ring (--sharded)
+            store = ShardedRing.from_store(url=url, prefix=prefix, td_id=td_id)
 
         def write(seq: int) -> int:
             return int(store.extend(lazy_stack([make_element(actor, seq)]), priority=1.0 + seq % 3).indices[0])

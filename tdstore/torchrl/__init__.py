@@ -18,6 +18,8 @@ server, from which the cursor, the written length and each slot's generation fol
   :class:`StoreSamplerWithoutReplacement` (``StoreSampler(replacement=False)``);
   :class:`StorePrioritizedSampler`: torchrl's ``PrioritizedSampler`` API with the sum tree
   on the server, so actors' data gets its priority as it is written and learners share it.
+* :class:`StoreSliceSampler`: torchrl's ``SliceSampler`` given to :func:`replay_buffer` becomes one
+  (the same object): the server keeps an episode index and draws slices in one round trip.
 * :func:`replay_buffer` wires the three into a ``TensorDictReplayBuffer`` (or a
   ``ReplayBuffer``) in one line; a second process or machine attaches by ``td_id``.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -42,6 +44,7 @@ from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
+from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
 from tdstore.torchrl.staleness import StoreStalenessSampler, on_the_server
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
@@ -54,6 +57,8 @@ __all__ = [
     "StoreSamplerWithoutReplacement",
     "StorePrioritizedSampler",
     "StoreStalenessSampler",
+    "StoreSliceSampler",
+    "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
     "attach",
     "TENSOR_KEY",
@@ -91,7 +96,7 @@ def _buffer_keywords(tensordict: bool) -> frozenset[str]:
 def _store_keywords() -> frozenset[str]:
     """What a store constructor takes: its own keywords, and any ``redis.Redis`` / ``RedisCluster`` keyword."""
     own = _parameters(LazyStackedTensorDictStore.__init__) - {"count", "td_id", "_kind", "_batchless"}
-    extra = {"password_provider", "cluster", "min_replicas"}
+    extra = {"password_provider", "cluster", "min_replicas", "sharded"}
     return frozenset(own | _parameters(redis.Redis.__init__) | _parameters(RedisCluster.__init__) | extra)
 
 
@@ -159,17 +164,21 @@ def replay_buffer(
             store's, else 0.6), ``beta``, ``eps`` and ``max_times_sampled`` (default: the store's):
             priorities on the server; ``beta`` and ``eps`` are the learner's, not kept on the
             server: an attaching learner passes its own), or any torchrl ``Sampler`` (``RandomSampler()``, ``SliceSampler(...)``...).
+            torchrl's ``SliceSampler`` becomes :class:`StoreSliceSampler` (slices drawn on the server).
             A sampler given explicitly wins over the buffer's policy: ``"uniform"`` draws a
             prioritized buffer uniformly, and a torchrl sampler draws on the client, outside the
             store's rate limiter. tdstore's samplers keep a rate limiter or queue the store has
             (the server counts and holds their calls). On a sharded ring
-            (``spread=True``) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
+            (``sharded=True``, or ``spread=True`` on a cluster) torchrl's ``SamplerWithoutReplacement`` becomes its subclass
             :class:`StoreSamplerWithoutReplacement`, which draws the written slots.
         tensordict: a ``TensorDictReplayBuffer`` (default) or a plain ``ReplayBuffer``
             (for tensorclass or plain-tensor data).
         track_generations: samples carry ``"index_generation"`` (free with ``"uniform"``).
         tensorclass_cls: the tensorclass the data is read back as, in a process that did
             not write it.
+        sharded: (on a Redis Cluster) the buffer is a ``tdstore.ShardedRing``: one ring per primary
+            (``shards=K``: K of them); ``spread=True`` on a cluster says the same. Attaching by ``td_id``
+            opens a sharded ring as one whatever this says.
         ragged: keep rows whose keys vary in shape (a lazy store; samples are lazy stacks).
             By default the buffer is a dense store whose first write fixes each key's shape,
             as torchrl's ``LazyTensorStorage``; a later row of another shape raises
@@ -207,6 +216,9 @@ def replay_buffer(
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
     sampler = on_the_server(sampler)  # torchrl's StalenessAwareSampler: the server holds its max_staleness
+    if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
+        sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
+        cast(StoreSliceSampler, sampler).prepare(storage)
     cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,

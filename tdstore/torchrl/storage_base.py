@@ -17,7 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten, treespec
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
-from tdstore import DenseShapeError, ShardedRing
+from tdstore import DenseShapeError, ShardedRing, ShardedRingIdError
 from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
 from tdstore._engine.connection import SECRET_KWARGS
 from tdstore._engine.engine import td_id_or_new
@@ -185,9 +185,13 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         from tdstore._checkpoint.export_import import _lazy_handle
         from tdstore.store import TensorDictStore
 
-        if ShardedRing.wanted(self._open_kwargs()):  # a sharded ring (spread=True on a cluster)
-            return LazyStackedTensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs())
-        return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **self._open_kwargs()))
+        kw = self._open_kwargs()
+        if ShardedRing.wanted(kw):  # a sharded ring (sharded=True, or spread=True on a cluster)
+            return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
+        try:
+            return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **kw))
+        except ShardedRingIdError:  # the id names a sharded ring: opened as one
+            return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
 
     @property
     @_eager
@@ -195,7 +199,15 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         """The ring store (the stack a dense store is kept as), created (or attached to, by td_id) on first use: one round trip."""
         if self._ring is None:
             try:
-                if self._ragged or ShardedRing.wanted(self._open_kwargs()):  # a sharded ring is lazy rings
+                if ShardedRing.wanted(self._open_kwargs()):  # a sharded ring (its shards are lazy rings)
+                    sharded: Any = ShardedRing(  # a tdstore.Ring as the lazy store is (torchrl's storage uses only that)
+                        count=self._count_for(self._inner),
+                        inner_batch_size=self._inner,
+                        td_id=self._td_id,
+                        **ShardedRing.own_kwargs(self._open_kwargs()),
+                    )
+                    self._ring = sharded
+                elif self._ragged:
                     self._ring = LazyStackedTensorDictStore(
                         count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tdstore import LazyStackedTensorDictStore, ShardedRing, ShardUnavailableError
+from tdstore import ShardedRing, ShardUnavailableError
 from tools.faults.base import Check, Env, describe_exc
 
 #: What a call given ``timeout=2`` may take beyond 2 s (it bounds a hang, not a speed: a busy machine).
@@ -45,7 +45,7 @@ def case_sharded_failover(env: Env) -> list[Check]:
     """The four parts above, each a check (see the module docstring)."""
     cluster = env.cluster
     assert cluster is not None, "sharded-failover runs on a private cluster"
-    s = LazyStackedTensorDictStore(count=600, url=env.url, prefix=env.prefix, spread=True)
+    s = ShardedRing(count=600, url=env.url, prefix=env.prefix)
     assert isinstance(s, ShardedRing)
     layout_node = s._client.get_node_from_key(s._keys.shards).name
     a, c = [k for k, node in enumerate(s.shard_nodes()) if node != layout_node][:2]
@@ -69,7 +69,7 @@ def _leased_pops(env: Env, s: ShardedRing) -> Check:
     lock = threading.Lock()
 
     def reader(r: int) -> None:
-        h = LazyStackedTensorDictStore.from_store(url=env.url, prefix=env.prefix, td_id=s.td_id)
+        h = ShardedRing.from_store(url=env.url, prefix=env.prefix, td_id=s.td_id)
         held: list[tuple[Any, list[int]]] = []
         try:
             for step in range(10 * total):
@@ -159,7 +159,7 @@ def _min_replicas(env: Env, s: ShardedRing, a: int, killed: int) -> Check:
     cluster = env.cluster
     assert cluster is not None
     up = next(p for i, p in enumerate(cluster.ports) if i != killed)  # env.url names node 0, which may be the one killed
-    strict = LazyStackedTensorDictStore.from_store(url=f"redis+cluster://127.0.0.1:{up}", prefix=env.prefix, td_id=s.td_id, min_replicas=1)
+    strict = ShardedRing.from_store(url=f"redis+cluster://127.0.0.1:{up}", prefix=env.prefix, td_id=s.td_id, min_replicas=1)
     s.shards[a].extend(_rows(torch.arange(20_000, 20_006)))
     strict._pop_next = a
     try:
@@ -209,7 +209,11 @@ def _node_down(env: Env, s: ShardedRing, c: int) -> Check:
         ok = sorted(got) == sorted(30_000 + 10 * k + d for k in range(len(s.shards)) if k != c for d in (0, 1))
         for name, call in (
             ("pop", lambda: s.pop(1, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", c), s.extend(_rows(torch.arange(2)), timeout=2))),
+            # pinned to the down shard (placing by the counts it reads, the handle would take one that is up)
+            (
+                "extend",
+                lambda: (setattr(s, "_next", c), setattr(s, "_rw", [2] * len(s.shards)), s.extend(_rows(torch.arange(2)), timeout=2)),
+            ),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
             t0 = time.monotonic()
