@@ -31,11 +31,14 @@
   KEYS[2]     the store's inventory hash (see _lib.lua; unused when the header has no 'na')
   KEYS[3]     the store's reply cache (see tds_request in _lib.lua)
   KEYS[4..]   pairs: a data key K the rows go to, then K:w
-  KEYS[last]  optional (an even number of KEYS): the store's stats hash, where 'open' counts the
-              rows it lets in ('ins', see tds_stat in _lib.lua)
+  KEYS[last]  optional, after the pairs: the store's stats hash, where 'open' counts the rows it
+              lets in ('ins', see tds_stat in _lib.lua), then optional: the sampled-rows bitmap,
+              where it clears the bits of the rows it overwrites, counted ('ovs', 'ovu': _seen.lua)
 
   ARGV[1]     'open' or 'close'
   ARGV[2]     the request id of the write (hex, see tds_request)
+  close only:
+  ARGV[3]     optional: the number of pairs (without it: as many as fit, an odd KEYS[last] the stats hash)
   open only:
   ARGV[3]     the ring write counter 'rw' the client expects (the rows' slots follow from it)
   ARGV[4]     rows
@@ -62,7 +65,12 @@ local mode = ARGV[1]
 if #KEYS < 5 then
   error('TDSTORE bad argument: direct.lua takes the header, the inventory, the reply cache, then pairs of keys')
 end
-local last = #KEYS - (#KEYS % 2 == 0 and 1 or 0)  -- the last key of a pair (a stats hash may follow)
+-- the last key of a pair: the pairs counted by the sizes ('open') or ARGV[3] ('close'), else all but an odd last
+local pairs_n = tonumber(mode == 'open' and #ARGV - 9 or ARGV[3])
+local last = pairs_n and 3 + 2 * pairs_n or #KEYS - (#KEYS % 2 == 0 and 1 or 0)
+if last > #KEYS or last < 5 then
+  error('TDSTORE bad argument: direct.lua pairs of keys')
+end
 
 if mode == 'close' then
   -- 'open' went through only if it left its mark, this request's id; else each K:w goes
@@ -163,8 +171,8 @@ end
 -- its count, as in write.lua), and the mark under which alone 'close' moves the keys back
 redis.call('HSET', meta, 'rw', string.format('%.0f', rw + n), 'dw', ARGV[2])
 if last < #KEYS then
-  tds_stats.key = KEYS[#KEYS]
-  tds_stat('ins', n)
+  tds_stat_keys(last + 1, 0)
+  tds_stat_written(rw, n, count)
 end
 if schema ~= '' then
   version = redis.call('HGET', meta, 'version')

@@ -110,7 +110,8 @@
           rw - 1 - w old), items popped ('pop'), redelivered ('rdl'), whose lease lapsed
           ('exp') or that writers overwrote unread ('lost'), WAIT replies of samples ('hr'),
           and the ms the client's call was held back before this try, once it goes through
-          (a sample's 'hr_ms', a pop's 'hp_ms')
+          (a sample's 'hr_ms', a pop's 'hp_ms'); a sample sets its rows' bits in the
+          sampled-rows bitmap KEYS[k + 1] (see _seen.lua)
     'I', n, rows
           the rows of the 'X' ops after it: n element ids packed as int64 (a scattered
           batch read decodes its ids once, instead of one range per row and leaf)
@@ -277,7 +278,7 @@ for _ = 1, nops do
       packed[j] = tds_p64(rows[j])
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
@@ -308,14 +309,13 @@ for _ = 1, nops do
       rows[j] = tds_u64(packed[j], 1)
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
     end
     out[#out + 1] = table.concat(packed)
     out[#out + 1] = string.format('%.0f', rw)
     out[#out + 1] = info
   elseif kind == 'A' then
-    tds_stats.key = KEYS[tds_num(ARGV[a + 1], 'key index')]
-    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
+    tds_stat_keys(tds_num(ARGV[a + 1], 'key index'), tds_num(ARGV[a + 2], 'held ms'))
     a = a + 3
   elseif kind == 'N' then
     request = tds_request(ARGV[a + 1], ARGV[a + 2])
@@ -457,7 +457,7 @@ for _ = 1, nops do
       decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
     end
     if tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_rows(rows, rw, count) tds_stat('hr_ms', tds_stats.held) end
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
     end
     if lim ~= nil then
       local drawn = #rows

@@ -116,7 +116,9 @@
           count this call's ring work in the store's stats hash KEYS[k] (see tds_stat in
           _lib.lua; before the 'W' op): rows written by the ring ('ins'), WAIT replies
           of ring writes held back by the rate limiter or a full queue ('hw'), and the ms
-          the client's call was held back before this try, once it goes through ('hw_ms')
+          the client's call was held back before this try, once it goes through ('hw_ms');
+          rows it overwrote, sampled or not ('ovs', 'ovu'), their bits cleared in the
+          sampled-rows bitmap KEYS[k + 1] (see _seen.lua)
     'N', k, rid
           the call's request id (must be the first op; a ring write, update_if, or a key
           renamed or deleted): KEYS[k] is the store's reply cache (see tds_request in
@@ -757,8 +759,8 @@ for _ = 1, nops do
     end
     a = a + 3
   elseif kind == 'A' then
-    tds_stats.key = key(a + 1)
-    tds_stats.held = tds_num(ARGV[a + 2], 'held ms')
+    key(a + 1)  -- (a key index in range)
+    tds_stat_keys(tds_num(ARGV[a + 1], 'key index'), tds_num(ARGV[a + 2], 'held ms'))
     a = a + 3
   elseif kind == 'B' then
     if key(a + 1) ~= meta then
@@ -1008,7 +1010,7 @@ if ring_n > 0 then
   if episodes ~= nil then
     tds_ep_write(meta, episodes.key, episodes.by, ring_rw0, ring_n, ring_count, episodes.ids)
   end
-  tds_stat('ins', ring_n)
+  tds_stat_written(ring_rw0, ring_n, ring_count)
   tds_stat('hw_ms', tds_stats.held)
   if tree ~= nil then
     -- the new weights were set in the tree's blocks before pass 2

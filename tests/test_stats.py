@@ -50,7 +50,9 @@ def test_counting_costs_no_round_trip(real):
     ring.extend(rows(100, 64))  # full: a uniform sample is one transaction of GETRANGEs, its counter inside it
     ring.sample(8)
     top = top_level_commands(real.client, lambda: ring.sample(8))
-    assert round_trips(top) == ["transaction"] and "hincrby" in top, top
+    assert round_trips(top) == ["transaction"] and "bitfield" in top and "eval" in top, top  # lua/sampled.lua (its text, once)
+    assert "hincrby" in top_level_commands(real.client, lambda: ring.sample(8), lua=True)
+    assert "evalsha" in top_level_commands(real.client, lambda: ring.sample(8))  # then by its sha
     ring.clear_redis()
 
 
@@ -90,7 +92,11 @@ def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
 
     def later(call) -> threading.Thread:
         def run() -> None:
-            time.sleep(0.3)  # the held call waits at least this long: it goes on only after this call
+            end = time.monotonic() + HANG
+            while not ring.stats()["waiting"]:  # the held call was answered WAIT and waits on the store's channel
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            time.sleep(0.3)  # so it waits at least this long: it goes on only after this call
             call()
 
         t = threading.Thread(target=run)
@@ -110,6 +116,156 @@ def test_the_time_a_call_was_held_is_counted_by_the_try_that_goes_through(real):
     ring.clear_redis()
 
 
+# -- distinct rows sampled, and the stats keys' time to live ---------------------------------------------
+
+
+class _Model:
+    """What ``distinct_sampled`` and ``overwritten_unsampled`` must say: each slot's row, sampled since written or not."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.rw, self.sampled = count, 0, [False] * count
+        self.over_sampled = self.over_unsampled = 0
+
+    def extend(self, n: int) -> None:
+        for w in range(self.rw, self.rw + n):
+            if w >= self.count:  # overwrites the row of ring write w - count
+                if self.sampled[w % self.count]:
+                    self.over_sampled += 1
+                else:
+                    self.over_unsampled += 1
+            self.sampled[w % self.count] = False
+        self.rw += n
+
+    def sample(self, slots: list[int]) -> None:
+        for s in slots:
+            self.sampled[s] = True
+
+    def check(self, st: dict) -> None:
+        resident = sum(self.sampled)
+        assert (st["sampled_resident"], st["overwritten_unsampled"]) == (resident, self.over_unsampled), st
+        assert st["distinct_sampled"] == self.over_sampled + resident
+
+
+@pytest.mark.parametrize("policy", ["none", "limiter"])  # direct writes and uniform draws, or write.lua and the 'P' op
+def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
+    """Ring writes of every length (wrapping, cutting bytes of the bitmap anywhere) between samples of a half-full
+    and a full ring (read.lua, then a transaction), against a model of each slot."""
+    count = 37  # not a multiple of 8: every bit position of a byte starts and ends some write
+    ring = LazyStackedTensorDictStore(count=count, **backend.kwargs())
+    if policy == "limiter":
+        ring.set_rate_limit(min_size=1)
+    model = _Model(count)
+    gen = torch.Generator().manual_seed(7)
+    for step, n in enumerate([5, 3, 9, 1, 8, 16, 37, 2, 30, 7, 11, 36, 4]):
+        ring.extend(rows(100 * step, n))
+        model.extend(n)
+        got = ring.sample(int(torch.randint(1, 40, (1,), generator=gen)), generator=gen)
+        model.sample(got.indices.tolist())
+        model.check(ring.stats())
+    st = ring.stats()
+    assert st["inserted"] == model.rw and st["sampled"] > 0
+    assert st["age_policy_versions"] is None  # rows carry no policy version yet
+    ring.clear_redis()
+    client = backend.client()
+    assert not client.exists(ring._engine.keys.sampled_rows) and not client.exists(ring._engine.keys.stats)
+
+
+def test_slices_sampled_are_distinct_rows_too(one_node):
+    """``sample_slices`` (read.lua's 'J' op) marks its rows like ``sample``."""
+    ring = LazyStackedTensorDictStore(count=24, **one_node.kwargs())
+    ring.set_trajectories(traj_key="episode")
+    n = 20
+    ring.extend(TensorDict(obs=torch.randn(n, 3), episode=torch.arange(n) // 5, batch_size=[n]))
+    got = ring.sample_slices(8, num_slices=2)
+    st = ring.stats()
+    assert st["sampled"] == 8 and st["distinct_sampled"] == len(set(got.indices.tolist()))
+    ring.clear_redis()
+
+
+def _deadlines(client, ring) -> tuple[int, int]:
+    keys = ring._engine.keys
+    return client.pttl(keys.stats), client.pttl(keys.sampled_rows)
+
+
+@pytest.mark.parametrize("first", ["upload", "extend", "limiter"])
+def test_the_stats_keys_get_the_store_time_to_live_whatever_call_makes_them(backend, first):
+    """A store made with ``ttl=``: the stats hash and the bitmap expire with it, made by a full ring's sample read
+    as a transaction (the first counted call of an uploaded ring), a direct extend and read.lua's uniform draws,
+    or write.lua and the sampling policy's draws."""
+    if backend.name == "cluster" and first == "upload":
+        pytest.skip("a sharded ring is made otherwise (test_sharded)")
+    client = backend.client()
+    if first == "upload":
+        ring = LazyStackedTensorDictStore.from_lazy_stack(torch.stack([rows(i, 1)[0] for i in range(12)]), ttl=600, **backend.kwargs())
+    else:
+        ring = LazyStackedTensorDictStore(count=12, ttl=600, **backend.kwargs())
+        if first == "limiter":
+            ring.set_rate_limit(min_size=1)
+        ring.extend(rows(0, 12))
+    if isinstance(ring, ShardedRing):
+        pytest.skip("a sharded ring has no time to live")
+    ring.sample(6)
+    ring.extend(rows(20, 5))  # overwrites: clears bits
+    ring.sample(6)
+    hash_ms, bits_ms = _deadlines(client, ring)
+    assert 0 < hash_ms <= 600_000 and 0 < bits_ms <= 600_000, (hash_ms, bits_ms)
+    assert ring.stats()["distinct_sampled"] >= 1
+    ring.clear_redis()
+
+
+def test_a_transaction_sample_is_counted_once_after_the_scripts_were_flushed(real):
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.sample(4)
+    ring.sample(4)  # a full ring: a transaction of GETRANGEs, its counting script at the end
+    before = ring.stats()["sampled"]
+    real.client().script_flush()
+    top = top_level_commands(real.client, lambda: ring.sample(5))
+    assert "exec" in top and ring.stats()["sampled"] == before + 5  # run again through the script path, once
+    ring.clear_redis()
+
+
+def test_the_counting_script_of_a_transaction_leaves_nothing_for_a_store_that_is_gone(real):
+    from tdstore._engine import scripts
+
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    keys = ring._engine.keys
+    ring.clear_redis()
+    client = real.client()
+    client.setbit(keys.sampled_rows, 3, 1)  # what the transaction's BITFIELD made just before
+    reply = scripts.call(client, "sampled", [keys.meta, keys.stats, keys.sampled_rows], [4])
+    assert reply == [b"GONE"] and not client.exists(keys.sampled_rows) and not client.exists(keys.stats)
+
+
+def test_readers_held_time_and_the_priority_summary(real):
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    other = LazyStackedTensorDictStore(count=8, td_id=ring.td_id, **real.kwargs())
+    ring.set_rate_limit(min_size=4)
+    ring.extend(rows(0, 2))
+    done = threading.Event()
+
+    def later() -> None:
+        end = time.monotonic() + HANG
+        while other.stats()["held_samples"] < 1:  # the sample was answered WAIT: it is held from before now
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        time.sleep(0.3)  # so it is held at least this long
+        other.extend(rows(2, 2))
+        done.set()
+
+    t = threading.Thread(target=later)
+    t.start()
+    ring.sample(2, timeout=HANG)  # held by min_size until the extend
+    t.join()
+    st = ring.stats()
+    assert done.is_set() and st["held_samples_ms"] >= 299 and st["held_samples"] >= 1  # (whole ms)
+    ring.enable_priorities(1.0)
+    ring.update_priority(torch.tensor([0, 1]), torch.tensor([5.0, 3.0]))
+    pr = ring.stats()["priority"]
+    assert pr["alpha"] == 1.0 and pr["max_priority"] == 5.0 and pr["total"] == pytest.approx(5.0 + 3.0 + 2 * 1.0)
+    ring.clear_redis()
+
+
 # -- tdstore top and tdstore metrics ------------------------------------------------------------------
 
 
@@ -120,31 +276,32 @@ def _cli(*argv: str, **kw) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def busy(real):
-    """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled, 5 popped."""
+    """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled (the distinct rows among
+    them: the third item), 5 popped."""
     ring = LazyStackedTensorDictStore(count=48, td_id="busy-ring", **real.kwargs())
     ring.extend(rows(0, 20))
     ring.extend(rows(20, 20))
-    ring.sample(16)
-    ring.sample(8)
+    drawn = {int(i) for n in (16, 8) for i in ring.sample(n).indices}
     ring.pop(5)
     ring.set_rate_limit(min_size=4)
-    yield real, ring
+    yield real, ring, len(drawn)
     ring.clear_redis()
 
 
 def test_top_once_prints_one_frame_with_rates(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     got = _cli("top", "--once", "--interval", "0.3", "--url", real.server.url, "--prefix", real.prefix)
     assert got.returncode == 0, got.stderr
     lines = got.stdout.splitlines()
     assert "1 stores under prefix" in lines[0] and "FILL" in lines[1] and "INS/S" in lines[1]
     row = lines[2].split()
     assert row[0] == "busy-ring" and row[2] == "40/48" and row[3] == "0.0"  # nothing inserted during the interval
+    assert _column(got.stdout, "busy-ring", "DISTINCT") == str(distinct) and _column(got.stdout, "busy-ring", "UNSAMPLED") == "0"
     assert "ok" in lines[2]  # the limiter (min_size 4) lets samples through
 
 
 def test_metrics_once_is_prometheus_text(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     got = _cli("metrics", "--once", "--url", real.server.url, "--prefix", real.prefix)
     assert got.returncode == 0, got.stderr
     samples, types = _parse_exposition(got.stdout)
@@ -153,6 +310,8 @@ def test_metrics_once_is_prometheus_text(busy):
     assert samples[f"tdstore_sampled_total{{{labels}}}"] == 24.0
     assert samples[f"tdstore_popped_total{{{labels}}}"] == 5.0
     assert samples[f"tdstore_capacity{{{labels}}}"] == 48.0
+    assert samples[f"tdstore_distinct_sampled_total{{{labels}}}"] == distinct == samples[f"tdstore_sampled_resident{{{labels}}}"]
+    assert samples[f"tdstore_overwritten_unsampled_total{{{labels}}}"] == 0.0 and types["tdstore_distinct_sampled_total"] == "counter"
     assert types["tdstore_inserted_total"] == "counter" and types["tdstore_written"] == "gauge"
 
 
@@ -177,7 +336,7 @@ def _parse_exposition(text: str) -> tuple[dict[str, float], dict[str, str]]:
 
 
 def test_metrics_served_over_http(busy):
-    real, ring = busy
+    real, ring, distinct = busy
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "tdstore", "metrics", "--port", "0", "--url", real.server.url, "--prefix", real.prefix]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -199,13 +358,17 @@ def test_metrics_served_over_http(busy):
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux): top's live view is tested in it")
 def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
-    real, ring = busy
+    real, ring, distinct = busy
     sock, session, done = f"tdstore-test-{uuid.uuid4().hex[:8]}", "top", tmp_path / "exit-code"
     command = f"PYTHONPATH={REPO} {sys.executable} -m tdstore top --url {real.server.url} --prefix {real.prefix}; echo $? > {done}"
     tmux = ["tmux", "-L", sock]  # a private tmux server: nobody else's sessions
     subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", "-s", session, command], check=True, timeout=HANG)
     try:
-        _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+0\.0", s) is not None)  # rates: none yet
+        screen = _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+0\.0", s) is not None)  # rates: none yet
+        assert _column(screen, "busy-ring", "DISTINCT") == str(distinct) and _column(screen, "busy-ring", "UNSAMPLED") == "0"
+        ring.extend(rows(100, 48))  # every row overwritten: those never sampled are counted
+        unsampled = str(40 - distinct)  # rows 0..39 overwritten (slots 40..47 held none), those sampled are not counted
+        _screen_once(tmux, session, lambda s: _column(s, "busy-ring", "UNSAMPLED") == unsampled)
         ring.extend(rows(0, 10))  # the next frame shows inserts per second (the frame stays a second)
         _screen_once(tmux, session, lambda s: re.search(r"busy-ring\s+-\s+\d+/48\s+([1-9]\d*\.\d|0\.[1-9])", s) is not None)
         subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True, timeout=HANG)
@@ -216,6 +379,20 @@ def test_top_in_a_terminal_shows_the_store_and_quits_on_q(busy, tmp_path):
         assert done.read_text().strip() == "0"
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=HANG)
+
+
+def _column(screen: str, store: str, name: str) -> str | None:
+    """The cell under the header ``name`` in the row of ``store`` on a screen of ``top`` (cells: runs without two spaces)."""
+    lines = screen.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("STORE")), None)
+    if head is None:
+        return None
+    names = re.split(r"\s{2,}", lines[head].strip())
+    for line in lines[head + 1 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] == store and len(cells) == len(names):
+            return cells[names.index(name)]
+    return None
 
 
 def _screen_once(tmux: list[str], session: str, ok) -> str:

@@ -4,7 +4,8 @@
 The scripts count each call's work in the store's stats hash in the same call (``lua/_lib.lua``
 ``tds_stat``); this measures the server's own time per call (``INFO commandstats``: ``EVALSHA`` for a
 script, ``EXEC`` for a transaction, which includes its commands) of ``extend`` (32 rows, sent direct:
-``lua/direct.lua`` in a transaction), ``sample(256)`` of a half-full ring (``read.lua``) and of a full
+``lua/direct.lua`` in a transaction; into a ring not yet full, and into a full one, whose overwritten rows are
+counted, sampled or not, from the sampled-rows bitmap), ``sample(256)`` of a half-full ring (``read.lua``) and of a full
 one (a transaction of ``GETRANGE``s), ``pop(32)`` and a leased ``pop(32)`` then ``ack``, on a private
 redis-server. Run it on two checkouts to compare (``PYTHONPATH=<checkout>``): the figure is the median
 over rounds of the mean server time per call in a round.
@@ -72,6 +73,7 @@ def main() -> None:
 
         figures = {
             "extend(32)": measure(client, lambda: half.extend(batch), args.rounds, args.calls),
+            "extend(32) full (overwrites)": measure(client, lambda: full.extend(batch), args.rounds, args.calls),
             "sample(256) half full (read.lua)": measure(client, lambda: half.sample(256), args.rounds, args.calls),
             "sample(256) full (transaction)": measure(client, lambda: full.sample(256), args.rounds, args.calls),
             "pop(32)": measure(client, lambda: queue.pop(32), args.rounds, pops),

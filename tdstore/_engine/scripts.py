@@ -51,6 +51,7 @@ SCRIPT_NAMES = (
     "marks",
     "rollouts",
     "trajectories",
+    "sampled",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"
@@ -64,6 +65,9 @@ USES_ROLLOUT = frozenset({"read", "write", "rollouts"})
 #: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
 EPISODES_LIBRARY = "_episodes"
 USES_EPISODES = frozenset({"read", "write", "trajectories"})
+#: Scripts that also get the sampled-rows bitmap's helpers (``lua/_seen.lua``: distinct rows sampled), after the others.
+SEEN_LIBRARY = "_seen"
+USES_SEEN = frozenset({"read", "write", "direct"})
 
 
 class ServerScriptError(RuntimeError):
@@ -101,9 +105,19 @@ def script_source(name: str) -> tuple[str, str]:
         libraries.append(ROLLOUT_LIBRARY)
     if name in USES_EPISODES:
         libraries.append(EPISODES_LIBRARY)
+    if name in USES_SEEN:
+        libraries.append(SEEN_LIBRARY)
     # only the helpers the script uses: every call makes each top-level helper again (see _engine.script_text)
     text = assemble([folder.joinpath(f"{lib}.lua").read_text() for lib in libraries], folder.joinpath(f"{name}.lua").read_text())
     return text, hashlib.sha1(text.encode()).hexdigest()  # lowercase, as fakeredis needs
+
+
+def name_of(sha: str) -> str:
+    """The name of the script whose text (:func:`script_source`) has ``sha``."""
+    for name in SCRIPT_NAMES:
+        if script_source(name)[1] == sha:
+            return name
+    raise KeyError(f"no tdstore script has sha {sha}")
 
 
 def load(client: redis.Redis, text: str) -> None:

@@ -260,12 +260,18 @@ class Transport:
         n = sum(counts)
         extra = call.fields or []
         tail = call.counts or []  # after the reads, their replies unused
-        results = self._transact(
+        body = (
             _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding)
             + getranges
-            + b"".join(_wire.pack(*cmd, encoding=self._key_encoding) for cmd in tail),
-            n + 1 + len(tail),
+            + b"".join(_wire.pack(*cmd, encoding=self._key_encoding) for cmd in tail)
         )
+        try:
+            results = self._transact(body, n + 1 + len(tail))
+        except redis.exceptions.NoScriptError:  # a tail's script (raised while reading the replies one by one)
+            self._load_tail(tail)
+            results = self._transact(body, n + 1 + len(tail))
+        if results is not None:
+            self._tail_again(tail, results[n + 1 :])
         if results is None:
             if self.spec.cluster:
                 return NO_TRANSACTION
@@ -277,7 +283,11 @@ class Transport:
                         pipe.getrange(key, first, last)
             for cmd in tail:
                 pipe.execute_command(*cmd)
-            results = pipe.execute()
+            results = pipe.execute(raise_on_error=False)
+            for r in results[: len(results) - len(tail)]:
+                if isinstance(r, Exception):
+                    raise r
+            self._tail_again(tail, results[len(results) - len(tail) :])
         head = results[0]
         if head[0] is None:
             raise self.gone()
@@ -291,6 +301,24 @@ class Transport:
             reply.append(bytearray().join(results[pos : pos + k]))
             pos += k
         return reply
+
+    def _load_tail(self, tail: list[list[Any]]) -> None:
+        """Load the scripts a read transaction's tail calls (``EVALSHA``: a sample's counters, see ``Call.counts``)."""
+        for cmd in tail:
+            if cmd[0] == "EVALSHA":
+                text = _scripts.script_source(_scripts.name_of(cmd[1]))[0]
+                if self.spec.cluster:
+                    self.cluster.execute_command("SCRIPT", "LOAD", text, target_nodes=self.cluster.get_node_from_key(self.keys.meta))
+                else:
+                    _scripts.load(self.client, text)
+
+    def _tail_again(self, tail: list[list[Any]], replies: list[Any]) -> None:
+        """Run again, through the script path (which loads it), a script of a read transaction's tail that the
+        server did not have (NOSCRIPT: scripts flushed, a restart): it did nothing, the reads stand."""
+        for cmd, reply in zip(tail, replies):
+            if isinstance(reply, redis.exceptions.NoScriptError) and cmd[0] == "EVALSHA":
+                nk = int(cmd[2])
+                _scripts.call(self.client, _scripts.name_of(cmd[1]), [str(k) for k in cmd[3 : 3 + nk]], list(cmd[3 + nk :]))
 
     def commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Plain commands on the store's keys in one round trip (a transaction on the held connection; on a

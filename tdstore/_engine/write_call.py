@@ -71,7 +71,7 @@ def write_call(
     if after.segments.n > 1:
         kt, ops = _segments.localize_write(after.segments, engine.keys, leaf_shapes(after, h), kt, ops)
     if any(op[0] == Write.W.marker for op in ops):  # a ring write: counted in the store's stats (lua/_lib.lua tds_stat)
-        ops = [Write.A(kt.ref(engine.keys.stats), _held.held_ms()), *ops]
+        ops = [Write.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), _held.held_ms()), *ops]
     if request is not None:
         ops = [Write.N(kt.ref(engine.keys.replies), request), *ops]
     if engine.counts_in_place:

@@ -43,6 +43,8 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:vq       list    its queue of visible items for ``pop`` (a row, or a whole group), in order
     P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
                            length of each trajectory the ring holds (see ``lua/_episodes.lua``)
+    P:{I}:cs       string  stats: one bit per slot, set when the row in the slot is sampled, cleared when a
+                           ring write overwrites it (``lua/_seen.lua``): distinct rows sampled
     P:{I}:sh       string  layout of a *sharded* ring (``tdstore.ShardedRing``): JSON of its
                            count, layout and shards (each an ordinary store, see ``shard_id``)
     P:{I}:f        string  a shard's replication fence (``min_replicas``): an empty string written
@@ -260,11 +262,17 @@ class StoreKeys:
         return f"{self.base}:j"
 
     @property
+    def sampled_rows(self) -> str:
+        """One bit per slot: whether the row in the slot was sampled since it was written (``lua/_seen.lua``),
+        set by the sampling call, cleared by the ring write that overwrites the slot; ``stats()`` counts them."""
+        return f"{self.base}:cs"
+
+    @property
     def side_keys(self) -> list[str]:
-        """The keys of the store that are no strings (:attr:`lease_keys`, then :attr:`stats`, then
-        :attr:`episodes`, then :attr:`rollout_keys`): calls on the whole store (delete, copy, time to live) add them
-        to :meth:`all_keys`."""
-        return [*self.lease_keys, self.stats, self.episodes, *self.rollout_keys]
+        """The keys of the store beside its data (:attr:`lease_keys`, then :attr:`stats`, :attr:`episodes`,
+        :attr:`sampled_rows` and :attr:`rollout_keys`), not measured as the data's strings: calls on the whole store
+        (delete, copy, time to live) add them to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats, self.episodes, self.sampled_rows, *self.rollout_keys]
 
     @property
     def sampling_keys(self) -> list[str]:

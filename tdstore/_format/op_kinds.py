@@ -83,7 +83,8 @@ class Write:
     # rollouts (lua/_rollouts.lua), after 'W': the rows' version and group, KEYS[kz..kq] the rollout index
     V = OpKind("V", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
-    A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))  # KEYS[k] the stats hash: the call's ring work (and ms held) counted there
+    # KEYS[k] the stats hash: the call's ring work (and ms held) counted there; KEYS[k + 1] the sampled-rows bitmap
+    A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))
     B = OpKind("B", ("k",), keys=(1,), writes=(1,))  # KEYS[k] the header: its in-place write count 'tr' + 1, with the write
 
 
@@ -115,7 +116,8 @@ class Read:
     T = OpKind("T", ("ko",), keys=(1,), pieces=1)
     Q = OpKind("Q", ("per",))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (before 'P'/'F'), KEYS[k] the reply cache
-    A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))  # KEYS[k] the stats hash (before 'U'/'P'/'F'/'L'): the call's work counted
+    # KEYS[k] the stats hash (before 'U'/'P'/'F'/'L'): the call's work counted; KEYS[k + 1] the sampled-rows bitmap
+    A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))
 
 
 def _table(ns: type) -> dict[str, OpKind]:

@@ -17,7 +17,12 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   ``age_rows``, ``age_sum`` and ``age_max`` (the age in ring writes of the rows sampled by the
   server: a row written by ring write ``w`` and sampled at ``rw`` is ``rw - 1 - w`` old; a full
   ring's uniform sample read as a transaction is counted in ``sampled`` only, so the mean age
-  is ``age_sum / age_rows``, given as ``age_mean``).
+  is ``age_sum / age_rows``, given as ``age_mean``); ``distinct_sampled`` (rows sampled at least once:
+  a row is one ring write's, so a slot written again holds a new row; ``lua/_seen.lua`` keeps one bit
+  per slot, set by the sampling call, and the ring write that overwrites a row counts it, sampled
+  or not) and ``overwritten_unsampled`` (rows overwritten, or written over the rows of a store filled
+  by index, without ever being sampled). Age in policy versions: not counted yet (rows carry no policy
+  version); its place is :data:`POLICY_AGE`, None until they do.
 - gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
   ``rollouts`` (only on a ring with rollouts, ``_ring.rollouts``: the published ``version``, ``queued_items``
@@ -26,7 +31,8 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
   (``alpha``, ``total`` mass of the tree, ``min_weight``, ``max_priority``: the largest priority
   given so far) and ``waiting`` (clients subscribed to the store's channel: calls waiting for the
-  limiter, data or room; None on a cluster, where a node sees only its own subscribers).
+  limiter, data or room; None on a cluster, where a node sees only its own subscribers),
+  ``sampled_resident`` (rows the ring holds now that were sampled at least once).
 
 Calls of a read-only handle are not counted (it writes nothing); nor is a sample read through
 ``read.lua`` only because the server refuses ``MULTI`` to the user.
@@ -59,10 +65,19 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "held_pops_ms": ("hp_ms",),
     "age_rows": ("smp",),
     "age_sum": ("age_sum",),
+    "overwritten_sampled": ("ovs",),
+    "overwritten_unsampled": ("ovu",),
 }
 
+#: Counters made from a counter and a gauge: rows sampled at least once, those overwritten and those the ring holds.
+DERIVED = ("distinct_sampled",)
+
+#: Where the age of sampled rows in policy versions goes (rows do not carry a policy version yet): the
+#: stats key, always None until read.lua counts it, as it counts the age in ring writes.
+POLICY_AGE = "age_policy_versions"
+
 #: Gauges (the ring as it is now) that are plain numbers.
-GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting")
+GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting", "sampled_resident")
 
 _HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "ro", "cv")
 
@@ -79,10 +94,11 @@ def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, An
     pipe.zcard(keys.lease_keys[2])  # items awaiting redelivery
     pipe.llen(keys.rollout_keys[4])  # the rollout index's pop queue (items: rows or whole groups)
     pipe.zcard(keys.rollout_keys[1])  # its whole groups
+    pipe.bitcount(keys.sampled_rows)  # O(capacity / 8) bytes, read only here: the rows held that were sampled
     if not cluster:
         pipe.execute_command("PUBSUB", "NUMSUB", keys.events)
     got = pipe.execute()
-    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[8]))
+    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[9]), got[8])
     if got[1][8] is not None:  # the rollout index is on: pops take its queue, not the read cursor
         out["unread"] = int(got[6])
         out["rollouts"] = {"version": int(got[1][9] or 0), "queued_items": int(got[6]), "whole_groups": int(got[7])}
@@ -101,15 +117,19 @@ def _text(v: Any) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, waiting: int | None) -> dict[str, Any]:
+def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, waiting: int | None, resident: int = 0) -> dict[str, Any]:
     """The dict :func:`read` returns, from its replies: the stats hash, the header fields :data:`_HEAD`, the
-    last 16 bytes of the priority tree (its root), items leased and awaiting redelivery, subscribers."""
+    last 16 bytes of the priority tree (its root), items leased and awaiting redelivery, subscribers, the
+    bits set in the sampled-rows bitmap."""
     if head[0] is None:
         raise KeyError("the store does not exist")
     fields = {_text(k): int(v) for k, v in raw.items()}
     out: dict[str, Any] = {name: sum(fields.get(f, 0) for f in parts) for name, parts in COUNTERS.items()}
     out["age_max"] = fields.get("age_max")
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
+    out[POLICY_AGE] = None
+    out["sampled_resident"] = int(resident)
+    out["distinct_sampled"] = out["overwritten_sampled"] + int(resident)
     count = int(head[0])
     rw_raw = int(head[1] or 0)
     # a store written by index holds a full ring (as the scripts count it); without an inventory, say it holds none
@@ -152,6 +172,8 @@ def add_up(parts: list[dict[str, Any]]) -> dict[str, Any]:
     if out["age_max"] is None:
         out["age_max"] = max((p["age_max"] for p in parts if p["age_max"] is not None), default=None)
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
+    out[POLICY_AGE] = None
+    out["distinct_sampled"] = sum(p["distinct_sampled"] for p in parts)
     out["queue"] = any(p["queue"] for p in parts)
     out["limiter"] = json.loads(json.dumps(parts[0]["limiter"])) if parts and parts[0]["limiter"] else None
     if out["limiter"] is not None:

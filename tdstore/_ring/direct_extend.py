@@ -105,8 +105,8 @@ def _aside_writes(
     engine: Any, kt: Any, ops: list[list[Any]], count: int, s0: int, n: int
 ) -> tuple[list[str], list[int], list[tuple[str, int, memoryview]]]:
     """The keys of a direct ring write (the header, the inventory, the reply cache, then each leaf's blob
-    and its aside key, then the stats hash), each blob's full size, and the SETRANGEs of the ``n`` rows from slot ``s0`` into
-    the aside keys (two per leaf when the rows wrap around the ring)."""
+    and its aside key, then the stats hash and the sampled-rows bitmap), each blob's full size, and the
+    SETRANGEs of the ``n`` rows from slot ``s0`` into the aside keys (two per leaf when the rows wrap around the ring)."""
     first = min(n, count - s0)
     keys: list[str] = [engine.keys.meta, engine.keys.inventory, engine.keys.replies]
     sizes: list[int] = []
@@ -122,7 +122,7 @@ def _aside_writes(
         writes.append((aside, s0 * nb, data[: first * nb]))
         if first < n:
             writes.append((aside, 0, data[first * nb :]))
-    keys.append(engine.keys.stats)  # after the pairs: 'open' counts the rows there (lua/direct.lua)
+    keys += [engine.keys.stats, engine.keys.sampled_rows]  # after the pairs: 'open' counts the rows there (lua/direct.lua)
     return keys, sizes, writes
 
 
@@ -150,7 +150,7 @@ def extend(
     sha = _scripts.script_source("direct")[1]
     nk = len(keys)
     head = ["EVALSHA", sha, nk, *keys, "open", request, rw, n, *check, *schema, engine.keys.events, *sizes]
-    tail = ["EVALSHA", sha, nk, *keys, "close", request]
+    tail = ["EVALSHA", sha, nk, *keys, "close", request, len(sizes)]
     _deadline.arm()  # sent next: from now on the rows may be written
     try:
         replies = _send(engine, head, writes, tail, load=not st.loaded)
@@ -165,7 +165,7 @@ def extend(
         if isinstance(err, redis.exceptions.NoScriptError):
             # neither end ran: the rows went to the aside keys only, which nothing reads
             # (a server restarted, or its scripts flushed, since this handle loaded it)
-            engine.execute(engine.client, "DEL", *keys[4::2])
+            engine.execute(engine.client, "DEL", *keys[4 : 3 + 2 * len(sizes) : 2])
             st.loaded = False
             _LOADED_ON.discard(_server(engine) or "")
             return None

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tdstore._engine import deadline as _deadline
+from tdstore._engine import scripts as _scripts
 from tdstore._engine.engine import Engine, request_id
 from tdstore._format import codec as _codec
 from tdstore._format import row_block as _row_block
@@ -186,7 +187,7 @@ def _full_ring_sample(
     """
     slots = draws % h.count
     paths = None if keys is None else [leaf.path for leaf in chosen]
-    _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, len(slots)))
+    _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, slots))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = ring_writes_of(engine, fields, h)
     if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
@@ -298,15 +299,27 @@ def _tx_sample_call(
         piece = str(rw).encode()
         return decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
-    counts = tx_counts(engine, len(slots))
+    counts = tx_counts(engine, slots)
     call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=counts)
     return call
 
 
-def tx_counts(engine: Engine, n: int) -> list[list[Any]] | None:
-    """The counter a full ring's sample of ``n`` rows read as a transaction ends with (``_inspect.stats``): rows
-    sampled whose age is not measured (the client maps the draws before it knows ``rw``); none for a read-only handle."""
-    return None if engine.readonly else [["HINCRBY", engine.keys.stats, "smpx", n]]
+def tx_counts(engine: Engine, slots: Any) -> list[list[Any]] | None:
+    """The commands a full ring's sample of the rows in ``slots`` read as a transaction ends with (``_inspect.stats``):
+    a plain ``BITFIELD`` setting their bits in the sampled-rows bitmap (cheaper than from Lua), then ``lua/sampled.lua``,
+    which counts them (``smpx``: their ages are not measured, the client maps the draws before it knows ``rw``) and
+    gives the keys the store's deadline, which a transaction cannot read. None for a read-only handle."""
+    rows = np.unique(np.asarray(slots))
+    if engine.readonly or not rows.size:
+        return None
+    keys = engine.keys
+    marks: list[Any] = ["BITFIELD", keys.sampled_rows, *(["SET", "u1", 0, 1] * rows.size)]
+    marks[4::4] = rows.tolist()
+    text, sha = _scripts.script_source("sampled")
+    # the handle's first one sends the text (EVAL caches it), so that no NOSCRIPT costs a round trip
+    script = ["EVALSHA", sha] if engine.__dict__.get("_sampled_sent") else ["EVAL", text]
+    engine.__dict__["_sampled_sent"] = True
+    return [marks, [*script, 3, keys.meta, keys.stats, keys.sampled_rows, int(np.asarray(slots).size)]]
 
 
 @_deadline.honours_timeout("pop")

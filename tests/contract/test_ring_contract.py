@@ -421,6 +421,9 @@ def test_stats_count_what_the_calls_did(kind):
     st = ring.stats()
     assert st["inserted"] == st["write_count"] == st["written"] == 9
     assert st["sampled"] == 9 and st["popped"] == 4 and st["unread"] == 5
+    # every row sampled at least once, counted once (a sharded ring's rows are its shards' rows); none overwritten
+    assert st["distinct_sampled"] == st["sampled_resident"] == len({int(i) for got in drawn for i in got.indices})
+    assert st["overwritten_unsampled"] == 0
     if not kind.sharded:  # one ring: the age of the row in slot s is rw - 1 - s ring writes (a full shard's
         assert st["age_rows"] == 9  # uniform sample is read as a transaction, its ages not counted)
         ages = [8 - int(i) for got in drawn for i in got.indices]
