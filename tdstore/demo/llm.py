@@ -38,11 +38,11 @@ from typing import Any, TextIO
 import torch
 from tensordict import NonTensorData, TensorDict, TensorDictBase
 
-from tdstore._ring.rollouts import RolloutSample
 from tdstore.demo.actors import START_POLL, ActorPool, DemoError
 from tdstore.demo.report import Status, plural
 from tdstore.demo.server_url import check_reachable, password_for_children, redact_url
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import RolloutSample
 from tdstore.server import EmbeddedServer
 
 __all__ = ["check_items", "completion_length", "llm_actor_main", "make_rollout", "prompt_of", "reward_of", "run_llm_demo"]

@@ -25,8 +25,8 @@ from torchrl.data.replay_buffers.samplers import StalenessAwareSampler
 from torchrl.data.replay_buffers.samplers.random import _default_staleness_weight
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._ring.rollouts import RolloutSample
 from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.ring_interface import RolloutSample
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import EMPTY_ERROR, has_keys
 
