@@ -45,7 +45,7 @@ def _versions(rb, n: int = 512) -> set[int]:
 def test_staleness_aware_sampler_is_held_by_the_server(redis_server) -> None:
     prefix = "torchrl-staleness"
     sampler = StalenessAwareSampler(max_staleness=2)
-    rb = replay_buffer(64, url=redis_server.url, prefix=prefix, sampler=sampler, batch_size=8, ragged=True)
+    rb = replay_buffer(64, url=redis_server.url, prefix=prefix, sampler=sampler, ragged=True)
     assert rb.sampler is sampler and isinstance(sampler, StoreStalenessSampler)  # the same object, on the server
     rb.extend(_row(-1, 0).unsqueeze(0))  # the buffer's store and its keys
     td_id = rb.storage.with_store(lambda s: s.td_id)
@@ -58,7 +58,7 @@ def test_staleness_aware_sampler_is_held_by_the_server(redis_server) -> None:
     for p in procs:
         p.join(60)
 
-    mem = TensorDictReplayBuffer(storage=LazyTensorStorage(64), sampler=StalenessAwareSampler(max_staleness=2), batch_size=8)
+    mem = TensorDictReplayBuffer(storage=LazyTensorStorage(64), sampler=StalenessAwareSampler(max_staleness=2))
     mem.extend(torch.stack([_row(-1, 0)] + [_row(w, v) for w in range(WRITERS) for v in range(VERSIONS)]))
     # (torchrl's in-memory sampler refuses rows ahead of its consumer version: negative weights)
     for consumer, bound in ((5, 2), (5, 0), (5, -1), (6, 3), (8, 3)):  # a bound, exact, none, further on
@@ -71,7 +71,7 @@ def test_staleness_aware_sampler_is_held_by_the_server(redis_server) -> None:
     for buf in (rb, mem):  # every row too stale: both refuse
         buf.sampler.consumer_version, buf.sampler.max_staleness = 9, 2
         with pytest.raises(RuntimeError, match="max_staleness"):
-            buf.sample()
+            buf.sample(8)
     assert rb.storage.with_store(lambda s: s.policy_version) == 9  # the learner's version, published
     rb.sampler.consumer_version = 5  # backwards, as torchrl allows: published again
     assert _versions(rb) == {3, 4, 5} and rb.storage.with_store(lambda s: s.policy_version) == 5
