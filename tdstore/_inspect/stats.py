@@ -92,16 +92,16 @@ def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, An
     pipe.zcard(keys.lease_keys[1])  # live leases, by deadline
     pipe.zcard(keys.lease_keys[3])  # outstanding items (leased or awaiting redelivery)
     pipe.zcard(keys.lease_keys[2])  # items awaiting redelivery
+    pipe.bitcount(keys.sampled_rows)  # O(capacity / 8) bytes, read only here: the rows held that were sampled
     pipe.llen(keys.rollout_keys[4])  # the rollout index's pop queue (items: rows or whole groups)
     pipe.zcard(keys.rollout_keys[1])  # its whole groups
-    pipe.bitcount(keys.sampled_rows)  # O(capacity / 8) bytes, read only here: the rows held that were sampled
     if not cluster:
         pipe.execute_command("PUBSUB", "NUMSUB", keys.events)
     got = pipe.execute()
-    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[9]), got[8])
+    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[9]), got[6])
     if got[1][8] is not None:  # the rollout index is on: pops take its queue, not the read cursor
-        out["unread"] = int(got[6])
-        out["rollouts"] = {"version": int(got[1][9] or 0), "queued_items": int(got[6]), "whole_groups": int(got[7])}
+        out["unread"] = int(got[7])
+        out["rollouts"] = {"version": int(got[1][9] or 0), "queued_items": int(got[7]), "whole_groups": int(got[8])}
     return out
 
 

@@ -180,7 +180,7 @@ def _call(
     checked = selected + [length] if isinstance(length, Leaf) and length not in selected else selected
     leaves, block, grouped = _row_block.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
-    counted = [] if engine.readonly else Read.A(kt.ref(engine.keys.stats), _held.held_ms())
+    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), _held.held_ms())
     fixed = str(length) if isinstance(length, int) else ""
     pre: list[Any] = []
     if isinstance(length, Leaf):
