@@ -51,6 +51,7 @@ SCRIPT_NAMES = (
     "marks",
     "trajectories",
     "sampled",
+    "distinct",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"

@@ -203,6 +203,8 @@ class HeaderInfo:
     """The key that tells the ring's trajectories apart (header field ``tj``, see ``_format.trajectories``)."""
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
+    distinct: bool = False
+    """The ring tracks distinct rows sampled (header field ``sd`` = ``1``, ``lua/distinct.lua``)."""
 
     @property
     def segments(self) -> int:
@@ -300,6 +302,8 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         trajectories = Trajectories.from_json(f.get("tj"))
     except (ValueError, TypeError) as err:
         raise HeaderDamagedError(f"header field tj holds a bad trajectory setting: {err}") from None
+    if f.get("sd", "1") != "1":
+        raise HeaderDamagedError(f"header field sd holds {f['sd'][:40]!r}, not '1' (distinct rows tracked) or absent")
     return HeaderInfo(
         version=version,
         count=count,
@@ -321,6 +325,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         sampling=sampling,
         trajectories=trajectories,
         leased="ls" in f,
+        distinct="sd" in f,
     )
 
 

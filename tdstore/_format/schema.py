@@ -177,6 +177,10 @@ class Header:
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
     pops then take the lease table's items waiting for redelivery too (see ``_ring.leases``)."""
 
+    distinct: bool = False
+    """The ring tracks distinct rows sampled (header field ``sd``, set by ``lua/distinct.lua`` only; off by
+    default): a full ring's transaction sample then marks its rows in the sampled-rows bitmap too."""
+
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
     ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
@@ -352,6 +356,7 @@ class Header:
             sampling=info.sampling,
             trajectories=info.trajectories,
             leased=info.leased,
+            distinct=info.distinct,
             row=info.row,
             sub=sub,
         )

@@ -214,13 +214,16 @@ class DenseRing:
     def set_queue(self, on: bool = True) -> None:
         self._ring().set_queue(on)
 
+    def track_distinct(self, on: bool = True) -> None:
+        self._ring().track_distinct(on)
+
     def wait_for(self, *, written: int | None = None, write_count: int | None = None, timeout: float | None = None) -> RingState:
         return self._ring().wait_for(written=written, write_count=write_count, timeout=timeout)
 
 
 for _name in (
     "append", "pop_items", "ack", "update_if", "ring_state", "stats", "enable_priorities",
-    "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "wait_for", "sampling_policies",
+    "update_priority", "set_rate_limit", "clear_rate_limit", "set_queue", "track_distinct", "wait_for", "sampling_policies",
     "restore_sampling_policies", "marks", "set_marks_base", "counting_in_place",
 ):  # fmt: skip
     getattr(DenseRing, _name).__doc__ = _doc(_name)

@@ -289,6 +289,10 @@ class ReplayMethods(LazyState):
         (``timeout=`` raises ``TimeoutError``), so ``pop`` loses nothing (Reverb's ``Queue``)."""
         _sampling.set_queue(self._engine, on)
 
+    def track_distinct(self, on: bool = True) -> None:
+        """Count distinct rows sampled (``stats()``' ``distinct_sampled``), off by default: see ``tdstore.Ring``."""
+        _sampling.track_distinct(self._engine, on)
+
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: the queue's next items (see :meth:`pop_items`);
         ``pop(key[, default])``, a key (str or tuple) first: TensorDict's, which removes a key and returns it."""
