@@ -43,7 +43,7 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("tdstore_sample_age_rows_total", "age_rows", "counter", "Sampled rows whose age was measured."),
     ("tdstore_sample_age_sum_total", "age_sum", "counter", "Sum of the ages (in ring writes) of the rows sampled."),
     ("tdstore_sample_age_max", "age_max", "gauge", "Oldest row sampled so far, in ring writes."),
-    ("tdstore_distinct_sampled_total", "distinct_sampled", "counter", "Rows sampled at least once (each ring write is a row; rings tracking distinct rows only)."),
+    ("tdstore_distinct_sampled_total", "distinct_sampled", "counter", "Rows sampled at least once (a ring write is a row; opt-in)."),
     ("tdstore_overwritten_unsampled_total", "overwritten_unsampled", "counter", "Rows overwritten without ever being sampled."),
     ("tdstore_sampled_resident", "sampled_resident", "gauge", "Rows the ring holds now that were sampled at least once."),
     ("tdstore_capacity", "capacity", "gauge", "Slots of the ring."),
