@@ -20,6 +20,7 @@ from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing
+from tdstore.cli.watch import collect, prometheus_text, top_frame
 
 REPO = Path(__file__).resolve().parents[1]
 HANG = 60.0  # seconds: only bounds a hang
@@ -343,6 +344,20 @@ def busy(real):
     ring.pop(5)
     ring.set_rate_limit(min_size=4)
     yield real, ring, len(drawn)
+    ring.clear_redis()
+
+
+def test_top_and_metrics_of_a_ring_not_tracking_distinct_rows(real):
+    """Off (the default): top shows '-' under DISTINCT/UNSAMPLED, metrics omit those series."""
+    ring = LazyStackedTensorDictStore(count=8, td_id="plain-ring", **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.sample(4)
+    got = collect(real.client(), real.prefix, [], False)
+    screen = "\n".join(top_frame(got, {}, 1.0, "here", real.prefix))
+    assert _column(screen, "plain-ring", "DISTINCT") == "-" and _column(screen, "plain-ring", "UNSAMPLED") == "-", screen
+    text = prometheus_text(got, real.prefix)
+    assert "tdstore_sampled_total{" in text and "tdstore_distinct_sampled_total{" not in text
+    assert "tdstore_sampled_resident{" not in text and "tdstore_overwritten_unsampled_total{" not in text
     ring.clear_redis()
 
 
