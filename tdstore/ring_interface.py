@@ -431,8 +431,10 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ``capacity``, ``written``, ``write_count``, ``unread``, ``leased``, ``awaiting_redelivery``,
         ``queue``, ``limiter`` (settings, inserts and samples counted, ``room``), ``priority`` (``alpha``,
         ``total`` mass, ``min_weight``, ``max_priority``) and ``waiting`` (clients waiting on the store's
-        channel; None on a cluster). ``tdstore._inspect.stats`` says what each key counts. A read-only
-        handle's calls are not counted.
+        channel; None on a cluster). Rows sampled at least once (``distinct_sampled``, ``overwritten_sampled``,
+        ``overwritten_unsampled``, ``sampled_resident``): only once :meth:`track_distinct` turned them on,
+        None before. ``tdstore._inspect.stats`` says what each key counts. A read-only handle's calls are not
+        counted.
 
         Sharded: the totals over the shards (read at once), and ``shards``: each shard's own dict.
         """
