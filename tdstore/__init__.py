@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from tdstore._checkpoint.export_import import export_checkpoint, import_checkpoint
     from tdstore._checkpoint.reference import import_reference
     from tdstore._engine.connection import PasswordError
+    from tdstore._plan.padded_batch import check_padding, pad_rows
     from tdstore._shards.ring import ShardedRing
     from tdstore.lazy import LazyStackedTensorDictStore
     from tdstore.ring_interface import Ring
@@ -56,6 +57,8 @@ __all__ = [
     "export_checkpoint",
     "import_checkpoint",
     "import_reference",
+    "pad_rows",
+    "check_padding",
 ]
 __version__ = "0.1.0"
 
@@ -69,6 +72,8 @@ _LAZY = {
     "export_checkpoint": "_checkpoint.export_import",
     "import_checkpoint": "_checkpoint.export_import",
     "import_reference": "_checkpoint.reference",
+    "pad_rows": "_plan.padded_batch",
+    "check_padding": "_plan.padded_batch",
 }
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tdstore._checkpoint.folder import MAX_DEPTH, CheckpointError, bad, exists, file_size, inside, load_json
-from tdstore._format.header_info import MAX_INT, check_new_layout
+from tdstore._format.header_info import MAX_INT, RAGGED, check_new_layout, parse_classes
 from tdstore._format.sampling_policy import UNBOUNDED, SamplingPolicy, tree_bytes
 
 FORMAT = "tdstore-checkpoint"
@@ -114,6 +114,8 @@ class CheckpointMeta:
     sampled: str | None = None
     ttl_ms: int = 0
     """The store's time to live when it was exported (ms left; 0: none): what an import gives it unless told otherwise."""
+    classes: list[Any] = field(default_factory=list)
+    """The tensorclass names of nested sub-trees, ``[[path, "module.QualName"], ...]`` (``Header.classes``): names only."""
 
     @property
     def policy(self) -> SamplingPolicy | None:
@@ -169,6 +171,7 @@ class CheckpointMeta:
             "priorities": self.priorities,
             "sampled": self.sampled,
             "ttl_ms": self.ttl_ms,
+            **({"classes": self.classes} if self.classes else {}),
         }
 
 
@@ -309,13 +312,18 @@ def read_meta(root: Any) -> CheckpointMeta:
     sub = raw.get("sub", [])
     if not isinstance(sub, list) or not all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and all(isinstance(p, str) for p in e[0])
-        and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in e[1])
+        and isinstance(e[1], list) and all(isinstance(d, int) and not isinstance(d, bool) and RAGGED <= d <= MAX_INT for d in e[1])
         for e in sub
     ):  # fmt: skip
         raise bad(root, f"sub must be a list of [path, dims], got {sub!r}"[:300])
+    try:
+        classes = parse_classes(raw.get("classes", []))
+    except ValueError as err:
+        raise bad(root, str(err)) from None
     meta = CheckpointMeta(
         td_id, kind, count, stack_dim, inner, keys, ring, raw.get("batchless", False), raw.get("device", ""),
         raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"), _int(raw.get("ttl_ms", 0), "ttl_ms", root),
+        [[list(p), name] for p, name in classes.items()],
     )  # fmt: skip
     policy = meta.policy
     if (policy is not None and policy.prioritized) != (meta.priorities is not None):

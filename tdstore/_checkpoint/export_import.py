@@ -310,7 +310,7 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
-        ttl_ms=max(ttl, 0),
+        ttl_ms=max(ttl, 0), classes=[[list(p), name] for p, name in h.classes.items()],
     )  # fmt: skip
     if policy is not None and policy.get("alpha") is not None:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
@@ -341,6 +341,7 @@ def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: 
         version=1, count=meta.count, stack_dim=meta.stack_dim, inner=meta.inner, device=meta.device, leaves=leaves,
         next_leaf=len(leaves), state=f"uploading:{token}", kind=meta.kind, tensorclass=meta.tensorclass,
         batchless=meta.batchless, sub={tuple(p): tuple(d) for p, d in meta.sub},
+        classes={tuple(p): name for p, name in meta.classes},
     )  # fmt: skip
     header = _rows.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0

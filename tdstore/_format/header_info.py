@@ -400,3 +400,28 @@ def ring_writes(rw: int, na: int | None, has_leaves: bool, count: int) -> int:
         return rw
     holds = na > 0 if na is not None else has_leaves
     return count if holds else 0
+
+
+RAGGED = -1
+"""A sub-tree batch dim that varies between elements (``Header.sub``, ``_format.schema``)."""
+
+_MAX_NAME = 1000
+
+
+def parse_classes(raw: object) -> dict[tuple[str, ...], str]:
+    """The ``"tc"`` entry of the schema JSON: ``[[path, "module.QualName"], ...]`` (``ValueError`` when malformed)."""
+    if not isinstance(raw, list):
+        raise ValueError(f"bad sub-tree tensorclasses {raw!r}"[:300])
+    out: dict[tuple[str, ...], str] = {}
+    for rec in raw:
+        if not (
+            isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])
+        ):
+            raise ValueError(f"bad sub-tree tensorclass record {rec!r}"[:300])
+        name = rec[1]
+        if not (
+            isinstance(name, str) and len(name) <= _MAX_NAME and len(name.split(".")) > 1 and all(x.isidentifier() for x in name.split("."))
+        ):
+            raise ValueError(f"bad sub-tree tensorclass name {name!r}"[:300])
+        out[tuple(rec[0])] = name
+    return out

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from tdstore._format import codec as _codec
-from tdstore._format.header_info import StoreFormatError, parse_header
+from tdstore._format.header_info import RAGGED, StoreFormatError, parse_classes, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.trajectories import Trajectories
 
@@ -185,14 +185,22 @@ class Header:
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
     ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
     Kept in the schema JSON (``"sub"``), so every schema change carries it; tdstore versions that
-    do not know it read the sub-tree with the store's batch size (the bytes are the same)."""
+    do not know it read the sub-tree with the store's batch size (the bytes are the same).
+    A dim of ``-1`` (:data:`RAGGED`) varies between elements (a chat ``History`` of 2, 3, 4 messages):
+    each element's comes from its own leaves when it is read (``_plan.values``); tdstore versions
+    that do not know it refuse the header (a negative dim) instead of building elements wrong."""
+
+    classes: dict[NestedPath, str] = field(default_factory=dict)
+    """``module.QualName`` of the tensorclass each nested sub-tree was written as (``("history",)``:
+    ``torchrl.data.llm.history.History``): schema JSON ``"tc"``. A name only: reads rebuild the class
+    when the program knows it already (``_format.tensorclass.known``), never importing a module."""
 
     # -- derived facts (computed once: headers are immutable) -----------------
     stack_pos: int = field(init=False, repr=False, compare=False)
     """Position of the stack dim in the batch size (as LazyStackedTensorDict puts it)."""
     batch_size: torch.Size = field(init=False, repr=False, compare=False)
     segments: Segments = field(init=False, repr=False, compare=False)
-    sub_dims: dict[NestedPath, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    sub_dims: SubTrees = field(init=False, repr=False, compare=False)
     """The entries of :attr:`sub` the current leaves agree with (what reads apply): a sub-tree whose
     tensor leaves do not all start with its batch dims, or nested in a sub-tree whose dims it does not
     extend, is read with its parent's batch size instead of being built inconsistent."""
@@ -204,7 +212,7 @@ class Header:
         object.__setattr__(self, "stack_pos", pos)
         object.__setattr__(self, "batch_size", torch.Size(bs))
         object.__setattr__(self, "segments", Segments(self.count, self.seg or max(self.count, 1)))
-        object.__setattr__(self, "sub_dims", _agreed_sub_dims(self.sub, self.leaves, len(self.inner)))
+        object.__setattr__(self, "sub_dims", SubTrees(_agreed_sub_dims(self.sub, self.leaves, len(self.inner)), self.classes))
 
     def subtree_dims(self, path: NestedPath) -> tuple[int, ...]:
         """The extra batch dims of the sub-tree at ``path`` (of the deepest recorded sub-tree holding it): ``()`` for none."""
@@ -244,10 +252,16 @@ class Header:
             schema["row"] = list(self.row)
         if self.sub:
             schema["sub"] = [[list(p), list(d)] for p, d in self.sub.items()]
+        if self.classes:
+            schema["tc"] = [[list(p), name] for p, name in self.classes.items()]
         return json.dumps(schema, separators=(",", ":"))
 
     def with_leaves(
-        self, leaves: dict[NestedPath, Leaf], next_leaf: int | None = None, sub: dict[NestedPath, tuple[int, ...]] | None = None
+        self,
+        leaves: dict[NestedPath, Leaf],
+        next_leaf: int | None = None,
+        sub: dict[NestedPath, tuple[int, ...]] | None = None,
+        classes: dict[NestedPath, str] | None = None,
     ) -> Header:
         """The header after a schema change (the server will hold ``version + 1``).
 
@@ -258,11 +272,17 @@ class Header:
         batch dims is refused (``ValueError``), as a TensorDict refuses it.
         """
         new_version = self.version + 1
+        if classes is None:
+            classes = getattr(sub, "classes", None)  # a write's SubTrees carries its sub-trees' classes
+        # a sub-tree whose dims change (become RAGGED): its leaves move to the new version, so that a
+        # reader planning with the old dims is refused and refreshes
+        moved = [p for p, d in (sub or {}).items() if p in self.sub and self.sub[p] != d]
         old_by_number = {leaf.number: leaf for leaf in self.leaves.values()}
         stamped = {}
         for path, leaf in leaves.items():
             old = old_by_number.get(leaf.number)
-            version = old.version if old is not None and old.same_layout(leaf) else new_version
+            same = old is not None and old.same_layout(leaf) and not any(path[: len(p)] == p for p in moved)
+            version = old.version if old is not None and same else new_version
             stamped[path] = replace(leaf, version=version)
         names = {(p, leaf.number) for p, leaf in self.leaves.items()}
         new_names = {(p, leaf.number) for p, leaf in stamped.items()}
@@ -275,6 +295,7 @@ class Header:
             # the block goes with its last grouped leaf (run_write deletes its blobs)
             row=self.row if any(leaf.col is not None for leaf in stamped.values()) else None,
             sub=_moved_sub({**self.sub, **(sub or {})}, self.leaves, stamped, len(self.inner)),
+            classes=_kept_classes({**self.classes, **(classes or {})}, stamped),
         )
 
     def version_fields(self, old: Header | None) -> str:
@@ -330,6 +351,7 @@ class Header:
             # parse_header has checked that the field is there and holds a JSON object
             schema = json.loads(raw[b"schema"] if b"schema" in raw else raw["schema"])
             sub = _parse_sub(schema.get("sub", []))
+            classes = parse_classes(schema.get("tc", []))
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         leaves = {
@@ -359,6 +381,7 @@ class Header:
             distinct=info.distinct,
             row=info.row,
             sub=sub,
+            classes=classes,
         )
 
 
@@ -371,6 +394,10 @@ def check_paths(paths: list[NestedPath]) -> None:
                 raise KeyError(f"key {path[:k]} is both a leaf and the parent of {path}")
 
 
+def _dim_ok(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= RAGGED
+
+
 def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
     """The ``"sub"`` entry of the schema JSON: ``[[path, dims], ...]`` (``ValueError`` when malformed)."""
     if not isinstance(raw, list):
@@ -381,10 +408,56 @@ def _parse_sub(raw: object) -> dict[NestedPath, tuple[int, ...]]:
             isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], list) and rec[0] and all(isinstance(p, str) for p in rec[0])
         ):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
-        if not (isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in rec[1])):
+        if not (
+            isinstance(rec[1], list) and rec[1] and all(isinstance(d, int) and not isinstance(d, bool) and d >= RAGGED for d in rec[1])
+        ):
             raise ValueError(f"bad sub-tree batch dims record {rec!r}")
         out[tuple(rec[0])] = tuple(rec[1])
     return out
+
+
+class SubTrees(dict[NestedPath, tuple[int, ...]]):
+    """:attr:`Header.sub_dims`, what reads build elements with: the sub-trees' extra batch dims, and the
+    tensorclass names of sub-trees written as one (``classes``, :attr:`Header.classes`)."""
+
+    classes: dict[NestedPath, str]
+
+    def __init__(self, dims: dict[NestedPath, tuple[int, ...]], classes: dict[NestedPath, str]) -> None:
+        super().__init__(dims)
+        self.classes = classes
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.classes)
+
+
+def ragged(dims: tuple[int, ...]) -> bool:
+    """Whether sub-tree batch dims ``dims`` vary between elements (hold a :data:`RAGGED` dim)."""
+    return RAGGED in dims
+
+
+def merge_sub(a: dict[NestedPath, tuple[int, ...]], b: dict[NestedPath, tuple[int, ...]]) -> dict[NestedPath, tuple[int, ...]]:
+    """The sub-tree batch dims of elements with dims ``a`` and of elements with dims ``b``: a dim the two
+    disagree on becomes :data:`RAGGED`; a sub-tree whose number of extra dims differs raises ``ValueError``
+    (no element of a TensorDict can hold both)."""
+    out = dict(a)
+    for path, dims in b.items():
+        have = out.get(path)
+        if have is None:
+            out[path] = dims
+        elif len(have) != len(dims):
+            shown = path[0] if len(path) == 1 else path
+            raise ValueError(
+                f"sub-tree {shown!r} has {len(have)} batch dims beyond the element's in some elements but {len(dims)} in others "
+                f"({list(have)} and {list(dims)}); they may differ in size, not in number"
+            )
+        elif have != dims:
+            out[path] = tuple(x if x == y else RAGGED for x, y in zip(have, dims, strict=True))
+    return out
+
+
+def _kept_classes(classes: dict[NestedPath, str], leaves: dict[NestedPath, Leaf]) -> dict[NestedPath, str]:
+    """The sub-tree tensorclasses that still hold a leaf (a class goes with its sub-tree's last key)."""
+    return {p: name for p, name in classes.items() if any(len(q) > len(p) and q[: len(p)] == p for q in leaves)}
 
 
 def _agreed_sub_dims(
@@ -400,9 +473,17 @@ def _agreed_sub_dims(
         below = [leaf for p, leaf in leaves.items() if len(p) > len(path) and p[: len(path)] == path]
         if not below or dims[: len(parent)] != parent:
             continue
-        if all(leaf.json or (leaf.shape is not None and leaf.shape[n_inner : n_inner + len(dims)] == dims) for leaf in below):
+        if all(leaf.json or _fits(leaf.shape, n_inner, dims) for leaf in below):
             out[path] = dims
     return out
+
+
+def _fits(shape: tuple[int, ...] | None, n_inner: int, dims: tuple[int, ...]) -> bool:
+    """Whether a leaf of element shape ``shape`` (None: it varies) can sit in a sub-tree of batch dims ``dims``."""
+    if shape is None:
+        return ragged(dims)
+    got = shape[n_inner : n_inner + len(dims)]
+    return len(got) == len(dims) and all(d == RAGGED or d == g for d, g in zip(dims, got))
 
 
 def _moved_sub(
@@ -432,7 +513,7 @@ def _moved_sub(
         for k in range(len(path) - 1, 0, -1):
             sub_dims = out.get(path[:k])
             if sub_dims is not None:
-                if leaf.shape[n_inner : n_inner + len(sub_dims)] != sub_dims:
+                if not _fits(leaf.shape, n_inner, sub_dims):
                     raise ValueError(
                         f"key {path if len(path) > 1 else path[0]!r} of element shape {list(leaf.shape)} "
                         f"does not start with the batch dims {list(sub_dims)} of its sub-tree {path[:k]!r} "

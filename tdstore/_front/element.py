@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._format.schema import NestedPath
+from tdstore._format.schema import RAGGED, NestedPath
 from tdstore._front.common import StackStore
 from tdstore._front.stack_view import StackView
 from tdstore._plan import index as _index
@@ -51,7 +51,12 @@ class ElementView(StackView):
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
     # reads (``_front.stack_view.StackView``): a nested key of the element is a view of it
-    def _subtree_view(self, path: NestedPath) -> TensorDictBase:
+    def _subtree_view(self, path: NestedPath) -> Any:
+        h = self._engine.header
+        if path in h.classes or RAGGED in h.subtree_dims(path):
+            # a sub-tree written as a tensorclass (a chat History) or whose dims vary between elements:
+            # the element's copy of it (one read), in its class, as a local lazy stack's element gives it
+            return self._read(None, under=path)
         return ElementView(self._store, self._element, path)
 
     def _missing_key(self, rel: NestedPath) -> KeyError:

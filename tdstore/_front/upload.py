@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -38,11 +38,11 @@ from tdstore._errors import StoreDamagedError
 from tdstore._format import codec as _codec
 from tdstore._format import integrity as _integrity
 from tdstore._format import row_block as _rows
-from tdstore._format.schema import Header, Leaf, NestedPath
+from tdstore._format.schema import RAGGED, Header, Leaf, NestedPath, merge_sub
 from tdstore._format.segments import Segments, segment_length
 from tdstore._front.progress import progress
 from tdstore._front.upload_scan import LeafScan, scan, scan_dense, scan_lazy, scan_plain, stack_elements
-from tdstore._plan.values import display, gc_paused, subtree_dims
+from tdstore._plan.values import display, gc_paused, refuse_unshown, subtree_classes, subtree_dims
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT
@@ -64,6 +64,8 @@ class Scanned:
     leaves: list[LeafScan]
     sub: dict[NestedPath, tuple[int, ...]]
     device: Any
+    classes: dict[NestedPath, str] = field(default_factory=dict)
+    """The tensorclasses of nested sub-trees (``Header.classes``)."""
 
 
 def _scan(td: Any, budget: int) -> Scanned:
@@ -74,7 +76,8 @@ def _scan(td: Any, budget: int) -> Scanned:
         dense = scan_dense(source)
         if dense is not None:
             inner, leaves = dense
-            return Scanned(source.batch_size[0], 0, inner, leaves, subtree_dims(source, len(inner) + 1), getattr(td, "device", None))
+            sub = subtree_dims(source, len(inner) + 1)
+            return Scanned(source.batch_size[0], 0, inner, leaves, sub, getattr(td, "device", None), subtree_classes(source))
     elements, stack_dim = stack_elements(td)
     plain = scan_plain(elements, budget) if elements else None
     if plain is not None:  # every member a TensorDict, its sub-trees' batch sizes the same in all
@@ -83,21 +86,32 @@ def _scan(td: Any, budget: int) -> Scanned:
         device = devices.pop() if len(devices) == 1 else None
         return Scanned(len(elements), stack_dim, inner, leaves, subtree_dims(elements[0], len(inner)), device)
     inner, leaves = scan_lazy(source, elements) if isinstance(source, LazyStackedTensorDict) else scan(elements)
-    return Scanned(len(elements), stack_dim, inner, leaves, _subtrees(elements, len(inner)), getattr(td, "device", None))
+    sub = _subtrees(elements, len(inner))
+    classes = subtree_classes(elements[0]) if elements else {}
+    for el in elements[1:] if classes else ():  # (the classes all elements agree on: none when the first has none)
+        other = subtree_classes(el)
+        classes = {p: name for p, name in classes.items() if other.get(p) == name}
+    return Scanned(len(elements), stack_dim, inner, leaves, sub, getattr(td, "device", None), classes)
 
 
 def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, tuple[int, ...]]:
-    """The extra batch dims of nested sub-trees (``Header.sub``), the same in every element (checked before anything is written)."""
+    """The extra batch dims of nested sub-trees (``Header.sub``): a dim that differs between elements is
+    ``RAGGED`` (chats of several lengths); a number of dims that differs raises (before anything is written)."""
     sub = subtree_dims(elements[0], n_inner) if elements else {}
     if sub:
         for i, el in enumerate(elements[1:], 1):
             other = subtree_dims(el, n_inner)
             if other != sub:
-                path = next(p for p in {*sub, *other} if sub.get(p) != other.get(p))
-                raise ValueError(
-                    f"sub-tree {display(path)!r} has batch dims {list(sub.get(path, ()))} beyond the element's in element 0 "
-                    f"but {list(other.get(path, ()))} in element {i}; every element must agree"
-                )
+                try:
+                    sub = merge_sub(sub, other)
+                except ValueError as err:
+                    raise ValueError(f"{err} (element {i})") from None
+        varying = [p for p, d in sub.items() if RAGGED in d]
+        for i, el in enumerate(elements if varying else []):
+            try:
+                refuse_unshown(el, varying)
+            except ValueError as err:
+                raise ValueError(f"{err} (element {i})") from None
     return sub
 
 
@@ -220,6 +234,7 @@ def _new_header(
         tensorclass=tensorclass,
         batchless=batchless,
         sub=found.sub,
+        classes=found.classes,
     )
     header = _rows.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass
 
-from tdstore._format.schema import Header, NestedPath
+from tdstore._format.schema import RAGGED, Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, only_keys, refuse_ellipsis_into_features
 from tdstore._front.identity import StoreIdentity
 from tdstore._plan import element_write as _element_write
 from tdstore._plan import index as _index
 from tdstore._plan import write_plan as _writes
-from tdstore._plan.values import as_path, display, leaves_of, subtree_dims
+from tdstore._plan.values import as_path, display, leaves_of, refuse_unshown, subtree_conflicts, subtree_layout
 
 
 class WriteSurface(StoreIdentity):
@@ -85,9 +85,19 @@ class WriteSurface(StoreIdentity):
             raise RuntimeError(LOCK_ERROR)
         whole = index is None and self._whole_stack
         stack_index = (slice(None),) * len(self._engine.header.batch_size) if whole else self._stack_index(index)
-        sub = subtree_dims(sub_from, sub_from.batch_dims, self._under) if new and isinstance(sub_from, TensorDictBase) else None
+        h = self._engine.header
+        sub = None
+        conflict = False
+        if isinstance(sub_from, TensorDictBase) and (new or h.sub):
+            # the value's sub-trees: their batch dims (a chat's number of messages) and tensorclasses
+            sub = subtree_layout(sub_from, sub_from.batch_dims, self._under)
+            conflicts = subtree_conflicts(h.sub, sub)  # other dims than the store's: a schema change
+            varying = [p for p in sub if p in conflicts or RAGGED in h.sub.get(p, ())]
+            refuse_unshown(sub_from, varying, self._under)  # each element's dims must show in its leaves
+            conflict = bool(conflicts)
         replace = whole and not in_place and not locked  # a set() of whole keys may change their dtype or shape
-        self._run_write(stack_index, self._stack_values(items, whole), replace=replace, sub=sub, one_element=not new and not replace)
+        one = not new and not replace and not conflict
+        self._run_write(stack_index, self._stack_values(items, whole), replace=replace, sub=sub, one_element=one)
 
     def _run_write(
         self, index: Any, items: dict[NestedPath, Any], *, replace: bool, sub: dict[NestedPath, tuple[int, ...]] | None, one_element: bool

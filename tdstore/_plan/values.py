@@ -31,8 +31,10 @@ from tensordict import (
 )
 from tensordict.base import _is_leaf_nontensor
 
+from tdstore._format import tensorclass as _tensorclass
 from tdstore._format.nontensor import NonTensor
-from tdstore._format.schema import NestedPath
+from tdstore._format.schema import RAGGED, NestedPath, SubTrees, merge_sub
+from tdstore._format.tensorclass import qualified_name
 from tdstore._plan.index import Plan
 from tdstore._plan.read_results import DenseResult, ElementsResult
 
@@ -226,13 +228,18 @@ def leaves_of(value: Any, stack_pos: int, prefix: NestedPath = ()) -> dict[Neste
 
 def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedPath, tuple[int, ...]]:
     """The nested sub-trees of ``td`` whose batch size has dims beyond its first ``n_batch``:
-    ``{path: extra dims}`` (what :attr:`Header.sub` records, e.g. a chat ``("chat", "prompt")`` of ``[5, 1]``)."""
+    ``{path: extra dims}`` (what :attr:`Header.sub` records, e.g. a chat ``("chat", "prompt")`` of ``[5, 1]``).
+    Of a lazy stack, its members' merged: a dim they disagree on is ``RAGGED`` (chats of several lengths)."""
     out: dict[NestedPath, tuple[int, ...]] = {}
     if is_tensorclass(td):
         td = td._tensordict
     if isinstance(td, LazyStackedTensorDict) and td.tensordicts:
         # the members hold the sub-trees (items() would stack leaves that differ in shape)
-        return subtree_dims(td.tensordicts[0], n_batch - 1, prefix)
+        if n_batch <= 0:
+            return out  # stacked along a sub-tree's own dims (a chat History): its dims are recorded above
+        for member in td.tensordicts:
+            out = merge_sub(out, subtree_dims(member, n_batch - 1, prefix))
+        return out
     for key, value in td.items():
         if is_tensorclass(value):
             value = value._tensordict
@@ -242,6 +249,85 @@ def subtree_dims(td: Any, n_batch: int, prefix: NestedPath = ()) -> dict[NestedP
         if len(value.batch_size) > n_batch:
             out[path] = tuple(value.batch_size[n_batch:])
         out.update(subtree_dims(value, n_batch, path))
+    return out
+
+
+def subtree_layout(td: Any, n_batch: int, prefix: NestedPath = (), *, vary: bool = False) -> SubTrees:
+    """What a write of ``td`` tells of its nested sub-trees (:class:`SubTrees`): their extra batch dims
+    (:func:`subtree_dims`) and tensorclasses (:func:`subtree_classes`). With ``vary`` (a lazy ring's
+    first write: later rows may hold chats of other lengths), the dims of every sub-tree that holds a
+    leaf showing them (a tensor or a non-tensor stack) are recorded as ``RAGGED``."""
+    dims = subtree_dims(td, n_batch, prefix)
+    if vary and dims:
+        carriers = _dim_carriers(td, prefix)
+        dims = {p: (RAGGED,) * len(d) if p in carriers else d for p, d in dims.items()}
+    return SubTrees(dims, subtree_classes(td, prefix))
+
+
+def _dim_carriers(td: Any, prefix: NestedPath) -> set[NestedPath]:
+    """The sub-trees of ``td`` (of its first member, for a lazy stack) holding a tensor or a non-tensor stack."""
+    if is_tensorclass(td):
+        td = td._tensordict
+    if isinstance(td, LazyStackedTensorDict) and not is_non_tensor(td) and td.tensordicts:
+        td = td.tensordicts[0]
+    out: set[NestedPath] = set()
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
+        if isinstance(value, NonTensorData):
+            continue
+        path = (*prefix, *as_path(key))
+        out.update(path[:k] for k in range(len(prefix) + 1, len(path)))
+    return out
+
+
+def refuse_unshown(td: Any, paths: Any, prefix: NestedPath = ()) -> None:
+    """Refuse (``ValueError``, before anything is written) sub-trees ``paths`` whose batch dims vary
+    between elements when ``td`` holds no leaf under one of them that shows its dims (only
+    ``NonTensorData``, which covers the whole sub-tree): a read could not tell their dims."""
+    carriers = _dim_carriers(td, prefix)
+    for path in paths:
+        if path not in carriers:
+            raise ValueError(
+                f"sub-tree {display(path)!r} has batch dims that differ between elements but holds no tensor or non-tensor "
+                "stack to show them (only values covering it whole); add one, or keep its batch dims the same in every element"
+            )
+
+
+def subtree_conflicts(
+    h_sub: Mapping[NestedPath, tuple[int, ...]], sub: Mapping[NestedPath, tuple[int, ...]]
+) -> dict[NestedPath, tuple[int, ...]]:
+    """The sub-trees a write's dims ``sub`` disagree on with the store's (``Header.sub``), merged
+    (the dims that differ become ``RAGGED``): what the write turns into sub-trees of varying dims.
+    A number of dims that differs raises ``ValueError`` (before anything is written)."""
+    out = {}
+    for path, dims in sub.items():
+        have = h_sub.get(path)
+        if have is not None and have != dims:
+            merged = merge_sub({path: have}, {path: dims})[path]
+            if merged != have:
+                out[path] = merged
+    return out
+
+
+def subtree_classes(td: Any, prefix: NestedPath = ()) -> dict[NestedPath, str]:
+    """The nested sub-trees of ``td`` that are tensorclass instances: ``{path: "module.QualName"}``
+    (what :attr:`Header.classes` records). Of a lazy stack, the classes all its members agree on."""
+    if is_tensorclass(td):
+        td = td._tensordict
+    if isinstance(td, LazyStackedTensorDict) and not is_non_tensor(td):
+        if not td.tensordicts:
+            return {}
+        found = [subtree_classes(m, prefix) for m in td.tensordicts]
+        return {p: name for p, name in found[0].items() if all(f.get(p) == name for f in found[1:])}
+    out: dict[NestedPath, str] = {}
+    for key, value in td.items():
+        if is_non_tensor(value):  # NonTensorData/NonTensorStack are leaves
+            continue
+        path = (*prefix, key)
+        if is_tensorclass(value):
+            out[path] = qualified_name(type(value))
+            value = value._tensordict
+        if isinstance(value, TensorDictBase):
+            out.update(subtree_classes(value, path))
     return out
 
 
@@ -283,14 +369,57 @@ def _element_maker(
     read share it instead of walking their paths one by one.  ``base`` is the read's batch size;
     each sub-tree adds its extra dims from ``sub``."""
     entries = _key_tree(paths, cut)
-    bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
     parts = [
         (key, _element_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None, target) for key, target in entries
     ]
-    new = _td_factory(bs, device)
+    new = _level_factory(paths, cut, base, device, sub)
 
     def make(el: dict[NestedPath, torch.Tensor]) -> TensorDict:
         return new({key: el[target] if below is None else below(el) for key, below, target in parts})
+
+    return make
+
+
+def _level_factory(
+    paths: list[NestedPath], cut: int, base: torch.Size, device: torch.device | None, sub: dict[NestedPath, tuple[int, ...]] | None
+) -> Callable[[dict[NestedKey, Any]], Any]:
+    """The maker of one level of a read's key tree (the sub-tree at ``paths[0][:cut]``): a TensorDict of
+    the sub-tree's batch size (of each element's own when it varies, :data:`RAGGED`), in the tensorclass
+    it was written as when the program knows that class (:class:`SubTrees`)."""
+    bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
+    new = _ragged_factory(bs, device) if RAGGED in bs else _td_factory(bs, device)
+    classes = getattr(sub, "classes", None)
+    if not (classes and paths and cut):
+        return new
+    cls = _tensorclass.known(classes.get(paths[0][:cut], ""))
+    if cls is None:
+        return new
+    wrap = cls._from_tensordict
+    return lambda source: wrap(new(source))
+
+
+def _ragged_factory(batch_size: torch.Size | tuple[int, ...], device: torch.device | None) -> Callable[[dict[NestedKey, Any]], TensorDict]:
+    """A function making a sub-tree whose batch dims vary between elements (``RAGGED`` in ``batch_size``):
+    each element's come from its own leaves (a tensor's leading dims, a non-tensor stack's or a nested
+    sub-tree's batch size); a non-tensor value covering the whole sub-tree (``NonTensorData``) takes them."""
+    n = len(batch_size)
+
+    def make(source: dict[NestedKey, Any]) -> TensorDict:
+        got: tuple[int, ...] | None = None
+        for v in source.values():
+            dims = tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v.batch_size)
+            if len(dims) >= n:  # (a NonTensorData of a varying sub-tree holds fewer: it takes them below)
+                got = dims[:n]
+                break
+        if got is None or any(d != RAGGED and d != g for d, g in zip(batch_size, got)):
+            raise ValueError(
+                f"a stored element's sub-tree of keys {sorted(map(str, source))} does not show its batch dims {list(batch_size)} "
+                "(-1: varying) in any of its leaves"
+            )
+        for k, v in source.items():
+            if isinstance(v, NonTensorData) and tuple(v.batch_size) != got:
+                source[k] = NonTensorData(v.data, batch_size=list(got))
+        return TensorDict._new_unsafe(source=source, batch_size=torch.Size(got), device=device)
 
     return make
 
@@ -319,10 +448,9 @@ def columns_maker(
     element}``), level by level: each sub-tree's members are built once for all the elements, and each
     member from ``zip``ped columns, without a ``{path: tensor}`` dict per element (see ``_element_maker``)."""
     entries = _key_tree(paths, cut)
-    bs = _subtree_bs(base, paths[0][:cut], sub) if paths and cut else base
     keys = [key for key, _ in entries]
     below = [columns_maker(target, cut + 1, base, device, sub) if isinstance(target, list) else None for _, target in entries]
-    new = _td_factory(bs, device)
+    new = _level_factory(paths, cut, base, device, sub)
 
     def make(columns: Mapping[NestedPath, Any], n: int) -> list[TensorDict]:
         if not entries:

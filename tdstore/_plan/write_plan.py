@@ -41,6 +41,7 @@ from tdstore._plan.leaf_writes import (
     splice_ops,
     to_heterogeneous,
 )
+from tdstore._plan.values import subtree_conflicts
 
 
 def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[int]:
@@ -360,7 +361,14 @@ class _WritePlan:
         ops = [*self.ops, *_grouped_ops(self.kt, self.keys, h, grouped), *self.retire]
         if self.new_paths:
             check_paths(list(self.leaves))
-        new_header = h.with_leaves(self.leaves, self.next_leaf, sub=_new_subtrees(h, sub, self.new_paths)) if self.changed else None
+        # a sub-tree written with other batch dims than the store's (a chat of another length) becomes
+        # one whose dims vary between elements (RAGGED), in this same call
+        conflicts = subtree_conflicts(h.sub, sub) if sub and h.sub else {}
+        if self.changed or conflicts:
+            new_sub = {**(_new_subtrees(h, sub, self.new_paths) or {}), **conflicts}
+            new_header = h.with_leaves(self.leaves, self.next_leaf, sub=new_sub, classes=getattr(sub, "classes", None))
+        else:
+            new_header = None
         touched = [h.leaves[p] for p in items if p in h.leaves]
         return new_header, ops, touched
 

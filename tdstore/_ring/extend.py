@@ -44,7 +44,7 @@ from tdstore._format.op_kinds import Write, write_kind
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
 from tdstore._plan import index as _index
 from tdstore._plan.leaf_writes import check_dtype, element_checks, het_payload, new_leaf_ops, to_heterogeneous
-from tdstore._plan.values import display, leaves_of, subtree_dims
+from tdstore._plan.values import display, leaves_of, subtree_layout
 from tdstore._ring import direct_extend as _direct
 from tdstore._ring import episodes as _episodes
 from tdstore._ring import policy_calls as _sampling
@@ -418,7 +418,8 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
         _deadline.arm()  # sent once planned: from now on the rows may be written
         # the nested sub-trees' batch dims, for keys the write creates (a store's first extend)
         new_keys = isinstance(value, TensorDictBase) and any(p not in h.leaves for p in items)
-        sub = subtree_dims(value, value.batch_dims) if new_keys else None
+        # (and their tensorclasses; of a lazy ring, RAGGED: later rows may hold chats of other lengths)
+        sub = subtree_layout(value, value.batch_dims, vary=h.kind == "lazy") if new_keys else None
         new_header, ops, touched = _plan_rows(engine, h, kt, items, n, Write.W(n, channel), ring=True, sub=sub)
         if h.sampling is not None and h.sampling.prioritized:
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))

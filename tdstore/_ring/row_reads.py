@@ -22,6 +22,7 @@ from tdstore._format import row_block as _row_block
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
+from tdstore._plan import padded_batch as _padded
 from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import het_rows
 from tdstore._plan.values import build_td, columns_maker, display, stack_members
@@ -117,10 +118,11 @@ def decode_sample(
             pos += 1
             continue
         one = None
-        if ragged and not leaf.json and not h.inner and h.stack_pos == 0:
+        kept = leaf.json or _padded.varying_root(h, leaf.path) is not None  # never padded (_plan.padded_batch)
+        if ragged and not kept and not h.inner and h.stack_pos == 0:
             # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
             one = _ragged.build(leaf, _codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], ragged)
-        elif ragged:
+        elif ragged and not kept:
             _ragged.check_mask(ragged, display(leaf.path))
         if isinstance(one, tuple):
             dense[leaf.path], masks[leaf.path] = one
@@ -131,7 +133,13 @@ def decode_sample(
         pos += 3
     if block is not None or ragged or wanted is not None:  # the store's key order (and only the keys asked for)
         dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
-    if ragged and ragged.get("return_mask"):
+    others = _padded.rest(h, per_el, n, device) if ragged and per_el and not h.inner and h.stack_pos == 0 else None
+    if others is not None:  # non-tensor keys and sub-trees of varying dims beside the padded keys
+        per_el = {}
+        if ragged and ragged.get("return_mask"):
+            with_masks(h, dense, masks, ragged)
+        dense.update(others)
+    elif ragged and ragged.get("return_mask"):
         if per_el:
             _ragged.check_mask(ragged, display(next(iter(per_el))))
         with_masks(h, dense, masks, ragged)

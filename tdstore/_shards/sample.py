@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._plan.padded_batch import check_padding, pad_rows
 from tdstore._ring import marks as _marks
 from tdstore._ring.extend import Sample
 from tdstore._ring.marks import Marks
@@ -90,6 +91,11 @@ class ShardSampling(ShardsBase):
 
         _check_sample_args(batch_size, min_size, beta)
         with self._within(timeout, "sample"):
+            if ragged and len(self._shards) > 1:
+                # shards pad to their own longest rows: the rows are read as they are and padded once joined
+                check_padding(ragged)
+                got = self._sample(batch_size, generator, keys, prioritized, alpha, beta, min_size, timeout, {})
+                return got._replace(td=pad_rows(got.td, ragged))
             return self._sample(batch_size, generator, keys, prioritized, alpha, beta, min_size, timeout, ragged)
 
     def _sample(

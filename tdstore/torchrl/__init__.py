@@ -43,6 +43,7 @@ from torchrl.data.replay_buffers.samplers import Sampler, SamplerWithoutReplacem
 from tdstore import ShardedRing
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
+from tdstore.torchrl.ragged_buffers import RaggedReplayBuffer, RaggedTensorDictReplayBuffer
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
 from tdstore.torchrl.storage import StoreStorage
@@ -59,6 +60,8 @@ __all__ = [
     "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
     "attach",
+    "RaggedTensorDictReplayBuffer",
+    "RaggedReplayBuffer",
     "TENSOR_KEY",
     "METADATA_KEYS",
 ]
@@ -216,7 +219,11 @@ def replay_buffer(
     if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
         sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
         cast(StoreSliceSampler, sampler).prepare(storage)
-    cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
+    if ragged or (td_id is not None and not storage.with_store(_kept_as_dense)):
+        # rows of varying shapes: lists in extend, padding keywords in sample (tdstore.torchrl.ragged_buffers)
+        cls: type[ReplayBuffer] = RaggedTensorDictReplayBuffer if tensordict else RaggedReplayBuffer
+    else:
+        cls = TensorDictReplayBuffer if tensordict else ReplayBuffer
     return cls(
         storage=storage,
         writer=StoreWriter(track_generations=track_generations),
@@ -224,6 +231,10 @@ def replay_buffer(
         batch_size=batch_size,
         **buffer_kwargs,
     )
+
+
+def _kept_as_dense(store: Any) -> bool:
+    return bool(store.kept_as_dense)
 
 
 def attach(td_id: str, **kwargs: Any) -> ReplayBuffer:

@@ -102,7 +102,8 @@ class StoreSampler(Sampler):
         engine.ring_full = engine.ring_full or rw >= m
         if int(slots.max()) >= self._bound:
             return None
-        return _ring.Sample(build_td(res.leaves, res.batch_size, s.device), slots, _ring.generations(slots, rw, m))
+        td = build_td(res.leaves, res.batch_size, s.device, sub=engine.header.sub_dims)  # sub-trees' dims and tensorclasses
+        return _ring.Sample(td, slots, _ring.generations(slots, rw, m))
 
     def _empty(self) -> None:
         """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""
