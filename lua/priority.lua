@@ -3,8 +3,9 @@
   only where the slot still holds the generation the caller read, in one atomic step.
 
   A slot's weight in the tree becomes priority ^ alpha (0 for priority 0). A slot that was
-  never written, was retired after max_times_sampled samples, or (with a generation given)
-  was overwritten since, keeps its weight: it is reported as not applied.
+  never written, was retired after max_times_sampled samples, holds no row (left absent by a
+  checkpoint restore, see _absent.lua), or (with a generation given) was overwritten since,
+  keeps its weight: it is reported as not applied.
 
   KEYS[1]     store header hash
   KEYS[2]     the priority tree (see _tree.lua)
@@ -50,6 +51,7 @@ end
 local count, rw = tds_ring_fields(h[1], h[2])
 rw = tds_ring_rw(meta, count, rw)
 local written = math.min(rw, count)
+local from = tds_held_from(meta, rw, count)  -- rows a restore left absent keep their weight 0 (_absent.lua)
 local n = tds_num(ARGV[2], 'slot count')
 local pairs_ = ARGV[3]
 if #pairs_ ~= 16 * n then
@@ -82,7 +84,7 @@ for j = 1, n do
   end
   -- a slot holds data when the ring wrote it (a store filled by index or uploaded is a full ring:
   -- tds_ring_rw), or when the tree gave it a weight
-  local ok = s < written or tds_tree_leaf(t, s) > 0
+  local ok = (s < written or tds_tree_leaf(t, s) > 0) and tds_holds_row(s, rw, count, from)
   if ok and check then
     local gen = 0
     if s < rw then

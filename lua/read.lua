@@ -34,6 +34,8 @@
           gives the same rows), and row j is draw_j % min(rw, count), where rw is
           the header's ring write counter (a store holding data the ring never wrote,
           written by index, is a full ring: rw = count; see tds_ring_rw in _lib.lua).
+          A ring restored with rows absent (header field 'ho', see _absent.lua) draws
+          among the rows it holds instead: row j is (ho + draw_j % (rw - ho)) % count.
           Must come before its 'X'/'Y' ops.
           A store with a sampling policy answers STALE: its samples take a 'P' op.
     'J', m, L, strict, span0, span1, draws, kj, ranked
@@ -251,14 +253,15 @@ for _ = 1, nops do
     local count, rw = tds_ring_fields(head[1], head[2])
     rw = tds_ring_rw(meta, count, rw)
     ring_count = count
-    local written = math.min(rw, count)
+    local from = tds_held_from(meta, rw, count)  -- rows a restore left absent are skipped (_absent.lua)
+    local written = from and rw - from or math.min(rw, count)
     if written == 0 then
       error('TDSTORE empty: no slot of the ring has been written yet')
     end
     rows = {}
     local packed = {}
     for j = 1, n do
-      rows[j] = tds_u64(draws, 8 * j - 7) % written
+      rows[j] = tds_held_slot(tds_u64(draws, 8 * j - 7), written, from, count)
       packed[j] = tds_p64(rows[j])
     end
     if tds_stats.key ~= nil then
@@ -341,9 +344,10 @@ for _ = 1, nops do
         rows[j] = tds_u64(packed[1], 8 * j - 7)
       end
     else  -- uniformly: the draws again, over the slots written then
-      local written = tds_num(string.sub(seen, 2), 'recorded slot count')
+      local written, from = string.match(seen, '^U(%d+)@?(%d*)$')
+      written, from = tds_num(written, 'recorded slot count'), tonumber(from)
       for j = 1, n do
-        rows[j] = tds_u64(draws, 8 * j - 7) % written
+        rows[j] = tds_held_slot(tds_u64(draws, 8 * j - 7), written, from, count)
         packed[j] = tds_p64(rows[j])
       end
     end
@@ -372,7 +376,8 @@ for _ = 1, nops do
     rw = tds_ring_rw(meta, count, rw)
     ring_count = count
     local policy = tds_policy(head[3]) or {}
-    local written = math.min(rw, count)
+    local from = tds_held_from(meta, rw, count)  -- rows a restore left absent are skipped (_absent.lua)
+    local written = from and rw - from or math.min(rw, count)
     local lim = policy.limit
     if lim ~= nil then
       min_size = math.max(min_size, lim[2])
@@ -433,12 +438,12 @@ for _ = 1, nops do
       end
     else
       for j = 1, n do
-        rows[j] = tds_u64(draws, 8 * j - 7) % written
+        rows[j] = tds_held_slot(tds_u64(draws, 8 * j - 7), written, from, count)
         packed[j] = tds_p64(rows[j])
       end
     end
     if lim ~= nil or policy.mt ~= nil then  -- a sample that counts: what a resend gets back
-      decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written)
+      decision = by_priority and 'P' .. low_prob .. mass .. table.concat(packed) .. table.concat(probs) or 'U' .. string.format('%.0f', written) .. (from and string.format('@%.0f', from) or '')
     end
     if tds_stats.key ~= nil then
       finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end

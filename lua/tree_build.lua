@@ -67,6 +67,12 @@ local h = redis.call('HMGET', meta, 'count', 'rw', 'schema', 'sc', 'epoch', 'kv'
 tds_int_field(h[6], 'kv', 0, TDS_MAXINT)  -- bumped by the last step (version: tds_check compared it with the client's)
 local count, rw = tds_ring_fields(h[1], h[2])
 rw = tds_ring_rw(meta, count, rw)
+local held_from = tds_held_from(meta, rw, count)  -- a restored ring with rows absent (_absent.lua): no weight for them
+if held_from ~= nil then
+  error('TDSTORE refused: priorities cannot be turned on while ' .. string.format('%.0f', held_from - math.max(0, rw - count))
+    .. ' rows a checkpoint restore left absent are in the ring; they go once ' .. string.format('%.0f', held_from + count - rw)
+    .. ' more rows are written')
+end
 local function header_reply()
   local out = redis.call('HGETALL', meta)
   table.insert(out, 1, 'ON')

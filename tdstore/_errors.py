@@ -13,6 +13,8 @@ class StoreDamagedError(KeyError):
     was read or written by the call that raised it; see ``tdstore._format.integrity``.
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
     def __init__(self, message: str, *, named: bool = True) -> None:
         super().__init__(message)
         self.named = named
@@ -38,6 +40,8 @@ class QueueOverrunError(RuntimeError):
     left. Queue mode (``set_queue(True)``) makes writers wait instead, so nothing is lost.
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
     def __init__(self, message: str, lost: int) -> None:
         super().__init__(message)
         self.lost = lost
@@ -47,6 +51,8 @@ class LeaseLostError(RuntimeError):
     """An ``ack`` came after its lease ran out and other pops took some of its items (``not_held``:
     their ring write numbers): work on those may be done twice. The others (``settled``) are settled.
     """
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
     def __init__(self, message: str, *, settled: int, not_held: list[int]) -> None:
         super().__init__(message)
@@ -74,6 +80,8 @@ class DenseShapeError(ValueError):
     store (``LazyStackedTensorDictStore``; in torchrl, ``replay_buffer(..., ragged=True)``).
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
 
 class ShardedRingIdError(TypeError):
     """An opener of one-node stores (``LazyStackedTensorDictStore.from_store``, ``TensorDictStore.from_store``)
@@ -91,6 +99,8 @@ class ShardUnavailableError(ConnectionError):
     (``min_replicas``) says so ("may be lost") and carries :attr:`request_id` and :meth:`retry`:
     the same call sent again under that id, answered with what the first one took (the popped
     items) once the replicas have it; :attr:`taken` is what the primary answered meanwhile."""
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
     def __init__(
         self, message: str, shard: int, *, request_id: str | None = None, resend: Callable[[float | None], Any] | None = None,
@@ -124,6 +134,8 @@ class AmbiguousTimeoutError(TimeoutError):
     call's reply when that one ran (the popped items, the ``RingWrite``), or runs it now when it
     did not: either way the call takes effect exactly once.
     """
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
     def __init__(self, message: str, *, request_id: str, resend: Callable[[float | None], Any] | None = None) -> None:
         super().__init__(message)

@@ -21,20 +21,19 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import whole_store
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine, new_td_id, td_id_or_new
-from tdstore._format import nontensor as _nontensor
+from tdstore._format import nontensor
 from tdstore._format.codec import dtype_name
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, StackStore, fetch_existing, ttl_to_ms
 from tdstore._front.key_changes import check_allocation
 from tdstore._front.stack_view import StackView
-from tdstore._plan import index as _index
+from tdstore._plan.index import normalize
 from tdstore._plan.values import as_path, display
 from tdstore._ring.dense_methods import DenseRing
-from tdstore._ring.dense_slices import DenseTrajectoryMethods
 from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 
@@ -62,7 +61,7 @@ def _dense_values(items: dict[NestedPath, Any], batchless: bool) -> dict[NestedP
     return out
 
 
-class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
+class TensorDictStore(DenseRing, StackView):
     """A dense tensordict (any batch size, ``[]`` included) whose entries live on a Redis-compatible server.
 
     Every read and write is one atomic script call, as for the lazy store:
@@ -83,6 +82,8 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
         :class:`~tdstore.LazyStackedTensorDictStore`.  An existing ``td_id`` is
         attached to when its batch size agrees (``ValueError`` when it does not).
     """
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
     def _stack_index(self, index: Any = None) -> tuple:
         """The index of the underlying stack: the same index, or element 0 and nothing else when batchless."""
         if self._batchless:
-            return (0, *_index.normalize(index, torch.Size([]))) if index is not None else (0,)
+            return (0, *normalize(index, torch.Size([]))) if index is not None else (0,)
         if index is None:
             return tuple(slice(0, n, 1) for n in self._ops.engine.header.batch_size)
         return index if isinstance(index, tuple) else (index,)
@@ -148,7 +149,7 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
         if isinstance(out, LazyStackedTensorDict):
             # non-tensor keys come back per row: stacked densely, as in a TensorDict, and one
             # value repeated over the rows as one NonTensorData (what TensorDict.set(key, value) holds)
-            out = _nontensor.collapse(torch.stack(list(out.tensordicts), out.stack_dim))
+            out = nontensor.collapse(torch.stack(list(out.tensordicts), out.stack_dim))
         return out
 
     @classmethod
@@ -170,10 +171,10 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
         :meth:`from_store` gives the class back.  The store appears on the server
         only when the upload is complete (one atomic commit), as for lazy uploads.
         """
-        from tdstore._format import tensorclass as _tensorclass
+        from tdstore._format import tensorclass
         from tdstore._front.upload import upload
 
-        tc_name = _tensorclass.name_of(td)
+        tc_name = tensorclass.name_of(td)
         if is_tensorclass(td):
             td = td._tensordict
         if isinstance(td, LazyStackedTensorDict):
@@ -266,17 +267,17 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
         naming the class path and how to pass it.  An unknown ``td_id`` raises
         ``KeyError("No TensorDictStore with td_id=...")`` naming the prefix and server.
         """
-        from tdstore._format import tensorclass as _tensorclass
+        from tdstore._format import tensorclass
 
         redis_client, spec, owned = open_client(**_connection_kwargs(kwargs))
         engine = Engine(spec, StoreKeys(kwargs.get("prefix", "tensordict"), td_id), redis_client, owns_client=owned, readonly=readonly)
         engine.set_header(fetch_existing(engine))
         store = attach(engine, backend=backend, device=device, cache_metadata=cache_metadata)
         if engine.header.kind == "lazy":
-            return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
+            return tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
         if engine.header.kind != "dense":
             raise TypeError(f"the store with {engine.where()} is a {engine.header.kind!r} store")
-        return _tensorclass.wrap(cls._open_view(store), engine.header.tensorclass, tensorclass_cls)
+        return tensorclass.wrap(cls._open_view(store), engine.header.tensorclass, tensorclass_cls)
 
     # -- device, repr (identity and schema: ``_front.identity.StoreIdentity``) ----------------------
     @property
@@ -349,7 +350,7 @@ class TensorDictStore(DenseRing, DenseTrajectoryMethods, StackView):
                 spread=ops.engine.header.spread,
             )
         keys = StoreKeys(src.prefix, new_td_id())
-        header = _whole_store.copy_to(ops.engine, keys)
+        header = whole_store.copy_to(ops.engine, keys)
         engine = Engine(ops.engine.spec, keys, ops.engine.client, owns_client=False)
         engine.set_header(header)
         return type(self)._open_view(attach(engine, backend=ops.backend, device=src.device, cache_metadata=ops.cache_metadata))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import redis
 
-from tdstore._engine import batches as _batches
+from tdstore._engine import batches
 from tdstore._format.header_info import DELETING, HeaderInfo, StoreFormatError
 from tdstore._format.keys import StoreKeys, registry_key
 from tdstore._inspect.audit import audit
@@ -134,8 +134,8 @@ def _clear(client: redis.Redis, keys: StoreKeys, header: HeaderInfo, spec: str |
     every = keys.all_keys(header.next_leaf, header.segments) + keys.side_keys
     # on Redis Cluster the registry lives in another slot: the script leaves it, and it is updated after
     spec = spec or f"{header.epoch}:V{header.version}"
-    reply = _batches.clear(client, every[0], None if cluster else keys.registry, every[1:], spec, keys.td_id)
-    status = _batches.status(reply)
+    reply = batches.clear(client, every[0], None if cluster else keys.registry, every[1:], spec, keys.td_id)
+    status = batches.status(reply)
     if status == "GONE":
         raise NoSuchStore(keys.td_id)
     if status != "OK":

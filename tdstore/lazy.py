@@ -17,7 +17,7 @@ from tensordict.base import NO_DEFAULT
 
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine, td_id_or_new
-from tdstore._format import nontensor as _nontensor
+from tdstore._format import nontensor
 from tdstore._format.header_info import check_new_layout as _check_layout
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, KeySpec, NestedPath, key_specs_of
@@ -28,12 +28,12 @@ from tdstore._front.lifecycle import LazyLifecycle
 from tdstore._front.reading import LazyReads
 from tdstore._front.store_base import StoreBase
 from tdstore._plan.values import as_path, check_device, usable_device
-from tdstore._ring import direct_extend as _direct
-from tdstore._ring.lazy_methods import ReplayMethods
-from tdstore._ring.slices import TrajectoryMethods
+from tdstore._ring import direct_extend
+from tdstore._ring.lazy_methods import LazyRing
+from tdstore.ring_interface import Ring  # noqa: F401  (states the ring calls: gives them their docstrings)
 
 
-class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMethods, TrajectoryMethods, StoreBase):
+class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, StoreBase):
     """A lazy stack of ``count`` tensordicts whose leaves live on a Redis-compatible server.
 
     Every read and write of the stack, an element, a slice, a random batch, or a
@@ -81,6 +81,8 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
             ``ssl``...), plus ``password_provider``: a picklable callable that
             returns the password in processes this store is pickled into.
     """
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
     def __init__(
         self,
@@ -152,7 +154,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         )
         existing = engine.fetch_header() if readonly else engine.create(wanted, ttl_ms=ttl_ms)
         if existing is None:  # made here: no ring write yet, so its first extend may go direct (_ring.direct_extend)
-            _direct.learn(engine, 0)
+            direct_extend.learn(engine, 0)
         else:
             if existing.state != "ready":
                 raise KeyError(f"the store with {engine.where()} is still being uploaded")
@@ -303,7 +305,7 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
     # -- views -------------------------------------------------------------------------------
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
+            return nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
         if index is Ellipsis or (isinstance(index, tuple) and not index):
             return self
         element = self._element_of(index)
@@ -342,13 +344,25 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, ReplayMetho
         return LazyStackAccess(self)
 
     def __reduce__(self) -> Any:
-        return (_restore, (type(self), self.__getstate__()))
+        # a method of the class (pickled as ``getattr(tdstore.LazyStackedTensorDictStore, "_restore")``): a pickle
+        # names only the public class, so moving this module breaks none
+        return (type(self)._restore, (self.__getstate__(),))
+
+    @classmethod
+    def _restore(cls, state: dict[str, Any]) -> LazyStackedTensorDictStore:
+        obj = cls.__new__(cls)
+        obj.__setstate__(state)
+        return obj
+
+    @classmethod
+    def _element_view(cls, store: LazyStackedTensorDictStore, element: int, under: NestedPath) -> ElementView:
+        """An element view as a pickle names it (``ElementView.__reduce__``): through the public class."""
+        return ElementView(store, element, under)
 
 
 def _restore(cls: type[LazyStackedTensorDictStore], state: dict[str, Any]) -> LazyStackedTensorDictStore:
-    obj = cls.__new__(cls)
-    obj.__setstate__(state)
-    return obj
+    """What pickles made before ``LazyStackedTensorDictStore._restore`` name (``tdstore.lazy._restore``)."""
+    return cls._restore(state)
 
 
 def attach(engine: Engine, *, backend: str = "redis", device: Any = None, cache_metadata: bool = True) -> LazyStackedTensorDictStore:

@@ -3,10 +3,12 @@
 Three kinds of handle have the ring's calls, and each is a ``Ring`` (``isinstance(x, tdstore.Ring)``):
 
 - **lazy**: a ``LazyStackedTensorDictStore`` of ``count`` elements on one server (or one hash slot of a
-  cluster). Its ring is ``_ring.lazy_methods`` (the work: ``_ring.extend``, ``_ring.sample_pop``,
-  ``_ring.policy_calls``, ``_ring.leases``, ``_ring.waiting``).
+  cluster). Its ring is ``_ring.lazy_methods``: the calls of ``_ring.ring_calls`` (each written once for
+  the lazy and dense kinds, with this protocol's docstring) on ``_ring.one_node`` (the work: ``_ring.extend``,
+  ``_ring.sample_pop``, ``_ring.policy_calls``, ``_ring.leases``, ``_ring.waiting``).
 - **dense**: a ``TensorDictStore(batch_size=[count, *rest])``: the lazy ring of the stack it is kept as
-  (``_ring.dense_methods``), so every call behaves as the lazy one's, with two differences: batches come
+  (``_ring.dense_methods``: the same calls and work), so every call behaves as the lazy one's, with three
+  differences: ``sample`` takes no ``as_padded_tensor``/``as_nested_tensor`` (nothing is ragged), batches come
   back as one dense ``TensorDict`` of batch size ``[n, *rest]``, and a row of another shape than its key's
   raises ``DenseShapeError`` before anything is written (a lazy ring makes the key heterogeneous).
 - **sharded**: a ``tdstore.ShardedRing`` (``ShardedRing(count=N, url="redis+cluster://...")``, opened by id
@@ -44,19 +46,20 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, _ProtocolMeta, runtime_checkable
 
 # What the ring's calls answer and take, public here so that adapters (``tdstore.torchrl``) name them
-# without importing private modules; and the two rules an adapter must apply as the ring does: which
+# without importing private modules (and the classes' ``__module__`` is this module's: pickles name them
+# here, so moving the code that defines them breaks no pickle); and the two rules an adapter must apply as the ring does: which
 # slots an index names (``index_positions``: a bool/uint8 mask means what it means to ``store[mask]``)
 # and which generation a slot holds after ``write_count`` ring writes (``slot_generations``).
-from tdstore._format.sampling_policy import SamplingPolicy
+from tdstore._format.sampling_policy import RateLimit, SamplingPolicy
 from tdstore._format.trajectories import Trajectories
 from tdstore._plan.index import MASK_DTYPES
 from tdstore._plan.index import positions as index_positions
-from tdstore._ring.args import check_batch_size
-from tdstore._ring.extend import RingState, RingWrite, Sample
-from tdstore._ring.extend import generations as slot_generations
-from tdstore._ring.leases import LeasedSample
+from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_batch_size
+from tdstore._plan.ring_plan import generations as slot_generations
+from tdstore._ring.leases import LeasedSample, Receipt
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
+from tdstore._ring.ring_calls import CALLS, RingCalls
 from tdstore._ring.slices import RanksMoved, SliceSample
 
 if TYPE_CHECKING:
@@ -69,8 +72,10 @@ __all__ = [
     "Sample",
     "PrioritizedSample",
     "LeasedSample",
+    "Receipt",
     "Marks",
     "SamplingPolicy",
+    "RateLimit",
     "SliceSample",
     "RanksMoved",
     "Trajectories",
@@ -234,7 +239,8 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
 
         Any number of readers pop the same ring (the server moves one read cursor). With none unread,
         waits (``timeout``: then ``TimeoutError``, nothing taken; ``timeout=0`` tries once). Returns
-        ``Sample(td, indices, generations)``: popped items are gone from the queue, so a reader that
+        ``Sample(td, indices, generations)`` (a dense ring's ``td``: one ``TensorDict`` of batch size
+        ``[n, *rest]``, as for ``sample``): popped items are gone from the queue, so a reader that
         dies before using them loses them (at most once). ``keys`` reads only those keys.
 
         ``lease=S`` (seconds): the items are leased to this caller until ``ack``, returned as
@@ -463,3 +469,15 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
     def capacity(self) -> int:
         """The ring's number of slots: the store's ``count`` (a dense store's first dim). No round trip."""
         ...
+
+
+def _docstrings_from_the_protocol(front: type) -> None:
+    """Give each call of ``front`` (``_ring.ring_calls.RingCalls``, the calls of the lazy and dense kinds,
+    written once) the docstring stated here, so that every call's text exists once: this protocol's."""
+    for name in CALLS:
+        stated = inspect.getattr_static(Ring, name)
+        doc = (stated.fget if isinstance(stated, property) else stated).__doc__
+        vars(front)[name].__doc__ = doc
+
+
+_docstrings_from_the_protocol(RingCalls)

@@ -100,7 +100,7 @@ def read_cursor(srv: EmbeddedServer, store: Any) -> int:
 
 
 def _engine(store: Any) -> Any:
-    return store._engine if isinstance(store, LazyStackedTensorDictStore) else store._ring()._engine
+    return store._engine if isinstance(store, LazyStackedTensorDictStore) else store._ring_work().engine
 
 
 def ambiguous(call: Callable[[], Any]) -> AmbiguousTimeoutError:

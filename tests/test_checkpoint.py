@@ -219,7 +219,44 @@ def test_export_and_import_go_in_chunks(be: Backend, tmp_path: Path, monkeypatch
     assert_same_rows(store, back)
 
 
-def test_export_fails_when_the_ring_is_written_meanwhile(be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("late", [1, 3])
+def test_export_while_the_ring_is_written_keeps_the_fence_and_leaves_overwritten_rows_absent(
+    be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late: int
+) -> None:
+    # (was: the export failed, "changed while it was exported (rw moved): stop its writers")
+    monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 2)
+    store = LazyStackedTensorDictStore(count=6, **be.kwargs())
+    store.extend(TensorDict(x=torch.arange(6.0), batch_size=[6]))
+    store.extend(TensorDict(x=torch.arange(6.0, 8.0), batch_size=[2]))  # rw 8: slots 2..5 then 0, 1 oldest first
+    read_chunk = _checkpoint._read_chunk
+    chunks = []
+
+    def racing(s: Any, h: Any, lo: int, hi: int) -> Any:
+        chunks.append((lo, hi))
+        if lo == 4:  # after the fence and slots 2, 3: writes overwrite slots 2 (read), 3 (read), 4 (not yet)
+            store.extend(TensorDict(x=torch.full((late,), 60.0), batch_size=[late]))
+        return read_chunk(s, h, lo, hi)
+
+    monkeypatch.setattr(_checkpoint, "_read_chunk", racing)
+    meta = _checkpoint.export_store(store, tmp_path / "ck")
+    assert chunks == [(2, 4), (4, 6), (0, 2)]  # the fence's oldest rows first
+    back = import_checkpoint(tmp_path / "ck", td_id="live", **be.kwargs())
+    assert back.write_count == 8 and back.cursor == 2 and meta.ring["rw"] == 8
+    if late == 1:  # the write landed on a slot read already: the checkpoint is the fence, whole
+        assert meta.overwritten_during_export == 0 and "ho" not in meta.ring
+        assert back["x"].tolist() == [6.0, 7.0, 2.0, 3.0, 4.0, 5.0]
+        return
+    # slot 4 was overwritten before it was read: writes 2, 3, 4 (the fence's oldest rows) are absent
+    assert meta.overwritten_during_export == 3 and meta.ring["ho"] == 5
+    assert back["x"][[5, 0, 1]].tolist() == [5.0, 6.0, 7.0]
+    assert set(back.sample(200).indices.tolist()) == {5, 0, 1}  # the absent rows are never drawn
+    with pytest.raises(ValueError, match="3 rows a checkpoint restore left absent"):
+        back.enable_priorities(alpha=1.0)  # (they would weigh 1)
+    back.extend(TensorDict(x=torch.full((3,), 9.0), batch_size=[3]))  # the next writes fill them: every slot holds a row again
+    assert set(back.sample(400).indices.tolist()) == {0, 1, 2, 3, 4, 5}
+
+
+def test_export_fails_when_the_schema_changes_meanwhile(be: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_checkpoint, "CHUNK_ELEMENTS", 2)
     store = LazyStackedTensorDictStore(count=6, **be.kwargs())
     store.extend(TensorDict(x=torch.arange(6.0), batch_size=[6]))
@@ -227,11 +264,11 @@ def test_export_fails_when_the_ring_is_written_meanwhile(be: Backend, tmp_path: 
 
     def racing(s: Any, h: Any, lo: int, hi: int) -> Any:
         if lo == 2:
-            store.extend(TensorDict(x=torch.ones(1), batch_size=[1]))
+            store.extend(TensorDict(x=torch.ones(1), y=torch.ones(1), batch_size=[1]))  # a new key
         return read_chunk(s, h, lo, hi)
 
     monkeypatch.setattr(_checkpoint, "_read_chunk", racing)
-    with pytest.raises(RuntimeError, match="changed while it was exported"):
+    with pytest.raises(RuntimeError, match="schema or policy changed while it was exported"):
         export_checkpoint(store, tmp_path / "ck")
     assert not (tmp_path / "ck").exists() and list(tmp_path.iterdir()) == []
 

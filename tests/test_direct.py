@@ -184,16 +184,16 @@ def test_a_batch_that_fits_the_row_block_skips_the_general_planner(ring, monkeyp
     """A batch giving every key of the row block as a plain tensor of its dtype and shape is planned by
     the row block's own path; anything else (a dtype, a shape, a key missing or new, a tensor subclass)
     goes to the general planner, which words the error or plans the schema change."""
-    from tdstore._ring import extend as _extend
+    from tdstore._ring import extend
 
-    general = _extend._plan_rows
+    general = extend.plan_rows
     planned: list[int] = []
 
     def counting(*args, **kwargs):
         planned.append(1)
         return general(*args, **kwargs)
 
-    monkeypatch.setattr(_extend, "_plan_rows", counting)
+    monkeypatch.setattr(extend, "plan_rows", counting)
     ring.extend(rows(4, 3))
     assert planned == [] and tags(ring)[4:7] == [4, 5, 6]
     other_dtype, missing, subclass, other_shape = (rows(7, 2) for _ in range(4))

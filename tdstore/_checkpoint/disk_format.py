@@ -22,8 +22,17 @@ A checkpoint is a directory::
 imported), ``sub`` (``[[path, dims], ...]``), ``keys`` (``{"path", "dtype", "layout": "dense" | "ragged"
 | "json", "shape" (dense), "ndim", "file"}``: ``file`` is the memmap file, or the ``_tdstore/k<i>``
 stem), ``ring`` (``rw`` and the policy counters ``pm``, ``lb``, ``sn``, ``rr`` as the header holds them,
-``policy``: the ``sc`` JSON of ``_format.sampling_policy``), ``priorities`` and ``sampled`` (file names or null),
-``ttl_ms`` (the store's time to live left when exported, 0 for none; optional).
+``policy``: the ``sc`` JSON of ``_format.sampling_policy``; ``ho`` when rows are absent, below), ``priorities``
+and ``sampled`` (file names or null), ``ttl_ms`` (the store's time to live left when exported, 0 for none;
+optional), ``stats`` (the store's stats counters, ``{name: int}``, as ``_inspect.stats`` reads them;
+optional: older checkpoints have none) and ``overwritten_during_export`` (optional, 0 when absent).
+
+A checkpoint taken while writers ran holds the ring as of one fence (``lua/fence.lua``: the header,
+the stats and the time to live read in one atomic step); the rows writers overwrote while the export
+read the data are the fence's oldest ones, ring writes ``[rw - count, ho)``: ``overwritten_during_export``
+counts them, ``ring.ho`` is the oldest ring write whose row the checkpoint holds, and their slots have
+weight 0 and no sample count. Their bytes are whatever whole row the export read there (a newer
+one); a restored ring never samples or pops them (``lua/_absent.lua``).
 
 Nothing is ever unpickled: JSON and raw bytes only.  Every field and every file size is checked
 (:func:`read_meta`) before anything is written to a server; a malformed checkpoint raises
@@ -62,8 +71,11 @@ TORCHRL_ROW_KEYS = ("index", "index_generation")
 LAYOUTS = ("dense", "ragged", "json")
 #: Most dims of a key's element (torch's tensors have at most 64).
 MAX_NDIM = 64
-#: Header counters a checkpoint carries (``_format.sampling_policy``): ring writes, largest priority, limiter base, samples, queue cursor.
-RING_FIELDS = ("rw", "pm", "lb", "sn", "rr")
+#: Header counters a checkpoint carries (``_format.sampling_policy``): ring writes, largest priority, limiter base, samples, queue
+#: cursor, and the oldest ring write whose row it holds (``ho``: a checkpoint taken while writers ran, see the module docstring).
+RING_FIELDS = ("rw", "pm", "lb", "sn", "rr", "ho")
+#: Most fields of the stats hash a checkpoint carries (the scripts count a few dozen).
+MAX_STATS = 256
 #: Bytes per element of each dtype name a store accepts (``_format.codec.DTYPES``; kept here so that this module needs no torch).
 ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8,
@@ -114,6 +126,10 @@ class CheckpointMeta:
     sampled: str | None = None
     ttl_ms: int = 0
     """The store's time to live when it was exported (ms left; 0: none): what an import gives it unless told otherwise."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """The store's stats counters at the fence (``StoreKeys.stats``), restored with the ring."""
+    overwritten_during_export: int = 0
+    """Rows of the fence that writers overwrote while the export read the data: absent (see the module docstring)."""
     classes: list[Any] = field(default_factory=list)
     """The tensorclass names of nested sub-trees, ``[[path, "module.QualName"], ...]`` (``Header.classes``): names only."""
 
@@ -144,12 +160,12 @@ class CheckpointMeta:
                 raise ValueError(f"a ring write count is an int >= 0, got {rw!r}")
             if min(rw, self.count) != self.written:
                 raise ValueError(f"a ring write count of {rw} would make {min(rw, self.count)} slots written, not {self.written}")
-            if ring.get("lb") is not None or ring.get("rr") is not None:  # (counted in ring writes too)
+            if any(ring.get(n) is not None for n in ("lb", "rr", "ho")):  # (counted in ring writes too)
                 raise ValueError("the ring write count of a checkpoint with a rate limiter or a queue cursor is its own")
             ring["rw"] = rw
         if self.keys and not keys:
             ring.pop("rw", None)
-            for name in ("lb", "rr"):
+            for name in ("lb", "rr", "ho"):
                 ring.pop(name, None)
         return replace(self, keys=keys, ring=ring)
 
@@ -171,6 +187,8 @@ class CheckpointMeta:
             "priorities": self.priorities,
             "sampled": self.sampled,
             "ttl_ms": self.ttl_ms,
+            "stats": self.stats,
+            "overwritten_during_export": self.overwritten_during_export,
             **({"classes": self.classes} if self.classes else {}),
         }
 
@@ -236,7 +254,7 @@ def _ring(root: Path, raw: Any, count: int) -> dict[str, Any]:
     if not isinstance(raw, dict) or set(raw) - {*RING_FIELDS, "policy"}:
         raise bad(root, f"ring must be an object of {', '.join(RING_FIELDS)} and policy, got {raw!r}")
     out: dict[str, Any] = {}
-    for name in ("rw", "lb", "sn", "rr"):
+    for name in ("rw", "lb", "sn", "rr", "ho"):
         if raw.get(name) is not None:
             out[name] = _int(raw[name], f"ring.{name}", root)
     pm = raw.get("pm")
@@ -245,9 +263,11 @@ def _ring(root: Path, raw: Any, count: int) -> dict[str, Any]:
             raise bad(root, f"ring.pm must be a finite number in 0..{UNBOUNDED:g}, got {pm!r}")
         out["pm"] = float(pm)
     rw = out.get("rw", 0)
-    for name in ("lb", "rr"):
+    for name in ("lb", "rr", "ho"):
         if out.get(name, 0) > rw:
             raise bad(root, f"ring.{name}={out[name]} is beyond the ring write count rw={rw}")
+    if out.get("ho", rw) < rw - count:
+        raise bad(root, f"ring.ho={out['ho']} is below the oldest row a ring of {count} slots holds at rw={rw}")
     if raw.get("policy") is not None:
         try:
             SamplingPolicy.from_json(json.dumps(raw["policy"]))
@@ -255,6 +275,17 @@ def _ring(root: Path, raw: Any, count: int) -> dict[str, Any]:
             raise bad(root, f"ring.policy: {err}") from None
         out["policy"] = raw["policy"]
     return out
+
+
+def _stats(root: Path, raw: Any) -> dict[str, int]:
+    """The stats counters of a checkpoint: at most :data:`MAX_STATS` names of letters, digits and ``_`` (as
+    ``lua/restore.lua`` takes them), each an int in 0..2**53."""
+    if not isinstance(raw, dict) or len(raw) > MAX_STATS:
+        raise bad(root, f"stats must be an object of at most {MAX_STATS} counters, got {raw!r}"[:300])
+    for name in raw:
+        if not (0 < len(name) <= 64 and name.replace("_", "a").isalnum() and name.isascii()):
+            raise bad(root, f"stats: {name[:80]!r} is not a counter's name (letters, digits and _)")
+    return {name: _int(v, f"stats.{name}", root) for name, v in raw.items()}
 
 
 def read_meta(root: Any) -> CheckpointMeta:
@@ -323,6 +354,7 @@ def read_meta(root: Any) -> CheckpointMeta:
     meta = CheckpointMeta(
         td_id, kind, count, stack_dim, inner, keys, ring, raw.get("batchless", False), raw.get("device", ""),
         raw.get("tensorclass", ""), sub, raw.get("priorities"), raw.get("sampled"), _int(raw.get("ttl_ms", 0), "ttl_ms", root),
+        _stats(root, raw.get("stats", {})), _int(raw.get("overwritten_during_export", 0), "overwritten_during_export", root, 0, count),
         [[list(p), name] for p, name in classes.items()],
     )  # fmt: skip
     policy = meta.policy

@@ -5,9 +5,21 @@ per call: each chunk atomic, no element torn) and writes them into preallocated 
 homogeneous keys, in ``TensorDict.memmap``'s layout) and append-only files (heterogeneous and
 non-tensor keys), then the priority tree and sample counts byte for byte, then the metadata
 (format: :mod:`tdstore._checkpoint.disk_format`).  Memory is bounded by a chunk
-(:data:`CHUNK_ELEMENTS` elements, about :data:`CHUNK_BYTES`), not by the store.  The export is a
-snapshot when nobody writes meanwhile: a ring write or a schema change seen between its
-first and last read makes it fail (in-place writes ``store[i] = td`` are not detected).
+(:data:`CHUNK_ELEMENTS` elements, about :data:`CHUNK_BYTES`), not by the store.
+
+Writers may run meanwhile, and are never held by it (no lock; each read is one short call).  The
+export holds the ring as of one fence (``lua/fence.lua``: the header, the stats counters and the
+time to live in one atomic step): its cursor, write count (hence generations), policy counters and
+policy.  It then reads the rows, the priority tree and the sample counts, and the ring write count
+once more.  A ring write goes to the slot of the oldest row and moves the write count in the same
+call, so the rows writers overwrote meanwhile are exactly the fence's oldest ones, one per write
+past the fence: they are kept absent (``ring.ho``, weight 0, no sample count; counted in
+``overwritten_during_export``), and every other row read is the fence's, whole (each chunk is one
+atomic read).  A kept row's priority and sample count are the ones read after the fence (a
+sampler's ``update_priority`` meanwhile is kept: they are the row's own).  A schema or policy change
+during the export makes it fail (export again); so does a store deleted or made again.  In-place
+writes ``store[i] = td`` (not ring writes) are not detected: a store written by index is exported
+as it is read, chunk by chunk.
 
 :func:`import_checkpoint` checks the whole checkpoint first (:func:`prepare`: sizes, offsets,
 shapes, JSON documents, the priority tree, and the header the store will have read back as any
@@ -33,6 +45,7 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from tdstore._checkpoint import fence as _fence
 from tdstore._checkpoint.disk_format import (
     EXTRA_DIR,
     META_FILE,
@@ -45,7 +58,7 @@ from tdstore._checkpoint.disk_format import (
     read_restorable,
 )
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
-from tdstore._checkpoint.folder import opened, read_at
+from tdstore._checkpoint.folder import opened, prepare_dir, publish_dir, read_at
 from tdstore._engine import scripts as _scripts
 from tdstore._engine import whole_store as _whole_store
 from tdstore._engine.engine import Engine
@@ -98,15 +111,6 @@ def _lazy_handle(store: Any) -> Any:
     return seen
 
 
-def _ring_fields(engine: Engine) -> dict[str, Any]:
-    """The header's epoch, version and ring counters, in one round trip."""
-    names = ["epoch", "version", "sc", *RING_FIELDS]
-    values = engine.command("HMGET", engine.keys.meta, *names)
-    if values[0] is None:
-        raise engine.gone()
-    return {n: (v.decode() if isinstance(v, bytes) else v) for n, v in zip(names, values, strict=True)}
-
-
 def _intact(engine: Engine) -> None:
     """Raise ``StoreDamagedError`` unless every data and table key holds what the header implies (``tdstore
     check``'s audit, two pipelines): the reads of an export would take a lost segment, or a count another
@@ -114,20 +118,12 @@ def _intact(engine: Engine) -> None:
     from tdstore._format.integrity import damaged
     from tdstore._inspect.audit import audit
 
-    found = audit(engine.client, engine.keys.prefix, engine.keys.td_id)
-    if found.problems:
-        detail = "; ".join(found.problems[:3]) + (f" (and {len(found.problems) - 3} more)" if len(found.problems) > 3 else "")
-        raise damaged(engine.where(), f"its keys disagree with its header (count {engine.header.count}): {detail}", engine.keys.td_id)
-
-
-def _raw_key(engine: Engine, key: str, size: int, dest: Path) -> None:
-    """Copy the first ``size`` bytes of a server string into ``dest``, a piece per round trip."""
-    have = int(engine.command("STRLEN", key))
-    if have != size:
-        raise RuntimeError(f"{key!r} holds {have} bytes, not the {size} its policy needs ({engine.where()}); run 'tdstore check'")
-    with open(dest, "wb") as f:
-        for lo in range(0, size, _RAW_PIECE):
-            f.write(engine.command("GETRANGE", key, lo, min(size, lo + _RAW_PIECE) - 1))
+    for _ in range(3):  # (not atomic with writers: a write between its two pipelines may look like damage, damage stays)
+        found = audit(engine.client, engine.keys.prefix, engine.keys.td_id)
+        if not found.problems:
+            return
+    detail = "; ".join(found.problems[:3]) + (f" (and {len(found.problems) - 3} more)" if len(found.problems) > 3 else "")
+    raise damaged(engine.where(), f"its keys disagree with its header (count {engine.header.count}): {detail}", engine.keys.td_id)
 
 
 def _key_entries(h: Header) -> list[KeyEntry]:
@@ -204,66 +200,42 @@ def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: di
     return total
 
 
-def _prepare_dir(path: Path) -> Path:
-    """A fresh temporary sibling of ``path``, renamed onto it once the checkpoint is whole; ``path`` itself
-    may be absent, an empty directory or an earlier checkpoint (replaced), nothing else."""
-    if path.exists():
-        if not path.is_dir():
-            raise FileExistsError(f"{path} exists and is not a directory")
-        if any(path.iterdir()) and not (path / META_FILE).is_file():
-            raise FileExistsError(f"{path} is a directory that holds something else than a tdstore checkpoint; pick another path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
-
-
-def _publish_dir(tmp: Path, path: Path) -> None:
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(path)
-
-
 def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
-    """Write ``store`` (its rows, ring state, priorities and policy) into the directory ``path``.
+    """Write ``store`` (its rows, ring state, priorities, policy and stats) into the directory ``path``.
 
     ``path`` may be absent, an empty directory or an earlier checkpoint (replaced only once the
     new one is whole).  ``extra`` maps file names to JSON documents written beside the metadata.
-    Raises ``RuntimeError`` when the ring was written or the schema changed during the export.
+    Writers may run meanwhile (see the module docstring): the result's ``overwritten_during_export``
+    counts the rows they overwrote, which the checkpoint holds absent.  Raises ``RuntimeError``
+    when the schema or the policy changed during the export.
     """
     lazy = _lazy_handle(store)
     engine: Engine = lazy._engine
-    engine.set_header(engine.fetch_header())
-    h = engine.header
-    before = _ring_fields(engine)
-    _intact(engine)
     path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
-    tmp = _prepare_dir(path)
-    try:
-        meta = _export(lazy, engine, h, before, tmp, pbar)
-        after = _ring_fields(engine)
-        moved = [n for n in ("epoch", "version", "rw", "sn") if after[n] != before[n]]
-        if moved:
-            raise RuntimeError(
-                f"the store with {engine.where()} changed while it was exported ({', '.join(moved)} moved): "
-                "stop its writers and samplers, and export again"
-            )
-        for name, doc in (extra or {}).items():
-            (tmp / name).write_text(json.dumps(doc))
-        (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
-        _publish_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
+    for _ in range(3):  # the header the export plans from, then (its files ready) the fence: one version of the store
+        engine.set_header(engine.fetch_header())
+        h = engine.header
+        _intact(engine)
+        tmp = prepare_dir(path, META_FILE)
+        try:
+            meta = _export(lazy, engine, h, tmp, pbar)
+            for name, doc in (extra or {}).items():
+                (tmp / name).write_text(json.dumps(doc))
+            (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
+            publish_dir(tmp, path)
+            return meta
+        except _fence.Moved:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    raise RuntimeError(f"the schema or policy of the store with {engine.where()} keeps changing: export it again later")
 
 
-def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: Path, pbar: bool) -> CheckpointMeta:
-    count = h.count
+def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> CheckpointMeta:
+    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``_fence.Moved`` when
+    the store is another version than ``h`` by then), the rows read, oldest first, and the ring state set."""
+    count, plan = h.count, h.sampling
     entries = _key_entries(h)
     # a nested key named like a file of the checkpoint puts the memmap in a folder of its own (no longer torchrl's layout)
     clash = any(len(e.path) > 1 and e.path[0] in (EXTRA_DIR, META_FILE, TORCHRL_FILE) for e in entries if e.layout == "dense")
@@ -271,34 +243,58 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
     if clash:
         entries = [replace(e, file=f"rows/{e.file}") if e.layout == "dense" else e for e in entries]
     ragged = [e for e in entries if e.layout != "dense"]
-    if ragged:
+    priorities = f"{EXTRA_DIR}/priorities.f64" if plan is not None and plan.prioritized else None
+    sampled = f"{EXTRA_DIR}/sampled.u32" if plan is not None and plan.max_times is not None else None
+    if ragged or priorities or sampled:
         (root / EXTRA_DIR).mkdir(exist_ok=True)
+    for rel, size in ((priorities, tree_bytes(count)), (sampled, 4 * count)):
+        if rel is not None:
+            with open(root / rel, "wb") as blank:
+                blank.truncate(size)
+    tree = np.memmap(root / priorities, dtype="<f8", mode="r+", shape=(count,)) if priorities else None
+    times = np.memmap(root / sampled, dtype="<u4", mode="r+", shape=(count,)) if sampled else None
     files: dict[tuple[str, ...], list[Any]] = {}
+    first_part: dict[tuple[str, ...], list[Any]] = {}  # the slots read first ([c, count)), appended at the end
     try:
-        for e in ragged:
-            files[e.path] = [
-                open(root / f"{e.file}.data", "wb"),
-                open(root / f"{e.file}.offsets", "wb"),
-                open(root / f"{e.file}.shapes", "wb"),
-                0,
-            ]
-            files[e.path][1].write(b"\0" * 8)
+        for i, e in enumerate(ragged):
+            files[e.path] = _fence.open_ragged(root / e.file, True)
+            first_part[e.path] = _fence.open_ragged(root / EXTRA_DIR / f"part{i}", False)
+        fence = _fence.read_fence(engine)  # as late as can be: the writes from here on race the reads
+        if (fence.fields.get("epoch"), fence.fields.get("version")) != (h.epoch, str(h.version)):
+            raise _fence.Moved
+        stamps = _fence.Stamps(engine, h, fence)
+        order = stamps.order()
         rows = _chunk_rows(h)
-        lo = 0
         with progress(pbar, count, "export") as bar:
-            while entries and lo < count:
-                hi = min(count, lo + rows)
-                got = _write_chunk(_read_chunk(lazy, h, lo, hi), h, entries, mms, files, lo, hi)
-                if bar is not None:
-                    bar.update(hi - lo)
-                if ragged:  # heterogeneous elements: the next chunk is sized on this one's bytes per element
-                    rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
-                lo = hi
+            for n, (lo, end) in enumerate(order):
+                target = first_part if n == 0 and len(order) > 1 else files
+                while lo < end:
+                    hi = min(end, lo + rows)
+                    got = _write_chunk(_read_chunk(lazy, h, lo, hi), h, entries, mms, target, lo, hi) if entries else 0
+                    stamps.read(lo, hi, tree, times)
+                    if bar is not None:
+                        bar.update(hi - lo)
+                    if ragged:  # heterogeneous elements: the next chunk is sized on this one's bytes per element
+                        rows = max(1, min(CHUNK_ELEMENTS, CHUNK_BYTES // max(1, got // (hi - lo))))
+                    lo = hi
+        for i, e in enumerate(ragged):
+            if len(order) > 1:
+                _fence.append_part(
+                    files[e.path], first_part[e.path], {x: root / EXTRA_DIR / f"part{i}.{x}" for x in ("data", "offsets", "shapes")}
+                )
     finally:
-        for f in files.values():
+        for f in [*files.values(), *first_part.values()]:
             for handle in f[:3]:
                 handle.close()
+        for i in range(len(ragged)):
+            for x in ("data", "offsets", "shapes"):
+                (root / EXTRA_DIR / f"part{i}.{x}").unlink(missing_ok=True)
         mms.clear()  # unmapped: the files hold every row
+        for m in (tree, times):
+            if m is not None:
+                m.flush()
+        del tree, times
+    fields = fence.fields
     policy_raw = fields.get("sc")
     policy = json.loads(policy_raw) if policy_raw else None
     ring: dict[str, Any] = {n: int(fields[n]) for n in ("rw", "lb", "sn", "rr") if fields.get(n) is not None}
@@ -306,20 +302,24 @@ def _export(lazy: Any, engine: Engine, h: Header, fields: dict[str, Any], root: 
         ring["pm"] = float(fields["pm"])
     if policy is not None:
         ring["policy"] = policy
-    ttl = int(engine.command("PTTL", engine.keys.meta))  # (-1: none)
     meta = CheckpointMeta(
         td_id=engine.keys.td_id, kind=h.kind, count=count, stack_dim=h.stack_dim, inner=h.inner, keys=entries, ring=ring,
         batchless=h.batchless, device=h.device, tensorclass=h.tensorclass, sub=[[list(p), list(d)] for p, d in h.sub.items()],
-        ttl_ms=max(ttl, 0), classes=[[list(p), name] for p, name in h.classes.items()],
+        ttl_ms=max(fence.pttl, 0), stats=fence.stats, priorities=priorities, sampled=sampled,
+        classes=[[list(p), name] for p, name in h.classes.items()],
     )  # fmt: skip
-    if policy is not None and policy.get("alpha") is not None:
-        (root / EXTRA_DIR).mkdir(exist_ok=True)
-        meta.priorities = f"{EXTRA_DIR}/priorities.f64"
-        _raw_key(engine, engine.keys.priorities, tree_bytes(count), root / meta.priorities)
-    if policy is not None and policy.get("mt") is not None:
-        (root / EXTRA_DIR).mkdir(exist_ok=True)
-        meta.sampled = f"{EXTRA_DIR}/sampled.u32"
-        _raw_key(engine, engine.keys.times_sampled, 4 * count, root / meta.sampled)
+    # the fence's rows writers overwrote before the export read them are its oldest: absent, with every older one
+    first, fence_rw = stamps.first, stamps.fence_rw
+    meta.overwritten_during_export = first - stamps.oldest
+    held = _fence.held_slots(count, first, fence_rw)
+    if first > stamps.oldest:
+        ring["rw"], ring["ho"] = fence_rw, first
+        if ring.get("rr") is not None:  # a queue's next item is the oldest one held
+            ring["rr"] = max(ring["rr"], first)
+    if meta.priorities is not None:
+        _fence.rebuild_tree(root / meta.priorities, count, held)
+    if meta.sampled is not None:
+        _fence.clear_counts(root / meta.sampled, count, held)
     if all(e.layout == "dense" for e in entries) and entries and not clash and h.stack_pos == 0 and not h.inner and not h.sub:
         # torchrl's TensorStorageCheckpointer reads this beside the memmap: LazyTensorStorage(count).loads(root)
         (root / TORCHRL_FILE).write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": meta.written}))
@@ -450,7 +450,7 @@ def _stage(engine: Engine, root: Path, rel: str | None, target: str, token: str)
 
 
 def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
-    """Ring counters, policy, priority tree and sample counts: staged, then set in one script call."""
+    """Ring counters, policy, priority tree, sample counts and stats counters: staged, then set in one script call."""
     keys = engine.keys
     token = uuid.uuid4().hex
     tree_stage, times_stage = keys.staging(keys.priorities, token), keys.staging(keys.times_sampled, token)
@@ -462,8 +462,16 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
         reply = _scripts.call(
             engine.client,
             "restore",
-            [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage],
-            [f"{h.epoch}:V{h.version}", " ".join(_ring_words(meta)), policy.to_json() if policy else "", tree_len, times_len, keys.events],
+            [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage, keys.stats],
+            [
+                f"{h.epoch}:V{h.version}",
+                " ".join(_ring_words(meta)),
+                policy.to_json() if policy else "",
+                tree_len,
+                times_len,
+                keys.events,
+                " ".join(f"{k}={v}" for k, v in sorted(meta.stats.items())),
+            ],  # fmt: skip
         )
     finally:
         engine.command("DEL", tree_stage, times_stage)
@@ -498,7 +506,8 @@ def restore_into(
         plan = prepare(path, read_meta(path) if meta is None else meta, engine)
     meta = plan.meta
     _upload_rows(engine, plan, pbar, ttl_ms)
-    if not meta.ring:  # no ring state to give (a spread store has none: its guards would not follow a version bump)
+    # nothing to give (a spread store has no ring: its guards would not follow a version bump)
+    if not meta.ring and (not meta.stats or engine.spread):
         return meta
     try:
         _restore_ring(engine, plan.root, meta)

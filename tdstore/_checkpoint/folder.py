@@ -14,7 +14,9 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -160,3 +162,28 @@ def exists(root: Path, rel: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def prepare_dir(path: Path, meta_file: str) -> Path:
+    """A fresh temporary sibling of ``path``, renamed onto it once the checkpoint is whole; ``path`` itself
+    may be absent, an empty directory or an earlier checkpoint (replaced), nothing else."""
+    if path.exists():
+        if not path.is_dir():
+            raise FileExistsError(f"{path} exists and is not a directory")
+        if any(path.iterdir()) and not (path / meta_file).is_file():
+            raise FileExistsError(f"{path} is a directory that holds something else than a tdstore checkpoint; pick another path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish_dir(tmp: Path, path: Path) -> None:
+    """``tmp`` (:func:`prepare_dir`), whole, renamed onto ``path`` (an earlier checkpoint there moved aside, then deleted)."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(path)

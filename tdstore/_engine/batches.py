@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from tdstore._engine import scripts as _scripts
+from tdstore._engine import scripts
 from tdstore._format.header_info import parse_header
 from tdstore._format.keys import StoreKeys
 
@@ -63,7 +63,7 @@ def clear(client: Any, meta: str, registry: str | None, keys: list[str], spec: s
         part = pending[:size]
         ends = len(pending) <= size
         args = [spec if first else later, td_id, noreg, "" if ends else "keep", CLEAR_BYTES]
-        reply = _scripts.call(client, "clear", [*head, *part], args, execute)
+        reply = scripts.call(client, "clear", [*head, *part], args, execute)
         if status(reply) != "OK":
             return reply if first else [b"OK", total]
         total += int(reply[1])
@@ -81,12 +81,12 @@ def expire(client: Any, meta: str, keys: list[str], spec: str, ttl_ms: int, exec
     """
     parts = batches(keys)
     if len(parts) == 1:
-        return _scripts.call(client, "expire", [meta, *parts[0]], [spec, ttl_ms], execute)
+        return scripts.call(client, "expire", [meta, *parts[0]], [spec, ttl_ms], execute)
     at = ""
     reply: list = []
     for i, part in enumerate(parts):
         phase = "first" if i == 0 else "last" if i == len(parts) - 1 else "next"
-        reply = _scripts.call(client, "expire", [meta, *part], [spec, ttl_ms, at, phase], execute)
+        reply = scripts.call(client, "expire", [meta, *part], [spec, ttl_ms, at, phase], execute)
         if status(reply) != "OK":
             return reply
         at = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])

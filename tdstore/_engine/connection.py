@@ -30,10 +30,10 @@ from typing import Any
 import redis
 from redis.connection import SSLConnection
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine import deadline
 from tdstore._engine.shared_clients import shared_client
 from tdstore._engine.urls import parse_url_parts
-from tdstore._format import wire as _wire
+from tdstore._format import wire
 
 _HIREDIS_PACK: Any = None
 _HIREDIS_PACKER: Any = None
@@ -50,6 +50,8 @@ PASSWORD_ENV = "TDSTORE_PASSWORD"
 
 class PasswordError(redis.AuthenticationError):
     """The server wants a password and got none, or refused the one given (never holds the password)."""
+
+    __module__ = "tdstore"  # its public home: pickles name it there
 
 
 class TLSHandshakeError(redis.exceptions.RedisError):
@@ -498,13 +500,13 @@ class HeldConnection:
             conn.send_packed_command(packed, check_health=False)
             return conn.read_response()
 
-        return self._on_held(client, send, lambda: _deadline.execute_command(client, *args))
+        return self._on_held(client, send, lambda: deadline.execute_command(client, *args))
 
     def transaction(self, client: Any, body: bytes, n_commands: int) -> list[Any] | None:
         """``MULTI``, ``n_commands`` commands packed by ``_format.wire``, ``EXEC``: the raw ``EXEC`` reply;
         None when no connection can be held (see ``execute``)."""
-        send: Callable[[Any], Any] = lambda conn: _wire.transaction(conn, body, n_commands)  # noqa: E731
-        return self._on_held(client, send, lambda: _deadline.fallback(client, send, lambda: None))
+        send: Callable[[Any], Any] = lambda conn: wire.transaction(conn, body, n_commands)  # noqa: E731
+        return self._on_held(client, send, lambda: deadline.fallback(client, send, lambda: None))
 
     def _on_held(self, client: Any, send: Callable[[Any], Any], fallback: Callable[[], Any]) -> Any:
         if (
@@ -515,16 +517,16 @@ class HeldConnection:
             return fallback()
         try:
             pool = client.connection_pool
-            deadline = _deadline.active()
+            due = deadline.active()
             if self._conn is None or self._pid != os.getpid() or self._pool is not pool:
                 self._forget()
                 # under a deadline, a connection of our own: the pool's checkout would connect unbounded
-                self._own = deadline is not None
-                self._conn = _deadline.new_connection(pool) if self._own else pool.get_connection()
+                self._own = due is not None
+                self._conn = deadline.new_connection(pool) if self._own else pool.get_connection()
                 self._pool, self._pid = pool, os.getpid()
             conn = self._conn
-            if deadline is not None:
-                return self._send_within(conn, send, deadline)
+            if due is not None:
+                return self._send_within(conn, send, due)
             try:
                 # as redis-py does on checkout: a socket the server closed while idle (EOF) or
                 # with stray data is replaced before use, since this handle never leaves a reply unread
@@ -548,11 +550,11 @@ class HeldConnection:
             self._lock.release()
 
     @staticmethod
-    def _send_within(conn: Any, send: Callable[[Any], Any], deadline: _deadline.Deadline) -> Any:
+    def _send_within(conn: Any, send: Callable[[Any], Any], due: deadline.Deadline) -> Any:
         """``send(conn)`` under a deadline: timeouts and the client's retry policy cut to what is left
         (see ``_engine.deadline``). A connection that failed stays held, disconnected: the next call
         reconnects it (within its own deadline, if it has one)."""
-        with _deadline.bounded(conn, deadline):
+        with deadline.bounded(conn, due):
             try:
                 if conn._sock is not None and conn.can_read(timeout=0):
                     conn.disconnect()  # closed by the server while idle, or stray data (see _on_held)

@@ -49,24 +49,22 @@ from typing import Any
 import numpy as np
 import redis
 
-from tdstore._engine import limits as _limits
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import spread as _spread
+from tdstore._engine import limits, scripts
 from tdstore._engine.batches import clear_lapsed
 from tdstore._engine.connection import ConnectionSpec
+from tdstore._engine.spread import LEASE_MS, LOCAL, WAIT
 from tdstore._engine.spread_call import SCRIPT_READS, cut_per_segment, spread_call
 from tdstore._engine.transport import NO_TRANSACTION, Transport, refused_for_good
 from tdstore._engine.write_call import leaf_shapes, write_call
 from tdstore._errors import MustWait, QueueOverrunError, ReadOnlyReplicaError, StoreDamagedError
-from tdstore._format import integrity as _integrity
-from tdstore._format import segments as _segments
+from tdstore._format import integrity, segments
 from tdstore._format.header_info import DELETING, HeaderDamagedError, int_field, ring_writes
 from tdstore._format.keys import KeyTable, StoreKeys, check_td_id
 from tdstore._format.offsets import OffsetTables
 from tdstore._format.schema import Header, Leaf, NestedPath, StoreFormatError, check_paths
-from tdstore._plan import index as _index
-from tdstore._plan import read_plan as _read_plan
+from tdstore._plan import read_plan
 from tdstore._plan.call import Call, leaf_checks
+from tdstore._plan.index import Plan
 from tdstore._plan.read_results import DenseResult, ElementsResult, NotRagged
 
 MAX_RETRIES = 64
@@ -137,8 +135,8 @@ class Engine(Transport):
         self._counting = threading.local()  # .on: this thread's write.lua calls also count an in-place write ('tr')
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
         self.offsets = OffsetTables()  # heterogeneous leaves' offset tables: their rows read as plain GETRANGEs
-        self.segment_bytes = _segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
-        self.checks_memo = _integrity.ChecksMemo()  # write.lua's ARGV[6], built once per header and key list
+        self.segment_bytes = segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
+        self.checks_memo = integrity.ChecksMemo()  # write.lua's ARGV[6], built once per header and key list
 
     # -- connection and header ----------------------------------------------
     @property
@@ -155,7 +153,7 @@ class Engine(Transport):
         # a spread store's segments are spread over the nodes: each node refuses its own part
         limit = 0 if (self.spread or h.spread) else self.limits.maxmemory
         if limit and declared > limit:  # read the setting again before refusing: it may have changed
-            _limits.forget(self.spec.describe())
+            limits.forget(self.spec.describe())
             self._limits = None
             limit = self.limits.maxmemory
         if limit and declared > limit:
@@ -163,10 +161,10 @@ class Engine(Transport):
                 f"a store of {h.count} elements ({element_bytes} bytes each) needs {declared} bytes, more than the server's "
                 f"maxmemory ({limit} bytes); nothing was written ({self.where()})"
             )
-        if h.segments.n > _segments.MAX_SEGMENTS:
+        if h.segments.n > segments.MAX_SEGMENTS:
             raise ValueError(
                 f"a store of {h.count} elements of {element_bytes} bytes needs {h.segments.n} segments of {self.segment_size} bytes, "
-                f"more than {_segments.MAX_SEGMENTS}; pass a larger segment_bytes or a smaller count; nothing was written ({self.where()})"
+                f"more than {segments.MAX_SEGMENTS}; pass a larger segment_bytes or a smaller count; nothing was written ({self.where()})"
             )
 
     @property
@@ -212,7 +210,7 @@ class Engine(Transport):
         try:
             header = Header.from_fields(raw)
         except HeaderDamagedError as err:  # a value edited by hand: named like any damaged store
-            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
+            raise integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
         except StoreFormatError as err:
             raise StoreFormatError(f"{err} ({self.where()})") from None
         if header.state == DELETING:
@@ -274,7 +272,7 @@ class Engine(Transport):
         try:
             return int_field(raw, name, default=0)
         except HeaderDamagedError as err:
-            raise _integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
+            raise integrity.damaged(self.where(), str(err), self.keys.td_id, header=True) from None
 
     def create(self, header: Header, ttl_ms: int = 0) -> Header | None:
         """Create the header unless one exists; return the existing header if so (one round trip)."""
@@ -288,11 +286,11 @@ class Engine(Transport):
         with self.naming_errors():  # a header or registry of another type (WRONGTYPE), a server away
             for _ in range(3):
                 if self.spec.cluster:  # the registry lives in another slot: added right after, not atomically
-                    reply = _scripts.call(self.client, "create", [self.keys.meta], args)
+                    reply = scripts.call(self.client, "create", [self.keys.meta], args)
                     if reply[0] == b"OK":
                         self.client.sadd(self.keys.registry, self.keys.td_id)
                 else:
-                    reply = _scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
+                    reply = scripts.call(self.client, "create", [self.keys.meta, self.keys.registry], args)
                 if reply[0] != b"LAPSED":
                     break
                 # what a delete or a deadline change cut in batches left half-done: delete it, create again
@@ -332,12 +330,12 @@ class Engine(Transport):
         a server that cannot be reached: the same types, so callers' handling keeps working)."""
         try:
             yield
-        except _integrity.WrongTypeError as err:
+        except integrity.WrongTypeError as err:
             raise self.wrong_type(err.keys) from None
         except StoreDamagedError as err:
             if err.named:
                 raise
-            raise _integrity.damaged(self.where(), str(err), self.keys.td_id) from None
+            raise integrity.damaged(self.where(), str(err), self.keys.td_id) from None
         except ReadOnlyReplicaError as err:
             if err.named:
                 raise
@@ -355,7 +353,7 @@ class Engine(Transport):
         for key in names[:_TYPE_PROBES]:
             pipe.type(key)
         found = {key: (t.decode() if isinstance(t, bytes) else str(t)) for key, t in zip(names, pipe.execute(raise_on_error=False))}
-        return _integrity.damaged(self.where(), _integrity.wrong_types(self.keys, found), self.keys.td_id)
+        return integrity.damaged(self.where(), integrity.wrong_types(self.keys, found), self.keys.td_id)
 
     def unreachable(self, err: Exception) -> Exception:
         """``err`` (a connection error) naming the store and the server: same type, so retry policies keep working."""
@@ -380,7 +378,7 @@ class Engine(Transport):
                     continue
                 if reply is SCRIPT_READS:
                     return self.run_with_script_reads(plan)
-                if reply is not _spread.LOCAL:
+                if reply is not LOCAL:
                     return reply[0]
             if call.script == "tx":
                 try:
@@ -403,7 +401,7 @@ class Engine(Transport):
                     out.fields = call.field_values
                 return out
             self.check_argument_sizes(call)
-            reply = self._staged_call(call) if call.staged else _scripts.call(self.client, call.script, call.keys, call.args, self.execute)
+            reply = self._staged_call(call) if call.staged else scripts.call(self.client, call.script, call.keys, call.args, self.execute)
             status = reply[0]
             if status == b"OK":
                 return call.parse(reply)
@@ -430,7 +428,7 @@ class Engine(Transport):
                     "the next pop goes on with the oldest item left",
                     lost,
                 )
-            raise _scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
+            raise scripts.ServerScriptError(f"unexpected reply {status!r} from {call.script}")
         raise StaleSchemaError(f"the schema of the store with {self.where()} changed on each of {MAX_RETRIES} tries of one call")
 
     @staticmethod
@@ -472,7 +470,7 @@ class Engine(Transport):
         per_element: bool = False,
         fields: Sequence[str] = (),
         counts: list[list[Any]] | None = None,
-    ) -> tuple[_index.Plan | None, DenseResult | ElementsResult]:
+    ) -> tuple[Plan | None, DenseResult | ElementsResult]:
         """Read leaves at ``index`` in one round trip.
 
         ``paths`` names the leaves; ``None`` reads every leaf below ``under`` (all
@@ -486,7 +484,7 @@ class Engine(Transport):
         """
         wanted = None if paths is None else list(paths)
         result: dict[str, Any] = {}
-        out = self.run(lambda h: _read_plan.read_call(self, h, index, wanted, under, per_element, fields, result, counts))
+        out = self.run(lambda h: read_plan.read_call(self, h, index, wanted, under, per_element, fields, result, counts))
         return result["plan"], out
 
     def read_ragged(self, path: NestedPath, ids: np.ndarray) -> tuple[Leaf, np.ndarray, Any] | None:
@@ -499,7 +497,7 @@ class Engine(Transport):
         if not ids.size:
             return None
         try:
-            return self.run(lambda h: _read_plan.ragged_call(self, h, path, ids))
+            return self.run(lambda h: read_plan.ragged_call(self, h, path, ids))
         except NotRagged:
             return None
 
@@ -507,11 +505,11 @@ class Engine(Transport):
         """Turn a read planned on whole leaves into segment-local ops (see ``_format.segments``), in place."""
         if call.script == "tx":
             assert call.ranges is not None
-            call.ranges = _segments.localize_ranges(h.segments, self.keys, leaf_shapes(h), call.ranges)
+            call.ranges = segments.localize_ranges(h.segments, self.keys, leaf_shapes(h), call.ranges)
             return
         if not call.args[2]:  # after the two version checks: the op count
             return
-        call.keys, ops, merge = _segments.localize_read(h.segments, self.keys, leaf_shapes(h), call.keys, call.args[2:])
+        call.keys, ops, merge = segments.localize_read(h.segments, self.keys, leaf_shapes(h), call.keys, call.args[2:])
         call.args[2:] = ops
         planned = call.parse
         call.parse = lambda reply: planned(merge(reply))
@@ -572,11 +570,11 @@ class Engine(Transport):
     def run_spread(self, step: Callable[[Engine, Header], Any]) -> Any:
         """``step(self, header)`` until it gives a result (None: it refreshed the header, try again;
         ``_engine.spread.WAIT``: a schema change holds the lock, wait for it, at most its lease)."""
-        deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
+        deadline = time.monotonic() + LEASE_MS / 1000 + 5
         attempt = 0
         while attempt < MAX_RETRIES:
             out = step(self, self.header)
-            if out is _spread.WAIT:
+            if out is WAIT:
                 if time.monotonic() > deadline:
                     break
                 continue

@@ -25,8 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import slot_map as _slot_map
+from tdstore._engine import deadline, slot_map
 from tdstore._engine.script_text import assemble
 from tdstore._errors import ReadOnlyReplicaError, StoreDamagedError
 from tdstore._format.integrity import WrongTypeError
@@ -49,6 +48,7 @@ SCRIPT_NAMES = (
     "ack",
     "restore",
     "marks",
+    "fence",
     "trajectories",
     "sampled",
     "distinct",
@@ -59,6 +59,9 @@ USES_TREE = frozenset({"read", "write", "sampling", "priority", "tree_build"})
 #: Scripts that also get the lease table's helpers (``lua/_lease.lua``), after the others.
 LEASE_LIBRARY = "_lease"
 USES_LEASE = frozenset({"read", "ack"})
+#: Scripts that also get the helpers that skip the rows a restore left absent (``lua/_absent.lua``), last.
+ABSENT_LIBRARY = "_absent"
+USES_ABSENT = frozenset({"read", "priority", "tree_build"})
 #: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
 EPISODES_LIBRARY = "_episodes"
 USES_EPISODES = frozenset({"read", "write", "trajectories"})
@@ -98,6 +101,8 @@ def script_source(name: str) -> tuple[str, str]:
     libraries = [LIBRARY, TREE_LIBRARY] if name in USES_TREE else [LIBRARY]
     if name in USES_LEASE:
         libraries.append(LEASE_LIBRARY)
+    if name in USES_ABSENT:
+        libraries.append(ABSENT_LIBRARY)
     if name in USES_EPISODES:
         libraries.append(EPISODES_LIBRARY)
     if name in USES_SEEN:
@@ -124,21 +129,21 @@ def load(client: redis.Redis, text: str) -> None:
     argument waiting for the next request: loading the 78 KB ``write.lua`` there after an 8 MiB
     extend kept 10 MiB of ``used_memory`` for as long as the script stays cached, room the memory
     guard then counts as used. A new connection reads the text into a buffer of its size (82 KB)."""
-    if not _deadline.is_real(client):
-        _deadline.execute_command(client, "SCRIPT", "LOAD", text)
+    if not deadline.is_real(client):
+        deadline.execute_command(client, "SCRIPT", "LOAD", text)
         return
-    conn = _deadline.new_connection(client.connection_pool)
+    conn = deadline.new_connection(client.connection_pool)
 
     def send() -> Any:
         conn.send_command("SCRIPT", "LOAD", text)
         return conn.read_response()
 
     try:
-        dl = _deadline.active()
+        dl = deadline.active()
         if dl is None:
             conn.retry.call_with_retry(send, lambda *_: conn.disconnect())
         else:
-            with _deadline.bounded(conn, dl):
+            with deadline.bounded(conn, dl):
                 conn.retry.call_with_retry(send, lambda *_: conn.disconnect())
     finally:
         conn.disconnect()
@@ -209,7 +214,7 @@ def on_nodes(jobs: list[Callable[[], Any]]) -> list[Any]:
         return [jobs[0]()]
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="tdstore-node")
-    futures = [_pool.submit(_deadline.carried(job)) for job in jobs[1:]]  # each under the call's deadline
+    futures = [_pool.submit(deadline.carried(job)) for job in jobs[1:]]  # each under the call's deadline
     try:
         first = jobs[0]()
     finally:
@@ -242,24 +247,24 @@ def call_many(cluster: RedisCluster, calls: list[tuple[str, list[str], list[Any]
 
     def job(node: Any, idxs: list[int]) -> None:
         try:
-            if _deadline.active() is None:
+            if deadline.active() is None:
                 rest(idxs, node)
             else:  # a node that cannot be reached: the error at once, not tries there until the deadline
-                with _deadline.rerouting():
+                with deadline.rerouting():
                     rest(idxs, node)
         except (_Redirected, *REDIRECTS):
             resend(idxs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-            if _deadline.active() is None:
+            if deadline.active() is None:
                 resend(idxs)
                 return
             # under a call's deadline RedisCluster (no deadline bounds it) is no way out: past the deadline
             # the call's TimeoutError; before it, the calls not answered yet as a pipeline on the node the
             # slot map names once read again (a failover's promoted replica), until the deadline
-            _deadline.raise_if_over(err)
+            deadline.raise_if_over(err)
             try:
-                _slot_map.refresh(cluster, node.name)
-                _slot_map.on_slot_node(cluster, calls[idxs[0]][1][0], partial(rest, idxs), lambda: None)
+                slot_map.refresh(cluster, node.name)
+                slot_map.on_slot_node(cluster, calls[idxs[0]][1][0], partial(rest, idxs), lambda: None)
             except (_Redirected, *REDIRECTS):
                 resend(idxs)
 
@@ -291,7 +296,7 @@ def _node_pipeline(client: redis.Redis, calls: list[tuple[str, list[str], list[A
                 commands.append(("EVALSHA", sha, len(keys), *keys, *args))
             else:  # flushed again between our load and the retry: the text itself
                 commands.append(("EVAL", text, len(keys), *keys, *args))
-        replies = _deadline.pipeline(client, commands)  # under a call's deadline, bounded by it
+        replies = deadline.pipeline(client, commands)  # under a call's deadline, bounded by it
         missing = []
         for i, reply in zip(todo, replies):
             if isinstance(reply, NoScriptError):

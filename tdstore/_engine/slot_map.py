@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine import deadline
 
 #: Pauses between tries while the slot map still names a node that cannot be reached (seconds).
 PAUSE_S = (0.01, 0.25)
@@ -66,7 +66,7 @@ def refresh(cluster: Any, failed: str | None) -> None:
         future = _executor().submit(_initialize, manager, failed)
         with _pool_lock:
             _last[cluster] = (now, future)
-    dl = _deadline.active()
+    dl = deadline.active()
     try:
         future.result(timeout=None if dl is None else dl.left())
     except FutureTimeout:
@@ -90,16 +90,16 @@ def on_slot_node(cluster: Any, key: str, send: Callable[[Any], Any], forget: Cal
     while True:
         node = cluster.get_node_from_key(key)
         try:
-            with _deadline.rerouting():
+            with deadline.rerouting():
                 return send(node)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
             forget()
-            _deadline.raise_if_over(err)
+            deadline.raise_if_over(err)
             refresh(cluster, node.name)
-            _deadline.raise_if_over(err)
+            deadline.raise_if_over(err)
             if cluster.get_node_from_key(key).name != node.name:
                 continue  # the slot has a new primary: try it at once
-            dl = _deadline.active()
+            dl = deadline.active()
             if dl is None:
                 raise
             time.sleep(min(pause, dl.left()))

@@ -43,9 +43,8 @@ from typing import Any
 
 import redis
 
-from tdstore._engine import scripts as _scripts
-from tdstore._format import integrity as _integrity
-from tdstore._format import wire as _wire
+from tdstore._engine import scripts
+from tdstore._format import integrity, wire
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.op_kinds import READ_OPS, WRITE_OPS, OpKind, read_kind, read_ops
 from tdstore._format.schema import Header
@@ -125,7 +124,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
     calls = []
     for seg in segs:  # every segment checks what segment 0 checks, against its own guard
         part = parts[seg]
-        checks = [_integrity.checks(keys, h, part.kt.keys)] if call.script == "write" else []
+        checks = [integrity.checks(keys, h, part.kt.keys)] if call.script == "write" else []
         calls.append((call.script, part.kt.keys, [*head, *checks, len(part.ops), *flat(part.ops)]))
     if call.staged:
         stage(engine, call.staged)
@@ -137,7 +136,7 @@ def run_data(engine: SegmentHost, h: Header, call: Call) -> Any:
         except Exception as err:  # a refusal: settle() drops the staged keys and raises it
             replies = [err]
     else:
-        replies = _scripts.call_many(engine.cluster, calls)
+        replies = scripts.call_many(engine.cluster, calls)
     status = settle(engine, h, dict(zip(segs, replies)), staged=call.staged)
     if status is not True:
         return status
@@ -241,7 +240,7 @@ def rollback(engine: SegmentHost, h: Header, token: str, upto_leaf: int, segment
     gone = range(h.segments.n, max(segments, h.segments.n))
     calls += [("clear", [keys.guard(seg), *keys.segment_keys(upto_leaf, seg)], ["*", keys.td_id, "noreg"]) for seg in gone]
     undone = 0
-    for (name, _, _), reply in zip(calls, _scripts.call_many(engine.cluster, calls) if calls else []):
+    for (name, _, _), reply in zip(calls, scripts.call_many(engine.cluster, calls) if calls else []):
         if isinstance(reply, Exception):
             raise reply
         undone += int(reply[1]) if name == "guard" else min(1, int(reply[1]))
@@ -259,7 +258,7 @@ def guard_fields(h: Header) -> dict[str, str]:
 
 
 def release(engine: SegmentHost, token: str) -> None:
-    _scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine.execute)
+    scripts.call(engine.client, "lock", [engine.keys.meta], ["release", token], engine.execute)
 
 
 def new_token() -> str:
@@ -298,7 +297,7 @@ def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
         count = 0
         for key, starts, lengths in pieces:
             commands, slots = group(keys.segment_of(key))
-            for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
+            for first, last in zip(*wire.chunked(starts, lengths, BULK_CHUNK)):
                 commands.append(("GETRANGE", key, first, last))
                 slots.append((b, count))
                 count += 1
@@ -323,7 +322,7 @@ def run_transaction(engine: SegmentHost, h: Header, call: Call) -> Any:
         return out
 
     jobs = list(by_node.values())
-    results = _scripts.on_nodes([partial(job, node, segs) for node, segs in jobs])
+    results = scripts.on_nodes([partial(job, node, segs) for node, segs in jobs])
     chunks: list[list[Any]] = [[None] * n for n in sizes]
     head = None
     for (_, segs), per_seg in zip(jobs, results):
@@ -364,7 +363,7 @@ def _take_lock(engine: SegmentHost, h: Header, *, undo_all: bool = False) -> tup
     lock whose holder died is taken over and its work undone; with ``undo_all``, every guard ahead
     of ``h`` is rolled back even when the lock was free."""
     token = new_token()
-    reply = _scripts.call(
+    reply = scripts.call(
         engine.client,
         "lock",
         [engine.keys.meta],
@@ -400,20 +399,20 @@ def clear(engine: SegmentHost, h: Header) -> Any:
         calls = _segment_calls(engine, h, "clear", [engine.keys.td_id, "noreg"])
         deleted = 0
         orphans = []  # segments whose guard is gone (a delete cut short): their keys go without a check
-        for (name, keys_, args), reply in zip(calls, _scripts.call_many(engine.cluster, calls)):
+        for (name, keys_, args), reply in zip(calls, scripts.call_many(engine.cluster, calls)):
             if isinstance(reply, Exception):
                 raise reply
             if reply[0] == b"OK":
                 deleted += int(reply[1])
             else:
                 orphans.append((name, keys_, ["*", *args[1:]]))
-        for reply in _scripts.call_many(engine.cluster, orphans) if orphans else []:
+        for reply in scripts.call_many(engine.cluster, orphans) if orphans else []:
             if isinstance(reply, Exception):
                 raise reply
             deleted += int(reply[1])
         keys = engine.keys
         # the header goes last, and the lock with it
-        reply = _scripts.call(
+        reply = scripts.call(
             engine.client, "clear", [keys.meta, *keys.segment_keys(h.next_leaf, 0)], ["*", keys.td_id, "noreg"], engine.execute
         )
     except BaseException:
@@ -436,14 +435,14 @@ def expire(engine: SegmentHost, h: Header, ttl_ms: int) -> Any:
         keys = engine.keys
         at = deadline(engine, ttl_ms)
         calls = _segment_calls(engine, h, "expire", [ttl_ms, at])
-        for (_, keys_, _), reply in zip(calls, _scripts.call_many(engine.cluster, calls)):
+        for (_, keys_, _), reply in zip(calls, scripts.call_many(engine.cluster, calls)):
             if isinstance(reply, Exception):
                 raise reply
             if reply[0] == b"GONE":
                 raise missing_guard(engine, keys.segment_of(keys_[0]))
             if reply[0] != b"OK":  # cannot be: the lock holds the schema still
                 raise AssertionError(f"segment {keys.segment_of(keys_[0])} refused an expiry under the schema lock: {reply[0]!r}")
-        reply = _scripts.call(
+        reply = scripts.call(
             engine.client,
             "expire",
             [keys.meta, *keys.segment_keys(h.next_leaf, 0)],

@@ -11,8 +11,7 @@ from typing import Any
 
 import redis
 
-from tdstore._engine import spread as _spread
-from tdstore._engine import spread_change as _spread_change
+from tdstore._engine import spread, spread_change
 from tdstore._engine.transport import refused_for_good
 from tdstore._format.schema import Header
 from tdstore._plan.call import Call, CallHost
@@ -37,14 +36,14 @@ def spread_call(engine: CallHost, plan: Callable[[Header], Call], header: Header
     segment 0, :data:`SCRIPT_READS` to read through the scripts, or None to plan again. While another
     client's schema change is under way the call waits for it and plans again here, without counting a
     lost race, for at most the lock's lease."""
-    deadline = time.monotonic() + _spread.LEASE_MS / 1000 + 5
+    deadline = time.monotonic() + spread.LEASE_MS / 1000 + 5
     while True:
         engine.check_argument_sizes(call)
         if call.schema is not None:
-            reply = _spread_change.run_schema_change(engine, header, call)
+            reply = spread_change.run_schema_change(engine, header, call)
         elif call.script == "tx":
             try:
-                reply = _spread.run_transaction(engine, header, call)
+                reply = spread.run_transaction(engine, header, call)
             except redis.exceptions.ResponseError as err:  # as Engine.transaction_refused
                 if refused_for_good(err):
                     engine.transactions = False
@@ -54,8 +53,8 @@ def spread_call(engine: CallHost, plan: Callable[[Header], Call], header: Header
                 # routes with a fresh slot map, or which raise naming the store
                 return SCRIPT_READS
         else:
-            reply = _spread.run_data(engine, header, call)
-        if reply is _spread.WAIT:
+            reply = spread.run_data(engine, header, call)
+        if reply is spread.WAIT:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.001 * random.random())
@@ -66,7 +65,7 @@ def spread_call(engine: CallHost, plan: Callable[[Header], Call], header: Header
             if not cut_per_segment(header, call):
                 return None
             continue
-        if reply is None or reply is _spread.LOCAL:
+        if reply is None or reply is spread.LOCAL:
             return reply
         if call.script == "tx" and engine.short(call, reply):
             return SCRIPT_READS

@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import spread as _spread
+from tdstore._engine import scripts, spread
 from tdstore._engine.spread import WAIT, Part, deadline, flat, missing_guard, new_token, refused, release, rollback, split, stage
-from tdstore._format import integrity as _integrity
+from tdstore._format import integrity
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.op_kinds import WRITE_OPS, Write, write_kind
 from tdstore._format.schema import Header
@@ -105,8 +104,8 @@ class _SchemaChange:
         """Take the store's schema lock: lock.lua's reply, else None (plan again) or :data:`WAIT`."""
         engine, new = self.engine, self.new
         # the lease is read from _spread at each call: one setting for every lock this package takes
-        args = ["acquire", self.check, self.token, _spread.LEASE_MS, new.next_leaf, self.after, _spread.QUIET_MS, "0"]
-        reply = _scripts.call(engine.client, "lock", [engine.keys.meta], args, engine.execute)
+        args = ["acquire", self.check, self.token, spread.LEASE_MS, new.next_leaf, self.after, spread.QUIET_MS, "0"]
+        reply = scripts.call(engine.client, "lock", [engine.keys.meta], args, engine.execute)
         status = reply[0]
         if status == b"OK":
             return reply
@@ -128,7 +127,7 @@ class _SchemaChange:
         (a node that missed guard.lua would run the prepare before the guard exists)."""
         engine, keys = self.engine, self.engine.keys
         at = deadline(engine, engine.ttl_ms() or 0)  # a store with a time to live: the header's deadline
-        made = _scripts.call_many(
+        made = scripts.call_many(
             engine.cluster, [("guard", [keys.guard(seg)], ["ensure", self.h.epoch, self.h.version, at]) for seg in range(1, self.after)]
         )
         for r in made:
@@ -152,9 +151,9 @@ class _SchemaChange:
         for seg in range(1, self.after):
             part = self.parts.get(seg) or Part(KeyTable(keys.guard(seg)), [])
             # a guard needs the versions, not the schema: '-' stands for it (write.lua stores what it is given)
-            checks = _integrity.checks(keys, h, part.kt.keys, new)
+            checks = integrity.checks(keys, h, part.kt.keys, new)
             calls.append(("write", part.kt.keys, self.write_args(self.check, "-", fields, checks, part.ops)))
-        replies = _scripts.call_many(engine.cluster, calls)
+        replies = scripts.call_many(engine.cluster, calls)
         for i, r in enumerate(replies):
             if isinstance(r, Exception):
                 raise r
@@ -170,11 +169,11 @@ class _SchemaChange:
         """The header's segment written with the new schema: write.lua's reply, or None to plan again."""
         engine, h, new, keys = self.engine, self.h, self.new, self.engine.keys
         head = self.parts.get(0) or Part(KeyTable(keys.meta), [])
-        checks = _integrity.checks(keys, h, head.kt.keys, new)
+        checks = integrity.checks(keys, h, head.kt.keys, new)
         commit = self.write_args(f"{self.check}@{self.token}", new.schema_json(), new.version_fields(h), checks, head.ops)
         self.sent = True
         try:
-            reply = _scripts.call(engine.client, "write", head.kt.keys, commit, engine.execute)
+            reply = scripts.call(engine.client, "write", head.kt.keys, commit, engine.execute)
         except BaseException:
             if _commit_outcome(engine, h, new, self.token) is not True:
                 raise
@@ -200,10 +199,10 @@ class _SchemaChange:
             for seg, ops in later.items():
                 if ops:
                     part = _renumber(keys, self.parts[seg], ops)
-                    args = self.write_args(f"{h.epoch}:V{new.version}", "", "", _integrity.checks(keys, new, part.kt.keys), part.ops)
+                    args = self.write_args(f"{h.epoch}:V{new.version}", "", "", integrity.checks(keys, new, part.kt.keys), part.ops)
                     cleanup.append(("write", part.kt.keys, args))
             if cleanup:
-                _scripts.call_many(engine.cluster, cleanup)
+                scripts.call_many(engine.cluster, cleanup)
         finally:
             release(engine, self.token)
 

@@ -15,12 +15,11 @@ from typing import Any, cast
 import redis
 from redis.cluster import RedisCluster
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import limits as _limits
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import slot_map as _slot_map
+from tdstore._engine import deadline, scripts, slot_map
 from tdstore._engine.connection import ConnectionSpec, HeldConnection
-from tdstore._format import wire as _wire
+from tdstore._engine.limits import ServerLimits, warn_eviction
+from tdstore._engine.limits import read as read_limits
+from tdstore._format import wire
 from tdstore._format.keys import StoreKeys
 from tdstore._plan.call import BULK_CHUNK, Call
 
@@ -52,7 +51,7 @@ class Transport:
         self.keys = keys
         self._client = client
         self._owns_client = owns_client
-        self._limits: _limits.ServerLimits | None = None
+        self._limits: ServerLimits | None = None
         self.value_limit = 512 << 20
         self._held = HeldConnection()  # script calls skip redis-py's per-command pool checkout
         self._node: redis.Redis | None = None  # on Redis Cluster: the client of the primary serving this store's slot
@@ -88,13 +87,13 @@ class Transport:
             self._client = None
 
     @property
-    def limits(self) -> _limits.ServerLimits:
+    def limits(self) -> ServerLimits:
         """What the server allows (see ``_engine.limits``): read once per server and process, with a
         warning when its maxmemory-policy may evict a store's keys."""
         if self._limits is None:
             where = self.spec.describe()
-            self._limits = _limits.read(self.client, where)
-            _limits.warn_eviction(self._limits, where)
+            self._limits = read_limits(self.client, where)
+            warn_eviction(self._limits, where)
         return self._limits
 
     @property
@@ -137,15 +136,15 @@ class Transport:
         to ``fallback()`` (``RedisCluster``, which no deadline bounds): the slot map is read again and the
         call goes to the node it names, until the deadline (``_engine.slot_map``: a handle adopts the
         primary a failover promoted within the call that meets the failover)."""
-        if _deadline.active() is not None:
+        if deadline.active() is not None:
 
             def forget() -> None:
                 self._held.release()
                 self._node = None
 
             try:
-                return _slot_map.on_slot_node(client, self.keys.meta, lambda node: send(node.redis_connection), forget)
-            except _scripts.REDIRECTS:
+                return slot_map.on_slot_node(client, self.keys.meta, lambda node: send(node.redis_connection), forget)
+            except scripts.REDIRECTS:
                 forget()
                 return fallback()
         node = self._node
@@ -153,7 +152,7 @@ class Transport:
             if node is None:
                 node = self._node = client.get_node_from_key(self.keys.meta).redis_connection
             return send(node)
-        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        except (*scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             self._held.release()
             self._node = None
         return fallback()
@@ -169,21 +168,21 @@ class Transport:
             if held is None:
                 held = self._node_held[node.name] = HeldConnection()
             held_for["last"] = held
-            return _scripts.call(node.redis_connection, name, keys, args, held.execute)
+            return scripts.call(node.redis_connection, name, keys, args, held.execute)
 
         def forget() -> None:
             if "last" in held_for:
                 held_for["last"].release()
 
         try:
-            if _deadline.active() is not None:
-                return _slot_map.on_slot_node(self.cluster, keys[0], on, forget)
+            if deadline.active() is not None:
+                return slot_map.on_slot_node(self.cluster, keys[0], on, forget)
             return on(self.cluster.get_node_from_key(keys[0]))
-        except (*_scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-            if _deadline.active() is not None and not isinstance(err, _scripts.REDIRECTS):
+        except (*scripts.REDIRECTS, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            if deadline.active() is not None and not isinstance(err, scripts.REDIRECTS):
                 raise
             forget()
-        return _scripts.call(self.client, name, keys, args)
+        return scripts.call(self.client, name, keys, args)
 
     def check_argument_sizes(self, call: Call) -> None:
         """Refuse, before sending, a call the server would not read: an argument larger than one string
@@ -228,7 +227,7 @@ class Transport:
     def _staged_call(self, call: Call) -> list:
         """One pipeline: each staged blob created empty with a TTL, filled by plain ~1 MiB SETRANGEs, then the script."""
         assert call.staged is not None
-        text, sha = _scripts.script_source(call.script)
+        text, sha = scripts.script_source(call.script)
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             self.queue_staged(pipe, call.staged)
@@ -242,9 +241,9 @@ class Transport:
             for r in results:
                 if isinstance(r, redis.exceptions.ResponseError):
                     self.client.delete(*(k for k, _ in call.staged))
-                    raise _scripts.translate(r, call.keys)
+                    raise scripts.translate(r, call.keys)
             return last
-        raise _scripts.ServerScriptError("the write script could not be loaded")
+        raise scripts.ServerScriptError("the write script could not be loaded")
 
     def _transaction(self, call: Call) -> Any:
         """Run a read as MULTI/EXEC of plain GETRANGEs; None when a guard no longer matches (see Call),
@@ -256,14 +255,14 @@ class Transport:
         """
         assert call.ranges is not None and call.guards is not None
         names = list(call.guards)
-        getranges, counts = _wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
+        getranges, counts = wire.pack_chunked_getranges(call.ranges, BULK_CHUNK, self._key_encoding)
         n = sum(counts)
         extra = call.fields or []
         tail = call.counts or []  # after the reads, their replies unused
         body = (
-            _wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding)
+            wire.pack("HMGET", self.keys.meta, "version", *names, *extra, encoding=self._key_encoding)
             + getranges
-            + b"".join(_wire.pack(*cmd, encoding=self._key_encoding) for cmd in tail)
+            + b"".join(wire.pack(*cmd, encoding=self._key_encoding) for cmd in tail)
         )
         try:
             results = self._transact(body, n + 1 + len(tail))
@@ -279,7 +278,7 @@ class Transport:
             pipe.hmget(self.keys.meta, ["version", *names, *extra])
             for pieces in call.ranges:
                 for key, starts, lengths in pieces:
-                    for first, last in zip(*_wire.chunked(starts, lengths, BULK_CHUNK)):
+                    for first, last in zip(*wire.chunked(starts, lengths, BULK_CHUNK)):
                         pipe.getrange(key, first, last)
             for cmd in tail:
                 pipe.execute_command(*cmd)
@@ -306,11 +305,11 @@ class Transport:
         """Load the scripts a read transaction's tail calls (``EVALSHA``: a sample's counters, see ``Call.counts``)."""
         for cmd in tail:
             if cmd[0] == "EVALSHA":
-                text = _scripts.script_source(_scripts.name_of(cmd[1]))[0]
+                text = scripts.script_source(scripts.name_of(cmd[1]))[0]
                 if self.spec.cluster:
                     self.cluster.execute_command("SCRIPT", "LOAD", text, target_nodes=self.cluster.get_node_from_key(self.keys.meta))
                 else:
-                    _scripts.load(self.client, text)
+                    scripts.load(self.client, text)
 
     def _tail_again(self, tail: list[list[Any]], replies: list[Any]) -> None:
         """Run again, through the script path (which loads it), a script of a read transaction's tail that the
@@ -318,18 +317,18 @@ class Transport:
         for cmd, reply in zip(tail, replies):
             if isinstance(reply, redis.exceptions.NoScriptError) and cmd[0] == "EVALSHA":
                 nk = int(cmd[2])
-                _scripts.call(self.client, _scripts.name_of(cmd[1]), [str(k) for k in cmd[3 : 3 + nk]], list(cmd[3 + nk :]))
+                scripts.call(self.client, scripts.name_of(cmd[1]), [str(k) for k in cmd[3 : 3 + nk]], list(cmd[3 + nk :]))
             elif cmd[0] == "HINCRBY" and cmd[1] == self.keys.stats and isinstance(reply, int) and reply == int(cmd[3]):
                 # the transaction made the counter (perhaps the hash): a transaction cannot read the store's deadline,
                 # so lua/sampled.lua, counting nothing, gives it (or deletes the hash of a store gone); once per store
                 keys = [self.keys.meta, self.keys.stats, self.keys.sampled_rows]
-                _scripts.call(self.client, "sampled", keys, [0])
+                scripts.call(self.client, "sampled", keys, [0])
 
     def commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Plain commands on the store's keys in one round trip (a transaction on the held connection; on a
         cluster, to the store's primary, see ``execute``): their raw replies. One by one where no
         transaction can be sent (fakeredis, another thread holding the connection, a redirect)."""
-        body = b"".join(_wire.pack(*c, encoding=self._key_encoding) for c in commands)
+        body = b"".join(wire.pack(*c, encoding=self._key_encoding) for c in commands)
         got = self._transact(body, len(commands))
         return [self.command(*c) for c in commands] if got is None else list(got)
 

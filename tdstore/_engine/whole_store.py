@@ -12,9 +12,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import replace
 
-from tdstore._engine import batches as _batches
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import spread as _spread
+from tdstore._engine import batches, scripts, spread
 from tdstore._engine.engine import Engine, StaleSchemaError
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header
@@ -33,7 +31,7 @@ def clear(engine: Engine) -> int:
     ``_engine.batches.BATCH_KEYS``: one per batch, under a tombstone header); 0 when it is already gone."""
     engine.refuse_if_readonly()
     try:
-        deleted = engine.run_spread(_spread.clear) if _spread.spreads(engine.header) else _clear_batched(engine)
+        deleted = engine.run_spread(spread.clear) if spread.spreads(engine.header) else _clear_batched(engine)
     except KeyError:
         deleted = 0
     finally:
@@ -54,8 +52,8 @@ def _clear_batches(engine: Engine) -> int:
         h = engine.header
         every = engine.keys.all_keys(h.next_leaf, h.segments.n) + engine.keys.side_keys
         registry = None if engine.spec.cluster else engine.keys.registry
-        reply = _batches.clear(engine.client, every[0], registry, every[1:], f"{h.epoch}:V{h.version}", engine.keys.td_id, engine.execute)
-        marker = _batches.status(reply)
+        reply = batches.clear(engine.client, every[0], registry, every[1:], f"{h.epoch}:V{h.version}", engine.keys.td_id, engine.execute)
+        marker = batches.status(reply)
         if marker == "GONE":
             raise engine.gone()
         if marker == "OK":
@@ -80,10 +78,10 @@ def abort_upload(engine: Engine, next_leaf: int, segments: int) -> None:
             ("clear", [engine.keys.guard(seg), *engine.keys.segment_keys(next_leaf, seg)], ["*", engine.keys.td_id, "noreg"])
             for seg in range(1, segments)
         ]
-        _scripts.call_many(engine.cluster, calls)
+        scripts.call_many(engine.cluster, calls)
         segments = 1
     every = engine.keys.all_keys(next_leaf, segments) + engine.keys.side_keys
-    _batches.clear(engine.client, every[0], None if engine.spec.cluster else engine.keys.registry, every[1:], "*", engine.keys.td_id)
+    batches.clear(engine.client, every[0], None if engine.spec.cluster else engine.keys.registry, every[1:], "*", engine.keys.td_id)
     if engine.spec.cluster:
         engine.client.srem(engine.keys.registry, engine.keys.td_id)
 
@@ -102,9 +100,9 @@ def copy_to(engine: Engine, keys: StoreKeys) -> Header:
         dst = [k for k in _without_build(keys, keys.all_keys(h.next_leaf, h.segments.n)[1:]) if k != keys.replies]
         src += engine.keys.side_keys
         dst += keys.side_keys
-        if len(src) > _batches.BATCH_KEYS:
+        if len(src) > batches.BATCH_KEYS:
             raise ValueError(
-                f"a server-side clone() copies at most {_batches.BATCH_KEYS} keys in one call (the server holds everything "
+                f"a server-side clone() copies at most {batches.BATCH_KEYS} keys in one call (the server holds everything "
                 f"meanwhile), and the store with {engine.where()} has {len(src)} ({h.segments.n} segments); copy it in chunks "
                 "with tdstore.export_checkpoint(store, path) and tdstore.import_checkpoint(path, ...) instead"
             )
@@ -142,15 +140,15 @@ def expire(engine: Engine, ttl_ms: int) -> None:
         every = _without_build(engine.keys, engine.keys.all_keys(h.next_leaf, h.segments.n)) + engine.keys.side_keys
         return Call("expire", every, [f"{h.epoch}:V{h.version}", ttl_ms], lambda r: None)
 
-    if _spread.spreads(engine.header):
-        engine.run_spread(lambda engine, h: _spread.expire(engine, h, ttl_ms))
+    if spread.spreads(engine.header):
+        engine.run_spread(lambda engine, h: spread.expire(engine, h, ttl_ms))
         return
     with engine.naming_errors():
         for _ in range(STALE_TRIES):
             h = engine.header
             every = plan_call(h).keys
-            reply = _batches.expire(engine.client, every[0], every[1:], f"{h.epoch}:V{h.version}", ttl_ms, engine.execute)
-            marker = _batches.status(reply)
+            reply = batches.expire(engine.client, every[0], every[1:], f"{h.epoch}:V{h.version}", ttl_ms, engine.execute)
+            marker = batches.status(reply)
             if marker == "GONE":
                 raise engine.gone()
             if marker == "OK":

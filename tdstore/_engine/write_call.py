@@ -1,6 +1,6 @@
 """The ``write.lua`` call of one planned write: from the planner's ops to the script's ARGV.
 
-The planner (``_plan.write_plan``, ``_plan.element_write``, ``_ring.extend``) gives (new header or None,
+The planner (``_plan.write_plan``, ``_plan.element_write``, ``_plan.ring_plan``) gives (new header or None,
 ops, leaves touched); :func:`write_call` adds what the script checks first (the header's epoch and versions,
 what each key must hold), fixes the segment length of a store's first keys, cuts the ops per segment,
 and stages large new blobs by plain SETRANGE in the same round trip.
@@ -13,13 +13,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tdstore._engine import held as _held
-from tdstore._engine import spread_change as _spread_change
-from tdstore._format import segments as _segments
+from tdstore._engine import held, spread_change
+from tdstore._format import segments
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf
-from tdstore._plan import write_plan as _write_plan
+from tdstore._plan import write_plan
 from tdstore._plan.call import Call, CallHost, leaf_checks
 
 #: Whole blobs of at least this many bytes are staged with plain SETRANGE and moved into place by the script
@@ -28,12 +27,12 @@ from tdstore._plan.call import Call, CallHost, leaf_checks
 BULK_WRITE_BYTES = 256 << 10
 
 
-def leaf_shapes(*headers: Header) -> Callable[[int], _segments.LeafShape]:
+def leaf_shapes(*headers: Header) -> Callable[[int], segments.LeafShape]:
     """Leaf number -> what localizing its ops needs; the first header that knows the number wins."""
     table = {}
     for h in reversed(headers):
         for leaf in (*h.leaves.values(), *([h.block] if h.block is not None else [])):
-            table[leaf.number] = _segments.LeafShape(leaf.het, 0 if leaf.het else leaf.element_nbytes, 8 * leaf.ndim)
+            table[leaf.number] = segments.LeafShape(leaf.het, 0 if leaf.het else leaf.element_nbytes, 8 * leaf.ndim)
     return table.__getitem__
 
 
@@ -42,8 +41,8 @@ def first_keys(engine: CallHost, h: Header, new_header: Header, ops: list[list[A
     (which say how large it may grow), after refusing a store that cannot fit the server; else as it is."""
     if h.seg or h.leaves or not new_header.leaves:
         return new_header
-    sizes = _write_plan.first_element_sizes(engine.keys, new_header, ops, kt)
-    new_header = replace(new_header, seg=_segments.segment_length(h.count, max((big for _, big in sizes), default=1), engine.segment_size))
+    sizes = write_plan.first_element_sizes(engine.keys, new_header, ops, kt)
+    new_header = replace(new_header, seg=segments.segment_length(h.count, max((big for _, big in sizes), default=1), engine.segment_size))
     engine.check_room(new_header, sum(mean for mean, _ in sizes))
     return new_header
 
@@ -66,12 +65,12 @@ def write_call(
     if h.row is not None and new_header is not None and new_header.row is None:
         ops = [*ops, Write.D(kt.ref(engine.keys.data(h.row[0])))]  # the block's last leaf left it
     if new_header is not None and h.spread:  # nothing the old schema uses is written before the commit
-        new_header, ops = _spread_change.copy_on_write(engine.keys, h, new_header, kt, ops)
+        new_header, ops = spread_change.copy_on_write(engine.keys, h, new_header, kt, ops)
     after = new_header or h
     if after.segments.n > 1:
-        kt, ops = _segments.localize_write(after.segments, engine.keys, leaf_shapes(after, h), kt, ops)
+        kt, ops = segments.localize_write(after.segments, engine.keys, leaf_shapes(after, h), kt, ops)
     if any(op[0] == Write.W.marker for op in ops):  # a ring write: counted in the store's stats (lua/_lib.lua tds_stat)
-        ops = [Write.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), _held.held_ms()), *ops]
+        ops = [Write.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), held.held_ms()), *ops]
     if request is not None:
         ops = [Write.N(kt.ref(engine.keys.replies), request), *ops]
     if engine.counts_in_place:

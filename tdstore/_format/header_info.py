@@ -68,6 +68,8 @@ ITEMSIZE: dict[str, int] = {
 class StoreFormatError(RuntimeError):
     """The server holds metadata that this version of tdstore cannot read safely."""
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
 
 class HeaderDamagedError(StoreFormatError, StoreDamagedError):
     """A header field holds a value tdstore never writes (edited by hand): a :class:`StoreDamagedError`
@@ -141,11 +143,12 @@ def check_new_layout(count: Any, stack_dim: Any, inner_batch_size: Any) -> tuple
 
 def _check_counters(f: Mapping[str, str], leaves: list[LeafRecord]) -> None:
     """The ring's counters and the guard fields the scripts compute with, in range (see ``tds_ring_fields``):
-    ``rw`` >= 0, ``rr`` and ``lb`` at most ``rw``, ``sn`` and ``na`` >= 0, ``pm`` finite, each ``lv:<n>``
+    ``rw`` >= 0, ``rr``, ``lb`` and ``ho`` at most ``rw``, ``sn`` and ``na`` >= 0, ``pm`` finite, each ``lv:<n>``
     the version its leaf record holds (else every call on the leaf would be answered STALE)."""
     rw = int_field(f.get("rw"), "rw", default=0)
     int_field(f.get("rr"), "rr", 0, rw, default=0)
     int_field(f.get("lb"), "lb", 0, rw, default=0)
+    int_field(f.get("ho"), "ho", 0, rw, default=0)  # rows a restore left absent (lua/_absent.lua)
     int_field(f.get("sn"), "sn", default=0)
     int_field(f.get("na"), "na", default=0)
     float_field(f.get("pm"), "pm", 0.0, UNBOUNDED, 1.0)
@@ -205,6 +208,8 @@ class HeaderInfo:
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
     distinct: bool = False
     """The ring tracks distinct rows sampled (header field ``sd`` = ``1``, ``lua/distinct.lua``)."""
+    absent_rows: bool = False
+    """The ring was restored with rows absent (header field ``ho``, see ``lua/_absent.lua``)."""
 
     @property
     def segments(self) -> int:
@@ -326,6 +331,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         trajectories=trajectories,
         leased="ls" in f,
         distinct="sd" in f,
+        absent_rows="ho" in f,
     )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tdstore._errors import StoreDamagedError
-from tdstore._format import wire as _wire
+from tdstore._format import wire
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.wire import Piece
@@ -142,7 +142,7 @@ class OffsetTables:
                         )
                     )
                 # the whole table back, or each row's two offsets (see _wire.TX_WHOLE_BYTES_PER_RANGE)
-                if len(raw) <= at.size * _wire.TX_WHOLE_BYTES_PER_RANGE:
+                if len(raw) <= at.size * wire.TX_WHOLE_BYTES_PER_RANGE:
                     offsets.append((okey, np.zeros(1, dtype=np.int64), np.full(1, len(raw), dtype=np.int64)))
                     expected.append(raw)
                 else:

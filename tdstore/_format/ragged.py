@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.schema import Leaf
 
 #: The keywords of ``get``/``get_at`` this module answers.
@@ -90,7 +90,7 @@ def build(leaf: Leaf, shapes: np.ndarray, data: Any, kwargs: dict[str, Any]) -> 
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=offsets[1:])
     total = int(offsets[-1])
-    values = _codec.from_bytes(data, leaf.dtype, (total, *rest_shape)) if total else torch.zeros((0, *rest_shape), dtype=leaf.dtype)
+    values = codec.from_bytes(data, leaf.dtype, (total, *rest_shape)) if total else torch.zeros((0, *rest_shape), dtype=leaf.dtype)
     if kwargs.get("as_nested_tensor"):
         layout = kwargs.get("layout")
         if layout not in (None, torch.jagged):

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.schema import Header, Leaf, NestedPath
 
 MAX_COLUMN_BYTES = 4096
@@ -85,7 +85,7 @@ def units(h: Header, leaves: list[Leaf]) -> tuple[list[Leaf], Leaf | None, list[
     return out, block, grouped
 
 
-_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _codec.NUMPY_NATIVE}
+_NUMPY = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in codec.NUMPY_NATIVE}
 
 
 def split(rows: torch.Tensor | np.ndarray, grouped: list[Leaf]) -> dict[NestedPath, torch.Tensor]:

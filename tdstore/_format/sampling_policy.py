@@ -49,6 +49,10 @@ class RateLimit:
         return f"samples_per_insert={self.samples_per_insert:g}, min_size={self.min_size}, error_buffer={error_buffer:g}"
 
 
+#: its public home: pickles name it there (set once made: a dataclass resolves its annotations in its own module)
+RateLimit.__module__ = "tdstore.ring_interface"
+
+
 @dataclass(frozen=True)
 class SamplingPolicy:
     """What ``sc`` holds: ``alpha`` (priorities on when not None), ``max_times`` (a slot is retired
@@ -111,6 +115,9 @@ class SamplingPolicy:
         if not isinstance(queue, bool):
             raise ValueError(f"bad queue flag {queue!r}")
         return cls(float(alpha) if alpha is not None else None, mt, limit, queue)
+
+
+SamplingPolicy.__module__ = "tdstore.ring_interface"  # see RateLimit.__module__
 
 
 def _number(v: object, lo: float, hi: float) -> bool:

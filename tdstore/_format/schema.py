@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.header_info import RAGGED, StoreFormatError, parse_classes, parse_header
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.trajectories import Trajectories
@@ -92,13 +92,13 @@ class Leaf:
     @property
     def element_nbytes(self) -> int:
         assert self.shape is not None
-        return _codec.nbytes(self.shape, self.dtype)
+        return codec.nbytes(self.shape, self.dtype)
 
     def to_json(self) -> dict:
         rec: dict = {
             "path": list(self.path),
             "n": self.number,
-            "dtype": _codec.dtype_name(self.dtype),
+            "dtype": codec.dtype_name(self.dtype),
             "ndim": self.ndim,
             "v": self.version,
         }
@@ -169,6 +169,9 @@ class Header:
     """The ring's sampling policy (priorities, rate limiter, queue; header field ``sc``, see
     ``_format.sampling_policy``), set by ``lua/sampling.lua`` only: a header built by the client never writes it."""
 
+    absent_rows: bool = False
+    """The ring was restored from a checkpoint taken while writers ran with rows absent (header field ``ho``,
+    set by ``lua/restore.lua`` only): its samples are drawn by the server (``lua/_absent.lua``), never by the client."""
     trajectories: Trajectories | None = None
     """The key that tells the ring's trajectories apart (header field ``tj``, set by ``lua/trajectories.lua``
     only; see ``_format.trajectories``): every ring write then passes each row's id or end flag."""
@@ -355,7 +358,7 @@ class Header:
         except (KeyError, ValueError, TypeError) as err:
             raise StoreFormatError(f"store header is incomplete or corrupt: {err!r}") from None
         leaves = {
-            rec.path: Leaf(rec.path, rec.number, _codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col)
+            rec.path: Leaf(rec.path, rec.number, codec.dtype_from_name(rec.dtype), rec.ndim, rec.shape, rec.version, rec.json, rec.col)
             for rec in info.leaves
         }
         return cls(
@@ -379,6 +382,7 @@ class Header:
             trajectories=info.trajectories,
             leased=info.leased,
             distinct=info.distinct,
+            absent_rows=info.absent_rows,
             row=info.row,
             sub=sub,
             classes=classes,

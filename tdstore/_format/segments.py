@@ -7,7 +7,7 @@ Cluster the segments spread over the primaries.  Segment ``k`` holds elements
 ``k * per .. (k + 1) * per - 1``; its tables are local (offsets start at 0).  A store
 that fits in one segment (``per >= count``) has exactly one, under the header's tag.
 
-The planners (``_plan.read_plan``, ``_plan.write_plan``, ``_ring.extend``) plan in *global* terms: element
+The planners (``_plan.read_plan``, ``_plan.write_plan``, ``_plan.ring_plan``) plan in *global* terms: element
 ids and byte offsets of a leaf as if it were one blob, on segment 0's key names.
 This module turns such a plan into segment-local ops (:func:`localize_write`,
 :func:`localize_read`, :func:`localize_ranges`) and puts the reply pieces back into

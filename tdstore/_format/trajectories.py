@@ -48,3 +48,7 @@ class Trajectories:
     def describe(self) -> str:
         name = self.key[0] if len(self.key) == 1 else self.key
         return f"{'traj_key' if self.by == 'id' else 'end_key'}={name!r}"
+
+
+#: its public home: pickles name it there (set once made: a dataclass resolves its annotations in its own module)
+Trajectories.__module__ = "tdstore.ring_interface"

@@ -11,7 +11,7 @@ from tensordict import TensorDictBase
 from tdstore._format.schema import RAGGED, NestedPath
 from tdstore._front.common import StackStore
 from tdstore._front.stack_view import StackView
-from tdstore._plan import index as _index
+from tdstore._plan.index import normalize
 from tdstore._plan.values import display
 
 
@@ -47,7 +47,7 @@ class ElementView(StackView):
     # index composition: the view's index, as an index of the stack (its element at the stack dim)
     def _stack_index(self, index: Any = None) -> tuple:
         h = self._engine.header
-        inner = _index.normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
+        inner = normalize(index, torch.Size(h.inner)) if index is not None else tuple(slice(0, n, 1) for n in h.inner)
         return inner[: h.stack_pos] + (self._element,) + inner[h.stack_pos :]
 
     # reads (``_front.stack_view.StackView``): a nested key of the element is a view of it
@@ -89,4 +89,5 @@ class ElementView(StackView):
         raise NotImplementedError("store elements are made by indexing a store: store[i]")
 
     def __reduce__(self) -> Any:
-        return (ElementView, (self._store, self._element, self._under))
+        # through the store's public class (``LazyStackedTensorDictStore._element_view``): a pickle names no private class
+        return (getattr(type(self._store), "_element_view", ElementView), (self._store, self._element, self._under))

@@ -17,7 +17,7 @@ from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
 from tdstore._front.common import LOCK_ERROR
 from tdstore._front.state import LazyState
-from tdstore._plan import write_plan as _writes
+from tdstore._plan import write_plan
 from tdstore._plan.values import as_path, display
 
 
@@ -46,7 +46,7 @@ class LazyKeys(LazyState):
                     if not any(p[: len(q)] == q for p in h.leaves):
                         raise KeyError(f"key {display(q)!r} is not in the store")
             doomed = [p for p in h.leaves if any(p[: len(q)] == q for q in paths)]
-            return _writes.plan_delete(store_keys, h, doomed, kt)
+            return write_plan.plan_delete(store_keys, h, doomed, kt)
 
         # with a request id: a resend after a lost reply must not plan again, find the keys gone and raise
         self._engine.run_write_reply(plan, request=self._change_id())
@@ -66,7 +66,7 @@ class LazyKeys(LazyState):
             clash = [n for n in renames.values() if n in h.leaves and n not in renames]
             if clash:
                 raise KeyError(f"key {display(clash[0])!r} already exists; delete it first")
-            return _writes.plan_rename(h, renames), [], []
+            return write_plan.plan_rename(h, renames), [], []
 
         self._engine.run_write_reply(plan, request=self._change_id())  # as _delete_keys: a resend applies it once
 

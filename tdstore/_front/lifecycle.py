@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import whole_store
+from tdstore._engine.connection import ConnectionSpec
 from tdstore._engine.engine import Engine
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import Header
@@ -35,11 +37,11 @@ class LazyLifecycle(LazyState):
         ms = ttl_to_ms(seconds)
         if ms == 0:
             raise ValueError(f"expire needs a positive number of seconds, got {seconds!r}; use persist() to remove the time to live")
-        _whole_store.expire(self._engine, ms)
+        whole_store.expire(self._engine, ms)
 
     def persist(self) -> None:
         """Remove the store's time to live (every key), in one call (in batches, as :meth:`expire`)."""
-        _whole_store.expire(self._engine, 0)
+        whole_store.expire(self._engine, 0)
 
     def ttl(self) -> float | None:
         """Seconds left before the store expires, or ``None`` when it has no time to live."""
@@ -54,7 +56,7 @@ class LazyLifecycle(LazyState):
         ``clear_redis``, ``tdstore rm`` or creation of the same id deletes). The handle gives its connection
         back to the process's shared pool, where the next store opened takes it (using the handle again
         takes one)."""
-        deleted = _whole_store.clear(self._engine)
+        deleted = whole_store.clear(self._engine)
         self._engine.idle()
         return deleted
 
@@ -66,8 +68,10 @@ class LazyLifecycle(LazyState):
         return result
 
     def __getstate__(self) -> dict[str, Any]:
+        spec = self._engine.spec
         return {
-            "spec": self._engine.spec,
+            # the connection spec's fields, not the object: a pickle names no private class (issue 39)
+            "spec": {f.name: getattr(spec, f.name) for f in fields(spec)},
             "prefix": self._engine.keys.prefix,
             "td_id": self._engine.keys.td_id,
             "header": self._engine.header.fields(),
@@ -79,7 +83,12 @@ class LazyLifecycle(LazyState):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        engine = Engine(state["spec"], StoreKeys(state["prefix"], state["td_id"]), readonly=state.get("readonly", False))
+        spec = state["spec"]  # a ConnectionSpec in pickles made before its fields were pickled
+        engine = Engine(
+            ConnectionSpec(**spec) if isinstance(spec, dict) else spec,
+            StoreKeys(state["prefix"], state["td_id"]),
+            readonly=state.get("readonly", False),
+        )
         engine.set_header(Header.from_fields(state["header"]))
         self._init_handle(engine, backend=state["backend"], device=state["device"], cache_metadata=state["cache_metadata"])
         if state.get("is_locked"):

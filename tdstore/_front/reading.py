@@ -16,12 +16,12 @@ from tensordict import LazyStackedTensorDict, TensorDictBase, cat, lazy_stack
 from tensordict.base import NO_DEFAULT
 
 from tdstore._engine.engine import Engine
-from tdstore._format import ragged as _ragged
+from tdstore._format import ragged
 from tdstore._format.schema import NestedPath
 from tdstore._front.common import refuse_ellipsis_into_features
 from tdstore._front.progress import progress
 from tdstore._front.state import LazyState
-from tdstore._plan import index as _index
+from tdstore._plan.index import MASK_DTYPES, normalize, plan
 from tdstore._plan.values import as_path, assemble, display, gc_paused
 
 
@@ -34,17 +34,15 @@ class LazyReads(LazyState):
         if isinstance(index, (str, tuple)) and (isinstance(index, str) or any(isinstance(i, str) for i in index)):
             return None
         if isinstance(index, (np.integer, torch.Tensor)) and not isinstance(index, bool) and getattr(index, "ndim", 0) == 0:
-            if not (
-                isinstance(index, torch.Tensor) and (index.dtype in _index.MASK_DTYPES or index.is_floating_point() or index.is_complex())
-            ):
+            if not (isinstance(index, torch.Tensor) and (index.dtype in MASK_DTYPES or index.is_floating_point() or index.is_complex())):
                 index = int(index)
         if h.stack_pos == 0 and isinstance(index, int) and not isinstance(index, bool):
             if not -h.count <= index < h.count:
                 raise IndexError(f"index {index} is out of range for a store of {h.count} elements")
             return index % h.count
         if isinstance(index, tuple) or (isinstance(index, torch.Tensor) and index.ndim == 0):
-            norm = _index.normalize(index, h.batch_size)
-            p = _index.plan(norm, h.batch_size, h.stack_pos)
+            norm = normalize(index, h.batch_size)
+            p = plan(norm, h.batch_size, h.stack_pos)
             if p.element_int and p.inner_full:
                 return int(p.elements[0])
         return None
@@ -58,9 +56,9 @@ class LazyReads(LazyState):
         # a large read makes many small objects (views, TensorDicts): with the cyclic GC paused
         # meanwhile, it does not walk every live object of the program several times over
         with gc_paused():
-            plan, result = self._engine.read(index, paths, under=under)
+            planned, result = self._engine.read(index, paths, under=under)
             h = self._engine.header
-            return assemble(plan, result, h.inner, self._device, under if strip else (), h.sub_dims)
+            return assemble(planned, result, h.inner, self._device, under if strip else (), h.sub_dims)
 
     def _index_tensordict(self, index: Any, new_batch_size: Any = None, names: Any = None) -> TensorDictBase:
         return self._read_index(index)
@@ -70,13 +68,13 @@ class LazyReads(LazyState):
         try:
             if path in h.leaves:
                 leaf = h.leaves[path]
-                if leaf.het and _ragged.wanted(kwargs):
+                if leaf.het and ragged.wanted(kwargs):
                     fast = self._read_ragged(path, np.arange(h.count, dtype=np.int64), kwargs)
                     if fast is not None:
                         return fast
                 if leaf.het or kwargs:
                     return self._get_local(self._read_index(slice(None), [path]), path, kwargs)
-                plan, result = self._engine.read(slice(None), [path])
+                planned, result = self._engine.read(slice(None), [path])
                 t = result.leaves[path]  # type: ignore[union-attr]  # one homogeneous leaf reads as a DenseResult
                 return t.to(self._device) if self._device is not None else t
             # a nested key: every leaf below it, as the server has them now
@@ -105,7 +103,7 @@ class LazyReads(LazyState):
         raw = self._engine.read_ragged(path, ids)
         if raw is None:
             return None
-        out = _ragged.build(*raw, kwargs)
+        out = ragged.build(*raw, kwargs)
         if out is not None and self._device is not None:
             out = tuple(t.to(self._device) for t in out) if isinstance(out, tuple) else out.to(self._device)
         return out
@@ -118,7 +116,7 @@ class LazyReads(LazyState):
         h = self._header
         leaf = h.leaves.get(path)
         if kwargs.get("as_nested_tensor") or leaf is None or leaf.het or h.inner or h.stack_pos != 0 or not leaf.shape:
-            _ragged.check_mask(kwargs, display(path), scalars=leaf is not None and not leaf.het and not leaf.shape)
+            ragged.check_mask(kwargs, display(path), scalars=leaf is not None and not leaf.het and not leaf.shape)
         out = td.get(display(path), **{k: v for k, v in kwargs.items() if k != "return_mask"})
         return out, torch.ones(out.shape[:2], dtype=torch.bool, device=out.device)
 
@@ -127,7 +125,7 @@ class LazyReads(LazyState):
         h = self._header
         if isinstance(idx, (int, np.integer)) or h.inner or (isinstance(idx, torch.Tensor) and idx.ndim != 1):
             return None
-        norm = _index.normalize(idx, h.batch_size)
+        norm = normalize(idx, h.batch_size)
         if len(norm) != 1:
             return None
         comp = norm[0]
@@ -141,13 +139,13 @@ class LazyReads(LazyState):
         path = as_path(key)
         refuse_ellipsis_into_features(self._header, path, idx, "get_at")
         leaf = self._header.leaves.get(path)
-        if leaf is not None and leaf.het and _ragged.wanted(kwargs):
+        if leaf is not None and leaf.het and ragged.wanted(kwargs):
             ids = self._ragged_ids(idx)
             fast = self._read_ragged(path, ids, kwargs) if ids is not None and ids.size else None
             if fast is not None:
                 return fast
         if kwargs.get("return_mask") and self._ragged_ids(idx) is None:  # one element: nothing to mask
-            _ragged.check_mask(kwargs, display(path))
+            ragged.check_mask(kwargs, display(path))
         try:
             td = self._read_index(idx, None, under=path, strip=False)
         except KeyError:

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.base import NO_DEFAULT
 
-from tdstore._format import nontensor as _nontensor
+from tdstore._format import nontensor
 from tdstore._format.schema import NestedPath
 from tdstore._front.common import StackStore, refuse_ellipsis_into_features
 from tdstore._front.store_base import StoreBase
@@ -74,7 +74,7 @@ class StackView(StoreBase):
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str) or (isinstance(index, tuple) and index and all(isinstance(i, (str, tuple)) for i in index)):
-            return _nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
+            return nontensor.content(self._read_key(as_path(index), NO_DEFAULT))
         if index is Ellipsis or (isinstance(index, tuple) and not index):
             return self
         return self._index_tensordict(index)

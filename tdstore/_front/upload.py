@@ -29,15 +29,12 @@ import redis
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 
-from tdstore._engine import batches as _batches
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import spread as _spread
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import batches, scripts, whole_store
 from tdstore._engine.engine import Engine
+from tdstore._engine.spread import deadline as spread_deadline
+from tdstore._engine.spread import guard_fields
 from tdstore._errors import StoreDamagedError
-from tdstore._format import codec as _codec
-from tdstore._format import integrity as _integrity
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, integrity, row_block
 from tdstore._format.schema import RAGGED, Header, Leaf, NestedPath, merge_sub
 from tdstore._format.segments import Segments, segment_length
 from tdstore._front.progress import progress
@@ -193,7 +190,7 @@ def _upload(
         _commit(engine, header, token, ttl_ms, spread)
     except BaseException:
         try:
-            _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+            whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
         finally:
             engine.set_header(None)
         raise
@@ -236,7 +233,7 @@ def _new_header(
         sub=found.sub,
         classes=found.classes,
     )
-    header = _rows.grouped_header(header, len(leaves))
+    header = row_block.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0
     largest = max((int(v.max()) for v in sizes.values() if v.size), default=1)
     return replace(header, seg=segment_length(count, max(largest, width), engine.segment_size), spread=engine.spread)
@@ -294,7 +291,7 @@ def _send(
     keys = engine.keys
     segs = header.segments
     all_keys = [*keys.all_keys(header.next_leaf, segs.n), *([keys.guard(k) for k in range(1, segs.n)] if spread else [])]
-    guard: dict[FieldT, EncodableT] = {f: v for f, v in _spread.guard_fields(header).items()} if spread else {}
+    guard: dict[FieldT, EncodableT] = {f: v for f, v in guard_fields(header).items()} if spread else {}
     het_pos = {s.path: 0 for s in scans if not s.homogeneous}  # bytes written so far in the current segment
     renewed = time.monotonic()
     with progress(pbar, header.count, "upload") as bar:
@@ -313,7 +310,7 @@ def _send(
                 batch.pexpire(key, UPLOAD_TTL_MS)
             for reply in batch.execute(engine.client):
                 if isinstance(reply, Exception):
-                    raise _scripts.translate(reply)
+                    raise scripts.translate(reply)
             if bar is not None:
                 bar.update(hi - lo)
 
@@ -412,17 +409,17 @@ def _queue_chunk(
     for s in scans:
         leaf = header.leaves[s.path]
         if leaf.col is not None:
-            columns.append((leaf, np.frombuffer(_codec.to_bytes(s.data(lo, hi)), dtype=np.uint8).reshape(hi - lo, -1)))
+            columns.append((leaf, np.frombuffer(codec.to_bytes(s.data(lo, hi)), dtype=np.uint8).reshape(hi - lo, -1)))
         elif leaf.shape is not None:
             if leaf.element_nbytes:
-                pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, _codec.to_bytes(s.data(lo, hi)))
+                pipe.setrange(keys.data(leaf.number, k), local * leaf.element_nbytes, codec.to_bytes(s.data(lo, hi)))
         else:
             start = het_pos[s.path] if local else 0
             het_pos[s.path] = _queue_ragged(pipe, keys, leaf, k, local, start, s.data(lo, hi), sizes[s.path][lo:hi], s.shape_rows(lo, hi))
     if columns:
         assert header.row is not None
         block, width = header.row
-        pipe.setrange(keys.data(block, k), local * width, _rows.join(width, columns).data.cast("B"))
+        pipe.setrange(keys.data(block, k), local * width, row_block.join(width, columns).data.cast("B"))
 
 
 def _queue_ragged(
@@ -440,7 +437,7 @@ def _queue_ragged(
     of the segment's blob, their ends in the offset table (which starts with a 0 at element 0 of the
     segment), and their shapes.  Returns where the leaf's bytes end now."""
     ends = start + np.cumsum(sizes, dtype=np.int64)
-    raw = _codec.to_bytes(data)
+    raw = codec.to_bytes(data)
     if len(raw):
         pipe.setrange(keys.data(leaf.number, k), start, raw)
     table = ends.astype("<i8").tobytes() if local else np.concatenate(([0], ends)).astype("<i8").tobytes()
@@ -461,7 +458,7 @@ def _commit(engine: Engine, header: Header, token: str, ttl_ms: int, spread: boo
         commit_keys = keys.all_keys(header.next_leaf, header.segments.n)
     try:
         reply = _commit_batches(engine, header, token, ttl_ms, at, commit_keys)
-    except _scripts.ServerScriptError as err:
+    except scripts.ServerScriptError as err:
         if "upload lost" in str(err) and _committed(engine, header):
             return  # the commit ran and its reply was lost: redis-py's resend found the store ready
         raise
@@ -479,14 +476,14 @@ def _commit_batches(engine: Engine, header: Header, token: str, ttl_ms: int, at:
     ``_engine.batches.BATCH_KEYS`` keys, one per batch under the deadline the first read, the header
     turning ``ready`` in the last (see ``lua/commit.lua``). The first reply that is not OK ends it."""
     head, rest = commit_keys[:2], commit_keys[2:]
-    parts = _batches.batches(rest)
+    parts = batches.batches(rest)
     if len(parts) == 1 or head[1] != engine.keys.inventory:  # a spread store commits segment 0 only
-        return _scripts.call(engine.client, "commit", commit_keys, [token, ttl_ms, at, _integrity.checks(engine.keys, header, commit_keys)])
+        return scripts.call(engine.client, "commit", commit_keys, [token, ttl_ms, at, integrity.checks(engine.keys, header, commit_keys)])
     reply: list = []
     for i, part in enumerate(parts):
         phase = "first" if i == 0 else "last" if i == len(parts) - 1 else "next"
         names = [*head, *part]
-        reply = _scripts.call(engine.client, "commit", names, [token, ttl_ms, at, _integrity.checks(engine.keys, header, names), phase])
+        reply = scripts.call(engine.client, "commit", names, [token, ttl_ms, at, integrity.checks(engine.keys, header, names), phase])
         if reply[0] != b"OK":
             return reply
         at = reply[1].decode()
@@ -505,12 +502,12 @@ def _release_segments(engine: Engine, header: Header, ttl_ms: int) -> str:
     the store's, ``ttl_ms``).  The header and segment 0 follow in one call (:func:`_commit`): until
     then the store is not ready, and nobody reads it.  Returns the deadline of the store's TTL."""
     keys = engine.keys
-    at = _spread.deadline(engine, ttl_ms)
+    at = spread_deadline(engine, ttl_ms)
     calls: list[tuple[str, list[str], list[Any]]] = [
         ("expire", [keys.guard(k), *keys.segment_keys(header.next_leaf, k)], [f"{header.epoch}:V{header.version}", ttl_ms, at])
         for k in range(1, header.segments.n)
     ]
-    for r in _scripts.call_many(engine.cluster, calls):
+    for r in scripts.call_many(engine.cluster, calls):
         if isinstance(r, Exception):
             raise r
         if r[0] != b"OK":

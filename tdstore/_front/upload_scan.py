@@ -31,7 +31,7 @@ import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass
 from tensordict.base import _is_leaf_nontensor
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.schema import NestedPath, check_paths
 from tdstore._plan.values import as_path, display
@@ -172,7 +172,7 @@ def scan(elements: list[TensorDictBase]) -> tuple[tuple[int, ...], list[LeafScan
             if col is not None and col.json:
                 raise TypeError(f"key {display(path)!r} holds non-tensor data in element 0 but a tensor in element {i}")
             if col is None:
-                _codec.dtype_name(value.dtype)
+                codec.dtype_name(value.dtype)
                 leaves[path] = _Column(value.dtype, [value], [value.shape])
                 continue
             if value.dtype != col.dtype:
@@ -215,7 +215,7 @@ def scan_plain(elements: list[TensorDictBase], budget: int = 0) -> tuple[tuple[i
     n = len(elements)
     plan.left = budget
     for slot in plan.slots:
-        _codec.dtype_name(slot.dtype)
+        codec.dtype_name(slot.dtype)
         est = slot.first.nbytes * n
         if not _same_shapes(elements, slot):
             slot.shapes, slot.pieces = [], []  # heterogeneous: shapes and bytes gathered block by block
@@ -455,7 +455,7 @@ def scan_lazy(stack: LazyStackedTensorDict, elements: list[TensorDictBase]) -> t
         ndim = len(shapes[0])
         if any(len(sh) != ndim for sh in shapes):
             return scan(elements)
-        _codec.dtype_name(dtype)
+        codec.dtype_name(dtype)
         leaves.append(LeafScan.of(path, dtype, list(tensors), shapes))
     check_paths([leaf.path for leaf in leaves])
     return tuple(elements[0].batch_size), leaves
@@ -472,7 +472,7 @@ def scan_dense(td: TensorDictBase) -> tuple[tuple[int, ...], list[LeafScan]] | N
     for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor):
         if not isinstance(value, torch.Tensor) or isinstance(value, TensorDictBase):
             return None
-        _codec.dtype_name(value.dtype)
+        codec.dtype_name(value.dtype)
         leaves.append(LeafScan(as_path(key), value.dtype, [], tuple(value.shape[1:]), packed=value))
     check_paths([leaf.path for leaf in leaves])
     return tuple(td.batch_size[1:]), leaves

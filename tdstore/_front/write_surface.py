@@ -30,9 +30,8 @@ from tensordict import TensorDict, TensorDictBase, is_tensorclass
 from tdstore._format.schema import RAGGED, Header, NestedPath
 from tdstore._front.common import LOCK_ERROR, only_keys, refuse_ellipsis_into_features
 from tdstore._front.identity import StoreIdentity
-from tdstore._plan import element_write as _element_write
-from tdstore._plan import index as _index
-from tdstore._plan import write_plan as _writes
+from tdstore._plan import element_write, write_plan
+from tdstore._plan.index import normalize, plan, storage_rows
 from tdstore._plan.values import as_path, display, leaves_of, refuse_unshown, subtree_conflicts, subtree_layout
 
 
@@ -106,15 +105,15 @@ class WriteSurface(StoreIdentity):
         keys = self._engine.keys
         element = _one_element(index, self._engine.header.count) if one_element else None
         if element is None:
-            self._engine.run_write(lambda h, kt: _writes.plan_write(keys, h, index, items, kt, replace=replace, sub=sub))
+            self._engine.run_write(lambda h, kt: write_plan.plan_write(keys, h, index, items, kt, replace=replace, sub=sub))
             return
 
-        def plan(h: Header, kt: Any) -> Any:
+        def plan_call(h: Header, kt: Any) -> Any:
             # store[i] = td of existing keys: the element write's fast path, else the general planner
-            fast = _element_write.plan_element_write(keys, h, element, items, kt)
-            return fast if fast is not None else _writes.plan_write(keys, h, index, items, kt)
+            fast = element_write.plan_element_write(keys, h, element, items, kt)
+            return fast if fast is not None else write_plan.plan_write(keys, h, index, items, kt)
 
-        self._engine.run_write(plan)
+        self._engine.run_write(plan_call)
 
     # -- TensorDictBase's write hooks ---------------------------------------------------------
     def _set_tuple(
@@ -158,9 +157,9 @@ class WriteSurface(StoreIdentity):
     def _fill_value(self, index: Any, value: Any) -> dict[NestedPath, torch.Tensor]:
         """``store[index] = number`` writes the number into every leaf of the scope at ``index`` (in each leaf's dtype)."""
         h = self._engine.header
-        norm = _index.normalize(self._stack_index(index), h.batch_size)
-        p = _index.plan(norm, h.batch_size, h.stack_pos)
-        shape = tuple(_index.storage_rows(p, h.inner).shape)
+        norm = normalize(self._stack_index(index), h.batch_size)
+        p = plan(norm, h.batch_size, h.stack_pos)
+        shape = tuple(storage_rows(p, h.inner).shape)
         out = {}
         for path, leaf in h.leaves.items():
             if leaf.json or path[: len(self._under)] != self._under:  # non-tensor keys are left as they are, as on a TensorDict
@@ -221,13 +220,13 @@ class WriteSurface(StoreIdentity):
         keys = self._engine.keys
         full, element = self._under + under, self._element
 
-        def plan(h: Header, kt: Any) -> Any:
+        def plan_call(h: Header, kt: Any) -> Any:
             paths = [p for p in h.leaves if p[: len(full)] == full]
             if not paths:
                 raise KeyError(f"key {display(under) if under else display(self._under)!r} is not in the store")
-            return _writes.plan_fill(keys, h, paths, value, kt, element=element)
+            return write_plan.plan_fill(keys, h, paths, value, kt, element=element)
 
-        self._engine.run_write(plan)
+        self._engine.run_write(plan_call)
 
     def _inplace_on_copies(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Other in-place methods (``add_``, ``apply_``, ``clamp_``...): one read, a local update, one write.

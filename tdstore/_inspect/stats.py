@@ -5,7 +5,7 @@ The scripts that do the ring's work count it, in the same call, in the store's s
 :func:`read` gets them with the ring's state in one round trip (a pipeline of reads on the store's
 node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :data:`GAUGES`:
 
-- counters, since the store was made (deleted with it; a checkpoint does not carry them):
+- counters, since the store was made (deleted with it; a checkpoint carries them as of its fence):
   ``inserted`` (rows written by ``extend``/``append``), ``sampled`` (rows drawn by ``sample``),
   ``popped`` (items handed out by ``pop``, redeliveries included), ``acknowledged`` (leased items
   settled by ``ack``), ``redelivered`` (items popped again after their lease lapsed), ``expired``

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import redis
 from redis.cluster import RedisCluster
 
-from tdstore._format import wire as _wire
+from tdstore._format import wire
 from tdstore._format.integrity import ChecksMemo
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.schema import Header, Leaf
@@ -42,7 +42,7 @@ class Call:
     keys: list[str]
     args: list[Any]
     parse: Callable[[list], Any]
-    ranges: list[list[_wire.Piece]] | None = None  # per buffer of the reply: its byte ranges, in order
+    ranges: list[list[wire.Piece]] | None = None  # per buffer of the reply: its byte ranges, in order
     guards: dict[str, str] | None = None
     staged: list[tuple[str, Any]] | None = None  # (staging key, bytes) sent by plain SETRANGE before the script
     fields: list[str] | None = None  # header fields a transaction also reads (HMGET, after the guards)

@@ -13,13 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._format import codec as _codec
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, row_block
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._plan import index as _index
+from tdstore._plan import index
 from tdstore._plan.leaf_writes import (
     Value,
     element_op,
@@ -52,7 +51,7 @@ class _ElementTemplate:
                 grouped.append((leaf.col, leaf.element_nbytes, j))
             else:
                 self.entries.append((leaf, "blob", (keys.data(leaf.number, seg),)))
-        self.whole = bool(grouped) and _rows.covers_block(h, paths)
+        self.whole = bool(grouped) and row_block.covers_block(h, paths)
         self.row = keys.data(h.row[0], seg) if h.row is not None else None
         self.order: list[int] | None = None
         if self.whole and h.row is not None:
@@ -116,13 +115,13 @@ def plan_element_write(
                 v = value
             else:
                 return None
-            data = _codec.to_bytes(v)
+            data = codec.to_bytes(v)
             d, o, s = kt.ref(names[0]), kt.ref(names[1]), kt.ref(names[2])
             ops.append(Write.E(d, o, s, 8 * leaf.ndim, local, local, struct.pack(f"<{v.ndim}q", *v.shape), data, len(data)))
         elif not isinstance(value, torch.Tensor) or value.dtype != leaf.dtype or value.shape != leaf.shape:
             return None
         elif kind == "row":
-            data = by_position[j] = _codec.to_bytes(value)
+            data = by_position[j] = codec.to_bytes(value)
             grouped.append((leaf, data))
         else:
             ops.extend(element_op(kt, keys, leaf, element, value, h))
@@ -132,7 +131,7 @@ def plan_element_write(
             # the whole row, its columns back to back: one SETRANGE of their bytes joined
             width = h.row[1]
             row = b"".join([by_position[j] for j in t.order]) if len(t.order) > 1 else by_position[t.order[0]]
-            ops.append(Write.R(kt.ref(t.row), 1, _index.PAIR.pack(local * width, width), row))
+            ops.append(Write.R(kt.ref(t.row), 1, index.PAIR.pack(local * width, width), row))
         else:
             ops.extend(_element_row_ops(kt, keys, h, seg, local, grouped, t.whole))
     return None, ops, touched
@@ -149,13 +148,13 @@ def _element_row_ops(
     if whole:
         packed = _packed_row(width, grouped)
         if packed is None:  # gaps between the columns (keys deleted from the block): zeros there
-            packed = _rows.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped]).tobytes()
-        return [Write.R(key, 1, _index.PAIR.pack(local * width, width), packed)]
+            packed = row_block.join(width, [(leaf, np.frombuffer(data, dtype=np.uint8).reshape(1, -1)) for leaf, data in grouped]).tobytes()
+        return [Write.R(key, 1, index.PAIR.pack(local * width, width), packed)]
     ops = []
     for leaf, data in grouped:
         assert leaf.col is not None  # a grouped leaf has its column
         if len(data):
-            ops.append(Write.R(key, 1, _index.PAIR.pack(local * width + leaf.col, len(data)), data))
+            ops.append(Write.R(key, 1, index.PAIR.pack(local * width + leaf.col, len(data)), data))
     return ops
 
 

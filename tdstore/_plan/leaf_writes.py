@@ -1,7 +1,7 @@
 """The ops that write one leaf: its whole blob and tables, rows and elements of it, a new leaf,
 and a homogeneous leaf turning heterogeneous.
 
-The planners (``_plan.write_plan`` for indexed writes, ``_ring.extend`` for ring writes) decide which leaves a
+The planners (``_plan.write_plan`` for indexed writes, ``_plan.ring_plan`` for ring writes) decide which leaves a
 write touches and how; the ops for each leaf, and the checks of each value against the leaf
 (dtype, number of dims, inner batch size), are built here, once for both.
 """
@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._plan import index as _index
+from tdstore._plan import index
 
 #: A value per leaf path: one tensor whose leading dims are the indexed batch shape, or one tensor per element.
 Value = torch.Tensor | list[torch.Tensor]
@@ -41,13 +41,13 @@ def rows_op(kt: KeyTable, key: str, rows: np.ndarray, data: np.ndarray) -> list[
         return None
     if rows.size and int(rows[-1]) - int(rows[0]) == rows.size - 1 and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
         # one contiguous ascending run (an element, a slice): a single SETRANGE
-        ranges = _index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
+        ranges = index.pack_pairs(np.array([int(rows[0]) * rb]), np.array([rows.size * rb]))
         return Write.R(kt.ref(key), 1, ranges, np.ascontiguousarray(data).data.cast("B"))
     # keep the last occurrence of each row, as sequential assignment would
     uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
     data = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
-    lo, hi = _index.run_bounds(uniq)
-    return Write.R(kt.ref(key), int(lo.size), _index.pack_pairs(lo * rb, (hi - lo + 1) * rb), data.data.cast("B"))
+    lo, hi = index.run_bounds(uniq)
+    return Write.R(kt.ref(key), int(lo.size), index.pack_pairs(lo * rb, (hi - lo + 1) * rb), data.data.cast("B"))
 
 
 def as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
@@ -61,9 +61,7 @@ def as_rows(t: torch.Tensor, lead: int) -> np.ndarray:
 def check_dtype(path: NestedPath, t: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuse a tensor of another dtype than the key's (values are never cast)."""
     if t.dtype != dtype:
-        raise TypeError(
-            f"key {key_name(path)} holds {_codec.dtype_name(dtype)}, got {t.dtype}; cast the value explicitly (no silent casts)"
-        )
+        raise TypeError(f"key {key_name(path)} holds {codec.dtype_name(dtype)}, got {t.dtype}; cast the value explicitly (no silent casts)")
 
 
 def het_tables(inner: tuple[int, ...], elems: list[torch.Tensor]) -> tuple[bytes, bytes, bytes]:
@@ -97,12 +95,12 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
         bs = h.batch_size
         if tuple(value.shape[: len(bs)]) != tuple(bs):
             raise ValueError(f"key {key_name(path)}: a value of shape {list(value.shape)} does not start with the batch size {list(bs)}")
-        _codec.dtype_name(value.dtype)
+        codec.dtype_name(value.dtype)
         em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
         shape = tuple(em.shape[1:])
         leaf = Leaf(path, number, value.dtype, len(shape), shape)
         return leaf, [
-            Write.S(kt.ref(keys.data(number)), _codec.to_bytes(em)),
+            Write.S(kt.ref(keys.data(number)), codec.to_bytes(em)),
             Write.D(kt.ref(keys.offsets(number))),
             Write.D(kt.ref(keys.shapes(number))),
         ]
@@ -111,7 +109,7 @@ def plan_full_leaf(keys: StoreKeys, h: Header, path: NestedPath, value: Value, n
     if not value:
         raise ValueError(f"key {key_name(path)}: cannot infer a dtype and shape from zero elements")
     dtype = value[0].dtype
-    _codec.dtype_name(dtype)
+    codec.dtype_name(dtype)
     element_checks(h, path, value, value[0].ndim, dtype)
     shapes = {tuple(t.shape) for t in value}
     if len(shapes) == 1:
@@ -132,7 +130,7 @@ def element_op(kt: KeyTable, keys: StoreKeys, leaf: Leaf, element: int, value: t
         return []
     seg = h.segments.of(element)
     local = element - h.segments.start(seg)
-    return [Write.R(kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(local * eb, eb), _codec.to_bytes(value))]
+    return [Write.R(kt.ref(keys.data(leaf.number, seg)), 1, index.PAIR.pack(local * eb, eb), codec.to_bytes(value))]
 
 
 def new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[list[Any]]:
@@ -145,7 +143,7 @@ def new_leaf_ops(kt: KeyTable, keys: StoreKeys, h: Header, leaf: Leaf) -> list[l
     if leaf.shape is not None:
         return [Write.Z(kt.ref(keys.data(n)), h.count * leaf.element_nbytes)]
     empty = [] if leaf.json else list(h.inner) + [0] * (leaf.ndim - len(h.inner))
-    record = _codec.pack_i64([0] if leaf.json else empty)
+    record = codec.pack_i64([0] if leaf.json else empty)
     return [
         Write.S(kt.ref(keys.data(n)), b""),
         Write.S(kt.ref(keys.offsets(n)), bytes(8 * (h.count + 1))),
@@ -201,8 +199,8 @@ def to_heterogeneous(kt: KeyTable, keys: StoreKeys, leaf: Leaf, h: Header, numbe
 
 def het_payload(elems: list[torch.Tensor]) -> tuple[bytes, bytes, list[int]]:
     """Shape records, data and byte sizes of whole elements of a heterogeneous leaf, as 'E' and 'Y' ops take them."""
-    data = b"".join(bytes(_codec.to_bytes(t)) for t in elems)
-    shapes = _codec.pack_i64([s for t in elems for s in t.shape])
+    data = b"".join(bytes(codec.to_bytes(t)) for t in elems)
+    shapes = codec.pack_i64([s for t in elems for s in t.shape])
     return shapes, data, [t.numel() * t.element_size() for t in elems]
 
 
@@ -214,7 +212,7 @@ def splice_ops(kt: KeyTable, keys: StoreKeys, leaf: Leaf, order: list[int], elem
     ids = np.array(sorted(last), dtype=np.int64)
     dk, ok, sk = kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), kt.ref(keys.shapes(leaf.number))
     ops = []
-    for lo, hi in _index.runs(ids):
+    for lo, hi in index.runs(ids):
         shapes, data, sizes = het_payload([last[e] for e in range(lo, hi + 1)])
         ops.append(Write.E(dk, ok, sk, 8 * leaf.ndim, lo, hi, shapes, data, *sizes))
     return ops

@@ -21,7 +21,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensorclass, lazy_stack
 from tensordict.base import _is_leaf_nontensor
 
-from tdstore._format import ragged as _ragged
+from tdstore._format import ragged
 from tdstore._format.schema import RAGGED, Header, NestedPath
 from tdstore._plan.values import as_path, columns_maker
 
@@ -60,12 +60,12 @@ def check_padding(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` when they are padding keywords :func:`pad_rows` takes (``as_padded_tensor=True`` or
     ``as_nested_tensor=True``, with ``padding_side``, ``padding_value``, ``layout``, ``return_mask``), else
     ``TypeError``/``ValueError`` naming them: a caller checks before it reads anything."""
-    unknown = set(kwargs) - _ragged.KEYWORDS
+    unknown = set(kwargs) - ragged.KEYWORDS
     if unknown:
-        raise TypeError(f"unexpected keywords {sorted(unknown)}; the padding keywords are {sorted(_ragged.KEYWORDS)}")
-    if kwargs and not _ragged.wanted(kwargs):
+        raise TypeError(f"unexpected keywords {sorted(unknown)}; the padding keywords are {sorted(ragged.KEYWORDS)}")
+    if kwargs and not ragged.wanted(kwargs):
         raise TypeError(
-            f"padding takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(kwargs)}"
+            f"padding takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(ragged.KEYWORDS)}), got {sorted(kwargs)}"
         )
     if kwargs.get("return_mask") and kwargs.get("as_nested_tensor"):
         raise ValueError("return_mask goes with as_padded_tensor=True, not as_nested_tensor (a nested tensor knows its lengths)")
@@ -84,7 +84,7 @@ def pad_rows(td: Any, kwargs: dict[str, Any]) -> Any:
     masks: dict[NestedPath, torch.Tensor] = {}
     out = _pad_level(list(td.tensordicts), (), kwargs, masks)
     if kwargs.get("return_mask"):
-        root = _ragged.mask_root(kwargs, [as_path(k) for k in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor)])
+        root = ragged.mask_root(kwargs, [as_path(k) for k in td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf_nontensor)])
         for path, m in masks.items():
             out.set((*root, *path), m)
     return out

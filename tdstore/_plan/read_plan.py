@@ -18,17 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._format import codec as _codec
-from tdstore._format import nontensor as _nontensor
-from tdstore._format import row_block as _rows
-from tdstore._format import segments as _segments
-from tdstore._format import wire as _wire
+from tdstore._format import codec, nontensor, row_block, segments, wire
 from tdstore._format.keys import KeyTable
 from tdstore._format.offsets import RowPlan
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._plan import index as _index
 from tdstore._plan.call import Call, leaf_checks
+from tdstore._plan.index import PAIR, Component, Plan, normalize, pack_pairs, plan, run_bounds, storage_rows, whole_element
 from tdstore._plan.read_results import (
     DenseResult,
     ElementsResult,
@@ -77,14 +73,14 @@ def read_call(
     else:
         leaves = _select(host, h, wanted)
         check = [f"{h.epoch}:*", leaf_checks(leaves)]
-    e = None if per_element else _index.whole_element(index, h.batch_size, h.stack_pos)
+    e = None if per_element else whole_element(index, h.batch_size, h.stack_pos)
     if e is not None:
         # store[i] and element views: no index planning at all
         result["plan"] = None
         call = _plan_one_element_read(host, h, e, leaves)
         call.args[:0] = check
         return call
-    norm = _index.normalize(index, h.batch_size)
+    norm = normalize(index, h.batch_size)
     if len(norm) == 1 and type(norm[0]) is torch.Tensor and norm[0].numel() and not per_element and not any(leaf.het for leaf in leaves):
         # a random batch of a one-dim store: the rows are the index itself (no plan, nothing sorted)
         result["plan"] = None
@@ -112,19 +108,19 @@ def ragged_call(host: ReadHost, h: Header, path: NestedPath, ids: np.ndarray) ->
         raise KeyError(f"key {path if len(path) > 1 else path[0]!r} is not in the store ({host.where()})")
     if not leaf.het or leaf.json:
         raise NotRagged
-    lo, hi = _index.run_bounds(ids)
+    lo, hi = run_bounds(ids)
     n = int(ids.size)
     scattered = not h.spread and int(lo.size) > 8 and 2 * int(lo.size) > n
 
     def parse(reply: list) -> tuple[Leaf, np.ndarray, Any]:
         pieces = reply[2:]
         if scattered:  # bounds, shape records, data, each joined in row order
-            b = _codec.unpack_i64(pieces[0]).reshape(n, 2)
-            shapes, data, sizes = _codec.unpack_i64(pieces[1]), pieces[2], b[:, 1] - b[:, 0]
+            b = codec.unpack_i64(pieces[0]).reshape(n, 2)
+            shapes, data, sizes = codec.unpack_i64(pieces[1]), pieces[2], b[:, 1] - b[:, 0]
         else:
-            shapes = _codec.unpack_i64(b"".join(pieces[1::3]))
+            shapes = codec.unpack_i64(b"".join(pieces[1::3]))
             data = pieces[2] if len(pieces) == 3 else b"".join(pieces[2::3])
-            sizes = np.concatenate([np.diff(_codec.unpack_i64(offs)) for offs in pieces[0::3]])
+            sizes = np.concatenate([np.diff(codec.unpack_i64(offs)) for offs in pieces[0::3]])
         check_elements(leaf, n, sizes, shapes, len(data))
         return leaf, shapes.reshape(n, leaf.ndim), data
 
@@ -140,15 +136,15 @@ def ragged_call(host: ReadHost, h: Header, path: NestedPath, ids: np.ndarray) ->
     if scattered:
         # mostly single rows (a random batch): the ids travel once and the offset and shape
         # tables are cut on the server ('I' + 'Y'/'V'), one data GETRANGE per row
-        args += [2, *Read.I(n, _codec.pack_i64(ids)), *_segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, sk, 8 * leaf.ndim)]
+        args += [2, *Read.I(n, codec.pack_i64(ids)), *segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, sk, 8 * leaf.ndim)]
         return with_tables(host, h, Call("read", kt.keys, args, parse), kt, [leaf], ids, count_at=2)
-    args += [1, *Read.E(d, o, sk, 8 * leaf.ndim, int(lo.size), _index.pack_pairs(lo, hi))]
+    args += [1, *Read.E(d, o, sk, 8 * leaf.ndim, int(lo.size), pack_pairs(lo, hi))]
     return Call("read", kt.keys, args, parse)
 
 
 def plan_rows_tx(
     host: ReadHost, h: Header, ids: np.ndarray, units: list[Leaf]
-) -> tuple[list[list[_wire.Piece]], Callable[[list], list | None]] | None:
+) -> tuple[list[list[wire.Piece]], Callable[[list], list | None]] | None:
     """A read transaction of rows ``ids`` (in that order, duplicates included) of every leaf of
     ``units``: its buffers, and the check that turns its reply into the one ``read.lua``'s
     ``X``/``Y`` ops give (a homogeneous leaf: its rows; a heterogeneous one: bounds, shape records,
@@ -156,7 +152,7 @@ def plan_rows_tx(
     go through the script."""
     if not host.tx_reads or h.spread or 3 * len(units) * int(ids.size) > TX_MAX_RANGES:
         return None
-    ranges: list[list[_wire.Piece]] = []
+    ranges: list[list[wire.Piece]] = []
     layout: list[tuple[Leaf, RowPlan | None]] = []
     for leaf in units:
         if not leaf.het:
@@ -217,19 +213,19 @@ def with_tables(host: ReadHost, h: Header, call: Call, kt: KeyTable, leaves: lis
 
 
 def _plan_read(
-    host: ReadHost, h: Header, norm: tuple[_index.Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]
+    host: ReadHost, h: Header, norm: tuple[Component, ...], leaves: list[Leaf], per_element: bool, result: dict[str, Any]
 ) -> Call:
     """Plan a read of any index (its plan goes into ``result``, which ``read`` returns)."""
-    p = _index.plan(norm, h.batch_size, h.stack_pos)
+    p = plan(norm, h.batch_size, h.stack_pos)
     result["plan"] = p
     if p.n == 0:
-        call = _plan_empty_read(host, h, tuple(_index.storage_rows(p, h.inner).shape), leaves)
+        call = _plan_empty_read(host, h, tuple(storage_rows(p, h.inner).shape), leaves)
     elif p.element_int and p.inner_full and not per_element:
         call = _plan_one_element_read(host, h, int(p.elements[0]), leaves)
     elif per_element or any(leaf.het for leaf in leaves):
         call = _plan_element_read(host, h, p, leaves)
     else:
-        call = _plan_dense_read(host, h, _index.storage_rows(p, h.inner), leaves)
+        call = _plan_dense_read(host, h, storage_rows(p, h.inner), leaves)
     return call
 
 
@@ -256,11 +252,11 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
     """``store[i]``: one byte range per homogeneous leaf, one element run per heterogeneous one, no planning arrays."""
     kt = host.key_table(h)
     order = [leaf.path for leaf in leaves]
-    leaves, block, grouped = _rows.units(h, leaves)
+    leaves, block, grouped = row_block.units(h, leaves)
     args: list[Any] = [len(leaves)]
     seg = h.segments.of(e)
     e -= h.segments.start(seg)  # the element lives in one segment: address it there
-    run = _index.PAIR.pack(e, e)
+    run = PAIR.pack(e, e)
     keys = host.keys
     for leaf in leaves:
         if leaf.het:
@@ -268,18 +264,18 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
             args += Read.E(d, o, s, 8 * leaf.ndim, 1, run)
         else:
             eb = leaf.element_nbytes
-            args += Read.R(kt.ref(keys.data(leaf.number, seg)), 1, _index.PAIR.pack(e * eb, eb), "0")
+            args += Read.R(kt.ref(keys.data(leaf.number, seg)), 1, PAIR.pack(e * eb, eb), "0")
 
     def parse(reply: list) -> DenseResult:
         out: dict[NestedPath, Any] = {}
         pos = 2
         for leaf in leaves:
             if leaf is block:
-                out.update(_rows.split(np.frombuffer(reply[pos], dtype=np.uint8), grouped))
+                out.update(row_block.split(np.frombuffer(reply[pos], dtype=np.uint8), grouped))
                 pos += 1
                 continue
             if not leaf.het:
-                out[leaf.path] = _codec.from_bytes(reply[pos], leaf.dtype, _shape(leaf))
+                out[leaf.path] = codec.from_bytes(reply[pos], leaf.dtype, _shape(leaf))
                 pos += 1
                 continue
             shape_rec, data = reply[pos + 1], reply[pos + 2]
@@ -287,9 +283,9 @@ def _plan_one_element_read(host: ReadHost, h: Header, e: int, leaves: list[Leaf]
             check_elements(leaf, 1, [last - first], None if leaf.json else shape_rec, len(data))
             pos += 3
             if leaf.json:
-                out[leaf.path] = _nontensor.decode(data, h.leaf_inner(leaf.path))
+                out[leaf.path] = nontensor.decode(data, h.leaf_inner(leaf.path))
             else:
-                out[leaf.path] = _codec.from_bytes(data, leaf.dtype, _codec.unpack_i64(shape_rec).tolist() if leaf.ndim else [])
+                out[leaf.path] = codec.from_bytes(data, leaf.dtype, codec.unpack_i64(shape_rec).tolist() if leaf.ndim else [])
         if block is not None:  # the store's key order
             out = {path: out[path] for path in order}
         return DenseResult(torch.Size(h.inner), out)
@@ -303,17 +299,17 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
     if flat.size == 0:
         return _plan_empty_read(host, h, tuple(rows.shape), leaves)
     uniq, inverse = _rows_to_read(host, flat, len(leaves))
-    lo, hi = _index.run_bounds(uniq)
+    lo, hi = run_bounds(uniq)
     n_runs = int(lo.size)
     kt = host.key_table(h)
     order = [leaf.path for leaf in leaves]
-    leaves, block, grouped = _rows.units(h, leaves)
+    leaves, block, grouped = row_block.units(h, leaves)
     args: list[Any] = [len(leaves)]
     feats = []
-    row_bytes = [_codec.nbytes(_shape(leaf)[len(h.inner) :], leaf.dtype) for leaf in leaves]
+    row_bytes = [codec.nbytes(_shape(leaf)[len(h.inner) :], leaf.dtype) for leaf in leaves]
     # plain GETRANGEs in MULTI/EXEC (see Call and SCATTERED_MIN_ROWS); read.lua only when a server refuses those
     tx = host.tx_reads and n_runs * len(leaves) <= TX_MAX_RANGES
-    ranges: list[list[_wire.Piece]] = []
+    ranges: list[list[wire.Piece]] = []
     # scattered whole elements (a random batch): the ids travel once and each leaf reads its rows
     by_rows = (
         not tx
@@ -323,16 +319,16 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
         and int(uniq.size) * max(row_bytes, default=0) <= JOIN_LIMIT
     )
     if by_rows:
-        args = [1 + len(leaves), *Read.I(int(uniq.size), _codec.pack_i64(uniq))]
+        args = [1 + len(leaves), *Read.I(int(uniq.size), codec.pack_i64(uniq))]
     for leaf, rb in zip(leaves, row_bytes):
         feat = _shape(leaf)[len(h.inner) :]
         if by_rows:
             feats.append((feat, True, False))
-            args += _segments.row_read_op(h.segments, rb, int(uniq.size))(kt.ref(host.keys.data(leaf.number)), rb)
+            args += segments.row_read_op(h.segments, rb, int(uniq.size))(kt.ref(host.keys.data(leaf.number)), rb)
             continue
         blob = h.count * leaf.element_nbytes
         # a small blob read whole and cut on the client costs less than one range per run
-        whole = tx and n_runs > 1 and rb > 0 and blob <= n_runs * _wire.TX_WHOLE_BYTES_PER_RANGE
+        whole = tx and n_runs > 1 and rb > 0 and blob <= n_runs * wire.TX_WHOLE_BYTES_PER_RANGE
         join = tx or (n_runs > 1 and int(uniq.size) * rb <= JOIN_LIMIT)  # a transaction joins each leaf's ranges
         feats.append((feat, join, whole))
         if whole:
@@ -340,7 +336,7 @@ def _plan_dense_read(host: ReadHost, h: Header, rows: torch.Tensor, leaves: list
         elif tx:
             ranges.append([(host.keys.data(leaf.number), lo * rb, (hi - lo + 1) * rb)])
         else:
-            pairs = _index.pack_pairs(lo * rb, (hi - lo + 1) * rb)
+            pairs = pack_pairs(lo * rb, (hi - lo + 1) * rb)
             args += Read.R(kt.ref(host.keys.data(leaf.number)), n_runs, pairs, "1" if join else "0")
 
     parse = partial(_parse_dense, rows, uniq, inverse, n_runs, leaves, feats, block, grouped, order)
@@ -385,24 +381,24 @@ def _parse_dense(
     shape = (int(uniq.size),)
     for leaf, (feat, join, whole) in zip(leaves, feats):
         if whole:
-            every = _codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // _codec.nbytes(feat, leaf.dtype), *feat))
+            every = codec.from_bytes(reply[pos], leaf.dtype, (len(reply[pos]) // codec.nbytes(feat, leaf.dtype), *feat))
             pos += 1
             pick = uniq if inverse is None else uniq[inverse]
-            buf = _codec.index_select(every, 0, torch.from_numpy(pick.astype(np.int64, copy=False)))
+            buf = codec.index_select(every, 0, torch.from_numpy(pick.astype(np.int64, copy=False)))
             out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
             if leaf is block:
-                out.update(_rows.split(out.pop(leaf.path), grouped))
+                out.update(row_block.split(out.pop(leaf.path), grouped))
             continue
         if join or n_runs == 1:
-            buf = _codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
+            buf = codec.from_bytes(reply[pos], leaf.dtype, shape + tuple(feat))
             pos += 1
         else:
-            buf = _codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
+            buf = codec.from_pieces(reply[pos : pos + n_runs], leaf.dtype, shape + tuple(feat))
             pos += n_runs
         if inverse is not None:
-            buf = _codec.index_select(buf, 0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
+            buf = codec.index_select(buf, 0, torch.from_numpy(inverse.astype(np.int64, copy=False)))
         if leaf is block:
-            out.update(_rows.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
+            out.update(row_block.split(buf.reshape(tuple(rows.shape) + tuple(feat)), grouped))
         else:
             out[leaf.path] = buf.reshape(tuple(rows.shape) + tuple(feat))
     if block is not None:  # the store's key order, not the order the block gathered them in
@@ -410,16 +406,16 @@ def _parse_dense(
     return DenseResult(rows.shape, out)
 
 
-def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[Leaf]) -> Call:
+def _plan_element_read(host: ReadHost, h: Header, p: Plan, leaves: list[Leaf]) -> Call:
     ids = p.elements.numpy()
-    lo, hi = _index.run_bounds(ids)
+    lo, hi = run_bounds(ids)
     order = [leaf.path for leaf in leaves]
-    units, block, grouped = _rows.units(h, leaves)
+    units, block, grouped = row_block.units(h, leaves)
     widest = max((leaf.element_nbytes for leaf in units if not leaf.het), default=0)  # the block's rows come whole
     if not h.spread and 2 * int(lo.size) > int(ids.size) > 8 and int(ids.size) * widest <= JOIN_LIMIT:
         return _plan_scattered_elements(host, h, ids, leaves)
     el_runs = list(zip(lo.tolist(), hi.tolist()))
-    packed_runs = _index.pack_pairs(lo, hi)
+    packed_runs = pack_pairs(lo, hi)
     kt = host.key_table(h)
     leaves = units
     args: list[Any] = [len(leaves)]
@@ -432,7 +428,7 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
             eb = leaf.element_nbytes
             join = len(el_runs) > 1 and int(ids.size) * eb <= JOIN_LIMIT
             joined.append(join)
-            pairs = _index.pack_pairs(lo * eb, (hi - lo + 1) * eb)
+            pairs = pack_pairs(lo * eb, (hi - lo + 1) * eb)
             args += Read.R(kt.ref(host.keys.data(leaf.number)), len(el_runs), pairs, "1" if join else "0")
 
     def parse(reply: list) -> ElementsResult:
@@ -446,13 +442,13 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
                 for rlo, rhi in el_runs:
                     offs, shapes, data = pieces[pos], pieces[pos + 1], pieces[pos + 2]
                     pos += 3
-                    sizes = np.diff(_codec.unpack_i64(offs)).tolist()
+                    sizes = np.diff(codec.unpack_i64(offs)).tolist()
                     # one buffer per run, split into one view per element in a single call
                     elements += split_elements(leaf, h.leaf_inner(leaf.path), rhi - rlo + 1, sizes, shapes, data)
             elif joined[homog_seen]:
                 # every touched element of this leaf in one buffer: one view per element
                 homog_seen += 1
-                rows = _codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *_shape(leaf)))
+                rows = codec.from_bytes(pieces[pos], leaf.dtype, (int(ids.size), *_shape(leaf)))
                 pos += 1
                 columns.update((path, list(col.unbind(0))) for path, col in _columns(leaf, rows, block, grouped))
             else:
@@ -460,7 +456,7 @@ def _plan_element_read(host: ReadHost, h: Header, p: _index.Plan, leaves: list[L
                 shape = leaf.shape
                 assert shape is not None
                 for rlo, rhi in el_runs:
-                    rows = _codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
+                    rows = codec.from_bytes(pieces[pos], leaf.dtype, (rhi - rlo + 1, *shape))
                     for path, col in _columns(leaf, rows, block, grouped):
                         columns.setdefault(path, []).extend(col.unbind(0))
                     pos += 1
@@ -476,16 +472,16 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
     n = int(ids.size)
     kt = host.key_table(h)
     order = [leaf.path for leaf in leaves]
-    leaves, block, grouped = _rows.units(h, leaves)
+    leaves, block, grouped = row_block.units(h, leaves)
     tx = plan_rows_tx(host, h, ids, leaves)
-    args: list[Any] = [] if tx is not None else [1 + len(leaves), *Read.I(n, _codec.pack_i64(ids))]
+    args: list[Any] = [] if tx is not None else [1 + len(leaves), *Read.I(n, codec.pack_i64(ids))]
     for leaf in leaves if tx is None else ():
         d = kt.ref(host.keys.data(leaf.number))
         if leaf.het:
             o, s = kt.ref(host.keys.offsets(leaf.number)), kt.ref(host.keys.shapes(leaf.number))
-            args += _segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, s, 8 * leaf.ndim)
+            args += segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, s, 8 * leaf.ndim)
         else:
-            args += _segments.row_read_op(h.segments, leaf.element_nbytes, n)(d, leaf.element_nbytes)
+            args += segments.row_read_op(h.segments, leaf.element_nbytes, n)(d, leaf.element_nbytes)
 
     def parse(reply: list) -> ElementsResult:
         columns: dict[NestedPath, Any] = {}
@@ -495,7 +491,7 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
                 columns[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, reply[pos], reply[pos + 1], reply[pos + 2])
                 pos += 3
             else:
-                rows = _codec.from_bytes(reply[pos], leaf.dtype, (n, *_shape(leaf)))
+                rows = codec.from_bytes(reply[pos], leaf.dtype, (n, *_shape(leaf)))
                 columns.update((path, col.unbind(0)) for path, col in _columns(leaf, rows, block, grouped))
                 pos += 1
         return ElementsResult(ids.tolist(), order, columns)

@@ -13,9 +13,7 @@ import numpy as np
 import torch
 
 from tdstore._errors import StoreDamagedError
-from tdstore._format import codec as _codec
-from tdstore._format import nontensor as _nontensor
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, nontensor, row_block
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.offsets import OffsetTables
 from tdstore._format.schema import Header, Leaf, NestedPath
@@ -69,14 +67,14 @@ def _shape(leaf: Leaf) -> tuple[int, ...]:
 def _columns(leaf: Leaf, rows: torch.Tensor, block: Leaf | None, grouped: list[Leaf]) -> Iterable[tuple[NestedPath, torch.Tensor]]:
     """(path, tensor of the rows read) for a homogeneous leaf read, or for each grouped leaf when it is the row block."""
     if leaf is block:
-        return _rows.split(rows, grouped).items()
+        return row_block.split(rows, grouped).items()
     return ((leaf.path, rows),)
 
 
 def het_rows(leaf: Leaf, inner: tuple[int, ...], n: int, bounds: bytes, shapes: bytes, data: bytes) -> list[Any]:
     """The ``n`` elements of a heterogeneous leaf read by row ('Y' of ``read.lua``): packed (start,
     end) byte bounds, shape records and the data joined; non-tensor leaves decode their JSON."""
-    b = _codec.unpack_i64(bounds).reshape(n, 2)
+    b = codec.unpack_i64(bounds).reshape(n, 2)
     return split_elements(leaf, inner, n, (b[:, 1] - b[:, 0]).tolist(), shapes, data)
 
 
@@ -87,12 +85,12 @@ def split_elements(leaf: Leaf, inner: tuple[int, ...], n: int, sizes: list[int],
     check_elements(leaf, n, sizes, None if leaf.json else shapes, len(data))
     if leaf.json:
         ends = np.cumsum([0, *sizes]).tolist()
-        return [_nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
+        return [nontensor.decode(data[ends[k] : ends[k + 1]], inner) for k in range(n)]
     item = leaf.dtype.itemsize
     if leaf.ndim == 1 and data and not any(size % item for size in sizes):
         # one-dim elements: split the typed buffer into its rows, one view each, already shaped
         return list(torch.frombuffer(bytearray(data), dtype=leaf.dtype).split([size // item for size in sizes]))
-    dims = _codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
+    dims = codec.unpack_i64(shapes).reshape(n, leaf.ndim).tolist() if leaf.ndim else [[]] * n
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return [piece.view(leaf.dtype).reshape(dim) for piece, dim in zip(buf.split(sizes), dims)]
 
@@ -142,7 +140,7 @@ def check_elements(leaf: Leaf, n: int, sizes: list[int] | np.ndarray | None, sha
             raise StoreDamagedError(f"{what}: element sizes {sizes[:8].tolist()} for {nbytes} bytes", named=False)
     if shapes is None:
         return
-    dims = shapes if isinstance(shapes, np.ndarray) else _codec.unpack_i64(shapes)
+    dims = shapes if isinstance(shapes, np.ndarray) else codec.unpack_i64(shapes)
     if dims.size != n * leaf.ndim or (dims < 0).any() or (dims >= 2**53).any():
         raise StoreDamagedError(f"{what}: bad shape records", named=False)
     elements = dims.reshape(n, leaf.ndim).astype(np.float64).prod(axis=1) * leaf.dtype.itemsize

@@ -31,7 +31,7 @@ from tensordict import (
 )
 from tensordict.base import _is_leaf_nontensor
 
-from tdstore._format import tensorclass as _tensorclass
+from tdstore._format import tensorclass
 from tdstore._format.nontensor import NonTensor
 from tdstore._format.schema import RAGGED, NestedPath, SubTrees, merge_sub
 from tdstore._format.tensorclass import qualified_name
@@ -391,7 +391,7 @@ def _level_factory(
     classes = getattr(sub, "classes", None)
     if not (classes and paths and cut):
         return new
-    cls = _tensorclass.known(classes.get(paths[0][:cut], ""))
+    cls = tensorclass.known(classes.get(paths[0][:cut], ""))
     if cls is None:
         return new
     wrap = cls._from_tensordict

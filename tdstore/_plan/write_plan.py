@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from tdstore._errors import DenseShapeError
-from tdstore._format import codec as _codec
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, row_block
 from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf, NestedPath, check_paths
-from tdstore._plan import index as _index
+from tdstore._plan.index import Component, Plan, is_full, normalize, pack_pairs, plan, storage_rows
 from tdstore._plan.leaf_writes import (
     Value,
     as_rows,
@@ -44,7 +43,7 @@ from tdstore._plan.leaf_writes import (
 from tdstore._plan.values import subtree_conflicts
 
 
-def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[int]:
+def element_order(p: Plan, norm: tuple[Component, ...]) -> list[int]:
     """The element ids along the stack dim in the order the value holds them."""
     s = norm[p.stack_pos]
     if isinstance(s, int):
@@ -59,7 +58,7 @@ def element_order(p: _index.Plan, norm: tuple[_index.Component, ...]) -> list[in
 def _whole_rows_write(h: Header, writes: list[tuple[Leaf, np.ndarray, np.ndarray]]) -> bool:
     """Whether ``writes`` cover every live key of the row block at the same rows (so they write whole rows)."""
     first_rows = writes[0][1]
-    return _rows.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes)
+    return row_block.covers_block(h, [leaf.path for leaf, _, _ in writes]) and all(np.array_equal(r, first_rows) for _, r, _ in writes)
 
 
 def _move_out_whole(
@@ -97,7 +96,7 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
     number, width = h.row
     key = keys.data(number)
     if _whole_rows_write(h, writes):
-        op = rows_op(kt, key, writes[0][1], _rows.join(width, [(leaf, data) for leaf, _, data in writes]))
+        op = rows_op(kt, key, writes[0][1], row_block.join(width, [(leaf, data) for leaf, _, data in writes]))
         return [op] if op is not None else []
     ops = []
     for leaf, rows, data in writes:
@@ -107,9 +106,7 @@ def _grouped_ops(kt: KeyTable, keys: StoreKeys, h: Header, writes: list[tuple[Le
         uniq, first_in_rev = np.unique(rows[::-1], return_index=True)
         picked = np.ascontiguousarray(data[rows.size - 1 - first_in_rev])
         starts = uniq * width + leaf.col
-        ops.append(
-            Write.R(kt.ref(key), int(uniq.size), _index.pack_pairs(starts, np.full(uniq.size, data.shape[1])), picked.data.cast("B"))
-        )
+        ops.append(Write.R(kt.ref(key), int(uniq.size), pack_pairs(starts, np.full(uniq.size, data.shape[1])), picked.data.cast("B")))
     return ops
 
 
@@ -133,13 +130,13 @@ def plan_write(
     key that is not in the store can only be added by a write that covers every
     element.
     """
-    plan = _WritePlan(keys, h, index, kt, replace)
+    writes = _WritePlan(keys, h, index, kt, replace)
     for path, value in items.items():
         if isinstance(value, NonTensor):
-            plan.non_tensor(path, value)
+            writes.non_tensor(path, value)
         else:
-            plan.tensors(path, value)
-    return plan.finish(items, sub)
+            writes.tensors(path, value)
+    return writes.finish(items, sub)
 
 
 class _WritePlan:
@@ -147,9 +144,9 @@ class _WritePlan:
 
     def __init__(self, keys: StoreKeys, h: Header, index: Any, kt: KeyTable, replace: bool) -> None:
         self.keys, self.h, self.kt = keys, h, kt
-        self.norm = _index.normalize(index, h.batch_size)
-        self.p = _index.plan(self.norm, h.batch_size, h.stack_pos)
-        self.full = _index.is_full(self.norm, h.batch_size)
+        self.norm = normalize(index, h.batch_size)
+        self.p = plan(self.norm, h.batch_size, h.stack_pos)
+        self.full = is_full(self.norm, h.batch_size)
         self.replace_whole = replace and self.full  # a set() of whole keys: a key may change dtype or shape
         self.leaves = dict(h.leaves)
         self.next_leaf = h.next_leaf
@@ -181,7 +178,7 @@ class _WritePlan:
     def rows(self) -> np.ndarray:
         """The storage rows the index selects, flat (computed once)."""
         if self._rows is None:
-            r = _index.storage_rows(self.p, self.h.inner)
+            r = storage_rows(self.p, self.h.inner)
             self._rows = (r.reshape(-1).numpy(), tuple(r.shape))
         return self._rows[0]
 
@@ -279,7 +276,7 @@ class _WritePlan:
         dtype = elems[0].dtype if elems else value.dtype if isinstance(value, torch.Tensor) else None
         if dtype is None:
             raise ValueError(f"key {key_name(path)}: no element to take the new key's dtype and shape from")
-        _codec.dtype_name(dtype)
+        codec.dtype_name(dtype)
         element_checks(h, path, elems, elems[0].ndim if elems else None, dtype)
         shapes = {tuple(t.shape) for t in elems}
         if len(shapes) > 1 and h.kind == "dense":
@@ -314,7 +311,7 @@ class _WritePlan:
         elif self.full and not p.flips:
             # the whole leaf, in order: replace the blob (large ones are staged, see Engine.run_write)
             em = value.movedim(h.stack_pos, 0) if h.stack_pos else value
-            self.ops.append(Write.S(self.kt.ref(self.keys.data(leaf.number)), _codec.to_bytes(em)))
+            self.ops.append(Write.S(self.kt.ref(self.keys.data(leaf.number)), codec.to_bytes(em)))
         elif (op := rows_op(self.kt, self.keys.data(leaf.number), self.rows(), as_rows(value, len(self.rows_shape())))) is not None:
             self.ops.append(op)
         return True
@@ -428,7 +425,7 @@ def plan_fill(
             one = torch.empty(2, dtype=leaf.dtype).fill_(value)[0]  # (torch checks a fill of one value less: inf)
         except RuntimeError as err:
             raise RuntimeError(f"key {key_name(path)}: {err}") from None
-        pattern = bytes(_codec.to_bytes(one))
+        pattern = bytes(codec.to_bytes(one))
         if leaf.het:
             lo, hi = (0, h.count - 1) if element is None else (element, element)
             ops.append(Write.F(kt.ref(keys.data(leaf.number)), kt.ref(keys.offsets(leaf.number)), lo, hi, pattern))
@@ -448,7 +445,7 @@ def plan_fill(
         # every key of the block filled whole: one row of patterns, repeated by the server
         assert h.row is not None
         number, width = h.row
-        row = _rows.join(width, [(leaf, np.ascontiguousarray(data[:1])) for leaf, _, data in fills])
+        row = row_block.join(width, [(leaf, np.ascontiguousarray(data[:1])) for leaf, _, data in fills])
         ops.append(Write.F(kt.ref(keys.data(number)), 0, 0, h.count * width, row.tobytes()))
         return None, ops, touched
     if fills and element is None:

@@ -28,9 +28,8 @@ from typing import Any
 
 import redis
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import scripts as _scripts
-from tdstore._format import wire as _wire
+from tdstore._engine import deadline, scripts
+from tdstore._format import wire
 from tdstore._format.op_kinds import Write
 from tdstore._format.schema import Header, Leaf
 from tdstore._plan.call import leaf_checks
@@ -147,11 +146,11 @@ def extend(
         check, schema = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(touched)], ["", ""]
     else:  # a schema change is planned from the exact version it replaces, as write.lua's are
         check, schema = [f"{h.epoch}:V{h.version}", ""], [new_header.schema_json(), new_header.version_fields(h)]
-    sha = _scripts.script_source("direct")[1]
+    sha = scripts.script_source("direct")[1]
     nk = len(keys)
     head = ["EVALSHA", sha, nk, *keys, "open", request, rw, n, *check, *schema, engine.keys.events, *sizes]
     tail = ["EVALSHA", sha, nk, *keys, "close", request, len(sizes)]
-    _deadline.arm()  # sent next: from now on the rows may be written
+    deadline.arm()  # sent next: from now on the rows may be written
     try:
         replies = _send(engine, head, writes, tail, load=not st.loaded)
         if replies is None:  # a cluster slot that moved, a node away: write.lua follows redirects
@@ -174,14 +173,14 @@ def extend(
             return None
         if "oom" in text or "execabort" in text:  # refused while queueing: nothing ran; write.lua names the error
             return None
-        raise _scripts.translate(err, keys) from None
+        raise scripts.translate(err, keys) from None
     opened, closed = replies[0], replies[-1]
     if isinstance(opened, Exception):
-        raise _scripts.translate(opened, keys) if isinstance(opened, redis.exceptions.ResponseError) else opened
+        raise scripts.translate(opened, keys) if isinstance(opened, redis.exceptions.ResponseError) else opened
     status = opened[0]
     if status == b"GO":
         if not (isinstance(closed, list) and closed and closed[0] == b"OK"):
-            raise _scripts.ServerScriptError(f"unexpected reply {closed!r} from direct.lua close")
+            raise scripts.ServerScriptError(f"unexpected reply {closed!r} from direct.lua close")
         _adopt(engine, new_header, opened[1])
         st.rw = rw + n
         st.backoff = _FIRST_SKIP
@@ -230,8 +229,8 @@ def _pack_call(call: list[Any], enc: tuple[str, str]) -> bytes:
     if prefix is None:
         if len(_PREFIXES) >= 256:
             _PREFIXES.clear()
-        prefix = _PREFIXES[cache_key] = _wire.pack_args(*call[:fixed], encoding=enc)
-    return b"*%d\r\n%b%b" % (len(call), prefix, _wire.pack_args(*call[fixed:], encoding=enc))
+        prefix = _PREFIXES[cache_key] = wire.pack_args(*call[:fixed], encoding=enc)
+    return b"*%d\r\n%b%b" % (len(call), prefix, wire.pack_args(*call[fixed:], encoding=enc))
 
 
 #: A row run at least this long is sent as it is, not copied into one buffer with the commands around it.
@@ -259,15 +258,15 @@ def _send(engine: Any, head: list[Any], writes: list[tuple[str, int, memoryview]
     """MULTI, ``head``, the SETRANGEs, ``tail``, EXEC: the EXEC reply (one item per command, errors as
     exceptions). On the handle's held connection, else through a redis-py transaction pipeline.
     ``load``: the script's text goes first inside the transaction (SCRIPT LOAD), so the EVALSHAs after it find it."""
-    text = _scripts.script_source("direct")[0]
+    text = scripts.script_source("direct")[0]
     enc = engine._key_encoding
-    parts: list[Any] = [_wire.MULTI, *([_wire.pack("SCRIPT", "LOAD", text)] if load else []), _pack_call(head, enc)]
+    parts: list[Any] = [wire.MULTI, *([wire.pack("SCRIPT", "LOAD", text)] if load else []), _pack_call(head, enc)]
     for key, offset, data in writes:
         k = key.encode(*enc)
         parts.append(b"*4\r\n$8\r\nSETRANGE\r\n$%d\r\n%b\r\n$%d\r\n%d\r\n$%d\r\n" % (len(k), k, len(str(offset)), offset, len(data)))
         parts.append(data)
         parts.append(b"\r\n")
-    parts += [_pack_call(tail, enc), _wire.EXEC]
+    parts += [_pack_call(tail, enc), wire.EXEC]
     n_commands = len(writes) + 2 + load
 
     def send(conn: Any) -> Any:

@@ -27,16 +27,16 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine import deadline
 from tdstore._engine.engine import Engine
 from tdstore._errors import LeaseLostError
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, NestedPath
 from tdstore._plan.call import Call
-from tdstore._ring import waiting as _waiting
+from tdstore._plan.ring_plan import Sample
+from tdstore._ring import waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
-from tdstore._ring.extend import Sample
 from tdstore._ring.row_reads import decode_sample, row_read_call
 
 
@@ -46,6 +46,10 @@ class Receipt:
 
     id: str
     write_numbers: tuple[int, ...]
+
+
+#: its public home: pickles name it there (set once made: a dataclass resolves its annotations in its own module)
+Receipt.__module__ = "tdstore.ring_interface"
 
 
 @dataclass
@@ -88,6 +92,9 @@ class LeasedSample:
             self.ack()
 
 
+LeasedSample.__module__ = "tdstore.ring_interface"  # see Receipt.__module__
+
+
 def lease_ms(lease: Any) -> int:
     """``lease`` seconds as the whole milliseconds the server counts (at least 1); ``ValueError`` unless a finite number > 0."""
     if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not math.isfinite(lease) or lease <= 0:
@@ -124,7 +131,7 @@ class Planner:
     def plan(self, h: Header) -> Call:
         engine = self.engine
         lease_keys = engine.keys.lease_keys
-        _deadline.arm()  # sent next: from now on the pop may have taken its items
+        deadline.arm()  # sent next: from now on the pop may have taken its items
 
         def head(kt: Any) -> list[Any]:
             refs = [kt.ref(key) for key in lease_keys]
@@ -134,17 +141,17 @@ class Planner:
             got = decode_sample(
                 h, rows.leaves, reply, 2 + Read.L.reply_pieces([]), self.device, rows.block, rows.grouped, None, rows.wanted
             )
-            deadline, kv = (int(x) for x in _text(reply[6]).split())
+            ends_ms, kv = (int(x) for x in _text(reply[6]).split())
             if not h.leased and engine.header is h:
                 # this pop turned leases on (and moved kv): adopt that, instead of a STALE on the next call
                 engine.set_header(_with_leases(h, kv))
             if self.ms == 0:
                 return got
-            ws = torch.from_numpy(_codec.unpack_i64(reply[4]).astype(np.int64))
-            deliveries = torch.from_numpy(_codec.unpack_i64(reply[5]).astype(np.int64))
+            ws = torch.from_numpy(codec.unpack_i64(reply[4]).astype(np.int64))
+            deliveries = torch.from_numpy(codec.unpack_i64(reply[5]).astype(np.int64))
             gens = torch.div(ws, h.count, rounding_mode="floor") + 1
             receipt = Receipt(self.receipt, tuple(int(w) for w in ws.tolist()))
-            return LeasedSample(got.td, got.indices, gens, ws, deliveries, receipt, deadline, self.store, self.timeout)
+            return LeasedSample(got.td, got.indices, gens, ws, deliveries, receipt, ends_ms, self.store, self.timeout)
 
         return row_read_call(engine, h, self.keys, self.batch_size, head, parse)
 
@@ -167,7 +174,7 @@ def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
     engine.refuse_if_readonly()
 
     def plan_call(h: Header) -> Call:
-        _deadline.arm()  # sent next: from now on the ack may have settled the items
+        deadline.arm()  # sent next: from now on the ack may have settled the items
         keys = [engine.keys.meta, *engine.keys.lease_keys, engine.keys.stats]  # the stats hash: ack.lua counts the items settled
         return Call("ack", keys, [f"{h.epoch}:*", rid, engine.keys.events], lambda r: r)
 
@@ -175,12 +182,12 @@ def ack(engine: Engine, receipt: Any, timeout: float | None = None) -> int:
         return ack(engine, rid, again)  # an ack is safe to resend: the same answer
 
     try:
-        with _deadline.within(timeout, "ack", engine.where), _deadline.resolvable(rid, resend):
+        with deadline.within(timeout, "ack", engine.where), deadline.resolvable(rid, resend):
             reply = engine.run(plan_call)
     except ValueError as err:  # the script's refusal: name the store (fakeredis appends a Lua traceback)
         raise ValueError(f"the store with {engine.where()}: {str(err).splitlines()[0]}") from None
     settled = int(reply[1])
-    missed = [int(w) for w in _codec.unpack_i64(reply[2]).tolist()] if reply[2] else []
+    missed = [int(w) for w in codec.unpack_i64(reply[2]).tolist()] if reply[2] else []
     if missed:
         raise LeaseLostError(
             f"the lease of receipt {rid} on the store with {engine.where()} ran out before this ack: "
@@ -220,5 +227,5 @@ def pop(
         # the same pop under the same receipt: the lease table gives back the items it leased
         return pop(engine, store, batch_size, device, again, keys, lease, planner.receipt)
 
-    with _deadline.within(timeout, "pop", engine.where), _deadline.resolvable(planner.receipt, resend, keyword=True):
-        return _waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")
+    with deadline.within(timeout, "pop", engine.where), deadline.resolvable(planner.receipt, resend, keyword=True):
+        return waiting.until_ready(engine, lambda: engine.run(planner.plan), timeout, "pop")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from tdstore._engine import scripts as _scripts
+from tdstore._engine import scripts
 from tdstore._engine.engine import Engine
 from tdstore._format.header_info import int_field
 
@@ -28,6 +28,9 @@ class Marks(NamedTuple):
     tr: int
     gb: int
     wb: int
+
+
+Marks.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
 
 
 def read(engine: Engine) -> Marks:
@@ -49,6 +52,6 @@ def add_up(parts: list[Marks]) -> Marks:
 def set_base(engine: Engine, generation_base: int, write_base: int) -> None:
     """The generation and write-count bases of a store just made again (torchrl's ``empty()``)."""
     args = [engine.header.epoch, str(int(generation_base)), str(int(write_base))]
-    reply = _scripts.call(engine.client, "marks", [engine.keys.meta], args, engine.execute)
+    reply = scripts.call(engine.client, "marks", [engine.keys.meta], args, engine.execute)
     if reply[0] in (b"GONE", "GONE"):
         raise engine.gone()

@@ -27,17 +27,15 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import scripts as _scripts
+from tdstore._engine import deadline, scripts
 from tdstore._engine.engine import Engine, request_id
 from tdstore._errors import MustWait
-from tdstore._format import codec as _codec
-from tdstore._format import wire as _wire
+from tdstore._format import codec, wire
 from tdstore._format.sampling_policy import UNBOUNDED, WEIGHT_SUM, RateLimit, SamplingPolicy, format_priorities, tree_bytes
 from tdstore._format.schema import Header
-from tdstore._plan import index as _index
 from tdstore._plan.call import Call
-from tdstore._ring import waiting as _waiting
+from tdstore._plan.index import positions
+from tdstore._ring import waiting
 from tdstore._ring.args import generations_arg, refuse_spread
 
 
@@ -50,6 +48,9 @@ class PrioritizedSample(NamedTuple):
     generations: torch.Tensor
     weights: torch.Tensor
     probabilities: torch.Tensor
+
+
+PrioritizedSample.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
 
 
 def policy_of(engine: Engine, fresh: bool = False) -> SamplingPolicy:
@@ -67,7 +68,7 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
     request = request_id()  # one per change, sent with every try: a resend (same id) is not applied again
 
     def plan_call(h: Header) -> Call:
-        _deadline.arm()  # sent next: from now on the change may have been made
+        deadline.arm()  # sent next: from now on the change may have been made
         new = build(h.sampling or SamplingPolicy())
         text = new.to_json() if new != SamplingPolicy() else ""
         # the reply carries the header as the change left it: adopted at once, no second round trip
@@ -78,7 +79,7 @@ def _change(engine: Engine, build: Any, needs: str) -> None:
             engine.adopt_stale,
         )
 
-    with _deadline.resolvable(request, None):  # a timeout says whether the change may have been made
+    with deadline.resolvable(request, None):  # a timeout says whether the change may have been made
         engine.run(plan_call)
 
 
@@ -184,8 +185,8 @@ def _stage_zeros(engine: Engine, key: str, n: int) -> None:
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        head = b"*5\r\n" + _wire.pack("SET", key)[4:] + b"$%d\r\n" % n
-        conn.send_packed_command([head, bytes(n), b"\r\n" + _wire.pack("PX", BUILD_LEASE_MS)[4:]], check_health=False)
+        head = b"*5\r\n" + wire.pack("SET", key)[4:] + b"$%d\r\n" % n
+        conn.send_packed_command([head, bytes(n), b"\r\n" + wire.pack("PX", BUILD_LEASE_MS)[4:]], check_health=False)
         conn.read_response()
     except BaseException:
         conn.disconnect()
@@ -324,7 +325,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
     engine.refuse_if_readonly()
     refuse_spread(engine)
     count = engine.header.count
-    slots, _ = _index.positions(index, count)
+    slots, _ = positions(index, count)
     n = int(slots.numel())
     values = priority_values(priority, n, policy=policy_of(engine), slots=count)
     if generation is None:
@@ -335,13 +336,13 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
         return torch.zeros(0, dtype=torch.bool)
     if not policy_of(engine).prioritized and not policy_of(engine, fresh=True).prioritized:
         raise no_priorities(engine)
-    pairs = _codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
+    pairs = codec.pack_i64(torch.stack([slots, gens], 1).reshape(-1).numpy())
     request = request_id()
     args = [n, pairs, "0" if generation is None else "1", format_priorities(values), engine.keys.events, request]
     keys = engine.keys
 
     def plan_call(h: Header) -> Call:
-        _deadline.arm()  # sent next: from now on the priorities may be set
+        deadline.arm()  # sent next: from now on the priorities may be set
         return Call(
             "priority",
             [keys.meta, *keys.sampling_keys, keys.replies],
@@ -349,7 +350,7 @@ def update_priority(engine: Engine, index: Any, priority: Any, generation: Any |
             lambda r: torch.tensor([c == ord("1") for c in r[1]], dtype=torch.bool),
         )
 
-    with _deadline.resolvable(request, None):  # a timeout says whether the priorities may be set
+    with deadline.resolvable(request, None):  # a timeout says whether the priorities may be set
         return engine.run(plan_call)
 
 
@@ -364,20 +365,20 @@ def wait_or_raise(engine: Engine, attempt: Any, timeout: float | None, may_wait:
     ``WAIT``, whether the server said ``WAIT`` or ``read.lua`` found no written slot)."""
     attempt = _empty_waits(attempt)
     if may_wait:
-        return _waiting.until_ready(engine, attempt, timeout, what)
+        return waiting.until_ready(engine, attempt, timeout, what)
     try:
         return attempt()
     except MustWait as err:
         if err.reason in ("empty", "weight"):
             raise ValueError(f"cannot sample: {err.message} (pass min_size= or timeout= to wait for data)") from None
-        return _waiting.until_ready(engine, attempt, timeout, what)
+        return waiting.until_ready(engine, attempt, timeout, what)
 
 
 def _empty_waits(attempt: Any) -> Any:
     def run() -> Any:
         try:
             return attempt()
-        except _scripts.EmptyRingError as err:
+        except scripts.EmptyRingError as err:
             raise MustWait("empty", err.detail) from None
 
     return run

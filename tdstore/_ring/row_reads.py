@@ -14,19 +14,17 @@ import numpy as np
 import torch
 from tensordict import lazy_stack
 
-from tdstore._engine import held as _held
+from tdstore._engine import held
 from tdstore._engine.engine import Engine
-from tdstore._format import codec as _codec
-from tdstore._format import ragged as _ragged
-from tdstore._format import row_block as _row_block
+from tdstore._format import codec, ragged, row_block
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._format.segments import het_row_read_op, row_read_op
-from tdstore._plan import padded_batch as _padded
+from tdstore._plan import padded_batch
 from tdstore._plan.call import Call, leaf_checks
 from tdstore._plan.read_results import het_rows
+from tdstore._plan.ring_plan import Sample, generations
 from tdstore._plan.values import build_td, columns_maker, display, stack_members
-from tdstore._ring.extend import Sample, generations
 
 
 def selected_leaves(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
@@ -61,10 +59,10 @@ def row_read_call(
     wanted = None if keys is None else {leaf.path for leaf in selected}
     kt = engine.key_table(h)
     checks = leaf_checks(selected)
-    leaves, block, grouped = _row_block.units(h, selected)
+    leaves, block, grouped = row_block.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
     # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
-    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), _held.held_ms())
+    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), held.held_ms())
     ops = 1 + len(leaves) + bool(named) + bool(counted)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
     for leaf in leaves:
@@ -77,11 +75,11 @@ def row_read_call(
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 
 
-def with_masks(h: Header, dense: dict[NestedPath, torch.Tensor], masks: dict[NestedPath, torch.Tensor], ragged: dict[str, Any]) -> None:
+def with_masks(h: Header, dense: dict[NestedPath, torch.Tensor], masks: dict[NestedPath, torch.Tensor], as_tensor: dict[str, Any]) -> None:
     """Add to a sample's ``dense`` leaves the masks ``return_mask`` asks for, where ``tensordict.pad_sequence``
     puts them (under ``"masks"`` or the key it names): a padded key's own, every other key's all True
     along its first dim (a key whose elements all have one length so far is masked like the others)."""
-    where = _ragged.mask_root(ragged, h.leaves)
+    where = ragged.mask_root(as_tensor, h.leaves)
     for path, t in list(dense.items()):
         m = masks.get(path)
         dense[(*where, *path)] = m if m is not None else torch.ones(t.shape[: min(2, t.ndim)], dtype=torch.bool, device=t.device)
@@ -95,11 +93,11 @@ def decode_sample(
     device: torch.device | None,
     block: Leaf | None,
     grouped: list[Leaf],
-    ragged: dict[str, Any] | None = None,
+    as_tensor: dict[str, Any] | None = None,
     wanted: set[NestedPath] | None = None,
 ) -> Sample:
     """The batch a 'U', 'P' or 'F' op read: slots in ``reply[2]``, rw in ``reply[3]``, the leaves' pieces from ``reply[first]``."""
-    slots = torch.from_numpy(_codec.unpack_i64(reply[2]).astype(np.int64))
+    slots = torch.from_numpy(codec.unpack_i64(reply[2]).astype(np.int64))
     n = int(slots.numel())
     rw = int(reply[3])
     pieces = reply[first:]
@@ -110,20 +108,20 @@ def decode_sample(
     for leaf in leaves:
         if not leaf.het:
             assert leaf.shape is not None
-            rows = _codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
+            rows = codec.from_bytes(pieces[pos], leaf.dtype, (n, *leaf.shape))
             if leaf is block:
-                dense.update(_row_block.split(rows, grouped))
+                dense.update(row_block.split(rows, grouped))
             else:
                 dense[leaf.path] = rows
             pos += 1
             continue
         one = None
-        kept = leaf.json or _padded.varying_root(h, leaf.path) is not None  # never padded (_plan.padded_batch)
-        if ragged and not kept and not h.inner and h.stack_pos == 0:
+        kept = leaf.json or padded_batch.varying_root(h, leaf.path) is not None  # never padded (_plan.padded_batch)
+        if as_tensor and not kept and not h.inner and h.stack_pos == 0:
             # the rows' shape records and bytes, joined: one padded or jagged tensor, no tensor per row
-            one = _ragged.build(leaf, _codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], ragged)
-        elif ragged and not kept:
-            _ragged.check_mask(ragged, display(leaf.path))
+            one = ragged.build(leaf, codec.unpack_i64(pieces[pos + 1]).reshape(n, leaf.ndim), pieces[pos + 2], as_tensor)
+        elif as_tensor and not kept:
+            ragged.check_mask(as_tensor, display(leaf.path))
         if isinstance(one, tuple):
             dense[leaf.path], masks[leaf.path] = one
         elif one is not None:
@@ -131,18 +129,18 @@ def decode_sample(
         else:
             per_el[leaf.path] = het_rows(leaf, h.leaf_inner(leaf.path), n, pieces[pos], pieces[pos + 1], pieces[pos + 2])
         pos += 3
-    if block is not None or ragged or wanted is not None:  # the store's key order (and only the keys asked for)
+    if block is not None or as_tensor or wanted is not None:  # the store's key order (and only the keys asked for)
         dense = {path: dense[path] for path in h.leaves if path in dense and (wanted is None or path in wanted)}
-    others = _padded.rest(h, per_el, n, device) if ragged and per_el and not h.inner and h.stack_pos == 0 else None
+    others = padded_batch.rest(h, per_el, n, device) if as_tensor and per_el and not h.inner and h.stack_pos == 0 else None
     if others is not None:  # non-tensor keys and sub-trees of varying dims beside the padded keys
         per_el = {}
-        if ragged and ragged.get("return_mask"):
-            with_masks(h, dense, masks, ragged)
+        if as_tensor and as_tensor.get("return_mask"):
+            with_masks(h, dense, masks, as_tensor)
         dense.update(others)
-    elif ragged and ragged.get("return_mask"):
+    elif as_tensor and as_tensor.get("return_mask"):
         if per_el:
-            _ragged.check_mask(ragged, display(next(iter(per_el))))
-        with_masks(h, dense, masks, ragged)
+            ragged.check_mask(as_tensor, display(next(iter(per_el))))
+        with_masks(h, dense, masks, as_tensor)
     sp = h.stack_pos
     if not per_el:
         bs = (*h.inner[:sp], n, *h.inner[sp:])

@@ -1,4 +1,4 @@
-"""Reading the ring buffer (see ``_ring.extend``): ``sample`` and ``pop``, one call each.
+"""Reading the ring buffer (see ``_plan.ring_plan``): ``sample`` and ``pop``, one call each.
 
 ``sample`` draws its random numbers on the client (a seeded ``torch.Generator`` gives the same
 batch again); ``read.lua`` maps them onto the written slots it sees ('U'), or walks the priority
@@ -17,11 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import scripts as _scripts
+from tdstore._engine import deadline, scripts
 from tdstore._engine.engine import Engine, request_id
-from tdstore._format import codec as _codec
-from tdstore._format import row_block as _row_block
+from tdstore._format import codec, row_block
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Read
 from tdstore._format.sampling_policy import SamplingPolicy
@@ -29,16 +27,16 @@ from tdstore._format.schema import Header, Leaf, NestedPath
 from tdstore._plan.call import Call
 from tdstore._plan.read_plan import plan_rows_tx, with_tables
 from tdstore._plan.read_results import DenseResult
+from tdstore._plan.ring_plan import DRAW_HIGH, RING_FIELDS, Sample, check_batch_size, check_sample_args, generations
 from tdstore._plan.values import build_td
-from tdstore._ring import policy_calls as _policy_calls
-from tdstore._ring import waiting as _waiting
-from tdstore._ring.args import check_batch_size, refuse_spread
-from tdstore._ring.extend import DRAW_HIGH, RING_FIELDS, Sample, generations, ring_writes_of
+from tdstore._ring import policy_calls, waiting
+from tdstore._ring.args import refuse_spread
+from tdstore._ring.extend import ring_writes_of
 from tdstore._ring.leases import Planner
 from tdstore._ring.row_reads import RowRead, decode_sample, row_read_call, selected_leaves, with_masks
 
 
-@_deadline.honours_timeout("sample")
+@deadline.honours_timeout("sample")
 def sample(
     engine: Engine,
     batch_size: int,
@@ -54,7 +52,7 @@ def sample(
     timeout: float | None = None,
     heads: list[tuple[float, float, int]] | None = None,
     again: tuple[torch.Tensor, str] | None = None,
-) -> Sample | _policy_calls.PrioritizedSample:
+) -> Sample | policy_calls.PrioritizedSample:
     """Draw ``batch_size`` written slots (with replacement) and read them, in one call.
 
     Uniformly, or by priority on a store with priorities (see ``_ring.policy_calls``); waiting
@@ -65,7 +63,7 @@ def sample(
     reads only those keys (and the keys below them). ``heads``: a prioritized sample appends to it its
     tree's sum and smallest probability and ``rw`` as the script drew (a sharded ring's next split; NaN: not sent).
     ``again``: the draws and request id of a counted sample sent before (its resend: the same rows, counted once)."""
-    _check_sample_args(batch_size, min_size, beta)
+    check_sample_args(batch_size, min_size, beta)
     draws = again[0] if again is not None else torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
@@ -74,7 +72,9 @@ def sample(
     by_policy = policy.prioritized if prioritized is None else prioritized
     by_policy = by_policy or min_size is not None or h.sampling is not None
     chosen = selected_leaves(h, keys)
-    if not by_policy and engine.ring_full and engine.tx_reads and h.stack_pos == 0 and chosen and not any(leaf.het for leaf in chosen):
+    # (a ring restored with rows absent is drawn by the server, which skips them: lua/_absent.lua)
+    client_draws = engine.ring_full and engine.tx_reads and h.stack_pos == 0 and not h.absent_rows
+    if not by_policy and client_draws and chosen and not any(leaf.het for leaf in chosen):
         got = _full_ring_sample(engine, h, draws, keys, chosen, device, ragged)
         if isinstance(got, Sample):
             return got
@@ -105,7 +105,7 @@ def sample(
             engine.set_header(engine.fetch_header())
             return engine.run(planner.plan)
 
-    def resend(later: float | None) -> Sample | _policy_calls.PrioritizedSample:
+    def resend(later: float | None) -> Sample | policy_calls.PrioritizedSample:
         # a sample that counts (rate limiter, max_times_sampled), sent again: the rows it drew, counted once
         return sample(
             engine,
@@ -122,29 +122,21 @@ def sample(
             again=(draws, planner.request),
         )
 
-    with _deadline.resolvable(planner.request, resend):
-        return _policy_calls.wait_or_raise(
+    with deadline.resolvable(planner.request, resend):
+        return policy_calls.wait_or_raise(
             engine, run, timeout, min_size is not None or timeout is not None or policy.limit is not None, "sample"
         )
 
 
-def _check_sample_args(batch_size: Any, min_size: Any, beta: Any) -> None:
-    check_batch_size(batch_size, "sample")
-    if min_size is not None and (isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0):
-        raise ValueError(f"min_size must be None or an int >= 0, got {min_size!r}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
-        raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
-
-
 def _sample_policy(engine: Engine, h: Header, prioritized: bool | None, alpha: float | None, min_size: int | None) -> SamplingPolicy:
     """The store's sampling policy, once the sample's arguments are checked against it."""
-    policy = _policy_calls.policy_of(engine)
+    policy = policy_calls.policy_of(engine)
     if prioritized is None:
         prioritized = policy.prioritized
     elif prioritized and not policy.prioritized:
-        policy = _policy_calls.policy_of(engine, fresh=True)
+        policy = policy_calls.policy_of(engine, fresh=True)
         if not policy.prioritized:
-            raise _policy_calls.no_priorities(engine)
+            raise policy_calls.no_priorities(engine)
     if prioritized and alpha is not None and float(alpha) != policy.alpha:
         raise ValueError(
             f"the store with {engine.where()} keeps priorities with alpha={policy.alpha:g} (set by enable_priorities); got alpha={alpha!r}"
@@ -187,15 +179,17 @@ def _full_ring_sample(
     paths = None if keys is None else [leaf.path for leaf in chosen]
     _, res = engine.read(slots, paths, fields=_TX_FIELDS, counts=tx_counts(engine, h, slots))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
-    distinct_caught_up(engine, h, fields, slots)
     rw = ring_writes_of(engine, fields, h)
-    if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None:
+    if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None and fields.get("ho") is None:
+        distinct_caught_up(engine, h, fields, slots)
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
         return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))
     if fields.get("sc") is not None:
         engine.set_header(engine.fetch_header())
         return _UNDER_POLICY
+    if fields.get("ho") is not None:  # restored with rows absent since this header was read: the server draws
+        engine.set_header(engine.fetch_header())
     return None
 
 
@@ -219,7 +213,7 @@ class _SamplePlanner:
     request: str = field(init=False)  # one per sample, sent with every try: a resend never counts twice
 
     def __post_init__(self) -> None:
-        self.packed = _codec.pack_i64(self.draws.numpy())
+        self.packed = codec.pack_i64(self.draws.numpy())
         self.request = request_id()
 
     def plan(self, h: Header) -> Call:
@@ -227,8 +221,8 @@ class _SamplePlanner:
         by_prio = self.asked if self.asked is not None else (h.sampling is not None and h.sampling.prioritized)
         use_policy = by_prio or self.min_size is not None or h.sampling is not None
         if use_policy and h.sampling is not None and (h.sampling.limit is not None or h.sampling.max_times is not None):
-            _deadline.arm()  # a sample that counts, sent next: from now on it may have been counted
-        if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0:
+            deadline.arm()  # a sample that counts, sent next: from now on it may have been counted
+        if self.as_tx and not use_policy and engine.ring_full and h.stack_pos == 0 and not h.absent_rows:
             tx = _tx_sample_call(engine, h, keys, self.draws, self.device, self.ragged)
             if tx is not None:
                 return tx
@@ -240,18 +234,18 @@ class _SamplePlanner:
                 return Read.P(self.batch_size, packed, tree, counts, engine.keys.events, self.min_size or 0, "1" if by_prio else "0")
             return Read.U(self.batch_size, packed)
 
-        def parse(reply: list, rows: RowRead) -> Sample | _policy_calls.PrioritizedSample:
+        def parse(reply: list, rows: RowRead) -> Sample | policy_calls.PrioritizedSample:
             pieces = 6 if use_policy else 4
             got = decode_sample(h, rows.leaves, reply, pieces, self.device, rows.block, rows.grouped, self.ragged, rows.wanted)
             engine.ring_full = engine.ring_full or int(reply[3]) >= h.count
             if not by_prio:
                 return got
-            probs, low = _policy_calls.probabilities(reply)
+            probs, low = policy_calls.probabilities(reply)
             if self.heads is not None:
                 mass = np.frombuffer(reply[5], dtype="<f8")[1:2]
                 self.heads.append((float(mass[0]) if len(mass) else math.nan, low, int(reply[3])))
-            return _policy_calls.PrioritizedSample(
-                got.td, got.indices, got.generations, _policy_calls.weights_of(probs, low, self.beta), probs
+            return policy_calls.PrioritizedSample(
+                got.td, got.indices, got.generations, policy_calls.weights_of(probs, low, self.beta), probs
             )
 
         call = row_read_call(engine, h, keys, self.batch_size, head, parse, self.request if use_policy else None)
@@ -259,7 +253,7 @@ class _SamplePlanner:
             return call
         # a uniform sample: bring back the offset tables the handle does not keep (of the segments the
         # draws fall in once the ring is full), so that the next samples of a full ring go as transactions
-        units = _row_block.units(h, selected_leaves(h, keys))[0]
+        units = row_block.units(h, selected_leaves(h, keys))[0]
         return with_tables(engine, h, call, KeyTable(*call.keys), units, (self.draws % h.count).numpy(), count_at=2)
 
 
@@ -282,7 +276,7 @@ def _tx_sample_call(
     selected = selected_leaves(h, keys)
     if not selected or not any(leaf.het for leaf in selected):
         return None
-    leaves, block, grouped = _row_block.units(h, selected)
+    leaves, block, grouped = row_block.units(h, selected)
     slots = (draws % h.count).numpy()
     tx = plan_rows_tx(engine, h, slots, leaves)
     if tx is None:
@@ -292,12 +286,12 @@ def _tx_sample_call(
 
     def parse(reply: list) -> Sample:
         fields = call.field_values or {}
-        distinct_caught_up(engine, h, fields, slots)
         rw = ring_writes_of(engine, fields, h)
-        if rw < h.count or fields.get("sc") is not None:
+        if rw < h.count or fields.get("sc") is not None or fields.get("ho") is not None:
             raise _RingMoved
+        distinct_caught_up(engine, h, fields, slots)
         piece = str(rw).encode()
-        return decode_sample(h, leaves, [*reply[:2], _codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
+        return decode_sample(h, leaves, [*reply[:2], codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
     counts = tx_counts(engine, h, slots)
     call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(_TX_FIELDS), verify=tx[1], counts=counts)
@@ -323,14 +317,14 @@ def tx_counts(engine: Engine, h: Header, slots: Any) -> list[list[Any]] | None:
     keys = engine.keys
     if not h.distinct:
         return [["HINCRBY", keys.stats, "smpx", int(np.asarray(slots).size)]]
-    script = ["EVALSHA", _scripts.script_source("sampled")[1]] if engine.__dict__.get("_sampled_sent") else None
+    script = ["EVALSHA", scripts.script_source("sampled")[1]] if engine.__dict__.get("_sampled_sent") else None
     # the handle's first one sends the text (EVAL caches it), so that no NOSCRIPT costs a round trip
     engine.__dict__["_sampled_sent"] = True
     return [_marks(engine, slots), [*(script or _eval_sampled()), 3, keys.meta, keys.stats, keys.sampled_rows, int(np.asarray(slots).size)]]
 
 
 def _eval_sampled() -> list[Any]:
-    return ["EVAL", _scripts.script_source("sampled")[0]]
+    return ["EVAL", scripts.script_source("sampled")[0]]
 
 
 def _marks(engine: Engine, slots: Any) -> list[Any]:
@@ -355,7 +349,7 @@ def distinct_caught_up(engine: Engine, h: Header, fields: dict[str, Any], slots:
         engine.commands([tuple(_marks(engine, slots)), (*_eval_sampled(), 3, keys.meta, keys.stats, keys.sampled_rows, 0)])
 
 
-@_deadline.honours_timeout("pop")
+@deadline.honours_timeout("pop")
 def pop(
     engine: Engine,
     batch_size: int,
@@ -378,7 +372,7 @@ def pop(
     def plan_call(h: Header) -> Call:
         if h.leased:  # items whose lease ran out go to plain pops too: through the lease table
             return leased.plan(h)
-        _deadline.arm()  # sent next: from now on the pop may have taken its items
+        deadline.arm()  # sent next: from now on the pop may have taken its items
         return row_read_call(
             engine,
             h,
@@ -393,5 +387,5 @@ def pop(
         # the same pop under the same id: the server answers with the items it took (read.lua 'N')
         return pop(engine, batch_size, device, again, keys, request)
 
-    with _deadline.resolvable(request, resend, keyword=True):
-        return _waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")
+    with deadline.resolvable(request, resend, keyword=True):
+        return waiting.until_ready(engine, lambda: engine.run(plan_call), timeout, "pop")

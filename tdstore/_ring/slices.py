@@ -12,17 +12,16 @@ ring (``O(log trajectories)`` per slice).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine import deadline
 from tdstore._engine.engine import Engine
 from tdstore._errors import MustWait
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, NestedPath
 from tdstore._format.trajectories import Trajectories
@@ -47,6 +46,9 @@ class SliceSample(NamedTuple):
     indices: torch.Tensor
     generations: torch.Tensor
     info: dict[str, torch.Tensor]
+
+
+SliceSample.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
 
 
 def trajectory_setting(traj_key: Any, end_key: Any) -> Trajectories | None:
@@ -123,11 +125,11 @@ def set_trajectories(engine: Engine, traj_key: Any = None, end_key: Any = None) 
             )
 
         def plan(h: Header, runs: np.ndarray = runs, last: str = last, rw: int = rw) -> Call:
-            _deadline.arm()
+            deadline.arm()
             return Call(
                 "trajectories",
                 [engine.keys.meta, engine.keys.episodes],
-                [f"{h.epoch}:V{h.version}", t.to_json() if t is not None else "", rw, _codec.pack_i64(runs.reshape(-1)), last],
+                [f"{h.epoch}:V{h.version}", t.to_json() if t is not None else "", rw, codec.pack_i64(runs.reshape(-1)), last],
                 engine.adopt_stale,
             )
 
@@ -204,7 +206,7 @@ def sample_slices(
         if ranks[1].numel() != m:
             raise ValueError(f"{ranks[1].numel()} trajectory ranks for {m} slices")
         drawn[0::2] = ranks[1].to(torch.int64)
-    draws = _codec.pack_i64(drawn.numpy())
+    draws = codec.pack_i64(drawn.numpy())
     ranked = 0 if ranks is None else int(ranks[0])
 
     def plan(h: Header) -> Call:
@@ -216,7 +218,7 @@ def sample_slices(
 
         def parse(reply: list, rows: Any) -> SliceSample:
             got = decode_sample(h, rows.leaves, reply, 5, device, rows.block, rows.grouped, None, rows.wanted)
-            info = torch.from_numpy(_codec.unpack_i64(reply[4]).astype(np.int64)).reshape(m, 4)
+            info = torch.from_numpy(codec.unpack_i64(reply[4]).astype(np.int64)).reshape(m, 4)
             lengths = info[:, 3]
             truncated = torch.zeros((got.indices.numel(), 1), dtype=torch.bool)
             ends = lengths.cumsum(0) - 1
@@ -252,70 +254,7 @@ class RanksMoved(Exception):
         self.eligible = eligible
 
 
-class TrajectoryMethods:
-    """``set_trajectories``, ``trajectories`` and ``sample_slices`` of a lazy store (a mixin of
-    ``LazyStackedTensorDictStore``; the dense store's ring calls them through its stack)."""
-
-    _engine: Engine
-
-    def set_trajectories(self, *, traj_key: Any = None, end_key: Any = None) -> None:
-        """Keep an episode index on the server, so that :meth:`sample_slices` draws slices of trajectories.
-
-        ``traj_key``: a key holding one integer id per row; consecutive rows of one id are one
-        trajectory (torchrl's ``SliceSampler(traj_key=...)``). ``end_key``: a key holding one flag per
-        row; a row whose flag is set ends its trajectory (torchrl's ``end_key``, e.g. ``("next", "done")``).
-        The index is built over the rows the ring holds (one read of the key), then every ``extend``
-        updates it in the same atomic call, from the ids of the rows it writes (a batch without the key
-        raises ``KeyError`` before anything is written), overwrites and wrap-around included. Writes by
-        index (``store[i] = td``, ``update_if``) do not move it. With neither key, the index is dropped.
-        """
-        set_trajectories(self._engine, traj_key, end_key)
-
-    @property
-    def trajectories(self) -> Trajectories | None:
-        """The ring's trajectory setting (``set_trajectories``), as this handle last read the header."""
-        return self._engine.header.trajectories
-
-    def sample_slices(
-        self,
-        batch_size: int,
-        *,
-        num_slices: int | None = None,
-        slice_len: int | None = None,
-        strict_length: bool = True,
-        span: Any = False,
-        generator: torch.Generator | None = None,
-        keys: Sequence[Any] | None = None,
-        ranks: tuple[int, torch.Tensor] | None = None,
-    ) -> SliceSample:
-        """``batch_size`` rows as slices of trajectories, drawn and read on the server in one round trip.
-
-        torchrl's ``SliceSampler`` semantics: ``num_slices`` slices of ``batch_size // num_slices`` rows
-        (or slices of ``slice_len`` rows); each slice's trajectory is drawn uniformly among those of at
-        least the slice's length (``strict_length=True``; no such trajectory: ``ValueError``), or among all
-        (``strict_length=False``: a shorter one gives a shorter slice), then its start uniformly;
-        ``span`` lets slices hang over a trajectory's start or end and be cut there. Every slice lies
-        inside one trajectory. Needs :meth:`set_trajectories`. The server's work grows with the rows
-        returned, not with the ring. Returns a :class:`SliceSample` (rows, slots, generations, and the
-        ``truncated`` flags and slice bounds torchrl's samplers return).
-
-        ``ranks=(eligible, ranks)`` (a sampler without replacement): slice ``i``'s trajectory is the one of rank
-        ``ranks[i]`` among the ``eligible`` trajectories long enough (longest first); a ring holding another
-        number raises :class:`RanksMoved` with it, having drawn nothing.
-        """
-        paths = None if keys is None else [as_path(k) for k in keys]
-        return sample_slices(
-            self._engine,
-            batch_size,
-            num_slices=num_slices,
-            slice_len=slice_len,
-            strict_length=strict_length,
-            span=span,
-            generator=generator,
-            keys=paths,
-            device=getattr(self, "device", None),
-            ranks=ranks,
-        )
+RanksMoved.__module__ = "tdstore.ring_interface"  # its public home: pickles name it there
 
 
 #: Why a sharded ring has no slices yet (``ShardedTrajectoryMethods``).

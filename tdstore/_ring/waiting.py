@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 
 import redis
 
-from tdstore._engine import deadline as _deadline
-from tdstore._engine import held as _held
+from tdstore._engine.deadline import Deadline, answered, bounded, is_real, new_connection, within
+from tdstore._engine.held import holding
 from tdstore._errors import MustWait
 
 T = TypeVar("T")
@@ -52,17 +52,17 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
     ``timeout=None`` waits as long as it takes (or until the deadline of the call this one is
     part of); ``0`` tries once. ``what`` names the call in the timeout's message.
     """
-    with _deadline.within(timeout, what, engine.where) as deadline:
+    with within(timeout, what, engine.where) as deadline:
         try:
             return attempt()
         except MustWait as err:
             held = err
-            _deadline.answered()  # not run: a deadline passing from here on is a plain TimeoutError
+            answered()  # not run: a deadline passing from here on is a plain TimeoutError
         if deadline is not None and deadline.left() <= 0:
             raise _timed_out(engine, what, deadline, held)
         events = _Events(engine, deadline)
-        holding = _held.holding()
-        holding.__enter__()  # the tries below carry the time held (counted by the one that goes through)
+        timer = holding()
+        timer.__enter__()  # the tries below carry the time held (counted by the one that goes through)
         try:
             events.start()
             while True:
@@ -70,7 +70,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                     return attempt()
                 except MustWait as err:
                     held = err
-                    _deadline.answered()
+                    answered()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
                     # the server went away (killed, restarting, failing over): a waiter with a deadline
                     # waits it out like any other wait, then times out naming it
@@ -82,7 +82,7 @@ def until_ready(engine: Any, attempt: Callable[[], T], timeout: float | None, wh
                     raise _timed_out(engine, what, deadline, held)
                 events.wait(left)
         finally:
-            holding.__exit__(None, None, None)
+            timer.__exit__(None, None, None)
             events.close()
 
 
@@ -100,7 +100,7 @@ class _Events:
     that stops answering ends the wait at the deadline, with the call's ``TimeoutError``.
     """
 
-    def __init__(self, engine: Any, deadline: _deadline.Deadline | None) -> None:
+    def __init__(self, engine: Any, deadline: Deadline | None) -> None:
         self.engine = engine
         self.deadline = deadline
         self.pubsub: Any = None
@@ -112,12 +112,12 @@ class _Events:
             return
         client = self.engine.client
         pubsub = client.pubsub()
-        if self.deadline is not None and _deadline.is_real(client):
-            conn = _deadline.new_connection(client.connection_pool)
+        if self.deadline is not None and is_real(client):
+            conn = new_connection(client.connection_pool)
             conn.register_connect_callback(pubsub.on_connect)  # a reconnect subscribes again
             pubsub.connection = conn
             self._stack.callback(conn.disconnect)
-            self._stack.enter_context(_deadline.bounded(conn, self.deadline))
+            self._stack.enter_context(bounded(conn, self.deadline))
             self._stack.callback(_detach, pubsub)  # the connection is ours: never handed to the pool
         else:
             self._stack.callback(pubsub.close)
@@ -178,7 +178,7 @@ def _detach(pubsub: Any) -> None:
     pubsub.close()
 
 
-def _subscribe(pubsub: Any, channel: str, deadline: _deadline.Deadline | None) -> None:
+def _subscribe(pubsub: Any, channel: str, deadline: Deadline | None) -> None:
     """Subscribe and wait for the server's confirmation: from then on every publish reaches us."""
     pubsub.subscribe(channel)
     while True:
@@ -197,6 +197,6 @@ def _next_event(pubsub: Any, timeout: float) -> None:
         msg = pubsub.get_message(timeout=0)
 
 
-def _timed_out(engine: Any, what: str, deadline: _deadline.Deadline | None, held: MustWait) -> TimeoutError:
+def _timed_out(engine: Any, what: str, deadline: Deadline | None, held: MustWait) -> TimeoutError:
     waited = "" if deadline is None else f" {deadline.timeout:g} s"
     return TimeoutError(f"{what} on the store with {engine.where()} waited{waited}: {held.message}")

@@ -92,6 +92,8 @@ class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods):
     ``min_replicas=n``: a call writing rows or priorities, a pop or an ack returns once ``n`` replicas have it.
     """
 
+    __module__ = "tdstore"  # its public home: pickles name it there
+
     def __init__(
         self,
         *,

@@ -87,9 +87,9 @@ class ShardSampling(ShardsBase):
         """A batch of ``batch_size`` written slots drawn with replacement over every shard, exactly as one ring
         would draw them (uniformly, or by priority on a ring with priorities): see the module docstring.
         Arguments and result as ``LazyStackedTensorDictStore.sample`` (indices are global slots)."""
-        from tdstore._ring.sample_pop import _check_sample_args
+        from tdstore._plan.ring_plan import check_sample_args
 
-        _check_sample_args(batch_size, min_size, beta)
+        check_sample_args(batch_size, min_size, beta)
         with self._within(timeout, "sample"):
             if ragged and len(self._shards) > 1:
                 # shards pad to their own longest rows: the rows are read as they are and padded once joined

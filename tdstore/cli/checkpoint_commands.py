@@ -2,7 +2,8 @@
 
 The checkpoint code (:mod:`tdstore._checkpoint.export_import`, which needs torch) is imported when the
 command runs, so that ``tdstore --help`` and the other commands stay quick.  Exit codes: 0
-success; 1 a malformed checkpoint, a store that changed while it was exported or is damaged,
+success; 1 a malformed checkpoint, a store whose schema or policy changed while it was exported (writers
+may run: see ``export_import``) or that is damaged,
 a server error; 2 a usage error, an unreachable server, an unknown id, a store that exists
 (``import`` without ``--replace``) or a path that holds something else; 130 interrupted.
 """
@@ -46,7 +47,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("export", conn, err)
     rw = meta.ring.get("rw", 0)
-    print(f"exported store {safe(args.td_id)}: {meta.count} elements, {len(meta.keys)} keys, ring writes {rw} -> {args.path}")
+    # writers may run meanwhile: the rows they overwrote during the export are left absent, and counted
+    late = f", {meta.overwritten_during_export} rows overwritten during the export (left absent)" if meta.overwritten_during_export else ""
+    print(f"exported store {safe(args.td_id)}: {meta.count} elements, {len(meta.keys)} keys, ring writes {rw}{late} -> {args.path}")
     return EXIT_OK
 
 

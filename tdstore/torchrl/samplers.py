@@ -72,7 +72,8 @@ class StoreSampler(Sampler):
         h = engine.header
         if self._bound_of != storage.store_identity:
             self._bound_of, self._bound = storage.store_identity, 0
-        if engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not any(leaf.het for leaf in h.leaves.values()):
+        client_draws = engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not h.absent_rows  # (else the server draws)
+        if client_draws and not any(leaf.het for leaf in h.leaves.values()):
             got = self._draw_here(s, batch_size, h.count)
             if got is not None:
                 return got
@@ -96,7 +97,7 @@ class StoreSampler(Sampler):
         if not isinstance(res, DenseResult) or res.fields is None:
             return None
         rw = _ring.ring_writes_of(s.stack_ops.engine, res.fields, s.stack_ops.engine.header)
-        if rw == 0 or res.fields.get("sc") is not None:  # (under a sampling policy set since, the server draws)
+        if rw == 0 or res.fields.get("sc") is not None or res.fields.get("ho") is not None:  # (a policy or absent rows: the server draws)
             return None
         self._bound = min(rw, m)
         engine.ring_full = engine.ring_full or rw >= m

@@ -356,8 +356,8 @@ def test_a_resent_call_takes_effect_once(kind, monkeypatch):
         monkeypatch.undo()
     assert torch.equal(first.indices, again.indices) and torch.equal(first.generations, again.generations)
     assert ring.write_count == 3
-    # a pop resent under its id: the shard's pop (what ShardedRing sends again), the dense store's stack's
-    one = ring.shards[0] if kind.sharded else ring._ring() if kind.name.startswith("dense") else ring
+    # a pop resent under its id: the shard's pop (what ShardedRing sends again), or the store's own
+    one = ring.shards[0] if kind.sharded else ring
     took = one.pop_items(2, timeout=0, _request=pop_rid)
     assert one.pop_items(2, timeout=0, _request=pop_rid).td["tag"].tolist() == took.td["tag"].tolist()
     assert ring.ring_state().write_count == 3 and len(tags_of(drain(kind, ring, 1, 5))) == 1

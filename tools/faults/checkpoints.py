@@ -161,6 +161,11 @@ HOSTILE: dict[str, Callable[[Path, Path], None]] = {
     "NaN in the JSON": lambda ck, out: _text(ck, '"format"', '"note": NaN, "format"'),
     "deep nesting": _deep,
     "sub-tree of no dims": lambda ck, out: _edit(ck, lambda m: m.__setitem__("sub", [[["obs"], []]])),
+    # a checkpoint taken while writers ran (rows absent below ring.ho, stats counters): out of range
+    "absent rows below rw - count": lambda ck, out: _edit(ck, lambda m: m["ring"].update(rw=2 * SLOTS, ho=1)),
+    "absent rows beyond rw": lambda ck, out: _edit(ck, lambda m: m["ring"].__setitem__("ho", m["ring"]["rw"] + 1)),
+    "stats counter of a bad name": lambda ck, out: _edit(ck, lambda m: m.__setitem__("stats", {"ins x": 1})),
+    "stats counter negative": lambda ck, out: _edit(ck, lambda m: m.__setitem__("stats", {"ins": -1})),
 }
 
 
