@@ -10,6 +10,7 @@
 
   KEYS[1]     store header hash
   KEYS[2]     the store's stats hash (see tds_stat in _lib.lua)
+  ARGV[1]     none: the script takes no arguments
 
   Reply       {'OK', {header field, value, ...}, {stats field, value, ...}, pttl of the header}
               (pttl -1: no time to live); {'GONE'} when the store has no header.

@@ -30,11 +30,10 @@ from tdstore._format.header_info import StoreFormatError
 _moved.install()  # old module paths still import: pickles made before the layout step load
 
 if TYPE_CHECKING:
-    from tdstore._checkpoint.export_import import export_checkpoint, import_checkpoint
-    from tdstore._checkpoint.reference import import_reference
     from tdstore._engine.connection import PasswordError
     from tdstore._plan.padded_batch import check_padding, pad_rows
     from tdstore._shards.ring import ShardedRing
+    from tdstore.checkpoint import export_checkpoint, import_checkpoint, import_reference
     from tdstore.lazy import LazyStackedTensorDictStore
     from tdstore.ring_interface import Ring
     from tdstore.store import TensorDictStore, register_tensorclass
@@ -69,9 +68,9 @@ _LAZY = {
     "Ring": "ring_interface",
     "register_tensorclass": "store",
     "PasswordError": "_engine.connection",
-    "export_checkpoint": "_checkpoint.export_import",
-    "import_checkpoint": "_checkpoint.export_import",
-    "import_reference": "_checkpoint.reference",
+    "export_checkpoint": "checkpoint",
+    "import_checkpoint": "checkpoint",
+    "import_reference": "checkpoint",
     "pad_rows": "_plan.padded_batch",
     "check_padding": "_plan.padded_batch",
 }

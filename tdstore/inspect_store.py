@@ -12,8 +12,10 @@ the server itself.
 
 The parts: :mod:`tdstore._inspect.connect` (the connection and its errors),
 :mod:`tdstore._inspect.headers` (headers and sizes), :mod:`tdstore._inspect.audit`
-(``check``), :mod:`tdstore._inspect.results` (what they return); this module
-gathers them and deletes stores (``rm``).
+(``check``), :mod:`tdstore._inspect.results` (what they return), :mod:`tdstore._inspect.stats`
+(a ring's counters, ``top``/``metrics``), :mod:`tdstore._shards.info` (sharded rings as ``ls``/``info``
+show them); this module gathers them and deletes stores (``rm``). The command line (``tdstore.cli``)
+reads servers through this module only.
 
 Nothing here imports torch or tensordict (``tdstore ls`` answers in a fraction
 of a second): headers are read by :mod:`tdstore._format.header_info`, and ``rm`` runs
@@ -23,11 +25,14 @@ of a second): headers are read by :mod:`tdstore._format.header_info`, and ``rm``
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
 from tdstore._engine import batches
 from tdstore._format.header_info import DELETING, HeaderInfo, StoreFormatError
-from tdstore._format.keys import StoreKeys, registry_key
+from tdstore._format.keys import StoreKeys, registry_key, shard_of_id
+from tdstore._inspect import stats
 from tdstore._inspect.audit import audit
 from tdstore._inspect.connect import (
     CONNECT_TIMEOUT,
@@ -43,6 +48,7 @@ from tdstore._inspect.connect import (
 )
 from tdstore._inspect.headers import describe_policy, inspect_for_delete, list_stores, lookup, read_header, store_info, store_layout
 from tdstore._inspect.results import Audit, Deletion, LeafInfo, Listing, NoSuchStore, StoreBusy, StoreInfo, Unreadable, UnreadableStore
+from tdstore._shards.info import group_shards, node_of_key, ring_info, ring_info_lines
 
 __all__ = [
     "Audit",
@@ -66,6 +72,13 @@ __all__ = [
     "connect",
     "delete_store",
     "describe_policy",
+    "group_shards",
+    "node_of_store",
+    "registered_ids",
+    "ring_info",
+    "ring_info_lines",
+    "ring_stats",
+    "shard_of_id",
     "inspect_for_delete",
     "list_stores",
     "resolve_url",
@@ -74,6 +87,23 @@ __all__ = [
 
 #: Header reads and deletes ``rm`` tries while other clients keep changing the store's schema.
 CLEAR_TRIES = 20
+
+
+def registered_ids(client: redis.Redis, prefix: str) -> list[str]:
+    """Every id in the registry of ``prefix``, sorted (a sharded ring's shards are ids of their own, which
+    :func:`shard_of_id` tells apart); one round trip. Stores that expired may still be named (``list_stores`` skips them)."""
+    return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in client.smembers(registry_key(prefix)))
+
+
+def ring_stats(client: redis.Redis, prefix: str, td_id: str, *, cluster: bool = False) -> dict[str, Any]:
+    """The ring counters and state of the store ``td_id`` (``tdstore.Ring.stats``: what each key counts is in
+    ``tdstore._inspect.stats``), in one round trip of reads; ``KeyError`` when there is no such store."""
+    return stats.read(client, StoreKeys(prefix, td_id), cluster=cluster)
+
+
+def node_of_store(client: redis.Redis, prefix: str, td_id: str) -> str:
+    """The node (``host:port``) holding the header of store ``td_id`` on a cluster; ``"-"`` off one, ``"?"`` unknown."""
+    return node_of_key(client, StoreKeys(prefix, td_id).meta)
 
 
 def delete_store(client: redis.Redis, prefix: str, td_id: str) -> Deletion:

@@ -324,6 +324,21 @@ class LazyStackedTensorDictStore(LazyReads, LazyKeys, LazyLifecycle, LazyRing, S
             return tuple(ElementView(self, e) for e in range(self._count))
         return self.to_tensordict().unbind(dim)
 
+    @classmethod
+    def stack_of(cls, store: Any) -> LazyStackedTensorDictStore:
+        """The lazy store under ``store``, with no round trip: ``store`` itself, the stack a dense
+        ``TensorDictStore`` is kept as (a handle on the same server keys, whose header says dense:
+        :attr:`kept_as_dense`), or the store a tensorclass read from a store wraps. What an adapter
+        (``tdstore.torchrl``, checkpoints) works on whatever kind of store it was given. ``TypeError``
+        for anything else (a sharded ring is rings, not one stack)."""
+        seen = store
+        for attr in ("_tensordict", "_store"):  # a tensorclass's tensordict, a dense store's stack
+            if not isinstance(seen, cls):
+                seen = getattr(seen, attr, seen)
+        if not isinstance(seen, cls):
+            raise TypeError(f"expected a tdstore store (lazy, dense, or a tensorclass on one), got {type(store).__name__}")
+        return seen
+
     @property
     def kept_as_dense(self) -> bool:
         """Whether this is the stack a dense ``TensorDictStore`` is kept as (``TensorDictStore.dense_rows``

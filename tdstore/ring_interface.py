@@ -223,6 +223,27 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         """
         ...
 
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None = None) -> Sample:
+        """A uniform batch of ``batch_size`` slots (with replacement) among those this handle has seen written:
+        what a learner sampling all the time wants (torchrl's ``StoreSampler``), at less server time than ``sample``.
+
+        On one node the slots are drawn on the client below the written length this handle last saw, and read
+        with the ring's write count in one transaction of plain reads (no script); rows written since it last
+        looked are drawn from the next call on (the first call reads the length first: two round trips).
+        Written slots stay written, so every row drawn is a written one; the write count read with the rows
+        proves it. Where that cannot serve (heterogeneous keys, a sampling policy, a server refusing
+        transactions, a draw beyond the count: the store was made again), and on a sharded ring, this is
+        ``sample(batch_size, generator, prioritized=False)``. Returns ``Sample(td, indices, generations)``
+        (a dense ring's ``td`` is one ``TensorDict``); errors as ``sample``'s."""
+        ...
+
+    def filled(self, *, fresh: bool = False) -> int:
+        """How many items the ring holds (``len(ring.written)``): once this handle has seen the ring full, its
+        capacity with no round trip (a ring's write count only grows; a store made again is another ring,
+        whose calls find it); else, or with ``fresh=True``, read from the server (one round trip; sharded: the
+        shards not seen full, at once)."""
+        ...
+
     def pop(
         self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
     ) -> Any:

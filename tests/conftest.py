@@ -11,6 +11,9 @@ the report header names it and its version.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -155,6 +158,19 @@ def replies_are_never_cut_short(monkeypatch: pytest.MonkeyPatch) -> None:
     never cut a read: nothing changes there. A deadline kept against a server that stops answering
     is test_deadlines.py's subject."""
     monkeypatch.setattr(_deadline, "MIN_SOCKET_S", 30.0)
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    """A TCP redis-server of this test's own: it may be stopped, paused (SIGSTOP: resumed here) or killed."""
+    srv = EmbeddedServer(unix_socket=False).start()
+    try:
+        yield srv
+    finally:
+        if srv.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(srv.pid, signal.SIGCONT)
+        srv.stop()
 
 
 @pytest.fixture

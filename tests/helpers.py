@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 from typing import Any
@@ -115,6 +116,11 @@ def load_tool(name: str):
     return importlib.import_module(f"tools.{name}")
 
 
+def learner_url(srv: Any, user: str = "learner") -> str:
+    """The URL of ``srv`` (an ``EmbeddedServer`` on TCP) logged in as ``user`` with the README's password ``pw``."""
+    return f"redis://{user}:pw@127.0.0.1:{srv.port}/0"
+
+
 # -- stamped elements: every leaf carries one number, so a torn element is visible ----------------
 
 
@@ -182,3 +188,85 @@ def no_retry() -> Retry:
     """A redis-py retry policy that retries nothing: a test that expects a connection to fail gets the
     failure at once, where redis-py's default policy retries it with a growing backoff (seconds in all)."""
     return Retry(NoBackoff(), 0)
+
+
+# -- shared by several test files: written once ----------------------------------------------------------
+
+
+def chi_square(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    n = counts.sum().item()
+    exp = expected_p * n
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "a slot of probability 0 was drawn"
+    return float((((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum())
+
+
+def chi2_critical(df: int) -> float:
+    """The 0.1 % critical value of chi-square with ``df`` degrees of freedom (Wilson-Hilferty)."""
+    z = 3.090232  # the 0.999 quantile of the standard normal
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+# Each key's time to live as of one instant (the script's first TIME), so keys that share a
+# deadline show the very same number: from PEXPIRETIME where the server has it (Redis 7,
+# fakeredis); on Redis 6, whose clock moves inside a script, from a PTTL read within the
+# same millisecond as a TIME (read again until it is), shifted back to that instant.
+_PTTLS = """
+local function ms(t) return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) end
+local m0 = ms(redis.call('TIME'))
+local r = {}
+for i, k in ipairs(KEYS) do
+  local p = redis.pcall('PEXPIRETIME', k)
+  if type(p) == 'number' then
+    r[i] = p < 0 and p or p - m0
+  else
+    local a, b
+    repeat
+      a = ms(redis.call('TIME'))
+      p = redis.call('PTTL', k)
+      b = ms(redis.call('TIME'))
+    until a == b
+    r[i] = p < 0 and p or p + (a - m0)
+  end
+end
+table.insert(r, 1, m0)
+return r
+"""
+
+
+def pttls(backend, store) -> dict[bytes, int]:
+    keys = [k for k in backend.keys() if b"{" in k and store.td_id.encode() in k]
+    client = backend.client()
+    # one script per hash tag (a spread store's segments live in several slots), each read as of
+    # its own first instant: shifted to the first one's, so one deadline still shows one number
+    by_tag: dict[bytes, list[bytes]] = {}
+    for k in keys:
+        by_tag.setdefault(k[k.index(b"{") : k.index(b"}") + 1], []).append(k)
+    out: dict[bytes, int] = {}
+    start = None
+    for group in by_tag.values():
+        m0, *ttls = client.eval(_PTTLS, len(group), *group)
+        start = m0 if start is None else start
+        out.update((k, t if t < 0 else t + m0 - start) for k, t in zip(group, ttls))
+    return out
+
+
+def same_deadline(backend, ttls: dict[bytes, int]) -> bool:
+    """One deadline for every key: exactly on redis-server (see _PTTLS); fakeredis reads its clock
+    on each command, so there a millisecond or two may pass."""
+    values = set(ttls.values())
+    return len(values) == 1 if backend.server is not None else max(values) - min(values) <= 5
+
+
+def round_trips_per_node(cluster: Any, fn) -> list[list[str]]:
+    """Each primary's round trips (MONITOR, the commands scripts issue left out) while ``fn`` runs."""
+    seen: dict[int, list[str]] = {}
+
+    def watch(i: int) -> None:
+        if i == 3:
+            fn()
+            return
+        seen[i] = round_trips(top_level_commands(lambda: cluster.node_client(i), lambda: watch(i + 1)))
+
+    watch(0)
+    return [seen[i] for i in range(3)]

@@ -45,7 +45,6 @@ import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
-from tdstore._checkpoint import fence as _fence
 from tdstore._checkpoint.disk_format import (
     EXTRA_DIR,
     META_FILE,
@@ -57,21 +56,27 @@ from tdstore._checkpoint.disk_format import (
     read_meta,
     read_restorable,
 )
+from tdstore._checkpoint.fence import Moved, Stamps, append_part, clear_counts, held_slots, open_ragged, read_fence, rebuild_tree
 from tdstore._checkpoint.file_rows import check_tree, leaf_scans
 from tdstore._checkpoint.folder import opened, prepare_dir, publish_dir, read_at
-from tdstore._engine import scripts as _scripts
-from tdstore._engine import whole_store as _whole_store
+from tdstore._engine import scripts, whole_store
+from tdstore._engine.connection import open_client
 from tdstore._engine.engine import Engine
-from tdstore._format import codec as _codec
-from tdstore._format import row_block as _rows
+from tdstore._format import codec, row_block, tensorclass
 from tdstore._format.header_info import StoreFormatError
+from tdstore._format.integrity import damaged
+from tdstore._format.keys import StoreKeys
 from tdstore._format.nontensor import NonTensor, element_docs
 from tdstore._format.sampling_policy import tree_bytes
 from tdstore._format.schema import Header, Leaf
 from tdstore._format.segments import segment_length
-from tdstore._front import upload as _upload
+from tdstore._front import upload
+from tdstore._front.common import ttl_to_ms
 from tdstore._front.progress import progress
 from tdstore._front.upload_scan import LeafScan
+from tdstore._inspect.audit import audit
+from tdstore.dense import TensorDictStore, _connection_kwargs
+from tdstore.lazy import LazyStackedTensorDictStore, attach
 
 __all__ = [
     "CHUNK_BYTES",
@@ -98,26 +103,10 @@ _STAGE_TTL_MS = 120_000
 # -- export ---------------------------------------------------------------------------------------
 
 
-def _lazy_handle(store: Any) -> Any:
-    """The ``LazyStackedTensorDictStore`` under ``store`` (a dense store or a tensorclass wraps one)."""
-    from tdstore.lazy import LazyStackedTensorDictStore
-
-    seen = store
-    for attr in ("_tensordict", "_store"):
-        if not isinstance(seen, LazyStackedTensorDictStore):
-            seen = getattr(seen, attr, seen)
-    if not isinstance(seen, LazyStackedTensorDictStore):
-        raise TypeError(f"export_store takes a tdstore store, got {type(store).__name__}")
-    return seen
-
-
 def _intact(engine: Engine) -> None:
     """Raise ``StoreDamagedError`` unless every data and table key holds what the header implies (``tdstore
     check``'s audit, two pipelines): the reads of an export would take a lost segment, or a count another
     client edited, for rows never written, and a checkpoint must hold only rows that were."""
-    from tdstore._format.integrity import damaged
-    from tdstore._inspect.audit import audit
-
     for _ in range(3):  # (not atomic with writers: a write between its two pipelines may look like damage, damage stays)
         found = audit(engine.client, engine.keys.prefix, engine.keys.td_id)
         if not found.problems:
@@ -129,7 +118,7 @@ def _intact(engine: Engine) -> None:
 def _key_entries(h: Header) -> list[KeyEntry]:
     out = []
     for i, (path, leaf) in enumerate(sorted(h.leaves.items(), key=lambda kv: kv[1].number)):
-        name = _codec.dtype_name(leaf.dtype)
+        name = codec.dtype_name(leaf.dtype)
         if leaf.shape is not None:
             out.append(KeyEntry(path, name, "dense", leaf.ndim, "", tuple(leaf.shape)))
         else:
@@ -146,7 +135,7 @@ def _memmaps(root: Path, entries: list[KeyEntry], count: int) -> tuple[list[KeyE
     template = TensorDict(batch_size=[count])
     for e in dense:
         assert e.shape is not None
-        template.set(e.path, torch.zeros((), dtype=_codec.DTYPES[e.dtype]).expand(count, *e.shape))
+        template.set(e.path, torch.zeros((), dtype=codec.DTYPES[e.dtype]).expand(count, *e.shape))
     mm = template.memmap_like(prefix=root)
     tensors = {e.path: mm.get(e.path) for e in dense}
     files = {e.path: os.path.relpath(str(tensors[e.path].filename), root) for e in dense}
@@ -192,7 +181,7 @@ def _write_chunk(td: TensorDictBase, h: Header, entries: list[KeyEntry], mms: di
         data, offsets, shapes = files[e.path][:3]
         flat = torch.cat([t if t.ndim == 1 else t.reshape(-1) for t in pieces]) if pieces else torch.zeros(0)
         ends = files[e.path][3] + np.cumsum([t.numel() for t in pieces], dtype=np.int64) * flat.element_size()
-        data.write(_codec.to_bytes(flat))
+        data.write(codec.to_bytes(flat))
         offsets.write(ends.astype("<i8").tobytes())
         shapes.write(np.array([d for t in pieces for d in t.shape], dtype="<i8").tobytes())
         total += int(ends[-1]) - files[e.path][3]
@@ -209,7 +198,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
     counts the rows they overwrote, which the checkpoint holds absent.  Raises ``RuntimeError``
     when the schema or the policy changed during the export.
     """
-    lazy = _lazy_handle(store)
+    lazy = LazyStackedTensorDictStore.stack_of(store)
     engine: Engine = lazy._engine
     path = Path(path).resolve()  # "." or "ckpt/" name a directory with a name (renamed into place at the end)
     for _ in range(3):  # the header the export plans from, then (its files ready) the fence: one version of the store
@@ -224,7 +213,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
             (tmp / META_FILE).write_text(json.dumps(meta.to_json(), indent=1))
             publish_dir(tmp, path)
             return meta
-        except _fence.Moved:
+        except Moved:
             shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -233,7 +222,7 @@ def export_store(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, 
 
 
 def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> CheckpointMeta:
-    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``_fence.Moved`` when
+    """The checkpoint of the store ``h`` describes into ``root``: its files made, the fence taken (``Moved`` when
     the store is another version than ``h`` by then), the rows read, oldest first, and the ring state set."""
     count, plan = h.count, h.sampling
     entries = _key_entries(h)
@@ -257,12 +246,12 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
     first_part: dict[tuple[str, ...], list[Any]] = {}  # the slots read first ([c, count)), appended at the end
     try:
         for i, e in enumerate(ragged):
-            files[e.path] = _fence.open_ragged(root / e.file, True)
-            first_part[e.path] = _fence.open_ragged(root / EXTRA_DIR / f"part{i}", False)
-        fence = _fence.read_fence(engine)  # as late as can be: the writes from here on race the reads
+            files[e.path] = open_ragged(root / e.file, True)
+            first_part[e.path] = open_ragged(root / EXTRA_DIR / f"part{i}", False)
+        fence = read_fence(engine)  # as late as can be: the writes from here on race the reads
         if (fence.fields.get("epoch"), fence.fields.get("version")) != (h.epoch, str(h.version)):
-            raise _fence.Moved
-        stamps = _fence.Stamps(engine, h, fence)
+            raise Moved
+        stamps = Stamps(engine, h, fence)
         order = stamps.order()
         rows = _chunk_rows(h)
         with progress(pbar, count, "export") as bar:
@@ -279,7 +268,7 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
                     lo = hi
         for i, e in enumerate(ragged):
             if len(order) > 1:
-                _fence.append_part(
+                append_part(
                     files[e.path], first_part[e.path], {x: root / EXTRA_DIR / f"part{i}.{x}" for x in ("data", "offsets", "shapes")}
                 )
     finally:
@@ -311,15 +300,15 @@ def _export(lazy: Any, engine: Engine, h: Header, root: Path, pbar: bool) -> Che
     # the fence's rows writers overwrote before the export read them are its oldest: absent, with every older one
     first, fence_rw = stamps.first, stamps.fence_rw
     meta.overwritten_during_export = first - stamps.oldest
-    held = _fence.held_slots(count, first, fence_rw)
+    held = held_slots(count, first, fence_rw)
     if first > stamps.oldest:
         ring["rw"], ring["ho"] = fence_rw, first
         if ring.get("rr") is not None:  # a queue's next item is the oldest one held
             ring["rr"] = max(ring["rr"], first)
     if meta.priorities is not None:
-        _fence.rebuild_tree(root / meta.priorities, count, held)
+        rebuild_tree(root / meta.priorities, count, held)
     if meta.sampled is not None:
-        _fence.clear_counts(root / meta.sampled, count, held)
+        clear_counts(root / meta.sampled, count, held)
     if all(e.layout == "dense" for e in entries) and entries and not clash and h.stack_pos == 0 and not h.inner and not h.sub:
         # torchrl's TensorStorageCheckpointer reads this beside the memmap: LazyTensorStorage(count).loads(root)
         (root / TORCHRL_FILE).write_text(json.dumps({"metadata": {}, "is_pytree": False, "len": meta.written}))
@@ -343,7 +332,7 @@ def _header(engine: Engine, meta: CheckpointMeta, scans: list[LeafScan], token: 
         batchless=meta.batchless, sub={tuple(p): tuple(d) for p, d in meta.sub},
         classes={tuple(p): name for p, name in meta.classes},
     )  # fmt: skip
-    header = _rows.grouped_header(header, len(leaves))
+    header = row_block.grouped_header(header, len(leaves))
     width = header.row[1] if header.row is not None else 0
     largest = max((int(s.element_bytes().max()) for s in scans), default=1)
     return replace(header, seg=segment_length(meta.count, max(largest, width), engine.segment_size), spread=engine.spread)
@@ -401,7 +390,7 @@ def prepare(path: Any, meta: CheckpointMeta, engine: Engine) -> Prepared:
     chunk_bytes = CHUNK_BYTES
     if scans:
         sizes = {s.path: s.element_bytes() for s in scans}
-        chunk_bytes = _upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
+        chunk_bytes = upload._check_fits(engine, header, scans, sizes, CHUNK_BYTES)
     return Prepared(root, meta, scans, header, token, chunk_bytes)
 
 
@@ -414,15 +403,15 @@ def _upload_rows(engine: Engine, plan: Prepared, pbar: bool, ttl_ms: int) -> Non
         return
     sizes = {s.path: s.element_bytes() for s in scans}
     spread = engine.spread and header.segments.n > 1
-    if engine.create(header, ttl_ms=_upload.UPLOAD_TTL_MS) is not None:
+    if engine.create(header, ttl_ms=upload.UPLOAD_TTL_MS) is not None:
         raise FileExistsError(f"a store with {engine.where()} already exists; pick another td_id or delete it first")
     header = engine.header
     try:
-        _upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
-        _upload._commit(engine, header, plan.token, ttl_ms, spread)
+        upload._send(engine, header, scans, sizes, pbar=pbar, chunk_elements=CHUNK_ELEMENTS, chunk_bytes=plan.chunk_bytes, spread=spread)
+        upload._commit(engine, header, plan.token, ttl_ms, spread)
     except BaseException:
         try:
-            _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+            whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
         finally:
             engine.set_header(None)
         raise
@@ -459,7 +448,7 @@ def _restore_ring(engine: Engine, root: Path, meta: CheckpointMeta) -> None:
     try:
         tree_stage, tree_len = _stage(engine, root, meta.priorities, keys.priorities, token)
         times_stage, times_len = _stage(engine, root, meta.sampled, keys.times_sampled, token)
-        reply = _scripts.call(
+        reply = scripts.call(
             engine.client,
             "restore",
             [keys.meta, keys.priorities, keys.times_sampled, tree_stage, times_stage, keys.stats],
@@ -485,11 +474,11 @@ def _remove_made(engine: Engine, header: Header) -> None:
     when that reads back, else (a header another client damaged reads as gone to ``clear``) by the keys the
     upload's header names, while the header there is still this import's (its epoch)."""
     try:
-        _whole_store.clear(engine)
+        whole_store.clear(engine)
     except Exception:  # (deleted by name below)
         pass
     if engine.command("HGET", engine.keys.meta, "epoch") == header.epoch.encode():
-        _whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
+        whole_store.abort_upload(engine, header.next_leaf, header.segments.n)
 
 
 def restore_into(
@@ -520,12 +509,14 @@ def restore_into(
 # -- the public calls -----------------------------------------------------------------------------
 
 
-def export_checkpoint(store: Any, path: Any, *, pbar: bool = False) -> None:
-    """Write ``store`` (any tdstore store: rows, ring, priorities, policy) into the directory ``path``.
+def export_checkpoint(store: Any, path: Any, *, pbar: bool = False, extra: dict[str, Any] | None = None) -> CheckpointMeta:
+    """Write ``store`` (any tdstore store: rows, ring, priorities, policy) into the directory ``path``; returns
+    what was written (``count``, ``keys``, ``ring``). ``extra`` maps file names to JSON documents written
+    beside the metadata (an adapter's own state: torchrl's ``store.json``).
 
     See :func:`export_store` and :mod:`tdstore._checkpoint.disk_format` for the format.
     """
-    export_store(store, path, pbar=pbar)
+    return export_store(store, path, pbar=pbar, extra=extra)
 
 
 def import_checkpoint(
@@ -565,13 +556,6 @@ def import_narrowed(
 ) -> Any:
     """:func:`import_checkpoint` of ``path`` as ``meta`` describes it: what :func:`read_meta` read there, narrowed by
     the caller (``CheckpointMeta.narrowed``: keys left out, another ring write count), restored in the same calls."""
-    from tdstore._engine.connection import open_client
-    from tdstore._format import tensorclass as _tensorclass
-    from tdstore._format.keys import StoreKeys
-    from tdstore._front.common import ttl_to_ms
-    from tdstore.dense import TensorDictStore, _connection_kwargs
-    from tdstore.lazy import attach
-
     tid = meta.td_id if td_id is None else td_id
     client, spec, owned = open_client(**_connection_kwargs(store_kwargs))
     keys = StoreKeys(store_kwargs.get("prefix", "tensordict"), tid)
@@ -586,7 +570,7 @@ def import_narrowed(
             except KeyError:
                 pass
             else:
-                _whole_store.clear(old)
+                whole_store.clear(old)
         restore_into(path, engine=engine, pbar=pbar, ttl_ms=meta.ttl_ms if ttl is None else ttl_to_ms(ttl), plan=plan)
     except BaseException:
         engine.close()
@@ -594,4 +578,4 @@ def import_narrowed(
     store = attach(engine, backend=store_kwargs.get("backend", "redis"), cache_metadata=store_kwargs.get("cache_metadata", True))
     if engine.header.kind == "dense":
         store = TensorDictStore._open_view(store)
-    return _tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)
+    return tensorclass.wrap(store, engine.header.tensorclass, tensorclass_cls)

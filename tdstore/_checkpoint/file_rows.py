@@ -17,7 +17,7 @@ import torch
 
 from tdstore._checkpoint.disk_format import CheckpointMeta, KeyEntry
 from tdstore._checkpoint.folder import CheckpointError, file_size, opened, read_at, read_range
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.header_info import MAX_INT
 from tdstore._format.nontensor import decode
 from tdstore._format.sampling_policy import TREE_FAN, WEIGHT_SUM
@@ -49,7 +49,7 @@ class _DenseRows:
         assert e.shape is not None
         nb = e.element_nbytes
         raw = read_range(self._root, e.file, lo * nb, (hi - lo) * nb, f"key {e.path!r}") if nb and hi > lo else bytearray()
-        return _codec.from_bytes(raw, _codec.DTYPES[e.dtype], (hi - lo, *e.shape))
+        return codec.from_bytes(raw, codec.DTYPES[e.dtype], (hi - lo, *e.shape))
 
 
 def _int64s(root: Path, rel: str, n: int, what: str) -> np.ndarray:
@@ -74,8 +74,8 @@ class _RaggedRows:
     def chunk(self, lo: int, hi: int) -> torch.Tensor:
         a, b = int(self.offsets[lo]), int(self.offsets[hi])
         raw = read_range(self._root, f"{self._e.file}.data", a, b - a, f"key {self._e.path!r}") if b > a else bytearray()
-        dtype = _codec.DTYPES[self._e.dtype]
-        return _codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
+        dtype = codec.DTYPES[self._e.dtype]
+        return codec.from_bytes(raw, dtype, (len(raw) // dtype.itemsize,))
 
 
 class _FileLeaf(LeafScan):
@@ -83,7 +83,7 @@ class _FileLeaf(LeafScan):
 
     def __init__(self, e: KeyEntry, rows: _DenseRows | _RaggedRows, sizes: np.ndarray) -> None:
         shapes = rows.shapes if isinstance(rows, _RaggedRows) else None
-        super().__init__(e.path, _codec.DTYPES[e.dtype], [], e.shape if e.layout == "dense" else None, shapes, json=e.layout == "json")
+        super().__init__(e.path, codec.DTYPES[e.dtype], [], e.shape if e.layout == "dense" else None, shapes, json=e.layout == "json")
         self.__dict__["sizes"] = sizes  # the cached property, known from the files
         self._rows = rows
 
@@ -99,7 +99,7 @@ def _check_ragged(root: Path, e: KeyEntry, rows: _RaggedRows, count: int, inner:
     if off[0] != 0 or off[count] != rows.data_size:
         raise _bad(root, f"{what}: its offsets run from {int(off[0])} to {int(off[count])}, its data holds {rows.data_size} bytes")
     sizes = np.diff(off)
-    itemsize = _codec.DTYPES[e.dtype].itemsize
+    itemsize = codec.DTYPES[e.dtype].itemsize
     lead = np.asarray(inner, dtype=np.int64) if e.layout != "json" else np.zeros(0, np.int64)
     if e.layout != "json" and e.ndim < len(inner):
         raise _bad(root, f"{what}: its elements have {e.ndim} dims, fewer than the inner batch size {list(inner)}")

@@ -25,7 +25,10 @@ from typing import Any
 import numpy as np
 
 from tdstore._checkpoint.disk_format import EXTRA_DIR, ITEMSIZE, META_FILE, CheckpointMeta, KeyEntry
+from tdstore._checkpoint.export_import import import_checkpoint
+from tdstore._engine.connection import open_client
 from tdstore._format.keys import reference_key
+from tdstore.dense import _connection_kwargs
 
 __all__ = ["ReferenceStoreError", "import_reference", "is_reference_store", "reference_to_checkpoint"]
 
@@ -160,10 +163,6 @@ def import_reference(
     path made of digits only would share a name with tdstore's keys of the same id, so
     such a store needs another ``new_td_id``.  Returns the new store.
     """
-    from tdstore._checkpoint.export_import import import_checkpoint
-    from tdstore._engine.connection import open_client
-    from tdstore.dense import _connection_kwargs
-
     client, _, owned = open_client(**_connection_kwargs(store_kwargs))
     try:
         target = td_id if new_td_id is None else new_td_id

@@ -134,6 +134,7 @@ class Engine(Transport):
         self._script_reads = threading.local()  # .on: this thread's call is read again through read.lua
         self._counting = threading.local()  # .on: this thread's write.lua calls also count an in-place write ('tr')
         self.ring_full = False  # a sample saw every slot of the ring written (rw only grows)
+        self.written_seen = 0  # the written length a sample_seen saw (its next draws go below it; 0: read it)
         self.offsets = OffsetTables()  # heterogeneous leaves' offset tables: their rows read as plain GETRANGEs
         self.segment_bytes = segments.check_segment_bytes(segment_bytes)  # used when a store's first data arrives
         self.checks_memo = integrity.ChecksMemo()  # write.lua's ARGV[6], built once per header and key list

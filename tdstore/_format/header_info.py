@@ -4,7 +4,7 @@
 dtypes and sizes, so importing it imports torch (about 2 s).  The command line
 only shows headers and deletes stores, so it reads them here instead: the same
 checks as ``Header.from_fields``, with dtypes kept as their allow-listed names
-(``tests/test_headerinfo.py`` holds the two readers to the same verdicts).
+(``tests/format/test_headerinfo.py`` holds the two readers to the same verdicts).
 Nothing read from the server is imported, evaluated or unpickled.
 """
 

@@ -101,6 +101,24 @@ class OneNodeRing:
             )
         )
 
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None) -> Sample:
+        """The client-side draw below the written length this handle saw (``sample_pop.sample_seen``), else
+        the server's uniform sample."""
+        engine = self.engine
+        got = sample_pop.sample_seen(engine, batch_size, generator, self.device)  # (a read: nothing to resend)
+        if got is not None:
+            return got if self.rows is None else self.rows(got)
+        return self._read(lambda: sample_pop.sample(engine, batch_size, generator, self.device, prioritized=False))  # type: ignore[return-value]
+
+    def filled(self, fresh: bool) -> int:
+        """Items held: the capacity once this handle saw the ring full (rw only grows), else read (one round trip)."""
+        engine = self.engine
+        if engine.ring_full and not fresh:
+            return self.capacity
+        n = self.state().written
+        engine.ring_full = engine.ring_full or n >= self.capacity
+        return n
+
     def pop(
         self, batch_size: int, timeout: float | None, paths: list[NestedPath] | None, lease: float | None, request: str | None
     ) -> Sample | LeasedSample:

@@ -27,7 +27,7 @@ from tdstore._format import ragged
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._format.schema import NestedPath
 from tdstore._format.trajectories import Trajectories
-from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_request_id
+from tdstore._plan.ring_plan import RingState, RingWrite, Sample, check_batch_size, check_request_id
 from tdstore._plan.values import as_path
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
@@ -83,6 +83,8 @@ class RingWork(Protocol):
     def state(self) -> RingState: ...
     def written(self) -> Sequence[int]: ...
     def write_count(self) -> int: ...
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None) -> Sample: ...
+    def filled(self, fresh: bool) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     def policy(self) -> SamplingPolicy: ...
     def policies(self) -> list[SamplingPolicy]: ...
@@ -286,6 +288,13 @@ class RingCalls:
     @property
     def write_count(self) -> int:
         return self._ring_work().write_count()
+
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None = None) -> Sample:
+        check_batch_size(batch_size, "sample")
+        return self._ring_work().sample_seen(batch_size, generator)
+
+    def filled(self, *, fresh: bool = False) -> int:
+        return self._ring_work().filled(fresh)
 
     @property
     def cursor(self) -> int:

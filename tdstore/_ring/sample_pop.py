@@ -193,6 +193,37 @@ def _full_ring_sample(
     return None
 
 
+def sample_seen(engine: Engine, batch_size: int, generator: torch.Generator | None, device: torch.device | None) -> Sample | None:
+    """A uniform batch drawn on the client below the written length this handle last saw (``engine.written_seen``;
+    read first, one round trip, when it saw none) and read with ``rw`` in one transaction of plain GETRANGEs.
+
+    Written slots stay written (``rw`` only grows until the store is made again), so every slot drawn below
+    the bound holds a written row; ``rw`` read with the rows proves it and moves the bound on. None where the
+    server must draw: heterogeneous keys, a sampling policy, no transactions, a stack dim other than 0, nothing
+    written, or a draw beyond ``rw`` (the store was made again meanwhile)."""
+    h = engine.header
+    if not (engine.tx_reads and h.stack_pos == 0 and h.sampling is None and h.leaves and not h.absent_rows) or any(
+        leaf.het for leaf in h.leaves.values()
+    ):
+        return None
+    if engine.written_seen == 0:  # (a ring this handle saw full stays full: no round trip)
+        engine.written_seen = h.count if engine.ring_full else min(engine.ring_writes(), h.count)
+    if engine.written_seen == 0:
+        return None
+    slots = torch.randint(0, engine.written_seen, (batch_size,), generator=generator)
+    _, res = engine.read(slots, fields=RING_FIELDS, counts=tx_counts(engine, batch_size))
+    if not isinstance(res, DenseResult) or res.fields is None:
+        return None
+    rw = ring_writes_of(engine, res.fields, h)
+    if rw == 0 or res.fields.get("sc") is not None or res.fields.get("ho") is not None:  # (a policy set since, or absent rows)
+        return None
+    engine.written_seen = min(rw, h.count)
+    engine.ring_full = engine.ring_full or rw >= h.count
+    if int(slots.max()) >= engine.written_seen:
+        return None
+    return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))  # sub-trees' dims
+
+
 @dataclass
 class _SamplePlanner:
     """Plans a sample's call from the header it is sent with: a policy set since the first plan (a

@@ -3,5 +3,5 @@
 ``ring`` (``ShardedRing``: creation, identity, reads, state; the protocol in its docstring) is made
 of ``extend`` (writes), ``sample`` (samples, priorities), ``queue`` (rate limiter, queue, pop,
 leases) over ``fan_out`` (calls on one shard or all at once); ``layout`` places the shards and
-numbers the slots, ``view`` is what ``tdstore.torchrl`` sees, ``info`` what ``tdstore ls``/``info`` show.
+numbers the slots, ``info`` what ``tdstore ls``/``info`` show.
 """

@@ -64,7 +64,7 @@ from tensordict import TensorDictBase
 from tdstore._engine.connection import open_client
 from tdstore._engine.engine import td_id_or_new
 from tdstore._format.keys import StoreKeys
-from tdstore._format.schema import KeySpec, NestedPath, key_specs_of
+from tdstore._format.schema import KeySpec, NestedPath
 from tdstore._inspect import stats as _stats
 from tdstore._ring.extend import RingState
 from tdstore._ring.slices import ShardedTrajectoryMethods
@@ -73,7 +73,6 @@ from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout
 from tdstore._shards.queue import ShardReceipt
 from tdstore._shards.sample import ShardSampling
 from tdstore._shards.shard_writes import ShardWrites
-from tdstore._shards.view import _ShardedAccess
 
 # old pickles and imports name these here
 __all__ = ["Layout", "ShardReceipt", "ShardedRing", "WrittenSlots", "is_cluster", "plan_layout", "wants_shards"]
@@ -245,21 +244,13 @@ class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods):
     kept_as_dense = False
 
     def key_specs(self, *, fresh: bool = False) -> dict[NestedPath, KeySpec]:
-        """The keys of a shard holding some (see ``LazyStackedTensorDictStore.key_specs``); ``fresh``: shards
-        that saw none read their headers again first."""
-        access = self.stack_ops.engine
-        return key_specs_of(access.fetch_header() if fresh else access.header)
-
-    @property
-    def stack_ops(self) -> _ShardedAccess:
-        """Internal: what ``tdstore.torchrl``'s storage and samplers use of a store (its schema, reads by slot)."""
-        return _ShardedAccess(self)
-
-    def _read(self, index: Any, paths: list[Any] | None = None) -> TensorDictBase:
-        got = self[index]
-        if paths is not None:
-            got = got.select(*[tuple(p) if len(p) > 1 else p[0] for p in paths])
-        return got
+        """The keys of the first shard holding some (see ``LazyStackedTensorDictStore.key_specs``); ``fresh``:
+        a shard that saw none reads its header again first (another process may have written the first keys)."""
+        for s in self._shards:
+            specs = s.key_specs() or (s.key_specs(fresh=True) if fresh else {})
+            if specs:
+                return specs
+        return {}
 
     # -- the ring's state --------------------------------------------------------------------
     def _ring_writes(self) -> list[int]:

@@ -41,6 +41,20 @@ class ShardSampling(ShardsBase):
             out.append(n)
         return out
 
+    def sample_seen(self, batch_size: int, generator: torch.Generator | None = None) -> Sample:
+        """A uniform sample of the whole ring (``sample(prioritized=False)``): shards are read by script, so the
+        client-side draw of a one-node ring (``tdstore.Ring.sample_seen``) has nothing to save here."""
+        got = self.sample(batch_size, generator, prioritized=False)
+        assert not isinstance(got, PrioritizedSample)
+        return got
+
+    def filled(self, *, fresh: bool = False) -> int:
+        """Items the ring holds: no round trip once every shard was seen full; else the shards not seen full are read
+        at once (``fresh``: every shard)."""
+        if fresh:
+            self._full = [False] * len(self._shards)
+        return sum(self._sizes())
+
     def _prioritized(self) -> bool:
         """Whether the ring has priorities, as this handle last saw any shard's header (priorities, once enabled,
         stay: any shard seen with them tells, whichever of the shards' reads and calls refreshed it)."""

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tdstore.cli.arg_types import positive_float, positive_int
 from tdstore.cli.checkpoint_commands import add_checkpoint_commands
 from tdstore.cli.output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, human_duration, human_size
 from tdstore.cli.stores import add_store_commands
@@ -59,28 +60,6 @@ __all__ = [
     "human_size",
     "main",
 ]
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: refuse 0 and negatives with a message naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a duration in seconds, strictly positive."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -169,10 +148,10 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "the learner samples by priority and updates them"
         ),
     )
-    demo.add_argument("--actors", type=_positive_int, default=4, help="writer processes (default: 4)")
-    demo.add_argument("--count", type=_positive_int, default=256, help="elements in the store (default: 256)")
-    demo.add_argument("--seconds", type=_positive_float, default=5.0, help="duration of the run (default: 5)")
-    demo.add_argument("--batch", type=_positive_int, default=32, help="elements per sampled batch (default: 32)")
+    demo.add_argument("--actors", type=positive_int, default=4, help="writer processes (default: 4)")
+    demo.add_argument("--count", type=positive_int, default=256, help="elements in the store (default: 256)")
+    demo.add_argument("--seconds", type=positive_float, default=5.0, help="duration of the run (default: 5)")
+    demo.add_argument("--batch", type=positive_int, default=32, help="elements per sampled batch (default: 32)")
     demo.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (the summary goes to stderr)")
     demo.add_argument("--no-progress", action="store_true", help="do not show live progress on stderr")
     demo.set_defaults(handler=_cmd_demo)

@@ -1,6 +1,6 @@
 """``tdstore export TD_ID PATH``, ``tdstore import PATH`` and ``tdstore import-reference TD_ID`` on the command line.
 
-The checkpoint code (:mod:`tdstore._checkpoint.export_import`, which needs torch) is imported when the
+The checkpoint code (:mod:`tdstore.checkpoint`, which needs torch) is imported when the
 command runs, so that ``tdstore --help`` and the other commands stay quick.  Exit codes: 0
 success; 1 a malformed checkpoint, a store whose schema or policy changed while it was exported (writers
 may run: see ``export_import``) or that is damaged,
@@ -22,8 +22,8 @@ __all__ = ["add_checkpoint_commands"]
 def _cmd_export(args: argparse.Namespace) -> int:
     import redis
 
-    from tdstore._checkpoint.export_import import export_store
-    from tdstore._errors import StoreDamagedError
+    from tdstore import StoreDamagedError
+    from tdstore.checkpoint import export_checkpoint
     from tdstore.store import TensorDictStore
 
     conn = _connect("export", args.url)
@@ -37,7 +37,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("export", conn, err)
         try:
-            meta = export_store(store, args.path, pbar=not args.no_progress)
+            meta = export_checkpoint(store, args.path, pbar=not args.no_progress)
         except (FileExistsError, NotADirectoryError, PermissionError) as err:
             print(f"tdstore export: error: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -63,12 +63,11 @@ def _import_failed(err: BaseException) -> int:
 def _cmd_import(args: argparse.Namespace) -> int:
     import redis
 
-    from tdstore._checkpoint.disk_format import read_restorable
-    from tdstore._checkpoint.export_import import CheckpointError, import_checkpoint
-    from tdstore._errors import StoreDamagedError
+    from tdstore import StoreDamagedError
+    from tdstore.checkpoint import CheckpointError, import_checkpoint, read_checkpoint
 
     try:
-        _, meta = read_restorable(args.path)  # a malformed checkpoint fails before any connection
+        _, meta = read_checkpoint(args.path)  # a malformed checkpoint fails before any connection
     except (CheckpointError, OSError, RecursionError, MemoryError) as err:
         return _import_failed(err)
     conn = _connect("import", args.url)
@@ -94,8 +93,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def _cmd_import_reference(args: argparse.Namespace) -> int:
     import redis
 
-    from tdstore._checkpoint.export_import import CheckpointError
-    from tdstore._checkpoint.reference import ReferenceStoreError, import_reference, is_reference_store
+    from tdstore.checkpoint import CheckpointError, ReferenceStoreError, import_reference, is_reference_store
 
     conn = _connect("import-reference", args.url)
     if isinstance(conn, int):

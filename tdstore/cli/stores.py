@@ -92,7 +92,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         except redis.RedisError as err:
             return _server_failed("ls", conn, err)
     damaged = sorted(td_id for td_id, found in audits.items() if found is not None and not found.intact)
-    from tdstore._shards.info import group_shards
+    from tdstore.inspect_store import group_shards
 
     plain, rings = group_shards(listing.stores)
     if args.json:
@@ -136,8 +136,7 @@ def _ls_rows(
     args: argparse.Namespace, client: Any, listing: Any, plain: list[StoreInfo], rings: dict[str, Any], damaged: list[str]
 ) -> list[list[str]]:
     """The table of ``tdstore ls``: a row per store, a sharded ring's row then one per shard, unreadable entries."""
-    from tdstore._format.keys import StoreKeys
-    from tdstore._shards.info import node_of_key
+    from tdstore.inspect_store import node_of_store
 
     rows = [
         [
@@ -159,7 +158,7 @@ def _ls_rows(
              f"{sum(i.written for _, i in parts)}/{sum(i.count for _, i in parts)}"]
         )  # fmt: skip
         for k, i in parts:
-            node = node_of_key(client, StoreKeys(args.prefix, i.td_id).meta)
+            node = node_of_store(client, args.prefix, i.td_id)
             rows.append([safe(ring) + f" ~shard {k}", "shard", str(i.count), "-", size_text(i.bytes, args.bytes), "-", safe(node),
                          f"{i.written}/{i.count}"])  # fmt: skip
     rows += [[safe(bad.td_id), "?", "-", "-", "-", "-", "unreadable", "-"] for bad in listing.unreadable]
@@ -240,8 +239,7 @@ def _read_store(command: str, args: argparse.Namespace, read: Callable[[Any], An
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from tdstore._shards.info import ring_info, ring_info_lines
-    from tdstore.inspect_store import audit, store_info
+    from tdstore.inspect_store import audit, ring_info, ring_info_lines, store_info
 
     sharded = _read_store("info", args, lambda client: ring_info(client, args.prefix, args.td_id))
     if isinstance(sharded, int):

@@ -1,6 +1,6 @@
 """``tdstore top`` and ``tdstore metrics``: the rings of a prefix while they run, for a person and for Prometheus.
 
-Both read every store's counters and state (``tdstore._inspect.stats``: one round trip per store, reads
+Both read every store's counters and state (``tdstore.inspect_store.ring_stats``: one round trip per store, reads
 only) of the stores under ``--prefix`` (those named, or every one in the prefix's registry); a sharded
 ring's shards are stores of their own (``<ring>~s<k>.<j>``), shown per shard under the ring's id. Rates
 are counter deltas over the seconds between two reads. Torch-free, as every store command.
@@ -16,8 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tdstore._format.keys import StoreKeys, registry_key, shard_of_id
-from tdstore._inspect.stats import read
+from tdstore.cli.arg_types import interval_seconds, port_number
 from tdstore.cli.output import EXIT_FAILED, EXIT_OK, safe, table
 from tdstore.cli.stores import add_server_options, connect_or_exit
 
@@ -72,14 +71,16 @@ class Row:
 
 def collect(client: Any, prefix: str, names: Sequence[str], cluster: bool) -> list[Row]:
     """Every store of ``prefix`` (or those ``names`` name: a sharded ring's id stands for its shards), read now."""
-    ids = sorted(m.decode() if isinstance(m, bytes) else m for m in client.smembers(registry_key(prefix)))
+    from tdstore.inspect_store import registered_ids, ring_stats, shard_of_id
+
+    ids = registered_ids(client, prefix)
     if names:
         ids = [i for i in ids if i in names or (shard_of_id(i) or ("",))[0] in names]
     rows = []
     for td_id in ids:
         found = shard_of_id(td_id)
         try:
-            got: dict[str, Any] | None = read(client, StoreKeys(prefix, td_id), cluster=cluster)
+            got: dict[str, Any] | None = ring_stats(client, prefix, td_id, cluster=cluster)
             error = ""
         except KeyError:
             got, error = None, "gone"
@@ -277,26 +278,6 @@ def _serve(conn: Any, args: argparse.Namespace, cluster: bool) -> int:
     return EXIT_OK
 
 
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.05 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0.05 and 3600 seconds, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0 to 65535 (0: any free port), got {value}")
-    return value
-
-
 def add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The parsers of ``top`` and ``metrics`` on ``sub``."""
     top = sub.add_parser(
@@ -311,7 +292,7 @@ def add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     top.add_argument("td_ids", nargs="*", metavar="TD_ID", help="stores to show (default: every store of the prefix)")
     top.add_argument("--once", action="store_true", help="print one frame (rates over one interval) and exit")
-    top.add_argument("--interval", type=_interval, default=1.0, help="seconds between frames (default: 1)")
+    top.add_argument("--interval", type=interval_seconds, default=1.0, help="seconds between frames (default: 1)")
     add_server_options(top, json_help=None)
     top.set_defaults(handler=_cmd_top)
     metrics = sub.add_parser(
@@ -325,7 +306,7 @@ def add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     metrics.add_argument("td_ids", nargs="*", metavar="TD_ID", help="stores to export (default: every store of the prefix)")
     how = metrics.add_mutually_exclusive_group(required=True)
     how.add_argument("--once", action="store_true", help="print the metrics once to stdout")
-    how.add_argument("--port", type=_port, default=None, help="serve /metrics on this port (0: any free port, printed on stderr)")
+    how.add_argument("--port", type=port_number, default=None, help="serve /metrics on this port (0: any free port, printed on stderr)")
     metrics.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
     add_server_options(metrics, json_help=None)
     metrics.set_defaults(handler=_cmd_metrics)

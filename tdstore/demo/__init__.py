@@ -130,7 +130,7 @@ def _check_args(
         raise ValueError("--torchrl with --spread is not offered by the demo: --replay --spread runs it on a sharded ring")
     if torchrl:
         try:
-            import tdstore.torchrl as _  # noqa: F401  (torchrl, and everything torchrl imports)
+            import tdstore.torchrl  # noqa: F401  (torchrl, and everything torchrl imports)
         except ImportError as err:
             raise ValueError(torchrl_missing(err)) from None
 
@@ -284,9 +284,9 @@ def _upload(
         uploaded = LazyStackedTensorDictStore.from_lazy_stack(
             initial_stack(count), url=url, prefix=prefix, spread="segments" if spread else False, segment_bytes=segment_bytes
         )
-    header = uploaded.stack_ops.engine.header
-    if header.spread:
-        where += f", the store spread in {header.segments.n} segments over its nodes"
+        header = uploaded.stack_ops.engine.header
+        if header.spread:
+            where += f", the store spread in {header.segments.n} segments over its nodes"
     return uploaded, rb, where
 
 

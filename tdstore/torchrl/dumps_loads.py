@@ -29,19 +29,17 @@ ring can hold it:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tdstore._checkpoint.disk_format import is_torchrl_dump, torchrl_ring_writes, writer_state
-from tdstore._checkpoint.export_import import _lazy_handle, import_narrowed, read_meta
+from tdstore._checkpoint.export_import import import_narrowed, read_meta
 from tdstore._checkpoint.folder import CheckpointError, load_json
 from tdstore._engine.connection import open_client
-from tdstore._format import tensorclass as _tensorclass
 from tdstore._format.keys import StoreKeys
 from tdstore.dense import _connection_kwargs
-from tdstore.torchrl.storage_base import METADATA_KEYS
-
-if TYPE_CHECKING:
-    from tdstore.torchrl.storage import StoreStorage
+from tdstore.lazy import LazyStackedTensorDictStore
+from tdstore.store import known_tensorclass
+from tdstore.torchrl.storage_base import METADATA_KEYS, StorageBase
 
 
 def _taken(td_id: str, conn: dict[str, Any]) -> bool:
@@ -54,21 +52,23 @@ def _taken(td_id: str, conn: dict[str, Any]) -> bool:
             client.close()
 
 
-def _drop_if_empty(storage: StoreStorage) -> None:
+def _drop_if_empty(storage: StorageBase) -> None:
     """Delete the store this storage opened when nothing was ever written to it (a new buffer's placeholder)."""
     ring = storage._ring
     if ring is None:
         return
     try:
-        h = ring._engine.fetch_header()
-        if not h.leaves and ring.write_count == 0:
+        if not ring.key_specs(fresh=True) and ring.write_count == 0:
             ring.clear_redis()
     except KeyError:
         pass
 
 
-def load_checkpoint(storage: StoreStorage, path: Path) -> None:
-    """Replace the buffer's content with the checkpoint in ``path`` (rows, ring state, priorities, policy)."""
+def load_checkpoint(storage: StorageBase, path: Path) -> dict[str, Any] | None:
+    """Replace the buffer's content with the checkpoint in ``path`` (rows, ring state, priorities, policy).
+    Returns the storage's own document beside it (``store.json``: its pytree and tensorclass), if any; a
+    tensorclass it names is taken here (as ``from_store`` resolves one: registered, or of a module imported
+    already; nothing is imported)."""
     meta = read_meta(path)  # a malformed checkpoint is refused before anything changes
     slots = storage._count_for(tuple(meta.inner))  # max_size, or with ndim > 1 the slots of max_size cells
     if meta.count != slots:
@@ -89,7 +89,7 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
     if target != own:
         _drop_if_empty(storage)
     storage._td_id = target
-    storage._ring = _lazy_handle(store)
+    storage._ring = LazyStackedTensorDictStore.stack_of(store)
     storage._pending = None
     storage._reopens += 1
     storage._is_tensor = None  # learned again from the keys
@@ -102,8 +102,9 @@ def load_checkpoint(storage: StoreStorage, path: Path) -> None:
         saved = load_json(path, "store.json", "store.json")
     except (OSError, CheckpointError):
         saved = None
-    if isinstance(saved, dict) and storage._tensorclass_type is None:
-        storage.adopt_treespec(saved.get("treespec"))
-        name = saved.get("tensorclass")
-        if isinstance(name, str):  # as from_store resolves one: registered, or of a module imported already (nothing is imported)
-            storage._tensorclass_type = _tensorclass.known(name)
+    if not isinstance(saved, dict) or storage._tensorclass_type is not None:
+        return None
+    name = saved.get("tensorclass")
+    if isinstance(name, str):
+        storage._tensorclass_type = known_tensorclass(name)
+    return saved

@@ -10,9 +10,6 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler, Sampler, Sa
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH  # see the registration at the end
 from torchrl.data.replay_buffers.storages import Storage
 
-from tdstore._plan.read_results import DenseResult
-from tdstore._plan.values import build_td
-from tdstore._ring import extend as _ring
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import PrioritizedSample, check_batch_size, index_positions, priority_tensor
 from tdstore.torchrl.storage import StoreStorage
@@ -35,24 +32,20 @@ class StoreSampler(Sampler):
     indices it returns (so ``rb.sample()`` is one round trip, generations included).
     The random numbers come from the buffer's generator (``rb.set_rng``) when one is set.
 
-    How: the slots are drawn on the client, below the written length the previous
-    sample saw, and read in one transaction of plain ``GETRANGE``s together with the
-    ring's write counter (which gives the generations and the bound for the next
-    call).  Written slots stay written (the ring only grows until ``empty``), so every
-    drawn slot holds a written row; the counter read with the rows proves it, and a
-    batch that drew a slot beyond it (the buffer was emptied meanwhile) is drawn
-    again by the server.  Rows written since the previous sample are drawn from the
-    next one on.  The first sample of a sampler reads the length first (two round
-    trips).  Heterogeneous data, and servers that refuse transactions, use
+    How: the ring's ``sample_seen`` (``tdstore.Ring``): the slots are drawn on the client,
+    below the written length the store handle last saw, and read in one transaction of
+    plain ``GETRANGE``s together with the ring's write counter (which gives the generations
+    and the bound for the next call).  Written slots stay written (the ring only grows until
+    ``empty``), so every drawn slot holds a written row; the counter read with the rows
+    proves it, and a batch that drew a slot beyond it (the buffer was emptied meanwhile) is
+    drawn again by the server.  Rows written since the previous sample are drawn from the
+    next one on.  The first sample of a handle reads the length first (two round trips).
+    Heterogeneous data, servers that refuse transactions and sharded rings use
     ``store.sample`` (the server draws; one script call, slower on the server).
     ``StoreSampler(replacement=False)`` is :class:`StoreSamplerWithoutReplacement`.
     """
 
     requires_shared_state = False
-
-    def __init__(self) -> None:
-        self._bound = 0  # the written length the last sample saw
-        self._bound_of: tuple[str, int] | None = None  # of which store (StoreStorage.store_identity)
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
         if not isinstance(storage, StoreStorage):
@@ -60,54 +53,23 @@ class StoreSampler(Sampler):
                 f"StoreSampler samples a tdstore.torchrl.StoreStorage, got {type(storage).__name__}; use RandomSampler for other storages"
             )
         _slots_only(storage, self)
-        check_batch_size(int(batch_size), "sample")  # before _draw_here allocates its draws
-        got = storage.with_store(lambda s: self._draw(storage, s, int(batch_size)))
+        check_batch_size(int(batch_size), "sample")
+        got = storage.with_store(lambda s: self._draw(s, int(batch_size)))
         storage.stash(got)
         return got.indices, {}
 
-    def _draw(self, storage: StoreStorage, s: LazyStackedTensorDictStore, batch_size: int) -> Drawn:
+    def _draw(self, s: LazyStackedTensorDictStore, batch_size: int) -> Drawn:
         if not has_keys(s):
             raise RuntimeError(EMPTY_ERROR)
-        engine = s.stack_ops.engine
-        h = engine.header
-        if self._bound_of != storage.store_identity:
-            self._bound_of, self._bound = storage.store_identity, 0
-        client_draws = engine.tx_reads and h.stack_pos == 0 and h.sampling is None and not h.absent_rows  # (else the server draws)
-        if client_draws and not any(leaf.het for leaf in h.leaves.values()):
-            got = self._draw_here(s, batch_size, h.count)
-            if got is not None:
-                return got
         try:
-            return s.sample(batch_size, generator=self._rng, prioritized=False)
+            return s.sample_seen(batch_size, generator=self._rng)
         except ValueError as err:
             if "nothing" in str(err).lower() or "written" in str(err).lower():
                 raise RuntimeError(EMPTY_ERROR) from err
             raise
 
-    def _draw_here(self, s: LazyStackedTensorDictStore, batch_size: int, m: int) -> _ring.Sample | None:
-        """Draw the slots below the bound on the client and read them with the write counter in one
-        transaction (see the class docstring); None when the server must draw instead."""
-        engine = s.stack_ops.engine
-        if self._bound == 0:  # (a ring this handle saw full stays full: no round trip)
-            self._bound = m if engine.ring_full else s.ring_state().written
-        if self._bound == 0:
-            return None
-        slots = torch.randint(0, self._bound, (batch_size,), generator=self._rng)
-        _, res = s.stack_ops.engine.read(slots, fields=_ring.RING_FIELDS)
-        if not isinstance(res, DenseResult) or res.fields is None:
-            return None
-        rw = _ring.ring_writes_of(s.stack_ops.engine, res.fields, s.stack_ops.engine.header)
-        if rw == 0 or res.fields.get("sc") is not None or res.fields.get("ho") is not None:  # (a policy or absent rows: the server draws)
-            return None
-        self._bound = min(rw, m)
-        engine.ring_full = engine.ring_full or rw >= m
-        if int(slots.max()) >= self._bound:
-            return None
-        td = build_td(res.leaves, res.batch_size, s.device, sub=engine.header.sub_dims)  # sub-trees' dims and tensorclasses
-        return _ring.Sample(td, slots, _ring.generations(slots, rw, m))
-
     def _empty(self) -> None:
-        """Nothing to forget: an emptied buffer changes ``store_identity``, which resets the bound."""
+        """Nothing to forget: the bound is the store handle's, and an emptied buffer is another handle."""
 
     def dumps(self, path: Any) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -21,9 +21,11 @@ from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase, is_ten
 from torch.utils._pytree import tree_map, tree_unflatten, treespec_loads
 from torchrl.data.replay_buffers.storages import Storage
 
+from tdstore.checkpoint import export_checkpoint
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import SamplingPolicy
 from tdstore.store import TensorDictStore, known_tensorclass
+from tdstore.torchrl.dumps_loads import load_checkpoint
 from tdstore.torchrl.row_copy import write_through
 from tdstore.torchrl.storage_base import _PUBLIC_CONN, TENSOR_KEY, TREE_KEY, Drawn, _eager, _spec_text
 from tdstore.torchrl.storage_writes import StorageWrites
@@ -152,7 +154,7 @@ class StoreStorage(StorageWrites):
             n = self._written_slots(s)
             if n == 0:
                 raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
-            return s.stack_ops.read(slice(0, n))
+            return s[0:n]
 
         return self.with_store(read).get(key)
 
@@ -320,19 +322,17 @@ class StoreStorage(StorageWrites):
 
     def dumps(self, path: Any) -> None:
         """Write a checkpoint of the buffer into the directory ``path``: every row, the ring state
-        (write count, cursor, generations), priorities and sampling policy (``tdstore._checkpoint.export_import``),
+        (write count, cursor, generations), priorities and sampling policy (``tdstore.checkpoint``),
         plus the state dict as ``store.json``.  Homogeneous data is in torchrl's memmap layout:
         ``LazyTensorStorage(max_size).loads(path)`` reads it."""
-        from tdstore._checkpoint.export_import import export_store
-
         self._pending = None
-        export_store(self._store, path, extra={"store.json": self.reference()})
+        export_checkpoint(self._store, path, extra={"store.json": self.reference()})
 
     def loads(self, path: Any) -> None:
         """Restore the checkpoint ``dumps`` wrote in ``path`` (which store it lands on: :mod:`tdstore.torchrl.dumps_loads`)."""
-        from tdstore.torchrl import dumps_loads as _torchrl_checkpoint
-
-        _torchrl_checkpoint.load_checkpoint(self, Path(path))
+        saved = load_checkpoint(self, Path(path))
+        if saved is not None:
+            self.adopt_treespec(saved.get("treespec"))
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``Storage.__getstate__`` keeps, minus its ``multiprocessing.Value`` counters.

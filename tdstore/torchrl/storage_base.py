@@ -18,11 +18,10 @@ from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlStoreStorage
 
 from tdstore import DenseShapeError, ShardedRing, ShardedRingIdError
-from tdstore._checkpoint.disk_format import TORCHRL_ROW_KEYS
-from tdstore._engine.connection import SECRET_KWARGS
-from tdstore._engine.engine import td_id_or_new
+from tdstore.checkpoint import TORCHRL_ROW_KEYS
 from tdstore.lazy import LazyStackedTensorDictStore
 from tdstore.ring_interface import Marks, PrioritizedSample, Sample
+from tdstore.store import SECRET_KWARGS, TensorDictStore, td_id_or_new
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
 TENSOR_KEY = "_tensor"
@@ -182,14 +181,11 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
 
     def _attach_existing(self) -> LazyStackedTensorDictStore:
         """The existing store ``td_id`` names, dense or lazy: the stack it is kept as."""
-        from tdstore._checkpoint.export_import import _lazy_handle
-        from tdstore.store import TensorDictStore
-
         kw = self._open_kwargs()
         if ShardedRing.wanted(kw):  # a sharded ring (sharded=True, or spread=True on a cluster)
             return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
         try:
-            return _lazy_handle(TensorDictStore.from_store(td_id=self._td_id, **kw))
+            return LazyStackedTensorDictStore.stack_of(TensorDictStore.from_store(td_id=self._td_id, **kw))
         except ShardedRingIdError:  # the id names a sharded ring: opened as one
             return ShardedRing.from_store(td_id=self._td_id, **ShardedRing.own_kwargs(kw))  # type: ignore[return-value]
 
@@ -212,11 +208,9 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
                         count=self._count_for(self._inner), inner_batch_size=self._inner, td_id=self._td_id, **self._open_kwargs()
                     )
                 else:
-                    from tdstore.dense import TensorDictStore
-
                     count = self._count_for(self._inner)
                     dense = TensorDictStore(batch_size=[count, *self._inner], td_id=self._td_id, **self._open_kwargs())
-                    self._ring = dense._store  # a LazyStackedTensorDictStore whose header says dense
+                    self._ring = LazyStackedTensorDictStore.stack_of(dense)  # a lazy handle whose header says dense
             except (ValueError, TypeError):  # the store exists with another layout or kind: attach to it as it is
                 self._ring = self._attach_existing()
             if self.ndim > 1 and len(self._ring.batch_size) >= self.ndim:  # (attached to a store written already)
@@ -356,12 +350,7 @@ class StorageBase(_TorchrlStoreStorage, TensorStorage):
         """The written slots of ``s``: once this handle has seen its ring full, its capacity without a round trip
         (the ring's write count only grows; a buffer emptied meanwhile is another creation of the store, which
         the read that follows finds, and ``with_store`` reopens it); else, or with ``ask``, read from the server."""
-        engine = s.stack_ops.engine
-        if engine.ring_full and not ask:
-            return s.capacity
-        n = s.ring_state().written
-        engine.ring_full = engine.ring_full or n >= s.capacity
-        return n
+        return s.filled(fresh=ask)
 
     def _inner_now(self) -> tuple[int, ...]:
         return tuple(self._store.batch_size[1:])

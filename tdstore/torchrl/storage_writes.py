@@ -310,7 +310,7 @@ class StorageWrites(StorageBase):
         if not has_keys(s):
             raise RuntimeError("Cannot get elements out of an empty storage (nothing was written yet)")
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.numel() == 0:
-            return s.stack_ops.read(slice(0, 0))
+            return s[0:0]
         # as a LazyTensorStorage's, negative positions and masks are taken along the written slots only
         if written is None and self.ndim == 1:
             written = self._sharded_written(s)
@@ -323,7 +323,7 @@ class StorageWrites(StorageBase):
         else:
             bound = self._len_along_dim0 if _from_the_end(index) else self._dim0
             slots, one = index_positions(index, bound)
-        got = s.stack_ops.read(slots)
+        got = s[slots]
         if one:
             return got[0]
         shape = _positions_shape(index) if written_only else None

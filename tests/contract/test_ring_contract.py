@@ -25,8 +25,8 @@ from typing import Any
 import fakeredis
 import pytest
 import torch
+from helpers import chi_square
 from tensordict import TensorDict
-from test_replay import chi_square
 
 import tdstore
 import tdstore._ring.extend
@@ -481,6 +481,34 @@ def test_marks_and_sampling_policies_as_documented(kind):
     with pytest.raises(ValueError, match="polic"):
         other.restore_sampling_policies([*policies, *policies])
     assert other.sampling_policies() == policies  # refused before anything was changed
+
+
+def test_sample_seen_draws_written_slots_and_filled_counts_them(kind):
+    """``sample_seen`` (a learner's uniform sample: drawn on the client on one node) draws written slots only, with
+    their rows and generations, new rows from a later call on; ``filled`` is ``len(written)``, no round trip once full."""
+    ring = kind.make(8)
+    with pytest.raises(ValueError):
+        ring.sample_seen(4)  # nothing written yet: as sample
+    assert ring.filled() == 0
+    ring.extend(rows(torch.arange(3)))
+    gen = torch.Generator().manual_seed(0)
+    for n, more in ((3, 5), (8, 0)):
+        got = ring.sample_seen(256, gen)
+        written = set(ring.written)
+        assert len(written) == ring.filled(fresh=True)
+        assert set(got.indices.tolist()) <= written
+        assert torch.equal(got.td["tag"].reshape(-1), ring[got.indices]["tag"].reshape(-1))  # the rows of those slots
+        if not kind.sharded or n == 3:  # (a sharded ring's shard may wrap before the ring is full: SHARDED_EXTEND)
+            assert len(written) == n and got.generations.tolist() == [1] * 256
+        if more:
+            ring.extend(rows(torch.arange(3, 3 + more)))
+    got = ring.sample_seen(256, gen)
+    assert len(set(got.indices.tolist())) > 3  # the rows written since the first call are drawn too
+    if not kind.sharded:  # (a sharded ring's shards fill at their own pace)
+        assert ring.filled() == 8
+        ring.extend(rows(torch.arange(8, 16)))
+        got = ring.sample_seen(64, gen)
+        assert got.generations.tolist() == [2] * 64 and ring.filled() == 8
 
 
 def test_slices_stay_inside_one_trajectory_or_the_kind_says_why(kind):

@@ -8,7 +8,7 @@ before, byte for byte (every key under the prefix), the buffer its rows. Two mor
 whose td_id names another user's store never replaces it (``rb.loads`` lands on the buffer's own id),
 and a checkpoint of :data:`MANY_KEYS` keys imports in a process allowed :data:`FD_LIMIT` open files.
 
-The builders are what ``tests/test_hostile_checkpoints.py`` runs too.
+The builders are what ``tests/checkpoint/test_hostile_checkpoints.py`` runs too.
 """
 
 from __future__ import annotations

@@ -25,20 +25,33 @@ import torch
 from tensordict import TensorDict
 
 from tdstore import ShardedRing, ShardUnavailableError
+from tdstore.cluster_server import EmbeddedCluster
 from tools.faults.base import Check, Env, describe_exc
 
 #: What a call given ``timeout=2`` may take beyond 2 s (it bounds a hang, not a speed: a busy machine).
 SLACK_S = 1.0
 
 
-def _rows(tags: torch.Tensor) -> TensorDict:
+def tagged_rows(tags: torch.Tensor) -> TensorDict:
+    """Rows carrying their tag in every key (``tag``, and ``obs`` filled with it): an item lost or handed out twice shows."""
     n = tags.numel()
     return TensorDict(tag=tags, obs=tags.double().unsqueeze(-1).expand(n, 3).clone(), batch_size=[n])
 
 
+def node_index(cluster: EmbeddedCluster, node: str) -> int:
+    """The index in ``cluster.servers`` of ``node`` (``host:port``, as ``ShardedRing.shard_nodes`` names it)."""
+    return cluster.ports.index(int(node.rsplit(":", 1)[1]))
+
+
+def off_layout_shards(s: ShardedRing) -> list[int]:
+    """The shards whose node does not hold the ring's layout key (the ring can still be attached with one down)."""
+    layout_node = s._client.get_node_from_key(s._keys.shards).name
+    return [k for k, node in enumerate(s.shard_nodes()) if node != layout_node]
+
+
 def _index(env: Env, node: str) -> int:
     assert env.cluster is not None
-    return env.cluster.ports.index(int(node.rsplit(":", 1)[1]))
+    return node_index(env.cluster, node)
 
 
 def case_sharded_failover(env: Env) -> list[Check]:
@@ -47,8 +60,7 @@ def case_sharded_failover(env: Env) -> list[Check]:
     assert cluster is not None, "sharded-failover runs on a private cluster"
     s = ShardedRing(count=600, url=env.url, prefix=env.prefix)
     assert isinstance(s, ShardedRing)
-    layout_node = s._client.get_node_from_key(s._keys.shards).name
-    a, c = [k for k, node in enumerate(s.shard_nodes()) if node != layout_node][:2]
+    a, c = off_layout_shards(s)[:2]
     killed = _index(env, s.shard_nodes()[a])
     checks = [_leased_pops(env, s)]
     checks.append(_failover(env, s, a))
@@ -61,7 +73,7 @@ def case_sharded_failover(env: Env) -> list[Check]:
 def _leased_pops(env: Env, s: ShardedRing) -> Check:
     total = 60 if env.opts.quick else 240
     for i in range(0, total, 4):
-        s.extend(_rows(torch.arange(i, i + 4)))
+        s.extend(tagged_rows(torch.arange(i, i + 4)))
     s.pop(1, lease=0.3)  # left to run out: redelivered to a reader
     settled: list[int] = []
     errors: list[str] = []
@@ -132,12 +144,12 @@ def _failover(env: Env, s: ShardedRing, a: int) -> Check:
     steps: list[str] = []
     try:
         s._next = a
-        w = s.extend(_rows(torch.arange(10_000, 10_003)), timeout=60)
+        w = s.extend(tagged_rows(torch.arange(10_000, 10_003)), timeout=60)
         steps.append(f"extend in flight landed after {time.monotonic() - t0:.1f} s")
         assert s.shard_nodes()[a] == f"127.0.0.1:{cluster.ports[j]}", f"shard_nodes() names {s.shard_nodes()[a]}"
         for name, call in (
             ("sample", lambda: s.sample(8, timeout=2)),
-            ("extend", lambda: (setattr(s, "_next", a), s.extend(_rows(torch.arange(10_003, 10_005)), timeout=2))),
+            ("extend", lambda: (setattr(s, "_next", a), s.extend(tagged_rows(torch.arange(10_003, 10_005)), timeout=2))),
             ("pop+ack", lambda: (setattr(s, "_pop_next", a), s.ack(s.pop(5, lease=30.0, timeout=2), timeout=2))),
         ):
             t = time.monotonic()
@@ -160,7 +172,7 @@ def _min_replicas(env: Env, s: ShardedRing, a: int, killed: int) -> Check:
     assert cluster is not None
     up = next(p for i, p in enumerate(cluster.ports) if i != killed)  # env.url names node 0, which may be the one killed
     strict = ShardedRing.from_store(url=f"redis+cluster://127.0.0.1:{up}", prefix=env.prefix, td_id=s.td_id, min_replicas=1)
-    s.shards[a].extend(_rows(torch.arange(20_000, 20_006)))
+    s.shards[a].extend(tagged_rows(torch.arange(20_000, 20_006)))
     strict._pop_next = a
     try:
         try:
@@ -196,7 +208,7 @@ def _node_down(env: Env, s: ShardedRing, c: int) -> Check:
         except TimeoutError:
             break
     for k in range(len(s.shards)):
-        s.shards[k].extend(_rows(torch.arange(30_000 + 10 * k, 30_002 + 10 * k)))
+        s.shards[k].extend(tagged_rows(torch.arange(30_000 + 10 * k, 30_002 + 10 * k)))
     i = _index(env, s.shard_nodes()[c])
     cluster.stop_node(cluster.replica_of(i))
     cluster.stop_node(i)
@@ -212,7 +224,7 @@ def _node_down(env: Env, s: ShardedRing, c: int) -> Check:
             # pinned to the down shard (placing by the counts it reads, the handle would take one that is up)
             (
                 "extend",
-                lambda: (setattr(s, "_next", c), setattr(s, "_rw", [2] * len(s.shards)), s.extend(_rows(torch.arange(2)), timeout=2)),
+                lambda: (setattr(s, "_next", c), setattr(s, "_rw", [2] * len(s.shards)), s.extend(tagged_rows(torch.arange(2)), timeout=2)),
             ),
             ("sample", lambda: s.sample(8, timeout=2)),
         ):
