@@ -254,7 +254,7 @@ def set_queue(engine: Engine, on: bool) -> None:
 
 def track_distinct(engine: Engine, on: bool) -> None:
     """Turn the ring's distinct-row tracking on or off (``lua/distinct.lua``: header field ``sd``, see
-    ``LazyStackedTensorDictStore.track_distinct``); the reply's header is adopted, no second round trip."""
+    ``tdstore.Ring.track_distinct``); the reply's header is adopted, no second round trip."""
     if not isinstance(on, bool):
         raise TypeError(f"track_distinct takes True or False, got {on!r}")
     engine.refuse_if_readonly()

@@ -211,7 +211,7 @@ def sample_seen(engine: Engine, batch_size: int, generator: torch.Generator | No
     if engine.written_seen == 0:
         return None
     slots = torch.randint(0, engine.written_seen, (batch_size,), generator=generator)
-    _, res = engine.read(slots, fields=RING_FIELDS, counts=tx_counts(engine, batch_size))
+    _, res = engine.read(slots, fields=_TX_FIELDS, counts=tx_counts(engine, h, slots.numpy()))
     if not isinstance(res, DenseResult) or res.fields is None:
         return None
     rw = ring_writes_of(engine, res.fields, h)
@@ -221,6 +221,7 @@ def sample_seen(engine: Engine, batch_size: int, generator: torch.Generator | No
     engine.ring_full = engine.ring_full or rw >= h.count
     if int(slots.max()) >= engine.written_seen:
         return None
+    distinct_caught_up(engine, h, res.fields, slots.numpy())
     return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))  # sub-trees' dims
 
 
