@@ -81,6 +81,21 @@
           it are answered STALE and take this op). Reply {'WAIT', 'empty', ...} when
           nothing is unread or waiting, {'LOST', k} when writers overwrote k unread or
           waiting items (forgotten; the cursor moves to the oldest item left).
+    'G', mode, n, groups, staleness, budget, fixed, draws, channel, kz, kr, kg, ks, kq
+          a ring with rollouts (see _rollouts.lua, keys KEYS[kz..kq]): mode 's' samples n
+          visible rows (groups = '1': n whole groups) uniformly, with 'draws' as 'U', among
+          those of version >= cv - staleness ('' : all), by rank in a sorted set (exact,
+          O(log slots) a row); mode 'p' pops queue entries in order: n rows (never part of
+          a group), n groups, or (budget) entries while their lengths (the 'H' op's leaf,
+          or 'fixed' per row) add up to at most 'budget'; entries with a row overwritten
+          (lost) or of a version below cv - staleness (stale) are dropped and counted.
+          Adds five pieces: slots, rw, each row's version (int64), rows per entry or
+          group (int64), and '<stale> <lost>'. Reply WAIT ('empty', 'stale') when nothing
+          qualifies; a budget smaller than the next entry, or a group larger than n rows,
+          is refused ('TDSTORE refused') before anything changes.
+    'H', ko, ks, rec, isz
+          before 'G': the leaf whose elements' first dim is a row's length (offset and shape
+          key blocks, record size, item size), read by a pop with a token budget
     'N', k, rid
           the call's request id (before a 'P' or 'F' op): KEYS[k] is the store's reply cache
           (see tds_request in _lib.lua). A pop, or a sample that counts (rate limiter,
@@ -178,6 +193,7 @@ end
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 local lost_reply = nil  -- an 'F' op's {'LOST', k}: sent instead of the pieces, once every op has read
 local ring_count, counted_keys = nil, {}  -- the count a 'U', 'P' or 'F' op's slots are modulo, and the keys checked against it
+local length_leaf = nil  -- an 'H' op's leaf, whose lengths a 'G' pop with a token budget adds up
 for _ = 1, nops do
   local kind = ARGV[a]
   if kind == 'R' then
@@ -654,6 +670,40 @@ for _ = 1, nops do
     out[#out + 1] = table.concat(wpack)
     out[#out + 1] = table.concat(cpack)
     out[#out + 1] = tds_lease.fmt(deadline) .. ' ' .. tds_lease.fmt(kv)
+  elseif kind == 'H' then
+    length_leaf = {ko = tds_num(ARGV[a + 1], 'key index'), ks = tds_num(ARGV[a + 2], 'key index'),
+                   rec = tds_num(ARGV[a + 3], 'record size'), isz = tds_num(ARGV[a + 4], 'item size')}
+    a = a + 5
+  elseif kind == 'G' then
+    -- rollouts (see _rollouts.lua): visible rows or whole groups, fresh enough, sampled or popped
+    if rows ~= nil then
+      error('TDSTORE bad argument: one U, P, F, L, J or G op per call')
+    end
+    local head = redis.call('HMGET', meta, 'count', 'rw')
+    local count, rw = tds_ring_fields(head[1], head[2])
+    rw = tds_ring_rw(meta, count, rw)
+    ring_count = count
+    local sampling = ARGV[a + 1] == 's'
+    local got = tds_ro.pick(meta, a, count, rw, request, seg_per, length_leaf)
+    a = a + 14
+    if got.reply then
+      if sampling then
+        tds_stat('hr', 1)
+      end
+      do return got.reply end
+    end
+    rows = got.rows
+    decision = got.decision
+    if got.finish then
+      finish[#finish + 1] = got.finish
+    elseif sampling and tds_stats.key ~= nil then
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
+    end
+    out[#out + 1] = table.concat(got.slots)
+    out[#out + 1] = string.format('%.0f', rw)
+    out[#out + 1] = table.concat(got.versions)
+    out[#out + 1] = table.concat(got.sizes)
+    out[#out + 1] = string.format('%.0f %.0f', got.skipped, got.lost)
   elseif kind == 'I' then
     -- rows named by the client (a scattered batch): decoded once, then read by each 'X' op
     local n = tds_num(ARGV[a + 1], 'row count')

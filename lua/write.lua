@@ -94,6 +94,13 @@
           conditional rows: 'pairs' packs n (slot, generation) int64 pairs; value
           row j goes to its slot only when the slot's generation (see below) still
           equals the one given, else row j is skipped.
+    'V', kz, kr, kg, ks, kq, version, max_ahead, group, size
+          after 'W', on a ring with rollouts (see _rollouts.lua, keys KEYS[kz..kq]): stamps
+          the rows with 'version' ('' : the published one, header field 'cv'); with
+          max_ahead, a version more than that ahead of 'cv' waits (reply WAIT, nothing
+          written); with 'group' (an id) the rows join that group of 'size' rows, invisible
+          until it is whole (a group of another size, or one that would overflow, is refused
+          before any write). Turns the index on (header 'ro'; 'kv' and 'version' + 1) on first use.
     'X', k, nb, data
           a homogeneous leaf, addressed by the rows of 'W' or 'G': 'data' holds one
           nb-byte element per row; consecutive slots become one SETRANGE.
@@ -408,6 +415,7 @@ local policy, prio, top_priority, channel = nil, nil, nil, nil
 local seg_per = nil  -- elements per segment, set by a 'Q' op
 local count_in_place = false  -- a 'B' op: the header's 'tr' + 1 with the write
 local ring_count, counted_keys = nil, {}  -- the count a 'W' or 'G' op's slots are modulo, and the keys checked against it
+local rollout = nil  -- a 'V' op's stamp (see _rollouts.lua), applied after the rows are written
 local function row_runs()
   local out, j = {}, 1
   while j <= #rows do
@@ -732,6 +740,16 @@ for _ = 1, nops do
     end
     episodes = {key = key(a + 1), ids = ARGV[a + 2]}
     a = a + 3
+  elseif kind == 'V' then
+    if ring_n == 0 then
+      error('TDSTORE bad argument: V op before its W op')
+    end
+    rollout = tds_ro.parse_write(meta, a, tonumber(extra), ring_count, ring_n)
+    if rollout.wait then
+      tds_stat('hw', 1)
+      do return rollout.wait end
+    end
+    a = a + 10
   elseif kind == 'Q' then
     seg_per = tds_segment_length(a, rows)
     a = a + 2
@@ -1003,6 +1021,9 @@ if ring_n > 0 then
     end
     tds_tree_flush(tree)
     redis.call('HSET', meta, 'pm', string.format('%.17g', prio.top))
+  end
+  if rollout ~= nil then
+    tds_ro.stamp(meta, rollout)
   end
   if channel ~= nil and channel ~= '' then
     redis.call('PUBLISH', channel, 'w')

@@ -60,6 +60,7 @@ from tdstore._ring.leases import LeasedSample, Receipt
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor
 from tdstore._ring.ring_calls import CALLS, RingCalls
+from tdstore._ring.rollouts import RolloutSample
 from tdstore._ring.slices import RanksMoved, SliceSample
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ __all__ = [
     "PrioritizedSample",
     "LeasedSample",
     "Receipt",
+    "RolloutSample",
     "Marks",
     "SamplingPolicy",
     "RateLimit",
@@ -127,7 +129,17 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
     """
 
     # -- writes ----------------------------------------------------------------------------------
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+    def extend(
+        self,
+        td: Any,
+        *,
+        priority: Any = None,
+        timeout: float | None = None,
+        version: int | None = None,
+        max_ahead: int | None = None,
+        group: Any = None,
+        group_size: int | None = None,
+    ) -> RingWrite:
         """Write the elements of ``td`` into the next slots of the ring, at the cursor, wrapping around.
 
         Arguments: ``td`` has the store's batch size with the element dim (1 to ``capacity`` elements)
@@ -165,12 +177,33 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         a shard past its lap by the rows in flight. A timed-out extend cut over shards raises
         ``AmbiguousTimeoutError`` whose ``retry()`` resends only the parts that may not have run, each under
         its own request id, and answers for the whole call.
+
+        Rollouts (LLM-RL; ``_ring.rollouts``, ``lua/_rollouts.lua``): ``version=v`` stamps the rows with the
+        policy version that made them (default: the published one, see ``set_version``); ``max_ahead=k``
+        holds the write (a wait, as the rate limiter's) while ``v`` runs more than ``k`` versions ahead of
+        the published one. ``group=g, group_size=n``: the rows join group ``g`` (a str or int id, unique
+        among the ring's live groups), invisible to ``sample`` and ``pop`` until it holds ``n`` rows,
+        written by any processes in any calls; the call that completes it makes all ``n`` visible at
+        once. ``ValueError`` before anything is written for a group of another size, one that would
+        overflow, or a bad id. The first such write (or ``set_version``) turns the ring's rollout index
+        on: from then on every write stamps its rows and samples and pops go through it. Not with queue
+        mode, a rate limiter or priorities (``NotImplementedError``). Sharded: ``NotImplementedError``.
         """
         ...
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+    def append(
+        self,
+        td: Any,
+        *,
+        priority: Any = None,
+        timeout: float | None = None,
+        version: int | None = None,
+        max_ahead: int | None = None,
+        group: Any = None,
+        group_size: int | None = None,
+    ) -> RingWrite:
         """``extend`` with one element (a tensordict, or a dict, of the inner batch size): the same
-        result, errors, round trip, ``request_id`` and resend as ``extend``."""
+        result, errors, round trip, ``request_id``, resend and rollout arguments as ``extend``."""
         ...
 
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
@@ -195,7 +228,9 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         beta: float = 1.0,
         min_size: int | None = None,
         timeout: float | None = None,
-    ) -> Sample | PrioritizedSample:
+        max_staleness: int | None = None,
+        groups: int | None = None,
+    ) -> Sample | PrioritizedSample | RolloutSample:
         """A random batch of ``batch_size`` written slots, drawn with replacement.
 
         Arguments: ``generator`` (a ``torch.Generator``; the global one by default) makes the draw
@@ -220,6 +255,13 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         Sharded: exactly the one-node distribution over the whole ring (the batch split over the shards
         by one multinomial draw on their sizes or priority masses, each shard sampling its part at
         once); two round trips at most; ``indices`` are global slots.
+
+        Rollouts: on a ring whose rollout index is on (see ``extend``), rows of incomplete groups are never
+        drawn; ``max_staleness=k`` draws uniformly among visible rows of version >= published - ``k``
+        (exact: O(log capacity) a row, by rank in a sorted set on the server); ``groups=g`` draws ``g``
+        whole groups (``batch_size`` ignored). Returns ``RolloutSample(td, indices, generations, versions,
+        group_sizes, stale, lost)``. None qualifies: ``ValueError``, or with ``timeout=`` a wait for a
+        write or ``set_version``. Uniform only (``prioritized``/``min_size``: ``NotImplementedError``).
         """
         ...
 
@@ -254,8 +296,17 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ...
 
     def pop_items(
-        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
-    ) -> Sample | LeasedSample:
+        self,
+        batch_size: int = 1,
+        *,
+        timeout: float | None = None,
+        keys: Sequence[Any] | None = None,
+        lease: float | None = None,
+        max_staleness: int | None = None,
+        groups: int | None = None,
+        token_budget: int | None = None,
+        length_key: Any = None,
+    ) -> Sample | LeasedSample | RolloutSample:
         """Up to ``batch_size`` unread items, in write order, each handed to exactly one caller.
 
         Any number of readers pop the same ring (the server moves one read cursor). With none unread,
@@ -279,7 +330,28 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         Sharded: a pop takes items of one shard (the shards tried in turn), in write order within a
         shard, not across shards (as Kafka's partitions); a waiting pop polls the shards (1 to 50 ms
         apart). Each item still goes to exactly one reader.
+
+        Rollouts: on a ring whose rollout index is on, a pop takes *items* (a row, or a whole group) in the
+        order they became visible, never part of a group (a group larger than ``batch_size``: ``ValueError``,
+        use ``groups=``). ``max_staleness=k`` drops (and counts: ``RolloutSample.stale``, ``stats()['stale']``)
+        items whose lowest version is below published - ``k``; items a writer overwrote are dropped and
+        counted in ``lost`` (no ``QueueOverrunError``). ``groups=g``: the next ``g`` whole groups.
+        ``token_budget=t, length_key=key``: the next items whose lengths (each row's first dim of ``key``)
+        add up to at most ``t``, in order (a budget smaller than the next item: ``ValueError``, nothing
+        taken). One round trip; a pop looks at 2,048 queue entries at most. Not with ``lease=``.
         """
+        ...
+
+    def set_version(self, version: int, *, allow_backwards: bool = False) -> int:
+        """Publish the learner's policy version (an int >= 0), which ``max_staleness`` and ``max_ahead`` measure
+        against; returns the one published before. Going backwards raises ``ValueError`` unless
+        ``allow_backwards=True``. Turns the ring's rollout index on (see ``extend``). Wakes writers waiting on
+        ``max_ahead``. One round trip. Sharded: ``NotImplementedError``."""
+        ...
+
+    @property
+    def policy_version(self) -> int:
+        """The version ``set_version`` published last (0 before any), read from the server."""
         ...
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:

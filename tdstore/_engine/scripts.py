@@ -49,6 +49,7 @@ SCRIPT_NAMES = (
     "restore",
     "marks",
     "fence",
+    "rollouts",
     "trajectories",
     "sampled",
     "distinct",
@@ -62,6 +63,9 @@ USES_LEASE = frozenset({"read", "ack"})
 #: Scripts that also get the helpers that skip the rows a restore left absent (``lua/_absent.lua``), last.
 ABSENT_LIBRARY = "_absent"
 USES_ABSENT = frozenset({"read", "priority", "tree_build"})
+#: Scripts that also get the rollout index's helpers (``lua/_rollouts.lua``), last.
+ROLLOUT_LIBRARY = "_rollouts"
+USES_ROLLOUT = frozenset({"read", "write", "rollouts"})
 #: Scripts that also get the episode index's helpers (``lua/_episodes.lua``), after the others.
 EPISODES_LIBRARY = "_episodes"
 USES_EPISODES = frozenset({"read", "write", "trajectories"})
@@ -103,6 +107,8 @@ def script_source(name: str) -> tuple[str, str]:
         libraries.append(LEASE_LIBRARY)
     if name in USES_ABSENT:
         libraries.append(ABSENT_LIBRARY)
+    if name in USES_ROLLOUT:
+        libraries.append(ROLLOUT_LIBRARY)
     if name in USES_EPISODES:
         libraries.append(EPISODES_LIBRARY)
     if name in USES_SEEN:

@@ -210,6 +210,9 @@ class HeaderInfo:
     """The ring tracks distinct rows sampled (header field ``sd`` = ``1``, ``lua/distinct.lua``)."""
     absent_rows: bool = False
     """The ring was restored with rows absent (header field ``ho``, see ``lua/_absent.lua``)."""
+    rollouts: bool = False
+    """The ring keeps a rollout index (header field ``ro``, ``lua/_rollouts.lua``): its writes stamp rows, its samples
+    and pops take read.lua's 'G'."""
 
     @property
     def segments(self) -> int:
@@ -332,6 +335,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         leased="ls" in f,
         distinct="sd" in f,
         absent_rows="ho" in f,
+        rollouts="ro" in f,
     )
 
 

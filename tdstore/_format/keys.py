@@ -37,6 +37,10 @@ Layout of one store (``P`` is the escaped prefix, ``I`` the escaped td_id)::
     P:{I}:c        hash    stats: counters of the ring's work (rows inserted, sampled, popped, acked,
                            ...), added by the scripts that do it (``lua/_lib.lua`` ``tds_stat``), read
                            by ``stats()`` (``_inspect.stats``); deleted with the store
+    P:{I}:vz       zset    a ring with rollouts (``lua/_rollouts.lua``): visible rows, slot -> policy version
+    P:{I}:vr       zset    its whole groups, group id -> lowest version of its rows
+    P:{I}:vg, :vs  hash    its groups' rows (id -> size, lowest version, rows) and each grouped slot's group
+    P:{I}:vq       list    its queue of visible items for ``pop`` (a row, or a whole group), in order
     P:{I}:j        zset    a ring with trajectories: its episode index, first write number ->
                            length of each trajectory the ring holds (see ``lua/_episodes.lua``)
     P:{I}:cs       string  stats: one bit per slot, set when the row in the slot is sampled, cleared when a
@@ -246,6 +250,12 @@ class StoreKeys:
         return f"{self.base}:c"
 
     @property
+    def rollout_keys(self) -> list[str]:
+        """The rollout index of a ring (``lua/_rollouts.lua``: visible rows by version, whole groups by version,
+        group records, each grouped slot's group, the pop queue), in the order scripts take them."""
+        return [f"{self.base}:vz", f"{self.base}:vr", f"{self.base}:vg", f"{self.base}:vs", f"{self.base}:vq"]
+
+    @property
     def episodes(self) -> str:
         """A ring with trajectories: its episode index (a zset: member a trajectory's first write number,
         score its length in rows; ``lua/_episodes.lua``), kept by every ring write."""
@@ -259,10 +269,10 @@ class StoreKeys:
 
     @property
     def side_keys(self) -> list[str]:
-        """The keys of the store beside its data (:attr:`lease_keys`, then :attr:`stats`, :attr:`episodes` and
-        :attr:`sampled_rows`), not measured as the data's strings: calls on the whole store (delete, copy, time to
-        live) add them to :meth:`all_keys`."""
-        return [*self.lease_keys, self.stats, self.episodes, self.sampled_rows]
+        """The keys of the store beside its data (:attr:`lease_keys`, then :attr:`stats`, :attr:`episodes`,
+        :attr:`sampled_rows` and :attr:`rollout_keys`), not measured as the data's strings: calls on the whole store
+        (delete, copy, time to live) add them to :meth:`all_keys`."""
+        return [*self.lease_keys, self.stats, self.episodes, self.sampled_rows, *self.rollout_keys]
 
     @property
     def sampling_keys(self) -> list[str]:
@@ -276,8 +286,12 @@ class StoreKeys:
         (``_format.integrity.WrongTypeError``)."""
         if key in (self.meta, self.inventory, self.replies, self.lease_keys[0]) or key.endswith("}:g"):
             return "hash"
-        if key in self.lease_keys or key == self.episodes:
+        if key in self.lease_keys or key == self.episodes or key in self.rollout_keys[:2]:
             return "zset"
+        if key in self.rollout_keys[2:4]:
+            return "hash"
+        if key == self.rollout_keys[4]:
+            return "list"
         if key == self.registry:
             return "set"
         return None if key.endswith(":w") else "string"

@@ -80,6 +80,8 @@ class Write:
     K = OpKind("K", ("k", "nb", "stride", "col", "data"), keys=(1,), writes=(1,), by_row=True)
     Y = OpKind("Y", ("kd", "ko", "ks", "rec", "shapes", "data"), keys=(1, 2, 3), writes=(1, 2, 3), rest="sizes", by_row=True)
     Q = OpKind("Q", ("per",))
+    # rollouts (lua/_rollouts.lua), after 'W': the rows' version and group, KEYS[kz..kq] the rollout index
+    V = OpKind("V", ("kz", "kr", "kg", "ks", "kq", "version", "max_ahead", "group", "size"), keys=(1, 2, 3, 4, 5), writes=(1, 2, 3, 4, 5))
     N = OpKind("N", ("k", "rid"), keys=(1,), writes=(1,))  # the call's request id (first op), KEYS[k] the reply cache
     # KEYS[k] the stats hash: the call's ring work (and ms held) counted there; KEYS[k + 1] the sampled-rows bitmap
     A = OpKind("A", ("k", "ms"), keys=(1,), writes=(1,))
@@ -97,6 +99,16 @@ class Read:
     J = OpKind("J", ("m", "L", "strict", "span0", "span1", "draws", "kj", "ranked"), keys=(7,), picks_rows=True, pieces=3)
     L = OpKind("L", ("n", "channel", "ms", "receipt", "kl", "kd", "kq", "ko", "kk"), keys=(5, 6, 7, 8, 9), picks_rows=True, pieces=5)
     I = OpKind("I", ("n", "rows"), picks_rows=True)  # noqa: E741 (the script's marker)
+    # rollouts (lua/_rollouts.lua): visible rows or whole groups sampled or popped, KEYS[kz..kq] the rollout index
+    G = OpKind(
+        "G",
+        ("mode", "n", "groups", "staleness", "budget", "fixed", "draws", "channel", "kz", "kr", "kg", "ks", "kq"),
+        keys=(9, 10, 11, 12, 13),
+        writes=(9, 10, 11, 12, 13),
+        picks_rows=True,
+        pieces=5,
+    )
+    H = OpKind("H", ("ko", "ks", "rec", "isz"), keys=(1, 2), by_row=True)  # before 'G': the leaf whose lengths a token budget adds
     X = OpKind("X", ("k", "nb"), keys=(1,), by_row=True, pieces=1)
     B = OpKind("B", ("k", "nb"), keys=(1,), by_row=True, pieces=1)
     Y = OpKind("Y", ("kd", "ko", "ks", "rec"), keys=(1, 2, 3), by_row=True, pieces=3)

@@ -184,6 +184,10 @@ class Header:
     """The ring tracks distinct rows sampled (header field ``sd``, set by ``lua/distinct.lua`` only; off by
     default): a full ring's transaction sample then marks its rows in the sampled-rows bitmap too."""
 
+    rollouts: bool = False
+    """The ring keeps a rollout index (header field ``ro``, set by ``lua/_rollouts.lua`` only): every ring
+    write stamps its rows, and samples and pops go through ``read.lua``'s 'G' op (see ``_ring.rollouts``)."""
+
     sub: dict[NestedPath, tuple[int, ...]] = field(default_factory=dict)
     """Batch dims of nested sub-trees beyond the store's own: ``{("chat", "prompt"): (1,)}`` for a
     ``[5]`` store whose ``("chat", "prompt")`` sub-tree has batch size ``[5, 1]`` (chat-style data).
@@ -383,6 +387,7 @@ class Header:
             leased=info.leased,
             distinct=info.distinct,
             absent_rows=info.absent_rows,
+            rollouts=info.rollouts,
             row=info.row,
             sub=sub,
             classes=classes,

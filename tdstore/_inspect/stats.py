@@ -9,7 +9,8 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   ``inserted`` (rows written by ``extend``/``append``), ``sampled`` (rows drawn by ``sample``),
   ``popped`` (items handed out by ``pop``, redeliveries included), ``acknowledged`` (leased items
   settled by ``ack``), ``redelivered`` (items popped again after their lease lapsed), ``expired``
-  (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``held_writes`` and
+  (items whose lease lapsed), ``lost`` (unread items writers overwrote), ``stale`` (rows a pop with
+  ``max_staleness`` dropped as too old, ``_ring.rollouts``), ``held_writes`` and
   ``held_samples`` (times the rate limiter or a full queue answered a write or a sample WAIT),
   ``held_writes_ms``, ``held_samples_ms`` and ``held_pops_ms`` (milliseconds calls that went through
   had waited before: for the limiter, a full queue, ``min_size``, an item to pop; the client's clock),
@@ -26,8 +27,10 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   version); its place is :data:`POLICY_AGE`, None until they do.
 - gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
-  ``limiter`` (the rate limiter's settings and ``limiter_room``: samples the limiter allows before
-  it holds them, ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
+  ``rollouts`` (only on a ring with rollouts, ``_ring.rollouts``: the published ``version``, ``queued_items``
+  for ``pop``, ``whole_groups``; ``unread`` is then its queue's items), ``limiter`` (the rate
+  limiter's settings and ``limiter_room``: samples the limiter allows before it holds them,
+  ``(rw - lb) * spi - sn - min_diff``), ``queue`` (queue mode), ``priority``
   (``alpha``, ``total`` mass of the tree, ``min_weight``, ``max_priority``: the largest priority
   given so far) and ``waiting`` (clients subscribed to the store's channel: calls waiting for the
   limiter, data or room; None on a cluster, where a node sees only its own subscribers),
@@ -56,6 +59,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "redelivered": ("rdl",),
     "expired": ("exp",),
     "lost": ("lost",),
+    "stale": ("stale",),
     "held_writes": ("hw",),
     "held_samples": ("hr",),
     "held_writes_ms": ("hw_ms",),
@@ -80,7 +84,7 @@ POLICY_AGE = "age_policy_versions"
 #: Gauges (the ring as it is now) that are plain numbers.
 GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting", "sampled_resident")
 
-_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "sd")
+_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "ro", "cv", "sd")
 
 
 def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, Any]:
@@ -94,10 +98,16 @@ def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, An
     pipe.zcard(keys.lease_keys[3])  # outstanding items (leased or awaiting redelivery)
     pipe.zcard(keys.lease_keys[2])  # items awaiting redelivery
     pipe.bitcount(keys.sampled_rows)  # O(capacity / 8) bytes, read only here: the rows held that were sampled
+    pipe.llen(keys.rollout_keys[4])  # the rollout index's pop queue (items: rows or whole groups)
+    pipe.zcard(keys.rollout_keys[1])  # its whole groups
     if not cluster:
         pipe.execute_command("PUBSUB", "NUMSUB", keys.events)
     got = pipe.execute()
-    return summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[7]), got[6])
+    out = summarize(got[0], got[1], got[2], got[4] - got[5], got[5], None if cluster else _numsub(got[9]), got[6])
+    if got[1][8] is not None:  # the rollout index is on: pops take its queue, not the read cursor
+        out["unread"] = int(got[7])
+        out["rollouts"] = {"version": int(got[1][9] or 0), "queued_items": int(got[7]), "whole_groups": int(got[8])}
+    return out
 
 
 def _numsub(reply: Any) -> int | None:
@@ -123,7 +133,7 @@ def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, wa
     out["age_max"] = fields.get("age_max")
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
     out[POLICY_AGE] = None
-    if head[8] in (b"1", "1"):
+    if head[10] in (b"1", "1"):
         out["sampled_resident"] = int(resident)
         out["distinct_sampled"] = out["overwritten_sampled"] + int(resident)
     else:  # not tracked (the bitmap would be empty, 'ovs'/'ovu' absent): unknown, not zero

@@ -35,7 +35,7 @@ def dense_rows(td: Any) -> Any:
 
 
 def densify(got: Any) -> Any:
-    """``got`` (a ``Sample``, ``PrioritizedSample`` or ``LeasedSample``) with its rows as one dense TensorDict."""
+    """``got`` (a ``Sample``, ``PrioritizedSample``, ``RolloutSample`` or ``LeasedSample``) with its rows as one dense TensorDict."""
     td = dense_rows(got.td)
     if isinstance(got, LeasedSample):
         return dataclasses.replace(got, td=td)

@@ -128,10 +128,19 @@ def _extend_direct(
 
 
 @deadline.honours_timeout("extend")
-def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | None = None, request: str | None = None) -> RingWrite:
+def extend(
+    engine: Engine,
+    value: Any,
+    priority: Any = None,
+    timeout: float | None = None,
+    request: str | None = None,
+    rollout: tuple[str, str, str, str] | None = None,
+) -> RingWrite:
     """Append the elements of ``value`` at the ring's cursor (see ``LazyStackedTensorDictStore.extend``).
 
-    ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote)."""
+    ``request``: the write's id (a resend of a write that may have run: the server answers with where it wrote).
+    ``rollout``: the 'V' op's version, max_ahead, group and size (``_ring.rollouts.write_args``); a store
+    whose rollout index is on gets one anyway (the published version, no group)."""
     refuse_spread(engine)
     h0 = engine.header
     n = batch_len(value, h0)
@@ -162,6 +171,8 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
             ops.append(Write.P(kt.ref(engine.keys.priorities), kt.ref(engine.keys.times_sampled), prios))
         elif prios:
             raise ValueError(f"extend got priorities, but the store with {engine.where()} has none")
+        if rollout is not None or h.rollouts:  # after 'W': the rows' version and group (lua/_rollouts.lua)
+            ops.append(Write.V(*(kt.ref(k) for k in engine.keys.rollout_keys), *(rollout or ("", "", "", ""))))
         if h.trajectories is not None:  # the rows' trajectory ids or end flags: the server keeps its episode index
             ops.append(episodes.episode_op(kt, engine.keys.episodes, h, items, n))
         return new_header, ops, touched
@@ -170,10 +181,11 @@ def extend(engine: Engine, value: Any, priority: Any = None, timeout: float | No
 
     def resend(again: float | None) -> RingWrite:
         # the same rows under the same id: the server answers with where the first attempt wrote them
-        return extend(engine, value, priority, again, rid)
+        return extend(engine, value, priority, again, rid, rollout)
 
     with deadline.resolvable(rid, resend, keyword=True):
-        start = _extend_direct(engine, plan, n, rid, items) if not prios else None
+        direct = not prios and rollout is None and not engine.header.rollouts
+        start = _extend_direct(engine, plan, n, rid, items) if direct else None
         if start is not None:
             h = engine.header
         else:

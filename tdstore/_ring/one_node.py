@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from tensordict import TensorDictBase
 
 from tdstore._engine.engine import Engine
 from tdstore._errors import AmbiguousTimeoutError, MustWait
@@ -24,11 +25,14 @@ from tdstore._format.schema import NestedPath
 from tdstore._format.trajectories import Trajectories
 from tdstore._inspect import stats
 from tdstore._plan.ring_plan import RingState, RingWrite, Sample
-from tdstore._ring import extend, leases, marks, policy_calls, sample_pop, slices, waiting
+from tdstore._ring import extend, leases, marks, policy_calls, rollouts, sample_pop, slices, waiting
 from tdstore._ring.args import refuse_spread
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.ring_calls import Rollout, RolloutPop
+from tdstore._ring.rollouts import RolloutSample
+from tdstore._ring.row_reads import RolloutsOn
 from tdstore._ring.slices import SliceSample
 
 T = TypeVar("T")
@@ -60,8 +64,14 @@ class OneNodeRing:
         return self.rows(got)
 
     # -- writes ----------------------------------------------------------------------------------
-    def extend(self, td: Any, priority: Any, timeout: float | None, request: str | None) -> RingWrite:
-        return extend.extend(self.engine, td, priority, timeout, request)
+    def extend(self, td: Any, priority: Any, timeout: float | None, request: str | None, rollout: Rollout | None) -> RingWrite:
+        engine = self.engine
+        args = None
+        if rollout is not None:  # checked against the header: the 'V' op's arguments (``_ring.rollouts``)
+            h, sp = engine.header, self.stack_pos
+            n = int(td.batch_size[sp]) if isinstance(td, TensorDictBase) and td.batch_dims > sp else 0
+            args = rollouts.write_args(h, n, *rollout)
+        return extend.extend(engine, td, priority, timeout, request, args)
 
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
         return extend.update_if(self.engine, index, generation, td)
@@ -78,26 +88,51 @@ class OneNodeRing:
         beta: float,
         min_size: int | None,
         timeout: float | None,
-    ) -> Sample | PrioritizedSample:
+        max_staleness: int | None,
+        groups: int | None,
+    ) -> Sample | PrioritizedSample | RolloutSample:
         if as_tensor and self.rows is not None:
             raise TypeError(
                 "a dense store's rows have one shape per key, so its sample is one TensorDict already: "
                 f"{sorted(as_tensor)} are a LazyStackedTensorDictStore's (heterogeneous keys)"
             )
         engine = self.engine
+        if max_staleness is None and groups is None and not engine.header.rollouts:
+            try:
+                got = self._read(
+                    lambda: sample_pop.sample(
+                        engine,
+                        batch_size,
+                        generator,
+                        self.device,
+                        as_tensor,
+                        paths,
+                        prioritized=prioritized,
+                        alpha=alpha,
+                        beta=beta,
+                        min_size=min_size,
+                        timeout=timeout,
+                    )
+                )
+                if not engine.header.rollouts:  # (a read that met the index turned on re-read its rows: drawn again)
+                    return got
+            except RolloutsOn:
+                pass  # the store's rollout index is on: its sample hides incomplete groups
+        if prioritized or min_size is not None:  # (a ring with rollouts, or rollout arguments)
+            raise NotImplementedError(
+                "a sample of a ring with rollouts draws uniformly: prioritized= and min_size= are not supported with it yet"
+            )
         return self._read(
-            lambda: sample_pop.sample(
+            lambda: rollouts.sample(
                 engine,
                 batch_size,
                 generator,
                 self.device,
-                as_tensor,
                 paths,
-                prioritized=prioritized,
-                alpha=alpha,
-                beta=beta,
-                min_size=min_size,
+                max_staleness=max_staleness,
+                groups=groups,
                 timeout=timeout,
+                ragged=as_tensor,
             )
         )
 
@@ -120,15 +155,51 @@ class OneNodeRing:
         return n
 
     def pop(
-        self, batch_size: int, timeout: float | None, paths: list[NestedPath] | None, lease: float | None, request: str | None
-    ) -> Sample | LeasedSample:
+        self,
+        batch_size: int,
+        timeout: float | None,
+        paths: list[NestedPath] | None,
+        lease: float | None,
+        request: str | None,
+        rollout: RolloutPop | None,
+    ) -> Sample | LeasedSample | RolloutSample:
         engine, device = self.engine, self.device
-        if lease is not None:
-            return self._read(lambda: leases.pop(engine, self.host, batch_size, device, timeout, paths, lease, request))
-        return self._read(lambda: sample_pop.pop(engine, batch_size, device, timeout, paths, request))
+        refused = "pop(lease=) on a ring with rollouts (versions, groups, budgets) is not supported yet"
+        if lease is not None and (rollout is not None or engine.header.rollouts):
+            raise NotImplementedError(refused)
+        if rollout is None and not engine.header.rollouts:
+            try:
+                if lease is not None:
+                    return self._read(lambda: leases.pop(engine, self.host, batch_size, device, timeout, paths, lease, request))
+                return self._read(lambda: sample_pop.pop(engine, batch_size, device, timeout, paths, request))
+            except RolloutsOn:  # the store's rollout index turned on: its pop takes whole groups
+                if lease is not None:
+                    raise NotImplementedError(refused) from None
+        given = rollout or RolloutPop(None, None, None, None)
+        return self._read(
+            lambda: rollouts.pop(
+                engine,
+                batch_size,
+                device,
+                paths,
+                max_staleness=given.max_staleness,
+                groups=given.groups,
+                token_budget=given.token_budget,
+                length_key=given.length_key,
+                timeout=timeout,
+                request=request,
+            )
+        )
 
     def ack(self, receipt: Any, timeout: float | None) -> int:
         return leases.ack(self.engine, receipt, timeout)
+
+    # -- rollouts: policy versions ---------------------------------------------------------------
+    def set_version(self, version: int, allow_backwards: bool) -> int:
+        return rollouts.set_version(self.engine, version, allow_backwards)
+
+    def policy_version(self) -> int:
+        return rollouts.published_version(self.engine)
 
     # -- the ring's state ------------------------------------------------------------------------
     def state(self) -> RingState:

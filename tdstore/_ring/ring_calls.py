@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
@@ -32,6 +32,7 @@ from tdstore._plan.values import as_path
 from tdstore._ring.leases import LeasedSample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample
+from tdstore._ring.rollouts import RolloutSample
 from tdstore._ring.slices import SliceSample
 
 
@@ -51,6 +52,31 @@ def key_paths(keys: Sequence[Any] | None) -> list[NestedPath] | None:
     return [as_path(k) for k in keys]
 
 
+class Rollout(NamedTuple):
+    """A ring write's rollout arguments (``tdstore.Ring.extend``), checked against the ring's header by the work."""
+
+    version: int | None
+    max_ahead: int | None
+    group: Any
+    group_size: int | None
+
+
+class RolloutPop(NamedTuple):
+    """A pop's rollout arguments (``tdstore.Ring.pop_items``); ``length_key`` as a path."""
+
+    max_staleness: int | None
+    groups: int | None
+    token_budget: int | None
+    length_key: NestedPath | None
+
+
+def rollout_of(version: int | None, max_ahead: int | None, group: Any, group_size: int | None) -> Rollout | None:
+    """The rollout arguments of a ring write, or None when it gives none (a plain write)."""
+    if version is None and max_ahead is None and group is None and group_size is None:
+        return None
+    return Rollout(version, max_ahead, group, group_size)
+
+
 class RingWork(Protocol):
     """What a kind of ring does once the front has checked a call's arguments: one method per call (the
     arguments checked and shaped by :class:`RingCalls`), and what the front needs to shape them."""
@@ -62,7 +88,7 @@ class RingWork(Protocol):
     @property
     def stack_pos(self) -> int: ...
 
-    def extend(self, td: Any, priority: Any, timeout: float | None, request: str | None) -> RingWrite: ...
+    def extend(self, td: Any, priority: Any, timeout: float | None, request: str | None, rollout: Rollout | None) -> RingWrite: ...
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor: ...
     def sample(
         self,
@@ -75,11 +101,21 @@ class RingWork(Protocol):
         beta: float,
         min_size: int | None,
         timeout: float | None,
-    ) -> Sample | PrioritizedSample: ...
+        max_staleness: int | None,
+        groups: int | None,
+    ) -> Sample | PrioritizedSample | RolloutSample: ...
     def pop(
-        self, batch_size: int, timeout: float | None, paths: list[NestedPath] | None, lease: float | None, request: str | None
-    ) -> Sample | LeasedSample: ...
+        self,
+        batch_size: int,
+        timeout: float | None,
+        paths: list[NestedPath] | None,
+        lease: float | None,
+        request: str | None,
+        rollout: RolloutPop | None,
+    ) -> Sample | LeasedSample | RolloutSample: ...
     def ack(self, receipt: Any, timeout: float | None) -> int: ...
+    def set_version(self, version: int, allow_backwards: bool) -> int: ...
+    def policy_version(self) -> int: ...
     def state(self) -> RingState: ...
     def written(self) -> Sequence[int]: ...
     def write_count(self) -> int: ...
@@ -124,7 +160,18 @@ class RingCalls:
         raise NotImplementedError
 
     # -- writes ----------------------------------------------------------------------------------
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
+    def extend(
+        self,
+        td: Any,
+        *,
+        priority: Any = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        version: int | None = None,
+        max_ahead: int | None = None,
+        group: Any = None,
+        group_size: int | None = None,
+    ) -> RingWrite:
         work = self._ring_work(write=True)
         inner, stack_pos = work.inner_batch_size, work.stack_pos
         if isinstance(td, (list, tuple)):
@@ -144,9 +191,21 @@ class RingCalls:
                 f"extend got one element (batch size {list(td.batch_size)}); use append for one element, or give extend a batch "
                 f"with the element dim at {stack_pos}"
             )
-        return work.extend(td, priority, timeout, check_request_id(request_id))
+        rollout = rollout_of(version, max_ahead, group, group_size)
+        return work.extend(td, priority, timeout, check_request_id(request_id), rollout)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, request_id: str | None = None) -> RingWrite:
+    def append(
+        self,
+        td: Any,
+        *,
+        priority: Any = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        version: int | None = None,
+        max_ahead: int | None = None,
+        group: Any = None,
+        group_size: int | None = None,
+    ) -> RingWrite:
         work = self._ring_work(write=True)
         inner = work.inner_batch_size
         if isinstance(td, dict):
@@ -155,7 +214,16 @@ class RingCalls:
             raise TypeError(f"append expects a TensorDict or a dict, got {type(td).__name__}")
         if tuple(td.batch_size) != tuple(inner):
             raise ValueError(f"append expects one element of batch size {list(inner)}, got {list(td.batch_size)}; use extend for batches")
-        return self.extend(td.unsqueeze(work.stack_pos), priority=priority, timeout=timeout, request_id=request_id)
+        return self.extend(
+            td.unsqueeze(work.stack_pos),
+            priority=priority,
+            timeout=timeout,
+            request_id=request_id,
+            version=version,
+            max_ahead=max_ahead,
+            group=group,
+            group_size=group_size,
+        )
 
     def update_if(self, index: Any, generation: Any, td: Any) -> torch.Tensor:
         return self._ring_work(write=True).update_if(index, generation, td)
@@ -172,14 +240,19 @@ class RingCalls:
         beta: float = 1.0,
         min_size: int | None = None,
         timeout: float | None = None,
+        max_staleness: int | None = None,
+        groups: int | None = None,
         **as_tensor: Any,
-    ) -> Sample | PrioritizedSample:
+    ) -> Sample | PrioritizedSample | RolloutSample:
         if as_tensor and not ragged.wanted(as_tensor):
             raise TypeError(
                 f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(ragged.KEYWORDS)}), got {sorted(as_tensor)}"
             )
         work = self._ring_work()
-        return work.sample(batch_size, generator, key_paths(keys), as_tensor or None, prioritized, alpha, beta, min_size, timeout)
+        paths = key_paths(keys)
+        return work.sample(
+            batch_size, generator, paths, as_tensor or None, prioritized, alpha, beta, min_size, timeout, max_staleness, groups
+        )
 
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         if pops_a_key(args, kwargs):
@@ -195,12 +268,28 @@ class RingCalls:
         lease: float | None = None,
         request_id: str | None = None,
         _request: str | None = None,
-    ) -> Sample | LeasedSample:
+        max_staleness: int | None = None,
+        groups: int | None = None,
+        token_budget: int | None = None,
+        length_key: Any = None,
+    ) -> Sample | LeasedSample | RolloutSample:
         # ``_request``: a sharded ring's pop of one shard, sent again under its id (``_shards.queue``)
-        return self._ring_work().pop(batch_size, timeout, key_paths(keys), lease, check_request_id(request_id) or _request)
+        request = check_request_id(request_id) or _request
+        rollout = None
+        if max_staleness is not None or groups is not None or token_budget is not None or length_key is not None:
+            rollout = RolloutPop(max_staleness, groups, token_budget, None if length_key is None else as_path(length_key))
+        return self._ring_work().pop(batch_size, timeout, key_paths(keys), lease, request, rollout)
 
     def ack(self, receipt: Any, *, timeout: float | None = None) -> int:
         return self._ring_work().ack(receipt, timeout)
+
+    # -- rollouts: policy versions ---------------------------------------------------------------
+    def set_version(self, version: int, *, allow_backwards: bool = False) -> int:
+        return self._ring_work().set_version(version, allow_backwards)
+
+    @property
+    def policy_version(self) -> int:
+        return self._ring_work().policy_version()
 
     # -- priorities, rate limiter, queue ---------------------------------------------------------
     def enable_priorities(self, alpha: float = 1.0, *, max_times_sampled: int | None = None) -> None:

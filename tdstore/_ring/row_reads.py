@@ -40,6 +40,11 @@ def selected_leaves(h: Header, keys: list[NestedPath] | None) -> list[Leaf]:
     return out
 
 
+class RolloutsOn(Exception):
+    """A plain sample or pop planned on a ring whose rollout index is on (header field ``ro``): it goes
+    through ``_ring.rollouts`` instead, which hides incomplete groups."""
+
+
 class RowRead(NamedTuple):
     """What a row read reads: its units (leaves, with the row block standing for its columns) and which keys were asked for."""
 
@@ -55,6 +60,8 @@ def row_read_call(
     """A ``read.lua`` call whose rows one op picks (``head(kt)``: 'U', 'P' or 'F') and whose other ops read
     every selected leaf at those rows; ``parse(reply, RowRead)`` makes the result. ``request`` (a 'P' or 'F'
     op: a request id) goes before it as an 'N' op, so that a resend reads the rows the first attempt took."""
+    if h.rollouts:
+        raise RolloutsOn
     selected = selected_leaves(h, keys)
     wanted = None if keys is None else {leaf.path for leaf in selected}
     kt = engine.key_table(h)

@@ -33,7 +33,7 @@ from tdstore._ring import policy_calls, waiting
 from tdstore._ring.args import refuse_spread
 from tdstore._ring.extend import ring_writes_of
 from tdstore._ring.leases import Planner
-from tdstore._ring.row_reads import RowRead, decode_sample, row_read_call, selected_leaves, with_masks
+from tdstore._ring.row_reads import RolloutsOn, RowRead, decode_sample, row_read_call, selected_leaves, with_masks
 
 
 @deadline.honours_timeout("sample")
@@ -67,6 +67,8 @@ def sample(
     draws = again[0] if again is not None else torch.randint(0, DRAW_HIGH, (batch_size,), generator=generator, dtype=torch.int64)
     refuse_spread(engine)
     h = engine.header
+    if h.rollouts:  # incomplete groups hidden: _ring.rollouts samples it
+        raise RolloutsOn
     asked = prioritized  # as the caller gave it (None: the store's policy decides)
     policy = _sample_policy(engine, h, prioritized, alpha, min_size)
     by_policy = policy.prioritized if prioritized is None else prioritized

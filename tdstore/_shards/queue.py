@@ -15,6 +15,7 @@ from tdstore._engine.engine import request_id
 from tdstore._errors import AmbiguousTimeoutError, ShardUnavailableError
 from tdstore._ring.args import check_batch_size
 from tdstore._ring.leases import LeasedSample, Receipt
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _POLL_S, _UNREACHABLE, NotSentError, ShardsBase, _with_kwargs
 
 #: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.
@@ -171,7 +172,16 @@ class ShardQueue(ShardsBase):
         return self.pop_items(*args, **kwargs)
 
     def pop_items(
-        self, batch_size: int = 1, *, timeout: float | None = None, keys: Sequence[Any] | None = None, lease: float | None = None
+        self,
+        batch_size: int = 1,
+        *,
+        timeout: float | None = None,
+        keys: Sequence[Any] | None = None,
+        lease: float | None = None,
+        max_staleness: int | None = None,
+        groups: int | None = None,
+        token_budget: int | None = None,
+        length_key: Any = None,
     ) -> Any:
         """Up to ``batch_size`` unread items of one shard, each handed to exactly one caller (in write
         order within the shard; not across shards). The shards are tried in turn; with none unread, the
@@ -183,6 +193,7 @@ class ShardQueue(ShardsBase):
         that may have taken items without their reply reaching this handle raises an error carrying its
         request id and ``retry()``, which gets those items (``AmbiguousTimeoutError`` when the deadline
         passed, ``ShardUnavailableError`` when the node or its replicas failed)."""
+        _rollouts.refuse("pop", max_staleness=max_staleness, groups=groups, token_budget=token_budget, length_key=length_key)
         check_batch_size(batch_size, "pop")
         _deadline.check_timeout(timeout)
         return self._pop(batch_size, timeout, {"keys": keys, "lease": lease})

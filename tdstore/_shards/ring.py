@@ -71,6 +71,7 @@ from tdstore._ring.slices import ShardedTrajectoryMethods
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
 from tdstore._shards.layout import Layout, WrittenSlots, is_cluster, open_layout, open_shard, plan_layout, ring_kwargs, wants_shards
 from tdstore._shards.queue import ShardReceipt
+from tdstore._shards.rollout_refusal import ShardRollouts
 from tdstore._shards.sample import ShardSampling
 from tdstore._shards.shard_writes import ShardWrites
 
@@ -78,7 +79,7 @@ from tdstore._shards.shard_writes import ShardWrites
 __all__ = ["Layout", "ShardReceipt", "ShardedRing", "WrittenSlots", "is_cluster", "plan_layout", "wants_shards"]
 
 
-class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods):
+class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods, ShardRollouts):
     """A ring buffer of ``count`` slots over the primaries of a Redis Cluster (see the module docstring).
 
     ``tdstore.ShardedRing(count=N, url="redis+cluster://...")`` makes one (``shards=K``: K shards

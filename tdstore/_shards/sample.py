@@ -17,6 +17,7 @@ from tdstore._ring import marks as _marks
 from tdstore._ring.extend import Sample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 from tdstore._shards.queue import _policies
 
@@ -96,11 +97,15 @@ class ShardSampling(ShardsBase):
         beta: float = 1.0,
         min_size: int | None = None,
         timeout: float | None = None,
+        max_staleness: int | None = None,
+        groups: int | None = None,
         **ragged: Any,
     ) -> Sample | PrioritizedSample:
         """A batch of ``batch_size`` written slots drawn with replacement over every shard, exactly as one ring
         would draw them (uniformly, or by priority on a ring with priorities): see the module docstring.
-        Arguments and result as ``LazyStackedTensorDictStore.sample`` (indices are global slots)."""
+        Arguments and result as ``LazyStackedTensorDictStore.sample`` (indices are global slots);
+        ``max_staleness``/``groups`` (rollouts): ``NotImplementedError``."""
+        _rollouts.refuse("sample", max_staleness=max_staleness, groups=groups)
         from tdstore._plan.ring_plan import check_sample_args
 
         check_sample_args(batch_size, min_size, beta)

@@ -14,6 +14,7 @@ from tdstore._errors import AmbiguousTimeoutError
 from tdstore._format import codec as _codec
 from tdstore._ring.extend import RingWrite
 from tdstore._ring.policy_calls import priority_tensor
+from tdstore._shards import rollout_refusal as _rollouts
 from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
 
@@ -42,12 +43,14 @@ class ShardWrites(ShardQueue):
             raise TypeError(f"extend takes a TensorDict (or a list of them), got {type(td).__name__}")
         return td
 
-    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+    def extend(self, td: Any, *, priority: Any = None, timeout: float | None = None, **rollout: Any) -> RingWrite:
         """Write the elements of ``td`` into the shards' next slots: whole to one shard (one atomic call on its
         node) when its current lap has room for them, else cut over the shards with room, one part per shard,
         each atomic on its shard, sent at once (:func:`place`). A ring of ``count`` slots so holds ``count``
         rows before any is overwritten, whatever the extend sizes. Shards are taken in turn by each handle,
-        from a random start. Returns the global slots written and their generations, in the rows' order."""
+        from a random start. Returns the global slots written and their generations, in the rows' order.
+        Rollout arguments (``version``, ``max_ahead``, ``group``, ``group_size``): ``NotImplementedError``."""
+        _rollouts.refuse("extend", **rollout)
         td = self._batch(td)
         sp = self._stack_pos
         bs = td.batch_size
@@ -136,8 +139,9 @@ class ShardWrites(ShardQueue):
         except AmbiguousTimeoutError as err:
             return _shifted_error(err, offset)
 
-    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None) -> RingWrite:
+    def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, **rollout: Any) -> RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size)."""
+        _rollouts.refuse("append", **rollout)
         if isinstance(td, dict):
             td = TensorDict(td, batch_size=self._layout.inner)
         if not isinstance(td, TensorDictBase):

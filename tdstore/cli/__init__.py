@@ -62,27 +62,49 @@ __all__ = [
 ]
 
 
+#: ``demo --count``'s default (``--llm`` makes it 1024 unless given).
+COUNT_DEFAULT = 256
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; with --json, stdout holds only the JSON (the summary goes to stderr)."""
     # Each subcommand imports what it needs when it runs, so adding subcommands keeps the others as quick to start.
     import redis
 
-    from tdstore.demo import DemoError, ServerUnreachable, run_demo
+    from tdstore.demo import DemoError, ServerUnreachable, run_demo, run_llm_demo
 
     try:
-        figures = run_demo(
-            url=args.url,
-            actors=args.actors,
-            count=args.count,
-            seconds=args.seconds,
-            batch=args.batch,
-            progress=not args.no_progress,
-            out=sys.stderr if args.json else sys.stdout,
-            cluster=args.cluster,
-            spread=args.spread,
-            sharded=args.sharded,
-            torchrl=args.torchrl,
-            replay=args.replay,
+        if args.llm and (args.torchrl or args.replay or args.cluster or args.spread or args.sharded):
+            raise ValueError(
+                "--llm runs its own GRPO-shaped loop on one server: not with --torchrl, --replay, --cluster, --spread or --sharded"
+            )
+        figures = (
+            run_llm_demo(
+                url=args.url,
+                actors=args.actors,
+                count=max(args.count, 1024) if args.count == COUNT_DEFAULT else args.count,
+                seconds=args.seconds,
+                max_staleness=args.max_staleness,
+                token_budget=args.token_budget,
+                group_size=args.group_size,
+                progress=not args.no_progress,
+                out=sys.stderr if args.json else sys.stdout,
+            )
+            if args.llm
+            else run_demo(
+                url=args.url,
+                actors=args.actors,
+                count=args.count,
+                seconds=args.seconds,
+                batch=args.batch,
+                progress=not args.no_progress,
+                out=sys.stderr if args.json else sys.stdout,
+                cluster=args.cluster,
+                spread=args.spread,
+                sharded=args.sharded,
+                torchrl=args.torchrl,
+                replay=args.replay,
+            )
         )
     except ServerUnreachable as err:
         print(f"tdstore demo: error: {err}", file=sys.stderr)
@@ -148,8 +170,19 @@ def _add_demo_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "the learner samples by priority and updates them"
         ),
     )
+    demo.add_argument(
+        "--llm",
+        action="store_true",
+        help="an async GRPO-shaped loop: actors write whole groups of ragged rollouts stamped with policy versions, "
+        "the learner pops by token budget with --max-staleness and bumps the version",
+    )
+    demo.add_argument("--max-staleness", type=int, default=2, help="with --llm: versions a popped rollout may lag (default: 2)")
+    demo.add_argument("--token-budget", type=positive_int, default=512, help="with --llm: tokens per popped batch (default: 512)")
+    demo.add_argument("--group-size", type=positive_int, default=4, help="with --llm: completions per prompt (default: 4)")
     demo.add_argument("--actors", type=positive_int, default=4, help="writer processes (default: 4)")
-    demo.add_argument("--count", type=positive_int, default=256, help="elements in the store (default: 256)")
+    demo.add_argument(
+        "--count", type=positive_int, default=COUNT_DEFAULT, help="elements in the store (default: 256; 1024 rows with --llm)"
+    )
     demo.add_argument("--seconds", type=positive_float, default=5.0, help="duration of the run (default: 5)")
     demo.add_argument("--batch", type=positive_int, default=32, help="elements per sampled batch (default: 32)")
     demo.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (the summary goes to stderr)")

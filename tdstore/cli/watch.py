@@ -34,6 +34,7 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("tdstore_redelivered_total", "redelivered", "counter", "Items popped again after their lease lapsed."),
     ("tdstore_expired_total", "expired", "counter", "Items whose lease lapsed."),
     ("tdstore_lost_total", "lost", "counter", "Unread items writers overwrote."),
+    ("tdstore_stale_total", "stale", "counter", "Rows pops with max_staleness dropped as too old."),
     ("tdstore_held_writes_total", "held_writes", "counter", "Writes the rate limiter or a full queue held back (WAIT replies)."),
     ("tdstore_held_samples_total", "held_samples", "counter", "Samples the rate limiter or min_size held back (WAIT replies)."),
     ("tdstore_held_writes_seconds_total", "held_writes_ms", "counter", "Seconds writes that went through had been held back first."),

@@ -61,6 +61,7 @@ from tdstore import ShardedRing
 from tdstore.cluster_server import EmbeddedCluster
 from tdstore.demo.actors import ActorPool, DemoError, hash_actor_main, replay_actor_main, torchrl_actor_main
 from tdstore.demo.learner import RingLearner, figures, sample_until, verify_final
+from tdstore.demo.llm import run_llm_demo
 from tdstore.demo.report import Progress, Status, plural, print_summary
 from tdstore.demo.server_url import ServerUnreachable, check_reachable, password_for_children, redact_url
 from tdstore.demo.torn_check import check_batch, check_value, initial_stack, lost_writes, make_element, obs_value, slot_of, token_length
@@ -79,6 +80,7 @@ __all__ = [
     "obs_value",
     "redact_url",
     "run_demo",
+    "run_llm_demo",
     "slot_of",
     "token_length",
 ]

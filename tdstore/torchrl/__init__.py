@@ -46,6 +46,7 @@ from tdstore.ring_interface import SamplingPolicy
 from tdstore.torchrl.ragged_buffers import RaggedReplayBuffer, RaggedTensorDictReplayBuffer
 from tdstore.torchrl.samplers import StorePrioritizedSampler, StoreSampler, StoreSamplerWithoutReplacement
 from tdstore.torchrl.slice_sampler import SERVED, StoreSliceSampler, StoreSliceSamplerWithoutReplacement
+from tdstore.torchrl.staleness import StoreStalenessSampler, on_the_server
 from tdstore.torchrl.storage import StoreStorage
 from tdstore.torchrl.storage_base import METADATA_KEYS, TENSOR_KEY
 from tdstore.torchrl.writer import StoreWriter
@@ -56,6 +57,7 @@ __all__ = [
     "StoreSampler",
     "StoreSamplerWithoutReplacement",
     "StorePrioritizedSampler",
+    "StoreStalenessSampler",
     "StoreSliceSampler",
     "StoreSliceSamplerWithoutReplacement",
     "replay_buffer",
@@ -216,6 +218,7 @@ def replay_buffer(
         sampler.__class__ = StoreSamplerWithoutReplacement
     if isinstance(sampler, StorePrioritizedSampler):
         sampler.prepare(storage)
+    sampler = on_the_server(sampler)  # torchrl's StalenessAwareSampler: the server holds its max_staleness
     if type(sampler) in SERVED and not ShardedRing.wanted(store_kwargs):  # torchrl's slice samplers: the server draws slices
         sampler.__class__ = SERVED[type(sampler)]  # the same object: the caller's reference and its state stay the buffer's
         cast(StoreSliceSampler, sampler).prepare(storage)

@@ -20,7 +20,7 @@ from torchrl.data.replay_buffers.storages.store import StoreStorage as _TorchrlS
 from tdstore import DenseShapeError, ShardedRing, ShardedRingIdError
 from tdstore.checkpoint import TORCHRL_ROW_KEYS
 from tdstore.lazy import LazyStackedTensorDictStore
-from tdstore.ring_interface import Marks, PrioritizedSample, Sample
+from tdstore.ring_interface import Marks, PrioritizedSample, RolloutSample, Sample
 from tdstore.store import SECRET_KWARGS, TensorDictStore, td_id_or_new
 
 #: The key plain-tensor data is stored under (torchrl's own StoreStorage uses the same name).
@@ -34,7 +34,7 @@ _PUBLIC_CONN = ("url", "host", "port", "db", "unix_socket_path", "prefix", "back
 #: The message of the ``RuntimeError`` that sampling a buffer nothing was written to raises.
 EMPTY_ERROR = "Cannot sample from an empty storage: nothing has been written to the replay buffer yet."
 #: A batch a sampler read: ``StoreStorage.get`` of its very indices returns it without reading again.
-Drawn = Sample | PrioritizedSample
+Drawn = Sample | PrioritizedSample | RolloutSample
 
 
 def _public_url(url: str) -> str:

@@ -26,6 +26,7 @@ from tensordict import TensorDict, lazy_stack
 
 from tdstore.cli import main
 from tdstore.demo import check_batch, initial_stack, lost_writes, make_element, redact_url, run_demo, slot_of
+from tdstore.demo.llm import check_items, make_rollout
 from tdstore.server import EmbeddedServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,3 +236,34 @@ def test_cli_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
             code = stop.code
         assert code == 2, argv
     assert "invalid server url 'foo://x'" in capsys.readouterr().err
+
+
+# -- demo --llm ------------------------------------------------------------------------------------
+
+
+def test_cli_demo_llm_holds_its_bounds(tmp_path: Path) -> None:
+    """``demo --llm``: actor processes write whole groups stamped with versions, the learner pops them by
+    token budget with max_staleness and bumps the version; every check holds, exit code 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = ["demo", "--llm", "--actors", "2", "--seconds", "2", "--max-staleness", "1", "--token-budget", "400", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "tdstore", *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    f = json.loads(proc.stdout)
+    assert f["ok"] is True and f["errors"] == []
+    assert f["batches"] > 0 and f["rollouts_written"] > 0 and f["groups_popped"] > 0
+    assert f["rows_popped"] == f["groups_popped"] * f["group_size"]  # whole groups, never part of one
+    assert f["max_staleness_seen"] <= 1 and 0 < f["max_tokens_per_batch"] <= 400
+    assert f["final_version"] == f["batches"]  # one set_version per batch
+    assert "OK: the staleness bound held" in proc.stderr and "stale rows skipped" in proc.stderr
+
+
+def test_llm_checker_catches_partial_and_stale_groups() -> None:
+    """The --llm demo's checker is not blind: a partial group, a stale row and a wrong row are each reported."""
+    rows = [make_rollout(0, 5, r, 3) for r in range(4)]
+    td = lazy_stack(rows)
+    ok = {"group_size": 4, "current": 4, "max_staleness": 1}
+    assert check_items(td, torch.full((4,), 3), torch.tensor([4]), **ok) == []
+    assert "not whole groups" in check_items(td[:3], torch.full((3,), 3), torch.tensor([3]), **ok)[0]
+    assert any("more than max_staleness" in e for e in check_items(td, torch.full((4,), 3), torch.tensor([4]), **{**ok, "current": 6}))
+    bad = lazy_stack([*rows[:3], make_rollout(0, 5, 3, 3).set("reward", torch.tensor([9.0]))])
+    assert any("not what its writer wrote" in e for e in check_items(bad, torch.full((4,), 3), torch.tensor([4]), **ok))

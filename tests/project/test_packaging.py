@@ -28,10 +28,10 @@ def test_scripts_load_from_a_namespace_package_path(monkeypatch):
 
 
 def test_every_script_has_a_header():
-    for name in (*_scripts.SCRIPT_NAMES, _scripts.LIBRARY, _scripts.TREE_LIBRARY, _scripts.LEASE_LIBRARY):
+    for name in (*_scripts.SCRIPT_NAMES, _scripts.LIBRARY, _scripts.TREE_LIBRARY, _scripts.LEASE_LIBRARY, _scripts.ROLLOUT_LIBRARY):
         text = (REPO / "lua" / f"{name}.lua").read_text()
         assert text.startswith("--[[") and f"{name}.lua:" in text.splitlines()[1]
-        if name not in (_scripts.LIBRARY, _scripts.TREE_LIBRARY, _scripts.LEASE_LIBRARY):
+        if name not in (_scripts.LIBRARY, _scripts.TREE_LIBRARY, _scripts.LEASE_LIBRARY, _scripts.ROLLOUT_LIBRARY):
             for part in ("KEYS[1]", "ARGV[1]", "Reply"):
                 assert part in text, (name, part)
 

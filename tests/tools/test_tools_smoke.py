@@ -122,6 +122,15 @@ def test_helpers_cost_compares_both_script_texts() -> None:
 
 
 @pytest.mark.slow
+def test_grpo_bench_runs_the_tdstore_side() -> None:
+    """The GRPO-shaped workload on tdstore, tiny; the Ray side is skipped here (it starts a Ray cluster, and
+    ray is an optional ``bench`` extra): the tool says so."""
+    out = _run("grpo_bench", "--writers", "2", "--groups", "3", "--group", "4", "--samples", "5", "--no-ray")
+    assert re.search(r"^tdstore\s+\|\s+[\d.]+\s+\|\s+[\d.]+\s*$", out, re.M), out
+    assert "ray side skipped" in out, out
+
+
+@pytest.mark.slow
 def test_slice_bench_compares_server_slices_with_torchrl_in_memory() -> None:
     out = _run("slice_bench", "--sizes", "3000", "--reps", "2", "--before-reps", "1")
     assert re.search(
