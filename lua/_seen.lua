@@ -2,14 +2,27 @@
 -- StoreKeys.sampled_rows (KEYS after the stats hash in an 'A' op), one bit per slot, set when the row in
 -- the slot is sampled and cleared when a ring write overwrites the slot. The ring write counts the rows it
 -- overwrites as sampled ('ovs') or never sampled ('ovu'), so rows ever sampled = 'ovs' + BITCOUNT of the
--- bitmap. Cost: one BITFIELD per 1000 rows sampled; O(rows written / 8) bytes per ring write. A bitmap
--- this call creates gets the store's deadline, as tds_stat gives the hash.
+-- bitmap. Opt-in: only while the header's 'sd' is '1' (distinct.lua), read here on the server (one HGET,
+-- only by a call that samples or overwrites rows), so no stale client can skip or force it. Off, none of
+-- this runs: no bitmap, no 'ovs'/'ovu'. Cost when on: one BITFIELD per 1000 rows sampled; O(rows
+-- written / 8) bytes per ring write. A bitmap this call creates gets the store's deadline, as tds_stat
+-- gives the hash.
 
 local TDS_SEEN_CHUNK = 1000  -- BITFIELD subcommands per call: 4 values each (unpack takes ~8000)
 
 -- The stats keys of an 'A' op: the hash KEYS[k], the bitmap KEYS[k + 1]; 'held' ms the call was held.
+-- The bitmap is looked up (tds_seen_key) only when a call needs it.
 local function tds_stat_keys(k, held)
-  tds_stats.key, tds_stats.seen, tds_stats.held = KEYS[k], KEYS[k + 1], held
+  tds_stats.key, tds_stats.seen, tds_stats.held = KEYS[k], false, held
+  tds_stats.seen_at = k + 1
+end
+
+-- The bitmap's name when the store tracks distinct rows (header 'sd', KEYS[1]), else nil; asked once a call.
+local function tds_seen_key()
+  if tds_stats.seen == false then
+    tds_stats.seen = redis.call('HGET', KEYS[1], 'sd') == '1' and KEYS[tds_stats.seen_at] or nil
+  end
+  return tds_stats.seen
 end
 
 -- The bitmap 'key' was just created by this call: the store's deadline (the header's, KEYS[1]), if any.
@@ -25,8 +38,11 @@ end
 local function tds_stat_sample(rows, rw, count)
   tds_stat_rows(rows, rw, count)
   tds_stat('hr_ms', tds_stats.held)
-  local key = tds_stats.seen
-  if key == nil or #rows == 0 then
+  if #rows == 0 then
+    return
+  end
+  local key = tds_seen_key()
+  if key == nil then
     return
   end
   local fresh = redis.pcall('EXISTS', key) == 0
@@ -84,7 +100,8 @@ end
 
 -- A counted ring write of 'n' rows from ring write count 'rw' (as the ring counts it: tds_ring_rw) into
 -- 'count' slots: the rows counted as inserted ('ins'), and the rows it overwrites (those of ring writes
--- rw - count .. rw + n - 1 - count that exist) as sampled ('ovs') or never sampled ('ovu'), their bits cleared.
+-- rw - count .. rw + n - 1 - count that exist) as sampled ('ovs') or never sampled ('ovu'), their bits cleared
+-- (those two only while the store tracks distinct rows).
 local function tds_stat_written(rw, n, count)
   tds_stat('ins', n)
   local first = math.max(rw, count)  -- the first of these writes that overwrites a row
@@ -92,19 +109,19 @@ local function tds_stat_written(rw, n, count)
   if tds_stats.key == nil or over <= 0 then
     return
   end
-  local sampled, key = 0, tds_stats.seen
-  if key ~= nil then
-    local s = first % count
-    local ok, got = pcall(tds_seen_take, key, s, math.min(s + over, count))
-    if ok and s + over > count then
-      local more
-      ok, more = pcall(tds_seen_take, key, 0, s + over - count)
-      got = ok and got + more or got
-    end
-    if not ok then
-      return  -- another client's value under the key: counting never fails a call
-    end
-    sampled = got
+  local key = tds_seen_key()
+  if key == nil then
+    return
+  end
+  local s = first % count
+  local ok, sampled = pcall(tds_seen_take, key, s, math.min(s + over, count))
+  if ok and s + over > count then
+    local more
+    ok, more = pcall(tds_seen_take, key, 0, s + over - count)
+    sampled = ok and sampled + more or sampled
+  end
+  if not ok then
+    return  -- another client's value under the key: counting never fails a call
   end
   tds_stat('ovs', sampled)
   tds_stat('ovu', over - sampled)

@@ -412,6 +412,15 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ``pop`` loses nothing. Sharded: on every shard (an extend goes to a shard with room)."""
         ...
 
+    def track_distinct(self, on: bool = True) -> None:
+        """Count the distinct rows sampled (``stats()``: ``distinct_sampled``, ``overwritten_unsampled``,
+        ``sampled_resident``; None while off). Off by default, because of its cost: a bitmap of one bit per
+        slot, one ``BITFIELD`` per counted sample and clearing work in every ring write that overwrites rows
+        (a sample of a full ring costs ~+25% to x2 server time, see ``tools/README.md`` "Stats cost").
+        Turning it on starts from an empty bitmap: rows are counted from then on; turning it off deletes
+        the bitmap. A setting of the store, seen by every handle. Sharded: on every shard."""
+        ...
+
     @property
     def sampling_policy(self) -> SamplingPolicy:
         """The ring's sampling policy (priorities' ``alpha`` and ``max_times``, the rate limiter,
@@ -521,8 +530,10 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ``capacity``, ``written``, ``write_count``, ``unread``, ``leased``, ``awaiting_redelivery``,
         ``queue``, ``limiter`` (settings, inserts and samples counted, ``room``), ``priority`` (``alpha``,
         ``total`` mass, ``min_weight``, ``max_priority``) and ``waiting`` (clients waiting on the store's
-        channel; None on a cluster). ``tdstore._inspect.stats`` says what each key counts. A read-only
-        handle's calls are not counted.
+        channel; None on a cluster). Rows sampled at least once (``distinct_sampled``, ``overwritten_sampled``,
+        ``overwritten_unsampled``, ``sampled_resident``): only once :meth:`track_distinct` turned them on,
+        None before. ``tdstore._inspect.stats`` says what each key counts. A read-only handle's calls are not
+        counted.
 
         Sharded: the totals over the shards (read at once), and ``shards``: each shard's own dict.
         """

@@ -12,7 +12,9 @@ over rounds of the mean server time per call in a round.
 
 Usage::
 
-    PYTHONPATH=. python -m tools.stats_cost [--rounds 15] [--calls 200]
+    PYTHONPATH=. python -m tools.stats_cost [--rounds 15] [--calls 200] [--distinct]
+
+``--distinct`` turns distinct-row tracking on for the rings (``track_distinct``: off by default, for its cost).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--distinct", action="store_true", help="track distinct rows sampled (the sampled-rows bitmap)")
     args = parser.parse_args()
     with EmbeddedServer() as srv:
         client = srv.client()
@@ -61,6 +64,9 @@ def main() -> None:
         full = LazyStackedTensorDictStore(count=4096, url=srv.url)
         full.extend(_rows(4096))
         queue = LazyStackedTensorDictStore(count=10**6, url=srv.url)
+        if args.distinct:
+            for ring in (half, full, queue):
+                ring.track_distinct()
         batch = _rows(32)
         for _ in range(3):  # scripts loaded, headers cached, the full ring known full
             half.sample(256), full.sample(256), queue.extend(batch)

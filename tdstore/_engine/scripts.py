@@ -52,6 +52,7 @@ SCRIPT_NAMES = (
     "rollouts",
     "trajectories",
     "sampled",
+    "distinct",
 )
 #: Scripts that also get the priority tree's helpers (``lua/_tree.lua``), after the library.
 TREE_LIBRARY = "_tree"

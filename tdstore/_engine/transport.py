@@ -318,6 +318,11 @@ class Transport:
             if isinstance(reply, redis.exceptions.NoScriptError) and cmd[0] == "EVALSHA":
                 nk = int(cmd[2])
                 scripts.call(self.client, scripts.name_of(cmd[1]), [str(k) for k in cmd[3 : 3 + nk]], list(cmd[3 + nk :]))
+            elif cmd[0] == "HINCRBY" and cmd[1] == self.keys.stats and isinstance(reply, int) and reply == int(cmd[3]):
+                # the transaction made the counter (perhaps the hash): a transaction cannot read the store's deadline,
+                # so lua/sampled.lua, counting nothing, gives it (or deletes the hash of a store gone); once per store
+                keys = [self.keys.meta, self.keys.stats, self.keys.sampled_rows]
+                scripts.call(self.client, "sampled", keys, [0])
 
     def commands(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Plain commands on the store's keys in one round trip (a transaction on the held connection; on a

@@ -206,6 +206,8 @@ class HeaderInfo:
     """The key that tells the ring's trajectories apart (header field ``tj``, see ``_format.trajectories``)."""
     leased: bool = False
     """A leased pop ran on the ring (header field ``ls``): every pop goes through the lease table."""
+    distinct: bool = False
+    """The ring tracks distinct rows sampled (header field ``sd`` = ``1``, ``lua/distinct.lua``)."""
     absent_rows: bool = False
     """The ring was restored with rows absent (header field ``ho``, see ``lua/_absent.lua``)."""
     rollouts: bool = False
@@ -308,6 +310,8 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         trajectories = Trajectories.from_json(f.get("tj"))
     except (ValueError, TypeError) as err:
         raise HeaderDamagedError(f"header field tj holds a bad trajectory setting: {err}") from None
+    if f.get("sd", "1") != "1":
+        raise HeaderDamagedError(f"header field sd holds {f['sd'][:40]!r}, not '1' (distinct rows tracked) or absent")
     return HeaderInfo(
         version=version,
         count=count,
@@ -329,6 +333,7 @@ def _parse_fields(f: dict[str, str], fmt: str) -> HeaderInfo:
         sampling=sampling,
         trajectories=trajectories,
         leased="ls" in f,
+        distinct="sd" in f,
         absent_rows="ho" in f,
         rollouts="ro" in f,
     )

@@ -180,6 +180,10 @@ class Header:
     """A leased pop ran on the ring (header field ``ls``, set by ``read.lua``'s 'L' op only): plain
     pops then take the lease table's items waiting for redelivery too (see ``_ring.leases``)."""
 
+    distinct: bool = False
+    """The ring tracks distinct rows sampled (header field ``sd``, set by ``lua/distinct.lua`` only; off by
+    default): a full ring's transaction sample then marks its rows in the sampled-rows bitmap too."""
+
     rollouts: bool = False
     """The ring keeps a rollout index (header field ``ro``, set by ``lua/_rollouts.lua`` only): every ring
     write stamps its rows, and samples and pops go through ``read.lua``'s 'G' op (see ``_ring.rollouts``)."""
@@ -381,6 +385,7 @@ class Header:
             sampling=info.sampling,
             trajectories=info.trajectories,
             leased=info.leased,
+            distinct=info.distinct,
             absent_rows=info.absent_rows,
             rollouts=info.rollouts,
             row=info.row,

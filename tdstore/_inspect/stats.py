@@ -21,7 +21,9 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   a row is one ring write's, so a slot written again holds a new row; ``lua/_seen.lua`` keeps one bit
   per slot, set by the sampling call, and the ring write that overwrites a row counts it, sampled
   or not) and ``overwritten_unsampled`` (rows overwritten, or written over the rows of a store filled
-  by index, without ever being sampled). Age in policy versions: not counted yet (rows carry no policy
+  by index, without ever being sampled): these two, ``overwritten_sampled`` and ``sampled_resident`` only
+  while the ring tracks distinct rows (``track_distinct``, header field ``sd``; off by default, for its cost),
+  counted from when it was turned on, else None. Age in policy versions: not counted yet (rows carry no policy
   version); its place is :data:`POLICY_AGE`, None until they do.
 - gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
@@ -72,6 +74,9 @@ COUNTERS: dict[str, tuple[str, ...]] = {
 #: Counters made from a counter and a gauge: rows sampled at least once, those overwritten and those the ring holds.
 DERIVED = ("distinct_sampled",)
 
+#: The stats that exist only while the ring tracks distinct rows (``track_distinct``): None otherwise.
+DISTINCT = ("distinct_sampled", "overwritten_sampled", "overwritten_unsampled", "sampled_resident")
+
 #: Where the age of sampled rows in policy versions goes (rows do not carry a policy version yet): the
 #: stats key, always None until read.lua counts it, as it counts the age in ring writes.
 POLICY_AGE = "age_policy_versions"
@@ -79,7 +84,7 @@ POLICY_AGE = "age_policy_versions"
 #: Gauges (the ring as it is now) that are plain numbers.
 GAUGES = ("capacity", "written", "write_count", "unread", "leased", "awaiting_redelivery", "age_max", "waiting", "sampled_resident")
 
-_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "ro", "cv")
+_HEAD = ("count", "rw", "rr", "sn", "lb", "sc", "pm", "na", "ro", "cv", "sd")
 
 
 def read(client: Any, keys: StoreKeys, *, cluster: bool = False) -> dict[str, Any]:
@@ -128,8 +133,11 @@ def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, wa
     out["age_max"] = fields.get("age_max")
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
     out[POLICY_AGE] = None
-    out["sampled_resident"] = int(resident)
-    out["distinct_sampled"] = out["overwritten_sampled"] + int(resident)
+    if head[10] in (b"1", "1"):
+        out["sampled_resident"] = int(resident)
+        out["distinct_sampled"] = out["overwritten_sampled"] + int(resident)
+    else:  # not tracked (the bitmap would be empty, 'ovs'/'ovu' absent): unknown, not zero
+        out.update(dict.fromkeys(DISTINCT))
     count = int(head[0])
     rw_raw = int(head[1] or 0)
     # a store written by index holds a full ring (as the scripts count it); without an inventory, say it holds none
@@ -161,11 +169,16 @@ def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, wa
     return out
 
 
+def _total(values: list[Any]) -> Any:
+    """The sum of the shards' values; None when a shard does not count it (distinct rows not tracked there)."""
+    return None if any(v is None for v in values) else sum(values)
+
+
 def add_up(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A sharded ring's ``stats()``: each shard's (``shards``, in order) and their totals (counters and plain
     gauges summed, ``age_max`` the largest, ``limiter``/``priority``/``queue`` the first shard's policy with
     ``room``, ``total`` summed, ``waiting`` summed where every shard tells it)."""
-    out: dict[str, Any] = {name: sum(p[name] for p in parts) for name in COUNTERS}
+    out: dict[str, Any] = {name: _total([p[name] for p in parts]) for name in COUNTERS}
     for name in GAUGES:
         values = [p[name] for p in parts]
         out[name] = None if any(v is None for v in values) else (max(values) if name == "age_max" else sum(values))
@@ -173,7 +186,7 @@ def add_up(parts: list[dict[str, Any]]) -> dict[str, Any]:
         out["age_max"] = max((p["age_max"] for p in parts if p["age_max"] is not None), default=None)
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
     out[POLICY_AGE] = None
-    out["distinct_sampled"] = sum(p["distinct_sampled"] for p in parts)
+    out["distinct_sampled"] = _total([p["distinct_sampled"] for p in parts])
     out["queue"] = any(p["queue"] for p in parts)
     out["limiter"] = json.loads(json.dumps(parts[0]["limiter"])) if parts and parts[0]["limiter"] else None
     if out["limiter"] is not None:

@@ -302,3 +302,6 @@ class OneNodeRing:
 
     def set_queue(self, on: bool) -> None:
         policy_calls.set_queue(self.engine, on)
+
+    def track_distinct(self, on: bool) -> None:
+        policy_calls.track_distinct(self.engine, on)

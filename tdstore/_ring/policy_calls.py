@@ -252,6 +252,21 @@ def set_queue(engine: Engine, on: bool) -> None:
     _change(engine, lambda p: replace(p, queue=on), "queue" if on else "")
 
 
+def track_distinct(engine: Engine, on: bool) -> None:
+    """Turn the ring's distinct-row tracking on or off (``lua/distinct.lua``: header field ``sd``, see
+    ``tdstore.Ring.track_distinct``); the reply's header is adopted, no second round trip."""
+    if not isinstance(on, bool):
+        raise TypeError(f"track_distinct takes True or False, got {on!r}")
+    engine.refuse_if_readonly()
+    refuse_spread(engine)
+    keys = engine.keys
+
+    def plan_call(h: Header) -> Call:
+        return Call("distinct", [keys.meta, keys.stats, keys.sampled_rows], [f"{h.epoch}:*", "1" if on else "0"], engine.adopt_stale)
+
+    engine.run(plan_call)
+
+
 def priority_tensor(priority: Any, what: str = "priority") -> torch.Tensor:
     """``priority`` (a number, a sequence, an array or a tensor) as a float64 tensor on the CPU, its dtype
     checked before any cast: integers and every float dtype are numbers, but a complex value would lose its

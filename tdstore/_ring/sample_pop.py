@@ -179,10 +179,11 @@ def _full_ring_sample(
     """
     slots = draws % h.count
     paths = None if keys is None else [leaf.path for leaf in chosen]
-    _, res = engine.read(slots, paths, fields=RING_FIELDS, counts=tx_counts(engine, slots))
+    _, res = engine.read(slots, paths, fields=_TX_FIELDS, counts=tx_counts(engine, h, slots))
     fields = res.fields if isinstance(res, DenseResult) and res.fields is not None else {}
     rw = ring_writes_of(engine, fields, h)
     if isinstance(res, DenseResult) and rw >= h.count and fields.get("sc") is None and fields.get("ho") is None:
+        distinct_caught_up(engine, h, fields, slots)
         if ragged and ragged.get("return_mask"):
             with_masks(h, res.leaves, {}, ragged)
         return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))
@@ -212,7 +213,7 @@ def sample_seen(engine: Engine, batch_size: int, generator: torch.Generator | No
     if engine.written_seen == 0:
         return None
     slots = torch.randint(0, engine.written_seen, (batch_size,), generator=generator)
-    _, res = engine.read(slots, fields=RING_FIELDS, counts=tx_counts(engine, batch_size))
+    _, res = engine.read(slots, fields=_TX_FIELDS, counts=tx_counts(engine, h, slots.numpy()))
     if not isinstance(res, DenseResult) or res.fields is None:
         return None
     rw = ring_writes_of(engine, res.fields, h)
@@ -222,6 +223,7 @@ def sample_seen(engine: Engine, batch_size: int, generator: torch.Generator | No
     engine.ring_full = engine.ring_full or rw >= h.count
     if int(slots.max()) >= engine.written_seen:
         return None
+    distinct_caught_up(engine, h, res.fields, slots.numpy())
     return Sample(build_td(res.leaves, res.batch_size, device, sub=h.sub_dims), slots, generations(slots, rw, h.count))  # sub-trees' dims
 
 
@@ -321,30 +323,64 @@ def _tx_sample_call(
         rw = ring_writes_of(engine, fields, h)
         if rw < h.count or fields.get("sc") is not None or fields.get("ho") is not None:
             raise _RingMoved
+        distinct_caught_up(engine, h, fields, slots)
         piece = str(rw).encode()
         return decode_sample(h, leaves, [*reply[:2], codec.pack_i64(slots), piece, *reply[2:]], 4, device, block, grouped, ragged, wanted)
 
-    counts = tx_counts(engine, slots)
-    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(RING_FIELDS), verify=tx[1], counts=counts)
+    counts = tx_counts(engine, h, slots)
+    call = Call("tx", [], [], parse, ranges=tx[0], guards=guards, fields=list(_TX_FIELDS), verify=tx[1], counts=counts)
     return call
 
 
-def tx_counts(engine: Engine, slots: Any) -> list[list[Any]] | None:
-    """The commands a full ring's sample of the rows in ``slots`` read as a transaction ends with (``_inspect.stats``):
-    a plain ``BITFIELD`` setting their bits in the sampled-rows bitmap (cheaper than from Lua), then ``lua/sampled.lua``,
-    which counts them (``smpx``: their ages are not measured, the client maps the draws before it knows ``rw``) and
-    gives the keys the store's deadline, which a transaction cannot read. None for a read-only handle."""
-    rows = np.unique(np.asarray(slots))
-    if engine.readonly or not rows.size:
+#: The header fields a full ring's transaction sample reads with its rows: the ring's, and whether it tracks distinct rows.
+_TX_FIELDS = (*RING_FIELDS, "sd")
+
+
+def tx_counts(engine: Engine, h: Header, slots: Any) -> list[list[Any]] | None:
+    """The commands a full ring's sample of the rows in ``slots`` read as a transaction ends with (``_inspect.stats``).
+
+    A ring that does not track distinct rows (the default): one ``HINCRBY smpx n`` (their ages are not measured, the
+    client maps the draws before it knows ``rw``); when it makes the field, the transport gives the hash the store's
+    deadline (``lua/sampled.lua`` with 0 rows, a round trip of its own once per store). One that does
+    (``track_distinct``): a plain ``BITFIELD`` setting their bits in the sampled-rows bitmap (cheaper than from Lua),
+    then ``lua/sampled.lua``, which counts them and gives the keys the store's deadline, which a transaction cannot
+    read. The transaction reads the header's ``sd`` with the rows: :func:`distinct_caught_up` mends a handle that
+    did not know the setting. None for a read-only handle."""
+    if engine.readonly or not np.asarray(slots).size:
         return None
     keys = engine.keys
-    marks: list[Any] = ["BITFIELD", keys.sampled_rows, *(["SET", "u1", 0, 1] * rows.size)]
-    marks[4::4] = rows.tolist()
-    text, sha = scripts.script_source("sampled")
+    if not h.distinct:
+        return [["HINCRBY", keys.stats, "smpx", int(np.asarray(slots).size)]]
+    script = ["EVALSHA", scripts.script_source("sampled")[1]] if engine.__dict__.get("_sampled_sent") else None
     # the handle's first one sends the text (EVAL caches it), so that no NOSCRIPT costs a round trip
-    script = ["EVALSHA", sha] if engine.__dict__.get("_sampled_sent") else ["EVAL", text]
     engine.__dict__["_sampled_sent"] = True
-    return [marks, [*script, 3, keys.meta, keys.stats, keys.sampled_rows, int(np.asarray(slots).size)]]
+    return [_marks(engine, slots), [*(script or _eval_sampled()), 3, keys.meta, keys.stats, keys.sampled_rows, int(np.asarray(slots).size)]]
+
+
+def _eval_sampled() -> list[Any]:
+    return ["EVAL", scripts.script_source("sampled")[0]]
+
+
+def _marks(engine: Engine, slots: Any) -> list[Any]:
+    """``BITFIELD`` setting the bits of the rows in ``slots`` in the sampled-rows bitmap."""
+    rows = np.unique(np.asarray(slots))
+    marks: list[Any] = ["BITFIELD", engine.keys.sampled_rows, *(["SET", "u1", 0, 1] * rows.size)]
+    marks[4::4] = rows.tolist()
+    return marks
+
+
+def distinct_caught_up(engine: Engine, h: Header, fields: dict[str, Any], slots: Any) -> None:
+    """After a full ring's transaction sample planned from ``h``: when the header's ``sd`` read with the rows says
+    otherwise (another handle turned distinct tracking on or off since), adopt the header again; when it was turned
+    on, mark the rows now (a round trip of its own, once per such change: ``lua/sampled.lua`` with 0 rows gives the
+    bitmap the store's deadline, or deletes it for a store gone)."""
+    on = fields.get("sd") in (b"1", "1")
+    if on == h.distinct or engine.readonly or "sd" not in fields:
+        return
+    engine.set_header(engine.fetch_header())
+    if on and np.asarray(slots).size:
+        keys = engine.keys
+        engine.commands([tuple(_marks(engine, slots)), (*_eval_sampled(), 3, keys.meta, keys.stats, keys.sampled_rows, 0)])
 
 
 @deadline.honours_timeout("pop")

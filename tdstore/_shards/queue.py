@@ -162,6 +162,10 @@ class ShardQueue(ShardsBase):
         """Queue mode on every shard: an extend that would overwrite items no one popped waits."""
         self._all("set_queue", on)
 
+    def track_distinct(self, on: bool = True) -> None:
+        """Distinct rows sampled counted on every shard (each its own bitmap; ``stats()`` adds them up)."""
+        self._all("track_distinct", on)
+
     # -- pop ---------------------------------------------------------------------------------
     def pop(self, *args: Any, **kwargs: Any) -> Any:
         """``pop(batch_size=1, *, timeout=None, keys=None, lease=None)``: see :meth:`pop_items`."""

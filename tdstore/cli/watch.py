@@ -43,7 +43,7 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("tdstore_sample_age_rows_total", "age_rows", "counter", "Sampled rows whose age was measured."),
     ("tdstore_sample_age_sum_total", "age_sum", "counter", "Sum of the ages (in ring writes) of the rows sampled."),
     ("tdstore_sample_age_max", "age_max", "gauge", "Oldest row sampled so far, in ring writes."),
-    ("tdstore_distinct_sampled_total", "distinct_sampled", "counter", "Rows sampled at least once (each ring write is a row)."),
+    ("tdstore_distinct_sampled_total", "distinct_sampled", "counter", "Rows sampled at least once (a ring write is a row; opt-in)."),
     ("tdstore_overwritten_unsampled_total", "overwritten_unsampled", "counter", "Rows overwritten without ever being sampled."),
     ("tdstore_sampled_resident", "sampled_resident", "gauge", "Rows the ring holds now that were sampled at least once."),
     ("tdstore_capacity", "capacity", "gauge", "Slots of the ring."),
@@ -106,6 +106,11 @@ def _limiter(s: dict[str, Any]) -> str:
     return f"{'HOLD' if room < 0 else 'ok'} room {room:g}"
 
 
+def _count(v: Any) -> str:
+    """A counter's cell: '-' for one the store does not keep (distinct rows while not tracked)."""
+    return "-" if v is None else str(v)
+
+
 def top_frame(rows: list[Row], before: dict[str, Row], seconds: float, where: str, prefix: str) -> list[str]:
     """The lines of one frame of ``top``: a title, then a row per store (per shard), rates over ``seconds``."""
     head = ["STORE", "SHARD", "FILL", *(c for _, c in _RATES), "HELD W/S", "AGE", "DISTINCT", "UNSAMPLED", "LIMITER", "WAITING"]
@@ -119,7 +124,7 @@ def top_frame(rows: list[Row], before: dict[str, Row], seconds: float, where: st
         age = "-" if s["age_mean"] is None else f"{s['age_mean']:.1f}/{s['age_max']}"
         lines.append(
             [safe(r.store), shard, f"{s['written']}/{s['capacity']}", *(_rate(r, before, k, seconds) for k, _ in _RATES),
-             f"{s['held_writes']}/{s['held_samples']}", age, str(s["distinct_sampled"]), str(s["overwritten_unsampled"]),
+             f"{s['held_writes']}/{s['held_samples']}", age, _count(s["distinct_sampled"]), _count(s["overwritten_unsampled"]),
              _limiter(s), "-" if s["waiting"] is None else str(s["waiting"])]
         )  # fmt: skip
     title = f"tdstore top: {len(rows)} stores under prefix {safe(prefix)!r} on {where}, {time.strftime('%H:%M:%S')} (q quits)"

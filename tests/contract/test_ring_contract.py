@@ -412,6 +412,8 @@ def test_memory_error_only_when_the_data_would_not_fit(name):
 
 def test_stats_count_what_the_calls_did(kind):
     ring = kind.make(16)
+    assert ring.stats()["distinct_sampled"] is None  # off by default (its cost)
+    ring.track_distinct()
     first = ring.stats()
     assert first["capacity"] == 16 and first["written"] == first["inserted"] == first["sampled"] == first["popped"] == 0
     ring.extend(rows(torch.arange(6)))

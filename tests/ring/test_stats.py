@@ -20,6 +20,7 @@ from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing
+from tdstore.cli.watch import collect, prometheus_text, top_frame
 
 REPO = Path(__file__).resolve().parents[2]
 HANG = 60.0  # seconds: only bounds a hang
@@ -49,10 +50,58 @@ def test_counting_costs_no_round_trip(real):
         assert ring.stats() != before, name
     ring.extend(rows(100, 64))  # full: a uniform sample is one transaction of GETRANGEs, its counter inside it
     ring.sample(8)
+    ring.sample(8)  # the first transaction makes the field 'smpx': the client then gives the hash the deadline (once)
+    before = ring.stats()["sampled"]
+    top = top_level_commands(real.client, lambda: ring.sample(8))
+    # distinct rows not tracked (the default): a plain HINCRBY, no bitmap, no script
+    assert round_trips(top) == ["transaction"] and "hincrby" in top, top
+    assert not {"bitfield", "eval", "evalsha"} & set(top), top
+    assert ring.stats()["sampled"] == before + 8 and ring.stats()["distinct_sampled"] is None
+    assert not real.client().exists(ring._engine.keys.sampled_rows)
+    ring.track_distinct()
     top = top_level_commands(real.client, lambda: ring.sample(8))
     assert round_trips(top) == ["transaction"] and "bitfield" in top and "eval" in top, top  # lua/sampled.lua (its text, once)
     assert "hincrby" in top_level_commands(real.client, lambda: ring.sample(8), lua=True)
     assert "evalsha" in top_level_commands(real.client, lambda: ring.sample(8))  # then by its sha
+    ring.clear_redis()
+
+
+def test_distinct_rows_off_by_default_no_bitmap_work(real):
+    """Off (the default): no script samples or writes touch a bitmap, and the distinct stats are None."""
+    ring = LazyStackedTensorDictStore(count=16, **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.sample(4)
+    lua = top_level_commands(real.client, lambda: ring.sample(4), lua=True)  # read.lua, half-full
+    assert "hincrby" in lua and "bitfield" not in lua, lua
+    lua = top_level_commands(real.client, lambda: ring.extend(rows(8, 12)), lua=True)  # overwrites rows
+    assert not {"bitfield", "bitcount", "setrange"} & set(lua), lua
+    st = ring.stats()
+    assert st["inserted"] == 20 and st["sampled"] == 8
+    assert all(st[k] is None for k in ("distinct_sampled", "overwritten_unsampled", "overwritten_sampled", "sampled_resident")), st
+    assert not real.client().exists(ring._engine.keys.sampled_rows)
+    assert "ovu" not in {k.decode() for k in real.client().hkeys(ring._engine.keys.stats)}
+    ring.clear_redis()
+
+
+def test_distinct_rows_counted_from_when_turned_on_and_seen_by_every_handle(real):
+    """Turned on by one handle: another (its header cached before) marks its samples, transaction ones too;
+    the bitmap starts empty; turned off, the bitmap is gone and the stats say None again."""
+    ring = LazyStackedTensorDictStore(count=8, **real.kwargs())
+    ring.extend(rows(0, 8))
+    other = LazyStackedTensorDictStore.from_store(td_id=ring.td_id, **real.kwargs())
+    other.sample(4)
+    other.sample(4)  # a full ring: transactions, planned from a header without the setting
+    ring.track_distinct()
+    assert ring.stats()["distinct_sampled"] == 0  # nothing counted from before
+    got = other.sample(6)  # stale handle: still marks
+    assert ring.stats()["sampled_resident"] == len(set(got.indices.tolist()))
+    other.track_distinct(True)  # already on: changes nothing
+    assert ring.stats()["sampled_resident"] == len(set(got.indices.tolist()))
+    ring.track_distinct(False)
+    other.sample(6)
+    assert ring.stats()["distinct_sampled"] is None and not real.client().exists(ring._engine.keys.sampled_rows)
+    with pytest.raises(TypeError, match="track_distinct"):
+        ring.track_distinct("yes")  # type: ignore[arg-type]
     ring.clear_redis()
 
 
@@ -152,6 +201,7 @@ def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
     and a full ring (read.lua, then a transaction), against a model of each slot."""
     count = 37  # not a multiple of 8: every bit position of a byte starts and ends some write
     ring = LazyStackedTensorDictStore(count=count, **backend.kwargs())
+    ring.track_distinct()
     if policy == "limiter":
         ring.set_rate_limit(min_size=1)
     model = _Model(count)
@@ -173,6 +223,7 @@ def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
 def test_slices_sampled_are_distinct_rows_too(one_node):
     """``sample_slices`` (read.lua's 'J' op) marks its rows like ``sample``."""
     ring = LazyStackedTensorDictStore(count=24, **one_node.kwargs())
+    ring.track_distinct()
     ring.set_trajectories(traj_key="episode")
     n = 20
     ring.extend(TensorDict(obs=torch.randn(n, 3), episode=torch.arange(n) // 5, batch_size=[n]))
@@ -187,8 +238,9 @@ def _deadlines(client, ring) -> tuple[int, int]:
     return client.pttl(keys.stats), client.pttl(keys.sampled_rows)
 
 
+@pytest.mark.parametrize("distinct", [False, True])
 @pytest.mark.parametrize("first", ["upload", "extend", "limiter"])
-def test_the_stats_keys_get_the_store_time_to_live_whatever_call_makes_them(backend, first):
+def test_the_stats_keys_get_the_store_time_to_live_whatever_call_makes_them(backend, first, distinct):
     """A store made with ``ttl=``: the stats hash and the bitmap expire with it, made by a full ring's sample read
     as a transaction (the first counted call of an uploaded ring), a direct extend and read.lua's uniform draws,
     or write.lua and the sampling policy's draws."""
@@ -204,12 +256,18 @@ def test_the_stats_keys_get_the_store_time_to_live_whatever_call_makes_them(back
         ring.extend(rows(0, 12))
     if isinstance(ring, ShardedRing):
         pytest.skip("a sharded ring has no time to live")
+    if distinct:
+        ring.track_distinct()
     ring.sample(6)
     ring.extend(rows(20, 5))  # overwrites: clears bits
     ring.sample(6)
     hash_ms, bits_ms = _deadlines(client, ring)
-    assert 0 < hash_ms <= 600_000 and 0 < bits_ms <= 600_000, (hash_ms, bits_ms)
-    assert ring.stats()["distinct_sampled"] >= 1
+    if distinct:
+        assert 0 < hash_ms <= 600_000 and 0 < bits_ms <= 600_000, (hash_ms, bits_ms)
+        assert ring.stats()["distinct_sampled"] >= 1
+    else:  # a plain HINCRBY in the transaction made the hash: the client gave it the deadline after
+        assert 0 < hash_ms <= 600_000 and bits_ms == -2, (hash_ms, bits_ms)
+        assert ring.stats()["distinct_sampled"] is None
     ring.clear_redis()
 
 
@@ -279,12 +337,27 @@ def busy(real):
     """A ring under a test-private prefix with known counts: 40 rows inserted, 24 sampled (the distinct rows among
     them: the third item), 5 popped."""
     ring = LazyStackedTensorDictStore(count=48, td_id="busy-ring", **real.kwargs())
+    ring.track_distinct()
     ring.extend(rows(0, 20))
     ring.extend(rows(20, 20))
     drawn = {int(i) for n in (16, 8) for i in ring.sample(n).indices}
     ring.pop(5)
     ring.set_rate_limit(min_size=4)
     yield real, ring, len(drawn)
+    ring.clear_redis()
+
+
+def test_top_and_metrics_of_a_ring_not_tracking_distinct_rows(real):
+    """Off (the default): top shows '-' under DISTINCT/UNSAMPLED, metrics omit those series."""
+    ring = LazyStackedTensorDictStore(count=8, td_id="plain-ring", **real.kwargs())
+    ring.extend(rows(0, 8))
+    ring.sample(4)
+    got = collect(real.client(), real.prefix, [], False)
+    screen = "\n".join(top_frame(got, {}, 1.0, "here", real.prefix))
+    assert _column(screen, "plain-ring", "DISTINCT") == "-" and _column(screen, "plain-ring", "UNSAMPLED") == "-", screen
+    text = prometheus_text(got, real.prefix)
+    assert "tdstore_sampled_total{" in text and "tdstore_distinct_sampled_total{" not in text
+    assert "tdstore_sampled_resident{" not in text and "tdstore_overwritten_unsampled_total{" not in text
     ring.clear_redis()
 
 
