@@ -103,6 +103,8 @@ def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, 
                     sub = merge_sub(sub, other)
                 except ValueError as err:
                     raise ValueError(f"{err} (element {i})") from None
+        for i, el in enumerate(elements):
+            _refuse_other_dim_counts(el, sub, i)
         varying = [p for p, d in sub.items() if RAGGED in d]
         for i, el in enumerate(elements if varying else []):
             try:
@@ -110,6 +112,21 @@ def _subtrees(elements: list[TensorDictBase], n_inner: int) -> dict[NestedPath, 
             except ValueError as err:
                 raise ValueError(f"{err} (element {i})") from None
     return sub
+
+
+def _refuse_other_dim_counts(element: TensorDictBase, sub: dict[NestedPath, tuple[int, ...]], i: int) -> None:
+    """An element holding a recorded sub-tree with no extra batch dims (or another number of them) is
+    refused: ``subtree_dims`` lists only sub-trees with extra dims, so a merge cannot see that one."""
+    for path, dims in sub.items():
+        node = element.get(path, None)
+        if node is None or not hasattr(node, "batch_size"):
+            continue  # absent here (a heterogeneous element), or a leaf: the key checks name it
+        extra = len(node.batch_size) - element.batch_dims
+        if extra != len(dims):
+            raise ValueError(
+                f"sub-tree {path!r} has {extra} batch dims beyond the element's in element {i} but {len(dims)} in others: "
+                "they may differ in size, not in number"
+            )
 
 
 def _chunks(count: int, scans: list[LeafScan], segs: Segments, max_elements: int, max_bytes: int) -> Iterator[tuple[int, int]]:

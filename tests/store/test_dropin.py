@@ -150,7 +150,7 @@ def test_chat_store_of_an_older_tdstore_reads_as_before(backend):
     assert torch.equal(got["chat", "prompt", "tokens"], local["chat", "prompt", "tokens"])
     assert [c.data for c in got["chat", "prompt"].get("content").tensordicts] == [[f"x{i}"] for i in range(5)]
     # a malformed record is refused, not guessed at
-    client.hset(meta, "schema", json.dumps({**schema, "sub": [[["chat"], [-1]]]}))
+    client.hset(meta, "schema", json.dumps({**schema, "sub": [[["chat"], [-2]]]}))
     with pytest.raises(StoreFormatError):
         TensorDictStore.from_store(td_id=store.td_id, **backend.kwargs())
 
