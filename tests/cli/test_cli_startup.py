@@ -116,7 +116,7 @@ def test_the_package_imports_the_store_classes_on_first_use() -> None:
         "import sys, tdstore\n"
         "assert 'torch' not in sys.modules and 'tdstore.lazy' not in sys.modules\n"
         "cls = tdstore.LazyStackedTensorDictStore\n"
-        "assert cls.__module__ == 'tdstore.lazy' and 'torch' in sys.modules\n"
+        "assert cls.__module__ == 'tdstore' and 'tdstore.lazy' in sys.modules and 'torch' in sys.modules\n"
         "assert tdstore.TensorDictStore.__name__ == 'TensorDictStore' and callable(tdstore.register_tensorclass)\n"
         "assert issubclass(tdstore.StoreFormatError, RuntimeError)\n"
         "from tdstore import *\n"
