@@ -20,6 +20,7 @@ from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing
+from tdstore._inspect.stats import add_up
 from tdstore.cli.watch import collect, prometheus_text, top_frame
 
 REPO = Path(__file__).resolve().parents[2]
@@ -508,6 +509,8 @@ def test_age_in_policy_versions_of_rows_sampled_and_popped(real):
     assert st["age_versions_rows"] == len(ages) and st["age_versions_sum"] == sum(ages)
     assert st["age_policy_versions"] == sum(ages) / len(ages) and st["age_policy_versions_max"] == max(ages) == 4
     assert st["sampled"] == 42 and st["popped"] == 3
+    totals = add_up([st, st])  # a sharded ring's stats (it refuses rollouts): None
+    assert totals["age_policy_versions"] is None and totals["age_policy_versions_max"] is None
     seen = collect(real.client(), real.prefix, [], False)
     screen = "\n".join(top_frame(seen, {}, 1.0, "here", real.prefix))
     assert _column(screen, "versioned-ring", "AGE V") == f"{sum(ages) / len(ages):.1f}/4", screen
