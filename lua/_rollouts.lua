@@ -24,6 +24,7 @@
   without it is answered STALE), 'cv' (the published version, 0 before any).
   A row overwritten by a ring write leaves K.z; its group, if any, is broken (its record and
   K.r entry go; its other rows stay visible one by one, and a queue entry naming it is lost).
+  Stats: a sample or pop counts the age in policy versions of the rows it hands out (count_age).
   Bounds: a write costs O(rows + group size); a sample O(rows * log slots) (ZRANGE by rank);
   a pop looks at most SCAN queue entries (stale and lost ones are dropped as it goes).
 ]]
@@ -273,10 +274,16 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
   local K = tds_ro.keys(a + 9)
   local cv = tds_int_field(redis.call('HGET', meta, 'cv'), 'cv', 0, TDS_MAXINT, 0)
   local floor = ARGV[a + 4] ~= '' and cv - tds_ro.int(ARGV[a + 4], 'max_staleness') or nil
-  local got = {rows = {}, slots = {}, versions = {}, sizes = {}, skipped = 0, lost = 0}
+  -- age: the rows' age in policy versions (cv - v, 0 for a row ahead of cv), counted by count_age
+  local got = {rows = {}, slots = {}, versions = {}, sizes = {}, skipped = 0, lost = 0, age = {cv = cv, sum = 0, most = -1}}
   local function take(members)
+    local age = got.age
     for _, m in ipairs(members) do
       local s = m[1] % count
+      if age then
+        local d = math.max(0, cv - m[2])
+        age.sum, age.most = age.sum + d, math.max(age.most, d)
+      end
       got.rows[#got.rows + 1] = s
       got.slots[#got.slots + 1] = tds_p64(s)
       got.versions[#got.versions + 1] = tds_p64(m[2])
@@ -286,6 +293,7 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
   if request ~= nil and request.seen then
     -- a resent pop: the items the first attempt took, read again as they are now, nothing moved
     local seen = request.seen
+    got.age = nil  -- counted by the first attempt
     local sk, lo, sizes, rest = string.match(seen, '^G(%d+) (%d+) ([%d,]+) ?(.*)$')
     if sk == nil then
       tds_damaged('reply cache record ' .. string.sub(seen, 1, 40))
@@ -426,10 +434,22 @@ function tds_ro.pick(meta, a, count, rw, request, per, L)
   got.finish = function()
     drop()
     tds_stat('pop', nrows)
+    tds_ro.count_age(got)
     tds_stat('hp_ms', tds_stats.held)
     if channel ~= '' then
       redis.call('PUBLISH', channel, 'p')
     end
   end
   return got
+end
+
+-- Count the age in policy versions of the rows a 'G' op hands out (got from pick; nothing for a
+-- resent call): their number ('agev_rows'), sum ('agev_sum') and the largest ('agev_max'), in the
+-- stats hash (lua/README.md "Stats"). O(1) here: pick summed them as it took the rows.
+function tds_ro.count_age(got)
+  if got.age ~= nil and got.age.most >= 0 then
+    tds_stat('agev_rows', #got.rows)
+    tds_stat('agev_sum', got.age.sum)
+    tds_stat_max('agev_max', got.age.most)
+  end
 end

@@ -697,7 +697,7 @@ for _ = 1, nops do
     if got.finish then
       finish[#finish + 1] = got.finish
     elseif sampling and tds_stats.key ~= nil then
-      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count) end
+      finish[#finish + 1] = function() tds_stat_sample(rows, rw, count); tds_ro.count_age(got) end
     end
     out[#out + 1] = table.concat(got.slots)
     out[#out + 1] = string.format('%.0f', rw)

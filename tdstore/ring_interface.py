@@ -526,7 +526,9 @@ class Ring(Protocol, metaclass=_StaticProtocolMeta):
         ``expired`` (items whose lease lapsed), ``lost`` (unread items overwritten), ``held_writes`` and
         ``held_samples`` (WAIT replies of the rate limiter or a full queue), ``held_writes_ms``,
         ``held_samples_ms``, ``held_pops_ms`` (how long calls that went through had been held), the age in ring writes of the
-        rows sampled (``age_rows``, ``age_sum``, ``age_mean``, ``age_max``); and the ring as it is now:
+        rows sampled (``age_rows``, ``age_sum``, ``age_mean``, ``age_max``), with rollouts the age in policy versions
+        of the rows sampled or popped (``age_versions_rows``, ``age_versions_sum``, ``age_policy_versions`` (the
+        mean), ``age_policy_versions_max``; None while none was taken); and the ring as it is now:
         ``capacity``, ``written``, ``write_count``, ``unread``, ``leased``, ``awaiting_redelivery``,
         ``queue``, ``limiter`` (settings, inserts and samples counted, ``room``), ``priority`` (``alpha``,
         ``total`` mass, ``min_weight``, ``max_priority``) and ``waiting`` (clients waiting on the store's

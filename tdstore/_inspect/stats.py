@@ -23,8 +23,12 @@ node) and returns a plain dict (JSON-able) of the keys in :data:`COUNTERS` and :
   or not) and ``overwritten_unsampled`` (rows overwritten, or written over the rows of a store filled
   by index, without ever being sampled): these two, ``overwritten_sampled`` and ``sampled_resident`` only
   while the ring tracks distinct rows (``track_distinct``, header field ``sd``; off by default, for its cost),
-  counted from when it was turned on, else None. Age in policy versions: not counted yet (rows carry no policy
-  version); its place is :data:`POLICY_AGE`, None until they do.
+  counted from when it was turned on, else None. ``age_versions_rows`` and ``age_versions_sum`` (the age in
+  policy versions of the rows ``sample`` and ``pop`` handed out on a ring with rollouts, ``_ring.rollouts``: a
+  row stamped version ``v`` taken while the published version is ``cv`` is ``max(0, cv - v)`` old, counted by
+  the call that takes it, ``lua/_rollouts.lua`` ``count_age``), given as their mean :data:`POLICY_AGE`
+  (``age_policy_versions``) and the largest ``age_policy_versions_max``: both None while no versioned row
+  was taken (a ring without rollouts; a sharded ring, which refuses them).
 - gauges, as now: ``capacity``, ``written``, ``write_count``, ``unread`` (items no pop took yet),
   ``leased`` and ``awaiting_redelivery`` (items under a live lease, items whose lease lapsed),
   ``rollouts`` (only on a ring with rollouts, ``_ring.rollouts``: the published ``version``, ``queued_items``
@@ -69,6 +73,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "age_sum": ("age_sum",),
     "overwritten_sampled": ("ovs",),
     "overwritten_unsampled": ("ovu",),
+    "age_versions_rows": ("agev_rows",),
+    "age_versions_sum": ("agev_sum",),
 }
 
 #: Counters made from a counter and a gauge: rows sampled at least once, those overwritten and those the ring holds.
@@ -77,8 +83,8 @@ DERIVED = ("distinct_sampled",)
 #: The stats that exist only while the ring tracks distinct rows (``track_distinct``): None otherwise.
 DISTINCT = ("distinct_sampled", "overwritten_sampled", "overwritten_unsampled", "sampled_resident")
 
-#: Where the age of sampled rows in policy versions goes (rows do not carry a policy version yet): the
-#: stats key, always None until read.lua counts it, as it counts the age in ring writes.
+#: The mean age in policy versions of the rows sampled or popped on a ring with rollouts (None: none taken);
+#: the largest is ``POLICY_AGE + "_max"``.
 POLICY_AGE = "age_policy_versions"
 
 #: Gauges (the ring as it is now) that are plain numbers.
@@ -132,7 +138,9 @@ def summarize(raw: dict, head: list, root: bytes, leased: int, awaiting: int, wa
     out: dict[str, Any] = {name: sum(fields.get(f, 0) for f in parts) for name, parts in COUNTERS.items()}
     out["age_max"] = fields.get("age_max")
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
-    out[POLICY_AGE] = None
+    versioned = out["age_versions_rows"]
+    out[POLICY_AGE] = out["age_versions_sum"] / versioned if versioned else None
+    out[POLICY_AGE + "_max"] = fields.get("agev_max", 0) if versioned else None
     if head[10] in (b"1", "1"):
         out["sampled_resident"] = int(resident)
         out["distinct_sampled"] = out["overwritten_sampled"] + int(resident)
@@ -185,7 +193,7 @@ def add_up(parts: list[dict[str, Any]]) -> dict[str, Any]:
     if out["age_max"] is None:
         out["age_max"] = max((p["age_max"] for p in parts if p["age_max"] is not None), default=None)
     out["age_mean"] = out["age_sum"] / out["age_rows"] if out["age_rows"] else None
-    out[POLICY_AGE] = None
+    out[POLICY_AGE] = out[POLICY_AGE + "_max"] = None  # rollouts are refused on a sharded ring
     out["distinct_sampled"] = _total([p["distinct_sampled"] for p in parts])
     out["queue"] = any(p["queue"] for p in parts)
     out["limiter"] = json.loads(json.dumps(parts[0]["limiter"])) if parts and parts[0]["limiter"] else None

@@ -43,6 +43,9 @@ METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("tdstore_sample_age_rows_total", "age_rows", "counter", "Sampled rows whose age was measured."),
     ("tdstore_sample_age_sum_total", "age_sum", "counter", "Sum of the ages (in ring writes) of the rows sampled."),
     ("tdstore_sample_age_max", "age_max", "gauge", "Oldest row sampled so far, in ring writes."),
+    ("tdstore_sampled_age_versions_rows_total", "age_versions_rows", "counter", "Rows sampled or popped, aged in policy versions."),
+    ("tdstore_sampled_age_versions_sum_total", "age_versions_sum", "counter", "Sum of those rows' ages in policy versions."),
+    ("tdstore_sampled_age_versions_max", "age_policy_versions_max", "gauge", "Oldest row sampled or popped so far, in policy versions."),
     ("tdstore_distinct_sampled_total", "distinct_sampled", "counter", "Rows sampled at least once (a ring write is a row; opt-in)."),
     ("tdstore_overwritten_unsampled_total", "overwritten_unsampled", "counter", "Rows overwritten without ever being sampled."),
     ("tdstore_sampled_resident", "sampled_resident", "gauge", "Rows the ring holds now that were sampled at least once."),
@@ -113,22 +116,23 @@ def _count(v: Any) -> str:
 
 def top_frame(rows: list[Row], before: dict[str, Row], seconds: float, where: str, prefix: str) -> list[str]:
     """The lines of one frame of ``top``: a title, then a row per store (per shard), rates over ``seconds``."""
-    head = ["STORE", "SHARD", "FILL", *(c for _, c in _RATES), "HELD W/S", "AGE", "DISTINCT", "UNSAMPLED", "LIMITER", "WAITING"]
+    head = ["STORE", "SHARD", "FILL", *(c for _, c in _RATES), "HELD W/S", "AGE", "AGE V", "DISTINCT", "UNSAMPLED", "LIMITER", "WAITING"]
     lines = []
     for r in rows:
         s = r.stats
         shard = "-" if r.shard is None else str(r.shard)
         if s is None:
-            lines.append([safe(r.store), shard, r.error, *("-" for _ in _RATES), "-", "-", "-", "-", "-", "-"])
+            lines.append([safe(r.store), shard, r.error, *("-" for _ in _RATES), "-", "-", "-", "-", "-", "-", "-"])
             continue
         age = "-" if s["age_mean"] is None else f"{s['age_mean']:.1f}/{s['age_max']}"
+        age_v = "-" if s["age_policy_versions"] is None else f"{s['age_policy_versions']:.1f}/{s['age_policy_versions_max']}"
         lines.append(
             [safe(r.store), shard, f"{s['written']}/{s['capacity']}", *(_rate(r, before, k, seconds) for k, _ in _RATES),
-             f"{s['held_writes']}/{s['held_samples']}", age, _count(s["distinct_sampled"]), _count(s["overwritten_unsampled"]),
+             f"{s['held_writes']}/{s['held_samples']}", age, age_v, _count(s["distinct_sampled"]), _count(s["overwritten_unsampled"]),
              _limiter(s), "-" if s["waiting"] is None else str(s["waiting"])]
         )  # fmt: skip
     title = f"tdstore top: {len(rows)} stores under prefix {safe(prefix)!r} on {where}, {time.strftime('%H:%M:%S')} (q quits)"
-    return [title, *table(head, lines, right={2, 3, 4, 5, 6, 9, 10})] if lines else [title, "(no store)"]
+    return [title, *table(head, lines, right={2, 3, 4, 5, 6, 10, 11})] if lines else [title, "(no store)"]
 
 
 def _label(v: str) -> str:
@@ -287,7 +291,8 @@ def add_watch_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         description=(
             "Every store under the prefix (or the TD_IDs named; a sharded ring's id shows its shards), redrawn every "
             "second: fill, inserts/samples/pops/acks per second, WAIT replies of writers and samplers, the mean and "
-            "largest age (in ring writes) of the rows sampled, rows sampled at least once (DISTINCT) and rows "
+            "largest age (in ring writes) of the rows sampled, in policy versions of those sampled or popped (AGE V, rollouts), "
+            "rows sampled at least once (DISTINCT) and rows "
             "overwritten without being sampled (UNSAMPLED), the rate limiter, clients waiting. q quits."
         ),
     )

@@ -20,6 +20,7 @@ from helpers import round_trips, top_level_commands
 from tensordict import TensorDict
 
 from tdstore import LazyStackedTensorDictStore, ShardedRing
+from tdstore._inspect.stats import add_up
 from tdstore.cli.watch import collect, prometheus_text, top_frame
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,7 +215,7 @@ def test_distinct_rows_sampled_and_rows_overwritten_unsampled(backend, policy):
         model.check(ring.stats())
     st = ring.stats()
     assert st["inserted"] == model.rw and st["sampled"] > 0
-    assert st["age_policy_versions"] is None  # rows carry no policy version yet
+    assert st["age_policy_versions"] is None  # no rollouts on this ring: no row carries a policy version
     ring.clear_redis()
     client = backend.client()
     assert not client.exists(ring._engine.keys.sampled_rows) and not client.exists(ring._engine.keys.stats)
@@ -478,3 +479,45 @@ def _screen_once(tmux: list[str], session: str, ok) -> str:
             return screen
         time.sleep(0.1)
     pytest.fail(f"the screen never showed what was expected:\n{screen}")
+
+
+def test_age_in_policy_versions_of_rows_sampled_and_popped(real):
+    """Rows stamped versions 1, 2, 3 taken at published version 5: each is 5 - v versions old, counted by the call
+    that takes it (sample and pop, not a resent pop); a row ahead of the published version counts 0. A ring
+    without rollouts says None. Top shows it under AGE V, metrics as tdstore_sampled_age_versions_*."""
+    plain = LazyStackedTensorDictStore(count=8, td_id="plain-ring", **real.kwargs())
+    plain.extend(rows(0, 8))
+    plain.sample(4)
+    plain.pop(2)
+    st = plain.stats()
+    assert st["age_policy_versions"] is None and st["age_policy_versions_max"] is None and st["age_versions_rows"] == 0
+    ring = LazyStackedTensorDictStore(count=16, td_id="versioned-ring", **real.kwargs())
+    for v in (1, 2, 3):
+        ring.extend(rows(10 * v, 2), version=v)
+    ring.set_version(5)
+    assert ring.stats()["age_policy_versions"] is None  # nothing taken yet
+    got = ring.sample(40, generator=torch.Generator().manual_seed(3))
+    ages = [5 - v for v in got.versions.tolist()]
+    popped = ring.pop(3, request_id="cd" * 16)  # versions 1, 1, 2: 4, 4, 3 old
+    assert popped.versions.tolist() == [1, 1, 2]
+    ring.pop(3, request_id="cd" * 16)  # resent: counted once
+    ages += [4, 4, 3]
+    ring.extend(rows(90, 1), version=7)  # ahead of the published version
+    ring.sample(2, max_staleness=0)
+    ages += [0, 0]
+    st = ring.stats()
+    assert st["age_versions_rows"] == len(ages) and st["age_versions_sum"] == sum(ages)
+    assert st["age_policy_versions"] == sum(ages) / len(ages) and st["age_policy_versions_max"] == max(ages) == 4
+    assert st["sampled"] == 42 and st["popped"] == 3
+    totals = add_up([st, st])  # a sharded ring's stats (it refuses rollouts): None
+    assert totals["age_policy_versions"] is None and totals["age_policy_versions_max"] is None
+    seen = collect(real.client(), real.prefix, [], False)
+    screen = "\n".join(top_frame(seen, {}, 1.0, "here", real.prefix))
+    assert _column(screen, "versioned-ring", "AGE V") == f"{sum(ages) / len(ages):.1f}/4", screen
+    assert _column(screen, "plain-ring", "AGE V") == "-", screen
+    text = prometheus_text(seen, real.prefix)
+    assert f'tdstore_sampled_age_versions_sum_total{{prefix="{real.prefix}",store="versioned-ring",shard=""}} {sum(ages)}' in text
+    assert f'tdstore_sampled_age_versions_max{{prefix="{real.prefix}",store="versioned-ring",shard=""}} 4' in text
+    assert 'tdstore_sampled_age_versions_max{prefix="' + real.prefix + '",store="plain-ring"' not in text
+    plain.clear_redis()
+    ring.clear_redis()
