@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tdstore._engine import scripts as _scripts
+from tdstore._engine import scripts
 from tdstore._engine.engine import Engine
 from tdstore._format.header_info import MAX_INT
 from tdstore._format.sampling_policy import TREE_FAN, tree_bytes
@@ -44,7 +44,7 @@ class Fence:
 
 def read_fence(engine: Engine) -> Fence:
     """The store's header, stats and time to live, read in one atomic step (``lua/fence.lua``)."""
-    reply = _scripts.call(engine.client, "fence", [engine.keys.meta, engine.keys.stats], [], engine.execute)
+    reply = scripts.call(engine.client, "fence", [engine.keys.meta, engine.keys.stats], [], engine.execute)
     if reply[0] in (b"GONE", "GONE"):
         raise engine.gone()
 

@@ -12,11 +12,11 @@ import redis
 import torch
 from tensordict import TensorDict
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine import deadline
 from tdstore._errors import ShardUnavailableError
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._format.keys import StoreKeys
-from tdstore._plan import index as _index
+from tdstore._plan.index import positions
 from tdstore._shards.layout import Layout
 
 #: Errors that mean a shard's node could not be reached (``ShardUnavailableError`` names the shard).
@@ -82,7 +82,7 @@ class ShardsBase:
         """The deadline of a call given ``timeout=`` (``_engine.deadline.within``): every command of it, on
         this thread and on the threads its calls on shards run on (``_fan_out``), ends by then, a node that
         is down included (``_engine.slot_map``: the call follows the slot to a promoted replica meanwhile)."""
-        return _deadline.within(timeout, f"{what} on the sharded ring td_id={self.td_id!r}")
+        return deadline.within(timeout, f"{what} on the sharded ring td_id={self.td_id!r}")
 
     def _replicated(self, k: int, fn: Callable[..., Any], *args: Any) -> Any:
         """A write on shard ``k`` acknowledged once ``min_replicas`` replicas of its primary have it.
@@ -124,9 +124,9 @@ class ShardsBase:
         # RedisCluster followed and learnt; the node the map names now took the write. Only a redirect
         # from that node means that the primary changed after the write.
         node = self._client.get_node_from_key(fence)
-        dl = _deadline.active()
+        dl = deadline.active()
         wait_ms = REPLICA_WAIT_MS if dl is None else max(1, min(REPLICA_WAIT_MS, int(dl.left() * 1000)))
-        replies = _deadline.pipeline(
+        replies = deadline.pipeline(
             node.redis_connection, [("SET", fence, b"", "PX", REPLICA_WAIT_MS), ("WAIT", self._min_replicas, wait_ms)]
         )
         for r in replies:
@@ -139,7 +139,7 @@ class ShardsBase:
         replicas connected (``ROLE``): a call sent now could not be acknowledged. A node the slot map names
         that is no primary any more (a stale map) is no answer: the call goes and follows the redirect."""
         node = self._client.get_node_from_key(StoreKeys(self.prefix, self._layout.ids[k]).meta)
-        role = _deadline.execute_command(node.redis_connection, "ROLE")
+        role = deadline.execute_command(node.redis_connection, "ROLE")
         kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
         if kind != "master":  # the slot map is stale (a failed primary back as a replica): the call follows the redirect
             return
@@ -163,7 +163,7 @@ class ShardsBase:
         if len(jobs) == 1:
             return [self._on(k, fn, *args)]
         pool = self._executor(len(jobs) - 1)
-        on = _deadline.carried(self._on)  # each under the call's deadline, if it has one
+        on = deadline.carried(self._on)  # each under the call's deadline, if it has one
         futures = [pool.submit(on, j, self._counted(j, f) if write else f, *a) for j, f, a in jobs[:-1]]
         last: Any = None
         raised: BaseException | None = None
@@ -206,7 +206,7 @@ class ShardsBase:
 
     def _by_shard(self, index: Any) -> tuple[torch.Tensor, bool, list[tuple[int, torch.Tensor, torch.Tensor]]]:
         """Global slots ``index`` as (slots, one slot?, per shard touched: (shard, rows of the index, local slots))."""
-        slots, scalar = _index.positions(index, self._layout.count)
+        slots, scalar = positions(index, self._layout.count)
         which = self._locate(slots)
         groups = []
         for k in torch.unique(which).tolist():
@@ -232,14 +232,14 @@ class ShardsBase:
             sp = self._stack_pos
             try:
                 batch = [*td.batch_size[:sp], len(rows), *td.batch_size[sp + 1 :]]
-                return td.apply(lambda t: _codec.index_select(t, sp, rows), batch_size=batch)
+                return td.apply(lambda t: codec.index_select(t, sp, rows), batch_size=batch)
             except (RuntimeError, TypeError):
                 pass
         return td[(slice(None),) * self._stack_pos + (rows,)]
 
-    def _pause(self, deadline: float | None, pause: float, what: str) -> float:
-        if deadline is not None:
-            left = deadline - time.monotonic()
+    def _pause(self, until: float | None, pause: float, what: str) -> float:
+        if until is not None:
+            left = until - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{what}, timed out")
             pause = min(pause, left)

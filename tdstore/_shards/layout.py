@@ -171,7 +171,9 @@ def open_layout(
 def open_shard(layout: Layout, k: int, opts: dict[str, Any], readonly: bool, create: bool = True) -> Any:
     """Shard ``k``'s one-node ring store (created with the layout's count, stack dim and inner batch size if new;
     with ``create=False`` or ``readonly``, only opened: a missing shard raises ``KeyError``)."""
-    from tdstore.lazy import LazyStackedTensorDictStore  # (tdstore.lazy sits above the layers; it imports no _shards)
+    # In here, not at the top: tdstore.lazy sits above the layers (the layer rule of tests/project/test_layout.py), and
+    # _shards.info imports this module for the torch-free CLI (``tdstore ls``/``info``), which tdstore.lazy would load torch into.
+    from tdstore.lazy import LazyStackedTensorDictStore
 
     if readonly or not create:
         return LazyStackedTensorDictStore.from_store(readonly=readonly, td_id=layout.ids[k], **opts)

@@ -10,12 +10,12 @@ from typing import Any
 
 import redis
 
-from tdstore._engine import deadline as _deadline
+from tdstore._engine.deadline import check_timeout, within
 from tdstore._engine.engine import request_id
 from tdstore._errors import AmbiguousTimeoutError, ShardUnavailableError
 from tdstore._ring.args import check_batch_size
 from tdstore._ring.leases import LeasedSample, Receipt
-from tdstore._shards import rollout_refusal as _rollouts
+from tdstore._shards import rollout_refusal
 from tdstore._shards.fan_out import _POLL_S, _UNREACHABLE, NotSentError, ShardsBase, _with_kwargs
 
 #: A pop sent to a shard that had unread items waits there this long at most when another reader took them first.
@@ -67,7 +67,7 @@ class ShardQueue(ShardsBase):
         def one(k: int) -> dict[str, int | None] | None:
             e = self._shards[k]._engine
             try:
-                with _deadline.within(wait, f"reading shard {k}'s counters"):
+                with within(wait, f"reading shard {k}'s counters"):
                     raw = e.command("HMGET", e.keys.meta, "rw", "sn", "lb", "rr", "lo", "na", "version")
                     e.adopt_version(raw[6])  # raises, naming the store, if it was deleted or damaged
                     got: dict[str, int | None] = {f: None if v is None else int(v) for f, v in zip(("sn", "lb", "rr", "lo"), raw[1:5])}
@@ -193,9 +193,9 @@ class ShardQueue(ShardsBase):
         that may have taken items without their reply reaching this handle raises an error carrying its
         request id and ``retry()``, which gets those items (``AmbiguousTimeoutError`` when the deadline
         passed, ``ShardUnavailableError`` when the node or its replicas failed)."""
-        _rollouts.refuse("pop", max_staleness=max_staleness, groups=groups, token_budget=token_budget, length_key=length_key)
+        rollout_refusal.refuse("pop", max_staleness=max_staleness, groups=groups, token_budget=token_budget, length_key=length_key)
         check_batch_size(batch_size, "pop")
-        _deadline.check_timeout(timeout)
+        check_timeout(timeout)
         return self._pop(batch_size, timeout, {"keys": keys, "lease": lease})
 
     def _pop(self, batch_size: int, timeout: float | None, kwargs: dict[str, Any]) -> Any:

@@ -65,7 +65,7 @@ from tdstore._engine.connection import open_client
 from tdstore._engine.engine import td_id_or_new
 from tdstore._format.keys import StoreKeys
 from tdstore._format.schema import KeySpec, NestedPath
-from tdstore._inspect import stats as _stats
+from tdstore._inspect import stats
 from tdstore._ring.extend import RingState
 from tdstore._ring.slices import ShardedTrajectoryMethods
 from tdstore._shards.fan_out import _POLL_S, _with_kwargs
@@ -265,7 +265,7 @@ class ShardedRing(ShardWrites, ShardSampling, ShardedTrajectoryMethods, ShardRol
         parts = self._fan_out([(k, s.stats, ()) for k, s in enumerate(self._shards)])
         for sid, part in zip(self._layout.ids, parts):
             part["td_id"] = sid
-        return _stats.add_up(parts)
+        return stats.add_up(parts)
 
     def shard_states(self) -> list[RingState]:
         """``(write_count, cursor, written)`` of every shard's ring, read at once."""

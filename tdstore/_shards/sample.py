@@ -13,11 +13,11 @@ import torch
 
 from tdstore._format.sampling_policy import SamplingPolicy
 from tdstore._plan.padded_batch import check_padding, pad_rows
-from tdstore._ring import marks as _marks
+from tdstore._ring import marks
 from tdstore._ring.extend import Sample
 from tdstore._ring.marks import Marks
 from tdstore._ring.policy_calls import PrioritizedSample, priority_tensor, weights_of
-from tdstore._shards import rollout_refusal as _rollouts
+from tdstore._shards import rollout_refusal
 from tdstore._shards.fan_out import _POLL_S, ShardsBase, _with_kwargs
 from tdstore._shards.queue import _policies
 
@@ -105,7 +105,7 @@ class ShardSampling(ShardsBase):
         would draw them (uniformly, or by priority on a ring with priorities): see the module docstring.
         Arguments and result as ``LazyStackedTensorDictStore.sample`` (indices are global slots);
         ``max_staleness``/``groups`` (rollouts): ``NotImplementedError``."""
-        _rollouts.refuse("sample", max_staleness=max_staleness, groups=groups)
+        rollout_refusal.refuse("sample", max_staleness=max_staleness, groups=groups)
         from tdstore._plan.ring_plan import check_sample_args
 
         check_sample_args(batch_size, min_size, beta)
@@ -271,7 +271,7 @@ class ShardSampling(ShardsBase):
     def _sample_with_mass(self, k: int, n: int, seed: int, kw: dict[str, Any]) -> tuple[Any, int, float, float]:
         """Shard ``k``'s prioritized sample of ``n`` rows and its size, mass and smallest weight as it drew them
         (with ``n`` 0, only those, read); mass 0 when the shard has no slot of positive priority."""
-        from tdstore._format import ragged as _ragged
+        from tdstore._format.ragged import KEYWORDS, wanted
         from tdstore._plan.values import as_path
         from tdstore._ring import sample_pop
 
@@ -281,10 +281,8 @@ class ShardSampling(ShardsBase):
         keys = kw.get("keys")
         keys = [keys] if isinstance(keys, (str, tuple)) else keys
         ragged = {f: v for f, v in kw.items() if f not in ("keys", "prioritized", "alpha", "beta", "timeout")}
-        if ragged and not _ragged.wanted(ragged):
-            raise TypeError(
-                f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(_ragged.KEYWORDS)}), got {sorted(ragged)}"
-            )
+        if ragged and not wanted(ragged):
+            raise TypeError(f"sample takes as_padded_tensor=True or as_nested_tensor=True (with {sorted(KEYWORDS)}), got {sorted(ragged)}")
         heads: list[tuple[float, float, int]] = []
         try:
             got = sample_pop.sample(
@@ -309,7 +307,7 @@ class ShardSampling(ShardsBase):
 
     def marks(self) -> Marks:
         """Every shard's marks, read at once: counts summed, bases the largest (``_ring.marks.add_up``)."""
-        return _marks.add_up(self._all("marks"))
+        return marks.add_up(self._all("marks"))
 
     def set_marks_base(self, generation_base: int, write_base: int) -> None:
         """The same bases on every shard, at once."""

@@ -11,10 +11,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass, lazy_stack
 
 from tdstore._errors import AmbiguousTimeoutError
-from tdstore._format import codec as _codec
+from tdstore._format import codec
 from tdstore._ring.extend import RingWrite
 from tdstore._ring.policy_calls import priority_tensor
-from tdstore._shards import rollout_refusal as _rollouts
+from tdstore._shards import rollout_refusal
 from tdstore._shards.fan_out import _with_kwargs
 from tdstore._shards.queue import ShardQueue
 
@@ -50,7 +50,7 @@ class ShardWrites(ShardQueue):
         rows before any is overwritten, whatever the extend sizes. Shards are taken in turn by each handle,
         from a random start. Returns the global slots written and their generations, in the rows' order.
         Rollout arguments (``version``, ``max_ahead``, ``group``, ``group_size``): ``NotImplementedError``."""
-        _rollouts.refuse("extend", **rollout)
+        rollout_refusal.refuse("extend", **rollout)
         td = self._batch(td)
         sp = self._stack_pos
         bs = td.batch_size
@@ -141,7 +141,7 @@ class ShardWrites(ShardQueue):
 
     def append(self, td: Any, *, priority: Any = None, timeout: float | None = None, **rollout: Any) -> RingWrite:
         """``extend`` with one element (a tensordict of the inner batch size)."""
-        _rollouts.refuse("append", **rollout)
+        rollout_refusal.refuse("append", **rollout)
         if isinstance(td, dict):
             td = TensorDict(td, batch_size=self._layout.inner)
         if not isinstance(td, TensorDictBase):
@@ -199,7 +199,7 @@ class ShardWrites(ShardQueue):
         if isinstance(value, dict):
             return {k: self._part(v, rows, scalar) for k, v in value.items()}
         if isinstance(value, torch.Tensor) and value.dim() > self._stack_pos:
-            return _codec.index_select(value, self._stack_pos, rows)
+            return codec.index_select(value, self._stack_pos, rows)
         return value
 
     def __setitem__(self, index: Any, value: Any) -> None:

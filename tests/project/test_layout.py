@@ -508,10 +508,6 @@ def test_every_ring_call_is_written_once_for_the_lazy_and_dense_kinds() -> None:
 
 # -- modules under their own names (issue 39, item 5) ----------------------------------------------------------
 
-#: Where a tdstore module may still be imported under another name (``from tdstore._x import y as _y``): the
-#: folders other engineers are renaming. This list only shrinks.
-ALIASES_LEFT = ["_checkpoint", "_shards", "demo", "torchrl"]
-
 
 def _module_aliases(path: Path, modules: dict[str, Path]) -> list[str]:
     """Every ``import a.b as c`` and ``from a import b as c`` in ``path`` (function-level too) that names a tdstore
@@ -532,10 +528,5 @@ def _module_aliases(path: Path, modules: dict[str, Path]) -> list[str]:
 def test_modules_are_imported_under_their_own_names() -> None:
     """``from tdstore._ring import extend as _ring`` reads as another module: import a module as itself, or the names used."""
     modules = _modules()
-    found = {
-        str(rel): aliases
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if (rel := path.relative_to(PACKAGE)).parts[0] not in ALIASES_LEFT and (aliases := _module_aliases(path, modules))
-    }
+    found = {str(p.relative_to(PACKAGE)): aliases for p in sorted(PACKAGE.rglob("*.py")) if (aliases := _module_aliases(p, modules))}
     assert found == {}
-    assert all((PACKAGE / name).exists() for name in ALIASES_LEFT)
