@@ -174,7 +174,11 @@ class EmbeddedCluster:
                 r["role"] == "master" and r.get("connected_slaves") == str(self._replicas) for r in roles if r["role"] == "master"
             ) and all(r.get("master_link_status") == "up" for r in roles if r["role"] == "slave")
             agreed = all(v == views[0] for v in views)
-            if masters == self._primaries and in_sync and agreed and all(_info_ok(c.cluster("INFO"), self._n) for c in clients):
+            # INFO counts a replica still loading; ROLE lists only those online, the ones a WAIT (min_replicas) counts
+            online = in_sync and all(
+                len(c.execute_command("ROLE")[2]) == self._replicas for c, r in zip(clients, roles) if r["role"] == "master"
+            )
+            if masters == self._primaries and online and agreed and all(_info_ok(c.cluster("INFO"), self._n) for c in clients):
                 return
             if time.monotonic() > deadline:
                 raise ServerStartError(f"the cluster's replicas did not come in sync in {self._state_timeout:.0f} s: {roles}")
