@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tdstore._format import codec, nontensor, row_block, segments, wire
-from tdstore._format.keys import KeyTable
+from tdstore._format.keys import KeyTable, StoreKeys
 from tdstore._format.offsets import RowPlan
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
@@ -465,6 +465,19 @@ def _plan_element_read(host: ReadHost, h: Header, p: Plan, leaves: list[Leaf]) -
     return Call("read", kt.keys, args, parse)
 
 
+def leaf_read_ops(keys: StoreKeys, h: Header, kt: KeyTable, leaves: list[Leaf], rows: int) -> list[Any]:
+    """The ops of a ``read.lua`` call reading every unit in ``leaves`` at the ``rows`` rows an earlier op
+    picked ('I', or a ring read's 'U'/'P'/'F'/'G'): 'X'/'B' per homogeneous leaf, 'Y' per heterogeneous one."""
+    args: list[Any] = []
+    for leaf in leaves:
+        if leaf.het:  # (only a heterogeneous leaf's offsets and shapes keys go into the call's KEYS)
+            d, o, s = (kt.ref(key) for key in keys.leaf_keys(leaf.number))
+            args += segments.het_row_read_op(h.segments, leaf.ndim, rows)(d, o, s, 8 * leaf.ndim)
+        else:
+            args += segments.row_read_op(h.segments, leaf.element_nbytes, rows)(kt.ref(keys.data(leaf.number)), leaf.element_nbytes)
+    return args
+
+
 def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves: list[Leaf]) -> Call:
     """Mostly scattered whole elements (a random batch with a heterogeneous key): the ids travel
     once ('I'), each homogeneous leaf comes back as one block of rows ('X'/'B') and each
@@ -475,13 +488,8 @@ def _plan_scattered_elements(host: ReadHost, h: Header, ids: np.ndarray, leaves:
     leaves, block, grouped = row_block.units(h, leaves)
     tx = plan_rows_tx(host, h, ids, leaves)
     args: list[Any] = [] if tx is not None else [1 + len(leaves), *Read.I(n, codec.pack_i64(ids))]
-    for leaf in leaves if tx is None else ():
-        d = kt.ref(host.keys.data(leaf.number))
-        if leaf.het:
-            o, s = kt.ref(host.keys.offsets(leaf.number)), kt.ref(host.keys.shapes(leaf.number))
-            args += segments.het_row_read_op(h.segments, leaf.ndim, n)(d, o, s, 8 * leaf.ndim)
-        else:
-            args += segments.row_read_op(h.segments, leaf.element_nbytes, n)(d, leaf.element_nbytes)
+    if tx is None:
+        args += leaf_read_ops(host.keys, h, kt, leaves, n)
 
     def parse(reply: list) -> ElementsResult:
         columns: dict[NestedPath, Any] = {}

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from tdstore._engine import deadline, held, scripts
+from tdstore._engine import deadline, scripts
 from tdstore._engine.engine import Engine, request_id
 from tdstore._errors import MustWait
 from tdstore._format import codec, row_block
@@ -39,13 +39,13 @@ from tdstore._format.header_info import MAX_INT
 from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Read, Write
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._format.segments import het_row_read_op, row_read_op
 from tdstore._plan.call import Call, leaf_checks
+from tdstore._plan.read_plan import leaf_read_ops
 from tdstore._plan.values import display
 from tdstore._ring import waiting
 from tdstore._ring.args import check_batch_size, refuse_spread
 from tdstore._ring.extend import DRAW_HIGH
-from tdstore._ring.row_reads import RolloutsOn, RowRead, decode_sample, selected_leaves
+from tdstore._ring.row_reads import RolloutsOn, RowRead, counted_op, decode_sample, selected_leaves
 
 __all__ = ["RolloutSample", "RolloutsOn", "pop", "published_version", "sample", "set_version", "write_args"]
 
@@ -177,7 +177,7 @@ def _call(
     checked = selected + [length] if isinstance(length, Leaf) and length not in selected else selected
     leaves, block, grouped = row_block.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
-    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), held.held_ms())
+    counted = counted_op(engine, kt)
     fixed = str(length) if isinstance(length, int) else ""
     pre: list[Any] = []
     if isinstance(length, Leaf):
@@ -187,12 +187,7 @@ def _call(
     head = Read.G(*j_args, *(kt.ref(k) for k in engine.keys.rollout_keys))
     ops = 1 + len(leaves) + bool(named) + bool(counted) + bool(pre)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", leaf_checks(checked), ops, *named, *counted, *pre, *head]
-    for leaf in leaves:
-        if leaf.het:
-            d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))
-            args += het_row_read_op(h.segments, leaf.ndim, rows)(d, o, s, 8 * leaf.ndim)
-        else:
-            args += row_read_op(h.segments, leaf.element_nbytes, rows)(kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes)
+    args += leaf_read_ops(engine.keys, h, kt, leaves, rows)
     unit = RowRead(leaves, block, grouped, wanted)
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 

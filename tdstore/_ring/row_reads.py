@@ -17,11 +17,12 @@ from tensordict import lazy_stack
 from tdstore._engine import held
 from tdstore._engine.engine import Engine
 from tdstore._format import codec, ragged, row_block
+from tdstore._format.keys import KeyTable
 from tdstore._format.op_kinds import Read
 from tdstore._format.schema import Header, Leaf, NestedPath
-from tdstore._format.segments import het_row_read_op, row_read_op
 from tdstore._plan import padded_batch
 from tdstore._plan.call import Call, leaf_checks
+from tdstore._plan.read_plan import leaf_read_ops
 from tdstore._plan.read_results import het_rows
 from tdstore._plan.ring_plan import Sample, generations
 from tdstore._plan.values import build_td, columns_maker, display, stack_members
@@ -54,6 +55,12 @@ class RowRead(NamedTuple):
     wanted: set[NestedPath] | None
 
 
+def counted_op(engine: Engine, kt: KeyTable) -> list[Any]:
+    """The 'A' op counting the rows a sample or pop takes in the store's stats (``lua/_lib.lua`` ``tds_stat``);
+    none for a read-only handle, which writes nothing."""
+    return [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), held.held_ms())
+
+
 def row_read_call(
     engine: Engine, h: Header, keys: list[NestedPath] | None, rows: int, head: Any, parse: Any, request: str | None = None
 ) -> Call:
@@ -69,15 +76,10 @@ def row_read_call(
     leaves, block, grouped = row_block.units(h, selected)
     named = Read.N(kt.ref(engine.keys.replies), request) if request is not None else []
     # the rows it samples or pops are counted in the store's stats (lua/_lib.lua tds_stat); a read-only handle writes nothing
-    counted = [] if engine.readonly else Read.A(kt.block([engine.keys.stats, engine.keys.sampled_rows]), held.held_ms())
+    counted = counted_op(engine, kt)
     ops = 1 + len(leaves) + bool(named) + bool(counted)
     args: list[Any] = [f"{h.epoch}:K{h.keyset_version}", checks, ops, *named, *counted, *head(kt)]
-    for leaf in leaves:
-        if leaf.het:
-            d, o, s = (kt.ref(key) for key in engine.keys.leaf_keys(leaf.number))
-            args += het_row_read_op(h.segments, leaf.ndim, rows)(d, o, s, 8 * leaf.ndim)
-        else:
-            args += row_read_op(h.segments, leaf.element_nbytes, rows)(kt.ref(engine.keys.data(leaf.number)), leaf.element_nbytes)
+    args += leaf_read_ops(engine.keys, h, kt, leaves, rows)
     unit = RowRead(leaves, block, grouped, wanted)
     return Call("read", kt.keys, args, lambda reply: parse(reply, unit))
 
